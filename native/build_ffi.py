@@ -1,0 +1,47 @@
+"""cffi build script for the TraCT C core (API mode, out-of-line).
+
+`pip install .` runs this through setuptools' `cffi_modules`, producing
+`tract_cli._native`; importing the package never compiles anything.  The
+cdef is read from native/tract.h (the block between CDEF-BEGIN and
+CDEF-END), so the declarations cffi sees and the header the C sources
+include cannot drift apart.
+"""
+import os
+import pathlib
+
+from cffi import FFI
+
+NATIVE = pathlib.Path(__file__).resolve().parent
+SOURCES = ["access.c", "copy.c", "cpu.c", "layout.c", "region.c", "sim.c"]
+
+
+def read_cdef() -> str:
+    """Returns the cffi-parsable part of tract.h."""
+    text = (NATIVE / "tract.h").read_text()
+    start = text.index("/* CDEF-BEGIN */") + len("/* CDEF-BEGIN */")
+    end = text.index("/* CDEF-END */")
+    return text[start:end]
+
+
+def extra_compile_args() -> list[str]:
+    """Strict warnings always; -Werror when TRACT_WERROR=1 (tests and CI)."""
+    args = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fno-strict-aliasing"]
+    if os.environ.get("TRACT_WERROR") == "1":
+        args.append("-Werror")
+    return args
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(read_cdef())
+ffibuilder.set_source(
+    "tract_cli._native",
+    '#include "tract.h"\n',
+    # setuptools wants paths relative to the project root (the build's cwd)
+    sources=[f"native/{name}" for name in SOURCES],
+    include_dirs=["native"],
+    extra_compile_args=extra_compile_args(),
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,161 @@
+/*
+ * copy.c -- KV payload copies (DESIGN.md §4).
+ *
+ * Payload is not published line by line: above the non-temporal threshold
+ * it is written with streaming stores (which bypass this host's caches) and
+ * one sfence; below it, with ordinary stores followed by a flush of the
+ * touched lines.  The payload becomes visible to other hosts only through
+ * the later publication of its metadata.
+ *
+ * The widest streaming store the CPU offers is chosen once, at first use.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* streams 256-byte chunks with AVX-512; dst 64-aligned, n multiple of 256 (internal) */
+__attribute__((target("avx512f"))) static void stream_avx512(uint8_t *dst, const uint8_t *src,
+							     uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 256) {
+		__builtin_prefetch(src + i + 1024);
+		__m512i a = _mm512_loadu_si512((const void *)(src + i));
+		__m512i b = _mm512_loadu_si512((const void *)(src + i + 64));
+		__m512i c = _mm512_loadu_si512((const void *)(src + i + 128));
+		__m512i d = _mm512_loadu_si512((const void *)(src + i + 192));
+		_mm512_stream_si512((void *)(dst + i), a);
+		_mm512_stream_si512((void *)(dst + i + 64), b);
+		_mm512_stream_si512((void *)(dst + i + 128), c);
+		_mm512_stream_si512((void *)(dst + i + 192), d);
+	}
+}
+
+/* streams 256-byte chunks with AVX2; dst 64-aligned, n multiple of 256 (internal) */
+__attribute__((target("avx2"))) static void stream_avx2(uint8_t *dst, const uint8_t *src,
+							uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 256) {
+		__builtin_prefetch(src + i + 1024);
+		for (int k = 0; k < 256; k += 128) {
+			__m256i a = _mm256_loadu_si256((const __m256i *)(src + i + k));
+			__m256i b = _mm256_loadu_si256((const __m256i *)(src + i + k + 32));
+			__m256i c = _mm256_loadu_si256((const __m256i *)(src + i + k + 64));
+			__m256i d = _mm256_loadu_si256((const __m256i *)(src + i + k + 96));
+			_mm256_stream_si256((__m256i *)(dst + i + k), a);
+			_mm256_stream_si256((__m256i *)(dst + i + k + 32), b);
+			_mm256_stream_si256((__m256i *)(dst + i + k + 64), c);
+			_mm256_stream_si256((__m256i *)(dst + i + k + 96), d);
+		}
+	}
+}
+
+/* streams 256-byte chunks with SSE2 (x86-64 baseline) (internal) */
+static void stream_sse2(uint8_t *dst, const uint8_t *src, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 256) {
+		__builtin_prefetch(src + i + 1024);
+		for (int k = 0; k < 256; k += 64) {
+			__m128i a = _mm_loadu_si128((const __m128i *)(src + i + k));
+			__m128i b = _mm_loadu_si128((const __m128i *)(src + i + k + 16));
+			__m128i c = _mm_loadu_si128((const __m128i *)(src + i + k + 32));
+			__m128i d = _mm_loadu_si128((const __m128i *)(src + i + k + 48));
+			_mm_stream_si128((__m128i *)(dst + i + k), a);
+			_mm_stream_si128((__m128i *)(dst + i + k + 16), b);
+			_mm_stream_si128((__m128i *)(dst + i + k + 32), c);
+			_mm_stream_si128((__m128i *)(dst + i + k + 48), d);
+		}
+	}
+}
+
+typedef void (*stream_fn)(uint8_t *, const uint8_t *, uint64_t);
+
+/* picks the widest streaming routine once (internal) */
+static stream_fn stream_routine(void)
+{
+	static stream_fn fn;
+	if (!fn) {
+		uint32_t f = tract_cpu_features();
+		fn = (f & TRACT_CPU_AVX512F) ? stream_avx512
+		   : (f & TRACT_CPU_AVX2)    ? stream_avx2
+					     : stream_sse2;
+	}
+	return fn;
+}
+
+/* copy with streaming stores for the 64-aligned bulk, memcpy for edges (internal) */
+static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
+{
+	uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+	if (head > n)
+		head = n;
+	memcpy(dst, src, head);
+	dst += head, src += head, n -= head;
+	uint64_t bulk = n & ~(uint64_t)255;
+	if (bulk)
+		stream_routine()(dst, src, bulk);
+	memcpy(dst + bulk, src + bulk, n - bulk);
+	_mm_sfence();
+}
+#else
+static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
+{
+	memcpy(dst, src, n);
+	__sync_synchronize();
+}
+#endif
+
+/* Copies with the core's copy routine between two private buffers (benchmarks). */
+void tract_memcpy_nt(void *dst, const void *src, uint64_t len)
+{
+	if (len >= tract_movnt_threshold())
+		copy_nt(dst, src, len);
+	else
+		memcpy(dst, src, len);
+}
+
+/* Copies len bytes from private memory into the region (NT stores above threshold). */
+int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t len)
+{
+	if (!r || !src)
+		return TRACT_E_INVAL;
+	if (!tract_in_bounds(r, dst_off, len))
+		return TRACT_E_RANGE;
+	if (r->flags & TRACT_ATTACH_READONLY)
+		return TRACT_E_INVAL;
+	uint8_t *dst = r->base + dst_off;
+	if (len >= tract_movnt_threshold()) {
+		copy_nt(dst, src, len);
+		/* the unaligned edges went through the cache: write them back */
+		uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+		tract_flush_lines(r->flush_mode, dst, head < len ? head : len);
+		uint64_t tail = ((uintptr_t)dst + len) & 63;
+		if (tail && len > head)
+			tract_flush_lines(r->flush_mode, dst + len - tail, tail);
+	} else {
+		memcpy(dst, src, len);
+		tract_flush_lines(r->flush_mode, dst, len);
+	}
+	__sync_synchronize();
+	return TRACT_OK;
+}
+
+/* Copies len bytes from the region into private memory; invalidates first if asked. */
+int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate)
+{
+	if (!r || !dst)
+		return TRACT_E_INVAL;
+	if (!tract_in_bounds(r, src_off, len))
+		return TRACT_E_RANGE;
+	const uint8_t *src = r->base + src_off;
+	if (invalidate && r->flush_mode != TRACT_FLUSH_NONE) {
+		/* a reused slot may still sit in this host's cache: evict it first */
+		int mode = r->flush_mode == TRACT_FLUSH_CLWB ? TRACT_FLUSH_CLFLUSH : r->flush_mode;
+		tract_flush_lines(mode, src, len);
+		__sync_synchronize();
+	}
+	tract_memcpy_nt(dst, src, len);
+	return TRACT_OK;
+}

@@ -1,0 +1,118 @@
+/*
+ * cpu.c -- CPU feature detection and the per-process copy configuration.
+ *
+ * Features are detected once (pthread_once).  Environment overrides exist
+ * for testing: TRACT_NO_MOVNT=1 disables non-temporal copies,
+ * TRACT_MOVNT_THRESHOLD=<bytes> moves the threshold, TRACT_NO_AVX512=1 and
+ * TRACT_NO_AVX2=1 hide those extensions from the copy routine.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#define DEFAULT_MOVNT_THRESHOLD 4096
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static uint32_t features;
+static uint64_t movnt_threshold = DEFAULT_MOVNT_THRESHOLD;
+
+#if defined(__x86_64__)
+/* reads XCR0 to learn which register states the OS saves (internal) */
+static uint64_t xgetbv0(void)
+{
+	uint32_t eax, edx;
+	__asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+	return ((uint64_t)edx << 32) | eax;
+}
+#endif
+
+/* env flag set to a non-empty value other than "0" (internal) */
+static int env_flag(const char *name)
+{
+	const char *v = getenv(name);
+	return v && *v && !(v[0] == '0' && v[1] == 0);
+}
+
+/* detects features once and applies environment overrides (internal) */
+static void detect(void)
+{
+	uint32_t f = 0;
+#if defined(__x86_64__)
+	unsigned a, b, c, d;
+	f |= TRACT_CPU_X86_64;
+	if (__get_cpuid(1, &a, &b, &c, &d)) {
+		if (d & (1u << 19))
+			f |= TRACT_CPU_CLFLUSH;
+		if (c & (1u << 31))
+			f |= TRACT_CPU_HYPERVISOR;
+		int osxsave = (c >> 27) & 1;
+		uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+		if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+			if (b & (1u << 23))
+				f |= TRACT_CPU_CLFLUSHOPT;
+			if (b & (1u << 24))
+				f |= TRACT_CPU_CLWB;
+			if ((b & (1u << 5)) && (xcr0 & 0x6) == 0x6)
+				f |= TRACT_CPU_AVX2;
+			if ((b & (1u << 16)) && (xcr0 & 0xe6) == 0xe6)
+				f |= TRACT_CPU_AVX512F;
+		}
+	}
+#endif
+	if (env_flag("TRACT_NO_AVX512"))
+		f &= ~(uint32_t)TRACT_CPU_AVX512F;
+	if (env_flag("TRACT_NO_AVX2"))
+		f &= ~(uint32_t)(TRACT_CPU_AVX2 | TRACT_CPU_AVX512F);
+	features = f;
+
+	const char *t = getenv("TRACT_MOVNT_THRESHOLD");
+	if (t && *t)
+		movnt_threshold = strtoull(t, NULL, 10);
+	if (env_flag("TRACT_NO_MOVNT"))
+		movnt_threshold = UINT64_MAX;
+}
+
+/* Returns the TRACT_CPU_* bits of this CPU (detected once). */
+uint32_t tract_cpu_features(void)
+{
+	pthread_once(&once, detect);
+	return features;
+}
+
+/* Returns the byte count above which block copies use non-temporal stores. */
+uint64_t tract_movnt_threshold(void)
+{
+	pthread_once(&once, detect);
+	return movnt_threshold;
+}
+
+/* Sets the non-temporal threshold (tests and benchmarks); 0 restores the default. */
+void tract_set_movnt_threshold(uint64_t bytes)
+{
+	pthread_once(&once, detect);
+	movnt_threshold = bytes ? bytes : DEFAULT_MOVNT_THRESHOLD;
+}
+
+/* true if the running CPU supports a flush mode (internal) */
+int tract_flush_mode_supported(int flush_mode)
+{
+	uint32_t f = tract_cpu_features();
+	switch (flush_mode) {
+	case TRACT_FLUSH_NONE:
+		return 1;
+	case TRACT_FLUSH_CLFLUSH:
+		return (f & TRACT_CPU_CLFLUSH) != 0;
+	case TRACT_FLUSH_CLFLUSHOPT:
+		return (f & TRACT_CPU_CLFLUSHOPT) != 0;
+	case TRACT_FLUSH_CLWB:
+		/* clwb publishes; invalidation still needs clflush */
+		return (f & TRACT_CPU_CLWB) && (f & TRACT_CPU_CLFLUSH);
+	default:
+		return 0;
+	}
+}

@@ -1,0 +1,134 @@
+/*
+ * format.h -- on-media structures of the sections (internal).
+ *
+ * Every structure here is a whole number of 64-byte lines and every line
+ * has exactly one writer at a time (the rule of docs/FORMAT.md §2).  The
+ * all-zero state of every section is its initial state, so formatting a
+ * section is zeroing it.  Links between entries are index + 1 (0 = none).
+ */
+#ifndef TRACT_FORMAT_H
+#define TRACT_FORMAT_H
+
+#include <assert.h>
+#include <stdint.h>
+
+#include "tract.h"
+
+#define TRACT_MAGIC "TRACTPOL"
+
+/* lock table: per lock, line 0 is written only by the lock manager,
+ * line 1 + n only by node n. */
+struct tract_lock_manager_line {
+	uint32_t granted_node; /* node + 1 holding the grant, 0 = none */
+	uint32_t last_node;    /* node + 1 granted last (round-robin cursor) */
+	uint64_t grant_seq;    /* grants issued for this lock */
+	uint64_t grant_ns;     /* CLOCK_REALTIME of the current grant */
+	uint8_t reserved[40];
+};
+
+struct tract_lock_node_slot {
+	uint32_t state;        /* TRACT_LOCK_IDLE / WAITING / LOCKED */
+	uint32_t pid;          /* holder or requester pid on that node */
+	uint64_t epoch;        /* node agent epoch when written */
+	uint64_t request_seq;  /* incremented by the node for every request */
+	uint64_t since_ns;     /* CLOCK_REALTIME when state was entered */
+	uint8_t reserved[32];
+};
+
+enum { TRACT_LOCK_IDLE = 0, TRACT_LOCK_WAITING = 1, TRACT_LOCK_LOCKED = 2 };
+
+/* node table entry: line 0 written only by the node's agent. */
+struct tract_node_entry {
+	uint32_t state;        /* 0 = never attached, 1 = alive, 2 = left */
+	uint32_t agent_pid;
+	uint64_t epoch;        /* incremented every time an agent starts */
+	uint64_t heartbeat_ns; /* CLOCK_REALTIME of the last heartbeat */
+	uint32_t flags;        /* bit 0: this agent runs the lock manager */
+	uint32_t reserved0;
+	uint64_t manager_heartbeat_ns;
+	char hostname[24];
+	uint8_t recovery[192]; /* three lines of recovery records */
+};
+
+/* object directory entry: written under the object-directory lock. */
+struct tract_objdir_entry {
+	char name[40];         /* NUL-padded; empty name = free entry */
+	uint64_t offset;       /* region offset of the object */
+	uint64_t size;         /* bytes */
+	uint32_t seq;          /* bumped on every update */
+	uint32_t flags;
+};
+
+/* allocator header: written under the allocator lock. */
+struct tract_alloc_header {
+	uint64_t free_slots;   /* slots with bitmap bit 0 */
+	uint64_t next_hint;    /* slot where the next claim scan starts */
+	uint64_t claims;       /* batches claimed since format */
+	uint64_t releases;     /* batches returned since format */
+	uint8_t reserved[32];
+};
+
+/* prefix index bucket: written under its stripe's lock. */
+struct tract_bucket {
+	uint8_t key[16];
+	uint32_t state;        /* TRACT_BUCKET_* */
+	uint32_t slot;         /* slot id + 1, 0 = none */
+	uint32_t tokens;
+	uint32_t pins;         /* sum of the per-node pin counts */
+	uint32_t lru_prev;     /* bucket index + 1 within the stripe, 0 = none */
+	uint32_t lru_next;
+	uint16_t owner_node;
+	uint16_t flags;
+	uint32_t owner_pid;
+	uint32_t epoch;
+	uint32_t checksum;     /* CRC-32 of the payload, valid if flags bit 0 */
+	uint64_t last_access_ns;
+};
+
+enum {
+	TRACT_BUCKET_EMPTY = 0,
+	TRACT_BUCKET_PENDING = 1,
+	TRACT_BUCKET_READY = 2,
+	TRACT_BUCKET_TOMBSTONE = 3
+};
+
+/* LRU anchor, one per index stripe: written under the stripe's lock. */
+struct tract_lru_anchor {
+	uint32_t head;         /* most recently used, bucket index + 1 */
+	uint32_t tail;         /* least recently used */
+	uint64_t count;
+	uint64_t hits;
+	uint64_t inserts;
+	uint64_t evictions;
+	uint64_t lookups;
+	uint8_t reserved[16];
+};
+
+/* handoff record: written under the transfer-table lock. */
+struct tract_transfer_record {
+	uint32_t state;        /* 0 = free, 1 = published, 2 = acknowledged */
+	uint32_t owner_node;   /* node + 1 of the prefill side */
+	uint32_t owner_pid;
+	uint32_t block_count;
+	uint8_t request_id[16];
+	uint64_t token_count;
+	uint64_t keys_offset;  /* region offset of the key list */
+	uint32_t tail_slot;    /* slot id + 1 of the partial tail block, 0 = none */
+	uint32_t tail_tokens;
+	uint64_t created_ns;
+	uint64_t expiry_ns;
+	uint8_t reserved[56];
+};
+
+static_assert(sizeof(struct tract_header) == TRACT_HEADER_SIZE, "header size");
+static_assert(sizeof(struct tract_section) == 32, "section entry size");
+static_assert(sizeof(struct tract_lock_manager_line) == 64, "lock manager line");
+static_assert(sizeof(struct tract_lock_node_slot) == 64, "lock node slot");
+static_assert(sizeof(struct tract_node_entry) == TRACT_NODE_ENTRY_SIZE, "node entry");
+static_assert(sizeof(struct tract_objdir_entry) == 64, "objdir entry");
+static_assert(sizeof(struct tract_alloc_header) == 64, "alloc header");
+static_assert(sizeof(struct tract_bucket) == 64, "bucket");
+static_assert(sizeof(struct tract_lru_anchor) == 64, "lru anchor");
+static_assert(sizeof(struct tract_transfer_record) == TRACT_TRANSFER_ENTRY_SIZE, "transfer record");
+
+#endif

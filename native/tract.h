@@ -1,0 +1,270 @@
+/*
+ * tract.h -- public interface of the TraCT C core.
+ *
+ * The C core is the single source of truth for the on-media format
+ * (docs/FORMAT.md describes the same bytes for independent readers).
+ * Everything in the region is addressed by offset from the region base.
+ *
+ * The block between CDEF-BEGIN and CDEF-END is fed verbatim to cffi's
+ * cdef() by native/build_ffi.py, so it must stay free of preprocessor
+ * directives and expressions cffi cannot parse.  tests/test_native_api.py
+ * checks that the header and the compiled module agree.
+ */
+#ifndef TRACT_H
+#define TRACT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+
+/* ---- error codes: every fallible function returns one (0 = ok) ---- */
+enum {
+	TRACT_OK = 0,
+	TRACT_E_INVAL = -1,          /* an argument is out of its valid range */
+	TRACT_E_RANGE = -2,          /* an offset or length is outside the region */
+	TRACT_E_NOT_FORMATTED = -3,  /* no TraCT magic at offset 0 */
+	TRACT_E_VERSION = -4,        /* TraCT magic, unknown format version */
+	TRACT_E_CHECKSUM = -5,       /* header checksum does not match */
+	TRACT_E_SIZE = -6,           /* header region size != mapped size */
+	TRACT_E_LAYOUT = -7,         /* layout table is inconsistent */
+	TRACT_E_TOO_SMALL = -8,      /* size cannot hold metadata + one slot */
+	TRACT_E_ALIGN = -9,          /* size or offset not a multiple of the alignment */
+	TRACT_E_FLUSH_UNSUPPORTED = -10, /* the CPU lacks the flush instruction */
+	TRACT_E_NOMEM = -11,         /* process-local allocation failed */
+	TRACT_E_SYS = -12            /* a system call failed; see errno */
+};
+
+/* ---- format constants ---- */
+enum {
+	TRACT_FORMAT_VERSION = 1,
+	TRACT_HEADER_SIZE = 4096,
+	TRACT_LINE = 64,
+	TRACT_MAX_SECTIONS = 16,
+	TRACT_MAX_NODES = 64,
+	TRACT_NODE_ENTRY_SIZE = 256,
+	TRACT_OBJDIR_ENTRIES = 64,
+	TRACT_TRANSFER_ENTRY_SIZE = 128,
+	TRACT_FIXED_LOCKS = 3        /* allocator, object directory, transfer table */
+};
+
+/* section kinds of the layout table */
+enum {
+	TRACT_SEC_LOCKS = 1,       /* per lock: manager line + one line per node */
+	TRACT_SEC_NODES = 2,       /* per node: 256-byte entry */
+	TRACT_SEC_OBJDIR = 3,      /* named roots, one line each */
+	TRACT_SEC_ALLOC = 4,       /* allocator header, one line */
+	TRACT_SEC_BITMAP = 5,      /* one bit per slot, 1 = taken from the pool */
+	TRACT_SEC_OWNERS = 6,      /* one byte per slot: claiming node + 1, 0 = none */
+	TRACT_SEC_BUCKETS = 7,     /* prefix index buckets, one line each */
+	TRACT_SEC_PINS = 8,        /* per node: u16 pin count per bucket */
+	TRACT_SEC_LRU = 9,         /* per stripe: LRU anchor line */
+	TRACT_SEC_TRANSFER = 10,   /* handoff records, 128 bytes each */
+	TRACT_SEC_DATA = 11        /* block slots */
+};
+
+/* flush modes (header field and per-process override) */
+enum {
+	TRACT_FLUSH_NONE = 0,
+	TRACT_FLUSH_CLFLUSH = 1,
+	TRACT_FLUSH_CLFLUSHOPT = 2,
+	TRACT_FLUSH_CLWB = 3
+};
+
+/* KV element types */
+enum {
+	TRACT_DTYPE_F16 = 1,
+	TRACT_DTYPE_BF16 = 2,
+	TRACT_DTYPE_F32 = 3,
+	TRACT_DTYPE_FP8 = 4
+};
+
+/* block-hash schemes recorded in the header */
+enum {
+	TRACT_HASH_TRACT = 1,
+	TRACT_HASH_VLLM_SHA256_CBOR = 2
+};
+
+/* CPU feature bits reported by tract_cpu_features() */
+enum {
+	TRACT_CPU_CLFLUSH = 1,
+	TRACT_CPU_CLFLUSHOPT = 2,
+	TRACT_CPU_CLWB = 4,
+	TRACT_CPU_AVX2 = 8,
+	TRACT_CPU_AVX512F = 16,
+	TRACT_CPU_HYPERVISOR = 32,
+	TRACT_CPU_X86_64 = 64
+};
+
+/* attach flags */
+enum {
+	TRACT_ATTACH_SIMULATE = 1,   /* run accessors against the non-coherence simulator */
+	TRACT_ATTACH_READONLY = 2    /* the mapping is read-only: stores are refused */
+};
+
+/* one layout-table entry (32 bytes on media) */
+struct tract_section {
+	uint32_t kind;
+	uint32_t entry_size;
+	uint64_t offset;
+	uint64_t length;
+	uint64_t count;
+};
+
+/* format parameters chosen at init time */
+struct tract_format_params {
+	uint64_t region_size;
+	uint64_t alignment;
+	uint32_t max_nodes;
+	uint32_t flush_mode;
+	uint32_t block_tokens;
+	uint32_t num_layers;
+	uint32_t num_kv_heads;
+	uint32_t head_dim;
+	uint32_t dtype;
+	uint32_t dtype_bytes;
+	uint32_t hash_scheme;
+	uint32_t index_stripes;
+	uint32_t transfer_entries;
+	uint32_t reserved0;
+	uint8_t uuid[16];
+	uint8_t hash_seed[16];
+	uint8_t model_fingerprint[32];
+	char model_name[32];
+	uint64_t created_ns;
+};
+
+/* the header at offset 0 (4096 bytes, little-endian) */
+struct tract_header {
+	uint8_t magic[8];
+	uint32_t format_version;
+	uint32_t header_size;
+	uint8_t uuid[16];
+	uint64_t region_size;
+	uint64_t alignment;
+	uint32_t flush_mode;
+	uint32_t max_nodes;
+	uint64_t created_ns;
+	uint32_t block_tokens;
+	uint32_t num_layers;
+	uint32_t num_kv_heads;
+	uint32_t head_dim;
+	uint32_t dtype;
+	uint32_t dtype_bytes;
+	uint64_t bytes_per_token;
+	uint64_t block_bytes;
+	uint64_t slot_stride;
+	uint64_t slot_count;
+	uint64_t reserved1;
+	uint8_t model_fingerprint[32];
+	char model_name[32];
+	uint32_t hash_scheme;
+	uint32_t reserved2;
+	uint8_t hash_seed[16];
+	uint32_t index_stripes;
+	uint32_t lock_count;
+	uint32_t section_count;
+	uint32_t flags;
+	uint8_t reserved3[24];
+	struct tract_section sections[16];
+	uint8_t reserved4[3320];
+	uint32_t header_crc32;
+	uint32_t reserved5;
+};
+
+typedef struct tract_region tract_region;
+
+/* ---- CPU and process configuration ---- */
+
+/* Returns the TRACT_CPU_* bits of this CPU (detected once). */
+uint32_t tract_cpu_features(void);
+
+/* Returns the byte count above which block copies use non-temporal stores. */
+uint64_t tract_movnt_threshold(void);
+
+/* Sets the non-temporal threshold (tests and benchmarks); 0 restores the default. */
+void tract_set_movnt_threshold(uint64_t bytes);
+
+/* ---- layout and format ---- */
+
+/* Computes the layout of a region without touching memory. */
+int tract_layout_compute(const struct tract_format_params *p,
+			 struct tract_section *out, uint32_t *out_count,
+			 uint64_t *out_slot_count, uint32_t *out_lock_count);
+
+/* Formats the mapped region at base: writes metadata sections, then the header. */
+int tract_format(void *base, const struct tract_format_params *p);
+
+/* Checks the header at base against the mapped size; fills *out on success. */
+int tract_verify_header(const void *base, uint64_t mapped_size, struct tract_header *out);
+
+/* CRC-32 (IEEE 802.3, as zlib) of a buffer. */
+uint32_t tract_crc32(const void *buf, size_t len);
+
+/* ---- attach / detach ---- */
+
+/* Attaches to a formatted region mapped at base; flush_mode < 0 uses the header's. */
+int tract_attach(void *base, uint64_t mapped_size, int flush_mode, uint32_t flags,
+		 uint32_t node_id, tract_region **out);
+
+/* Releases a handle from tract_attach (the mapping itself is not unmapped). */
+void tract_detach(tract_region *r);
+
+/* Returns the flush mode the handle runs with. */
+int tract_region_flush_mode(const tract_region *r);
+
+/* Returns the name of the accessor table in use ("clflush", "sim+clflush", ...). */
+const char *tract_region_ops_name(const tract_region *r);
+
+/* Configures the simulator: random eviction probability in 1/2^32 units, rng seed. */
+int tract_sim_configure(tract_region *r, uint32_t evict_prob_u32, uint64_t seed);
+
+/* Returns simulator counters: hits, misses, writebacks, evictions (4 values). */
+int tract_sim_stats(const tract_region *r, uint64_t *out4);
+
+/* Pre-faults [0, len) of a mapping so first requests do not pay page faults. */
+int tract_prefault(void *base, uint64_t len, int writable);
+
+/* ---- the access discipline (metadata) ---- */
+
+/* Plain store of a u64 (stays in this host's cache until flushed). */
+int tract_store_u64(tract_region *r, uint64_t off, uint64_t v);
+
+/* Plain load of a u64 (may return a stale cached line). */
+int tract_load_u64(tract_region *r, uint64_t off, uint64_t *out);
+
+/* Publish: store, flush the line, fence. */
+int tract_publish_u64(tract_region *r, uint64_t off, uint64_t v);
+
+/* Observe: invalidate the line, fence, load. */
+int tract_observe_u64(tract_region *r, uint64_t off, uint64_t *out);
+
+/* Publish len bytes: store them, flush every touched line, fence once. */
+int tract_publish(tract_region *r, uint64_t off, const void *src, uint64_t len);
+
+/* Observe len bytes: invalidate every touched line, fence once, load. */
+int tract_observe(tract_region *r, uint64_t off, void *dst, uint64_t len);
+
+/* Writes back (and, except for clwb, evicts) every line of a range. */
+int tract_flush_range(tract_region *r, uint64_t off, uint64_t len);
+
+/* Evicts every line of a range so the next load reads the device. */
+int tract_invalidate_range(tract_region *r, uint64_t off, uint64_t len);
+
+/* Orders all earlier flushes and stores before later loads and stores. */
+void tract_fence(tract_region *r);
+
+/* ---- payload (KV bytes) ---- */
+
+/* Copies len bytes from private memory into the region (NT stores above threshold). */
+int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t len);
+
+/* Copies len bytes from the region into private memory; invalidates first if asked. */
+int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
+
+/* Copies with the core's copy routine between two private buffers (benchmarks). */
+void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
+
+/* CDEF-END */
+
+#endif

@@ -1,0 +1,10 @@
+"""TraCT: a CXL shared-memory KV cache for disaggregated LLM serving."""
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # keep `import tract_cli` cheap: the C core loads on first use
+    if name in ("Pool", "Geometry", "ModelProfile", "TractError", "load_model"):
+        from tract_cli import core
+        return getattr(core, name)
+    raise AttributeError(name)

@@ -1,0 +1,177 @@
+"""Micro-benchmarks of the region layer: attach/pre-fault, format, block copies.
+
+Machines here are shared and noisy, so copies are reported against glibc
+`memcpy` of the same bytes measured in the same run, interleaved round by
+round, and as the median over rounds.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from cffi import FFI
+
+from tract_cli.core import medium
+from tract_cli.core.errors import NoSpaceError
+from tract_cli.core.geometry import load_model
+from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.pool import Pool
+from tract_cli.core.region import FormatOptions, _params, format_region
+from tract_cli.core.units import format_size
+
+_libc_ffi = FFI()
+_libc_ffi.cdef("void *memcpy(void *dst, const void *src, size_t n);")
+_libc = _libc_ffi.dlopen(None)
+
+
+@contextmanager
+def temp_region_path(directory: str = "/dev/shm"):
+    """A region path in DIRECTORY, removed afterwards (also on Ctrl-C)."""
+    fd, path = tempfile.mkstemp(prefix="tract-bench-", suffix=".pool", dir=directory)
+    os.close(fd)
+    os.unlink(path)
+    try:
+        yield path
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _need_space(path: str, size: int) -> None:
+    free = medium.free_bytes(path)
+    if free < size:
+        raise NoSpaceError(f"the benchmark needs {format_size(size)} in "
+                           f"{os.path.dirname(path)}, {format_size(free)} free",
+                           "free space or pass a smaller --size")
+
+
+@dataclass
+class CopyResult:
+    block_bytes: int
+    rounds: int
+    blocks_per_round: int
+    gbps: dict          # name -> median GB/s
+    best_gbps: dict     # name -> best round GB/s
+
+    def ratio(self, name: str, ref: str) -> float:
+        return self.gbps[name] / self.gbps[ref]
+
+
+def bench_copy(model: str = "llama-3-8b", region_size: int = 1 << 30, rounds: int = 15,
+               directory: str = "/dev/shm") -> CopyResult:
+    """Copies blocks into and out of distinct slots with the core and with memcpy."""
+    profile = load_model(model)
+    block = profile.geometry.block_bytes
+    with temp_region_path(directory) as path:
+        _need_space(path, region_size)
+        with Pool.create(path, region_size, profile, nodes=1, flush_mode="none", progress=None) as pool:
+            n = min(pool.slot_count, 256)
+            rng = np.random.default_rng(1)
+            src = rng.integers(0, 255, size=block, dtype=np.uint8)
+            dst = np.empty(block, dtype=np.uint8)
+            csrc, cdst = ffi.from_buffer(src), ffi.from_buffer(dst, require_writable=True)
+            base = ffi.from_buffer(pool._mm)
+            offsets = [pool.slot_offset(i) for i in range(n)]
+            r = pool._r()
+
+            def run(kind: str) -> float:
+                t0 = time.perf_counter()
+                for off in offsets:
+                    if kind == "memcpy_in":
+                        _libc.memcpy(base + off, csrc, block)
+                    elif kind == "memcpy_out":
+                        _libc.memcpy(cdst, base + off, block)
+                    elif kind == "tract_in":
+                        lib.tract_copy_in(r, off, csrc, block)
+                    elif kind == "tract_out":
+                        lib.tract_copy_out(r, cdst, off, block, 0)
+                return n * block / (time.perf_counter() - t0) / 1e9
+
+            kinds = ("memcpy_in", "tract_in", "memcpy_out", "tract_out")
+            samples = {k: [] for k in kinds}
+            for k in kinds:          # warm-up round
+                run(k)
+            for _ in range(rounds):
+                for k in kinds:
+                    samples[k].append(run(k))
+            ffi.release(base)
+    return CopyResult(block, rounds, n, {k: statistics.median(v) for k, v in samples.items()},
+                      {k: max(v) for k, v in samples.items()})
+
+
+@dataclass
+class AttachResult:
+    region_size: int
+    attach_s: float            # attach without pre-fault
+    attach_prefault_s: float   # attach with pre-fault
+    first_copy_cold_gbps: float  # first copy into 64 untouched slots, no pre-fault
+    first_copy_warm_gbps: float  # same after pre-fault
+
+
+def bench_attach(region_size: int = 8 << 30, model: str = "llama-3-8b",
+                 directory: str = "/dev/shm") -> AttachResult:
+    """Attach time with and without pre-fault, and what a first request pays without it."""
+    profile = load_model(model)
+    with temp_region_path(directory) as path:
+        _need_space(path, region_size)
+        format_region(path, region_size, FormatOptions(model=profile, max_nodes=2, flush_mode="none"))
+        src = np.ones(profile.geometry.block_bytes, dtype=np.uint8)
+
+        def first_copies(pool: Pool) -> float:
+            t0 = time.perf_counter()
+            count = min(64, pool.slot_count)
+            for i in range(count):
+                pool.copy_in(pool.slot_count - 1 - i, src)
+            return count * src.nbytes / (time.perf_counter() - t0) / 1e9
+
+        t0 = time.perf_counter()
+        pool = Pool.attach(path, prefault=False)
+        cold_attach = time.perf_counter() - t0
+        cold_copy = first_copies(pool)
+        pool.close()
+        t0 = time.perf_counter()
+        pool = Pool.attach(path, prefault=True)
+        warm_attach = time.perf_counter() - t0
+        warm_copy = first_copies(pool)
+        pool.close()
+    return AttachResult(region_size, cold_attach, warm_attach, cold_copy, warm_copy)
+
+
+@dataclass
+class FormatResult:
+    region_size: int
+    metadata_bytes: int
+    slot_count: int
+    format_s: float
+
+
+def bench_format(region_size: int, model: str = "llama-3-8b",
+                 directory: str = "/dev/shm") -> FormatResult:
+    """Time of the C core's format on a sparse file: it writes metadata only."""
+    profile = load_model(model)
+    opts = FormatOptions(model=profile, max_nodes=4, flush_mode="clflush")
+    with temp_region_path(directory) as path:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, region_size)   # sparse: pages appear only where written
+            mm = mmap.mmap(fd, region_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        base = ffi.from_buffer(mm)
+        params = _params(region_size, medium.FILE_ALIGNMENT, opts, "clflush")
+        t0 = time.perf_counter()
+        raise_for(lib.tract_format(base, params), path)
+        elapsed = time.perf_counter() - t0
+        hdr = ffi.new("struct tract_header *")
+        raise_for(lib.tract_verify_header(base, region_size, hdr), path)
+        meta = hdr.sections[hdr.section_count - 1].offset
+        slots = hdr.slot_count
+        ffi.release(base)
+        mm.close()
+    return FormatResult(region_size, meta, slots, elapsed)

@@ -1,0 +1,45 @@
+"""The `tract` command: parse arguments, call the library, render. No logic here.
+
+Errors from the library are TractError: printed as one line on stderr
+("tract: error: <problem>; <fix>"), exit code 1 (2 for usage), no traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from tract_cli.cli import info_cmd, init_cmd, microbench_cmd
+
+app = typer.Typer(
+    name="tract",
+    help="TraCT: a CXL shared-memory KV cache for disaggregated LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("init")(init_cmd.init)
+app.command("info")(info_cmd.info)
+app.add_typer(microbench_cmd.app, name="microbench")
+
+
+def main() -> None:
+    """Entry point of the `tract` console script."""
+    from tract_cli.core.errors import TractError
+
+    try:
+        app()
+    except TractError as err:
+        print(f"tract: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        print("tract: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # a bug: still one line, traceback on request
+        if os.environ.get("TRACT_DEBUG"):
+            raise
+        print(f"tract: internal error: {type(exc).__name__}: {exc}; "
+              "rerun with TRACT_DEBUG=1 for a traceback and report it", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,45 @@
+"""`tract init PATH`: create and format a region on a file or a device-DAX device."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import typer
+
+from tract_cli.cli import render
+from tract_cli.cli.info_cmd import render_info
+from tract_cli.core.geometry import load_model
+from tract_cli.core.region import FormatOptions, format_region
+from tract_cli.core.units import format_duration, parse_size
+
+
+def init(
+    path: str = typer.Argument(..., help="Region file (e.g. /dev/shm/tract.pool) or /dev/daxX.Y."),
+    size: Optional[str] = typer.Option(None, "--size", "-s",
+                                       help="Region size, e.g. 8G (default on a device: all of it)."),
+    nodes: int = typer.Option(4, "--nodes", "-n", help="Maximum nodes (hosts) attaching, 1-64."),
+    model: str = typer.Option("llama-3-8b", "--model", "-m",
+                              help="Model profile name or .toml path: sets the KV block geometry."),
+    flush_mode: Optional[str] = typer.Option(
+        None, "--flush-mode", help="clflush|clflushopt|clwb|none (default: clflush on a "
+                                   "device, none on a file)."),
+    hash_scheme: str = typer.Option("tract", "--hash-scheme", help="Block hash: tract|vllm."),
+    stripes: int = typer.Option(64, "--stripes", help="Index stripes (a power of two)."),
+    force: bool = typer.Option(False, "--force", "-f",
+                               help="Overwrite an existing TraCT region or other data."),
+    json_out: bool = typer.Option(False, "--json", help="Print the new header as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Create and format a TraCT region (metadata only: time does not grow with the data area)."""
+    opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
+                         hash_scheme=hash_scheme, index_stripes=stripes)
+    size_bytes = parse_size(size) if size is not None else None
+    start = time.perf_counter()
+    with render.byte_progress(f"reserving {path}", enabled=not quiet and not json_out) as cb:
+        info = format_region(path, size_bytes, opts, force=force, progress=cb)
+    elapsed = time.perf_counter() - start
+    if json_out:
+        render.print_json(info.to_dict())
+        return
+    render.stdout.print(f"[green]formatted[/] {path} in {format_duration(elapsed)}")
+    render_info(path, info, usage=None)

@@ -1,0 +1,73 @@
+"""`tract microbench`: the region layer's figures (copies, attach, format)."""
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from tract_cli.bench import micro
+from tract_cli.cli import render
+from tract_cli.core.units import format_duration, format_size, parse_size
+
+app = typer.Typer(help="Micro-benchmarks of the region layer (figures against memcpy in the same run).",
+                  no_args_is_help=True)
+
+
+@app.command("copy")
+def copy(
+    model: str = typer.Option("llama-3-8b", "--model", help="Model profile: sets the block size."),
+    size: str = typer.Option("1G", "--size", help="Temporary region size in /dev/shm."),
+    rounds: int = typer.Option(15, "--rounds", help="Measured rounds (median reported)."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Block copy into and out of slots: the core's routine against glibc memcpy."""
+    r = micro.bench_copy(model, parse_size(size), rounds)
+    if json_out:
+        render.print_json(r.__dict__)
+        return
+    t = Table(title=f"{format_size(r.block_bytes)} block copies, {r.blocks_per_round} distinct "
+                    f"slots x {r.rounds} rounds (emulated /dev/shm region)", title_justify="left")
+    for c in ("direction", "memcpy GB/s", "tract GB/s", "tract / memcpy"):
+        t.add_column(c, justify="right")
+    t.add_row("private -> slot", f"{r.gbps['memcpy_in']:.1f}", f"{r.gbps['tract_in']:.1f}",
+              f"{r.ratio('tract_in', 'memcpy_in'):.2f}x")
+    t.add_row("slot -> private", f"{r.gbps['memcpy_out']:.1f}", f"{r.gbps['tract_out']:.1f}",
+              f"{r.ratio('tract_out', 'memcpy_out'):.2f}x")
+    render.stdout.print(t)
+
+
+@app.command("attach")
+def attach(
+    size: str = typer.Option("8G", "--size", help="Temporary region size in /dev/shm."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Attach time with and without pre-fault, and the first copies each then pays."""
+    r = micro.bench_attach(parse_size(size))
+    if json_out:
+        render.print_json(r.__dict__)
+        return
+    t = Table(title=f"attach of a {format_size(r.region_size)} region (emulated /dev/shm)",
+              title_justify="left")
+    for c in ("attach", "time", "first 64 block copies"):
+        t.add_column(c, justify="right")
+    t.add_row("no pre-fault", format_duration(r.attach_s), f"{r.first_copy_cold_gbps:.1f} GB/s")
+    t.add_row("pre-fault", format_duration(r.attach_prefault_s), f"{r.first_copy_warm_gbps:.1f} GB/s")
+    render.stdout.print(t)
+
+
+@app.command("format")
+def format_(
+    sizes: list[str] = typer.Option(["1G", "16G"], "--size", help="Region sizes (repeatable)."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Format time at several sizes: metadata only, so it does not grow with the data area."""
+    results = [micro.bench_format(parse_size(s)) for s in sizes]
+    if json_out:
+        render.print_json([r.__dict__ for r in results])
+        return
+    t = Table(title="format (metadata only, sparse file in /dev/shm)", title_justify="left")
+    for c in ("size", "slots", "metadata", "format time"):
+        t.add_column(c, justify="right")
+    for r in results:
+        t.add_row(format_size(r.region_size), str(r.slot_count), format_size(r.metadata_bytes),
+                  format_duration(r.format_s))
+    render.stdout.print(t)

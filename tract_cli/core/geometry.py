@@ -1,0 +1,177 @@
+"""KV block geometry and model profiles (profiles/models/*.toml).
+
+A block slot's payload is layer-major: [layer][K|V][token][kv_head][head_dim],
+so one layer of one block is one contiguous range (docs/FORMAT.md §5).
+"""
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from dataclasses import dataclass, field
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from tract_cli.core.errors import UsageError
+
+DTYPES = {"f16": (1, 2), "bf16": (2, 2), "f32": (3, 4), "fp8": (4, 1)}
+DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+_DTYPE_ALIASES = {"float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
+                  "float32": "f32", "fp32": "f32", "float": "f32", "float8": "fp8",
+                  "fp8_e4m3": "fp8"}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of one KV block: what a slot holds and how it is laid out."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+    block_tokens: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"geometry field {name} must be a positive integer, got {value!r}",
+                                 "fix the model profile")
+
+    @property
+    def dtype_code(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across all layers (K and V)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one full block of `block_tokens` tokens."""
+        return self.bytes_per_token * self.block_tokens
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block: one contiguous range."""
+        return self.block_bytes // self.num_layers
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of a slot's payload: (layer, K|V, token, kv_head, head_dim)."""
+        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} dim "
+                f"{self.dtype}, {self.block_tokens} tokens/block")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model's name, KV geometry and (for the reference engine) architecture."""
+
+    name: str
+    geometry: Geometry
+    aliases: tuple[str, ...] = ()
+    arch: dict = field(default_factory=dict, compare=False)
+
+    def fingerprint(self) -> bytes:
+        """32-byte identity of the model's KV format; regions of different models never mix."""
+        g = self.geometry
+        text = (f"tract-model-v1|{self.name}|{g.num_layers}|{g.num_kv_heads}|{g.head_dim}|"
+                f"{g.dtype}|{g.block_tokens}")
+        return hashlib.sha256(text.encode()).digest()
+
+
+def normalize_dtype(name: str) -> str:
+    """Returns the canonical dtype name (f16, bf16, f32, fp8) or raises UsageError."""
+    key = str(name).lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise UsageError(f"unknown KV dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    return key
+
+
+def _profiles_dir() -> pathlib.Path:
+    """profiles/ shipped inside the package (wheel), or at the checkout root (editable)."""
+    package = pathlib.Path(__file__).resolve().parents[1]
+    for candidate in (package / "profiles", package.parent / "profiles"):
+        if (candidate / "models").is_dir():
+            return candidate
+    raise UsageError("the TraCT profiles directory is missing", "reinstall with `pip install .`")
+
+
+def model_names() -> list[str]:
+    """Names of the model profiles shipped with TraCT."""
+    return sorted(p.stem for p in (_profiles_dir() / "models").glob("*.toml"))
+
+
+def _parse_model(path: pathlib.Path) -> ModelProfile:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"cannot read model profile {path}: {exc}",
+                         "fix the TOML file or pick a shipped model") from None
+    try:
+        geometry = Geometry(num_layers=data["num_layers"], num_kv_heads=data["num_kv_heads"],
+                            head_dim=data["head_dim"], dtype=data.get("dtype", "bf16"),
+                            block_tokens=data.get("block_tokens", 16))
+        name = str(data.get("name", path.stem))
+    except KeyError as exc:
+        raise UsageError(f"model profile {path} lacks field {exc.args[0]}",
+                         "add num_layers, num_kv_heads and head_dim") from None
+    if len(name.encode()) > 31:
+        raise UsageError(f"model name {name!r} is longer than 31 bytes", "shorten it in the profile")
+    arch = {k: v for k, v in data.items()
+            if k not in ("name", "aliases", "num_layers", "num_kv_heads", "head_dim", "dtype",
+                         "block_tokens")}
+    return ModelProfile(name=name, geometry=geometry, aliases=tuple(data.get("aliases", ())),
+                        arch=arch)
+
+
+def load_model(name_or_path: str) -> ModelProfile:
+    """Loads a shipped model profile by name or alias, or a TOML file by path."""
+    path = pathlib.Path(name_or_path)
+    if name_or_path.endswith(".toml") or path.is_file():
+        if not path.is_file():
+            raise UsageError(f"model profile {name_or_path} does not exist",
+                             "give a shipped name or an existing .toml")
+        return _parse_model(path)
+    key = name_or_path.lower()
+    for candidate in (_profiles_dir() / "models").glob("*.toml"):
+        profile = _parse_model(candidate)
+        if key == profile.name or key in (a.lower() for a in profile.aliases):
+            return profile
+    raise UsageError(f"unknown model {name_or_path!r}",
+                     f"use one of {', '.join(model_names())} or a path to a .toml profile")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Latency and bandwidth of a memory device or link, for modelled paths and reports."""
+
+    name: str
+    kind: str
+    description: str
+    latency_ns: float
+    bandwidth_gbps: float
+
+
+def load_device(name: str) -> DeviceProfile:
+    """Loads a shipped device profile (profiles/devices/NAME.toml)."""
+    path = _profiles_dir() / "devices" / f"{name}.toml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (_profiles_dir() / "devices").glob("*.toml"))
+        raise UsageError(f"unknown device profile {name!r}", f"use one of {', '.join(names)}")
+    data = tomllib.loads(path.read_text())
+    return DeviceProfile(name=data["name"], kind=data["kind"], description=data["description"],
+                         latency_ns=float(data["latency_ns"]),
+                         bandwidth_gbps=float(data["bandwidth_gbps"]))

@@ -1,0 +1,162 @@
+"""What a region lives on: a regular file (/dev/shm, hugetlbfs, any path) or a
+device-DAX character device, and the checks and reservations each needs.
+
+Device facts come from sysfs (/sys/bus/dax/devices/<dev>/{size,align}); the
+root of sysfs can be moved with TRACT_SYSFS_ROOT so tests can point it at a
+recorded tree.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from typing import Callable
+
+from tract_cli.core.errors import NoSpaceError, TractError, UsageError
+from tract_cli.core.units import format_size
+
+FILE_ALIGNMENT = 2 << 20  # region files use the device-DAX default, so layouts port
+RESERVE_CHUNK = 64 << 20
+
+
+def sysfs_root() -> str:
+    """Root of sysfs (TRACT_SYSFS_ROOT overrides it for tests)."""
+    return os.environ.get("TRACT_SYSFS_ROOT", "/sys")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A path a region lives on, as found on disk."""
+
+    path: str
+    kind: str            # "file", "devdax" or "missing"
+    size: int            # current bytes (0 when missing)
+    alignment: int       # bytes every length and offset must be a multiple of
+    dax_name: str | None = None
+
+    @property
+    def medium(self) -> str:
+        """Human name of the medium, for reports."""
+        if self.kind == "devdax":
+            return f"device-DAX {self.dax_name}"
+        if self.path.startswith("/dev/shm/"):
+            return "emulated /dev/shm region"
+        return "emulated region file"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip(), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _dax_name_of(st: os.stat_result) -> str | None:
+    """Finds daxX.Y for a character device by its major:minor in sysfs."""
+    link = os.path.join(sysfs_root(), "dev", "char", f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+    try:
+        name = os.path.basename(os.path.realpath(link))
+    except OSError:
+        return None
+    if os.path.isdir(os.path.join(sysfs_root(), "bus", "dax", "devices", name)):
+        return name
+    return None
+
+
+def dax_device(name: str) -> tuple[int, int]:
+    """Returns (size, align) in bytes of /sys/bus/dax/devices/NAME."""
+    base = os.path.join(sysfs_root(), "bus", "dax", "devices", name)
+    size = _read_int(os.path.join(base, "size"))
+    align = _read_int(os.path.join(base, "align")) or FILE_ALIGNMENT
+    if size is None:
+        raise TractError(f"cannot read the size of {name} from {base}/size",
+                         "check that the dax modules are loaded (modprobe device_dax)")
+    return size, align
+
+
+def inspect_target(path: str, for_write: bool) -> Target:
+    """Classifies PATH; raises a one-line error for anything a region cannot live on."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise UsageError(f"{path}: directory {parent} does not exist",
+                             "create it or choose a path in an existing directory") from None
+        if for_write and not os.access(parent, os.W_OK | os.X_OK):
+            raise TractError(f"{path}: no permission to create files in {parent}",
+                             "choose a writable directory or run with the needed rights") from None
+        return Target(path, "missing", 0, FILE_ALIGNMENT)
+    except PermissionError:
+        raise TractError(f"{path}: permission denied", "run with the needed rights") from None
+    except OSError as exc:
+        raise TractError(f"{path}: {exc.strerror}", "check the path") from None
+
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path} is a directory",
+                         f"give a file path inside it, e.g. {os.path.join(path, 'tract.pool')}")
+    mode = os.R_OK | (os.W_OK if for_write else 0)
+    if not os.access(path, mode):
+        need = "read and write" if for_write else "read"
+        raise TractError(f"{path}: no permission to {need} it",
+                         "run as its owner or root, or change its permissions")
+    if stat.S_ISREG(st.st_mode):
+        return Target(path, "file", st.st_size, FILE_ALIGNMENT)
+    if stat.S_ISCHR(st.st_mode):
+        name = _dax_name_of(st)
+        if not name:
+            raise UsageError(f"{path} is a character device but not a device-DAX device",
+                             "give a /dev/daxX.Y device or a regular file")
+        size, align = dax_device(name)
+        return Target(path, "devdax", size, align, name)
+    raise UsageError(f"{path} is neither a regular file nor a device-DAX device",
+                     "give a file (e.g. /dev/shm/tract.pool) or /dev/daxX.Y")
+
+
+def free_bytes(path: str) -> int:
+    """Bytes available to this user on the file system holding PATH."""
+    vfs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | None = None) -> bool:
+    """Creates or resizes PATH to SIZE and reserves all its pages (fallocate).
+
+    A full tmpfs is reported here, at init, never hit mid-run.  Returns True
+    if the file was created by this call (the caller removes it on failure).
+    Raises NoSpaceError before writing anything when free space is short.
+    """
+    existing = os.path.exists(path)
+    allocated = os.stat(path).st_blocks * 512 if existing else 0
+    need = size - min(allocated, size)
+    have = free_bytes(path)
+    if need > have:
+        fs = os.path.dirname(os.path.abspath(path))
+        raise NoSpaceError(
+            f"{fs} has {format_size(have)} free but the region needs {format_size(need)} more",
+            "free space there, give a smaller --size, or grow the tmpfs "
+            "(mount -o remount,size=... /dev/shm)")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
+    created = not existing
+    try:
+        os.ftruncate(fd, size)
+        done = 0
+        while done < size:
+            step = min(RESERVE_CHUNK, size - done)
+            os.posix_fallocate(fd, done, step)
+            done += step
+            if progress:
+                progress(done, size)
+    except OSError as exc:
+        os.close(fd)
+        if created:
+            os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpaceError(f"{path}: ran out of space while reserving {format_size(size)}",
+                               "free space or give a smaller --size") from None
+        raise TractError(f"{path}: cannot reserve {format_size(size)}: {exc.strerror}",
+                         "check the file system") from None
+    os.close(fd)
+    return created

@@ -1,0 +1,91 @@
+"""Access to the compiled C core and translation of its error codes.
+
+The C core returns codes and never prints; this module turns a code into a
+`TractError` whose message names the problem and the fix.
+"""
+from __future__ import annotations
+
+import os
+
+from tract_cli.core.errors import (
+    FlushModeError,
+    FormatMismatchError,
+    NotFormattedError,
+    TractError,
+    UsageError,
+)
+
+try:
+    from tract_cli._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "the TraCT C core (tract_cli._native) is not built; "
+        "reinstall with `pip install .` (it needs a C compiler and cffi)"
+    ) from exc
+
+FLUSH_MODES = {"none": lib.TRACT_FLUSH_NONE, "clflush": lib.TRACT_FLUSH_CLFLUSH,
+               "clflushopt": lib.TRACT_FLUSH_CLFLUSHOPT, "clwb": lib.TRACT_FLUSH_CLWB}
+FLUSH_MODE_NAMES = {v: k for k, v in FLUSH_MODES.items()}
+
+CPU_FEATURES = {"clflush": lib.TRACT_CPU_CLFLUSH, "clflushopt": lib.TRACT_CPU_CLFLUSHOPT,
+                "clwb": lib.TRACT_CPU_CLWB, "avx2": lib.TRACT_CPU_AVX2,
+                "avx512f": lib.TRACT_CPU_AVX512F, "hypervisor": lib.TRACT_CPU_HYPERVISOR,
+                "x86_64": lib.TRACT_CPU_X86_64}
+
+
+def cpu_features() -> set[str]:
+    """Names of the CPU features the C core detected (clflush, clwb, avx2, ...)."""
+    bits = lib.tract_cpu_features()
+    return {name for name, bit in CPU_FEATURES.items() if bits & bit}
+
+
+def flush_mode_supported(mode: str) -> bool:
+    """True if this CPU can run the region accessors in `mode`."""
+    need = {"none": set(), "clflush": {"clflush"}, "clflushopt": {"clflushopt"},
+            "clwb": {"clwb", "clflush"}}[mode]
+    return need <= cpu_features()
+
+
+def raise_for(rc: int, what: str) -> None:
+    """Raises the TractError for a non-zero C return code; `what` names the target."""
+    if rc == lib.TRACT_OK:
+        return
+    if rc == lib.TRACT_E_NOT_FORMATTED:
+        raise NotFormattedError(f"{what} holds no TraCT region (no magic at offset 0)",
+                                f"format it with `tract init {what}`")
+    if rc == lib.TRACT_E_VERSION:
+        raise FormatMismatchError(
+            f"{what} holds a TraCT region of an unknown format version",
+            f"use the tract release that wrote it, or reformat with `tract init {what} --force`")
+    if rc == lib.TRACT_E_CHECKSUM:
+        raise FormatMismatchError(
+            f"{what}: the region header checksum does not match (corrupt header)",
+            f"run `tract info {what}` on the writer's host, or reformat with `tract init --force`")
+    if rc == lib.TRACT_E_SIZE:
+        raise FormatMismatchError(
+            f"{what} is smaller than the region size recorded in its header (truncated?)",
+            "restore the file or device to its formatted size, or reformat it")
+    if rc == lib.TRACT_E_LAYOUT:
+        raise FormatMismatchError(
+            f"{what}: the region's layout table disagrees with its own parameters (corrupt header)",
+            f"reformat with `tract init {what} --force`")
+    if rc == lib.TRACT_E_TOO_SMALL:
+        raise UsageError(f"{what} is too small for the metadata and one KV block slot",
+                         "give a larger --size or a model with smaller blocks")
+    if rc == lib.TRACT_E_ALIGN:
+        raise UsageError(f"{what}: size or offset is not a multiple of the alignment",
+                         "round --size to the alignment (2 MiB by default)")
+    if rc == lib.TRACT_E_FLUSH_UNSUPPORTED:
+        raise FlushModeError(f"{what}: this CPU lacks the requested flush instruction",
+                             f"choose one of: {', '.join(m for m in FLUSH_MODES if flush_mode_supported(m))}")
+    if rc == lib.TRACT_E_RANGE:
+        raise TractError(f"{what}: offset or length outside the region",
+                         "this is a bug or a corrupt region; run `tract info` on it")
+    if rc == lib.TRACT_E_NOMEM:
+        raise TractError(f"{what}: out of process memory", "free memory and retry")
+    if rc == lib.TRACT_E_SYS:
+        err = ffi.errno
+        raise TractError(f"{what}: {os.strerror(err)}", "check the device or file and retry")
+    if rc == lib.TRACT_E_INVAL:
+        raise UsageError(f"{what}: invalid argument", "check the parameters")
+    raise TractError(f"{what}: C core error {rc}", "this is a bug; please report it")

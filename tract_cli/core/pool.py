@@ -1,0 +1,337 @@
+"""`Pool`: a TraCT region mapped into this process, with the access discipline,
+payload copies and zero-copy views of block slots.
+
+Views (numpy arrays, torch tensors) share memory with the mapping; they are
+never copies.  A Pool refuses to close while views of it are alive, so a view
+can never outlive its mapping.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Callable
+
+import numpy as np
+
+from tract_cli.core import medium
+from tract_cli.core.errors import (FlushModeError, GeometryMismatchError, TractError,
+                                   UsageError)
+from tract_cli.core.geometry import Geometry, ModelProfile, load_model
+from tract_cli.core.header import RegionInfo, decode_header
+from tract_cli.core.native import (FLUSH_MODE_NAMES, FLUSH_MODES, ffi, flush_mode_supported,
+                                   lib, raise_for)
+from tract_cli.core.region import FormatOptions, format_region
+
+_NUMPY_DTYPES = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "fp8": np.uint8}
+_TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "fp8": "uint8"}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+class Pool:
+    """A mapped, verified TraCT region, attached as one node.
+
+    Create with `Pool.create(...)` (formats) or `Pool.attach(path, node=N)`.
+    Offsets are bytes from the region base; sizes are bytes.
+    """
+
+    def __init__(self, path: str, target: medium.Target, mm: mmap.mmap, base, region,
+                 info: RegionInfo, node: int, readonly: bool):
+        self.path = path
+        self.target = target
+        self.info = info
+        self.node = node
+        self.readonly = readonly
+        self._mm = mm
+        self._base = base
+        self._region = region
+        data = info.section("data")
+        self._data_offset = data.offset
+        self._stride = info.slot_stride
+
+    # ---- construction ----
+
+    @classmethod
+    def create(cls, path: str, size: int | None, model: str | ModelProfile = "tiny", *,
+               nodes: int = 4, flush_mode: str | None = None, force: bool = False,
+               hash_scheme: str = "tract", index_stripes: int = 64,
+               transfer_entries: int = 1024,
+               progress: Callable[[int, int], None] | None = None, **attach_options) -> "Pool":
+        """Formats a region at PATH (a file is created) and attaches to it as node 0."""
+        profile = load_model(model) if isinstance(model, str) else model
+        opts = FormatOptions(model=profile, max_nodes=nodes, flush_mode=flush_mode,
+                             hash_scheme=hash_scheme, index_stripes=index_stripes,
+                             transfer_entries=transfer_entries)
+        format_region(path, size, opts, force=force, progress=progress)
+        return cls.attach(path, **attach_options)
+
+    @classmethod
+    def attach(cls, path: str, node: int = 0, *, flush_mode: str | None = None,
+               simulate: bool | None = None, sim_evict_prob: float = 0.0, sim_seed: int = 0,
+               prefault: bool = True, readonly: bool = False,
+               expect: ModelProfile | Geometry | None = None) -> "Pool":
+        """Maps and verifies the region at PATH and attaches as NODE.
+
+        flush_mode overrides the header's (env TRACT_FLUSH_MODE does too);
+        simulate runs every metadata access through the non-coherence
+        simulator (env TRACT_SIMULATE=1); prefault maps every page before
+        returning so no request pays a first-touch fault; expect refuses a
+        region formatted for another model or geometry.
+        """
+        flush_mode = flush_mode or os.environ.get("TRACT_FLUSH_MODE") or None
+        if flush_mode is not None:
+            if flush_mode not in FLUSH_MODES:
+                raise UsageError(f"unknown flush mode {flush_mode!r}",
+                                 f"use one of {', '.join(FLUSH_MODES)}")
+            if not flush_mode_supported(flush_mode):
+                raise FlushModeError(f"this CPU does not support flush mode {flush_mode}",
+                                     "choose another (see `tract doctor`)")
+        if simulate is None:
+            simulate = _env_flag("TRACT_SIMULATE")
+        if not 0.0 <= sim_evict_prob <= 1.0:
+            raise UsageError(f"sim_evict_prob {sim_evict_prob} is not a probability",
+                             "give a value from 0 to 1")
+
+        target = medium.inspect_target(path, for_write=not readonly)
+        if target.kind == "missing":
+            raise UsageError(f"{path} does not exist",
+                             f"create a region with `tract init {path} --size 1G`")
+        if target.size < lib.TRACT_HEADER_SIZE:
+            raise_for(lib.TRACT_E_NOT_FORMATTED, path)
+        size = target.size
+        fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        try:
+            prot = mmap.PROT_READ | (0 if readonly else mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        except OSError as exc:
+            raise TractError(f"{path}: cannot map {size} bytes: {exc.strerror}",
+                             "check the device alignment and memory limits") from None
+        finally:
+            os.close(fd)
+        base = ffi.from_buffer(mm)
+        region = ffi.NULL
+        try:
+            handle = ffi.new("tract_region **")
+            flags = (lib.TRACT_ATTACH_SIMULATE if simulate else 0) | \
+                    (lib.TRACT_ATTACH_READONLY if readonly else 0)
+            hdr = ffi.new("struct tract_header *")
+            raise_for(lib.tract_verify_header(base, size, hdr), path)
+            info = decode_header(hdr)
+            if target.kind == "file" and info.region_size != size:
+                raise_for(lib.TRACT_E_SIZE, path)
+            if not 0 <= node < info.max_nodes:
+                raise UsageError(f"node {node} is outside this region's nodes 0..{info.max_nodes - 1}",
+                                 "pick a node in range or reformat with a larger --nodes")
+            if expect is not None:
+                _check_expected(path, info, expect)
+            mode = -1 if flush_mode is None else FLUSH_MODES[flush_mode]
+            raise_for(lib.tract_attach(base, size, mode, flags, node, handle), path)
+            region = handle[0]
+            if simulate:
+                prob = min(int(sim_evict_prob * 2**32), 2**32 - 1)
+                raise_for(lib.tract_sim_configure(region, prob, sim_seed), path)
+            if prefault:
+                raise_for(lib.tract_prefault(base, info.region_size, 0 if readonly else 1), path)
+        except BaseException:
+            if region != ffi.NULL:
+                lib.tract_detach(region)
+            ffi.release(base)
+            mm.close()
+            raise
+        return cls(path, target, mm, base, region, info, node, readonly)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Detaches and unmaps; refuses while numpy/torch views of the pool are alive."""
+        if self._region is None:
+            return
+        lib.tract_detach(self._region)
+        self._region = None
+        ffi.release(self._base)
+        try:
+            self._mm.close()
+        except BufferError:
+            # views still reference the mapping: keep it mapped for them
+            self._base = None
+            raise TractError(f"{self.path}: views of the pool are still alive",
+                             "delete the arrays/tensors taken from it before close()") from None
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_region", None) is not None:
+            lib.tract_detach(self._region)
+            self._region = None
+
+    @property
+    def closed(self) -> bool:
+        return self._region is None
+
+    def _r(self):
+        if self._region is None:
+            raise TractError(f"{self.path}: the pool is closed", "attach again")
+        return self._region
+
+    # ---- facts ----
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.info.geometry
+
+    @property
+    def slot_count(self) -> int:
+        return self.info.slot_count
+
+    @property
+    def flush_mode(self) -> str:
+        """The flush mode this process runs with (header's unless overridden)."""
+        return FLUSH_MODE_NAMES[lib.tract_region_flush_mode(self._r())]
+
+    @property
+    def accessors(self) -> str:
+        """Name of the accessor table in use: a flush mode, or "sim"."""
+        return ffi.string(lib.tract_region_ops_name(self._r())).decode()
+
+    @property
+    def medium(self) -> str:
+        return self.target.medium
+
+    def sim_stats(self) -> dict:
+        """Simulator counters (hits, misses, writebacks, evictions)."""
+        out = ffi.new("uint64_t[4]")
+        raise_for(lib.tract_sim_stats(self._r(), out), self.path)
+        return dict(zip(("hits", "misses", "writebacks", "evictions"), list(out)))
+
+    def slot_usage(self) -> dict:
+        """Slots taken from the pool (bitmap) and claimed per node (owner map)."""
+        bitmap = self.info.section("bitmap")
+        owners = self.info.section("owners")
+        bits = np.frombuffer(self.observe(bitmap.offset, bitmap.length), dtype=np.uint8)
+        used = int(np.unpackbits(bits)[: bitmap.count].sum())
+        own = np.frombuffer(self.observe(owners.offset, owners.length), dtype=np.uint8)
+        counts = np.bincount(own[: owners.count], minlength=self.info.max_nodes + 1)
+        per_node = {n: int(counts[n + 1]) for n in range(self.info.max_nodes) if counts[n + 1]}
+        return {"total": self.slot_count, "used": used, "free": self.slot_count - used,
+                "claimed_by_node": per_node}
+
+    # ---- the access discipline (metadata) ----
+
+    def store_u64(self, off: int, value: int) -> None:
+        """Plain store; stays in this host's cache until flushed (DESIGN §4)."""
+        raise_for(lib.tract_store_u64(self._r(), off, value), f"{self.path} @{off:#x}")
+
+    def load_u64(self, off: int) -> int:
+        """Plain load; may return a stale cached line."""
+        out = ffi.new("uint64_t *")
+        raise_for(lib.tract_load_u64(self._r(), off, out), f"{self.path} @{off:#x}")
+        return out[0]
+
+    def publish_u64(self, off: int, value: int) -> None:
+        """Store, flush the line, fence: other hosts can observe it afterwards."""
+        raise_for(lib.tract_publish_u64(self._r(), off, value), f"{self.path} @{off:#x}")
+
+    def observe_u64(self, off: int) -> int:
+        """Invalidate the line, fence, load: sees what other hosts published."""
+        out = ffi.new("uint64_t *")
+        raise_for(lib.tract_observe_u64(self._r(), off, out), f"{self.path} @{off:#x}")
+        return out[0]
+
+    def publish(self, off: int, data: bytes) -> None:
+        """Publishes a byte range: stores, flushes every touched line, one fence."""
+        raise_for(lib.tract_publish(self._r(), off, ffi.from_buffer(data), len(data)),
+                  f"{self.path} @{off:#x}")
+
+    def observe(self, off: int, length: int) -> bytes:
+        """Observes a byte range: invalidates every touched line, one fence, loads."""
+        buf = bytearray(length)
+        raise_for(lib.tract_observe(self._r(), off, ffi.from_buffer(buf), length),
+                  f"{self.path} @{off:#x}")
+        return bytes(buf)
+
+    def flush(self, off: int, length: int) -> None:
+        raise_for(lib.tract_flush_range(self._r(), off, length), f"{self.path} @{off:#x}")
+
+    def invalidate(self, off: int, length: int) -> None:
+        raise_for(lib.tract_invalidate_range(self._r(), off, length), f"{self.path} @{off:#x}")
+
+    def fence(self) -> None:
+        lib.tract_fence(self._r())
+
+    # ---- block slots: payload copies and zero-copy views ----
+
+    def slot_offset(self, slot: int) -> int:
+        """Region offset of SLOT's payload."""
+        if not 0 <= slot < self.info.slot_count:
+            raise UsageError(f"slot {slot} is outside 0..{self.info.slot_count - 1}",
+                             "use a slot id the allocator returned")
+        return self._data_offset + slot * self._stride
+
+    def copy_in(self, slot: int, src) -> None:
+        """Copies a block from private memory into SLOT (non-temporal stores).
+
+        SRC is any C-contiguous buffer (numpy array, bytes, CPU torch tensor
+        via .numpy()) of at most one block.
+        """
+        buf = ffi.from_buffer(src)
+        if len(buf) > self.info.block_bytes:
+            raise UsageError(f"{len(buf)} bytes do not fit a {self.info.block_bytes}-byte slot",
+                             "copy one block at a time")
+        raise_for(lib.tract_copy_in(self._r(), self.slot_offset(slot), buf, len(buf)), self.path)
+
+    def copy_out(self, slot: int, dst, invalidate: bool = True) -> None:
+        """Copies SLOT into a private writable buffer (invalidating stale lines first)."""
+        buf = ffi.from_buffer(dst, require_writable=True)
+        if len(buf) > self.info.block_bytes:
+            raise UsageError(f"a {len(buf)}-byte buffer is larger than a slot",
+                             "pass a buffer of one block")
+        raise_for(lib.tract_copy_out(self._r(), buf, self.slot_offset(slot), len(buf),
+                                     1 if invalidate else 0), self.path)
+
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """Zero-copy uint8 view of SLOT's payload (block_bytes long)."""
+        self._r()
+        return np.frombuffer(self._mm, dtype=np.uint8, count=self.info.block_bytes,
+                             offset=self.slot_offset(slot))
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """Zero-copy view of SLOT shaped (layer, K|V, token, kv_head, head_dim).
+
+        bf16 has no numpy dtype: its view is uint16 holding the raw bits.
+        """
+        g = self.geometry
+        dtype = _NUMPY_DTYPES[g.dtype]
+        return self.slot_bytes(slot).view(dtype).reshape(g.block_shape)
+
+    def slot_tensor(self, slot: int):
+        """Zero-copy torch tensor of SLOT shaped (layer, K|V, token, kv_head, head_dim)."""
+        try:
+            import torch
+        except ImportError:
+            raise TractError("torch is not installed", "pip install torch (or use slot_array)") from None
+        g = self.geometry
+        self._r()
+        t = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
+                             count=self.info.block_bytes // g.dtype_bytes,
+                             offset=self.slot_offset(slot))
+        return t.view(g.block_shape)
+
+
+def _check_expected(path: str, info: RegionInfo, expect: ModelProfile | Geometry) -> None:
+    """Refuses a region whose geometry (and model, if given) differs from EXPECT."""
+    geometry = expect.geometry if isinstance(expect, ModelProfile) else expect
+    if info.geometry != geometry:
+        raise GeometryMismatchError(
+            f"{path} holds KV blocks of {info.model_name} ({info.geometry.describe()}), "
+            f"not {geometry.describe()}",
+            "attach with the model it was formatted for, or reformat with `tract init --force`")
+    if isinstance(expect, ModelProfile) and info.model_fingerprint != expect.fingerprint().hex():
+        raise GeometryMismatchError(
+            f"{path} was formatted for model {info.model_name}, not {expect.name}",
+            "attach with the model it was formatted for, or reformat with `tract init --force`")

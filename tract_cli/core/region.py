@@ -1,0 +1,192 @@
+"""Creating and formatting regions, and reading what a target already holds.
+
+`format_region` is what `tract init` and `Pool.create` run: validate every
+parameter, check what is on the target, reserve a file's pages, map it
+MAP_SHARED and let the C core write the metadata.  Nothing is written until
+every check has passed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Callable
+
+from tract_cli.core import medium
+from tract_cli.core.errors import AlreadyFormattedError, FlushModeError, TractError, UsageError
+from tract_cli.core.geometry import ModelProfile
+from tract_cli.core.header import HASH_SCHEMES, RegionInfo, Section, SECTION_NAMES, decode_header
+from tract_cli.core.native import FLUSH_MODES, ffi, flush_mode_supported, lib, raise_for
+from tract_cli.core.units import format_size
+
+HEADER_SIZE = lib.TRACT_HEADER_SIZE
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    """What `tract init` was asked for."""
+
+    model: ModelProfile
+    max_nodes: int = 4
+    flush_mode: str | None = None    # None: clflush on device-DAX, none on a file
+    hash_scheme: str = "tract"
+    index_stripes: int = 64
+    transfer_entries: int = 1024
+
+
+def _params(size: int, alignment: int, opts: FormatOptions, flush_mode: str):
+    g = opts.model.geometry
+    p = ffi.new("struct tract_format_params *")
+    p.region_size = size
+    p.alignment = alignment
+    p.max_nodes = opts.max_nodes
+    p.flush_mode = FLUSH_MODES[flush_mode]
+    p.block_tokens = g.block_tokens
+    p.num_layers = g.num_layers
+    p.num_kv_heads = g.num_kv_heads
+    p.head_dim = g.head_dim
+    p.dtype = g.dtype_code
+    p.dtype_bytes = g.dtype_bytes
+    p.hash_scheme = HASH_SCHEMES[opts.hash_scheme]
+    p.index_stripes = opts.index_stripes
+    p.transfer_entries = opts.transfer_entries
+    ffi.memmove(p.uuid, uuidlib.uuid4().bytes, 16)
+    ffi.memmove(p.hash_seed, secrets.token_bytes(16), 16)
+    ffi.memmove(p.model_fingerprint, opts.model.fingerprint(), 32)
+    ffi.memmove(p.model_name, opts.model.name.encode()[:31], len(opts.model.name.encode()[:31]))
+    p.created_ns = time.time_ns()
+    return p
+
+
+def validate_options(opts: FormatOptions) -> None:
+    """Raises UsageError for parameters the format cannot hold."""
+    if not 1 <= opts.max_nodes <= lib.TRACT_MAX_NODES:
+        raise UsageError(f"--nodes {opts.max_nodes} is out of range",
+                         f"give 1 to {lib.TRACT_MAX_NODES} nodes")
+    if opts.flush_mode is not None and opts.flush_mode not in FLUSH_MODES:
+        raise UsageError(f"unknown flush mode {opts.flush_mode!r}",
+                         f"use one of {', '.join(FLUSH_MODES)}")
+    if opts.hash_scheme not in HASH_SCHEMES:
+        raise UsageError(f"unknown hash scheme {opts.hash_scheme!r}",
+                         f"use one of {', '.join(HASH_SCHEMES)}")
+    s = opts.index_stripes
+    if s < 1 or s > 4096 or s & (s - 1):
+        raise UsageError(f"index stripes {s} must be a power of two from 1 to 4096",
+                         "e.g. 64")
+    if not 1 <= opts.transfer_entries <= 1 << 20:
+        raise UsageError(f"transfer entries {opts.transfer_entries} out of range",
+                         "give 1 to 1048576")
+
+
+def compute_layout(size: int, alignment: int, opts: FormatOptions,
+                   flush_mode: str = "none") -> tuple[list[Section], int]:
+    """The sections and slot count a region of SIZE would get (touches nothing)."""
+    validate_options(opts)
+    p = _params(size, alignment, opts, flush_mode)
+    out = ffi.new("struct tract_section[]", lib.TRACT_MAX_SECTIONS)
+    count = ffi.new("uint32_t *")
+    slots = ffi.new("uint64_t *")
+    rc = lib.tract_layout_compute(p, out, count, slots, ffi.NULL)
+    if rc == lib.TRACT_E_ALIGN:
+        raise UsageError(f"size {format_size(size)} is not a multiple of the alignment "
+                         f"{format_size(alignment)}",
+                         f"round --size to a multiple of {format_size(alignment)}")
+    if rc == lib.TRACT_E_TOO_SMALL:
+        raise UsageError(f"size {format_size(size)} is too small for the metadata and one "
+                         f"{format_size(opts.model.geometry.block_bytes)} block slot",
+                         "give a larger --size or fewer --nodes")
+    if rc == lib.TRACT_E_INVAL:
+        raise UsageError("the model geometry or format parameters are out of range",
+                         "check the model profile (block must be at most 4 GiB)")
+    raise_for(rc, "layout")
+    sections = [Section(SECTION_NAMES[s.kind], s.kind, s.offset, s.length, s.count, s.entry_size)
+                for s in (out[i] for i in range(count[0]))]
+    return sections, slots[0]
+
+
+def probe(path: str, target: medium.Target) -> tuple[str, RegionInfo | None]:
+    """What TARGET holds now: ("empty"|"tract"|"tract-corrupt"|"other", info)."""
+    if target.kind == "missing" or target.size == 0:
+        return "empty", None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise TractError(f"{path}: cannot open: {exc.strerror}", "check permissions") from None
+    try:
+        head = os.pread(fd, HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    if len(head) < HEADER_SIZE:
+        return ("empty" if not any(head) else "other"), None
+    if head[:8] == b"TRACTPOL":
+        hdr = ffi.new("struct tract_header *")
+        buf = ffi.from_buffer(head)
+        # the header claims a size; only the header page is checked here
+        rc = lib.tract_verify_header(buf, 1 << 62, hdr)
+        return ("tract", decode_header(hdr)) if rc == 0 else ("tract-corrupt", None)
+    return ("empty" if not any(head) else "other"), None
+
+
+def describe_existing(kind: str, info: RegionInfo | None, target: medium.Target) -> str:
+    """One phrase saying what is on a target, for refusals."""
+    if kind == "tract" and info:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created_ns / 1e9))
+        return (f"a TraCT region (format v{info.format_version}, uuid {info.uuid}, "
+                f"{format_size(info.region_size)}, model {info.model_name}, created {created})")
+    if kind == "tract-corrupt":
+        return "a TraCT region with a damaged or unknown-version header"
+    return f"{format_size(target.size)} of other data (not a TraCT region)"
+
+
+def format_region(path: str, size: int | None, opts: FormatOptions, force: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> RegionInfo:
+    """Creates (for files) and formats a region at PATH; returns its header."""
+    validate_options(opts)
+    target = medium.inspect_target(path, for_write=True)
+    if target.kind == "devdax":
+        if size is None:
+            size = target.size
+        if size > target.size:
+            raise UsageError(f"--size {format_size(size)} exceeds {target.dax_name}'s "
+                             f"{format_size(target.size)}", "give a smaller --size or omit it")
+    elif size is None:
+        raise UsageError("a region file needs --size", "e.g. --size 8G")
+    flush_mode = opts.flush_mode or ("clflush" if target.kind == "devdax" else "none")
+    if not flush_mode_supported(flush_mode):
+        raise FlushModeError(f"this CPU does not support flush mode {flush_mode}",
+                             "choose another with --flush-mode (see `tract doctor`)")
+    compute_layout(size, target.alignment, opts, flush_mode)   # all checks before any write
+
+    kind, info = probe(path, target)
+    if kind != "empty" and not force:
+        raise AlreadyFormattedError(f"{path} already holds {describe_existing(kind, info, target)}",
+                                    "pass --force to overwrite it")
+
+    created = False
+    if target.kind != "devdax":
+        created = medium.reserve_file(path, size, progress)
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        base = ffi.from_buffer(mm)
+        try:
+            raise_for(lib.tract_format(base, _params(size, target.alignment, opts, flush_mode)),
+                      path)
+            hdr = ffi.new("struct tract_header *")
+            raise_for(lib.tract_verify_header(base, size, hdr), path)
+            mm.flush()
+        finally:
+            ffi.release(base)
+            mm.close()
+    except BaseException:
+        if created:
+            os.unlink(path)
+        raise
+    return decode_header(hdr)
