@@ -1,7 +1,6 @@
 """`tract init PATH`: create and format a region on a file or a device-DAX device."""
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import typer
@@ -34,12 +33,15 @@ def init(
     opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
                          hash_scheme=hash_scheme, index_stripes=stripes)
     size_bytes = parse_size(size) if size is not None else None
-    start = time.perf_counter()
+    timings: dict = {}
     with render.byte_progress(f"reserving {path}", enabled=not quiet and not json_out) as cb:
-        info = format_region(path, size_bytes, opts, force=force, progress=cb)
-    elapsed = time.perf_counter() - start
+        info = format_region(path, size_bytes, opts, force=force, progress=cb, timings=timings)
     if json_out:
-        render.print_json(info.to_dict())
+        data = info.to_dict()
+        data["timings"] = timings
+        render.print_json(data)
         return
-    render.stdout.print(f"[green]formatted[/] {path} in {format_duration(elapsed)}")
+    render.stdout.print(f"[green]formatted[/] {path}: metadata written in "
+                        f"{format_duration(timings['format_s'])}, pages reserved in "
+                        f"{format_duration(timings['reserve_s'])}")
     render_info(path, info, usage=None)

@@ -8,6 +8,7 @@ recorded tree.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 from dataclasses import dataclass
@@ -115,6 +116,47 @@ def inspect_target(path: str, for_write: bool) -> Target:
                      "give a file (e.g. /dev/shm/tract.pool) or /dev/daxX.Y")
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str:
+    """Type of the file system holding PATH, from /proc/mounts (longest mount prefix)."""
+    target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype = mnt, fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def _materialize(fd: int, offset: int, length: int) -> None:
+    """Faults in and zero-fills the pages of a fresh memory-backed file range.
+
+    fallocate on tmpfs reserves pages but leaves them to be cleared at first
+    touch, which costs microseconds per 4 KiB page (more inside a VM, where
+    the host also backs the page on first touch).  Paying it here, at init,
+    means no attach and no request ever pays it.
+    """
+    from tract_cli.core.native import ffi, lib
+
+    mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, offset=offset)
+    base = ffi.from_buffer(mm)
+    try:
+        lib.tract_prefault(base, length, 1)
+    finally:
+        ffi.release(base)
+        mm.close()
+
+
 def free_bytes(path: str) -> int:
     """Bytes available to this user on the file system holding PATH."""
     vfs = os.statvfs(os.path.dirname(os.path.abspath(path)))
@@ -138,6 +180,7 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
             f"{fs} has {format_size(have)} free but the region needs {format_size(need)} more",
             "free space there, give a smaller --size, or grow the tmpfs "
             "(mount -o remount,size=... /dev/shm)")
+    in_memory = filesystem_type(path) in MEMORY_FILESYSTEMS
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
     created = not existing
     try:
@@ -146,6 +189,8 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
         while done < size:
             step = min(RESERVE_CHUNK, size - done)
             os.posix_fallocate(fd, done, step)
+            if in_memory:
+                _materialize(fd, done, step)
             done += step
             if progress:
                 progress(done, size)

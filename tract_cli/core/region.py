@@ -142,8 +142,14 @@ def describe_existing(kind: str, info: RegionInfo | None, target: medium.Target)
 
 
 def format_region(path: str, size: int | None, opts: FormatOptions, force: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> RegionInfo:
-    """Creates (for files) and formats a region at PATH; returns its header."""
+                  progress: Callable[[int, int], None] | None = None,
+                  timings: dict | None = None) -> RegionInfo:
+    """Creates (for files) and formats a region at PATH; returns its header.
+
+    TIMINGS, if given, receives reserve_s (file page reservation, grows with
+    size) and format_s (metadata only, does not).
+    """
+    timings = {} if timings is None else timings
     validate_options(opts)
     target = medium.inspect_target(path, for_write=True)
     if target.kind == "devdax":
@@ -166,8 +172,10 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
                                     "pass --force to overwrite it")
 
     created = False
+    t0 = time.perf_counter()
     if target.kind != "devdax":
         created = medium.reserve_file(path, size, progress)
+    timings["reserve_s"] = time.perf_counter() - t0
     try:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -177,8 +185,10 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
             os.close(fd)
         base = ffi.from_buffer(mm)
         try:
-            raise_for(lib.tract_format(base, _params(size, target.alignment, opts, flush_mode)),
-                      path)
+            params = _params(size, target.alignment, opts, flush_mode)
+            t0 = time.perf_counter()
+            raise_for(lib.tract_format(base, params), path)
+            timings["format_s"] = time.perf_counter() - t0
             hdr = ffi.new("struct tract_header *")
             raise_for(lib.tract_verify_header(base, size, hdr), path)
             mm.flush()

@@ -1,0 +1,29 @@
+"""Shared fixtures: region files in /dev/shm, removed after each test."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture
+def region_path():
+    """A fresh path for a region file in /dev/shm (removed afterwards)."""
+    path = os.path.join(SHM, f"tract-test-{uuid.uuid4().hex[:12]}.pool")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def tiny_pool(region_path):
+    """A 16 MiB region of the tiny model (8 KiB blocks), attached as node 0."""
+    from tract_cli.core.pool import Pool
+
+    pool = Pool.create(region_path, 16 << 20, "tiny", nodes=4)
+    yield pool
+    if not pool.closed:
+        pool.close()

@@ -1,0 +1,75 @@
+"""Child side of tests/procs.py: attach, then run commands from stdin."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+from tract_cli.core.pool import Pool
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    pool = Pool.attach(args["pool"], node=args["node"], simulate=args["simulate"],
+                       flush_mode=args["flush_mode"], sim_evict_prob=args["sim_evict_prob"],
+                       sim_seed=args["sim_seed"])
+    ops = {
+        "ready": lambda: {"accessors": pool.accessors, "flush_mode": pool.flush_mode},
+        "store_u64": lambda off, value: pool.store_u64(off, value),
+        "load_u64": lambda off: pool.load_u64(off),
+        "publish_u64": lambda off, value: pool.publish_u64(off, value),
+        "observe_u64": lambda off: pool.observe_u64(off),
+        "sim_stats": lambda: pool.sim_stats(),
+        "load_u64_times": lambda off, times: [pool.load_u64(off) for _ in range(times)][-1],
+        "ping_pong": lambda **kw: ping_pong(pool, **kw),
+        "wait_for": lambda **kw: wait_for(pool, **kw),
+    }
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            break
+        try:
+            result = ops[op](**cmd)
+            reply = {"result": result}
+        except Exception as exc:  # reported to the parent, which fails the test
+            reply = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+    pool.close()
+
+
+def wait_for(pool: Pool, off: int, value: int, deadline_s: float, observe: bool = True) -> dict:
+    """Polls OFF until it reads VALUE (bounded); returns what it saw and how often."""
+    deadline = time.monotonic() + deadline_s
+    polls = 0
+    while True:
+        seen = pool.observe_u64(off) if observe else pool.load_u64(off)
+        polls += 1
+        if seen == value or time.monotonic() > deadline:
+            return {"seen": seen, "polls": polls}
+
+
+def ping_pong(pool: Pool, my_off: int, peer_off: int, rounds: int, first: bool,
+              deadline_s: float) -> dict:
+    """Alternates with a peer process: each waits for the peer's counter, then publishes its own.
+
+    Every value must be observed in order; returns the number of rounds completed.
+    """
+    deadline = time.monotonic() + deadline_s
+    expected_peer = 0
+    for i in range(1, rounds + 1):
+        if first:
+            pool.publish_u64(my_off, i)
+        while pool.observe_u64(peer_off) != i:
+            if time.monotonic() > deadline:
+                return {"completed": i - 1, "stuck_at": i}
+        expected_peer = i
+        if not first:
+            pool.publish_u64(my_off, i)
+    return {"completed": expected_peer}
+
+
+if __name__ == "__main__":
+    main()

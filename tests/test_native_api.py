@@ -1,0 +1,39 @@
+"""The compiled module and native/tract.h agree; CPU detection is sane."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+from tract_cli.core.native import cpu_features, ffi, lib
+
+HEADER = pathlib.Path(__file__).resolve().parents[1] / "native" / "tract.h"
+
+
+def test_every_declared_function_is_exported():
+    text = HEADER.read_text()
+    block = text[text.index("/* CDEF-BEGIN */"):text.index("/* CDEF-END */")]
+    names = re.findall(r"^\w[\w\s\*]*?\b(tract_\w+)\(", block, flags=re.M)
+    assert len(names) > 20
+    for name in names:
+        assert hasattr(lib, name), name
+
+
+def test_on_media_struct_sizes():
+    assert ffi.sizeof("struct tract_header") == 4096
+    assert ffi.sizeof("struct tract_section") == 32
+    assert ffi.offsetof("struct tract_header", "sections") == 0x100
+    assert ffi.offsetof("struct tract_header", "header_crc32") == 0xFF8
+    assert ffi.offsetof("struct tract_header", "block_tokens") == 0x40
+    assert ffi.offsetof("struct tract_header", "model_fingerprint") == 0x80
+
+
+def test_crc32_matches_zlib():
+    import zlib
+    data = bytes(range(256)) * 17
+    assert lib.tract_crc32(data, len(data)) == zlib.crc32(data)
+
+
+def test_cpu_features_on_x86():
+    feats = cpu_features()
+    if "x86_64" in feats:
+        assert "clflush" in feats     # every x86-64 CPU has clflush
