@@ -12,7 +12,8 @@ import pathlib
 from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["access.c", "copy.c", "cpu.c", "layout.c", "region.c", "sim.c"]
+SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "layout.c", "local.c", "lock.c", "manager.c",
+           "objdir.c", "region.c", "sim.c"]
 
 
 def read_cdef() -> str:

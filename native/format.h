@@ -23,7 +23,8 @@ struct tract_lock_manager_line {
 	uint32_t last_node;    /* node + 1 granted last (round-robin cursor) */
 	uint64_t grant_seq;    /* grants issued for this lock */
 	uint64_t grant_ns;     /* CLOCK_REALTIME of the current grant */
-	uint8_t reserved[40];
+	uint64_t granted_req;  /* the granted node's request_seq this grant answers */
+	uint8_t reserved[32];
 };
 
 struct tract_lock_node_slot {
@@ -61,7 +62,7 @@ struct tract_objdir_entry {
 
 /* allocator header: written under the allocator lock. */
 struct tract_alloc_header {
-	uint64_t free_slots;   /* slots with bitmap bit 0 */
+	uint64_t used_slots;   /* slots with bitmap bit 1 (0 at format: all free) */
 	uint64_t next_hint;    /* slot where the next claim scan starts */
 	uint64_t claims;       /* batches claimed since format */
 	uint64_t releases;     /* batches returned since format */

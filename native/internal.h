@@ -30,6 +30,37 @@ struct tract_ops {
 	void (*fence)(tract_region *r);
 };
 
+/*
+ * The node-local segment: one per node, in local DRAM (a file in /dev/shm
+ * mapped by every process of the node).  Ordinary coherent memory, so
+ * process-shared robust mutexes and plain atomics are fine here; nothing
+ * in it is ever read by another host.
+ */
+#define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
+#define TRACT_LOCAL_VERSION 1
+
+struct tract_local_mutex {
+	pthread_mutex_t mu;
+	uint64_t acquired;      /* acquisitions of the global lock by this node */
+	uint64_t wait_ns;       /* total time spent acquiring */
+} __attribute__((aligned(64)));
+
+struct tract_local_hdr {
+	uint64_t magic;
+	uint32_t version;
+	uint32_t node;
+	uint8_t region_uuid[16];
+	uint32_t lock_count;
+	uint32_t reserved;
+	uint64_t slot_count;
+	uint64_t free_count;    /* entries in the free list, under alloc_mu */
+	uint64_t locks_off;     /* offsets inside the segment */
+	uint64_t free_list_off; /* u32 slot ids */
+	uint64_t free_bits_off; /* 1 bit per slot: in this node's free list */
+	pthread_mutex_t agent_mu __attribute__((aligned(64)));
+	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
+} __attribute__((aligned(64)));
+
 struct tract_region {
 	uint8_t *base;
 	uint64_t size;
@@ -39,7 +70,41 @@ struct tract_region {
 	const struct tract_ops *ops;
 	struct tract_sim *sim;      /* non-NULL only in simulator mode */
 	struct tract_header hdr;    /* private copy of the verified header */
+	struct tract_local_hdr *local; /* bound node-local segment, or NULL */
+	uint8_t *held;              /* per lock: 1 if this process holds it */
+	pthread_mutex_t held_mu;    /* guards held[] across this process's threads */
 };
+
+/* the section of a kind from the verified header (internal) */
+static inline const struct tract_section *tract_sec(const tract_region *r, uint32_t kind)
+{
+	return &r->hdr.sections[kind - 1];
+}
+
+/* locks a robust mutex within timeout_ns, recovering a dead owner (internal) */
+int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns);
+
+/* the local mutex record of a lock (internal) */
+static inline struct tract_local_mutex *tract_local_lock(const tract_region *r, uint32_t id)
+{
+	return (struct tract_local_mutex *)((uint8_t *)r->local + r->local->locks_off) + id;
+}
+
+/* region offset of line `line` of lock `id`: 0 = manager, 1 + k = node k (internal) */
+static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint32_t line)
+{
+	const struct tract_section *s = tract_sec(r, TRACT_SEC_LOCKS);
+	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
+}
+
+/* CLOCK_REALTIME in ns (internal) */
+uint64_t tract_now_ns(void);
+
+/* CLOCK_MONOTONIC in ns (internal) */
+uint64_t tract_mono_ns(void);
+
+/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
+void tract_backoff(uint32_t *round, uint64_t max_sleep_ns);
 
 /* true if [off, off+n) lies inside the region (internal) */
 static inline int tract_in_bounds(const tract_region *r, uint64_t off, uint64_t n)

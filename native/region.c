@@ -190,6 +190,11 @@ int tract_attach(void *base, uint64_t mapped_size, int flush_mode, uint32_t flag
 	rc = TRACT_E_FLUSH_UNSUPPORTED;
 	if (!tract_flush_mode_supported(mode))
 		goto fail;
+	rc = TRACT_E_NOMEM;
+	r->held = calloc(r->hdr.lock_count, 1);
+	if (!r->held)
+		goto fail;
+	pthread_mutex_init(&r->held_mu, NULL);
 	r->base = base;
 	r->size = r->hdr.region_size;
 	r->flags = flags;
@@ -209,6 +214,7 @@ int tract_attach(void *base, uint64_t mapped_size, int flush_mode, uint32_t flag
 	*out = r;
 	return TRACT_OK;
 fail:
+	free(r->held);
 	free(r);
 	return rc;
 }
@@ -219,6 +225,8 @@ void tract_detach(tract_region *r)
 	if (!r)
 		return;
 	tract_sim_destroy(r);
+	pthread_mutex_destroy(&r->held_mu);
+	free(r->held);
 	free(r);
 }
 

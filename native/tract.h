@@ -32,7 +32,14 @@ enum {
 	TRACT_E_ALIGN = -9,          /* size or offset not a multiple of the alignment */
 	TRACT_E_FLUSH_UNSUPPORTED = -10, /* the CPU lacks the flush instruction */
 	TRACT_E_NOMEM = -11,         /* process-local allocation failed */
-	TRACT_E_SYS = -12            /* a system call failed; see errno */
+	TRACT_E_SYS = -12,           /* a system call failed; see errno */
+	TRACT_E_TIMEOUT = -13,       /* a bounded wait ran out */
+	TRACT_E_NO_LOCAL = -14,      /* no node-local segment bound to the handle */
+	TRACT_E_NOT_HELD = -15,      /* releasing a lock this process does not hold */
+	TRACT_E_FULL = -16,          /* no free slot / directory entry left */
+	TRACT_E_NOT_FOUND = -17,     /* no such named object */
+	TRACT_E_CORRUPT = -18,       /* region metadata fails a consistency check */
+	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 
 /* ---- format constants ---- */
@@ -264,6 +271,84 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 
 /* Copies with the core's copy routine between two private buffers (benchmarks). */
 void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
+
+/* ---- node-local segment (per node, in local DRAM, e.g. /dev/shm) ---- */
+
+/* Bytes a node-local segment needs for this region. */
+uint64_t tract_local_size(const tract_region *r);
+
+/* Initializes a fresh, zeroed local segment for this region and the handle's node. */
+int tract_local_init(void *mem, uint64_t size, const tract_region *r);
+
+/* Binds an initialized local segment to the handle (checks magic, region, node). */
+int tract_bind_local(tract_region *r, void *mem, uint64_t size);
+
+/* Tries to take the node's agent mutex: 0 taken, TRACT_E_TIMEOUT if another agent holds it. */
+int tract_agent_lock(tract_region *r);
+
+/* Releases the node's agent mutex. */
+int tract_agent_unlock(tract_region *r);
+
+/* ---- the two-tier lock ---- */
+
+/* what a timed-out acquire saw, for the error message */
+struct tract_lock_wait {
+	uint32_t granted_node;   /* node + 1 holding the grant, 0 none */
+	uint32_t holder_pid;     /* pid in that node's slot */
+	uint64_t held_ns;        /* how long the grant has been held */
+	uint32_t stage;          /* 1 local mutex, 2 global grant */
+	uint32_t reserved;
+};
+
+/* Acquires global lock lock_id (local mutex, then a grant from the lock manager). */
+int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		       struct tract_lock_wait *wait);
+
+/* Releases global lock lock_id: publish IDLE, then unlock the local mutex. */
+int tract_lock_release(tract_region *r, uint32_t lock_id);
+
+/* Per-lock acquisition count and total wait of this node (local statistics). */
+int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
+		     uint64_t *wait_ns);
+
+/* ---- the lock manager (a native thread; exactly one per region) ---- */
+
+typedef struct tract_manager tract_manager;
+
+/* Starts the manager thread; idle_sleep_max_ns caps its back-off when nothing is pending. */
+int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manager **out);
+
+/* Stops and frees the manager thread. */
+void tract_manager_stop(tract_manager *m);
+
+/* Manager counters: scans, grants, releases seen, idle sleeps (4 values). */
+int tract_manager_stats(const tract_manager *m, uint64_t *out4);
+
+/* ---- allocator ---- */
+
+/* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
+int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns);
+
+/* Frees n slots: own slots go to the node's free list, others back to the region. */
+int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns);
+
+/* Returns every slot of this node's free list to the region. */
+int tract_alloc_drain(tract_region *r, uint64_t timeout_ns);
+
+/* Copies this node's free list (up to cap entries) into out; *count gets its length. */
+int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, uint64_t *count);
+
+/* ---- object store (named roots) ---- */
+
+/* Publishes name -> (offset, size) under the object-directory lock. */
+int tract_obj_put(tract_region *r, const char *name, uint64_t offset, uint64_t size,
+		  uint64_t timeout_ns);
+
+/* Looks a name up without the lock; bounds-checks what it read. */
+int tract_obj_get(tract_region *r, const char *name, uint64_t *offset, uint64_t *size);
+
+/* Removes a name under the object-directory lock. */
+int tract_obj_delete(tract_region *r, const char *name, uint64_t timeout_ns);
 
 /* CDEF-END */
 

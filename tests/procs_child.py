@@ -24,6 +24,17 @@ def main() -> None:
         "load_u64_times": lambda off, times: [pool.load_u64(off) for _ in range(times)][-1],
         "ping_pong": lambda **kw: ping_pong(pool, **kw),
         "wait_for": lambda **kw: wait_for(pool, **kw),
+        "counter_loop": lambda **kw: counter_loop(pool, **kw),
+        "lock_acquire": lambda lock_id, timeout=30.0: pool.locks.acquire(lock_id, timeout),
+        "lock_release": lambda lock_id: pool.locks.release(lock_id),
+        "lock_stats": lambda lock_id: list(pool.locks.stats(lock_id)),
+        "alloc": lambda n: pool.allocator.alloc(n).tolist(),
+        "free": lambda slots: pool.allocator.free(slots),
+        "churn": lambda **kw: churn(pool, **kw),
+        "local_free": lambda: pool.allocator.local_free().tolist(),
+        "drain": lambda: pool.allocator.drain(),
+        "obj_put": lambda name, offset, size: pool.objects.put(name, offset, size),
+        "obj_get": lambda name: pool.objects.get(name),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -38,6 +49,38 @@ def main() -> None:
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
     pool.close()
+
+
+def counter_loop(pool: Pool, off: int, iterations: int, use_lock: bool) -> int:
+    """Plain, non-atomic read-modify-write of a shared counter, under lock 1 or not."""
+    for _ in range(iterations):
+        if use_lock:
+            pool.locks.acquire(1, timeout=60)
+        value = pool.observe_u64(off)
+        pool.publish_u64(off, value + 1)
+        if use_lock:
+            pool.locks.release(1)
+    return iterations
+
+
+def churn(pool: Pool, rounds: int, seed: int) -> list[int]:
+    """Allocates and frees random batches; returns the slots it still holds."""
+    import random
+    rng = random.Random(seed)
+    held: list[int] = []
+    for _ in range(rounds):
+        if held and rng.random() < 0.5:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            pool.allocator.free(held[:k])
+            held = held[k:]
+        else:
+            try:
+                held += pool.allocator.alloc(rng.randint(1, 40)).tolist()
+            except Exception as exc:          # a full pool is an expected outcome here
+                if "fewer than" not in str(exc):
+                    raise
+    return held
 
 
 def wait_for(pool: Pool, off: int, value: int, deadline_s: float, observe: bool = True) -> dict:

@@ -20,6 +20,10 @@ from tract_cli.core.geometry import Geometry, ModelProfile, load_model
 from tract_cli.core.header import RegionInfo, decode_header
 from tract_cli.core.native import (FLUSH_MODE_NAMES, FLUSH_MODES, ffi, flush_mode_supported,
                                    lib, raise_for)
+from tract_cli.core.allocator import Allocator
+from tract_cli.core.local import LocalSegment
+from tract_cli.core.locks import Locks
+from tract_cli.core.objects import ObjectStore
 from tract_cli.core.region import FormatOptions, format_region
 
 _NUMPY_DTYPES = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "fp8": np.uint8}
@@ -38,8 +42,12 @@ class Pool:
     """
 
     def __init__(self, path: str, target: medium.Target, mm: mmap.mmap, base, region,
-                 info: RegionInfo, node: int, readonly: bool):
+                 info: RegionInfo, node: int, readonly: bool, local: LocalSegment | None = None):
         self.path = path
+        self._local = local
+        self.locks = Locks(self)
+        self.allocator = Allocator(self)
+        self.objects = ObjectStore(self)
         self.target = target
         self.info = info
         self.node = node
@@ -71,14 +79,15 @@ class Pool:
     def attach(cls, path: str, node: int = 0, *, flush_mode: str | None = None,
                simulate: bool | None = None, sim_evict_prob: float = 0.0, sim_seed: int = 0,
                prefault: bool = True, readonly: bool = False,
-               expect: ModelProfile | Geometry | None = None) -> "Pool":
+               expect: ModelProfile | Geometry | None = None, local: bool = True) -> "Pool":
         """Maps and verifies the region at PATH and attaches as NODE.
 
         flush_mode overrides the header's (env TRACT_FLUSH_MODE does too);
         simulate runs every metadata access through the non-coherence
         simulator (env TRACT_SIMULATE=1); prefault maps every page before
         returning so no request pays a first-touch fault; expect refuses a
-        region formatted for another model or geometry.
+        region formatted for another model or geometry; local maps the
+        node-local segment (locks, allocator), skipped when readonly.
         """
         flush_mode = flush_mode or os.environ.get("TRACT_FLUSH_MODE") or None
         if flush_mode is not None:
@@ -112,6 +121,7 @@ class Pool:
             os.close(fd)
         base = ffi.from_buffer(mm)
         region = ffi.NULL
+        segment = None
         try:
             handle = ffi.new("tract_region **")
             flags = (lib.TRACT_ATTACH_SIMULATE if simulate else 0) | \
@@ -134,13 +144,15 @@ class Pool:
                 raise_for(lib.tract_sim_configure(region, prob, sim_seed), path)
             if prefault:
                 raise_for(lib.tract_prefault(base, info.region_size, 0 if readonly else 1), path)
+            if local and not readonly:
+                segment = LocalSegment.open_or_create(region, info.uuid, node)
         except BaseException:
             if region != ffi.NULL:
                 lib.tract_detach(region)
             ffi.release(base)
             mm.close()
             raise
-        return cls(path, target, mm, base, region, info, node, readonly)
+        return cls(path, target, mm, base, region, info, node, readonly, segment)
 
     # ---- lifetime ----
 
@@ -150,6 +162,8 @@ class Pool:
             return
         lib.tract_detach(self._region)
         self._region = None
+        if self._local is not None:
+            self._local.close()
         ffi.release(self._base)
         try:
             self._mm.close()

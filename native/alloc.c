@@ -1,0 +1,321 @@
+/*
+ * alloc.c -- the slot allocator (DESIGN.md §6, docs/PROTOCOLS.md §5).
+ *
+ * Ground truth is the region: bitmap bit i = slot i taken from the pool,
+ * owners[i] = claiming node + 1.  A node claims slots in batches under the
+ * allocator lock (lock 0) and serves allocate/free from its free list in
+ * the node-local segment, so the common path takes no global lock and
+ * writes no shared metadata.  Free reads the owner map (no lock, no write)
+ * to tell its own slots from others': a slot claimed by another node goes
+ * back to the region, batched, so claims stay exact and a dead node's slots
+ * can be recovered precisely.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define BATCH 64
+#define HIGH_WATER (8 * BATCH)
+#define LOCK_ALLOC 0
+
+/* the node's free list and its membership bits (internal) */
+static uint32_t *free_list(const tract_region *r)
+{
+	return (uint32_t *)((uint8_t *)r->local + r->local->free_list_off);
+}
+
+static uint8_t *free_bits(const tract_region *r)
+{
+	return (uint8_t *)r->local + r->local->free_bits_off;
+}
+
+/* observes one line into buf (internal) */
+static void observe_line(tract_region *r, uint64_t off, uint8_t *buf)
+{
+	r->ops->invalidate(r, off, TRACT_LINE);
+	r->ops->fence(r);
+	r->ops->load(r, off, buf, TRACT_LINE);
+}
+
+/* stores and flushes one line; the caller fences once at the end (internal) */
+static void write_line(tract_region *r, uint64_t off, const uint8_t *buf)
+{
+	r->ops->store(r, off, buf, TRACT_LINE);
+	r->ops->flush(r, off, TRACT_LINE);
+}
+
+/* sets owners[slot] for a sorted list of slots, a line at a time (internal) */
+static void set_owners(tract_region *r, const uint32_t *slots, uint32_t n, uint8_t value)
+{
+	uint64_t base = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+	uint8_t line[TRACT_LINE];
+	for (uint32_t i = 0; i < n;) {
+		uint64_t lo = (uint64_t)slots[i] & ~63ULL;
+		observe_line(r, base + lo, line);
+		for (; i < n && ((uint64_t)slots[i] & ~63ULL) == lo; i++)
+			line[slots[i] - lo] = value;
+		write_line(r, base + lo, line);
+	}
+}
+
+/* reads, updates and writes back the allocator header (internal) */
+static void update_header(tract_region *r, int64_t used_delta, uint64_t hint, int claim)
+{
+	uint64_t off = tract_sec(r, TRACT_SEC_ALLOC)->offset;
+	struct tract_alloc_header h;
+	observe_line(r, off, (uint8_t *)&h);
+	h.used_slots = (uint64_t)((int64_t)h.used_slots + used_delta);
+	if (claim) {
+		h.next_hint = hint;
+		h.claims++;
+	} else {
+		h.releases++;
+	}
+	write_line(r, off, (const uint8_t *)&h);
+}
+
+/* claims up to want free slots into out under the allocator lock (internal) */
+static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
+		 uint64_t timeout_ns)
+{
+	int rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	uint64_t slots = r->hdr.slot_count;
+	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+	struct tract_alloc_header h;
+	observe_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (uint8_t *)&h);
+	uint64_t lines = (slots + 511) / 512;
+	uint64_t start = (h.next_hint < slots ? h.next_hint : 0) / 512;
+	uint32_t n = 0;
+	uint8_t line[TRACT_LINE];
+	for (uint64_t k = 0; k < lines && n < want; k++) {
+		uint64_t li = (start + k) % lines;
+		observe_line(r, bm + li * TRACT_LINE, line);
+		int dirty = 0;
+		for (uint32_t b = 0; b < 512 && n < want; b++) {
+			uint64_t s = li * 512 + b;
+			if (s >= slots)
+				break;
+			if (!(line[b / 8] & (1u << (b % 8)))) {
+				line[b / 8] |= (uint8_t)(1u << (b % 8));
+				out[n++] = (uint32_t)s;
+				dirty = 1;
+			}
+		}
+		if (dirty)
+			write_line(r, bm + li * TRACT_LINE, line);
+	}
+	if (n) {
+		uint32_t last = out[n - 1];
+		/* out is ascending except across the wrap: sort for set_owners */
+		for (uint32_t i = 1; i < n; i++)
+			for (uint32_t j = i; j > 0 && out[j - 1] > out[j]; j--) {
+				uint32_t t = out[j];
+				out[j] = out[j - 1];
+				out[j - 1] = t;
+			}
+		set_owners(r, out, n, (uint8_t)(r->node_id + 1));
+		update_header(r, n, (uint64_t)last + 1, 1);
+		r->ops->fence(r);
+	}
+	tract_lock_release(r, LOCK_ALLOC);
+	*got = n;
+	return TRACT_OK;
+}
+
+/* u32 comparison for qsort (internal) */
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* returns slots (sorted in place) to the pool under the allocator lock (internal) */
+static int release(tract_region *r, uint32_t *slots, uint32_t n, uint64_t timeout_ns)
+{
+	if (!n)
+		return TRACT_OK;
+	qsort(slots, n, sizeof(*slots), cmp_u32);
+	int rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+	uint8_t line[TRACT_LINE];
+	uint32_t cleared = 0;
+	for (uint32_t i = 0; i < n;) {
+		uint64_t lo = (uint64_t)slots[i] & ~511ULL;
+		observe_line(r, bm + lo / 8, line);
+		for (; i < n && ((uint64_t)slots[i] & ~511ULL) == lo; i++) {
+			uint32_t b = (uint32_t)(slots[i] - lo);
+			if (line[b / 8] & (1u << (b % 8)))
+				cleared++;
+			line[b / 8] &= (uint8_t)~(1u << (b % 8));
+		}
+		write_line(r, bm + lo / 8, line);
+	}
+	set_owners(r, slots, n, 0);
+	update_header(r, -(int64_t)cleared, 0, 0);
+	r->ops->fence(r);
+	tract_lock_release(r, LOCK_ALLOC);
+	return cleared == n ? TRACT_OK : TRACT_E_CORRUPT;
+}
+
+/* pops n slots from the node's free list into out (internal) */
+static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
+{
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t s = fl[--r->local->free_count];
+		fb[s / 8] &= (uint8_t)~(1u << (s % 8));
+		out[i] = s;
+	}
+}
+
+/* pushes slots onto the node's free list (internal) */
+static void push_local(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	for (uint32_t i = 0; i < n; i++) {
+		fl[r->local->free_count++] = slots[i];
+		fb[slots[i] / 8] |= (uint8_t)(1u << (slots[i] % 8));
+	}
+}
+
+/* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
+int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
+{
+	if (!r || (!out && n) || n > r->hdr.slot_count)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	if (rc < 0)
+		return rc;
+	if (r->local->free_count < n) {
+		uint32_t need = n - (uint32_t)r->local->free_count;
+		uint32_t want = need > BATCH ? need : BATCH;
+		uint32_t *tmp = malloc((size_t)want * sizeof(uint32_t));
+		uint32_t got = 0;
+		rc = tmp ? claim(r, want, tmp, &got, timeout_ns) : TRACT_E_NOMEM;
+		if (rc == TRACT_OK)
+			push_local(r, tmp, got);   /* ours now, even if short */
+		free(tmp);
+		if (rc == TRACT_OK && got < need)
+			rc = TRACT_E_FULL;
+		if (rc < 0) {
+			pthread_mutex_unlock(&r->local->alloc_mu);
+			return rc;
+		}
+	}
+	pop_local(r, n, out);
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return TRACT_OK;
+}
+
+/* Frees n slots: own slots go to the node's free list, others back to the region. */
+int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns)
+{
+	if (!r || (!slots && n))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	for (uint32_t i = 0; i < n; i++)
+		if (slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+	uint32_t *foreign = malloc(((size_t)n + 1) * sizeof(uint32_t));
+	uint32_t *own = malloc(((size_t)n + 1) * sizeof(uint32_t));
+	if (!foreign || !own) {
+		free(foreign);
+		free(own);
+		return TRACT_E_NOMEM;
+	}
+	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	if (rc < 0)
+		goto out;
+	/* classify by the owner map (read only: no lock, no shared write) */
+	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+	uint8_t *fb = free_bits(r);
+	uint32_t nf = 0, no = 0;
+	rc = TRACT_OK;
+	for (uint32_t i = 0; i < n && rc == TRACT_OK; i++) {
+		uint32_t s = slots[i];
+		uint8_t owner;
+		r->ops->invalidate(r, owners + s, 1);
+		r->ops->fence(r);
+		r->ops->load(r, owners + s, &owner, 1);
+		if (owner == 0)
+			rc = TRACT_E_CORRUPT;          /* not taken from the pool: double free */
+		else if (owner == r->node_id + 1 && (fb[s / 8] & (1u << (s % 8))))
+			rc = TRACT_E_CORRUPT;          /* already on our free list */
+		else if (owner == r->node_id + 1)
+			own[no++] = s;
+		else
+			foreign[nf++] = s;
+	}
+	if (rc == TRACT_OK) {
+		push_local(r, own, no);
+		rc = release(r, foreign, nf, timeout_ns);
+		/* keep the free list bounded: return the excess to the region */
+		if (rc == TRACT_OK && r->local->free_count > HIGH_WATER) {
+			uint32_t k = (uint32_t)r->local->free_count - HIGH_WATER / 2;
+			uint32_t *ex = realloc(own, (size_t)k * sizeof(uint32_t));
+			if (ex) {
+				own = ex;
+				pop_local(r, k, own);
+				rc = release(r, own, k, timeout_ns);
+			}
+		}
+	}
+	pthread_mutex_unlock(&r->local->alloc_mu);
+out:
+	free(foreign);
+	free(own);
+	return rc;
+}
+
+/* Returns every slot of this node's free list to the region. */
+int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
+{
+	if (!r)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	if (rc < 0)
+		return rc;
+	uint32_t k = (uint32_t)r->local->free_count;
+	uint32_t *buf = malloc(((size_t)k + 1) * sizeof(uint32_t));
+	if (!buf) {
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		return TRACT_E_NOMEM;
+	}
+	pop_local(r, k, buf);
+	rc = release(r, buf, k, timeout_ns);
+	if (rc == TRACT_E_TIMEOUT)
+		push_local(r, buf, k);
+	free(buf);
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return rc;
+}
+
+/* Copies this node's free list (up to cap entries) into out; *count gets its length. */
+int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, uint64_t *count)
+{
+	if (!r || !count)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = tract_robust_lock(&r->local->alloc_mu, 1000000000ULL);
+	if (rc < 0)
+		return rc;
+	uint64_t n = r->local->free_count;
+	*count = n;
+	if (out)
+		memcpy(out, free_list(r), (n < cap ? n : cap) * sizeof(uint32_t));
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return TRACT_OK;
+}

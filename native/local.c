@@ -1,0 +1,163 @@
+/*
+ * local.c -- the node-local segment: robust process-shared mutexes (the
+ * local tier of the two-tier lock), the agent mutex, and the node's slot
+ * free list.  Also small time and back-off helpers.
+ */
+#include <errno.h>
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+/* CLOCK_REALTIME in ns (internal) */
+uint64_t tract_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* CLOCK_MONOTONIC in ns (internal) */
+uint64_t tract_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
+void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
+{
+	uint32_t n = (*round)++;
+	if (n < 64) {
+#if defined(__x86_64__)
+		for (int i = 0; i < 32; i++)
+			__asm__ volatile("pause");
+#endif
+		return;
+	}
+	if (n < 128) {
+		sched_yield();
+		return;
+	}
+	uint64_t ns = 1000ULL << (n - 128 < 10 ? n - 128 : 10);
+	if (ns > max_sleep_ns)
+		ns = max_sleep_ns;
+	struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
+	nanosleep(&ts, NULL);
+}
+
+/* rounds v up to 64 (internal) */
+static uint64_t up64(uint64_t v)
+{
+	return (v + 63) & ~63ULL;
+}
+
+/* Bytes a node-local segment needs for this region. */
+uint64_t tract_local_size(const tract_region *r)
+{
+	if (!r)
+		return 0;
+	uint64_t n = r->hdr.slot_count;
+	return up64(sizeof(struct tract_local_hdr)) +
+	       up64((uint64_t)r->hdr.lock_count * sizeof(struct tract_local_mutex)) +
+	       up64(n * 4) + up64((n + 7) / 8);
+}
+
+/* initializes one robust, process-shared mutex (internal) */
+static int init_mutex(pthread_mutex_t *mu)
+{
+	pthread_mutexattr_t a;
+	if (pthread_mutexattr_init(&a))
+		return TRACT_E_SYS;
+	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+	int rc = pthread_mutex_init(mu, &a);
+	pthread_mutexattr_destroy(&a);
+	return rc ? TRACT_E_SYS : TRACT_OK;
+}
+
+/* Initializes a fresh, zeroed local segment for this region and the handle's node. */
+int tract_local_init(void *mem, uint64_t size, const tract_region *r)
+{
+	if (!mem || !r || size < tract_local_size(r))
+		return TRACT_E_INVAL;
+	struct tract_local_hdr *h = mem;
+	memset(h, 0, sizeof(*h));
+	h->version = TRACT_LOCAL_VERSION;
+	h->node = r->node_id;
+	memcpy(h->region_uuid, r->hdr.uuid, 16);
+	h->lock_count = r->hdr.lock_count;
+	h->slot_count = r->hdr.slot_count;
+	h->locks_off = up64(sizeof(*h));
+	h->free_list_off = h->locks_off + up64((uint64_t)h->lock_count * sizeof(struct tract_local_mutex));
+	h->free_bits_off = h->free_list_off + up64(h->slot_count * 4);
+	int rc = init_mutex(&h->agent_mu);
+	if (!rc)
+		rc = init_mutex(&h->alloc_mu);
+	struct tract_local_mutex *m = (void *)((uint8_t *)mem + h->locks_off);
+	for (uint32_t i = 0; !rc && i < h->lock_count; i++)
+		rc = init_mutex(&m[i].mu);
+	if (rc)
+		return rc;
+	__atomic_store_n(&h->magic, TRACT_LOCAL_MAGIC, __ATOMIC_RELEASE);
+	return TRACT_OK;
+}
+
+/* Binds an initialized local segment to the handle (checks magic, region, node). */
+int tract_bind_local(tract_region *r, void *mem, uint64_t size)
+{
+	if (!r || !mem)
+		return TRACT_E_INVAL;
+	struct tract_local_hdr *h = mem;
+	if (size < sizeof(*h) || __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != TRACT_LOCAL_MAGIC ||
+	    h->version != TRACT_LOCAL_VERSION)
+		return TRACT_E_NOT_FORMATTED;
+	if (memcmp(h->region_uuid, r->hdr.uuid, 16) || h->node != r->node_id ||
+	    h->lock_count != r->hdr.lock_count || h->slot_count != r->hdr.slot_count ||
+	    size < tract_local_size(r))
+		return TRACT_E_LAYOUT;
+	r->local = h;
+	return TRACT_OK;
+}
+
+/* locks a robust mutex, making it consistent if its owner died (internal) */
+int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
+{
+	int rc = pthread_mutex_trylock(mu);
+	if (rc == EBUSY && timeout_ns) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		uint64_t end = (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec + timeout_ns;
+		ts.tv_sec = (time_t)(end / 1000000000ULL);
+		ts.tv_nsec = (long)(end % 1000000000ULL);
+		rc = pthread_mutex_timedlock(mu, &ts);
+	}
+	if (rc == 0)
+		return TRACT_OK;
+	if (rc == EOWNERDEAD) {
+		pthread_mutex_consistent(mu);
+		return TRACT_RECOVERED;
+	}
+	if (rc == EBUSY || rc == ETIMEDOUT)
+		return TRACT_E_TIMEOUT;
+	return TRACT_E_SYS;
+}
+
+/* Tries to take the node's agent mutex: 0 taken, TRACT_E_TIMEOUT if another agent holds it. */
+int tract_agent_lock(tract_region *r)
+{
+	if (!r || !r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = tract_robust_lock(&r->local->agent_mu, 0);
+	return rc == TRACT_RECOVERED ? TRACT_OK : rc;
+}
+
+/* Releases the node's agent mutex. */
+int tract_agent_unlock(tract_region *r)
+{
+	if (!r || !r->local)
+		return TRACT_E_NO_LOCAL;
+	return pthread_mutex_unlock(&r->local->agent_mu) ? TRACT_E_NOT_HELD : TRACT_OK;
+}

@@ -1,0 +1,155 @@
+/*
+ * lock.c -- the two-tier lock, requester side (docs/PROTOCOLS.md §4).
+ *
+ * acquire: local robust mutex -> publish WAITING (with a fresh request_seq)
+ *          in this node's slot line -> poll the manager's line until it
+ *          grants this node this request -> publish LOCKED.
+ * release: publish IDLE -> unlock the local mutex.
+ *
+ * Only the holder of the node's local mutex writes the node's slot line and
+ * only the manager writes line 0, so every line has one writer and no atomic
+ * instruction touches the region.
+ */
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define MAX_SLEEP_NS 100000ULL
+
+/* observes a whole lock line (internal) */
+static void observe_line(tract_region *r, uint64_t off, void *dst)
+{
+	r->ops->invalidate(r, off, TRACT_LINE);
+	r->ops->fence(r);
+	r->ops->load(r, off, dst, TRACT_LINE);
+}
+
+/* publishes a whole lock line (internal) */
+static void publish_line(tract_region *r, uint64_t off, const void *src)
+{
+	r->ops->store(r, off, src, TRACT_LINE);
+	r->ops->flush(r, off, TRACT_LINE);
+	r->ops->fence(r);
+}
+
+/* writes this node's slot for lock id: state, pid, request seq (internal) */
+static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req)
+{
+	struct tract_lock_node_slot s;
+	memset(&s, 0, sizeof(s));
+	s.state = state;
+	s.pid = (uint32_t)getpid();
+	s.request_seq = req;
+	s.since_ns = tract_now_ns();
+	publish_line(r, tract_lock_line(r, id, 1 + r->node_id), &s);
+}
+
+/* fills the wait report from what the region says now (internal) */
+static void describe_wait(tract_region *r, uint32_t id, uint32_t stage, struct tract_lock_wait *w)
+{
+	struct tract_lock_manager_line m;
+	struct tract_lock_node_slot s;
+	if (!w)
+		return;
+	memset(w, 0, sizeof(*w));
+	w->stage = stage;
+	observe_line(r, tract_lock_line(r, id, 0), &m);
+	w->granted_node = m.granted_node <= r->hdr.max_nodes ? m.granted_node : 0;
+	if (w->granted_node) {
+		observe_line(r, tract_lock_line(r, id, w->granted_node), &s);
+		w->holder_pid = s.pid;
+		uint64_t now = tract_now_ns();
+		w->held_ns = now > m.grant_ns ? now - m.grant_ns : 0;
+	}
+}
+
+/* Acquires global lock lock_id (local mutex, then a grant from the lock manager). */
+int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		       struct tract_lock_wait *wait)
+{
+	if (!r || lock_id >= r->hdr.lock_count || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	uint64_t start = tract_mono_ns();
+	struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
+
+	int rc = tract_robust_lock(&lm->mu, timeout_ns);
+	if (rc < 0) {
+		describe_wait(r, lock_id, 1, wait);
+		return rc;
+	}
+	int recovered = rc == TRACT_RECOVERED;
+
+	/* request: a fresh sequence number, so a stale grant is never mistaken
+	 * for this one; the previous holder on this node wrote the line last */
+	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
+	struct tract_lock_node_slot mine;
+	observe_line(r, slot_off, &mine);
+	uint64_t req = mine.request_seq + 1;
+	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req);
+
+	/* wait for the manager's grant of exactly this request */
+	uint64_t mgr_off = tract_lock_line(r, lock_id, 0);
+	uint32_t round = 0;
+	for (;;) {
+		struct tract_lock_manager_line m;
+		observe_line(r, mgr_off, &m);
+		if (m.granted_node == r->node_id + 1 && m.granted_req == req)
+			break;
+		if (tract_mono_ns() - start > timeout_ns) {
+			describe_wait(r, lock_id, 2, wait);
+			/* withdraw; a grant racing with this is released by the
+			 * manager when it sees IDLE, so nothing leaks */
+			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req);
+			pthread_mutex_unlock(&lm->mu);
+			return TRACT_E_TIMEOUT;
+		}
+		tract_backoff(&round, MAX_SLEEP_NS);
+	}
+	publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req);
+	lm->acquired++;
+	lm->wait_ns += tract_mono_ns() - start;
+	pthread_mutex_lock(&r->held_mu);
+	r->held[lock_id] = 1;
+	pthread_mutex_unlock(&r->held_mu);
+	return recovered ? TRACT_RECOVERED : TRACT_OK;
+}
+
+/* Releases global lock lock_id: publish IDLE, then unlock the local mutex. */
+int tract_lock_release(tract_region *r, uint32_t lock_id)
+{
+	if (!r || lock_id >= r->hdr.lock_count)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	pthread_mutex_lock(&r->held_mu);
+	int held = r->held[lock_id];
+	r->held[lock_id] = 0;
+	pthread_mutex_unlock(&r->held_mu);
+	if (!held)
+		return TRACT_E_NOT_HELD;
+	struct tract_lock_node_slot mine;
+	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
+	observe_line(r, slot_off, &mine);
+	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq);
+	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
+	return TRACT_OK;
+}
+
+/* Per-lock acquisition count and total wait of this node (local statistics). */
+int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
+		     uint64_t *wait_ns)
+{
+	if (!r || lock_id >= r->hdr.lock_count)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
+	if (acquired)
+		*acquired = lm->acquired;
+	if (wait_ns)
+		*wait_ns = lm->wait_ns;
+	return TRACT_OK;
+}

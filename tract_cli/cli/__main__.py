@@ -1,0 +1,3 @@
+from tract_cli.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""`tract agent`: run a node's agent in the foreground (heartbeat, lock manager)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+import typer
+
+from tract_cli.core.agent import Agent
+
+
+def agent(
+    pool: str = typer.Option(..., "--pool", "-p", help="Region file or /dev/daxX.Y."),
+    node: int = typer.Option(..., "--node", "-n", help="This host's node id."),
+    manager: bool = typer.Option(False, "--manager", help="Run the region's lock manager here."),
+    simulate: bool = typer.Option(False, "--simulate", help="Non-coherence simulator (tests)."),
+    flush_mode: Optional[str] = typer.Option(None, "--flush-mode", help="Override the header's."),
+    heartbeat_ms: int = typer.Option(100, "--heartbeat-ms", help="Heartbeat period."),
+) -> None:
+    """Run the node agent until SIGTERM or Ctrl-C; logs to stderr."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    a = Agent(pool, node, manager, simulate=simulate or None, flush_mode=flush_mode,
+              heartbeat_s=heartbeat_ms / 1000).start()
+    role = ", lock manager" if manager else ""
+    print(f"tract agent: node {node} pid {os.getpid()} epoch {a.epoch}{role}: running",
+          file=sys.stderr, flush=True)
+    try:
+        a.wait(stop)
+    finally:
+        stats = a.manager_stats()
+        a.stop()
+        extra = f" ({stats['grants']} grants in {stats['scans']} scans)" if stats else ""
+        print(f"tract agent: node {node}: stopped{extra}", file=sys.stderr, flush=True)

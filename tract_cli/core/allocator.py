@@ -1,0 +1,57 @@
+"""The slot allocator as a Python object: one call per batch of slots."""
+from __future__ import annotations
+
+import numpy as np
+
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.native import ffi, lib, raise_for
+
+
+class PoolFull(TractError):
+    """Not enough free slots in the pool for an allocation."""
+
+
+class Allocator:
+    """alloc(n) -> slot ids; free(slot ids). Batched: one C call per request."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def alloc(self, n: int, timeout: float = 30.0) -> np.ndarray:
+        """Allocates N slots (all or nothing) and returns their ids as uint32."""
+        if n < 0:
+            raise UsageError(f"cannot allocate {n} slots", "ask for zero or more")
+        out = np.empty(n, dtype=np.uint32)
+        rc = lib.tract_alloc(self._pool._r(), n, ffi.cast("uint32_t *", ffi.from_buffer(out)),
+                             int(timeout * 1e9))
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull(f"the pool has fewer than {n} free slots",
+                           "free or evict blocks, or use a larger region")
+        raise_for(rc, f"{self._pool.path} allocator")
+        return out
+
+    def free(self, slots, timeout: float = 30.0) -> None:
+        """Frees slot ids (any node's: foreign slots go back through the region)."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        rc = lib.tract_free(self._pool._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)),
+                            arr.size, int(timeout * 1e9))
+        if rc == lib.TRACT_E_CORRUPT:
+            raise TractError("a freed slot was not allocated (double free?)",
+                             "free each slot exactly once")
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("a slot id is outside the pool", "free only ids alloc() returned")
+        raise_for(rc, f"{self._pool.path} allocator")
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Returns this node's cached free slots to the region."""
+        raise_for(lib.tract_alloc_drain(self._pool._r(), int(timeout * 1e9)), "allocator drain")
+
+    def local_free(self) -> np.ndarray:
+        """Slot ids on this node's free list (claimed, not in use)."""
+        count = ffi.new("uint64_t *")
+        raise_for(lib.tract_alloc_local_free(self._pool._r(), ffi.NULL, 0, count), "allocator")
+        out = np.empty(count[0] + 64, dtype=np.uint32)
+        raise_for(lib.tract_alloc_local_free(self._pool._r(),
+                                             ffi.cast("uint32_t *", ffi.from_buffer(out)),
+                                             out.size, count), "allocator")
+        return out[: count[0]].copy()

@@ -1,0 +1,91 @@
+"""The two-tier lock as a Python object: `with pool.locks.hold(lock_id): ...`.
+
+Lock ids: 0 allocator, 1 object directory, 2 transfer table, 3 + s index
+stripe s.  Every wait is bounded: a timeout raises LockTimeout naming the
+lock, the node and pid holding it and for how long.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from tract_cli.core.errors import TractError
+from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.units import format_duration
+
+LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, FIRST_STRIPE_LOCK = 0, 1, 2, 3
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class LockTimeout(TractError):
+    """A lock was not granted within its timeout."""
+
+
+def lock_name(lock_id: int) -> str:
+    """Human name of a lock id."""
+    fixed = {0: "allocator", 1: "object directory", 2: "transfer table"}
+    return fixed.get(lock_id, f"index stripe {lock_id - FIRST_STRIPE_LOCK}")
+
+
+class Locks:
+    """The global locks of a region, as seen from one attached process."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    @property
+    def count(self) -> int:
+        return self._pool.info.lock_count
+
+    def acquire(self, lock_id: int, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Acquires LOCK_ID; returns True if a dead holder's local mutex was recovered."""
+        self._check(lock_id)
+        wait = ffi.new("struct tract_lock_wait *")
+        rc = lib.tract_lock_acquire(self._pool._r(), lock_id, int(timeout * 1e9), wait)
+        if rc == lib.TRACT_E_TIMEOUT:
+            raise LockTimeout(self._describe_timeout(lock_id, timeout, wait),
+                              "check `tract agent` runs on the manager node and the holder is alive")
+        if rc == lib.TRACT_E_NO_LOCAL:
+            raise TractError("this pool handle has no node-local segment",
+                             "attach without readonly to take locks")
+        raise_for(rc if rc < 0 else 0, f"{self._pool.path} lock {lock_name(lock_id)}")
+        return rc == lib.TRACT_RECOVERED
+
+    def release(self, lock_id: int) -> None:
+        """Releases LOCK_ID, which this process must hold."""
+        self._check(lock_id)
+        rc = lib.tract_lock_release(self._pool._r(), lock_id)
+        if rc == lib.TRACT_E_NOT_HELD:
+            raise TractError(f"lock {lock_name(lock_id)} is not held by this process",
+                             "release only what you acquired")
+        raise_for(rc, f"{self._pool.path} lock {lock_name(lock_id)}")
+
+    @contextmanager
+    def hold(self, lock_id: int, timeout: float = DEFAULT_TIMEOUT_S):
+        """Context manager: acquire on entry, release on exit."""
+        self.acquire(lock_id, timeout)
+        try:
+            yield
+        finally:
+            self.release(lock_id)
+
+    def stats(self, lock_id: int) -> tuple[int, float]:
+        """(acquisitions by this node, total seconds spent acquiring)."""
+        self._check(lock_id)
+        acquired, wait = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        raise_for(lib.tract_lock_stats(self._pool._r(), lock_id, acquired, wait), "lock stats")
+        return acquired[0], wait[0] / 1e9
+
+    def _check(self, lock_id: int) -> None:
+        if not 0 <= lock_id < self.count:
+            raise TractError(f"lock id {lock_id} is outside 0..{self.count - 1}",
+                             "use an allocator, directory, transfer or stripe lock id")
+
+    @staticmethod
+    def _describe_timeout(lock_id: int, timeout: float, wait) -> str:
+        what = f"lock {lock_name(lock_id)} (id {lock_id}) not acquired within {format_duration(timeout)}"
+        if wait.stage == 1:
+            return f"{what}: another process of this node holds its local mutex"
+        if wait.granted_node:
+            return (f"{what}: held by node {wait.granted_node - 1} pid {wait.holder_pid} "
+                    f"for {format_duration(wait.held_ns / 1e9)}")
+        return f"{what}: no grant was issued (is the lock manager running?)"

@@ -1,0 +1,47 @@
+"""The object store: named roots in the region (the paper's cxl_shm_put/get)."""
+from __future__ import annotations
+
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.native import lib, ffi, raise_for
+
+
+class ObjectStore:
+    """put(name, offset, size) under the directory lock; get(name) without it."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    @staticmethod
+    def _name(name: str) -> bytes:
+        raw = name.encode()
+        if not 1 <= len(raw) <= 39 or b"\0" in raw:
+            raise UsageError(f"object name {name!r} must be 1 to 39 bytes without NUL",
+                             "shorten the name")
+        return raw
+
+    def put(self, name: str, offset: int, size: int, timeout: float = 30.0) -> None:
+        """Publishes NAME -> (OFFSET, SIZE bytes) in the region."""
+        rc = lib.tract_obj_put(self._pool._r(), self._name(name), offset, size, int(timeout * 1e9))
+        if rc == lib.TRACT_E_FULL:
+            raise TractError("the object directory is full (64 names)", "delete unused names")
+        raise_for(rc, f"object {name!r}")
+
+    def get(self, name: str) -> tuple[int, int] | None:
+        """(offset, size) of NAME, or None if absent."""
+        off, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        rc = lib.tract_obj_get(self._pool._r(), self._name(name), off, size)
+        if rc == lib.TRACT_E_NOT_FOUND:
+            return None
+        if rc == lib.TRACT_E_CORRUPT:
+            raise TractError(f"object {name!r} points outside the region (corrupt directory)",
+                             "run `tract check` on the region")
+        raise_for(rc, f"object {name!r}")
+        return off[0], size[0]
+
+    def delete(self, name: str, timeout: float = 30.0) -> bool:
+        """Removes NAME; returns False if it was absent."""
+        rc = lib.tract_obj_delete(self._pool._r(), self._name(name), int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            return False
+        raise_for(rc, f"object {name!r}")
+        return True
