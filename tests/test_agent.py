@@ -1,0 +1,62 @@
+"""`tract agent`: one per node, one manager per region, clean SIGTERM."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agents import RunningAgent
+from tract_cli.core.agent import NODE_ALIVE, NODE_LEFT, read_nodes
+from tract_cli.core.pool import Pool
+
+
+@pytest.fixture
+def region(region_path):
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    return region_path
+
+
+def agent_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tract_cli.cli", "agent", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def nodes(path):
+    with Pool.attach(path, readonly=True, prefault=False) as p:
+        return read_nodes(p)
+
+
+def test_agent_heartbeats_and_leaves_cleanly_on_sigterm(region):
+    agent = RunningAgent(region, 1, manager=False)
+    rec = nodes(region)[1]
+    assert rec.state == NODE_ALIVE and rec.agent_pid == agent.proc.pid and not rec.manager
+    assert rec.epoch == 1
+    assert agent.stop() == 0
+    assert nodes(region)[1].state == NODE_LEFT
+    again = RunningAgent(region, 1, manager=False)   # a restart gets a new epoch
+    assert nodes(region)[1].epoch == 2
+    again.stop()
+
+
+def test_a_second_agent_for_the_same_node_refuses(region):
+    with RunningAgent(region, 0, manager=True) as first:
+        res = agent_cli("--pool", region, "--node", "0")
+        assert res.returncode == 1
+        assert f"an agent for node 0 already runs (pid {first.proc.pid})" in res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_a_second_manager_refuses_while_the_first_heartbeats(region):
+    with RunningAgent(region, 0, manager=True) as first:
+        res = agent_cli("--pool", region, "--node", "1", "--manager")
+        assert res.returncode == 1
+        assert f"a lock manager already runs on node 0 (pid {first.proc.pid}" in res.stderr
+    # once it has left, another node may run the manager
+    with RunningAgent(region, 1, manager=True):
+        assert nodes(region)[1].manager
+
+
+def test_agent_rejects_a_node_out_of_range(region):
+    res = agent_cli("--pool", region, "--node", "7")
+    assert res.returncode == 2 and "node 7 is outside" in res.stderr
