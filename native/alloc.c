@@ -236,17 +236,30 @@ int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t time
 	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
 	if (rc < 0)
 		goto out;
-	/* classify by the owner map (read only: no lock, no shared write) */
+	/* classify by the owner map (read only: no lock, no shared write),
+	 * observing each line of the map once for all the slots it covers */
 	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
 	uint8_t *fb = free_bits(r);
 	uint32_t nf = 0, no = 0;
+	memcpy(foreign, slots, (size_t)n * sizeof(uint32_t));
+	qsort(foreign, n, sizeof(uint32_t), cmp_u32);
+	uint8_t line[TRACT_LINE];
+	uint64_t line_lo = UINT64_MAX;
+	uint32_t prev = 0;
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK; i++) {
-		uint32_t s = slots[i];
-		uint8_t owner;
-		r->ops->invalidate(r, owners + s, 1);
-		r->ops->fence(r);
-		r->ops->load(r, owners + s, &owner, 1);
+		uint32_t s = foreign[i];
+		int dup = i && s == prev;
+		prev = s;
+		if (dup) {
+			rc = TRACT_E_CORRUPT;          /* the same slot twice in one call */
+			break;
+		}
+		if (((uint64_t)s & ~63ULL) != line_lo) {
+			line_lo = (uint64_t)s & ~63ULL;
+			observe_line(r, owners + line_lo, line);
+		}
+		uint8_t owner = line[s - line_lo];
 		if (owner == 0)
 			rc = TRACT_E_CORRUPT;          /* not taken from the pool: double free */
 		else if (owner == r->node_id + 1 && (fb[s / 8] & (1u << (s % 8))))
@@ -254,7 +267,7 @@ int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t time
 		else if (owner == r->node_id + 1)
 			own[no++] = s;
 		else
-			foreign[nf++] = s;
+			foreign[nf++] = s;             /* nf <= i: compacts in place */
 	}
 	if (rc == TRACT_OK) {
 		push_local(r, own, no);
