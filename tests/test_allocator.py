@@ -48,9 +48,10 @@ def assert_consistent(path: str, held: dict[int, list[int]], free: dict[int, lis
     assert set(seen) == taken, "a taken slot is neither held nor on a free list (lost)"
 
 
-def test_concurrent_churn_with_cross_node_frees(region):
-    with RunningAgent(region, 0, manager=True):
-        workers = {n: Worker(region, n) for n in range(NODES)}
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_concurrent_churn_with_cross_node_frees(region, simulate):
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        workers = {n: Worker(region, n, simulate) for n in range(NODES)}
         try:
             # node 0 hands slots to node 3, which frees them (foreign frees)
             handed = workers[0].call("alloc", n=100)

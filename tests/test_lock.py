@@ -48,7 +48,7 @@ def test_counters_are_exact_under_the_lock(region, simulate, iterations):
 
 def test_counters_lose_updates_without_the_lock(region):
     """The same test with the lock disabled must fail: it can detect a broken lock."""
-    iterations = 3000
+    iterations = 10000
     total = run_counters(region, False, iterations, use_lock=False)
     assert total < NODES * PER_NODE * iterations
 
