@@ -12,7 +12,7 @@ import pathlib
 from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "layout.c", "local.c", "lock.c", "manager.c",
+SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "hash.c", "layout.c", "local.c", "lock.c", "manager.c",
            "objdir.c", "region.c", "sim.c"]
 
 
@@ -26,7 +26,7 @@ def read_cdef() -> str:
 
 def extra_compile_args() -> list[str]:
     """Strict warnings always; -Werror when TRACT_WERROR=1 (tests and CI)."""
-    args = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-fno-strict-aliasing"]
+    args = ["-std=gnu11", "-O3", "-Wall", "-Wextra", "-fno-strict-aliasing"]
     if os.environ.get("TRACT_WERROR") == "1":
         args.append("-Werror")
     return args

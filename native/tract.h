@@ -350,6 +350,20 @@ int tract_obj_get(tract_region *r, const char *name, uint64_t *offset, uint64_t 
 /* Removes a name under the object-directory lock. */
 int tract_obj_delete(tract_region *r, const char *name, uint64_t timeout_ns);
 
+/* ---- block hashes ---- */
+
+/* MurmurHash3_x64_128 of len bytes with a 32-bit seed; out gets 16 bytes. */
+void tract_murmur3_128(const void *key, uint64_t len, uint32_t seed, uint8_t *out);
+
+/* SHA-256 of len bytes; out gets 32 bytes. */
+void tract_sha256(const void *data, uint64_t len, uint8_t *out);
+
+/* Block hashes of the full blocks of a prompt; out gets n_blocks * hash_bytes
+ * (16 for TRACT_HASH_TRACT, 32 for TRACT_HASH_VLLM_SHA256_CBOR). */
+int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
+		     uint32_t block_tokens, const uint8_t *root, const uint8_t *extra,
+		     uint64_t extra_len, uint8_t *out, uint64_t out_cap_blocks);
+
 /* CDEF-END */
 
 #endif

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from tract_cli.cli import agent_cmd, info_cmd, init_cmd, microbench_cmd
+from tract_cli.cli import agent_cmd, hash_cmd, info_cmd, init_cmd, microbench_cmd
 
 app = typer.Typer(
     name="tract",
@@ -23,6 +23,7 @@ app = typer.Typer(
 app.command("init")(init_cmd.init)
 app.command("info")(info_cmd.info)
 app.command("agent")(agent_cmd.agent)
+app.command("hash")(hash_cmd.hash_)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 

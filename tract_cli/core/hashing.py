@@ -1,0 +1,155 @@
+"""Chained block hashes: the prefix index's keys (DESIGN.md §7).
+
+h_i = H(h_{i-1}, tokens_i, extra) over full blocks of `block_tokens` tokens,
+computed in C over a whole prompt in one call.  Equal prefixes give equal
+keys on every host and process (never Python's hash()).
+
+Schemes:
+- "tract" (default): 128-bit MurmurHash3_x64_128 of parent || tokens (u32 LE)
+  || extra.  The root mixes the region's random hash seed, the model
+  fingerprint and an optional tenant salt, so two regions, two models or
+  two tenants never share a key.
+- "vllm": vLLM's prefix-cache block hash, sha256_cbor:
+  sha256(cbor(canonical)((parent, tuple(tokens), extra_keys))), root
+  NONE_HASH = sha256_cbor(seed), seed = PYTHONHASHSEED if set, else
+  "vllm-none-hash".  A salt enters the first block's extra keys, as vLLM's
+  cache_salt does.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import numpy as np
+
+from tract_cli.core.errors import UsageError
+from tract_cli.core.native import ffi, lib, raise_for
+
+HASH_BYTES = {"tract": 16, "vllm": 32}
+_SCHEME_CODES = {"tract": lib.TRACT_HASH_TRACT, "vllm": lib.TRACT_HASH_VLLM_SHA256_CBOR}
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+MAX_TOKEN = 2**31 - 1
+
+
+def as_token_array(tokens) -> np.ndarray:
+    """Tokens as a contiguous int32 array (no copy when already one).
+
+    Accepts a numpy integer array, a torch tensor, `bytes` (little-endian
+    int32), or a list/tuple of ints (converted once).
+    """
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        if len(tokens) % 4:
+            raise UsageError(f"{len(tokens)} bytes is not a whole number of int32 tokens",
+                             "pass little-endian int32 token ids")
+        return np.frombuffer(tokens, dtype="<i4")
+    if type(tokens).__module__.startswith("torch"):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise UsageError(f"token ids must be integers, got {arr.dtype}", "pass integer ids")
+    if arr.dtype != np.int32:
+        if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN):
+            raise UsageError("token ids must be in 0..2^31-1", "check the tokenizer output")
+        arr = arr.astype(np.int32)
+    return np.ascontiguousarray(arr)
+
+
+def _cbor(obj) -> bytes:
+    """Canonical CBOR (RFC 8949 §4.2.1) of ints, str, bytes, None, bools, tuples/lists."""
+    def head(major: int, value: int) -> bytes:
+        if value < 24:
+            return bytes([major << 5 | value])
+        for code, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+            if value < 1 << (8 * struct.calcsize(fmt)):
+                return bytes([major << 5 | code]) + struct.pack(fmt, value)
+        raise UsageError("an integer in the extra keys exceeds 64 bits", "use smaller keys")
+
+    if obj is None:
+        return b"\xf6"
+    if obj is True or obj is False:
+        return b"\xf5" if obj else b"\xf4"
+    if isinstance(obj, int):
+        return head(0, obj) if obj >= 0 else head(1, -1 - obj)
+    if isinstance(obj, (bytes, bytearray)):
+        return head(2, len(obj)) + bytes(obj)
+    if isinstance(obj, str):
+        raw = obj.encode()
+        return head(3, len(raw)) + raw
+    if isinstance(obj, (tuple, list)):
+        return head(4, len(obj)) + b"".join(_cbor(x) for x in obj)
+    raise UsageError(f"cannot encode {type(obj).__name__} in block-hash extra keys",
+                     "use ints, strings, bytes, None or tuples of them")
+
+
+def sha256_cbor(obj) -> bytes:
+    """vLLM's sha256_cbor: SHA-256 of the canonical CBOR encoding."""
+    return hashlib.sha256(_cbor(obj)).digest()
+
+
+def vllm_root(seed: str | None = None) -> bytes:
+    """vLLM's NONE_HASH: sha256_cbor(seed), seed PYTHONHASHSEED or 'vllm-none-hash'."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED") or VLLM_DEFAULT_SEED
+    return sha256_cbor(seed)
+
+
+def tract_root(hash_seed: bytes = bytes(16), model_fingerprint: bytes = bytes(32),
+               salt: bytes | str | None = None) -> bytes:
+    """Root of a tract-scheme chain: region seed, model fingerprint, tenant salt."""
+    salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
+    data = b"tract-root-v1" + bytes(hash_seed) + bytes(model_fingerprint) + salt_bytes
+    out = ffi.new("uint8_t[16]")
+    lib.tract_murmur3_128(data, len(data), 0, out)
+    return bytes(out)
+
+
+def _chain(scheme: str, tokens: np.ndarray, block_tokens: int, root: bytes,
+           extra: bytes = b"") -> np.ndarray:
+    n_blocks = tokens.size // block_tokens
+    out = np.empty((n_blocks, HASH_BYTES[scheme]), dtype=np.uint8)
+    rc = lib.tract_hash_chain(_SCHEME_CODES[scheme], ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+                              tokens.size, block_tokens, root, extra or ffi.NULL, len(extra),
+                              ffi.from_buffer(out), n_blocks)
+    if rc == lib.TRACT_E_INVAL:
+        raise UsageError("invalid hash input (negative token id, block size or extra bytes)",
+                         "token ids must be >= 0, 1 <= block_tokens <= 4096")
+    raise_for(rc, "block hashes")
+    return out
+
+
+def block_hashes(tokens, scheme: str = "tract", block_tokens: int = 16, *,
+                 root: bytes | None = None, salt: bytes | str | None = None,
+                 extra: bytes = b"", vllm_seed: str | None = None) -> np.ndarray:
+    """Hashes of every full block of TOKENS: shape (n_blocks, 16 or 32), uint8.
+
+    Tokens past the last full block (the partial tail) are not hashed.  For
+    "tract", ROOT defaults to tract_root(salt=SALT) (zero seed and
+    fingerprint: pass the region's root to match a pool's keys).
+    """
+    if scheme not in HASH_BYTES:
+        raise UsageError(f"unknown hash scheme {scheme!r}", "use tract or vllm")
+    if not 1 <= block_tokens <= 4096:
+        raise UsageError(f"block size {block_tokens} out of range", "use 1 to 4096 tokens")
+    arr = as_token_array(tokens)
+    if scheme == "tract":
+        return _chain("tract", arr, block_tokens, root or tract_root(salt=salt), extra)
+    if extra:
+        raise UsageError("extra bytes are for the tract scheme", "use salt= with vllm")
+    parent = root or vllm_root(vllm_seed)
+    if salt is None or arr.size < block_tokens:
+        return _chain("vllm", arr, block_tokens, parent)
+    # vLLM puts the cache salt in the extra keys of the first block only
+    salt_str = salt.decode() if isinstance(salt, bytes) else salt
+    first = sha256_cbor((parent, tuple(int(t) for t in arr[:block_tokens]), (salt_str,)))
+    rest = _chain("vllm", arr[block_tokens:], block_tokens, first)
+    return np.vstack([np.frombuffer(first, dtype=np.uint8)[None, :], rest])
+
+
+def pool_root(info, salt: bytes | str | None = None) -> bytes:
+    """The chain root of a region (its scheme, seed and model), with a tenant salt."""
+    if info.hash_scheme == "vllm":
+        return vllm_root()
+    return tract_root(bytes.fromhex(info.hash_seed), bytes.fromhex(info.model_fingerprint), salt)
