@@ -10,7 +10,8 @@ import sys
 
 import typer
 
-from tract_cli.cli import agent_cmd, hash_cmd, info_cmd, init_cmd, microbench_cmd
+from tract_cli.cli import (agent_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
+                           microbench_cmd)
 
 app = typer.Typer(
     name="tract",
@@ -24,6 +25,8 @@ app.command("init")(init_cmd.init)
 app.command("info")(info_cmd.info)
 app.command("agent")(agent_cmd.agent)
 app.command("hash")(hash_cmd.hash_)
+app.command("devices")(devices_cmd.devices)
+app.command("doctor")(doctor_cmd.doctor)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from tract_cli.core.agent import Agent
+from tract_cli.provision.topology import pin
 
 
 def agent(
@@ -19,8 +20,11 @@ def agent(
     simulate: bool = typer.Option(False, "--simulate", help="Non-coherence simulator (tests)."),
     flush_mode: Optional[str] = typer.Option(None, "--flush-mode", help="Override the header's."),
     heartbeat_ms: int = typer.Option(100, "--heartbeat-ms", help="Heartbeat period."),
+    numa_node: Optional[int] = typer.Option(None, "--numa-node", help="Pin to this node's CPUs."),
+    cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3,8)."),
 ) -> None:
     """Run the node agent until SIGTERM or Ctrl-C; logs to stderr."""
+    pin(numa_node, cpus)      # before touching the region
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -9,7 +9,9 @@ from tract_cli.cli import render
 from tract_cli.cli.info_cmd import render_info
 from tract_cli.core.geometry import load_model
 from tract_cli.core.region import FormatOptions, format_region
+from tract_cli.core.errors import UsageError
 from tract_cli.core.units import format_duration, parse_size
+from tract_cli.provision.provision import provision as provision_device
 
 
 def init(
@@ -26,6 +28,10 @@ def init(
     stripes: int = typer.Option(64, "--stripes", help="Index stripes (a power of two)."),
     force: bool = typer.Option(False, "--force", "-f",
                                help="Overwrite an existing TraCT region or other data."),
+    provision: bool = typer.Option(False, "--provision",
+                                   help="Create the CXL region / namespace / devdax mode first."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="With --provision: print the commands, change nothing."),
     json_out: bool = typer.Option(False, "--json", help="Print the new header as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -33,6 +39,16 @@ def init(
     opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
                          hash_scheme=hash_scheme, index_stripes=stripes)
     size_bytes = parse_size(size) if size is not None else None
+    if dry_run and not provision:
+        raise UsageError("--dry-run goes with --provision", "add --provision")
+    if provision:
+        steps = provision_device(path, force=force, dry_run=dry_run,
+                                 echo=lambda line: render.stderr.print(line, highlight=False))
+        if dry_run:
+            if not steps:
+                render.stderr.print(f"{path} is ready: nothing to provision")
+            render.stderr.print(f"would format {path} (--dry-run: nothing changed)")
+            return
     timings: dict = {}
     with render.byte_progress(f"reserving {path}", enabled=not quiet and not json_out) as cb:
         info = format_region(path, size_bytes, opts, force=force, progress=cb, timings=timings)

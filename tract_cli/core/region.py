@@ -152,6 +152,10 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
     timings = {} if timings is None else timings
     validate_options(opts)
     target = medium.inspect_target(path, for_write=True)
+    if target.kind == "missing" and os.path.basename(path).startswith("dax") and \
+            os.path.dirname(os.path.abspath(path)) == "/dev":
+        raise UsageError(f"{path} does not exist",
+                         "create it with `tract init PATH --provision` (see `tract devices`)")
     if target.kind == "devdax":
         if size is None:
             size = target.size
