@@ -1,6 +1,8 @@
 """`tract microbench`: the region layer's figures (copies, attach, format)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 from rich.table import Table
 
@@ -8,9 +10,19 @@ from tract_cli.bench import locks as lockbench
 from tract_cli.bench import micro
 from tract_cli.cli import render
 from tract_cli.core.units import format_duration, format_size, parse_size
+from tract_cli.provision.topology import pin
 
 app = typer.Typer(help="Micro-benchmarks of the region layer (figures against memcpy in the same run).",
                   no_args_is_help=True)
+
+
+@app.callback()
+def _pinning(
+    numa_node: Optional[int] = typer.Option(None, "--numa-node", help="Pin to this node's CPUs."),
+    cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3)."),
+) -> None:
+    """Pins the benchmark (and the processes it starts) before it touches a region."""
+    pin(numa_node, cpus)
 
 
 @app.command("copy")
