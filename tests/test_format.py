@@ -163,3 +163,21 @@ def test_interrupted_format_never_looks_formatted(region_path):
     _patch(region_path, 0, b"\0" * 8, fix_crc=False)
     with pytest.raises(NotFormattedError):
         Pool.attach(region_path)
+
+
+def test_refuses_to_format_a_region_mapped_by_another_process(region_path):
+    import subprocess
+    import sys
+    format_region(region_path, 16 << 20, FormatOptions(model=load_model("tiny")))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tract_cli.core.pool import Pool;"
+         f"p = Pool.attach({region_path!r}, local=False); print('attached', flush=True);"
+         "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "attached"
+        with pytest.raises(AlreadyFormattedError, match=rf"mapped by running processes \(pids {holder.pid}\)"):
+            format_region(region_path, 16 << 20, FormatOptions(model=load_model("tiny")),
+                          force=False)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

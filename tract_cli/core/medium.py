@@ -205,3 +205,20 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
                          "check the file system") from None
     os.close(fd)
     return created
+
+
+def processes_using(path: str) -> list[int]:
+    """Pids (other than this one) that have PATH mapped, from /proc/*/maps."""
+    real = os.path.realpath(path)
+    me = os.getpid()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                if any(line.rstrip("\n").endswith(" " + real) for line in f):
+                    pids.append(int(entry))
+        except OSError:
+            continue      # gone, or not ours to read
+    return sorted(pids)

@@ -170,6 +170,11 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
                              "choose another with --flush-mode (see `tract doctor`)")
     compute_layout(size, target.alignment, opts, flush_mode)   # all checks before any write
 
+    users = medium.processes_using(path) if target.kind != "missing" else []
+    if users and not force:
+        raise AlreadyFormattedError(f"{path} is mapped by running processes (pids "
+                                    f"{', '.join(map(str, users[:8]))})",
+                                    "stop them first, or pass --force")
     kind, info = probe(path, target)
     if kind != "empty" and not force:
         raise AlreadyFormattedError(f"{path} already holds {describe_existing(kind, info, target)}",
