@@ -94,9 +94,12 @@ static uint64_t place(const struct tract_format_params *p, uint64_t stride, uint
 		      uint32_t transfers, uint64_t n, struct tract_section *s)
 {
 	uint64_t nodes = p->max_nodes;
+	/* a stripe spans at least 32 buckets, so one line of a node's pin
+	 * array (32 u16 counts) never covers two stripes: its writer is always
+	 * the holder of one stripe lock */
 	uint64_t buckets = next_pow2(2 * n);
-	if (buckets < (uint64_t)stripes * 8)
-		buckets = (uint64_t)stripes * 8;
+	if (buckets < (uint64_t)stripes * 32)
+		buckets = (uint64_t)stripes * 32;
 	struct { uint32_t kind; uint64_t entry; uint64_t count; uint64_t length; } spec[] = {
 		{TRACT_SEC_LOCKS, (nodes + 1) * TRACT_LINE, TRACT_FIXED_LOCKS + stripes, 0},
 		{TRACT_SEC_NODES, TRACT_NODE_ENTRY_SIZE, nodes, 0},

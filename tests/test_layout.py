@@ -46,6 +46,7 @@ def test_sections_are_aligned_disjoint_and_in_bounds(cfg):
     assert by["owners"].length >= slots
     assert by["buckets"].count >= 2 * slots
     assert by["buckets"].count % opts.index_stripes == 0
+    assert by["buckets"].count // opts.index_stripes >= 32     # a pin line never spans stripes
     assert by["locks"].count == 3 + opts.index_stripes
     assert by["locks"].entry_size == 64 * (opts.max_nodes + 1)
     assert by["pins"].entry_size >= 2 * by["buckets"].count
