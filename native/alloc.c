@@ -30,21 +30,6 @@ static uint8_t *free_bits(const tract_region *r)
 	return (uint8_t *)r->local + r->local->free_bits_off;
 }
 
-/* observes one line into buf (internal) */
-static void observe_line(tract_region *r, uint64_t off, uint8_t *buf)
-{
-	r->ops->invalidate(r, off, TRACT_LINE);
-	r->ops->fence(r);
-	r->ops->load(r, off, buf, TRACT_LINE);
-}
-
-/* stores and flushes one line; the caller fences once at the end (internal) */
-static void write_line(tract_region *r, uint64_t off, const uint8_t *buf)
-{
-	r->ops->store(r, off, buf, TRACT_LINE);
-	r->ops->flush(r, off, TRACT_LINE);
-}
-
 /* sets owners[slot] for a sorted list of slots, a line at a time (internal) */
 static void set_owners(tract_region *r, const uint32_t *slots, uint32_t n, uint8_t value)
 {
@@ -52,10 +37,10 @@ static void set_owners(tract_region *r, const uint32_t *slots, uint32_t n, uint8
 	uint8_t line[TRACT_LINE];
 	for (uint32_t i = 0; i < n;) {
 		uint64_t lo = (uint64_t)slots[i] & ~63ULL;
-		observe_line(r, base + lo, line);
+		tract_observe_line(r, base + lo, line);
 		for (; i < n && ((uint64_t)slots[i] & ~63ULL) == lo; i++)
 			line[slots[i] - lo] = value;
-		write_line(r, base + lo, line);
+		tract_write_line(r, base + lo, line);
 	}
 }
 
@@ -64,7 +49,7 @@ static void update_header(tract_region *r, int64_t used_delta, uint64_t hint, in
 {
 	uint64_t off = tract_sec(r, TRACT_SEC_ALLOC)->offset;
 	struct tract_alloc_header h;
-	observe_line(r, off, (uint8_t *)&h);
+	tract_observe_line(r, off, (uint8_t *)&h);
 	h.used_slots = (uint64_t)((int64_t)h.used_slots + used_delta);
 	if (claim) {
 		h.next_hint = hint;
@@ -72,7 +57,7 @@ static void update_header(tract_region *r, int64_t used_delta, uint64_t hint, in
 	} else {
 		h.releases++;
 	}
-	write_line(r, off, (const uint8_t *)&h);
+	tract_write_line(r, off, (const uint8_t *)&h);
 }
 
 /* claims up to want free slots into out under the allocator lock (internal) */
@@ -85,14 +70,14 @@ static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
 	uint64_t slots = r->hdr.slot_count;
 	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
 	struct tract_alloc_header h;
-	observe_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (uint8_t *)&h);
+	tract_observe_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (uint8_t *)&h);
 	uint64_t lines = (slots + 511) / 512;
 	uint64_t start = (h.next_hint < slots ? h.next_hint : 0) / 512;
 	uint32_t n = 0;
 	uint8_t line[TRACT_LINE];
 	for (uint64_t k = 0; k < lines && n < want; k++) {
 		uint64_t li = (start + k) % lines;
-		observe_line(r, bm + li * TRACT_LINE, line);
+		tract_observe_line(r, bm + li * TRACT_LINE, line);
 		int dirty = 0;
 		for (uint32_t b = 0; b < 512 && n < want; b++) {
 			uint64_t s = li * 512 + b;
@@ -105,7 +90,7 @@ static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
 			}
 		}
 		if (dirty)
-			write_line(r, bm + li * TRACT_LINE, line);
+			tract_write_line(r, bm + li * TRACT_LINE, line);
 	}
 	if (n) {
 		uint32_t last = out[n - 1];
@@ -146,14 +131,14 @@ static int release(tract_region *r, uint32_t *slots, uint32_t n, uint64_t timeou
 	uint32_t cleared = 0;
 	for (uint32_t i = 0; i < n;) {
 		uint64_t lo = (uint64_t)slots[i] & ~511ULL;
-		observe_line(r, bm + lo / 8, line);
+		tract_observe_line(r, bm + lo / 8, line);
 		for (; i < n && ((uint64_t)slots[i] & ~511ULL) == lo; i++) {
 			uint32_t b = (uint32_t)(slots[i] - lo);
 			if (line[b / 8] & (1u << (b % 8)))
 				cleared++;
 			line[b / 8] &= (uint8_t)~(1u << (b % 8));
 		}
-		write_line(r, bm + lo / 8, line);
+		tract_write_line(r, bm + lo / 8, line);
 	}
 	set_owners(r, slots, n, 0);
 	update_header(r, -(int64_t)cleared, 0, 0);
@@ -257,7 +242,7 @@ int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t time
 		}
 		if (((uint64_t)s & ~63ULL) != line_lo) {
 			line_lo = (uint64_t)s & ~63ULL;
-			observe_line(r, owners + line_lo, line);
+			tract_observe_line(r, owners + line_lo, line);
 		}
 		uint8_t owner = line[s - line_lo];
 		if (owner == 0)

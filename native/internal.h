@@ -97,6 +97,28 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
 }
 
+/* observes one whole line: invalidate, fence, load (internal) */
+static inline void tract_observe_line(tract_region *r, uint64_t off, void *dst)
+{
+	r->ops->invalidate(r, off, TRACT_LINE);
+	r->ops->fence(r);
+	r->ops->load(r, off, dst, TRACT_LINE);
+}
+
+/* stores one whole line and flushes it; the caller fences once (internal) */
+static inline void tract_write_line(tract_region *r, uint64_t off, const void *src)
+{
+	r->ops->store(r, off, src, TRACT_LINE);
+	r->ops->flush(r, off, TRACT_LINE);
+}
+
+/* publishes one whole line: store, flush, fence (internal) */
+static inline void tract_publish_line(tract_region *r, uint64_t off, const void *src)
+{
+	tract_write_line(r, off, src);
+	r->ops->fence(r);
+}
+
 /* CLOCK_REALTIME in ns (internal) */
 uint64_t tract_now_ns(void);
 

@@ -17,22 +17,6 @@
 
 #define MAX_SLEEP_NS 100000ULL
 
-/* observes a whole lock line (internal) */
-static void observe_line(tract_region *r, uint64_t off, void *dst)
-{
-	r->ops->invalidate(r, off, TRACT_LINE);
-	r->ops->fence(r);
-	r->ops->load(r, off, dst, TRACT_LINE);
-}
-
-/* publishes a whole lock line (internal) */
-static void publish_line(tract_region *r, uint64_t off, const void *src)
-{
-	r->ops->store(r, off, src, TRACT_LINE);
-	r->ops->flush(r, off, TRACT_LINE);
-	r->ops->fence(r);
-}
-
 /* writes this node's slot for lock id: state, pid, request seq (internal) */
 static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req)
 {
@@ -42,7 +26,7 @@ static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t 
 	s.pid = (uint32_t)getpid();
 	s.request_seq = req;
 	s.since_ns = tract_now_ns();
-	publish_line(r, tract_lock_line(r, id, 1 + r->node_id), &s);
+	tract_publish_line(r, tract_lock_line(r, id, 1 + r->node_id), &s);
 }
 
 /* fills the wait report from what the region says now (internal) */
@@ -54,10 +38,10 @@ static void describe_wait(tract_region *r, uint32_t id, uint32_t stage, struct t
 		return;
 	memset(w, 0, sizeof(*w));
 	w->stage = stage;
-	observe_line(r, tract_lock_line(r, id, 0), &m);
+	tract_observe_line(r, tract_lock_line(r, id, 0), &m);
 	w->granted_node = m.granted_node <= r->hdr.max_nodes ? m.granted_node : 0;
 	if (w->granted_node) {
-		observe_line(r, tract_lock_line(r, id, w->granted_node), &s);
+		tract_observe_line(r, tract_lock_line(r, id, w->granted_node), &s);
 		w->holder_pid = s.pid;
 		uint64_t now = tract_now_ns();
 		w->held_ns = now > m.grant_ns ? now - m.grant_ns : 0;
@@ -86,7 +70,7 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	 * for this one; the previous holder on this node wrote the line last */
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
-	observe_line(r, slot_off, &mine);
+	tract_observe_line(r, slot_off, &mine);
 	uint64_t req = mine.request_seq + 1;
 	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req);
 
@@ -95,7 +79,7 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	uint32_t round = 0;
 	for (;;) {
 		struct tract_lock_manager_line m;
-		observe_line(r, mgr_off, &m);
+		tract_observe_line(r, mgr_off, &m);
 		if (m.granted_node == r->node_id + 1 && m.granted_req == req)
 			break;
 		if (tract_mono_ns() - start > timeout_ns) {
@@ -132,7 +116,7 @@ int tract_lock_release(tract_region *r, uint32_t lock_id)
 		return TRACT_E_NOT_HELD;
 	struct tract_lock_node_slot mine;
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
-	observe_line(r, slot_off, &mine);
+	tract_observe_line(r, slot_off, &mine);
 	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq);
 	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
 	return TRACT_OK;

@@ -45,9 +45,7 @@ static void publish_grant(struct tract_manager *m, uint32_t id)
 	line.grant_seq = m->grants[id].seq;
 	line.granted_req = m->grants[id].req;
 	line.grant_ns = tract_now_ns();
-	uint64_t off = tract_lock_line(r, id, 0);
-	r->ops->store(r, off, &line, TRACT_LINE);
-	r->ops->flush(r, off, TRACT_LINE);
+	tract_write_line(r, tract_lock_line(r, id, 0), &line);
 }
 
 /* one pass over every lock; returns 1 if any request or grant is live (internal) */
@@ -134,10 +132,7 @@ int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manag
 	/* resume from what a previous manager published: live grants stay */
 	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
 		struct tract_lock_manager_line line;
-		uint64_t off = tract_lock_line(r, id, 0);
-		r->ops->invalidate(r, off, TRACT_LINE);
-		r->ops->fence(r);
-		r->ops->load(r, off, &line, TRACT_LINE);
+		tract_observe_line(r, tract_lock_line(r, id, 0), &line);
 		if (line.granted_node <= r->hdr.max_nodes)
 			m->grants[id].node = line.granted_node;
 		if (line.last_node <= r->hdr.max_nodes)

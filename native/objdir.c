@@ -40,10 +40,7 @@ static int find(const struct tract_objdir_entry *dir, const char *name)
 /* writes entry i of the directory (internal) */
 static void publish_entry(tract_region *r, int i, const struct tract_objdir_entry *e)
 {
-	uint64_t off = tract_sec(r, TRACT_SEC_OBJDIR)->offset + (uint64_t)i * TRACT_LINE;
-	r->ops->store(r, off, e, TRACT_LINE);
-	r->ops->flush(r, off, TRACT_LINE);
-	r->ops->fence(r);
+	tract_publish_line(r, tract_sec(r, TRACT_SEC_OBJDIR)->offset + (uint64_t)i * TRACT_LINE, e);
 }
 
 /* Publishes name -> (offset, size) under the object-directory lock. */

@@ -46,7 +46,8 @@ class Target:
         return "emulated region file"
 
 
-def _read_int(path: str) -> int | None:
+def read_int(path: str) -> int | None:
+    """An integer from a sysfs file (decimal or 0x hex), or None."""
     try:
         with open(path) as f:
             return int(f.read().strip(), 0)
@@ -69,8 +70,8 @@ def _dax_name_of(st: os.stat_result) -> str | None:
 def dax_device(name: str) -> tuple[int, int]:
     """Returns (size, align) in bytes of /sys/bus/dax/devices/NAME."""
     base = os.path.join(sysfs_root(), "bus", "dax", "devices", name)
-    size = _read_int(os.path.join(base, "size"))
-    align = _read_int(os.path.join(base, "align")) or FILE_ALIGNMENT
+    size = read_int(os.path.join(base, "size"))
+    align = read_int(os.path.join(base, "align")) or FILE_ALIGNMENT
     if size is None:
         raise TractError(f"cannot read the size of {name} from {base}/size",
                          "check that the dax modules are loaded (modprobe device_dax)")

@@ -75,7 +75,7 @@ def parse_dax(items: list) -> list[DaxDevice]:
         if "chardev" not in d:
             continue
         name = d["chardev"]
-        numa = _read_int(os.path.join(medium.sysfs_root(), "bus", "dax", "devices", name, "numa_node"))
+        numa = medium.read_int(os.path.join(medium.sysfs_root(), "bus", "dax", "devices", name, "numa_node"))
         out.append(DaxDevice(name, int(d.get("size", 0)), int(d.get("align", 0) or 0),
                              d.get("mode", "devdax"), d.get("target_node"), numa,
                              f"/dev/{name}"))
@@ -97,14 +97,6 @@ def _region_of(ns: dict) -> str | None:
     return None
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip(), 0)
-    except (OSError, ValueError):
-        return None
-
-
 def _dax_from_sysfs() -> list[DaxDevice]:
     """DAX devices from /sys/bus/dax/devices, for machines without daxctl."""
     base = os.path.join(medium.sysfs_root(), "bus", "dax", "devices")
@@ -112,11 +104,11 @@ def _dax_from_sysfs() -> list[DaxDevice]:
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         d = os.path.join(base, name)
         driver = os.path.basename(os.path.realpath(os.path.join(d, "driver")))
-        out.append(DaxDevice(name, _read_int(os.path.join(d, "size")) or 0,
-                             _read_int(os.path.join(d, "align")) or 0,
+        out.append(DaxDevice(name, medium.read_int(os.path.join(d, "size")) or 0,
+                             medium.read_int(os.path.join(d, "align")) or 0,
                              "system-ram" if driver == "kmem" else "devdax",
-                             _read_int(os.path.join(d, "target_node")),
-                             _read_int(os.path.join(d, "numa_node")), f"/dev/{name}"))
+                             medium.read_int(os.path.join(d, "target_node")),
+                             medium.read_int(os.path.join(d, "numa_node")), f"/dev/{name}"))
     return out
 
 

@@ -81,7 +81,7 @@ def check_numa(target) -> list[Check]:
                   + (f", memory-only (CXL?) {memory_only}" if memory_only else ""))]
     affinity = sorted(os.sched_getaffinity(0))
     if target is not None and target.kind == "devdax":
-        node = medium._read_int(os.path.join(medium.sysfs_root(), "bus", "dax", "devices",
+        node = medium.read_int(os.path.join(medium.sysfs_root(), "bus", "dax", "devices",
                                              target.dax_name, "target_node"))
         near = topology.nearest_cpu_node(node) if node is not None else None
         near_cpus = set(topology.node_cpus(near)) if near is not None else set()
