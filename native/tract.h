@@ -364,6 +364,31 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		     uint32_t block_tokens, const uint8_t *root, const uint8_t *extra,
 		     uint64_t extra_len, uint8_t *out, uint64_t out_cap_blocks);
 
+/* ---- the prefix index ---- */
+
+/* Finds, pins and touches the longest run of leading READY keys (16 bytes each). */
+int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
+		       uint32_t *tokens, uint32_t *checksums, uint32_t *hits, uint64_t timeout_ns);
+
+/* Unpins keys this node pinned with tract_index_lookup. */
+int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns);
+
+/* Puts blocks (claim, allocate with eviction, NT copy, publish); status per key. */
+int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
+		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
+		    uint8_t *status, uint64_t timeout_ns);
+
+/* Copies blocks out of slots, verifying recorded checksums; *bad gets a failing index. */
+int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *dst,
+		     uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
+		     uint32_t *bad);
+
+/* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
+int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns);
+
+/* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
+uint32_t tract_crc32c(const void *buf, uint64_t len);
+
 /* CDEF-END */
 
 #endif

@@ -35,6 +35,9 @@ def main() -> None:
         "drain": lambda: pool.allocator.drain(),
         "obj_put": lambda name, offset, size: pool.objects.put(name, offset, size),
         "obj_get": lambda name: pool.objects.get(name),
+        "index_put_chains": lambda **kw: index_put_chains(pool, **kw),
+        "index_lookup_verify": lambda **kw: index_lookup_verify(pool, **kw),
+        "index_release_held": lambda: index_release_held(pool),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -112,6 +115,61 @@ def ping_pong(pool: Pool, my_off: int, peer_off: int, rounds: int, first: bool,
         if not first:
             pool.publish_u64(my_off, i)
     return {"completed": expected_peer}
+
+
+
+def _chain_keys(pool, prefix_seed: int, prefix_blocks: int, suffix_seed: int, n_blocks: int):
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    bt = pool.info.geometry.block_tokens
+    pre = np.random.default_rng(prefix_seed).integers(0, 50000, prefix_blocks * bt)
+    suf = np.random.default_rng(suffix_seed).integers(0, 50000, (n_blocks - prefix_blocks) * bt)
+    return block_hashes(np.concatenate([pre, suf]).astype(np.int32), root=pool_root(pool.info))
+
+
+def index_put_chains(pool, chains: list, checksum: bool = True) -> dict:
+    """Puts each chain (prefix_seed, prefix_blocks, suffix_seed, n_blocks); status counts."""
+    import numpy as np
+    from index_check import payload_for
+    counts = {"stored": 0, "already_ready": 0, "already_pending": 0, "no_room": 0}
+    for chain in chains:
+        keys = _chain_keys(pool, *chain)
+        kv = np.stack([payload_for(k.tobytes(), pool.info.block_bytes) for k in keys])
+        res = pool.index.put(keys, kv, checksum=checksum)
+        for name in counts:
+            counts[name] += res.count(name)
+    return counts
+
+
+def index_lookup_verify(pool, chains: list, hold: bool = False) -> list:
+    """Looks each chain up, reads and verifies every hit; returns hit counts."""
+    import numpy as np
+    from index_check import payload_for
+    hits = []
+    for chain in chains:
+        keys = _chain_keys(pool, *chain)
+        res = pool.index.lookup(keys)
+        out = np.empty((res.hits, pool.info.block_bytes), np.uint8)
+        pool.index.read(res, out)
+        for i in range(res.hits):
+            assert np.array_equal(out[i], payload_for(keys[i].tobytes(), pool.info.block_bytes)), \
+                f"block {i} of chain {chain} has the wrong bytes"
+        if not hold:
+            pool.index.unpin(res)
+        else:
+            HELD.append(res)
+        hits.append(res.hits)
+    return hits
+
+
+HELD: list = []
+
+
+def index_release_held(pool) -> int:
+    n = len(HELD)
+    while HELD:
+        pool.index.unpin(HELD.pop())
+    return n
 
 
 if __name__ == "__main__":

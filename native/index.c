@@ -1,0 +1,706 @@
+/*
+ * index.c -- the prefix index (DESIGN.md §7, docs/PROTOCOLS.md §8).
+ *
+ * A fixed open-addressing table of cache-line buckets, split into stripes of
+ * contiguous buckets; a key's stripe and home bucket come from its bits and
+ * its probe sequence wraps inside its stripe, so every operation on a key
+ * needs only that stripe's lock.  A request's keys are grouped by stripe
+ * and the stripes are locked one at a time, in ascending order, never two
+ * at once: no lock-order cycle is possible.
+ *
+ * Under a stripe's lock its holder is the only writer of the stripe's
+ * buckets, its LRU anchor and the pin lines of its buckets (a stripe spans
+ * at least 32 buckets, so a pin line never covers two stripes).  Every line
+ * is observed before it is modified and written back whole; one fence
+ * before the lock is released.
+ *
+ * LRU per stripe: a doubly linked list through the buckets (index + 1
+ * links), head = most recent.  A request's keys are touched tail first, so
+ * its head block ends up the most recent: under pressure a chain loses its
+ * tail before its head.  Evicted buckets become TOMBSTONE, or EMPTY when
+ * the next bucket of the probe sequence is EMPTY (and preceding tombstones
+ * with them), which keeps probe chains short under churn.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define NONE 0u
+
+struct stripe_ctx {
+	tract_region *r;
+	uint32_t stripe;
+	uint64_t first;       /* first bucket index of the stripe */
+	uint64_t size;        /* buckets in the stripe (power of two) */
+	uint64_t bucket_off;  /* region offset of bucket 0 */
+	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
+	struct tract_lru_anchor lru;
+	int lru_dirty;
+};
+
+/* geometry of the index (internal) */
+static uint64_t n_buckets(const tract_region *r)
+{
+	return tract_sec(r, TRACT_SEC_BUCKETS)->count;
+}
+
+static uint64_t stripe_size(const tract_region *r)
+{
+	return n_buckets(r) / r->hdr.index_stripes;
+}
+
+/* the stripe and home bucket of a key (internal) */
+static uint32_t key_stripe(const tract_region *r, const uint8_t *key)
+{
+	uint64_t hi;
+	memcpy(&hi, key + 8, 8);
+	return (uint32_t)((hi >> 40) & (r->hdr.index_stripes - 1));
+}
+
+static uint64_t key_home(const tract_region *r, const uint8_t *key)
+{
+	uint64_t lo;
+	memcpy(&lo, key, 8);
+	return lo & (stripe_size(r) - 1);
+}
+
+/* region offset of bucket b (internal) */
+static uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
+{
+	return c->bucket_off + b * TRACT_LINE;
+}
+
+/* region offset of the u16 pin count of bucket b for node n (internal) */
+static uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
+{
+	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
+	return s->offset + (uint64_t)node * s->entry_size + b * 2;
+}
+
+/* locks a stripe and loads its LRU anchor (internal) */
+static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c)
+{
+	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	c->r = r;
+	c->stripe = stripe;
+	c->size = stripe_size(r);
+	c->first = (uint64_t)stripe * c->size;
+	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
+	tract_observe_line(r, c->lru_off, &c->lru);
+	c->lru_dirty = 0;
+	return TRACT_OK;
+}
+
+/* writes the anchor back, fences, unlocks (internal) */
+static void stripe_leave(struct stripe_ctx *c)
+{
+	if (c->lru_dirty)
+		tract_write_line(c->r, c->lru_off, &c->lru);
+	c->r->ops->fence(c->r);
+	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
+}
+
+static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
+{
+	tract_observe_line(c->r, bucket_off(c, b), out);
+}
+
+static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
+{
+	tract_write_line(c->r, bucket_off(c, b), in);
+}
+
+/*
+ * Probes for key: returns the bucket holding it (state PENDING or READY) in
+ * *found, or UINT64_MAX; *free_b gets the first reusable bucket on the path
+ * (TOMBSTONE or EMPTY), UINT64_MAX if the stripe is full (internal).
+ */
+static void probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
+		  struct tract_bucket *out)
+{
+	uint64_t home = key_home(c->r, key);
+	*found = *free_b = UINT64_MAX;
+	for (uint64_t i = 0; i < c->size; i++) {
+		uint64_t b = c->first + ((home + i) & (c->size - 1));
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		if (k.state == TRACT_BUCKET_EMPTY) {
+			if (*free_b == UINT64_MAX)
+				*free_b = b;
+			return;
+		}
+		if (k.state == TRACT_BUCKET_TOMBSTONE) {
+			if (*free_b == UINT64_MAX)
+				*free_b = b;
+			continue;
+		}
+		if (!memcmp(k.key, key, 16)) {
+			*found = b;
+			if (out)
+				*out = k;
+			return;
+		}
+	}
+}
+
+/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
+static void lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	if (k->lru_prev) {
+		struct tract_bucket p;
+		load_bucket(c, k->lru_prev - 1, &p);
+		p.lru_next = k->lru_next;
+		store_bucket(c, k->lru_prev - 1, &p);
+	} else {
+		c->lru.head = k->lru_next;
+	}
+	if (k->lru_next) {
+		struct tract_bucket n;
+		load_bucket(c, k->lru_next - 1, &n);
+		n.lru_prev = k->lru_prev;
+		store_bucket(c, k->lru_next - 1, &n);
+	} else {
+		c->lru.tail = k->lru_prev;
+	}
+	k->lru_prev = k->lru_next = NONE;
+	c->lru.count--;
+	c->lru_dirty = 1;
+	(void)b;
+}
+
+/* links bucket b at the head (most recent); the caller stores *k (internal) */
+static void lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	k->lru_prev = NONE;
+	k->lru_next = c->lru.head;
+	if (c->lru.head) {
+		struct tract_bucket h;
+		load_bucket(c, c->lru.head - 1, &h);
+		h.lru_prev = (uint32_t)(b + 1);
+		store_bucket(c, c->lru.head - 1, &h);
+	} else {
+		c->lru.tail = (uint32_t)(b + 1);
+	}
+	c->lru.head = (uint32_t)(b + 1);
+	c->lru.count++;
+	c->lru_dirty = 1;
+}
+
+/* moves a READY bucket to the head and stamps its access time (internal) */
+static void lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	if (c->lru.head != b + 1) {
+		lru_unlink(c, b, k);
+		lru_push_head(c, b, k);
+	}
+	k->last_access_ns = tract_now_ns();
+	store_bucket(c, b, k);
+}
+
+/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
+static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node, int delta)
+{
+	uint64_t off = pin_off(c->r, node, b);
+	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+	uint8_t buf[TRACT_LINE];
+	tract_observe_line(c->r, line, buf);
+	uint16_t v;
+	memcpy(&v, buf + (off - line), 2);
+	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
+	    (delta < 0 && k->pins == 0))
+		return TRACT_E_CORRUPT;
+	v = (uint16_t)(v + delta);
+	memcpy(buf + (off - line), &v, 2);
+	tract_write_line(c->r, line, buf);
+	k->pins = (uint32_t)((int64_t)k->pins + delta);
+	return TRACT_OK;
+}
+
+/* turns an unlinked bucket into a tombstone or, where the probe chain ends
+ * right after it, into EMPTY together with the tombstones before it (internal) */
+static void bury(struct stripe_ctx *c, uint64_t b)
+{
+	uint64_t rel = b - c->first;
+	struct tract_bucket next;
+	load_bucket(c, c->first + ((rel + 1) & (c->size - 1)), &next);
+	struct tract_bucket dead;
+	memset(&dead, 0, sizeof(dead));
+	if (next.state != TRACT_BUCKET_EMPTY) {
+		dead.state = TRACT_BUCKET_TOMBSTONE;
+		store_bucket(c, b, &dead);
+		return;
+	}
+	store_bucket(c, b, &dead);     /* EMPTY */
+	for (uint64_t i = 1; i < c->size; i++) {
+		uint64_t p = c->first + ((rel - i) & (c->size - 1));
+		struct tract_bucket k;
+		load_bucket(c, p, &k);
+		if (k.state != TRACT_BUCKET_TOMBSTONE)
+			break;
+		memset(&k, 0, sizeof(k));
+		store_bucket(c, p, &k);
+	}
+}
+
+/* sorts key indices by stripe, then by descending index (tail first) (internal) */
+struct keyref {
+	uint32_t stripe;
+	uint32_t idx;
+};
+
+static int cmp_keyref(const void *a, const void *b)
+{
+	const struct keyref *x = a, *y = b;
+	if (x->stripe != y->stripe)
+		return x->stripe < y->stripe ? -1 : 1;
+	return x->idx > y->idx ? -1 : x->idx < y->idx;
+}
+
+static struct keyref *group(const tract_region *r, const uint8_t *keys, uint32_t n)
+{
+	struct keyref *refs = malloc(((size_t)n + 1) * sizeof(*refs));
+	if (!refs)
+		return NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		refs[i].stripe = key_stripe(r, keys + (uint64_t)i * 16);
+		refs[i].idx = i;
+	}
+	qsort(refs, n, sizeof(*refs), cmp_keyref);
+	return refs;
+}
+
+/* checks a handle can use the index (internal) */
+static int index_usable(const tract_region *r)
+{
+	if (!r || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
+}
+
+/* Finds, pins and touches the longest run of leading READY keys. */
+int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
+		       uint32_t *tokens, uint32_t *checksums, uint32_t *hits, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if ((!keys && n) || !hits)
+		return TRACT_E_INVAL;
+	struct keyref *refs = group(r, keys, n);
+	uint8_t *pinned = calloc((size_t)n + 1, 1);
+	if (!refs || !pinned) {
+		free(refs);
+		free(pinned);
+		return TRACT_E_NOMEM;
+	}
+	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
+	rc = TRACT_OK;
+	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
+		struct stripe_ctx c;
+		uint32_t s = refs[i].stripe, j = i;
+		while (j < n && refs[j].stripe == s)
+			j++;
+		if ((rc = stripe_enter(r, s, timeout_ns, &c)) < 0)
+			break;
+		/* refs[i..j) are this stripe's keys, tail first */
+		for (uint32_t k = i; k < j; k++) {
+			uint32_t idx = refs[k].idx;
+			if (idx >= limit)
+				continue;
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			c.lru.lookups++;
+			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_READY || !bk.slot) {
+				limit = idx;
+				continue;
+			}
+			if ((rc = pin_add(&c, b, &bk, r->node_id, +1)) < 0)
+				break;
+			lru_touch(&c, b, &bk);
+			c.lru.hits++;
+			c.lru_dirty = 1;
+			pinned[idx] = 1;
+			if (slots)
+				slots[idx] = bk.slot - 1;
+			if (tokens)
+				tokens[idx] = bk.tokens;
+			if (checksums)
+				checksums[idx] = (bk.flags & 1) ? bk.checksum : 0;
+		}
+		stripe_leave(&c);
+		i = j;
+	}
+	/* unpin what was pinned past the first miss (or everything on error) */
+	uint32_t keep = rc == TRACT_OK ? limit : 0;
+	for (uint32_t i = 0; i < n;) {
+		uint32_t s = refs[i].stripe, j = i;
+		int any = 0;
+		while (j < n && refs[j].stripe == s) {
+			any |= refs[j].idx >= keep && pinned[refs[j].idx];
+			j++;
+		}
+		if (any) {
+			struct stripe_ctx c;
+			int rc2 = stripe_enter(r, s, timeout_ns, &c);
+			if (rc2 < 0) {
+				rc = rc2;   /* pins stay until the agent's recovery */
+				break;
+			}
+			for (uint32_t k = i; k < j; k++) {
+				uint32_t idx = refs[k].idx;
+				if (idx < keep || !pinned[idx])
+					continue;
+				uint64_t b, fb;
+				struct tract_bucket bk;
+				probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+				if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
+					store_bucket(&c, b, &bk);
+			}
+			stripe_leave(&c);
+		}
+		i = j;
+	}
+	*hits = keep;
+	free(refs);
+	free(pinned);
+	return rc;
+}
+
+/* Unpins keys this node pinned with tract_index_lookup. */
+int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	struct keyref *refs = group(r, keys, n);
+	if (!refs && n)
+		return TRACT_E_NOMEM;
+	rc = TRACT_OK;
+	for (uint32_t i = 0; i < n;) {
+		struct stripe_ctx c;
+		uint32_t s = refs[i].stripe, j = i;
+		while (j < n && refs[j].stripe == s)
+			j++;
+		int rc2 = stripe_enter(r, s, timeout_ns, &c);
+		if (rc2 < 0) {
+			rc = rc2;
+			break;
+		}
+		for (uint32_t k = i; k < j; k++) {
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, keys + (uint64_t)refs[k].idx * 16, &b, &fb, &bk);
+			if (b == UINT64_MAX || pin_add(&c, b, &bk, r->node_id, -1) < 0)
+				rc = TRACT_E_CORRUPT;   /* not pinned by this node */
+			else
+				store_bucket(&c, b, &bk);
+		}
+		stripe_leave(&c);
+		i = j;
+	}
+	free(refs);
+	return rc;
+}
+
+/* evicts up to want unpinned READY entries, LRU first, from stripes taken
+ * round-robin from *cursor; their slots are freed (internal) */
+static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
+		 uint64_t timeout_ns)
+{
+	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
+	if (!slots)
+		return TRACT_E_NOMEM;
+	uint32_t got = 0, stripes = r->hdr.index_stripes;
+	int rc = TRACT_OK;
+	for (uint32_t t = 0; t < stripes && got < want; t++) {
+		uint32_t s = (*cursor + t) % stripes;
+		struct stripe_ctx c;
+		if ((rc = stripe_enter(r, s, timeout_ns, &c)) < 0)
+			break;
+		uint32_t cur = c.lru.tail;
+		while (cur && got < want) {
+			uint64_t b = cur - 1;
+			struct tract_bucket bk;
+			load_bucket(&c, b, &bk);
+			cur = bk.lru_prev;
+			if (bk.state != TRACT_BUCKET_READY || bk.pins)
+				continue;     /* pinned blocks are never evicted */
+			lru_unlink(&c, b, &bk);
+			slots[got++] = bk.slot - 1;
+			c.lru.evictions++;
+			bury(&c, b);
+		}
+		stripe_leave(&c);
+	}
+	*cursor = (*cursor + 1) % stripes;
+	if (got)
+		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
+	free(slots);
+	*evicted = got;
+	return rc;
+}
+
+/* status codes of tract_index_put, per key */
+enum { PUT_STORED = 0, PUT_WAS_READY = 1, PUT_WAS_PENDING = 2, PUT_NO_ROOM = 3, PUT_CLAIMED = 4 };
+
+/* claims PENDING buckets for absent keys; status per key (internal) */
+static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
+		     uint8_t *status, uint64_t timeout_ns)
+{
+	for (uint32_t i = 0; i < n;) {
+		struct stripe_ctx c;
+		uint32_t s = refs[i].stripe, j = i;
+		while (j < n && refs[j].stripe == s)
+			j++;
+		int rc = stripe_enter(r, s, timeout_ns, &c);
+		if (rc < 0)
+			return rc;
+		for (uint32_t k = i; k < j; k++) {
+			uint32_t idx = refs[k].idx;
+			const uint8_t *key = keys + (uint64_t)idx * 16;
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, key, &b, &fb, &bk);
+			if (b != UINT64_MAX) {
+				status[idx] = bk.state == TRACT_BUCKET_READY ? PUT_WAS_READY : PUT_WAS_PENDING;
+				continue;
+			}
+			if (fb == UINT64_MAX) {
+				status[idx] = PUT_NO_ROOM;
+				continue;
+			}
+			memset(&bk, 0, sizeof(bk));
+			memcpy(bk.key, key, 16);
+			bk.state = TRACT_BUCKET_PENDING;
+			bk.owner_node = (uint16_t)r->node_id;
+			bk.owner_pid = (uint32_t)getpid();
+			bk.last_access_ns = tract_now_ns();
+			store_bucket(&c, fb, &bk);
+			status[idx] = PUT_CLAIMED;
+		}
+		stripe_leave(&c);
+		i = j;
+	}
+	return TRACT_OK;
+}
+
+/* publishes (READY) or abandons claimed keys, inserting into LRU tail first (internal) */
+static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
+		      uint8_t *status, const uint32_t *slots, const uint32_t *tokens,
+		      const uint32_t *checksums, int publish, uint64_t timeout_ns)
+{
+	int rc = TRACT_OK;
+	for (uint32_t i = 0; i < n;) {
+		uint32_t s = refs[i].stripe, j = i;
+		int any = 0;
+		while (j < n && refs[j].stripe == s)
+			any |= status[refs[j++].idx] == PUT_CLAIMED;
+		if (!any) {
+			i = j;
+			continue;
+		}
+		struct stripe_ctx c;
+		int rc2 = stripe_enter(r, s, timeout_ns, &c);
+		if (rc2 < 0) {
+			rc = rc2;
+			i = j;
+			continue;
+		}
+		for (uint32_t k = i; k < j; k++) {
+			uint32_t idx = refs[k].idx;
+			if (status[idx] != PUT_CLAIMED)
+				continue;
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_PENDING) {
+				rc = TRACT_E_CORRUPT;       /* our claim vanished */
+				continue;
+			}
+			if (!publish) {
+				bury(&c, b);
+				continue;
+			}
+			bk.state = TRACT_BUCKET_READY;
+			bk.slot = slots[idx] + 1;
+			bk.tokens = tokens ? tokens[idx] : r->hdr.block_tokens;
+			if (checksums) {
+				bk.checksum = checksums[idx];
+				bk.flags |= 1;
+			}
+			bk.last_access_ns = tract_now_ns();
+			lru_push_head(&c, b, &bk);
+			store_bucket(&c, b, &bk);
+			c.lru.inserts++;
+			status[idx] = PUT_STORED;
+		}
+		stripe_leave(&c);
+		i = j;
+	}
+	return rc;
+}
+
+/* CRC-32C of a payload (hardware instruction where available) (internal) */
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(const uint8_t *p, uint64_t n)
+{
+	uint64_t c = 0xFFFFFFFFu;
+	for (; n >= 8; n -= 8, p += 8) {
+		uint64_t v;
+		memcpy(&v, p, 8);
+		c = __builtin_ia32_crc32di(c, v);
+	}
+	uint32_t c32 = (uint32_t)c;
+	for (; n; n--, p++)
+		c32 = __builtin_ia32_crc32qi(c32, *p);
+	return c32 ^ 0xFFFFFFFFu;
+}
+#endif
+
+static uint32_t crc32c_sw(const uint8_t *p, uint64_t n)
+{
+	uint32_t c = 0xFFFFFFFFu;
+	while (n--) {
+		c ^= *p++;
+		for (int k = 0; k < 8; k++)
+			c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+	}
+	return c ^ 0xFFFFFFFFu;
+}
+
+/* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
+uint32_t tract_crc32c(const void *buf, uint64_t len)
+{
+#if defined(__x86_64__)
+	if (__builtin_cpu_supports("sse4.2"))
+		return crc32c_hw(buf, len);
+#endif
+	return crc32c_sw(buf, len);
+}
+
+/*
+ * Puts blocks: claims PENDING for absent keys, allocates slots (evicting LRU
+ * unpinned entries when the pool is full), copies each block i from
+ * src + i * src_stride with non-temporal stores, optionally checksums it,
+ * then publishes READY.  status[i]: 0 stored, 1 already READY, 2 already
+ * PENDING (another writer), 3 no room in its stripe.
+ */
+int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
+		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
+		    uint8_t *status, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if ((!keys && n) || !status || (n && !src) || block_len > r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	struct keyref *refs = group(r, keys, n);
+	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *sums = checksum ? calloc((size_t)n + 1, sizeof(uint32_t)) : NULL;
+	uint32_t *mine = calloc((size_t)n + 1, sizeof(uint32_t));
+	if (!refs || !slots || !mine || (checksum && !sums)) {
+		rc = TRACT_E_NOMEM;
+		goto out;
+	}
+	memset(status, 0, n);
+	if ((rc = claim_all(r, keys, n, refs, status, timeout_ns)) < 0)
+		goto abandon;
+	uint32_t want = 0;
+	for (uint32_t i = 0; i < n; i++)
+		if (status[i] == PUT_CLAIMED)
+			mine[want++] = i;
+	if (want) {
+		uint32_t cursor = (uint32_t)getpid();
+		for (int attempt = 0;; attempt++) {
+			rc = tract_alloc(r, want, slots, timeout_ns);
+			if (rc != TRACT_E_FULL)
+				break;
+			uint32_t evicted = 0;
+			int rc2 = evict(r, want, &cursor, &evicted, timeout_ns);
+			if (rc2 < 0) {
+				rc = rc2;
+				break;
+			}
+			if (!evicted && attempt >= 1)
+				break;   /* nothing evictable: the pool is full of pinned blocks */
+		}
+		if (rc < 0)
+			goto abandon;
+		/* slots[0..want) belong to mine[0..want): spread them by key index */
+		for (uint32_t k = want; k-- > 0;) {
+			uint32_t s = slots[k];
+			slots[k] = 0;
+			slots[mine[k]] = s;
+		}
+		for (uint32_t k = 0; k < want; k++) {
+			uint32_t i = mine[k];
+			const uint8_t *blk = (const uint8_t *)src + (uint64_t)i * src_stride;
+			uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset +
+				       (uint64_t)slots[i] * r->hdr.slot_stride;
+			if ((rc = tract_copy_in(r, off, blk, block_len)) < 0)
+				goto abandon_alloc;
+			if (sums)
+				sums[i] = tract_crc32c(blk, block_len);
+		}
+	}
+	rc = finish_all(r, keys, n, refs, status, slots, tokens, sums, 1, timeout_ns);
+	goto out;
+abandon_alloc:
+	for (uint32_t k = 0; k < want; k++)
+		mine[k] = slots[mine[k]];
+	tract_free(r, mine, want, timeout_ns);
+abandon:
+	if (refs)
+		finish_all(r, keys, n, refs, status, slots, tokens, NULL, 0, timeout_ns);
+	for (uint32_t i = 0; i < n; i++)
+		if (status[i] == PUT_CLAIMED)
+			status[i] = PUT_NO_ROOM;
+out:
+	free(refs);
+	free(slots);
+	free(sums);
+	free(mine);
+	return rc;
+}
+
+/* Copies n blocks out of slots into dst + i * dst_stride, invalidating first;
+ * with checksums (non-NULL, 0 = none recorded) verifies each, returning the
+ * first bad index in *bad (TRACT_E_CORRUPT). */
+int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *dst,
+		     uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
+		     uint32_t *bad)
+{
+	if (!r || (!slots && n) || (n && !dst) || block_len > r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	for (uint32_t i = 0; i < n; i++) {
+		if (slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+		uint8_t *d = (uint8_t *)dst + (uint64_t)i * dst_stride;
+		uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slots[i] * r->hdr.slot_stride;
+		int rc = tract_copy_out(r, d, off, block_len, 1);
+		if (rc)
+			return rc;
+		if (checksums && checksums[i] && tract_crc32c(d, block_len) != checksums[i]) {
+			if (bad)
+				*bad = i;
+			return TRACT_E_CORRUPT;
+		}
+	}
+	return TRACT_OK;
+}
+
+/* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
+int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	uint32_t cursor = 0;
+	return evict(r, want, &cursor, evicted, timeout_ns);
+}

@@ -1,0 +1,137 @@
+"""The prefix index as a Python object: batched, one C call per request.
+
+Keys are 16-byte block hashes ((n, 16) uint8 from `hashing.block_hashes`;
+for the vLLM scheme's 32-byte hashes, the first 16 bytes).  A lookup pins
+the blocks it returns; the caller reads them (a copy into its buffer, or
+zero-copy views) and unpins.  "Pool full, nothing evictable" is a
+`PoolFull` result the caller can act on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.native import ffi, lib, raise_for
+
+PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
+
+
+class ChecksumMismatch(TractError):
+    """A block read back does not match the checksum recorded at put."""
+
+
+@dataclass
+class Lookup:
+    """The pinned leading run of a lookup: keys[:hits] are READY and pinned."""
+
+    keys: np.ndarray
+    hits: int
+    slots: np.ndarray
+    tokens: np.ndarray
+    checksums: np.ndarray
+
+
+@dataclass
+class PutResult:
+    status: np.ndarray           # per key: index into PUT_STATUS
+
+    def count(self, name: str) -> int:
+        return int((self.status == PUT_STATUS.index(name)).sum())
+
+
+def as_keys(hashes) -> np.ndarray:
+    """(n, 16) contiguous uint8 keys from block hashes ((n, 16) or (n, 32))."""
+    arr = np.ascontiguousarray(hashes, dtype=np.uint8)
+    if arr.ndim != 2 or arr.shape[1] not in (16, 32):
+        raise UsageError(f"keys must be an (n, 16) or (n, 32) uint8 array, got {arr.shape}",
+                         "pass block_hashes(...) output")
+    return np.ascontiguousarray(arr[:, :16])
+
+
+class PrefixIndex:
+    """lookup / put / read / views / unpin over a pool's index."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def _u32(self, a: np.ndarray):
+        return ffi.cast("uint32_t *", ffi.from_buffer(a))
+
+    def lookup(self, hashes, timeout: float = 30.0) -> Lookup:
+        """Pins and returns the longest run of leading READY blocks."""
+        keys = as_keys(hashes)
+        n = len(keys)
+        slots, tokens, sums = (np.zeros(n, np.uint32) for _ in range(3))
+        hits = ffi.new("uint32_t *")
+        rc = lib.tract_index_lookup(self._pool._r(), ffi.from_buffer(keys), n, self._u32(slots),
+                                    self._u32(tokens), self._u32(sums), hits, int(timeout * 1e9))
+        raise_for(rc, f"{self._pool.path} index lookup")
+        h = hits[0]
+        return Lookup(keys, h, slots[:h], tokens[:h], sums[:h])
+
+    def unpin(self, lookup_or_hashes, timeout: float = 30.0) -> None:
+        """Unpins the blocks of a Lookup (or keys this node pinned)."""
+        keys = (lookup_or_hashes.keys[:lookup_or_hashes.hits]
+                if isinstance(lookup_or_hashes, Lookup) else as_keys(lookup_or_hashes))
+        rc = lib.tract_index_unpin(self._pool._r(), ffi.from_buffer(keys), len(keys),
+                                   int(timeout * 1e9))
+        if rc == lib.TRACT_E_CORRUPT:
+            raise TractError("a key was not pinned by this node", "unpin only what lookup pinned")
+        raise_for(rc, f"{self._pool.path} index unpin")
+
+    def put(self, hashes, kv, tokens=None, checksum: bool = False,
+            timeout: float = 30.0) -> PutResult:
+        """Stores block i of KV (shape (n, ...) with block_bytes per row) under key i.
+
+        Keys already READY or being written (PENDING) are skipped and reported.
+        Raises PoolFull when the pool has no room and nothing is evictable.
+        """
+        keys = as_keys(hashes)
+        n = len(keys)
+        data = np.ascontiguousarray(kv).reshape(n, -1) if n else np.zeros((0, 1), np.uint8)
+        row = data.shape[1] * data.itemsize
+        if n and row > self._pool.info.block_bytes:
+            raise UsageError(f"a block of {row} bytes exceeds the slot size "
+                             f"{self._pool.info.block_bytes}", "pass one block per key")
+        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.uint32)
+        status = np.zeros(n, np.uint8)
+        rc = lib.tract_index_put(self._pool._r(), ffi.from_buffer(keys), n,
+                                 ffi.from_buffer(data) if n else ffi.NULL, row, row,
+                                 self._u32(tok) if tok is not None else ffi.NULL,
+                                 1 if checksum else 0, ffi.from_buffer(status), int(timeout * 1e9))
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull("the pool is full and every block in it is pinned",
+                           "unpin blocks (finish or time out handoffs) or use a larger region")
+        raise_for(rc, f"{self._pool.path} index put")
+        return PutResult(status)
+
+    def read(self, lookup: Lookup, out: np.ndarray, verify: bool = True) -> None:
+        """Copies the pinned blocks into OUT (shape (hits, ...)), verifying checksums."""
+        if lookup.hits == 0:
+            return
+        dst = out.reshape(lookup.hits, -1)
+        if not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise UsageError("the output buffer must be writable and C-contiguous", "np.empty(...)")
+        row = dst.shape[1] * dst.itemsize
+        bad = ffi.new("uint32_t *")
+        rc = lib.tract_index_read(self._pool._r(), self._u32(lookup.slots), lookup.hits,
+                                  ffi.from_buffer(dst, require_writable=True), row, row,
+                                  self._u32(lookup.checksums) if verify else ffi.NULL, bad)
+        if rc == lib.TRACT_E_CORRUPT:
+            raise ChecksumMismatch(f"block {bad[0]} (key {lookup.keys[bad[0]].tobytes().hex()}) "
+                                   "does not match its checksum", "the block was not served; "
+                                   "run `tract check` and recompute it")
+        raise_for(rc, f"{self._pool.path} index read")
+
+    def views(self, lookup: Lookup) -> list[np.ndarray]:
+        """Zero-copy views of the pinned blocks (valid until unpinned)."""
+        return [self._pool.slot_array(int(s)) for s in lookup.slots]
+
+    def evict(self, count: int, timeout: float = 30.0) -> int:
+        """Evicts up to COUNT unpinned blocks, least recently used first."""
+        out = ffi.new("uint32_t *")
+        raise_for(lib.tract_index_evict(self._pool._r(), count, out, int(timeout * 1e9)), "evict")
+        return out[0]
