@@ -372,12 +372,15 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	return rc;
 }
 
-/* Unpins keys this node pinned with tract_index_lookup. */
-int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
+/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
+int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			   uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
+	if (node >= r->hdr.max_nodes)
+		return TRACT_E_INVAL;
 	struct keyref *refs = group(r, keys, n);
 	if (!refs && n)
 		return TRACT_E_NOMEM;
@@ -396,8 +399,8 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 			uint64_t b, fb;
 			struct tract_bucket bk;
 			probe(&c, keys + (uint64_t)refs[k].idx * 16, &b, &fb, &bk);
-			if (b == UINT64_MAX || pin_add(&c, b, &bk, r->node_id, -1) < 0)
-				rc = TRACT_E_CORRUPT;   /* not pinned by this node */
+			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
+				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
 			else
 				store_bucket(&c, b, &bk);
 		}
@@ -406,6 +409,12 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 	}
 	free(refs);
 	return rc;
+}
+
+/* Unpins keys this node pinned with tract_index_lookup. */
+int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
+{
+	return tract_index_unpin_node(r, keys, n, r ? r->node_id : 0, timeout_ns);
 }
 
 /* evicts up to want unpinned READY entries, LRU first, from stripes taken
@@ -584,31 +593,25 @@ uint32_t tract_crc32c(const void *buf, uint64_t len)
 	return crc32c_sw(buf, len);
 }
 
-/*
- * Puts blocks: claims PENDING for absent keys, allocates slots (evicting LRU
- * unpinned entries when the pool is full), copies each block i from
- * src + i * src_stride with non-temporal stores, optionally checksums it,
- * then publishes READY.  status[i]: 0 stored, 1 already READY, 2 already
- * PENDING (another writer), 3 no room in its stripe.
- */
-int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
-		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
-		    uint8_t *status, uint64_t timeout_ns)
+/* Claims PENDING buckets for absent keys and allocates their slots (evicting
+ * when full); status[i] = 4 (claimed, slots[i] valid) or a skip reason. */
+int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
+			  uint32_t *slots, uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
-	if ((!keys && n) || !status || (n && !src) || block_len > r->hdr.block_bytes)
+	if ((!keys && n) || !status || (!slots && n))
 		return TRACT_E_INVAL;
 	struct keyref *refs = group(r, keys, n);
-	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
-	uint32_t *sums = checksum ? calloc((size_t)n + 1, sizeof(uint32_t)) : NULL;
 	uint32_t *mine = calloc((size_t)n + 1, sizeof(uint32_t));
-	if (!refs || !slots || !mine || (checksum && !sums)) {
-		rc = TRACT_E_NOMEM;
-		goto out;
+	if (!refs || !mine) {
+		free(refs);
+		free(mine);
+		return TRACT_E_NOMEM;
 	}
 	memset(status, 0, n);
+	memset(slots, 0, (size_t)n * sizeof(uint32_t));
 	if ((rc = claim_all(r, keys, n, refs, status, timeout_ns)) < 0)
 		goto abandon;
 	uint32_t want = 0;
@@ -632,40 +635,105 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 		}
 		if (rc < 0)
 			goto abandon;
-		/* slots[0..want) belong to mine[0..want): spread them by key index */
+		/* slots[0..want) belong to mine[0..want): spread them by key index
+		 * (mine[k] >= k, so walking down never overwrites an unread one) */
 		for (uint32_t k = want; k-- > 0;) {
 			uint32_t s = slots[k];
 			slots[k] = 0;
 			slots[mine[k]] = s;
 		}
-		for (uint32_t k = 0; k < want; k++) {
-			uint32_t i = mine[k];
-			const uint8_t *blk = (const uint8_t *)src + (uint64_t)i * src_stride;
-			uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset +
-				       (uint64_t)slots[i] * r->hdr.slot_stride;
-			if ((rc = tract_copy_in(r, off, blk, block_len)) < 0)
-				goto abandon_alloc;
-			if (sums)
-				sums[i] = tract_crc32c(blk, block_len);
-		}
 	}
-	rc = finish_all(r, keys, n, refs, status, slots, tokens, sums, 1, timeout_ns);
-	goto out;
-abandon_alloc:
-	for (uint32_t k = 0; k < want; k++)
-		mine[k] = slots[mine[k]];
-	tract_free(r, mine, want, timeout_ns);
+	free(refs);
+	free(mine);
+	return TRACT_OK;
 abandon:
-	if (refs)
-		finish_all(r, keys, n, refs, status, slots, tokens, NULL, 0, timeout_ns);
+	finish_all(r, keys, n, refs, status, slots, NULL, NULL, 0, timeout_ns);
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
 			status[i] = PUT_NO_ROOM;
-out:
 	free(refs);
+	free(mine);
+	return rc;
+}
+
+/* Publishes (publish=1: READY) or abandons (0: claims dropped, slots freed)
+ * the keys tract_index_put_begin claimed; status turns 4 -> 0 (stored). */
+int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
+			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
+			   int publish, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if ((!keys && n) || !status || (!slots && n))
+		return TRACT_E_INVAL;
+	for (uint32_t i = 0; i < n; i++)
+		if (status[i] == PUT_CLAIMED && slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+	struct keyref *refs = group(r, keys, n);
+	if (!refs)
+		return TRACT_E_NOMEM;
+	uint32_t *freed = NULL;
+	if (!publish) {
+		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
+		uint32_t k = 0;
+		for (uint32_t i = 0; freed && i < n; i++)
+			if (status[i] == PUT_CLAIMED)
+				freed[k++] = slots[i];
+		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
+		if (freed && k)
+			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
+		for (uint32_t i = 0; i < n; i++)
+			if (status[i] == PUT_CLAIMED)
+				status[i] = PUT_NO_ROOM;
+	} else {
+		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 1, timeout_ns);
+	}
+	free(freed);
+	free(refs);
+	return rc;
+}
+
+/*
+ * Puts blocks: claims PENDING for absent keys, allocates slots (evicting LRU
+ * unpinned entries when the pool is full), copies each block i from
+ * src + i * src_stride with non-temporal stores, optionally checksums it,
+ * then publishes READY.  status[i]: 0 stored, 1 already READY, 2 already
+ * PENDING (another writer), 3 no room.
+ */
+int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
+		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
+		    uint8_t *status, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if ((!keys && n) || !status || (n && !src) || block_len > r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *sums = checksum ? calloc((size_t)n + 1, sizeof(uint32_t)) : NULL;
+	if (!slots || (checksum && !sums)) {
+		free(slots);
+		free(sums);
+		return TRACT_E_NOMEM;
+	}
+	rc = tract_index_put_begin(r, keys, n, status, slots, timeout_ns);
+	for (uint32_t i = 0; rc == TRACT_OK && i < n; i++) {
+		if (status[i] != PUT_CLAIMED)
+			continue;
+		const uint8_t *blk = (const uint8_t *)src + (uint64_t)i * src_stride;
+		uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset +
+			       (uint64_t)slots[i] * r->hdr.slot_stride;
+		rc = tract_copy_in(r, off, blk, block_len);
+		if (sums)
+			sums[i] = tract_crc32c(blk, block_len);
+	}
+	if (rc == TRACT_OK)
+		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums, 1, timeout_ns);
+	else
+		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, 0, timeout_ns);
 	free(slots);
 	free(sums);
-	free(mine);
 	return rc;
 }
 

@@ -119,6 +119,10 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 	r->ops->fence(r);
 }
 
+/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
+int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			   uint64_t timeout_ns);
+
 /* CLOCK_REALTIME in ns (internal) */
 uint64_t tract_now_ns(void);
 

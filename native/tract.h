@@ -378,6 +378,15 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
 		    uint8_t *status, uint64_t timeout_ns);
 
+/* Claims PENDING buckets for absent keys and allocates their slots (status 4 = claimed). */
+int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
+			  uint32_t *slots, uint64_t timeout_ns);
+
+/* Publishes (1) or abandons (0) what tract_index_put_begin claimed. */
+int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
+			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
+			   int publish, uint64_t timeout_ns);
+
 /* Copies blocks out of slots, verifying recorded checksums; *bad gets a failing index. */
 int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *dst,
 		     uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
@@ -385,6 +394,25 @@ int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *d
 
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns);
+
+/* ---- prefill -> decode handoff ---- */
+
+/* Pins n READY blocks for a decode side, stores the key list and tail, writes a record. */
+int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
+			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
+			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns);
+
+/* Reads a published record: block slots, checksums, token counts, tail slot + 1. */
+int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
+		       uint32_t *slots, uint32_t *checksums, uint32_t *tokens, uint32_t cap,
+		       uint32_t *block_count, uint64_t *token_count, uint32_t *tail_slot,
+		       uint32_t *tail_tokens);
+
+/* Acknowledges a handoff: pins and slots released, record freed. */
+int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns);
+
+/* Reclaims records expired at now_ns; *count gets how many. */
+int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
 
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);

@@ -38,6 +38,8 @@ def main() -> None:
         "index_put_chains": lambda **kw: index_put_chains(pool, **kw),
         "index_lookup_verify": lambda **kw: index_lookup_verify(pool, **kw),
         "index_release_held": lambda: index_release_held(pool),
+        "handoff_publish": lambda **kw: handoff_publish(pool, **kw),
+        "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -170,6 +172,50 @@ def index_release_held(pool) -> int:
     while HELD:
         pool.index.unpin(HELD.pop())
     return n
+
+
+
+def tail_for(request: str, nbytes: int):
+    import numpy as np
+    return np.frombuffer((request.encode() * (nbytes // len(request) + 1))[:nbytes], np.uint8)
+
+
+def handoff_publish(pool, chain: list, request: str, ttl: float = 30.0) -> dict:
+    """Puts a chain, then publishes its handoff with a partial tail; returns the ticket."""
+    index_put_chains(pool, [chain])
+    keys = _chain_keys(pool, *chain)
+    bt = pool.info.geometry.block_tokens
+    tail = tail_for(request, pool.info.bytes_per_token * (bt // 2))
+    t = pool.handoffs.publish(request, keys, len(keys) * bt + bt // 2, tail=tail,
+                              tail_tokens=bt // 2, ttl=ttl)
+    return t.to_dict()
+
+
+def handoff_receive(pool, ticket: dict, chain: list, request: str, ack: bool = True,
+                    zero_copy: bool = False) -> int:
+    """Opens a handoff, checks every byte (blocks and tail), acknowledges."""
+    import numpy as np
+    from index_check import payload_for
+    from tract_cli.core.handoff import Ticket
+    t = Ticket.from_dict(ticket)
+    rec = pool.handoffs.open(t)
+    keys = _chain_keys(pool, *chain)
+    nbytes = pool.info.block_bytes
+    if zero_copy:
+        blocks = [v.view(np.uint8).reshape(-1) for v in pool.handoffs.views(rec)]
+    else:
+        out = np.empty((len(rec.slots), nbytes), np.uint8)
+        pool.handoffs.copy_blocks(rec, out)
+        blocks = list(out)
+    for i, b in enumerate(blocks):
+        assert np.array_equal(b, payload_for(keys[i].tobytes(), nbytes)), f"block {i} differs"
+    tail = np.empty(pool.info.bytes_per_token * rec.tail_tokens, np.uint8)
+    pool.handoffs.copy_tail(rec, tail)
+    assert np.array_equal(tail, tail_for(request, tail.size)), "tail differs"
+    del blocks
+    if ack:
+        pool.handoffs.ack(t)
+    return len(rec.slots)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 One agent per node (held by the node's agent mutex in its local segment):
 it heartbeats in the node table, runs the lock manager on the manager node
 (exactly one per region: an agent refuses to start a manager while another
-node's manager heartbeat is fresh), and is where recovery hangs (issue:
-faults).  Workers and benchmarks start one with `ensure_agent` when none runs.
+node's manager heartbeat is fresh), reclaims expired handoffs (on the
+manager node), and is where the rest of recovery hangs (issue: faults).  Workers and benchmarks start one with `ensure_agent` when none runs.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md Â
 NODE_ALIVE, NODE_LEFT = 1, 2
 FLAG_MANAGER = 1
 HEARTBEAT_S = 0.1
+RECLAIM_S = 0.5
 STALE_S = 2.0
 
 
@@ -78,6 +79,7 @@ class Agent:
         self._stop = threading.Event()
         self._thread = None
         self._locked = False
+        self.reclaimed = 0
         self.epoch = 0
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
 
@@ -123,8 +125,18 @@ class Agent:
         self.pool.publish(sec.offset + self.node * sec.entry_size, line)
 
     def _heartbeat(self) -> None:
+        last_reclaim = 0.0
         while not self._stop.wait(self.heartbeat_s):
             self._publish(NODE_ALIVE)
+            now = time.monotonic()
+            if self.manager and now - last_reclaim >= RECLAIM_S:
+                # expired handoffs (a decode side that died): pins and slots back
+                last_reclaim = now
+                try:
+                    self.reclaimed += self.pool.handoffs.reclaim(timeout=RECLAIM_S)
+                except TractError as err:
+                    print(f"tract agent: node {self.node}: reclaim: {err}", file=sys.stderr,
+                          flush=True)
 
     def manager_stats(self) -> dict:
         """Scans, grants, releases, idle sleeps of the manager thread."""

@@ -21,6 +21,7 @@ from tract_cli.core.header import RegionInfo, decode_header
 from tract_cli.core.native import (FLUSH_MODE_NAMES, FLUSH_MODES, ffi, flush_mode_supported,
                                    lib, raise_for)
 from tract_cli.core.allocator import Allocator
+from tract_cli.core.handoff import Handoffs
 from tract_cli.core.index import PrefixIndex
 from tract_cli.core.local import LocalSegment
 from tract_cli.core.locks import Locks
@@ -50,6 +51,7 @@ class Pool:
         self.allocator = Allocator(self)
         self.objects = ObjectStore(self)
         self.index = PrefixIndex(self)
+        self.handoffs = Handoffs(self)
         self.target = target
         self.info = info
         self.node = node

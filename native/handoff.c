@@ -1,0 +1,294 @@
+/*
+ * handoff.c -- prefill -> decode handoff records (DESIGN.md §8,
+ * docs/PROTOCOLS.md §10).
+ *
+ * The control message carries only (record index, request id).  The record
+ * (transfer table, written under lock 2) names a key list stored in a slot:
+ * per block its key, slot, checksum and token count, so the decode side
+ * reaches every block without probing the index.  The blocks stay pinned by
+ * the prefill node until the decode side acknowledges, or the record
+ * expires and a node agent reclaims it: pins unpinned on the prefill node's
+ * behalf, the list and tail slots freed, the record freed.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define LOCK_TRANSFER 2
+
+enum { REC_FREE = 0, REC_PUBLISHED = 1, REC_ACKED = 2, REC_RECLAIMING = 3 };
+
+/* one entry of a handoff's key list (32 bytes) */
+struct handoff_entry {
+	uint8_t key[16];
+	uint32_t slot;
+	uint32_t checksum;
+	uint32_t tokens;
+	uint32_t reserved;
+};
+
+static uint64_t record_off(const tract_region *r, uint32_t rec)
+{
+	const struct tract_section *s = tract_sec(r, TRACT_SEC_TRANSFER);
+	return s->offset + (uint64_t)rec * TRACT_TRANSFER_ENTRY_SIZE;
+}
+
+static uint64_t slot_off(const tract_region *r, uint32_t slot)
+{
+	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slot * r->hdr.slot_stride;
+}
+
+static void observe_record(tract_region *r, uint32_t rec, struct tract_transfer_record *out)
+{
+	uint64_t off = record_off(r, rec);
+	r->ops->invalidate(r, off, sizeof(*out));
+	r->ops->fence(r);
+	r->ops->load(r, off, out, sizeof(*out));
+}
+
+static void publish_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *in)
+{
+	uint64_t off = record_off(r, rec);
+	r->ops->store(r, off, in, sizeof(*in));
+	r->ops->flush(r, off, sizeof(*in));
+	r->ops->fence(r);
+}
+
+/* checks what a record written by another host says before it is used (internal) */
+static int record_sane(const tract_region *r, const struct tract_transfer_record *t)
+{
+	uint64_t data = tract_sec(r, TRACT_SEC_DATA)->offset;
+	if (t->owner_node < 1 || t->owner_node > r->hdr.max_nodes)
+		return 0;
+	if (t->keys_offset < data || (t->keys_offset - data) % r->hdr.slot_stride ||
+	    (t->keys_offset - data) / r->hdr.slot_stride >= r->hdr.slot_count)
+		return 0;
+	if ((uint64_t)t->block_count * sizeof(struct handoff_entry) > r->hdr.block_bytes)
+		return 0;
+	if (t->tail_slot > r->hdr.slot_count)
+		return 0;
+	return 1;
+}
+
+/* Publishes a handoff: pins the blocks (all must be READY), stores the key
+ * list and the partial tail in slots, writes a record; *rec gets its index. */
+int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
+			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
+			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)
+{
+	if (!r || !request_id || !rec || (!keys && n) || (tail_len && !tail) ||
+	    tail_len > r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	if ((uint64_t)n * sizeof(struct handoff_entry) > r->hdr.block_bytes)
+		return TRACT_E_RANGE;        /* the key list must fit one slot */
+	struct handoff_entry *list = calloc((size_t)n + 1, sizeof(*list));
+	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
+	int rc = (list && slots && tokens && sums) ? TRACT_OK : TRACT_E_NOMEM;
+	uint32_t hits = 0, extra[2] = {0, 0}, nextra = tail_len ? 2 : 1;
+	if (rc)
+		goto out;
+	/* 1. pin every block for the decode side (as this node) */
+	rc = tract_index_lookup(r, keys, n, slots, tokens, sums, &hits, timeout_ns);
+	if (rc)
+		goto out;
+	if (hits < n) {
+		tract_index_unpin(r, keys, hits, timeout_ns);
+		rc = TRACT_E_NOT_FOUND;
+		goto out;
+	}
+	/* 2. the key list and the tail, in slots of their own */
+	if ((rc = tract_alloc(r, nextra, extra, timeout_ns)) < 0)
+		goto unpin;
+	for (uint32_t i = 0; i < n; i++) {
+		memcpy(list[i].key, keys + (uint64_t)i * 16, 16);
+		list[i].slot = slots[i];
+		list[i].checksum = sums[i];
+		list[i].tokens = tokens[i];
+	}
+	if ((rc = tract_copy_in(r, slot_off(r, extra[0]), list, (uint64_t)n * sizeof(*list))) < 0)
+		goto release;
+	if (tail_len && (rc = tract_copy_in(r, slot_off(r, extra[1]), tail, tail_len)) < 0)
+		goto release;
+	/* 3. the record, under the transfer lock */
+	if ((rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL)) < 0)
+		goto release;
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
+	rc = TRACT_E_FULL;
+	for (uint32_t i = 0; i < sec->count; i++) {
+		struct tract_transfer_record t;
+		observe_record(r, i, &t);
+		if (t.state != REC_FREE)
+			continue;
+		memset(&t, 0, sizeof(t));
+		t.state = REC_PUBLISHED;
+		t.owner_node = r->node_id + 1;
+		t.owner_pid = (uint32_t)getpid();
+		t.block_count = n;
+		memcpy(t.request_id, request_id, 16);
+		t.token_count = token_count;
+		t.keys_offset = slot_off(r, extra[0]);
+		t.tail_slot = tail_len ? extra[1] + 1 : 0;
+		t.tail_tokens = tail_tokens;
+		t.created_ns = tract_now_ns();
+		t.expiry_ns = t.created_ns + ttl_ns;
+		publish_record(r, i, &t);
+		*rec = i;
+		rc = TRACT_OK;
+		break;
+	}
+	tract_lock_release(r, LOCK_TRANSFER);
+	if (rc == TRACT_OK)
+		goto out;
+release:
+	tract_free(r, extra, nextra, timeout_ns);
+unpin:
+	tract_index_unpin(r, keys, n, timeout_ns);
+out:
+	free(list);
+	free(slots);
+	free(tokens);
+	free(sums);
+	return rc;
+}
+
+/* Reads a published record and its key list: the slots, checksums and
+ * token counts of its blocks (cap entries at most) and the tail. */
+int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
+		       uint32_t *slots, uint32_t *checksums, uint32_t *tokens, uint32_t cap,
+		       uint32_t *block_count, uint64_t *token_count, uint32_t *tail_slot,
+		       uint32_t *tail_tokens)
+{
+	if (!r || !request_id || !block_count || !token_count || !tail_slot || !tail_tokens)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	struct tract_transfer_record t;
+	observe_record(r, rec, &t);
+	if (t.state != REC_PUBLISHED || memcmp(t.request_id, request_id, 16))
+		return TRACT_E_NOT_FOUND;
+	if (!record_sane(r, &t))
+		return TRACT_E_CORRUPT;
+	if (t.block_count > cap)
+		return TRACT_E_RANGE;
+	struct handoff_entry *list = calloc((size_t)t.block_count + 1, sizeof(*list));
+	if (!list)
+		return TRACT_E_NOMEM;
+	int rc = tract_copy_out(r, list, t.keys_offset, (uint64_t)t.block_count * sizeof(*list), 1);
+	for (uint32_t i = 0; rc == TRACT_OK && i < t.block_count; i++) {
+		if (list[i].slot >= r->hdr.slot_count) {
+			rc = TRACT_E_CORRUPT;
+			break;
+		}
+		if (slots)
+			slots[i] = list[i].slot;
+		if (checksums)
+			checksums[i] = list[i].checksum;
+		if (tokens)
+			tokens[i] = list[i].tokens;
+	}
+	free(list);
+	if (rc)
+		return rc;
+	*block_count = t.block_count;
+	*token_count = t.token_count;
+	*tail_slot = t.tail_slot;        /* slot + 1, 0 = none */
+	*tail_tokens = t.tail_tokens;
+	return TRACT_OK;
+}
+
+/* unpins a record's blocks for its owner and frees its slots (internal) */
+static int release_resources(tract_region *r, const struct tract_transfer_record *t,
+			     uint64_t timeout_ns)
+{
+	if (!record_sane(r, t))
+		return TRACT_E_CORRUPT;
+	struct handoff_entry *list = calloc((size_t)t->block_count + 1, sizeof(*list));
+	uint8_t *keys = calloc((size_t)t->block_count + 1, 16);
+	int rc = (list && keys) ? TRACT_OK : TRACT_E_NOMEM;
+	if (rc == TRACT_OK)
+		rc = tract_copy_out(r, list, t->keys_offset, (uint64_t)t->block_count * sizeof(*list), 1);
+	if (rc == TRACT_OK) {
+		for (uint32_t i = 0; i < t->block_count; i++)
+			memcpy(keys + (uint64_t)i * 16, list[i].key, 16);
+		rc = tract_index_unpin_node(r, keys, t->block_count, t->owner_node - 1, timeout_ns);
+		uint32_t extra[2] = {(uint32_t)((t->keys_offset - tract_sec(r, TRACT_SEC_DATA)->offset) /
+						r->hdr.slot_stride), t->tail_slot ? t->tail_slot - 1 : 0};
+		int rc2 = tract_free(r, extra, t->tail_slot ? 2 : 1, timeout_ns);
+		if (rc == TRACT_OK)
+			rc = rc2;
+	}
+	free(list);
+	free(keys);
+	return rc;
+}
+
+/* moves a record from one state to another under the transfer lock (internal) */
+static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, uint32_t from,
+		      uint32_t to, struct tract_transfer_record *out, uint64_t timeout_ns)
+{
+	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	struct tract_transfer_record t;
+	observe_record(r, rec, &t);
+	if (t.state != from || (request_id && memcmp(t.request_id, request_id, 16))) {
+		rc = TRACT_E_NOT_FOUND;
+	} else {
+		if (out)
+			*out = t;
+		if (to == REC_FREE)
+			memset(&t, 0, sizeof(t));
+		else
+			t.state = to;
+		publish_record(r, rec, &t);
+		rc = TRACT_OK;
+	}
+	tract_lock_release(r, LOCK_TRANSFER);
+	return rc;
+}
+
+/* Acknowledges a handoff: its pins and slots are released, the record freed. */
+int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns)
+{
+	if (!r || !request_id)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	struct tract_transfer_record t;
+	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, &t, timeout_ns);
+	if (rc)
+		return rc;
+	rc = release_resources(r, &t, timeout_ns);
+	int rc2 = transition(r, rec, NULL, REC_ACKED, REC_FREE, NULL, timeout_ns);
+	return rc ? rc : rc2;
+}
+
+/* Reclaims records past their expiry at now_ns (published, or acknowledged
+ * by a decode side that died before releasing); *count gets how many. */
+int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
+{
+	if (!r || !count)
+		return TRACT_E_INVAL;
+	*count = 0;
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
+	int rc = TRACT_OK;
+	for (uint32_t i = 0; i < sec->count; i++) {
+		struct tract_transfer_record t;
+		observe_record(r, i, &t);       /* cheap scan without the lock */
+		if ((t.state != REC_PUBLISHED && t.state != REC_ACKED) || t.expiry_ns > now_ns)
+			continue;
+		struct tract_transfer_record got;
+		if (transition(r, i, NULL, t.state, REC_RECLAIMING, &got, timeout_ns) != TRACT_OK)
+			continue;                   /* someone else moved it first */
+		int rc2 = release_resources(r, &got, timeout_ns);
+		if (rc2 && rc2 != TRACT_E_CORRUPT)
+			rc = rc2;
+		transition(r, i, NULL, REC_RECLAIMING, REC_FREE, NULL, timeout_ns);
+		(*count)++;
+	}
+	return rc;
+}

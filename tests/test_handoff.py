@@ -1,0 +1,93 @@
+"""Prefill -> decode handoffs: copying and zero-copy, acknowledgement, expiry
+reclaimed by the node agent, with real processes in plain and simulator modes."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from agents import RunningAgent
+from index_check import check_index
+from procs import Worker
+from tract_cli.core.handoff import HandoffError, Ticket
+from tract_cli.core.pool import Pool
+
+
+@pytest.fixture
+def region(region_path):
+    Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=8,
+                transfer_entries=16).close()
+    return region_path
+
+
+def pins_and_records(path: str) -> tuple[int, int]:
+    """(total pins in the index, transfer records in use)."""
+    with Pool.attach(path, readonly=True) as p:
+        pins = p.info.section("pins")
+        total = int(np.frombuffer(p.observe(pins.offset, pins.length), np.uint16).sum())
+        tr = p.info.section("transfer")
+        raw = p.observe(tr.offset, tr.length)
+        used = sum(1 for i in range(tr.count) if int.from_bytes(raw[i * 128:i * 128 + 4], "little"))
+    return total, used
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copying", "zero-copy"])
+def test_handoffs_between_processes(region, simulate, zero_copy):
+    chains = [(5, 3, 40 + i, 9) for i in range(4)]      # shared 3-block prefix
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        with Worker(region, 1, simulate) as prefill, Worker(region, 2, simulate) as decode:
+            for i, chain in enumerate(chains):
+                ticket = prefill.call("handoff_publish", chain=list(chain), request=f"req-{i}")
+                assert ticket["blocks"] == 9 and ticket["tokens"] == 9 * 16 + 8
+                assert pins_and_records(region) == (9, 1)       # pinned while in flight
+                got = decode.call("handoff_receive", ticket=ticket, chain=list(chain),
+                                  request=f"req-{i}", zero_copy=zero_copy)
+                assert got == 9
+                assert pins_and_records(region) == (0, 0)       # released on ack
+    check_index(region)
+
+
+def test_wrong_ticket_and_double_ack_are_errors(region):
+    with RunningAgent(region, 0, manager=True):
+        with Worker(region, 1) as prefill, Pool.attach(region, node=2) as decode:
+            ticket = Ticket.from_dict(prefill.call("handoff_publish", chain=[1, 0, 2, 4],
+                                                   request="r"))
+            forged = Ticket(ticket.record, "00" * 16, ticket.blocks, ticket.tokens)
+            with pytest.raises(HandoffError, match="not published"):
+                decode.handoffs.open(forged)
+            decode.handoffs.ack(ticket)
+            with pytest.raises(HandoffError, match="no longer published"):
+                decode.handoffs.ack(ticket)
+    with pytest.raises(Exception, match="malformed"):
+        Ticket.from_dict({"record": "x"})
+
+
+def test_expired_handoffs_are_reclaimed(region):
+    with RunningAgent(region, 0, manager=True):
+        with Worker(region, 1) as prefill, Pool.attach(region, node=2) as p:
+            prefill.call("handoff_publish", chain=[7, 0, 8, 5], request="a", ttl=3600)
+            assert pins_and_records(region) == (5, 1)
+            # not expired yet: nothing to reclaim
+            assert p.handoffs.reclaim(now_ns=time.time_ns()) == 0
+            # an hour later, the decode side never came: pins and slots come back
+            assert p.handoffs.reclaim(now_ns=time.time_ns() + 3601 * 10**9) == 1
+            assert pins_and_records(region) == (0, 0)
+    check_index(region)
+
+
+def test_the_agent_reclaims_a_handoff_whose_decode_side_died(region):
+    with RunningAgent(region, 0, manager=True):
+        with Worker(region, 1) as prefill:
+            ticket = prefill.call("handoff_publish", chain=[9, 0, 10, 4], request="b", ttl=0.5)
+            decode = Worker(region, 2)
+            decode.call("handoff_receive", ticket=ticket, chain=[9, 0, 10, 4], request="b",
+                        ack=False)
+            decode.kill()                                       # dies without acknowledging
+            decode.close()
+            deadline = time.monotonic() + 30
+            while pins_and_records(region) != (0, 0):
+                assert time.monotonic() < deadline, "the agent did not reclaim within 30 s"
+                time.sleep(0.05)      # waiting for a timer-based expiry, bounded
+    check_index(region)

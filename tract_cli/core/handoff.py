@@ -1,0 +1,160 @@
+"""Prefill -> decode handoffs through the pool (DESIGN.md §8).
+
+The prefill side publishes a record naming the request's blocks (pinned until
+the decode side acknowledges, or the record expires and a node agent
+reclaims it) and its partial tail block.  What crosses the control plane is
+a `Ticket`: the record index and the request id, a few bytes of JSON.  KV
+bytes never travel on the control plane.
+
+Two ways to use a handoff on the decode side: `copy_blocks` (the copying
+path, what a GPU does by DMA) or `views` (zero copy on CPUs: attend over the
+pinned slots in place, so the handoff moved only metadata).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.index import ChecksumMismatch, Lookup, as_keys
+from tract_cli.core.native import ffi, lib, raise_for
+
+
+class HandoffError(TractError):
+    """A handoff record is missing, expired, or not what the ticket says."""
+
+
+def request_key(request_id: str | bytes) -> bytes:
+    """16 bytes identifying a request: raw 16-byte ids as they are, others hashed."""
+    if isinstance(request_id, bytes) and len(request_id) == 16:
+        return request_id
+    raw = request_id.encode() if isinstance(request_id, str) else bytes(request_id)
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """The control message from prefill to decode: metadata only."""
+
+    record: int
+    request_id: str          # 32 hex digits
+    blocks: int
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ticket":
+        try:
+            t = cls(int(d["record"]), str(d["request_id"]), int(d["blocks"]), int(d["tokens"]))
+            bytes.fromhex(t.request_id)
+        except (KeyError, TypeError, ValueError):
+            raise UsageError("malformed handoff ticket",
+                             "pass the dict Handoffs.publish returned") from None
+        return t
+
+
+@dataclass
+class Received:
+    ticket: Ticket
+    slots: np.ndarray
+    checksums: np.ndarray
+    block_tokens: np.ndarray
+    token_count: int
+    tail_slot: int | None
+    tail_tokens: int
+
+
+class Handoffs:
+    """publish / open / copy_blocks / views / ack / reclaim."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def publish(self, request_id: str | bytes, hashes, token_count: int, tail=None,
+                tail_tokens: int = 0, ttl: float = 30.0, timeout: float = 30.0) -> Ticket:
+        """Pins the request's cached blocks for a decode side and writes the record."""
+        keys = as_keys(hashes)
+        rid = request_key(request_id)
+        tail_buf = None if tail is None else np.ascontiguousarray(tail).view(np.uint8).reshape(-1)
+        rec = ffi.new("uint32_t *")
+        rc = lib.tract_handoff_publish(
+            self._pool._r(), rid, ffi.from_buffer(keys), len(keys), token_count,
+            ffi.from_buffer(tail_buf) if tail_buf is not None else ffi.NULL,
+            0 if tail_buf is None else tail_buf.size, tail_tokens, int(ttl * 1e9), rec,
+            int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            raise HandoffError("not every block of the request is in the pool",
+                               "put the blocks before publishing the handoff")
+        if rc == lib.TRACT_E_FULL:
+            raise HandoffError("the transfer table is full",
+                               "acknowledge handoffs, or let expired ones be reclaimed")
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("the request has more blocks than one key-list slot holds",
+                             "use a model with larger blocks or shorter requests")
+        raise_for(rc, f"{self._pool.path} handoff publish")
+        return Ticket(rec[0], rid.hex(), len(keys), token_count)
+
+    def open(self, ticket: Ticket) -> Received:
+        """Reads the record and its key list (metadata only)."""
+        n = ticket.blocks
+        slots, sums, toks = (np.zeros(max(n, 1), np.uint32) for _ in range(3))
+        bc, tc, ts, tt = (ffi.new(t) for t in ("uint32_t *", "uint64_t *", "uint32_t *",
+                                                "uint32_t *"))
+        u32 = lambda a: ffi.cast("uint32_t *", ffi.from_buffer(a))
+        rc = lib.tract_handoff_open(self._pool._r(), ticket.record, bytes.fromhex(ticket.request_id),
+                                    u32(slots), u32(sums), u32(toks), n, bc, tc, ts, tt)
+        if rc == lib.TRACT_E_NOT_FOUND:
+            raise HandoffError(f"handoff record {ticket.record} for request {ticket.request_id} "
+                               "is not published (acknowledged, expired or never written)",
+                               "ask the prefill worker again")
+        if rc == lib.TRACT_E_CORRUPT:
+            raise HandoffError(f"handoff record {ticket.record} points outside the pool",
+                               "run `tract check` on the region")
+        raise_for(rc, f"{self._pool.path} handoff open")
+        k = bc[0]
+        return Received(ticket, slots[:k], sums[:k], toks[:k], tc[0],
+                        ts[0] - 1 if ts[0] else None, tt[0])
+
+    def copy_blocks(self, rec: Received, out: np.ndarray, verify: bool = True) -> None:
+        """Copies the blocks into OUT (shape (blocks, ...)): the copying path."""
+        lookup = Lookup(np.zeros((len(rec.slots), 16), np.uint8), len(rec.slots), rec.slots,
+                        rec.block_tokens, rec.checksums)
+        self._pool.index.read(lookup, out, verify=verify)
+
+    def copy_tail(self, rec: Received, out: np.ndarray) -> None:
+        """Copies the partial tail block's bytes into OUT."""
+        if rec.tail_slot is None:
+            return
+        self._pool.copy_out(rec.tail_slot, out.reshape(-1).view(np.uint8))
+
+    def views(self, rec: Received) -> list[np.ndarray]:
+        """Zero-copy views of the blocks (valid until ack): the CPU zero-copy path."""
+        return [self._pool.slot_array(int(s)) for s in rec.slots]
+
+    def tail_view(self, rec: Received) -> np.ndarray | None:
+        return None if rec.tail_slot is None else self._pool.slot_array(rec.tail_slot)
+
+    def ack(self, ticket: Ticket, timeout: float = 30.0) -> None:
+        """Done with the blocks: pins and slots are released, the record freed."""
+        rc = lib.tract_handoff_ack(self._pool._r(), ticket.record,
+                                   bytes.fromhex(ticket.request_id), int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            raise HandoffError(f"handoff record {ticket.record} is no longer published "
+                               "(expired and reclaimed?)", "acknowledge before the expiry")
+        raise_for(rc, f"{self._pool.path} handoff ack")
+
+    def reclaim(self, now_ns: int | None = None, timeout: float = 30.0) -> int:
+        """Reclaims expired records (the node agent calls this); returns how many."""
+        out = ffi.new("uint32_t *")
+        rc = lib.tract_handoff_reclaim(self._pool._r(), now_ns or time.time_ns(), out,
+                                       int(timeout * 1e9))
+        raise_for(rc, f"{self._pool.path} handoff reclaim")
+        return out[0]
+
+
+__all__ = ["ChecksumMismatch", "HandoffError", "Handoffs", "Received", "Ticket", "request_key"]
