@@ -6,6 +6,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from tract_cli.bench import index as indexbench
 from tract_cli.bench import locks as lockbench
 from tract_cli.bench import micro
 from tract_cli.cli import render
@@ -113,3 +114,39 @@ def lock(
             f"alloc 375 slots: {r.alloc_375_cold_us:.0f} µs claiming from the region, "
             f"{r.alloc_375_warm_us:.0f} µs from the node's free list; free 375: "
             f"{r.free_375_us:.0f} µs")
+
+
+@app.command("index")
+def index(
+    model: str = typer.Option("llama-3-8b", "--model", help="Model profile (KV geometry)."),
+    input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens."),
+    flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
+                                          help="Flush modes to measure (repeatable)."),
+    rounds: int = typer.Option(5, "--rounds"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """One request through the index: hash, put, lookup+pin, read, handoffs."""
+    results = [indexbench.bench_index(model, input_len, m, rounds) for m in flush_modes]
+    if json_out:
+        render.print_json([r.__dict__ for r in results])
+        return
+    for r in results:
+        t = Table(title=f"{r.input_len}-token request, {r.model} ({r.blocks} blocks, "
+                        f"{format_size(r.bytes)}), flush mode {r.flush_mode}, emulated /dev/shm "
+                        f"region", title_justify="left")
+        t.add_column("figure")
+        t.add_column("value", justify="right")
+        t.add_column("reference (same run)", justify="right")
+        t.add_row("block hashes", f"{r.hash_us:.1f} µs", "")
+        t.add_row("put (claim, allocate, NT copy, publish)", f"{r.put_gbps:.1f} GB/s",
+                  f"memcpy {r.put_memcpy_gbps:.1f} GB/s ({r.put_gbps / r.put_memcpy_gbps:.2f}x)")
+        t.add_row("lookup + pin + unpin", f"{r.lookup_pin_us:.0f} µs",
+                  f"lookup + pin alone {r.details['lookup_pin_only_us']:.0f} µs")
+        t.add_row("read into a private buffer", f"{r.read_gbps:.1f} GB/s",
+                  f"memcpy {r.read_memcpy_gbps:.1f} GB/s ({r.read_gbps / r.read_memcpy_gbps:.2f}x)")
+        t.add_row("copying handoff (publish, open, copy, ack)", f"{r.copy_handoff_ms:.2f} ms",
+                  f"metadata {r.copy_handoff_metadata_ms:.2f} ms "
+                  f"({100 * r.copy_handoff_metadata_ms / r.copy_handoff_ms:.0f}%)")
+        t.add_row("zero-copy handoff (publish, open, views, ack)", f"{r.zero_copy_handoff_ms:.2f} ms",
+                  "metadata only")
+        render.stdout.print(t)

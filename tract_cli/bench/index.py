@@ -1,0 +1,137 @@
+"""Prefix-index and handoff figures for one request (DESIGN.md §7, §8):
+hashing, put and read bandwidth against memcpy of the same bytes in the same
+run, lookup+pin, copying and zero-copy handoff and their metadata share."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tract_cli.bench.micro import _libc, temp_region_path
+from tract_cli.core.agent import ensure_agent
+from tract_cli.core.geometry import load_model
+from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.native import ffi
+from tract_cli.core.pool import Pool
+
+
+@dataclass
+class IndexFigures:
+    model: str
+    input_len: int
+    blocks: int
+    bytes: int
+    flush_mode: str
+    hash_us: float
+    put_gbps: float
+    put_memcpy_gbps: float
+    lookup_pin_us: float
+    read_gbps: float
+    read_memcpy_gbps: float
+    copy_handoff_ms: float
+    copy_handoff_metadata_ms: float
+    zero_copy_handoff_ms: float
+    details: dict = field(default_factory=dict)
+
+
+def _median(fn, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: str = "clflush",
+                rounds: int = 5) -> IndexFigures:
+    profile = load_model(model)
+    g = profile.geometry
+    blocks = input_len // g.block_tokens
+    nbytes = blocks * g.block_bytes
+    size = ((2 * nbytes + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
+    tokens = np.random.default_rng(0).integers(0, 128000, input_len).astype(np.int32)
+    kv = np.random.default_rng(1).integers(0, 255, (blocks, g.block_bytes), dtype=np.uint8)
+    out = np.empty_like(kv)
+    with temp_region_path() as path:
+        Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode).close()
+        agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
+        try:
+            with Pool.attach(path, node=1) as prefill, Pool.attach(path, node=2) as decode:
+                root = pool_root(prefill.info)
+                hash_s = _median(lambda: block_hashes(tokens, root=root), 200)
+                keys = block_hashes(tokens, root=root)
+
+                # put: fresh slots every round (evict first), against memcpy into the same slots
+                put_s, memcpy_s = [], []
+                base = ffi.from_buffer(prefill._mm)
+                src = ffi.from_buffer(kv)
+                for _ in range(rounds):
+                    prefill.index.evict(10 * blocks)
+                    t0 = time.perf_counter()
+                    prefill.index.put(keys, kv)
+                    put_s.append(time.perf_counter() - t0)
+                    hit = prefill.index.lookup(keys)
+                    offs = [prefill.slot_offset(int(s)) for s in hit.slots]
+                    prefill.index.unpin(hit)
+                    t0 = time.perf_counter()
+                    for i, off in enumerate(offs):
+                        _libc.memcpy(base + off, src + i * g.block_bytes, g.block_bytes)
+                    memcpy_s.append(time.perf_counter() - t0)
+                    # restore the real payload so reads below see what put wrote
+                    prefill.index.evict(10 * blocks)
+                    prefill.index.put(keys, kv)
+
+                def lookup_unpin():
+                    r = decode.index.lookup(keys)
+                    decode.index.unpin(r)
+                lookup_s = _median(lookup_unpin, 20)
+                t0 = time.perf_counter()
+                r = decode.index.lookup(keys)
+                lookup_only = time.perf_counter() - t0
+                read_s = _median(lambda: decode.index.read(r, out), rounds)
+                offs = [decode.slot_offset(int(s)) for s in r.slots]
+                dst = ffi.from_buffer(out, require_writable=True)
+                dbase = ffi.from_buffer(decode._mm)
+
+                def memcpy_out():
+                    for i, off in enumerate(offs):
+                        _libc.memcpy(dst + i * g.block_bytes, dbase + off, g.block_bytes)
+                read_memcpy_s = _median(memcpy_out, rounds)
+                decode.index.unpin(r)
+                assert np.array_equal(out, kv), "read back different bytes"
+
+                def handoff(zero_copy: bool) -> tuple[float, float]:
+                    t0 = time.perf_counter()
+                    ticket = prefill.handoffs.publish("bench", keys, input_len)
+                    rec = decode.handoffs.open(ticket)
+                    t1 = time.perf_counter()
+                    if zero_copy:
+                        views = decode.handoffs.views(rec)
+                        del views
+                    else:
+                        decode.handoffs.copy_blocks(rec, out, verify=False)
+                    t2 = time.perf_counter()
+                    decode.handoffs.ack(ticket)
+                    t3 = time.perf_counter()
+                    return t3 - t0, (t1 - t0) + (t3 - t2)
+                copies = [handoff(False) for _ in range(rounds)]
+                zeros = [handoff(True) for _ in range(rounds)]
+                ffi.release(base)
+                ffi.release(src)
+                ffi.release(dst)
+                ffi.release(dbase)
+        finally:
+            if agent is not None:
+                agent.terminate()
+                agent.wait(timeout=30)
+    med = statistics.median
+    return IndexFigures(
+        model, input_len, blocks, nbytes, flush_mode, hash_s * 1e6,
+        nbytes / med(put_s) / 1e9, nbytes / med(memcpy_s) / 1e9, lookup_s * 1e6,
+        nbytes / read_s / 1e9, nbytes / read_memcpy_s / 1e9,
+        med(c[0] for c in copies) * 1e3, med(c[1] for c in copies) * 1e3,
+        med(z[0] for z in zeros) * 1e3,
+        {"lookup_pin_only_us": lookup_only * 1e6})
