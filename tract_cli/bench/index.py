@@ -46,7 +46,7 @@ def _median(fn, rounds: int) -> float:
 
 
 def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: str = "clflush",
-                rounds: int = 5) -> IndexFigures:
+                rounds: int = 5, stripes: int = 16) -> IndexFigures:
     profile = load_model(model)
     g = profile.geometry
     blocks = input_len // g.block_tokens
@@ -56,7 +56,8 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
     kv = np.random.default_rng(1).integers(0, 255, (blocks, g.block_bytes), dtype=np.uint8)
     out = np.empty_like(kv)
     with temp_region_path() as path:
-        Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode).close()
+        Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode,
+                    index_stripes=stripes).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
         try:
             with Pool.attach(path, node=1) as prefill, Pool.attach(path, node=2) as decode:
@@ -134,4 +135,4 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
         nbytes / read_s / 1e9, nbytes / read_memcpy_s / 1e9,
         med(c[0] for c in copies) * 1e3, med(c[1] for c in copies) * 1e3,
         med(z[0] for z in zeros) * 1e3,
-        {"lookup_pin_only_us": lookup_only * 1e6})
+        {"lookup_pin_only_us": lookup_only * 1e6, "stripes": stripes})
