@@ -29,8 +29,24 @@
 
 #define NONE 0u
 
+/*
+ * The lines one stripe section has observed: under the stripe lock nobody
+ * else writes them, so after the first observe they are read with plain
+ * loads, and the lines written are flushed once, all together, before the
+ * lock is released (one fence instead of one per line).
+ */
+#define SET_CAP 1024
+
+struct line_set {
+	uint64_t off[SET_CAP];     /* line offset + 1, 0 = free */
+	uint8_t dirty[SET_CAP];
+	uint16_t used[SET_CAP];    /* occupied positions, to reset cheaply */
+	uint32_t n_used;
+};
+
 struct stripe_ctx {
 	tract_region *r;
+	struct line_set *set;
 	uint32_t stripe;
 	uint64_t first;       /* first bucket index of the stripe */
 	uint64_t size;        /* buckets in the stripe (power of two) */
@@ -79,13 +95,94 @@ static uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
 	return s->offset + (uint64_t)node * s->entry_size + b * 2;
 }
 
+/* position of a line in the set, or where it would go; -1 when full (internal) */
+static int set_slot(struct line_set *s, uint64_t off)
+{
+	uint64_t h = (off / TRACT_LINE) * 0x9E3779B97F4A7C15ULL;
+	for (uint32_t i = 0; i < 64; i++) {
+		uint32_t p = (uint32_t)((h >> 40) + i) & (SET_CAP - 1);
+		if (s->off[p] == off + 1 || s->off[p] == 0)
+			return (int)p;
+	}
+	return -1;
+}
+
+/* reads a line: observed the first time, plain loads after (internal) */
+static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
+{
+	int p = c->set ? set_slot(c->set, off) : -1;
+	if (p >= 0 && c->set->off[p] == off + 1) {
+		c->r->ops->load(c->r, off, dst, TRACT_LINE);
+		return;
+	}
+	tract_observe_line(c->r, off, dst);
+	if (p >= 0 && c->set->n_used < SET_CAP) {
+		c->set->off[p] = off + 1;
+		c->set->dirty[p] = 0;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+	}
+}
+
+/* writes a whole line; flushed when the section ends (internal) */
+static void line_put(struct stripe_ctx *c, uint64_t off, const void *src)
+{
+	int p = c->set ? set_slot(c->set, off) : -1;
+	if (p < 0 || (c->set->off[p] != off + 1 && c->set->n_used >= SET_CAP)) {
+		tract_write_line(c->r, off, src);      /* no room to defer: flush now */
+		return;
+	}
+	c->r->ops->store(c->r, off, src, TRACT_LINE);
+	if (c->set->off[p] != off + 1) {
+		c->set->off[p] = off + 1;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+	}
+	c->set->dirty[p] = 1;
+}
+
+/* invalidates many lines with one fence and records them as observed (internal) */
+static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
+{
+	if (!c->set)
+		return;
+	uint32_t fresh = 0;
+	for (uint32_t i = 0; i < k; i++) {
+		int p = set_slot(c->set, offs[i]);
+		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
+			continue;
+		c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
+		c->set->off[p] = offs[i] + 1;
+		c->set->dirty[p] = 0;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+		fresh++;
+	}
+	if (fresh)
+		c->r->ops->fence(c->r);
+}
+
+/* flushes the section's written lines and empties the set (internal) */
+static void set_flush(struct stripe_ctx *c)
+{
+	if (!c->set)
+		return;
+	for (uint32_t i = 0; i < c->set->n_used; i++) {
+		uint16_t p = c->set->used[i];
+		if (c->set->dirty[p])
+			c->r->ops->flush(c->r, c->set->off[p] - 1, TRACT_LINE);
+		c->set->off[p] = 0;
+		c->set->dirty[p] = 0;
+	}
+	c->set->n_used = 0;
+}
+
 /* locks a stripe and loads its LRU anchor (internal) */
-static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c)
+static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c,
+			struct line_set *set)
 {
 	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	c->r = r;
+	c->set = set;
 	c->stripe = stripe;
 	c->size = stripe_size(r);
 	c->first = (uint64_t)stripe * c->size;
@@ -96,23 +193,24 @@ static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, s
 	return TRACT_OK;
 }
 
-/* writes the anchor back, fences, unlocks (internal) */
+/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
 static void stripe_leave(struct stripe_ctx *c)
 {
 	if (c->lru_dirty)
 		tract_write_line(c->r, c->lru_off, &c->lru);
+	set_flush(c);
 	c->r->ops->fence(c->r);
 	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
 }
 
 static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
 {
-	tract_observe_line(c->r, bucket_off(c, b), out);
+	line_get(c, bucket_off(c, b), out);
 }
 
 static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
 {
-	tract_write_line(c->r, bucket_off(c, b), in);
+	line_put(c, bucket_off(c, b), in);
 }
 
 /*
@@ -208,7 +306,7 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
 	uint64_t off = pin_off(c->r, node, b);
 	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 	uint8_t buf[TRACT_LINE];
-	tract_observe_line(c->r, line, buf);
+	line_get(c, line, buf);
 	uint16_t v;
 	memcpy(&v, buf + (off - line), 2);
 	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
@@ -216,7 +314,7 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
 		return TRACT_E_CORRUPT;
 	v = (uint16_t)(v + delta);
 	memcpy(buf + (off - line), &v, 2);
-	tract_write_line(c->r, line, buf);
+	line_put(c, line, buf);
 	k->pins = (uint32_t)((int64_t)k->pins + delta);
 	return TRACT_OK;
 }
@@ -299,15 +397,26 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return TRACT_E_NOMEM;
 	}
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		if ((rc = stripe_enter(r, s, timeout_ns, &c)) < 0)
+		if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 			break;
-		/* refs[i..j) are this stripe's keys, tail first */
+		/* refs[i..j) are this stripe's keys, tail first: invalidate their
+		 * home buckets and this node's pin lines with a single fence */
+		uint64_t pre[2 * 64];
+		uint32_t np = 0;
+		for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
+			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
+			uint64_t home = c.first + key_home(r, key);
+			pre[np++] = bucket_off(&c, home);
+			pre[np++] = pin_off(r, r->node_id, home) & ~(uint64_t)(TRACT_LINE - 1);
+		}
+		lines_prefetch(&c, pre, np);
 		for (uint32_t k = i; k < j; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
@@ -347,7 +456,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		}
 		if (any) {
 			struct stripe_ctx c;
-			int rc2 = stripe_enter(r, s, timeout_ns, &c);
+			int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
 			if (rc2 < 0) {
 				rc = rc2;   /* pins stay until the agent's recovery */
 				break;
@@ -369,6 +478,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	*hits = keep;
 	free(refs);
 	free(pinned);
+	free(set);
 	return rc;
 }
 
@@ -384,13 +494,14 @@ int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	struct keyref *refs = group(r, keys, n);
 	if (!refs && n)
 		return TRACT_E_NOMEM;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n;) {
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c);
+		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
@@ -408,6 +519,7 @@ int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		i = j;
 	}
 	free(refs);
+	free(set);
 	return rc;
 }
 
@@ -427,10 +539,11 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 		return TRACT_E_NOMEM;
 	uint32_t got = 0, stripes = r->hdr.index_stripes;
 	int rc = TRACT_OK;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	for (uint32_t t = 0; t < stripes && got < want; t++) {
 		uint32_t s = (*cursor + t) % stripes;
 		struct stripe_ctx c;
-		if ((rc = stripe_enter(r, s, timeout_ns, &c)) < 0)
+		if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 			break;
 		uint32_t cur = c.lru.tail;
 		while (cur && got < want) {
@@ -451,6 +564,7 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 	if (got)
 		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
 	free(slots);
+	free(set);
 	*evicted = got;
 	return rc;
 }
@@ -462,14 +576,17 @@ enum { PUT_STORED = 0, PUT_WAS_READY = 1, PUT_WAS_PENDING = 2, PUT_NO_ROOM = 3, 
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
 		     uint8_t *status, uint64_t timeout_ns)
 {
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	for (uint32_t i = 0; i < n;) {
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		int rc = stripe_enter(r, s, timeout_ns, &c);
-		if (rc < 0)
+		int rc = stripe_enter(r, s, timeout_ns, &c, set);
+		if (rc < 0) {
+			free(set);
 			return rc;
+		}
 		for (uint32_t k = i; k < j; k++) {
 			uint32_t idx = refs[k].idx;
 			const uint8_t *key = keys + (uint64_t)idx * 16;
@@ -496,6 +613,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		stripe_leave(&c);
 		i = j;
 	}
+	free(set);
 	return TRACT_OK;
 }
 
@@ -505,6 +623,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 		      const uint32_t *checksums, int publish, uint64_t timeout_ns)
 {
 	int rc = TRACT_OK;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	for (uint32_t i = 0; i < n;) {
 		uint32_t s = refs[i].stripe, j = i;
 		int any = 0;
@@ -515,7 +634,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			continue;
 		}
 		struct stripe_ctx c;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c);
+		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc2 < 0) {
 			rc = rc2;
 			i = j;
@@ -552,6 +671,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 		stripe_leave(&c);
 		i = j;
 	}
+	free(set);
 	return rc;
 }
 

@@ -25,7 +25,7 @@ def init(
         None, "--flush-mode", help="clflush|clflushopt|clwb|none (default: clflush on a "
                                    "device, none on a file)."),
     hash_scheme: str = typer.Option("tract", "--hash-scheme", help="Block hash: tract|vllm."),
-    stripes: int = typer.Option(64, "--stripes", help="Index stripes (a power of two)."),
+    stripes: int = typer.Option(16, "--stripes", help="Index stripes (a power of two; each lookup of a long prompt takes every stripe lock once)."),
     force: bool = typer.Option(False, "--force", "-f",
                                help="Overwrite an existing TraCT region or other data."),
     provision: bool = typer.Option(False, "--provision",

@@ -123,16 +123,17 @@ def index(
     flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
                                           help="Flush modes to measure (repeatable)."),
     rounds: int = typer.Option(5, "--rounds"),
+    stripes: int = typer.Option(16, "--stripes", help="Index stripes of the temporary region."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """One request through the index: hash, put, lookup+pin, read, handoffs."""
-    results = [indexbench.bench_index(model, input_len, m, rounds) for m in flush_modes]
+    results = [indexbench.bench_index(model, input_len, m, rounds, stripes) for m in flush_modes]
     if json_out:
         render.print_json([r.__dict__ for r in results])
         return
     for r in results:
         t = Table(title=f"{r.input_len}-token request, {r.model} ({r.blocks} blocks, "
-                        f"{format_size(r.bytes)}), flush mode {r.flush_mode}, emulated /dev/shm "
+                        f"{format_size(r.bytes)}), flush mode {r.flush_mode}, {r.details['stripes']} stripes, emulated /dev/shm "
                         f"region", title_justify="left")
         t.add_column("figure")
         t.add_column("value", justify="right")

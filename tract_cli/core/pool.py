@@ -68,7 +68,7 @@ class Pool:
     @classmethod
     def create(cls, path: str, size: int | None, model: str | ModelProfile = "tiny", *,
                nodes: int = 4, flush_mode: str | None = None, force: bool = False,
-               hash_scheme: str = "tract", index_stripes: int = 64,
+               hash_scheme: str = "tract", index_stripes: int = 16,
                transfer_entries: int = 1024,
                progress: Callable[[int, int], None] | None = None, **attach_options) -> "Pool":
         """Formats a region at PATH (a file is created) and attaches to it as node 0."""

@@ -33,7 +33,7 @@ class FormatOptions:
     max_nodes: int = 4
     flush_mode: str | None = None    # None: clflush on device-DAX, none on a file
     hash_scheme: str = "tract"
-    index_stripes: int = 64
+    index_stripes: int = 16
     transfer_entries: int = 1024
 
 
