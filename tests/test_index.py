@@ -190,3 +190,19 @@ def test_prefill_and_decode_processes_share_prefixes(region_path, simulate):
     # the shared prefix and the duplicated chain were stored once between the two writers
     assert ra["stored"] + rb["stored"] + ra["already_pending"] + rb["already_pending"] >= distinct
     assert ra["stored"] + rb["stored"] == distinct
+
+
+def test_reads_into_torch_and_torch_views(small_region):
+    torch = pytest.importorskip("torch")
+    with Pool.attach(small_region, node=1) as p:
+        keys = chain(p, 41, 4)
+        p.index.put(keys, blocks_for(p, keys), checksum=True)
+        res = p.index.lookup(keys)
+        out = torch.empty((4,) + p.geometry.block_shape, dtype=torch.float32)
+        p.index.read(res, out)
+        assert out.numpy().view(np.uint8).reshape(4, -1).tobytes() == blocks_for(p, keys).tobytes()
+        views = p.index.views(res, torch=True)
+        assert torch.equal(views[2], out[2])
+        del views
+        p.index.unpin(res)
+        p.index.evict(100)

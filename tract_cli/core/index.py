@@ -108,10 +108,15 @@ class PrefixIndex:
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
 
-    def read(self, lookup: Lookup, out: np.ndarray, verify: bool = True) -> None:
-        """Copies the pinned blocks into OUT (shape (hits, ...)), verifying checksums."""
+    def read(self, lookup: Lookup, out, verify: bool = True) -> None:
+        """Copies the pinned blocks into OUT (shape (hits, ...); a numpy array or a
+        CPU torch tensor), verifying checksums."""
         if lookup.hits == 0:
             return
+        if type(out).__module__.startswith("torch"):
+            if out.device.type != "cpu":
+                raise UsageError("read copies into host memory", "pass a CPU tensor")
+            out = out.view(-1).view(dtype=__import__("torch").uint8).numpy()
         dst = out.reshape(lookup.hits, -1)
         if not dst.flags.c_contiguous or not dst.flags.writeable:
             raise UsageError("the output buffer must be writable and C-contiguous", "np.empty(...)")
@@ -126,9 +131,11 @@ class PrefixIndex:
                                    "run `tract check` and recompute it")
         raise_for(rc, f"{self._pool.path} index read")
 
-    def views(self, lookup: Lookup) -> list[np.ndarray]:
-        """Zero-copy views of the pinned blocks (valid until unpinned)."""
-        return [self._pool.slot_array(int(s)) for s in lookup.slots]
+    def views(self, lookup: Lookup, torch: bool = False) -> list:
+        """Zero-copy views of the pinned blocks (valid until unpinned): numpy arrays,
+        or torch tensors with torch=True, shaped (layer, K|V, token, kv_head, head_dim)."""
+        view = self._pool.slot_tensor if torch else self._pool.slot_array
+        return [view(int(s)) for s in lookup.slots]
 
     def evict(self, count: int, timeout: float = 30.0) -> int:
         """Evicts up to COUNT unpinned blocks, least recently used first."""
