@@ -9,13 +9,25 @@ import pytest
 SHM = "/dev/shm"
 
 
+def remove_region(path: str) -> None:
+    """Removes a region file and its nodes' local segments."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(32)
+    if head[:8] == b"TRACTPOL":
+        from tract_cli.core.local import remove_segments
+        remove_segments(str(uuid.UUID(bytes=head[16:32])))
+    os.unlink(path)
+
+
 @pytest.fixture
 def region_path():
-    """A fresh path for a region file in /dev/shm (removed afterwards)."""
+    """A fresh path for a region file in /dev/shm (removed afterwards, with
+    its local segments)."""
     path = os.path.join(SHM, f"tract-test-{uuid.uuid4().hex[:12]}.pool")
     yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    remove_region(path)
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ def small_region(tmp_path_factory):
     agent = RunningAgent(path, 0, manager=True)
     yield path
     agent.stop()
-    os.unlink(path)
+    from conftest import remove_region
+    remove_region(path)
 
 
 def chain(pool: Pool, seed: int, blocks: int, prefix_seed: int | None = None,

@@ -40,6 +40,12 @@ def temp_region_path(directory: str = "/dev/shm"):
         yield path
     finally:
         if os.path.exists(path):
+            with open(path, "rb") as f:
+                head = f.read(32)
+            if head[:8] == b"TRACTPOL":
+                import uuid as uuidlib
+                from tract_cli.core.local import remove_segments
+                remove_segments(str(uuidlib.UUID(bytes=head[16:32])))
             os.unlink(path)
 
 

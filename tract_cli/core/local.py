@@ -83,3 +83,16 @@ class LocalSegment:
             ffi.release(self._base)
             self._base = None
             self._mm.close()
+
+
+def remove_segments(region_uuid: str) -> int:
+    """Removes every node's local segment of a region that no longer exists."""
+    import glob
+    n = 0
+    for path in glob.glob(os.path.join(local_dir(), f"tract-{region_uuid}-node*.local")):
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n

@@ -180,6 +180,10 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
         raise AlreadyFormattedError(f"{path} already holds {describe_existing(kind, info, target)}",
                                     "pass --force to overwrite it")
 
+    if kind == "tract" and info is not None:
+        # the old region's node-local segments (locks, free lists) die with it
+        from tract_cli.core.local import remove_segments
+        remove_segments(info.uuid)
     created = False
     t0 = time.perf_counter()
     if target.kind != "devdax":
