@@ -3,7 +3,7 @@ top-level profiles/ directory inside the package as tract_cli/profiles."""
 import pathlib
 import shutil
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 
@@ -21,7 +21,7 @@ class BuildWithProfiles(build_py):
 
 
 setup(
-    packages=["tract_cli", "tract_cli.core", "tract_cli.cli", "tract_cli.bench"],
+    packages=find_packages(include=["tract_cli", "tract_cli.*"]),
     cffi_modules=["native/build_ffi.py:ffibuilder"],
     cmdclass={"build_py": BuildWithProfiles},
 )
