@@ -11,7 +11,7 @@ import sys
 import typer
 
 from tract_cli.cli import (agent_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
-                           microbench_cmd)
+                           inspect_cmd, microbench_cmd)
 
 app = typer.Typer(
     name="tract",
@@ -27,6 +27,7 @@ app.command("agent")(agent_cmd.agent)
 app.command("hash")(hash_cmd.hash_)
 app.command("devices")(devices_cmd.devices)
 app.command("doctor")(doctor_cmd.doctor)
+app.command("inspect")(inspect_cmd.inspect)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 

@@ -86,6 +86,20 @@ def raise_for(rc: int, what: str) -> None:
     if rc == lib.TRACT_E_SYS:
         err = ffi.errno
         raise TractError(f"{what}: {os.strerror(err)}", "check the device or file and retry")
+    if rc == lib.TRACT_E_TIMEOUT:
+        raise TractError(f"{what}: timed out waiting for a lock",
+                         "check that `tract agent --manager` runs and no process hangs holding it "
+                         "(`tract inspect --locks`)")
+    if rc == lib.TRACT_E_FULL:
+        raise TractError(f"{what}: no room left", "free or evict entries, or use a larger region")
+    if rc == lib.TRACT_E_NOT_FOUND:
+        raise TractError(f"{what}: not found", "check the name or key")
+    if rc == lib.TRACT_E_CORRUPT:
+        raise TractError(f"{what}: region metadata is inconsistent",
+                         "run `tract inspect` on it; reformat if it persists")
+    if rc == lib.TRACT_E_NO_LOCAL:
+        raise TractError(f"{what}: this handle has no node-local segment",
+                         "attach without readonly= to take locks")
     if rc == lib.TRACT_E_INVAL:
         raise UsageError(f"{what}: invalid argument", "check the parameters")
     raise TractError(f"{what}: C core error {rc}", "this is a bug; please report it")

@@ -1,0 +1,1 @@
+"""Consistent snapshots of a live region and their renderers (`tract inspect`)."""
