@@ -273,6 +273,11 @@ class Pool:
                   f"{self.path} @{off:#x}")
         return bytes(buf)
 
+    def observe_into(self, off: int, out) -> None:
+        """Observes len(out) bytes into a caller's writable buffer (no allocation)."""
+        buf = ffi.from_buffer(out, require_writable=True)
+        raise_for(lib.tract_observe(self._r(), off, buf, len(buf)), f"{self.path} @{off:#x}")
+
     def flush(self, off: int, length: int) -> None:
         raise_for(lib.tract_flush_range(self._r(), off, length), f"{self.path} @{off:#x}")
 

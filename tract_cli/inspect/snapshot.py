@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import weakref
 
 import numpy as np
 
@@ -56,9 +57,22 @@ def _age(now: int, ns: int) -> float | None:
     return None if not ns else round(max(0, now - int(ns)) / 1e9, 6)
 
 
+_BUFFERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {section: buffer}
+_TAKEN: dict = {}     # section -> this snapshot's copy (each section is read once a snapshot)
+
+
 def _section(pool: Pool, name: str) -> np.ndarray:
+    """The section observed in bulk into a reused buffer, once per snapshot."""
+    if name in _TAKEN:
+        return _TAKEN[name]
     s = pool.info.section(name)
-    return np.frombuffer(pool.observe(s.offset, s.length), dtype=np.uint8)
+    mine = _BUFFERS.setdefault(pool, {})      # reused: no page faults per refresh
+    buf = mine.get(name)
+    if buf is None or buf.size != s.length:
+        buf = mine[name] = np.empty(s.length, dtype=np.uint8)
+    pool.observe_into(s.offset, buf)
+    _TAKEN[name] = buf
+    return buf
 
 
 def nodes_view(pool: Pool, now: int) -> dict:
@@ -213,6 +227,7 @@ def take(pool: Pool, views=VIEWS, hold_warn_s: float = 1.0) -> dict:
     t0 = time.perf_counter()
     now = time.time_ns()
     info = pool.info
+    _TAKEN.clear()
     snap = {"schema": SCHEMA_VERSION, "region": pool.path, "medium": pool.medium,
             "uuid": info.uuid, "model": info.model_name, "taken_ns": now}
     if "nodes" in views:
@@ -225,6 +240,7 @@ def take(pool: Pool, views=VIEWS, hold_warn_s: float = 1.0) -> dict:
         snap["alloc"] = alloc_view(pool)
     if "handoffs" in views:
         snap["handoffs"] = handoffs_view(pool, now)
+    _TAKEN.clear()
     snap["snapshot_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return snap
 
