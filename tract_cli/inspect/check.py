@@ -1,0 +1,239 @@
+"""`tract check`: verify every invariant of a region; `--repair` rebuilds what
+can be rebuilt (DESIGN.md §9).
+
+Verification reads the region like `tract inspect` (no writes, no locks).
+Repair is offline: it refuses while any process maps the region (unless
+forced), because it rebuilds the index, the allocator state and the
+transfer table from the READY entries alone — every pin, PENDING claim,
+in-flight handoff and node-local free list belongs to processes that no
+longer run, so they are dropped and the nodes' local segments removed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tract_cli.core import medium
+from tract_cli.core.errors import TractError
+from tract_cli.core.local import remove_segments
+from tract_cli.core.native import ffi, lib
+from tract_cli.core.pool import Pool
+from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE, RECORD_DTYPE
+
+READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str
+    detail: str
+
+
+def _read(pool: Pool, name: str) -> np.ndarray:
+    s = pool.info.section(name)
+    buf = np.empty(s.length, np.uint8)
+    pool.observe_into(s.offset, buf)
+    return buf
+
+
+def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
+    """All violations found, and counts of what was checked."""
+    info = pool.info
+    out: list[Violation] = []
+    n = info.slot_count
+    bits = np.unpackbits(_read(pool, "bitmap"), bitorder="little")[:n].astype(bool)
+    owners = _read(pool, "owners")[:n]
+    used = int(_read(pool, "alloc")[:8].view("<u8")[0])
+    if used != int(bits.sum()):
+        out.append(Violation("allocator", f"header says {used} slots used, bitmap has {int(bits.sum())}"))
+    for s in np.flatnonzero(bits != (owners > 0))[:20]:
+        out.append(Violation("allocator", f"slot {s}: bitmap {int(bits[s])} but owner byte {owners[s]}"))
+    bad_owner = np.flatnonzero(owners > info.max_nodes)
+    for s in bad_owner[:20]:
+        out.append(Violation("allocator", f"slot {s}: owner byte {owners[s]} > max nodes"))
+
+    bs = info.section("buckets")
+    b = _read(pool, "buckets").view(BUCKET_DTYPE)
+    stripes, per = info.index_stripes, bs.count // info.index_stripes
+    state = b["state"]
+    raw = _read(pool, "buckets").reshape(bs.count, 64)
+    for i in np.flatnonzero(state > 3)[:20]:
+        out.append(Violation("index", f"bucket {i}: unknown state {state[i]}"))
+    pins = _read(pool, "pins").view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
+    total = pins.sum(axis=0)
+    for i in np.flatnonzero(total != b["pins"])[:20]:
+        out.append(Violation("pins", f"bucket {i}: total {b['pins'][i]} != per-node sum {total[i]}"))
+    ready = np.flatnonzero(state == READY)
+    slots = b["slot"][ready].astype(np.int64) - 1
+    badslot = (slots < 0) | (slots >= n)
+    for i in ready[badslot][:20]:
+        out.append(Violation("index", f"bucket {i}: READY with slot {int(b['slot'][i]) - 1} out of range"))
+    ok_slots = slots[~badslot]
+    uniq, counts = np.unique(ok_slots, return_counts=True)
+    for s in uniq[counts > 1][:20]:
+        out.append(Violation("slots", f"slot {s} is owned by more than one READY entry"))
+    for s in ok_slots[~bits[ok_slots]][:20]:
+        out.append(Violation("slots", f"slot {s} is READY data but free in the bitmap"))
+    keys = raw[:, :16]
+    live = (state == READY) | (state == PENDING)
+    lk = keys[live]
+    if len(lk):
+        _, kc = np.unique(lk.view("V16").reshape(-1), return_counts=True)
+        if (kc > 1).any():
+            out.append(Violation("index", f"{int((kc > 1).sum())} keys are stored more than once"))
+    # probe chains: every live bucket reachable from its home without an EMPTY
+    lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
+    hi = np.ascontiguousarray(raw[:, 8:16]).view("<u8").reshape(-1)
+    home = (lo & np.uint64(per - 1)).astype(np.int64)
+    pos = np.arange(bs.count)
+    for i in np.flatnonzero(live):
+        s = i // per
+        if int((hi[i] >> np.uint64(40)) & np.uint64(stripes - 1)) != s:
+            out.append(Violation("index", f"bucket {i}: key belongs to another stripe"))
+            continue
+        j = int(home[i])
+        while s * per + j != i:
+            if state[s * per + j] == EMPTY:
+                out.append(Violation("index", f"bucket {i}: probe chain broken at {s * per + j}"))
+                break
+            j = (j + 1) & (per - 1)
+    # LRU lists
+    anchors = _read(pool, "lru").view(ANCHOR_DTYPE)[:stripes]
+    for s in range(stripes):
+        head, tail, count = int(anchors[s]["head"]), int(anchors[s]["tail"]), int(anchors[s]["count"])
+        seen, prev, cur, broken = 0, 0, head, False
+        members = set()
+        while cur:
+            if not s * per < cur <= (s + 1) * per or cur in members:
+                out.append(Violation("lru", f"stripe {s}: link to bucket {cur - 1} leaves the stripe or loops"))
+                broken = True
+                break
+            x = b[cur - 1]
+            if int(x["state"]) != READY or int(x["lru_prev"]) != prev:
+                out.append(Violation("lru", f"stripe {s}: bucket {cur - 1} is not READY or has a bad prev link"))
+                broken = True
+                break
+            members.add(cur)
+            prev, cur = cur, int(x["lru_next"])
+            seen += 1
+        ready_here = set((np.flatnonzero(state[s * per:(s + 1) * per] == READY) + s * per + 1).tolist())
+        if not broken and (prev != tail or seen != count or members != ready_here):
+            out.append(Violation("lru", f"stripe {s}: list has {seen} entries, anchor says {count}, "
+                                         f"{len(ready_here)} READY"))
+    # transfer records
+    rec = _read(pool, "transfer").view(RECORD_DTYPE)
+    data_sec = info.section("data")
+    handoff_slots = []
+    for r_i in np.flatnonzero(rec["state"] != 0):
+        r = rec[r_i]
+        off = int(r["keys_offset"])
+        if not (data_sec.offset <= off < data_sec.offset + data_sec.length) or \
+                (off - data_sec.offset) % info.slot_stride:
+            out.append(Violation("handoffs", f"record {r_i}: key list offset {off:#x} is not a slot"))
+            continue
+        handoff_slots.append((off - data_sec.offset) // info.slot_stride)
+        if int(r["tail_slot"]):
+            handoff_slots.append(int(r["tail_slot"]) - 1)
+    for s in set(handoff_slots) & set(ok_slots.tolist()):
+        out.append(Violation("slots", f"slot {s} is both READY data and a handoff's"))
+    # payload checksums
+    checked = 0
+    if data:
+        flags = b["flags"][ready][~badslot]
+        for k, s in enumerate(ok_slots):
+            if not flags[k] & 1:
+                continue
+            off = data_sec.offset + int(s) * info.slot_stride
+            buf = np.empty(info.block_bytes, np.uint8)
+            lib.tract_copy_out(pool._r(), ffi.from_buffer(buf, require_writable=True), off, buf.size, 1)
+            checked += 1
+            bi = ready[~badslot][k]
+            if lib.tract_crc32c(ffi.from_buffer(buf), buf.size) != int(b["checksum"][bi]):
+                out.append(Violation("checksum", f"bucket {bi} (slot {s}): payload does not match "
+                                                 "its checksum"))
+    stats = {"slots": n, "slots_taken": int(bits.sum()), "buckets": bs.count,
+             "ready": int(len(ready)), "pending": int((state == PENDING).sum()),
+             "handoffs": int((rec["state"] != 0).sum()), "checksums_verified": checked}
+    return out, stats
+
+
+def repair(path: str, force: bool = False) -> dict:
+    """Rebuilds index, allocator and transfer table from the valid READY entries (offline)."""
+    users = medium.processes_using(path)
+    if users and not force:
+        raise TractError(f"{path} is mapped by running processes (pids "
+                         f"{', '.join(map(str, users[:8]))})",
+                         "stop them first: repair rebuilds state they rely on (or --force)")
+    with Pool.attach(path, local=False) as pool:
+        violations, _ = verify(pool, data=True)
+        bad_sum = {int(v.detail.split()[1]) for v in violations if v.check == "checksum"}
+        info = pool.info
+        n = info.slot_count
+        bs = info.section("buckets")
+        stripes, per = info.index_stripes, bs.count // info.index_stripes
+        b = _read(pool, "buckets").view(BUCKET_DTYPE).copy()
+        raw = _read(pool, "buckets").reshape(bs.count, 64)
+        keep, seen_keys, seen_slots = [], set(), set()
+        for i in np.flatnonzero(b["state"] == READY):
+            slot = int(b["slot"][i]) - 1
+            key = raw[i, :16].tobytes()
+            hi = int.from_bytes(key[8:], "little")
+            if not 0 <= slot < n or slot in seen_slots or key in seen_keys or i in bad_sum:
+                continue
+            if (hi >> 40) & (stripes - 1) != i // per:
+                continue
+            seen_keys.add(key)
+            seen_slots.add(slot)
+            keep.append(i)
+        new = np.zeros(bs.count, BUCKET_DTYPE)
+        anchors = np.zeros(stripes, ANCHOR_DTYPE)
+        by_stripe: dict[int, list] = {}
+        for i in keep:
+            by_stripe.setdefault(i // per, []).append(i)
+        for s, members in by_stripe.items():
+            members.sort(key=lambda i: int(b["last_access_ns"][i]))   # oldest first
+            placed = []
+            for i in members:
+                home = int.from_bytes(raw[i, :8].tobytes(), "little") & (per - 1)
+                j = home
+                while new["state"][s * per + j] != EMPTY:
+                    j = (j + 1) & (per - 1)
+                e = b[i].copy()
+                e["pins"] = 0
+                new[s * per + j] = e
+                placed.append(s * per + j)
+            # LRU: head = most recent (last placed), tail = oldest
+            for k, pos in enumerate(placed):
+                new["lru_prev"][pos] = placed[k + 1] + 1 if k + 1 < len(placed) else 0
+                new["lru_next"][pos] = placed[k - 1] + 1 if k > 0 else 0
+            anchors[s]["head"] = placed[-1] + 1 if placed else 0
+            anchors[s]["tail"] = placed[0] + 1 if placed else 0
+            anchors[s]["count"] = len(placed)
+        old_anchors = _read(pool, "lru").view(ANCHOR_DTYPE)[:stripes]
+        for k in ("hits", "inserts", "evictions", "lookups"):
+            anchors[k] = old_anchors[k]
+        bits = np.zeros(n, bool)
+        bits[list(seen_slots)] = True
+        owners_old = _read(pool, "owners")[:n]
+        owners = np.where(bits, np.where(owners_old > 0, owners_old, 1), 0).astype(np.uint8)
+        # write back: buckets, pins (zero), LRU anchors, bitmap, owners, header, transfer
+        def put(name: str, payload: bytes):
+            s = info.section(name)
+            pool.publish(s.offset, payload.ljust(s.length, b"\0")[:s.length])
+        put("buckets", new.tobytes())
+        put("pins", b"")
+        put("lru", anchors.tobytes())
+        put("bitmap", np.packbits(bits, bitorder="little").tobytes())
+        put("owners", owners.tobytes())
+        alloc = _read(pool, "alloc")[:64].view("<u8").copy()
+        alloc[0] = int(bits.sum())
+        put("alloc", alloc.tobytes())
+        put("transfer", b"")
+        put("locks", b"")                         # no holder survives an offline repair
+        removed = remove_segments(info.uuid)
+        after, stats = verify(pool, data=False)
+    return {"kept_ready": len(keep),
+            "dropped_entries": len(np.flatnonzero(b["state"] != EMPTY)) - len(keep),
+            "local_segments_removed": removed, "remaining_violations": [asdict(v) for v in after],
+            "stats": stats}
