@@ -10,6 +10,8 @@
  * only the manager writes line 0, so every line has one writer and no atomic
  * instruction touches the region.
  */
+#include <errno.h>
+#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -135,5 +137,38 @@ int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired
 		*acquired = lm->acquired;
 	if (wait_ns)
 		*wait_ns = lm->wait_ns;
+	return TRACT_OK;
+}
+
+/* Releases the grants and requests of this node's dead processes: for every
+ * lock whose slot names a pid that no longer exists, take the robust local
+ * mutex (EOWNERDEAD makes it consistent), publish IDLE, unlock.  A mutex
+ * held by a live process is left alone.  *count gets the locks recovered. */
+int tract_lock_recover(tract_region *r, uint32_t *count)
+{
+	if (!r || !count || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	*count = 0;
+	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
+		struct tract_lock_node_slot mine;
+		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
+		if (mine.state == TRACT_LOCK_IDLE || mine.pid == 0)
+			continue;
+		if (kill((pid_t)mine.pid, 0) == 0 || errno != ESRCH)
+			continue;                     /* alive (or not ours to judge) */
+		struct tract_local_mutex *lm = tract_local_lock(r, id);
+		int rc = tract_robust_lock(&lm->mu, 0);
+		if (rc < 0)
+			continue;                     /* a live process holds it now */
+		/* re-check under the mutex: a live successor may have taken over */
+		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
+		if (mine.state != TRACT_LOCK_IDLE && kill((pid_t)mine.pid, 0) != 0 && errno == ESRCH) {
+			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq);
+			(*count)++;
+		}
+		pthread_mutex_unlock(&lm->mu);
+	}
 	return TRACT_OK;
 }

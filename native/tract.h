@@ -307,6 +307,9 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 /* Releases global lock lock_id: publish IDLE, then unlock the local mutex. */
 int tract_lock_release(tract_region *r, uint32_t lock_id);
 
+/* Releases grants and requests of this node's dead processes; *count gets how many. */
+int tract_lock_recover(tract_region *r, uint32_t *count);
+
 /* Per-lock acquisition count and total wait of this node (local statistics). */
 int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
 		     uint64_t *wait_ns);

@@ -98,3 +98,26 @@ def test_release_without_acquire_is_an_error(region):
     with Pool.attach(region, node=1) as p:
         with pytest.raises(TractError, match="not held"):
             p.locks.release(0)
+
+
+def test_a_dead_holders_lock_is_recovered_by_the_next_process_of_its_node(region):
+    with RunningAgent(region, 0, manager=True):
+        dead = Worker(region, 2)
+        dead.call("lock_acquire", lock_id=1)
+        dead.kill()
+        dead.close()
+        with Worker(region, 2) as successor:                 # same node: EOWNERDEAD
+            assert successor.call("lock_acquire", lock_id=1, timeout=30) is True
+            successor.call("lock_release", lock_id=1)
+
+
+def test_the_nodes_agent_releases_a_dead_holders_lock(region):
+    with RunningAgent(region, 0, manager=True), RunningAgent(region, 2, manager=False):
+        dead = Worker(region, 2)
+        dead.call("lock_acquire", lock_id=1)
+        dead.kill()
+        dead.close()
+        # no process of node 2 ever asks again: the agent of node 2 releases it
+        with Pool.attach(region, node=1) as p:
+            with p.locks.hold(1, timeout=30):
+                pass

@@ -3,8 +3,9 @@
 One agent per node (held by the node's agent mutex in its local segment):
 it heartbeats in the node table, runs the lock manager on the manager node
 (exactly one per region: an agent refuses to start a manager while another
-node's manager heartbeat is fresh), reclaims expired handoffs (on the
-manager node), and is where the rest of recovery hangs (issue: faults).  Workers and benchmarks start one with `ensure_agent` when none runs.
+node's manager heartbeat is fresh), releases the lock grants and requests of
+its node's dead processes, reclaims expired handoffs (on the manager node),
+and is where the rest of recovery hangs (issue: faults).  Workers and benchmarks start one with `ensure_agent` when none runs.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class Agent:
         self._thread = None
         self._locked = False
         self.reclaimed = 0
+        self.recovered_locks = 0
         self.epoch = 0
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
 
@@ -128,6 +130,12 @@ class Agent:
         last_reclaim = 0.0
         while not self._stop.wait(self.heartbeat_s):
             self._publish(NODE_ALIVE)
+            # locks held or requested by this node's dead processes: released
+            count = ffi.new("uint32_t *")
+            if lib.tract_lock_recover(self.pool._r(), count) == 0 and count[0]:
+                self.recovered_locks += count[0]
+                print(f"tract agent: node {self.node}: released {count[0]} lock(s) of dead "
+                      "processes", file=sys.stderr, flush=True)
             now = time.monotonic()
             if self.manager and now - last_reclaim >= RECLAIM_S:
                 # expired handoffs (a decode side that died): pins and slots back
