@@ -207,3 +207,25 @@ def test_reads_into_torch_and_torch_views(small_region):
         del views
         p.index.unpin(res)
         p.index.evict(100)
+
+
+def test_zero_copy_put_writes_straight_into_slots(small_region):
+    with Pool.attach(small_region, node=1) as p:
+        keys = chain(p, 51, 5)
+        status, slots = p.index.reserve(keys)
+        assert (status == 4).all()
+        for i, s in enumerate(slots):
+            p.slot_bytes(int(s))[:] = payload_for(keys[i].tobytes(), p.info.block_bytes)
+        assert p.index.commit(keys, status, slots).count("stored") == 5
+        res = p.index.lookup(keys)
+        out = np.empty((5, p.info.block_bytes), np.uint8)
+        p.index.read(res, out)
+        assert np.array_equal(out, blocks_for(p, keys))
+        p.index.unpin(res)
+        # an abandoned reservation leaves nothing behind
+        other = chain(p, 52, 3)
+        st, sl = p.index.reserve(other)
+        p.index.commit(other, st, sl, publish=False)
+        assert p.index.lookup(other).hits == 0
+        check_index(small_region)
+        p.index.evict(1000)

@@ -108,6 +108,35 @@ class PrefixIndex:
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
 
+    def reserve(self, hashes, timeout: float = 30.0):
+        """Zero-copy put, step 1: claims absent keys and allocates their slots.
+
+        Returns (status, slots); write block i into `pool.slot_array(slots[i])`
+        for every i with status[i] == 4 (claimed), then call commit().
+        """
+        keys = as_keys(hashes)
+        n = len(keys)
+        status = np.zeros(n, np.uint8)
+        slots = np.zeros(max(n, 1), np.uint32)
+        rc = lib.tract_index_put_begin(self._pool._r(), ffi.from_buffer(keys), n,
+                                       ffi.from_buffer(status), self._u32(slots), int(timeout * 1e9))
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull("the pool is full and every block in it is pinned",
+                           "unpin blocks or use a larger region")
+        raise_for(rc, f"{self._pool.path} index reserve")
+        return status, slots[:n]
+
+    def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
+               timeout: float = 30.0) -> PutResult:
+        """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed."""
+        keys = as_keys(hashes)
+        rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), len(keys),
+                                        ffi.from_buffer(status), self._u32(np.ascontiguousarray(
+                                            slots, dtype=np.uint32)), ffi.NULL, ffi.NULL,
+                                        1 if publish else 0, int(timeout * 1e9))
+        raise_for(rc, f"{self._pool.path} index commit")
+        return PutResult(status)
+
     def read(self, lookup: Lookup, out, verify: bool = True) -> None:
         """Copies the pinned blocks into OUT (shape (hits, ...); a numpy array or a
         CPU torch tensor), verifying checksums."""
