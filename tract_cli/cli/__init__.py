@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from tract_cli.cli import (agent_cmd, check_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
+from tract_cli.cli import (agent_cmd, bench_cmd, check_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
                            inspect_cmd, microbench_cmd)
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app.command("devices")(devices_cmd.devices)
 app.command("doctor")(doctor_cmd.doctor)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("check")(check_cmd.check)
+app.command("bench")(bench_cmd.bench)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 

@@ -163,6 +163,8 @@ class DeviceProfile:
     description: str
     latency_ns: float
     bandwidth_gbps: float
+    prefill_tokens_per_s: float = 0.0
+    decode_s_per_token: float = 0.0
 
 
 def load_device(name: str) -> DeviceProfile:
@@ -174,4 +176,6 @@ def load_device(name: str) -> DeviceProfile:
     data = tomllib.loads(path.read_text())
     return DeviceProfile(name=data["name"], kind=data["kind"], description=data["description"],
                          latency_ns=float(data["latency_ns"]),
-                         bandwidth_gbps=float(data["bandwidth_gbps"]))
+                         bandwidth_gbps=float(data["bandwidth_gbps"]),
+                         prefill_tokens_per_s=float(data.get("prefill_tokens_per_s", 0.0)),
+                         decode_s_per_token=float(data.get("decode_s_per_token", 0.0)))
