@@ -9,16 +9,7 @@ import pytest
 SHM = "/dev/shm"
 
 
-def remove_region(path: str) -> None:
-    """Removes a region file and its nodes' local segments."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb") as f:
-        head = f.read(32)
-    if head[:8] == b"TRACTPOL":
-        from tract_cli.core.local import remove_segments
-        remove_segments(str(uuid.UUID(bytes=head[16:32])))
-    os.unlink(path)
+from tract_cli.core.region import remove_region  # noqa: E402  (re-exported for tests)
 
 
 @pytest.fixture

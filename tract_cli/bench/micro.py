@@ -22,7 +22,7 @@ from tract_cli.core.errors import NoSpaceError
 from tract_cli.core.geometry import load_model
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.pool import Pool
-from tract_cli.core.region import FormatOptions, _params, format_region
+from tract_cli.core.region import FormatOptions, _params, format_region, remove_region
 from tract_cli.core.units import format_size
 
 _libc_ffi = FFI()
@@ -39,14 +39,7 @@ def temp_region_path(directory: str = "/dev/shm"):
     try:
         yield path
     finally:
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                head = f.read(32)
-            if head[:8] == b"TRACTPOL":
-                import uuid as uuidlib
-                from tract_cli.core.local import remove_segments
-                remove_segments(str(uuidlib.UUID(bytes=head[16:32])))
-            os.unlink(path)
+        remove_region(path)
 
 
 def _need_space(path: str, size: int) -> None:

@@ -213,3 +213,15 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
             os.unlink(path)
         raise
     return decode_header(hdr)
+
+
+def remove_region(path: str) -> None:
+    """Removes a region file and its nodes' local segments (no-op if absent)."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(32)
+    if head[:8] == b"TRACTPOL":
+        from tract_cli.core.local import remove_segments
+        remove_segments(str(uuidlib.UUID(bytes=head[16:32])))
+    os.unlink(path)
