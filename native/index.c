@@ -692,17 +692,6 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(const uint8_t *p, ui
 }
 #endif
 
-static uint32_t crc32c_sw(const uint8_t *p, uint64_t n)
-{
-	uint32_t c = 0xFFFFFFFFu;
-	while (n--) {
-		c ^= *p++;
-		for (int k = 0; k < 8; k++)
-			c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
-	}
-	return c ^ 0xFFFFFFFFu;
-}
-
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len)
 {
@@ -710,7 +699,7 @@ uint32_t tract_crc32c(const void *buf, uint64_t len)
 	if (__builtin_cpu_supports("sse4.2"))
 		return crc32c_hw(buf, len);
 #endif
-	return crc32c_sw(buf, len);
+	return tract_crc_bitwise(0x82F63B78u, buf, len);   /* no SSE4.2: slow but right */
 }
 
 /* Claims PENDING buckets for absent keys and allocates their slots (evicting

@@ -123,6 +123,9 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
 			   uint64_t timeout_ns);
 
+/* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
+uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);
+
 /* CLOCK_REALTIME in ns (internal) */
 uint64_t tract_now_ns(void);
 

@@ -171,15 +171,21 @@ int tract_layout_compute(const struct tract_format_params *p, struct tract_secti
 	return TRACT_OK;
 }
 
-/* CRC-32 (IEEE 802.3, as zlib) of a buffer. */
-uint32_t tract_crc32(const void *buf, size_t len)
+/* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
+uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len)
 {
 	const uint8_t *p = buf;
 	uint32_t c = 0xFFFFFFFFu;
 	while (len--) {
 		c ^= *p++;
 		for (int k = 0; k < 8; k++)
-			c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1)));
+			c = (c >> 1) ^ (poly & (0u - (c & 1)));
 	}
 	return c ^ 0xFFFFFFFFu;
+}
+
+/* CRC-32 (IEEE 802.3, as zlib) of a buffer. */
+uint32_t tract_crc32(const void *buf, size_t len)
+{
+	return tract_crc_bitwise(0xEDB88320u, buf, len);
 }

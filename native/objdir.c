@@ -37,6 +37,18 @@ static int find(const struct tract_objdir_entry *dir, const char *name)
 	return -1;
 }
 
+/* takes the directory lock and observes the directory; *i = name's entry or -1 (internal) */
+static int enter(tract_region *r, const char *name, uint64_t timeout_ns,
+		 struct tract_objdir_entry *dir, int *i)
+{
+	int rc = tract_lock_acquire(r, LOCK_OBJDIR, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	observe_dir(r, dir);
+	*i = find(dir, name);
+	return TRACT_OK;
+}
+
 /* writes entry i of the directory (internal) */
 static void publish_entry(tract_region *r, int i, const struct tract_objdir_entry *e)
 {
@@ -51,12 +63,10 @@ int tract_obj_put(tract_region *r, const char *name, uint64_t offset, uint64_t s
 		return TRACT_E_INVAL;
 	if (!tract_in_bounds(r, offset, size))
 		return TRACT_E_RANGE;
-	int rc = tract_lock_acquire(r, LOCK_OBJDIR, timeout_ns, NULL);
+	struct tract_objdir_entry dir[TRACT_OBJDIR_ENTRIES];
+	int i, rc = enter(r, name, timeout_ns, dir, &i);
 	if (rc < 0)
 		return rc;
-	struct tract_objdir_entry dir[TRACT_OBJDIR_ENTRIES];
-	observe_dir(r, dir);
-	int i = find(dir, name);
 	for (int k = 0; i < 0 && k < TRACT_OBJDIR_ENTRIES; k++)
 		if (!dir[k].name[0])
 			i = k;
@@ -98,12 +108,10 @@ int tract_obj_delete(tract_region *r, const char *name, uint64_t timeout_ns)
 {
 	if (!r || !name_ok(name))
 		return TRACT_E_INVAL;
-	int rc = tract_lock_acquire(r, LOCK_OBJDIR, timeout_ns, NULL);
+	struct tract_objdir_entry dir[TRACT_OBJDIR_ENTRIES];
+	int i, rc = enter(r, name, timeout_ns, dir, &i);
 	if (rc < 0)
 		return rc;
-	struct tract_objdir_entry dir[TRACT_OBJDIR_ENTRIES];
-	observe_dir(r, dir);
-	int i = find(dir, name);
 	if (i < 0) {
 		rc = TRACT_E_NOT_FOUND;
 	} else {

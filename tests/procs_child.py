@@ -23,7 +23,6 @@ def main() -> None:
         "sim_stats": lambda: pool.sim_stats(),
         "load_u64_times": lambda off, times: [pool.load_u64(off) for _ in range(times)][-1],
         "ping_pong": lambda **kw: ping_pong(pool, **kw),
-        "wait_for": lambda **kw: wait_for(pool, **kw),
         "counter_loop": lambda **kw: counter_loop(pool, **kw),
         "lock_acquire": lambda lock_id, timeout=30.0: pool.locks.acquire(lock_id, timeout),
         "lock_release": lambda lock_id: pool.locks.release(lock_id),
@@ -86,17 +85,6 @@ def churn(pool: Pool, rounds: int, seed: int) -> list[int]:
                 if "fewer than" not in str(exc):
                     raise
     return held
-
-
-def wait_for(pool: Pool, off: int, value: int, deadline_s: float, observe: bool = True) -> dict:
-    """Polls OFF until it reads VALUE (bounded); returns what it saw and how often."""
-    deadline = time.monotonic() + deadline_s
-    polls = 0
-    while True:
-        seen = pool.observe_u64(off) if observe else pool.load_u64(off)
-        polls += 1
-        if seen == value or time.monotonic() > deadline:
-            return {"seen": seen, "polls": polls}
 
 
 def ping_pong(pool: Pool, my_off: int, peer_off: int, rounds: int, first: bool,

@@ -171,14 +171,13 @@ def handoff_s(rec: dict) -> float:
     """Moving the KV from prefill to decode: writing it to the pool (or sending),
     the handoff record, reading it out (or receiving)."""
     t = rec["t"]
-    return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open",
-                                        "handoff_send", "kv_read"))
+    return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open", "kv_read"))
 
 
 def ttft_s(rec: dict) -> float:
     t = rec["t"]
     return sum(t.get(k, 0.0) for k in ("hash", "lookup", "compute", "kv_write", "handoff_publish",
-                                        "handoff_send", "handoff_open", "kv_read", "first_token"))
+                                        "handoff_open", "kv_read", "first_token"))
 
 
 def run_transport(path: str, transport: str, requests: list[Request], prefill_rate: float,
@@ -245,4 +244,4 @@ def summarize(r: TransportResult) -> dict:
             "hit_rate_blocks": hits / blocks if blocks else 0.0,
             "stages_mean_s": {k: statistics.fmean(r.stage(k)) for k in
                               ("hash", "lookup", "compute", "kv_write", "handoff_publish",
-                               "handoff_send", "handoff_open", "kv_read", "first_token", "ack")}}
+                               "handoff_open", "kv_read", "first_token", "ack")}}

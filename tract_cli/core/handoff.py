@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tract_cli.core.errors import TractError, UsageError
-from tract_cli.core.index import ChecksumMismatch, Lookup, as_keys
+from tract_cli.core.index import ChecksumMismatch, as_keys
 from tract_cli.core.native import ffi, lib, raise_for
 
 
@@ -122,9 +122,7 @@ class Handoffs:
 
     def copy_blocks(self, rec: Received, out: np.ndarray, verify: bool = True) -> None:
         """Copies the blocks into OUT (shape (blocks, ...)): the copying path."""
-        lookup = Lookup(np.zeros((len(rec.slots), 16), np.uint8), len(rec.slots), rec.slots,
-                        rec.block_tokens, rec.checksums)
-        self._pool.index.read(lookup, out, verify=verify)
+        self._pool.index.read_slots(rec.slots, rec.checksums if verify else None, out)
 
     def copy_tail(self, rec: Received, out: np.ndarray) -> None:
         """Copies the partial tail block's bytes into OUT."""

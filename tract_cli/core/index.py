@@ -140,24 +140,34 @@ class PrefixIndex:
     def read(self, lookup: Lookup, out, verify: bool = True) -> None:
         """Copies the pinned blocks into OUT (shape (hits, ...); a numpy array or a
         CPU torch tensor), verifying checksums."""
-        if lookup.hits == 0:
+        self.read_slots(lookup.slots, lookup.checksums if verify else None, out,
+                        lookup.keys[:lookup.hits])
+
+    def read_slots(self, slots: np.ndarray, checksums: np.ndarray | None, out,
+                   keys: np.ndarray | None = None) -> None:
+        """Copies blocks out of SLOTS into OUT in one call, each checked against its
+        CHECKSUMS entry (0 = none recorded; None = no checks); KEYS name a bad block."""
+        n = len(slots)
+        if n == 0:
             return
         if type(out).__module__.startswith("torch"):
             if out.device.type != "cpu":
                 raise UsageError("read copies into host memory", "pass a CPU tensor")
             out = out.view(-1).view(dtype=__import__("torch").uint8).numpy()
-        dst = out.reshape(lookup.hits, -1)
+        dst = out.reshape(n, -1)
         if not dst.flags.c_contiguous or not dst.flags.writeable:
             raise UsageError("the output buffer must be writable and C-contiguous", "np.empty(...)")
         row = dst.shape[1] * dst.itemsize
+        slots = np.ascontiguousarray(slots, dtype=np.uint32)
+        sums = None if checksums is None else np.ascontiguousarray(checksums, dtype=np.uint32)
         bad = ffi.new("uint32_t *")
-        rc = lib.tract_index_read(self._pool._r(), self._u32(lookup.slots), lookup.hits,
+        rc = lib.tract_index_read(self._pool._r(), self._u32(slots), n,
                                   ffi.from_buffer(dst, require_writable=True), row, row,
-                                  self._u32(lookup.checksums) if verify else ffi.NULL, bad)
+                                  self._u32(sums) if sums is not None else ffi.NULL, bad)
         if rc == lib.TRACT_E_CORRUPT:
-            raise ChecksumMismatch(f"block {bad[0]} (key {lookup.keys[bad[0]].tobytes().hex()}) "
-                                   "does not match its checksum", "the block was not served; "
-                                   "run `tract check` and recompute it")
+            name = f" (key {keys[bad[0]].tobytes().hex()})" if keys is not None else ""
+            raise ChecksumMismatch(f"block {bad[0]}{name} does not match its checksum",
+                                   "the block was not served; run `tract check` and recompute it")
         raise_for(rc, f"{self._pool.path} index read")
 
     def views(self, lookup: Lookup, torch: bool = False) -> list:

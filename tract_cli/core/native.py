@@ -46,60 +46,51 @@ def flush_mode_supported(mode: str) -> bool:
     return need <= cpu_features()
 
 
+# error code -> (error class, problem, fix); "{what}" names the target
+_MESSAGES = {
+    lib.TRACT_E_NOT_FORMATTED: (NotFormattedError, "{what} holds no TraCT region (no magic at offset 0)",
+                                "format it with `tract init {what}`"),
+    lib.TRACT_E_VERSION: (FormatMismatchError, "{what} holds a TraCT region of an unknown format version",
+                          "use the tract release that wrote it, or reformat with `tract init {what} --force`"),
+    lib.TRACT_E_CHECKSUM: (FormatMismatchError,
+                           "{what}: the region header checksum does not match (corrupt header)",
+                           "run `tract info {what}` on the writer's host, or reformat with `tract init --force`"),
+    lib.TRACT_E_SIZE: (FormatMismatchError,
+                       "{what} is smaller than the region size recorded in its header (truncated?)",
+                       "restore the file or device to its formatted size, or reformat it"),
+    lib.TRACT_E_LAYOUT: (FormatMismatchError,
+                         "{what}: the region's layout table disagrees with its own parameters (corrupt header)",
+                         "reformat with `tract init {what} --force`"),
+    lib.TRACT_E_TOO_SMALL: (UsageError, "{what} is too small for the metadata and one KV block slot",
+                            "give a larger --size or a model with smaller blocks"),
+    lib.TRACT_E_ALIGN: (UsageError, "{what}: size or offset is not a multiple of the alignment",
+                        "round --size to the alignment (2 MiB by default)"),
+    lib.TRACT_E_RANGE: (TractError, "{what}: offset or length outside the region",
+                        "this is a bug or a corrupt region; run `tract info` on it"),
+    lib.TRACT_E_NOMEM: (TractError, "{what}: out of process memory", "free memory and retry"),
+    lib.TRACT_E_TIMEOUT: (TractError, "{what}: timed out waiting for a lock",
+                          "check that `tract agent --manager` runs and no process hangs holding it "
+                          "(`tract inspect --locks`)"),
+    lib.TRACT_E_FULL: (TractError, "{what}: no room left",
+                       "free or evict entries, or use a larger region"),
+    lib.TRACT_E_NOT_FOUND: (TractError, "{what}: not found", "check the name or key"),
+    lib.TRACT_E_CORRUPT: (TractError, "{what}: region metadata is inconsistent",
+                          "run `tract inspect` on it; reformat if it persists"),
+    lib.TRACT_E_NO_LOCAL: (TractError, "{what}: this handle has no node-local segment",
+                           "attach without readonly= to take locks"),
+    lib.TRACT_E_INVAL: (UsageError, "{what}: invalid argument", "check the parameters"),
+}
+
+
 def raise_for(rc: int, what: str) -> None:
     """Raises the TractError for a non-zero C return code; `what` names the target."""
     if rc == lib.TRACT_OK:
         return
-    if rc == lib.TRACT_E_NOT_FORMATTED:
-        raise NotFormattedError(f"{what} holds no TraCT region (no magic at offset 0)",
-                                f"format it with `tract init {what}`")
-    if rc == lib.TRACT_E_VERSION:
-        raise FormatMismatchError(
-            f"{what} holds a TraCT region of an unknown format version",
-            f"use the tract release that wrote it, or reformat with `tract init {what} --force`")
-    if rc == lib.TRACT_E_CHECKSUM:
-        raise FormatMismatchError(
-            f"{what}: the region header checksum does not match (corrupt header)",
-            f"run `tract info {what}` on the writer's host, or reformat with `tract init --force`")
-    if rc == lib.TRACT_E_SIZE:
-        raise FormatMismatchError(
-            f"{what} is smaller than the region size recorded in its header (truncated?)",
-            "restore the file or device to its formatted size, or reformat it")
-    if rc == lib.TRACT_E_LAYOUT:
-        raise FormatMismatchError(
-            f"{what}: the region's layout table disagrees with its own parameters (corrupt header)",
-            f"reformat with `tract init {what} --force`")
-    if rc == lib.TRACT_E_TOO_SMALL:
-        raise UsageError(f"{what} is too small for the metadata and one KV block slot",
-                         "give a larger --size or a model with smaller blocks")
-    if rc == lib.TRACT_E_ALIGN:
-        raise UsageError(f"{what}: size or offset is not a multiple of the alignment",
-                         "round --size to the alignment (2 MiB by default)")
     if rc == lib.TRACT_E_FLUSH_UNSUPPORTED:
         raise FlushModeError(f"{what}: this CPU lacks the requested flush instruction",
                              f"choose one of: {', '.join(m for m in FLUSH_MODES if flush_mode_supported(m))}")
-    if rc == lib.TRACT_E_RANGE:
-        raise TractError(f"{what}: offset or length outside the region",
-                         "this is a bug or a corrupt region; run `tract info` on it")
-    if rc == lib.TRACT_E_NOMEM:
-        raise TractError(f"{what}: out of process memory", "free memory and retry")
     if rc == lib.TRACT_E_SYS:
-        err = ffi.errno
-        raise TractError(f"{what}: {os.strerror(err)}", "check the device or file and retry")
-    if rc == lib.TRACT_E_TIMEOUT:
-        raise TractError(f"{what}: timed out waiting for a lock",
-                         "check that `tract agent --manager` runs and no process hangs holding it "
-                         "(`tract inspect --locks`)")
-    if rc == lib.TRACT_E_FULL:
-        raise TractError(f"{what}: no room left", "free or evict entries, or use a larger region")
-    if rc == lib.TRACT_E_NOT_FOUND:
-        raise TractError(f"{what}: not found", "check the name or key")
-    if rc == lib.TRACT_E_CORRUPT:
-        raise TractError(f"{what}: region metadata is inconsistent",
-                         "run `tract inspect` on it; reformat if it persists")
-    if rc == lib.TRACT_E_NO_LOCAL:
-        raise TractError(f"{what}: this handle has no node-local segment",
-                         "attach without readonly= to take locks")
-    if rc == lib.TRACT_E_INVAL:
-        raise UsageError(f"{what}: invalid argument", "check the parameters")
-    raise TractError(f"{what}: C core error {rc}", "this is a bug; please report it")
+        raise TractError(f"{what}: {os.strerror(ffi.errno)}", "check the device or file and retry")
+    cls, problem, fix = _MESSAGES.get(rc, (TractError, "{what}: C core error " + str(rc),
+                                           "this is a bug; please report it"))
+    raise cls(problem.format(what=what), fix.format(what=what))

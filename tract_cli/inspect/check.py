@@ -19,7 +19,7 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
-from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE, RECORD_DTYPE
+from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE, RECORD_DTYPE, Sections
 
 READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
 
@@ -30,21 +30,15 @@ class Violation:
     detail: str
 
 
-def _read(pool: Pool, name: str) -> np.ndarray:
-    s = pool.info.section(name)
-    buf = np.empty(s.length, np.uint8)
-    pool.observe_into(s.offset, buf)
-    return buf
-
-
 def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     """All violations found, and counts of what was checked."""
     info = pool.info
+    rd = Sections(pool)
     out: list[Violation] = []
     n = info.slot_count
-    bits = np.unpackbits(_read(pool, "bitmap"), bitorder="little")[:n].astype(bool)
-    owners = _read(pool, "owners")[:n]
-    used = int(_read(pool, "alloc")[:8].view("<u8")[0])
+    bits = np.unpackbits(rd["bitmap"], bitorder="little")[:n].astype(bool)
+    owners = rd["owners"][:n]
+    used = int(rd["alloc"][:8].view("<u8")[0])
     if used != int(bits.sum()):
         out.append(Violation("allocator", f"header says {used} slots used, bitmap has {int(bits.sum())}"))
     for s in np.flatnonzero(bits != (owners > 0))[:20]:
@@ -54,13 +48,13 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
         out.append(Violation("allocator", f"slot {s}: owner byte {owners[s]} > max nodes"))
 
     bs = info.section("buckets")
-    b = _read(pool, "buckets").view(BUCKET_DTYPE)
+    b = rd["buckets"].view(BUCKET_DTYPE)
     stripes, per = info.index_stripes, bs.count // info.index_stripes
     state = b["state"]
-    raw = _read(pool, "buckets").reshape(bs.count, 64)
+    raw = rd["buckets"].reshape(bs.count, 64)
     for i in np.flatnonzero(state > 3)[:20]:
         out.append(Violation("index", f"bucket {i}: unknown state {state[i]}"))
-    pins = _read(pool, "pins").view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
+    pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
     total = pins.sum(axis=0)
     for i in np.flatnonzero(total != b["pins"])[:20]:
         out.append(Violation("pins", f"bucket {i}: total {b['pins'][i]} != per-node sum {total[i]}"))
@@ -99,7 +93,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
                 break
             j = (j + 1) & (per - 1)
     # LRU lists
-    anchors = _read(pool, "lru").view(ANCHOR_DTYPE)[:stripes]
+    anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
     for s in range(stripes):
         head, tail, count = int(anchors[s]["head"]), int(anchors[s]["tail"]), int(anchors[s]["count"])
         seen, prev, cur, broken = 0, 0, head, False
@@ -122,7 +116,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
             out.append(Violation("lru", f"stripe {s}: list has {seen} entries, anchor says {count}, "
                                          f"{len(ready_here)} READY"))
     # transfer records
-    rec = _read(pool, "transfer").view(RECORD_DTYPE)
+    rec = rd["transfer"].view(RECORD_DTYPE)
     data_sec = info.section("data")
     handoff_slots = []
     for r_i in np.flatnonzero(rec["state"] != 0):
@@ -169,11 +163,12 @@ def repair(path: str, force: bool = False) -> dict:
         violations, _ = verify(pool, data=True)
         bad_sum = {int(v.detail.split()[1]) for v in violations if v.check == "checksum"}
         info = pool.info
+        rd = Sections(pool)                  # a fresh read: the one verify made is older
         n = info.slot_count
         bs = info.section("buckets")
         stripes, per = info.index_stripes, bs.count // info.index_stripes
-        b = _read(pool, "buckets").view(BUCKET_DTYPE).copy()
-        raw = _read(pool, "buckets").reshape(bs.count, 64)
+        b = rd["buckets"].view(BUCKET_DTYPE).copy()
+        raw = rd["buckets"].reshape(bs.count, 64)
         keep, seen_keys, seen_slots = [], set(), set()
         for i in np.flatnonzero(b["state"] == READY):
             slot = int(b["slot"][i]) - 1
@@ -210,12 +205,12 @@ def repair(path: str, force: bool = False) -> dict:
             anchors[s]["head"] = placed[-1] + 1 if placed else 0
             anchors[s]["tail"] = placed[0] + 1 if placed else 0
             anchors[s]["count"] = len(placed)
-        old_anchors = _read(pool, "lru").view(ANCHOR_DTYPE)[:stripes]
+        old_anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
         for k in ("hits", "inserts", "evictions", "lookups"):
             anchors[k] = old_anchors[k]
         bits = np.zeros(n, bool)
         bits[list(seen_slots)] = True
-        owners_old = _read(pool, "owners")[:n]
+        owners_old = rd["owners"][:n]
         owners = np.where(bits, np.where(owners_old > 0, owners_old, 1), 0).astype(np.uint8)
         # write back: buckets, pins (zero), LRU anchors, bitmap, owners, header, transfer
         def put(name: str, payload: bytes):
@@ -226,7 +221,7 @@ def repair(path: str, force: bool = False) -> dict:
         put("lru", anchors.tobytes())
         put("bitmap", np.packbits(bits, bitorder="little").tobytes())
         put("owners", owners.tobytes())
-        alloc = _read(pool, "alloc")[:64].view("<u8").copy()
+        alloc = rd["alloc"][:64].view("<u8").copy()
         alloc[0] = int(bits.sum())
         put("alloc", alloc.tobytes())
         put("transfer", b"")

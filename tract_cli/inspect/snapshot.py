@@ -58,21 +58,27 @@ def _age(now: int, ns: int) -> float | None:
 
 
 _BUFFERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {section: buffer}
-_TAKEN: dict = {}     # section -> this snapshot's copy (each section is read once a snapshot)
 
 
-def _section(pool: Pool, name: str) -> np.ndarray:
-    """The section observed in bulk into a reused buffer, once per snapshot."""
-    if name in _TAKEN:
-        return _TAKEN[name]
-    s = pool.info.section(name)
-    mine = _BUFFERS.setdefault(pool, {})      # reused: no page faults per refresh
-    buf = mine.get(name)
-    if buf is None or buf.size != s.length:
-        buf = mine[name] = np.empty(s.length, dtype=np.uint8)
-    pool.observe_into(s.offset, buf)
-    _TAKEN[name] = buf
-    return buf
+class Sections:
+    """One consistent read of a region: each section observed in bulk, at most
+    once, into a buffer reused across reads of the same pool (no page faults
+    per refresh).  Make a new one for every snapshot."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self._taken: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._taken:
+            s = self.pool.info.section(name)
+            mine = _BUFFERS.setdefault(self.pool, {})
+            buf = mine.get(name)
+            if buf is None or buf.size != s.length:
+                buf = mine[name] = np.empty(s.length, dtype=np.uint8)
+            self.pool.observe_into(s.offset, buf)
+            self._taken[name] = buf
+        return self._taken[name]
 
 
 def nodes_view(pool: Pool, now: int) -> dict:
@@ -91,9 +97,10 @@ def nodes_view(pool: Pool, now: int) -> dict:
     return {"nodes": rows, "manager_node": managers[0] if managers else None}
 
 
-def locks_view(pool: Pool, now: int, hold_warn_s: float) -> dict:
+def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
+    pool = rd.pool
     info = pool.info
-    raw = _section(pool, "locks")
+    raw = rd["locks"]
     per = info.max_nodes + 1
     out = []
     me = socket.gethostname()[:23]
@@ -132,10 +139,11 @@ def locks_view(pool: Pool, now: int, hold_warn_s: float) -> dict:
     return {"locks": out, "lock_count": info.lock_count}
 
 
-def index_view(pool: Pool, now: int) -> dict:
+def index_view(rd: Sections, now: int) -> dict:
+    pool = rd.pool
     info = pool.info
     bs = info.section("buckets")
-    b = _section(pool, "buckets").view(BUCKET_DTYPE)
+    b = rd["buckets"].view(BUCKET_DTYPE)
     stripes = info.index_stripes
     per = bs.count // stripes
     state = b["state"]
@@ -143,16 +151,16 @@ def index_view(pool: Pool, now: int) -> dict:
     counts["changing"] = int((state > 3).sum())
     live = (state == 1) | (state == 2)
     # probe length: distance from the key's home bucket inside its stripe
-    raw = _section(pool, "buckets").reshape(bs.count, 64)
+    raw = rd["buckets"].reshape(bs.count, 64)
     lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
     home = (lo & np.uint64(per - 1)).astype(np.int64)
     pos = np.arange(bs.count, dtype=np.int64) % per
     dist = (pos - home) % per
     hist = np.bincount(dist[live], minlength=1) if live.any() else np.zeros(1, np.int64)
     pins_s = info.section("pins")
-    pins = _section(pool, "pins").view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
+    pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
     pinned_by_node = {n: int((pins[n] > 0).sum()) for n in range(info.max_nodes) if pins[n].any()}
-    anchors = _section(pool, "lru").view(ANCHOR_DTYPE)[:stripes]
+    anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
     oldest = []
     for s in range(stripes):
         tail = int(anchors[s]["tail"])
@@ -174,17 +182,18 @@ def index_view(pool: Pool, now: int) -> dict:
     }
 
 
-def alloc_view(pool: Pool) -> dict:
+def alloc_view(rd: Sections) -> dict:
+    pool = rd.pool
     info = pool.info
     n = info.slot_count
-    bits = np.unpackbits(_section(pool, "bitmap"), bitorder="little")[:n].astype(bool)
-    owners = _section(pool, "owners")[:n]
-    hdr = _section(pool, "alloc")[:32].view("<u8")
-    b = _section(pool, "buckets").view(BUCKET_DTYPE)
+    bits = np.unpackbits(rd["bitmap"], bitorder="little")[:n].astype(bool)
+    owners = rd["owners"][:n]
+    hdr = rd["alloc"][:32].view("<u8")
+    b = rd["buckets"].view(BUCKET_DTYPE)
     ready_slots = b["slot"][(b["state"] == 2) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
     in_use = np.zeros(n, bool)
     in_use[ready_slots] = True
-    rec = _section(pool, "transfer").view(RECORD_DTYPE)
+    rec = rd["transfer"].view(RECORD_DTYPE)
     data = info.section("data")
     for r in rec[rec["state"] != 0]:
         off = int(r["keys_offset"])
@@ -208,8 +217,8 @@ def alloc_view(pool: Pool) -> dict:
             "consistent": int(hdr[0]) == int(bits.sum()) and bool((bits == (owners > 0)).all())}
 
 
-def handoffs_view(pool: Pool, now: int) -> dict:
-    rec = _section(pool, "transfer").view(RECORD_DTYPE)
+def handoffs_view(rd: Sections, now: int) -> dict:
+    rec = rd["transfer"].view(RECORD_DTYPE)
     out = []
     for i in np.flatnonzero(rec["state"] != 0):
         r = rec[i]
@@ -227,20 +236,19 @@ def take(pool: Pool, views=VIEWS, hold_warn_s: float = 1.0) -> dict:
     t0 = time.perf_counter()
     now = time.time_ns()
     info = pool.info
-    _TAKEN.clear()
+    rd = Sections(pool)
     snap = {"schema": SCHEMA_VERSION, "region": pool.path, "medium": pool.medium,
             "uuid": info.uuid, "model": info.model_name, "taken_ns": now}
     if "nodes" in views:
         snap["nodes"] = nodes_view(pool, now)
     if "locks" in views:
-        snap["locks"] = locks_view(pool, now, hold_warn_s)
+        snap["locks"] = locks_view(rd, now, hold_warn_s)
     if "index" in views:
-        snap["index"] = index_view(pool, now)
+        snap["index"] = index_view(rd, now)
     if "alloc" in views:
-        snap["alloc"] = alloc_view(pool)
+        snap["alloc"] = alloc_view(rd)
     if "handoffs" in views:
-        snap["handoffs"] = handoffs_view(pool, now)
-    _TAKEN.clear()
+        snap["handoffs"] = handoffs_view(rd, now)
     snap["snapshot_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     return snap
 
