@@ -159,3 +159,23 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 	tract_memcpy_nt(dst, src, len);
 	return TRACT_OK;
 }
+
+/* Evicts the payload lines of n slots (zero-copy readers call this before loading). */
+int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	if (!r || (!slots && n))
+		return TRACT_E_INVAL;
+	for (uint32_t i = 0; i < n; i++)
+		if (slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+	if (r->flush_mode == TRACT_FLUSH_NONE)
+		return TRACT_OK;
+	/* clwb keeps the line: evicting needs clflush(opt) */
+	int mode = r->flush_mode == TRACT_FLUSH_CLWB ? TRACT_FLUSH_CLFLUSH : r->flush_mode;
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	for (uint32_t i = 0; i < n; i++)
+		tract_flush_lines(mode, r->base + data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
+				  r->hdr.block_bytes);
+	__sync_synchronize();
+	return TRACT_OK;
+}

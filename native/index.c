@@ -796,6 +796,15 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			if (status[i] == PUT_CLAIMED)
 				status[i] = PUT_NO_ROOM;
 	} else {
+		/* the caller wrote the payloads with plain stores (zero copy): write them
+		 * back to the device before any READY can point at them */
+		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+		uint64_t len = (uint64_t)r->hdr.block_bytes;
+		for (uint32_t i = 0; i < n; i++)
+			if (status[i] == PUT_CLAIMED)
+				tract_flush_lines(r->flush_mode, r->base + data->offset +
+						  (uint64_t)slots[i] * r->hdr.slot_stride, len);
+		__sync_synchronize();
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 1, timeout_ns);
 	}
 	free(freed);

@@ -269,6 +269,10 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
 /* Copies len bytes from the region into private memory; invalidates first if asked. */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
 
+/* Evicts this host's cached lines of n block slots, so zero-copy loads from
+ * them (numpy / torch views) read what other hosts wrote. */
+int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
+
 /* Copies with the core's copy routine between two private buffers (benchmarks). */
 void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
 

@@ -132,10 +132,14 @@ class Handoffs:
 
     def views(self, rec: Received) -> list[np.ndarray]:
         """Zero-copy views of the blocks (valid until ack): the CPU zero-copy path."""
+        self._pool.invalidate_slots(rec.slots)
         return [self._pool.slot_array(int(s)) for s in rec.slots]
 
     def tail_view(self, rec: Received) -> np.ndarray | None:
-        return None if rec.tail_slot is None else self._pool.slot_array(rec.tail_slot)
+        if rec.tail_slot is None:
+            return None
+        self._pool.invalidate_slots([rec.tail_slot])
+        return self._pool.slot_array(rec.tail_slot)
 
     def ack(self, ticket: Ticket, timeout: float = 30.0) -> None:
         """Done with the blocks: pins and slots are released, the record freed."""

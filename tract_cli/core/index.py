@@ -174,6 +174,7 @@ class PrefixIndex:
         """Zero-copy views of the pinned blocks (valid until unpinned): numpy arrays,
         or torch tensors with torch=True, shaped (layer, K|V, token, kv_head, head_dim)."""
         view = self._pool.slot_tensor if torch else self._pool.slot_array
+        self._pool.invalidate_slots(lookup.slots)
         return [view(int(s)) for s in lookup.slots]
 
     def evict(self, count: int, timeout: float = 30.0) -> int:

@@ -332,18 +332,54 @@ class Pool:
         dtype = _NUMPY_DTYPES[g.dtype]
         return self.slot_bytes(slot).view(dtype).reshape(g.block_shape)
 
+    def invalidate_slots(self, slots) -> None:
+        """Evicts this host's cached lines of SLOTS (one C call): zero-copy readers
+        call it before loading blocks that another host may have rewritten."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        rc = lib.tract_invalidate_slots(self._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr))
+                                        if arr.size else ffi.NULL, arr.size)
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
+        raise_for(rc, self.path)
+
+    def slots_tensor(self):
+        """Zero-copy torch tensor over every slot: shape (slot_count, layer, K|V,
+        token, kv_head, head_dim); `t[ids]` gathers blocks as paged attention does."""
+        torch = _torch()
+        g = self.geometry
+        self._r()
+        elem = g.dtype_bytes
+        if self._stride % elem:
+            raise TractError("the slot stride is not a multiple of the KV element size",
+                             "reformat the region")
+        n = self.info.slot_count
+        flat = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
+                                count=((n - 1) * self._stride + self.info.block_bytes) // elem,
+                                offset=self._data_offset)
+        inner = list(g.block_shape)
+        strides, acc = [], 1
+        for dim in reversed(inner):
+            strides.insert(0, acc)
+            acc *= dim
+        return flat.as_strided([n] + inner, [self._stride // elem] + strides)
+
     def slot_tensor(self, slot: int):
         """Zero-copy torch tensor of SLOT shaped (layer, K|V, token, kv_head, head_dim)."""
-        try:
-            import torch
-        except ImportError:
-            raise TractError("torch is not installed", "pip install torch (or use slot_array)") from None
+        torch = _torch()
         g = self.geometry
         self._r()
         t = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
                              count=self.info.block_bytes // g.dtype_bytes,
                              offset=self.slot_offset(slot))
         return t.view(g.block_shape)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise TractError("torch is not installed", "pip install torch (or use slot_array)") from None
+    return torch
 
 
 def _check_expected(path: str, info: RegionInfo, expect: ModelProfile | Geometry) -> None:
