@@ -11,7 +11,7 @@ import sys
 import typer
 
 from tract_cli.cli import (agent_cmd, bench_cmd, check_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
-                           inspect_cmd, microbench_cmd)
+                           inspect_cmd, microbench_cmd, serve_cmd)
 
 app = typer.Typer(
     name="tract",
@@ -30,6 +30,9 @@ app.command("doctor")(doctor_cmd.doctor)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("check")(check_cmd.check)
 app.command("bench")(bench_cmd.bench)
+app.command("serve-prefill")(serve_cmd.serve_prefill)
+app.command("serve-decode")(serve_cmd.serve_decode)
+app.command("generate")(serve_cmd.generate)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 

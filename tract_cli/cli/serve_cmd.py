@@ -1,0 +1,125 @@
+"""`tract serve-prefill`, `tract serve-decode` and `tract generate`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import List, Optional
+
+import typer
+
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.provision.topology import pin
+
+_POOL = typer.Option(..., "--pool", "-p", help="Region file or /dev/daxX.Y (formatted for the model).")
+_NODE = typer.Option(..., "--node", "-n", help="This worker's node id.")
+_HOST = typer.Option("127.0.0.1", "--host", help="Address to listen on.")
+_MODEL_DIR = typer.Option(None, "--model", help="Local Hugging Face Llama checkpoint directory "
+                                                "(default: seeded random weights).")
+_PROFILE = typer.Option("tiny-llama", "--model-profile",
+                        help="Model profile of the random-weight engine.")
+_SEED = typer.Option(0, "--weights-seed", help="Seed of the random weights (same on every worker).")
+_SIM = typer.Option(False, "--simulate", help="Run metadata through the non-coherence simulator.")
+_FLUSH = typer.Option(None, "--flush-mode", help="Override the region header's flush mode.")
+_NUMA = typer.Option(None, "--numa-node", help="Pin to this NUMA node's CPUs.")
+_CPUS = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3,8).")
+_THREADS = typer.Option(None, "--threads", help="torch compute threads (default: torch's).")
+_AGENT = typer.Option(True, "--agent/--no-agent",
+                      help="Start this node's agent if none runs (it outlives the worker).")
+
+
+def _engine(model_dir, profile, seed, threads):
+    from tract_cli.serve.engine import Engine
+    if threads is not None:
+        if threads < 1:
+            raise UsageError("--threads must be at least 1", "pass a positive count")
+        import torch
+        torch.set_num_threads(threads)
+    return Engine.load(model_dir, profile, seed)
+
+
+def _serve(worker, host: str, port: int, name: str) -> None:
+    from tract_cli.serve.httpd import JsonServer
+    if not 0 <= port <= 65535:
+        worker.close()
+        raise UsageError(f"port {port} is out of range", "use 1..65535 (0 picks a free one)")
+    try:
+        server = JsonServer((host, port), worker.routes(), name)
+    except OSError as exc:
+        worker.close()
+        raise TractError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                         "pick another --port or stop what uses it") from None
+    addr = f"http://{server.server_address[0]}:{server.server_address[1]}"
+    print(f"tract {name}: node {worker.node} pid {os.getpid()} model {worker.engine.profile.name} "
+          f"pool {worker.pool.path}: listening on {addr}", file=sys.stderr, flush=True)
+    server.serve_until_signal(worker.close)
+
+
+def serve_prefill(
+    pool: str = _POOL, node: int = _NODE, host: str = _HOST,
+    port: int = typer.Option(8100, "--port", help="Port to listen on (0: any free port)."),
+    model_dir: Optional[str] = _MODEL_DIR, profile: str = _PROFILE, seed: int = _SEED,
+    ttl: float = typer.Option(30.0, "--handoff-ttl", help="Seconds a handoff stays pinned "
+                                                          "without an acknowledgement."),
+    simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
+    cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
+) -> None:
+    """Prefill worker: computes prompts, writes KV to the pool, returns handoffs."""
+    from tract_cli.serve.prefill import PrefillWorker
+    if ttl <= 0:
+        raise UsageError("--handoff-ttl must be positive", "pass seconds, e.g. 30")
+    pin(numa_node, cpus)
+    engine = _engine(model_dir, profile, seed, threads)
+    worker = PrefillWorker(pool, node, engine, simulate=simulate, flush_mode=flush_mode,
+                           start_agent=agent, handoff_ttl_s=ttl)
+    _serve(worker, host, port, "serve-prefill")
+
+
+def serve_decode(
+    pool: str = _POOL, node: int = _NODE, host: str = _HOST,
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    prefill: List[str] = typer.Option(..., "--prefill", help="Prefill worker URL (repeatable)."),
+    kv_mode: str = typer.Option("copy", "--kv-mode", help="copy (private KV, as a GPU) or "
+                                                          "zero-copy (attend over pool slots)."),
+    model_dir: Optional[str] = _MODEL_DIR, profile: str = _PROFILE, seed: int = _SEED,
+    simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
+    cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
+) -> None:
+    """Decode worker and front door: OpenAI /v1/completions, /health, /metrics."""
+    from tract_cli.serve.decode import DecodeWorker
+    for url in prefill:
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"--prefill {url!r} is not an http:// URL",
+                             "pass the prefill worker's address, e.g. http://127.0.0.1:8100")
+    pin(numa_node, cpus)
+    engine = _engine(model_dir, profile, seed, threads)
+    worker = DecodeWorker(pool, node, engine, prefill, kv_mode=kv_mode, simulate=simulate,
+                          flush_mode=flush_mode, start_agent=agent)
+    _serve(worker, host, port, "serve-decode")
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text (or token ids with --token-ids)."),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    sample_seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    token_ids: bool = typer.Option(False, "--token-ids", help="PROMPT is comma-separated token ids."),
+    model_dir: Optional[str] = _MODEL_DIR, profile: str = _PROFILE, seed: int = _SEED,
+    threads: Optional[int] = _THREADS,
+) -> None:
+    """The single-process reference: the same engine, no pool (prints JSON)."""
+    from tract_cli.serve.engine import Sampling
+    engine = _engine(model_dir, profile, seed, threads)
+    if token_ids:
+        try:
+            tokens = [int(t) for t in prompt.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError("--token-ids wants comma-separated integers", "e.g. 256,72,105") from None
+    else:
+        tokens = engine.tokenizer.encode(prompt)
+    if max_tokens < 1:
+        raise UsageError("--max-tokens must be at least 1", "pass a positive count")
+    engine.check_prompt(tokens, max_tokens)
+    out = engine.generate(tokens, Sampling(max_tokens, temperature, sample_seed))
+    print(json.dumps({"prompt_tokens": len(tokens), "token_ids": out,
+                      "text": engine.tokenizer.decode(out)}))

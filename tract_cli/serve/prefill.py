@@ -1,0 +1,213 @@
+"""`tract serve-prefill`: prompt in, KV into the pool, handoff metadata out.
+
+For each request: hash the prompt's full blocks, pin the longest cached
+prefix, load it (copy mode) or attend over it in place (zero copy), compute
+the rest one block at a time, publish the new full blocks, create the
+handoff record (with the partial tail block), sample the first token and
+answer with the ticket.  KV bytes never leave through HTTP.
+
+At least the prompt's last token is always computed (its logits give the
+first token), so a full hit reuses all blocks but the last one.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import TractError
+from tract_cli.core.handoff import HandoffError
+from tract_cli.core.hashing import block_hashes
+from tract_cli.core.index import PutResult
+from tract_cli.serve.engine import Sampling
+from tract_cli.serve.httpd import ApiError
+from tract_cli.serve.kvcache import POOL, PRIVATE
+from tract_cli.serve.worker import PoolWorker
+
+MODES = ("copy", "zero-copy")
+CLAIMED = 4                     # index.reserve status: slot claimed for this writer
+PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor (any dtype)."""
+    return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+
+
+def field(body: dict, name: str, kind, default=None, required: bool = False):
+    """One validated field of a JSON request (bool is not an int here)."""
+    if name not in body or body[name] is None:
+        if required:
+            raise ApiError(400, f"missing field {name!r}", param=name)
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"field {name!r} must be {names}, got {type(value).__name__}",
+                       param=name)
+    return value
+
+
+class PrefillWorker(PoolWorker):
+    role = "prefill"
+
+    def __init__(self, *args, handoff_ttl_s: float = 30.0, **kw):
+        super().__init__(*args, **kw)
+        self.ttl = handoff_ttl_s
+        m = self.metrics
+        for name, text in (("prefill_requests_total", "Prefill requests served"),
+                           ("prefill_failures_total", "Prefill requests that failed"),
+                           ("prompt_tokens_total", "Prompt tokens received"),
+                           ("prefix_hit_tokens_total", "Prompt tokens whose KV came from the pool"),
+                           ("computed_tokens_total", "Prompt tokens computed"),
+                           ("handoffs_published_total", "Handoff records published")):
+            m.counter(name, text)
+        for name, text in (("prefill_seconds", "Prefill time per request (hash to handoff)"),
+                           ("kv_load_seconds", "Loading cached prefix KV from the pool"),
+                           ("kv_write_seconds", "Writing new KV blocks to the pool"),
+                           ("handoff_publish_seconds", "Publishing the handoff record")):
+            m.histogram(name, text)
+
+    def routes(self) -> dict:
+        return {("POST", "/prefill"): self.handle, ("GET", "/health"): self.health,
+                ("GET", "/metrics"): self.metrics_text}
+
+    def handle(self, body: dict) -> dict:
+        tokens = field(body, "tokens", list, required=True)
+        mode = field(body, "mode", str, "copy")
+        if mode not in MODES:
+            raise ApiError(400, f"mode must be one of {', '.join(MODES)}", param="mode")
+        rid = field(body, "request_id", str) or uuid.uuid4().hex
+        sampling = Sampling(max_tokens=field(body, "max_tokens", int, 1),
+                            temperature=float(field(body, "temperature", (int, float), 0.0)),
+                            seed=field(body, "seed", int, 0))
+        try:
+            self.engine.check_prompt(tokens, sampling.max_tokens, self.max_context)
+        except TractError as exc:
+            raise ApiError(400, exc.problem, param="tokens") from None
+        try:
+            out = self.prefill(rid, tokens, mode, sampling)
+        except ApiError:
+            self.metrics.inc("prefill_failures_total")
+            raise
+        except PoolFull as exc:
+            self.metrics.inc("prefill_failures_total")
+            raise ApiError(503, f"the KV pool is full: {exc}", "pool_full") from None
+        except HandoffError as exc:
+            self.metrics.inc("prefill_failures_total")
+            raise ApiError(503, str(exc), "handoff_error") from None
+        except TractError as exc:
+            self.metrics.inc("prefill_failures_total")
+            raise ApiError(500, str(exc), "pool_error") from None
+        return out
+
+    def prefill(self, rid: str, tokens: list[int], mode: str, sampling: Sampling) -> dict:
+        eng, pool, m = self.engine, self.pool, self.metrics
+        bt = eng.block_tokens
+        t0 = time.perf_counter()
+        t = {}
+        arr = np.asarray(tokens, dtype=np.int32)
+        keys = block_hashes(arr, pool.info.hash_scheme, bt, root=self.root)
+        full = len(keys)
+        reusable = (len(tokens) - 1) // bt            # the last token is always computed
+        t["hash"] = time.perf_counter() - t0
+        table = eng.new_table(len(tokens), self.slots if mode == "zero-copy" else None)
+        private = table.stores[PRIVATE]
+        hit = None
+        status = slots = None
+        h = 0
+        try:
+            c = time.perf_counter()
+            with self.pool_lock:
+                hit = pool.index.lookup(keys[:reusable])
+                h = hit.hits
+                if mode == "copy":
+                    pool.index.read(hit, private[:h])
+                    pool.index.unpin(hit)
+                    hit = None
+                else:
+                    pool.invalidate_slots(hit.slots)
+                    status, slots = pool.index.reserve(keys[h:])
+            t["lookup_load"] = time.perf_counter() - c
+            m.observe("kv_load_seconds", t["lookup_load"])
+            # the block table: hits, the new full blocks, the tail
+            if mode == "copy":
+                table.extend(PRIVATE, range(-(-len(tokens) // bt)))
+            else:
+                table.extend(POOL, hit.slots)
+                for i in range(full - h):
+                    table.append(POOL, slots[i]) if status[i] == CLAIMED \
+                        else table.append(PRIVATE, h + i)
+                if len(tokens) % bt:
+                    table.append(PRIVATE, full)
+            c = time.perf_counter()
+            logits = eng.prefill(tokens, table, h)
+            t["compute"] = time.perf_counter() - c
+            c = time.perf_counter()
+            with self.pool_lock:
+                if mode == "copy":
+                    res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1)) \
+                        if full > h else PutResult(np.zeros(0, np.uint8))
+                else:
+                    res = pool.index.commit(keys[h:], status, slots)
+                    status = None
+            if res.count("no_room"):
+                raise PoolFull("no room for the new blocks", "free or enlarge the pool")
+            t["kv_write"] = time.perf_counter() - c
+            m.observe("kv_write_seconds", t["kv_write"])
+            tail_tokens = len(tokens) - full * bt
+            tail = as_bytes(private[table.ids[full]]) if tail_tokens else None
+            c = time.perf_counter()
+            ticket = self._publish(rid, keys, len(tokens), tail, tail_tokens,
+                                   res.count("already_pending"))
+            t["handoff_publish"] = time.perf_counter() - c
+            m.observe("handoff_publish_seconds", t["handoff_publish"])
+        finally:
+            with self.pool_lock:
+                if status is not None:           # reserved but never committed: abandon
+                    pool.index.commit(keys[h:], status, slots, publish=False)
+                if hit is not None:
+                    pool.index.unpin(hit)
+            table.release()
+        first = eng.sample(logits, sampling, 0)
+        t["total"] = time.perf_counter() - t0
+        for name, value in (("prefill_requests_total", 1), ("prompt_tokens_total", len(tokens)),
+                            ("prefix_hit_tokens_total", h * bt),
+                            ("computed_tokens_total", len(tokens) - h * bt),
+                            ("handoffs_published_total", 1)):
+            m.inc(name, value)
+        m.observe("prefill_seconds", t["total"])
+        return {"request_id": rid, "ticket": ticket.to_dict(), "first_token": first,
+                "prompt_tokens": len(tokens), "hit_blocks": h, "computed_tokens": len(tokens) - h * bt,
+                "mode": mode, "timings": t,
+                "_log": f"rid={rid[:12]} {len(tokens)} tok, {h} hit blocks, {mode}, "
+                        f"{1e3 * t['total']:.1f} ms"}
+
+    def _publish(self, rid, keys, token_count, tail, tail_tokens, pending: int):
+        """Publishes the handoff; blocks another worker is still writing (PENDING)
+        are waited for, bounded."""
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while True:
+            try:
+                with self.pool_lock:
+                    return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
+                                                      tail_tokens=tail_tokens, ttl=self.ttl)
+            except HandoffError as exc:
+                if "not every block" not in str(exc) or time.monotonic() > deadline:
+                    if pending:
+                        raise HandoffError(f"{pending} blocks of this prompt were still being "
+                                           f"written by another worker after {PENDING_WAIT_S:.0f} s",
+                                           "retry the request") from None
+                    raise HandoffError("a block of this prompt was evicted before its handoff "
+                                       "was published", "retry the request, or enlarge the pool") \
+                        from None
+                if not pending:
+                    raise HandoffError("a block of this prompt was evicted before its handoff "
+                                       "was published", "retry the request, or enlarge the pool") \
+                        from None
+            time.sleep(0.005)    # another process's write finishing: poll, bounded by deadline
+

@@ -1,0 +1,109 @@
+"""What prefill and decode workers share: the attached pool, the node agent,
+the pool lock, the common metrics.
+
+A worker is one process on one (emulated) node.  Its HTTP threads share one
+attached `Pool`; calls into the pool are serialized by `pool_lock` (the C
+core's two-tier lock orders processes and nodes; within a process one
+caller at a time keeps the simulator's per-process cache and the node's
+claimed-slot batch single-threaded).  Compute runs outside that lock.
+"""
+from __future__ import annotations
+
+import threading
+
+from tract_cli.core.agent import ensure_agent, read_nodes
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.hashing import pool_root
+from tract_cli.core.pool import Pool
+from tract_cli.serve.engine import Engine
+from tract_cli.serve.metrics import Metrics
+
+# a handoff's key list holds 32 bytes per block in one slot (FORMAT.md)
+HANDOFF_ENTRY_BYTES = 32
+
+
+class PoolWorker:
+    role = "worker"
+
+    def __init__(self, pool_path: str, node: int, engine: Engine, *, simulate: bool = False,
+                 flush_mode: str | None = None, start_agent: bool = True,
+                 salt: str | None = None):
+        self.engine = engine
+        self.node = node
+        self.agent_proc = None
+        if start_agent:
+            self.agent_proc = start_node_agent(pool_path, node, simulate=simulate,
+                                               flush_mode=flush_mode)
+        self.pool = Pool.attach(pool_path, node=node, simulate=simulate, flush_mode=flush_mode,
+                                expect=engine.profile.geometry)
+        if self.pool.info.model_name != engine.profile.name:
+            name = self.pool.info.model_name
+            self.pool.close()
+            raise UsageError(f"{pool_path} was formatted for model {name}, this worker runs "
+                             f"{engine.profile.name}",
+                             f"format it with `tract init {pool_path} --model {engine.profile.name}`")
+        self.pool_lock = threading.Lock()
+        self.root = pool_root(self.pool.info, salt)
+        self.slots = self.pool.slots_tensor()
+        info = self.pool.info
+        self.max_context = min(engine.cfg.max_positions,
+                               info.block_bytes // HANDOFF_ENTRY_BYTES * info.geometry.block_tokens)
+        self.metrics = Metrics()
+        m = self.metrics
+        m.gauge("pool_slots_used", "Slots of the pool in use (all nodes)", self._slots_used)
+        m.gauge("pool_slots_total", "Slots of the pool", lambda: self.pool.slot_count)
+        m.gauge("lock_wait_seconds", "Seconds this node spent waiting for pool locks",
+                self._lock_wait)
+        m.gauge("lock_acquisitions", "Pool lock acquisitions by this node", self._lock_count)
+
+    def _slots_used(self) -> float:
+        with self.pool_lock:
+            return self.pool.slot_usage()["used"]
+
+    def _lock_totals(self):
+        with self.pool_lock:
+            stats = [self.pool.locks.stats(i) for i in range(self.pool.locks.count)]
+        return sum(a for a, _ in stats), sum(w for _, w in stats)
+
+    def _lock_wait(self) -> float:
+        return self._lock_totals()[1]
+
+    def _lock_count(self) -> float:
+        return self._lock_totals()[0]
+
+    def health(self) -> dict:
+        return {"status": "ok", "role": self.role, "node": self.node,
+                "model": self.engine.profile.name, "pool": self.pool.path,
+                "max_context": self.max_context}
+
+    def metrics_text(self):
+        return ("text/plain; version=0.0.4", self.metrics.render())
+
+    def close(self) -> None:
+        self.slots = None
+        if not self.pool.closed:
+            self.pool.close()
+
+
+def start_node_agent(pool_path: str, node: int, **attach):
+    """Starts this node's agent if none runs; it runs the lock manager when no
+    node has a live one.  The agent outlives the worker (its own session)."""
+    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
+        nodes = read_nodes(pool)
+    if not 0 <= node < len(nodes):
+        raise UsageError(f"node {node} is outside this region's nodes 0..{len(nodes) - 1}",
+                         "pick a node in range")
+    manager = not any(n.manager and n.alive() for n in nodes)
+    try:
+        return ensure_agent(pool_path, node, manager=manager, **attach)
+    except TractError as exc:
+        if not manager:
+            raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
+    # another node's worker started the manager meanwhile: be a plain agent.
+    # (Two agents starting in the same instant can both pass the check: the
+    # election is the faults issue's manager takeover; start the manager's
+    # agent first, as docs/SERVING.md says, to avoid the window.)
+    try:
+        return ensure_agent(pool_path, node, manager=False, **attach)
+    except TractError as exc:
+        raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
