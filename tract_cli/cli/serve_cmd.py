@@ -29,6 +29,10 @@ _AGENT = typer.Option(True, "--agent/--no-agent",
 
 
 def _engine(model_dir, profile, seed, threads):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("the serving engine needs torch", 'pip install "tract-cxl[serve]"') from None
     from tract_cli.serve.engine import Engine
     if threads is not None:
         if threads < 1:

@@ -35,7 +35,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise UsageError("loading a checkpoint's tokenizer needs the `tokenizers` package",
-                             'pip install "tract[serve]"') from None
+                             'pip install "tract-cxl[serve]"') from None
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:        # the Rust library raises its own exception type
