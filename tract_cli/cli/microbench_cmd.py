@@ -1,7 +1,7 @@
 """`tract microbench`: the region layer's figures (copies, attach, format)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -11,6 +11,7 @@ from tract_cli.bench import inspect as inspectbench
 from tract_cli.bench import locks as lockbench
 from tract_cli.bench import micro
 from tract_cli.cli import render
+from tract_cli.core.errors import UsageError
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
@@ -170,3 +171,40 @@ def inspect_(
         f"(median of 10)\nlookup+unpin of a 375-block chain: {r.workload_ops_s:.0f}/s alone, "
         f"{r.workload_ops_s_watched:.0f}/s while `tract inspect --watch --interval {r.interval_s:g}` runs "
         f"({100 * (r.slowdown - 1):+.1f}% time per op); emulated /dev/shm region, 2 cores")
+
+
+@app.command("serve")
+def serve(
+    input_len: List[int] = typer.Option([1500, 3000, 6000], "--input-len", help="Prompt lengths."),
+    rounds: int = typer.Option(3, "--rounds", help="Requests per length and KV mode (median)."),
+    model: str = typer.Option("tiny-llama", "--model-profile", help="Random-weight model profile."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per process."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """TTFT and handoff of serve-prefill -> pool -> serve-decode against the same engine
+    in one process (real compute of the reference engine)."""
+    from rich.progress import Progress
+
+    from tract_cli.bench import serving
+    if rounds < 1 or any(n < 1 for n in input_len):
+        raise UsageError("--rounds and --input-len must be positive", "e.g. --input-len 1500")
+    with Progress(console=render.stderr, transient=True) as prog:
+        task = prog.add_task("serving", total=len(input_len) * rounds * 3)
+        rows = serving.bench_serving(list(input_len), rounds, model, threads,
+                                     progress=lambda: prog.advance(task))
+    if json_out:
+        render.print_json(rows)
+        return
+    t = Table(title=f"TTFT, {model} (random weights, real CPU compute), max_tokens=1, median of "
+                    f"{rounds}; emulated /dev/shm region", title_justify="left")
+    for c in ("input", "1 process", "copy TTFT", "KV moved", "share", "zero-copy TTFT",
+              "KV moved", "share"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        cells = [str(r["input_len"]), format_duration(r["single_process_ttft_s"])]
+        for mode in serving.MODES:
+            m = r[mode]
+            cells += [f"{format_duration(m['ttft_s'])} ({m['ttft_s'] / r['single_process_ttft_s']:.2f}x)",
+                      format_duration(m["kv_movement_s"]), f"{100 * m['kv_share']:.1f}%"]
+        t.add_row(*cells)
+    render.stdout.print(t)

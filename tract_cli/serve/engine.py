@@ -7,14 +7,24 @@ row counts, so a prefill that skips a cached prefix and one that computes
 everything must run the same shapes for the answers to be token-for-token
 identical.  With block-aligned chunks they do, by construction.
 
+All torch compute of a process runs on one long-lived compute thread (the
+engine's "stream"): on CPUs, torch's OpenMP team belongs to the thread that
+created it, and once a second thread had run a parallel op (even a large
+torch.zeros), compute ran 2-3x slower here.  Requests of an HTTP worker
+therefore share that thread, a step at a time, and private KV buffers are
+allocated on it too.
+
 Sampling is greedy at temperature 0; otherwise each step draws from its own
 generator seeded by (seed, step), so a request's tokens do not depend on
 which process sampled which step.
 """
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +36,26 @@ from tract_cli.serve.model import LlamaModel, ModelConfig
 from tract_cli.serve.tokenizer import ByteTokenizer, load_tokenizer, read_json
 
 DEFAULT_MODEL = "tiny-llama"
+
+_compute = ThreadPoolExecutor(1, thread_name_prefix="tract-compute")
+_compute_ident: list[int] = []
+
+
+def _mark_compute_thread():
+    _compute_ident.append(threading.get_ident())
+
+
+_compute.submit(_mark_compute_thread).result()
+
+
+def on_compute_thread(fn):
+    """Runs FN on the process's compute thread (directly if already there)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        if threading.get_ident() == _compute_ident[0]:
+            return fn(*args, **kw)
+        return _compute.submit(fn, *args, **kw).result()
+    return wrapper
 
 
 @dataclass
@@ -48,6 +78,7 @@ class Engine:
                              f"{self.cfg.vocab_size}", "use the tokenizer of this checkpoint")
 
     @classmethod
+    @on_compute_thread
     def load(cls, model_dir: str | None = None, profile: str = DEFAULT_MODEL,
              seed: int = 0) -> "Engine":
         """A checkpoint from MODEL_DIR, or seeded random weights for PROFILE."""
@@ -66,6 +97,7 @@ class Engine:
 
     # ---- KV storage ----
 
+    @on_compute_thread
     def new_table(self, total_tokens: int, pool_store: torch.Tensor | None = None,
                   private: int | None = None) -> BlockTable:
         """A block table with a private buffer for PRIVATE blocks (default: enough
@@ -84,6 +116,7 @@ class Engine:
 
     # ---- compute ----
 
+    @on_compute_thread
     def prefill(self, tokens, table: BlockTable, start_block: int = 0) -> torch.Tensor:
         """Computes positions start_block*block_tokens.. of TOKENS, one block per
         pass; returns the logits of the last token."""
@@ -96,6 +129,7 @@ class Engine:
             logits = self.model.forward(ids[s:s + bt], s, table)
         return logits
 
+    @on_compute_thread
     def step(self, token: int, pos: int, table: BlockTable) -> torch.Tensor:
         return self.model.forward(torch.tensor([token]), pos, table)
 
