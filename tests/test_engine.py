@@ -111,6 +111,19 @@ def test_checkpoint_loads_and_matches_the_model_it_was_written_from(engine, tmp_
     assert json.loads(out.stdout)["prompt_tokens"] == 4
 
 
+def test_pool_formatted_from_a_checkpoint_directory_fits_its_engine(engine, tmp_path, region_path):
+    from tract_cli.serve.worker import PoolWorker
+    d = tmp_path / "my-llama"
+    d.mkdir()
+    _write_checkpoint(d, engine.model)
+    out = subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", region_path, "--size", "16M",
+                          "--model", str(d), "-q"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    w = PoolWorker(region_path, 1, Engine.load(str(d)), start_agent=False)
+    assert w.pool.info.model_name == "my-llama"
+    w.close()
+
+
 def test_bf16_checkpoint_and_tied_embeddings(engine, tmp_path):
     _write_checkpoint(tmp_path, engine.model, "BF16", tie=True)
     loaded = LlamaModel.from_checkpoint(tmp_path)

@@ -137,9 +137,31 @@ def _parse_model(path: pathlib.Path) -> ModelProfile:
                         arch=arch)
 
 
+def checkpoint_profile(model_dir: pathlib.Path) -> ModelProfile:
+    """The KV geometry of a Hugging Face checkpoint directory (its config.json);
+    named after the directory, so a region formatted from it matches the
+    serving engine that loads it."""
+    import json
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        geometry = Geometry(num_layers=int(cfg["num_hidden_layers"]),
+                            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+                            dtype=cfg.get("torch_dtype", "bf16"), block_tokens=16)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"cannot read the KV geometry of {model_dir}/config.json ({exc})",
+                         "pass a Hugging Face checkpoint directory with a complete config.json") \
+            from None
+    return ModelProfile(name=model_dir.resolve().name[:31] or "checkpoint", geometry=geometry)
+
+
 def load_model(name_or_path: str) -> ModelProfile:
-    """Loads a shipped model profile by name or alias, or a TOML file by path."""
+    """Loads a shipped model profile by name or alias, a TOML file by path, or the
+    KV geometry of a Hugging Face checkpoint directory."""
     path = pathlib.Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return checkpoint_profile(path)
     if name_or_path.endswith(".toml") or path.is_file():
         if not path.is_file():
             raise UsageError(f"model profile {name_or_path} does not exist",

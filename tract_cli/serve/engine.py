@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tract_cli.core.errors import UsageError
-from tract_cli.core.geometry import ModelProfile, load_model
+from tract_cli.core.geometry import ModelProfile, checkpoint_profile, load_model
 from tract_cli.serve.kvcache import POOL, PRIVATE, BlockTable, private_blocks
 from tract_cli.serve.model import LlamaModel, ModelConfig
 from tract_cli.serve.tokenizer import ByteTokenizer, load_tokenizer, read_json
@@ -86,7 +86,7 @@ class Engine:
             path = pathlib.Path(model_dir)
             model = LlamaModel.from_checkpoint(path)
             tokenizer = load_tokenizer(path, read_json(path / "config.json"))
-            prof = ModelProfile(name=model.cfg.name, geometry=model.cfg.geometry)
+            prof = checkpoint_profile(path)
             return cls(model, tokenizer, prof)
         prof = load_model(profile)
         model = LlamaModel.random(ModelConfig.from_profile(prof), seed)
