@@ -101,7 +101,13 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto out;
 	}
 	/* 2. the key list and the tail, in slots of their own */
-	if ((rc = tract_alloc(r, nextra, extra, timeout_ns)) < 0)
+	if ((rc = tract_alloc(r, nextra, extra, timeout_ns)) == TRACT_E_FULL) {
+		/* a pool full of cached blocks: make room as a put would (no lock is held) */
+		uint32_t evicted = 0;
+		if (tract_index_evict(r, nextra, &evicted, timeout_ns) == TRACT_OK && evicted)
+			rc = tract_alloc(r, nextra, extra, timeout_ns);
+	}
+	if (rc < 0)
 		goto unpin;
 	for (uint32_t i = 0; i < n; i++) {
 		memcpy(list[i].key, keys + (uint64_t)i * 16, 16);
@@ -117,7 +123,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if ((rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
-	rc = TRACT_E_FULL;
+	rc = TRACT_E_TABLE_FULL;
 	for (uint32_t i = 0; i < sec->count; i++) {
 		struct tract_transfer_record t;
 		observe_record(r, i, &t);

@@ -529,8 +529,11 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 	return tract_index_unpin_node(r, keys, n, r ? r->node_id : 0, timeout_ns);
 }
 
-/* evicts up to want unpinned READY entries, LRU first, from stripes taken
- * round-robin from *cursor; their slots are freed (internal) */
+/* evicts up to want unpinned READY entries, LRU first, spread over the
+ * stripes: each round takes at most ceil(want / stripes) from each stripe,
+ * starting at *cursor, until want are taken or a round finds nothing.
+ * (Taking all of them from one stripe drained sparse stripes while others
+ * filled every bucket of theirs.)  Their slots are freed (internal) */
 static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
 		 uint64_t timeout_ns)
 {
@@ -540,25 +543,30 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 	uint32_t got = 0, stripes = r->hdr.index_stripes;
 	int rc = TRACT_OK;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	for (uint32_t t = 0; t < stripes && got < want; t++) {
-		uint32_t s = (*cursor + t) % stripes;
-		struct stripe_ctx c;
-		if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
-			break;
-		uint32_t cur = c.lru.tail;
-		while (cur && got < want) {
-			uint64_t b = cur - 1;
-			struct tract_bucket bk;
-			load_bucket(&c, b, &bk);
-			cur = bk.lru_prev;
-			if (bk.state != TRACT_BUCKET_READY || bk.pins)
-				continue;     /* pinned blocks are never evicted */
-			lru_unlink(&c, b, &bk);
-			slots[got++] = bk.slot - 1;
-			c.lru.evictions++;
-			bury(&c, b);
+	uint32_t per = (want + stripes - 1) / stripes;
+	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
+		before = got;
+		for (uint32_t t = 0; t < stripes && got < want; t++) {
+			uint32_t s = (*cursor + t) % stripes;
+			struct stripe_ctx c;
+			if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+				break;
+			uint32_t cur = c.lru.tail, here = 0;
+			while (cur && got < want && here < per) {
+				uint64_t b = cur - 1;
+				struct tract_bucket bk;
+				load_bucket(&c, b, &bk);
+				cur = bk.lru_prev;
+				if (bk.state != TRACT_BUCKET_READY || bk.pins)
+					continue;     /* pinned blocks are never evicted */
+				lru_unlink(&c, b, &bk);
+				slots[got++] = bk.slot - 1;
+				here++;
+				c.lru.evictions++;
+				bury(&c, b);
+			}
+			stripe_leave(&c);
 		}
-		stripe_leave(&c);
 	}
 	*cursor = (*cursor + 1) % stripes;
 	if (got)
@@ -573,11 +581,37 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 enum { PUT_STORED = 0, PUT_WAS_READY = 1, PUT_WAS_PENDING = 2, PUT_NO_ROOM = 3, PUT_CLAIMED = 4 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
+/* evicts the least recent unpinned READY entry of the entered stripe to free a
+ * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
+static int evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed)
+{
+	for (uint32_t cur = c->lru.tail; cur;) {
+		uint64_t b = cur - 1;
+		struct tract_bucket bk;
+		load_bucket(c, b, &bk);
+		cur = bk.lru_prev;
+		if (bk.state != TRACT_BUCKET_READY || bk.pins)
+			continue;
+		lru_unlink(c, b, &bk);
+		freed[(*nfreed)++] = bk.slot - 1;
+		c->lru.evictions++;
+		bury(c, b);
+		return 1;
+	}
+	return 0;
+}
+
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
-		     uint8_t *status, uint64_t timeout_ns)
+		     uint8_t *status, int pin_ready, uint64_t timeout_ns)
 {
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	uint32_t *freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
+	if (!freed) {
+		free(set);
+		return TRACT_E_NOMEM;
+	}
 	for (uint32_t i = 0; i < n;) {
+		uint32_t nfreed = 0;
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
@@ -585,6 +619,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		int rc = stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc < 0) {
 			free(set);
+			free(freed);
 			return rc;
 		}
 		for (uint32_t k = i; k < j; k++) {
@@ -593,8 +628,20 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			uint64_t b, fb;
 			struct tract_bucket bk;
 			probe(&c, key, &b, &fb, &bk);
+			/* every bucket of the stripe holds a block: evict this stripe's
+			 * least recent unpinned one to make room for the key */
+			if (b == UINT64_MAX && fb == UINT64_MAX && evict_in_stripe(&c, freed, &nfreed))
+				probe(&c, key, &b, &fb, &bk);
 			if (b != UINT64_MAX) {
 				status[idx] = bk.state == TRACT_BUCKET_READY ? PUT_WAS_READY : PUT_WAS_PENDING;
+				/* a pinning put pins what is already there too: the caller's
+				 * handoff needs every block, its own and the others' */
+				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
+					if (pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK)
+						store_bucket(&c, b, &bk);
+					else
+						status[idx] = PUT_WAS_PENDING;   /* pin count saturated */
+				}
 				continue;
 			}
 			if (fb == UINT64_MAX) {
@@ -611,9 +658,12 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			status[idx] = PUT_CLAIMED;
 		}
 		stripe_leave(&c);
+		if (nfreed)          /* the allocator lock, with no stripe lock held */
+			tract_free(r, freed, nfreed, timeout_ns);
 		i = j;
 	}
 	free(set);
+	free(freed);
 	return TRACT_OK;
 }
 
@@ -664,6 +714,10 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			}
 			bk.last_access_ns = tract_now_ns();
 			lru_push_head(&c, b, &bk);
+			/* publish pinned (2): READY and pinned by this node in one store,
+			 * so the block cannot be evicted before the caller's handoff pins it */
+			if (publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) < 0)
+				rc = TRACT_E_CORRUPT;
 			store_bucket(&c, b, &bk);
 			c.lru.inserts++;
 			status[idx] = PUT_STORED;
@@ -702,11 +756,26 @@ uint32_t tract_crc32c(const void *buf, uint64_t len)
 	return tract_crc_bitwise(0x82F63B78u, buf, len);   /* no SSE4.2: slow but right */
 }
 
+/* unpins the keys a pinning put found READY (status 1) (internal) */
+static void unpin_ready(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
+			uint64_t timeout_ns)
+{
+	uint8_t *ready = malloc((size_t)n * 16 + 16);
+	uint32_t k = 0;
+	for (uint32_t i = 0; ready && i < n; i++)
+		if (status[i] == PUT_WAS_READY)
+			memcpy(ready + (uint64_t)16 * k++, keys + (uint64_t)16 * i, 16);
+	if (ready && k)
+		tract_index_unpin(r, ready, k, timeout_ns);
+	free(ready);
+}
+
 /* Claims PENDING buckets for absent keys and allocates their slots (evicting
  * when full); status[i] = 4 (claimed, slots[i] valid) or a skip reason. */
 int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
-			  uint32_t *slots, uint64_t timeout_ns)
+			  uint32_t *slots, int flags, uint64_t timeout_ns)
 {
+	int pin_ready = flags & TRACT_PUT_PIN;
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
@@ -721,7 +790,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	}
 	memset(status, 0, n);
 	memset(slots, 0, (size_t)n * sizeof(uint32_t));
-	if ((rc = claim_all(r, keys, n, refs, status, timeout_ns)) < 0)
+	if ((rc = claim_all(r, keys, n, refs, status, pin_ready, timeout_ns)) < 0)
 		goto abandon;
 	uint32_t want = 0;
 	for (uint32_t i = 0; i < n; i++)
@@ -760,13 +829,16 @@ abandon:
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
 			status[i] = PUT_NO_ROOM;
+	if (pin_ready)            /* give back the pins claim_all took on READY keys */
+		unpin_ready(r, keys, n, status, timeout_ns);
 	free(refs);
 	free(mine);
 	return rc;
 }
 
-/* Publishes (publish=1: READY) or abandons (0: claims dropped, slots freed)
- * the keys tract_index_put_begin claimed; status turns 4 -> 0 (stored). */
+/* Publishes (publish=1: READY; 2: READY and pinned by this node) or abandons
+ * (0: claims dropped, slots freed) the keys tract_index_put_begin claimed;
+ * status turns 4 -> 0 (stored). */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
 			   int publish, uint64_t timeout_ns)
@@ -805,7 +877,8 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 				tract_flush_lines(r->flush_mode, r->base + data->offset +
 						  (uint64_t)slots[i] * r->hdr.slot_stride, len);
 		__sync_synchronize();
-		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 1, timeout_ns);
+		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
+				publish == 2 ? 2 : 1, timeout_ns);
 	}
 	free(freed);
 	free(refs);
@@ -816,13 +889,14 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
  * Puts blocks: claims PENDING for absent keys, allocates slots (evicting LRU
  * unpinned entries when the pool is full), copies each block i from
  * src + i * src_stride with non-temporal stores, optionally checksums it,
- * then publishes READY.  status[i]: 0 stored, 1 already READY, 2 already
- * PENDING (another writer), 3 no room.
+ * then publishes READY (pinned by this node with TRACT_PUT_PIN).  status[i]:
+ * 0 stored, 1 already READY, 2 already PENDING (another writer), 3 no room.
  */
 int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
-		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
+		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
 		    uint8_t *status, uint64_t timeout_ns)
 {
+	int checksum = flags & TRACT_PUT_CHECKSUM;
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
@@ -835,7 +909,8 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 		free(sums);
 		return TRACT_E_NOMEM;
 	}
-	rc = tract_index_put_begin(r, keys, n, status, slots, timeout_ns);
+	rc = tract_index_put_begin(r, keys, n, status, slots, flags & TRACT_PUT_PIN, timeout_ns);
+	int begun = rc == TRACT_OK;
 	for (uint32_t i = 0; rc == TRACT_OK && i < n; i++) {
 		if (status[i] != PUT_CLAIMED)
 			continue;
@@ -846,10 +921,14 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 		if (sums)
 			sums[i] = tract_crc32c(blk, block_len);
 	}
-	if (rc == TRACT_OK)
-		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums, 1, timeout_ns);
-	else
+	if (rc == TRACT_OK) {
+		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums,
+					    (flags & TRACT_PUT_PIN) ? 2 : 1, timeout_ns);
+	} else if (begun) {
 		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, 0, timeout_ns);
+		if (flags & TRACT_PUT_PIN)
+			unpin_ready(r, keys, n, status, timeout_ns);
+	}
 	free(slots);
 	free(sums);
 	return rc;

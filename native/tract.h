@@ -39,6 +39,7 @@ enum {
 	TRACT_E_FULL = -16,          /* no free slot / directory entry left */
 	TRACT_E_NOT_FOUND = -17,     /* no such named object */
 	TRACT_E_CORRUPT = -18,       /* region metadata fails a consistency check */
+	TRACT_E_TABLE_FULL = -19,    /* the transfer table has no free record */
 	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 
@@ -382,14 +383,21 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 
 /* Puts blocks (claim, allocate with eviction, NT copy, publish); status per key. */
 int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
-		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int checksum,
+		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
 		    uint8_t *status, uint64_t timeout_ns);
 
-/* Claims PENDING buckets for absent keys and allocates their slots (status 4 = claimed). */
-int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
-			  uint32_t *slots, uint64_t timeout_ns);
+/* flags of tract_index_put and tract_index_put_begin */
+enum {
+	TRACT_PUT_CHECKSUM = 1,      /* record each block's CRC-32C */
+	TRACT_PUT_PIN = 2,           /* pin, for this node, the stored blocks and those already READY */
+};
 
-/* Publishes (1) or abandons (0) what tract_index_put_begin claimed. */
+/* Claims PENDING buckets for absent keys and allocates their slots (status 4 =
+ * claimed); with TRACT_PUT_PIN, keys already READY (status 1) are pinned by this node. */
+int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
+			  uint32_t *slots, int flags, uint64_t timeout_ns);
+
+/* Publishes (1; 2: pinned by this node) or abandons (0) what tract_index_put_begin claimed. */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
 			   int publish, uint64_t timeout_ns);

@@ -8,6 +8,11 @@ import pytest
 
 SHM = "/dev/shm"
 
+# the peer environments .ci/setup installs (tract bench's NIXL transport)
+_PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".peers")
+if os.path.isdir(_PEERS):
+    os.environ.setdefault("TRACT_PEERS_DIR", _PEERS)
+
 
 from tract_cli.core.region import remove_region  # noqa: E402  (re-exported for tests)
 

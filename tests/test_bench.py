@@ -3,10 +3,21 @@ request's KV is verified on the decode side, the JSON holds every record."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
+
+from tract_cli.bench import peers
 from tract_cli.bench.workloads import static
+
+TRACE = "tests/data/mooncake_trace_slice.jsonl"
+
+
+def tract(*args, timeout=900, env=None):
+    return subprocess.run([sys.executable, "-m", "tract_cli.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 def test_static_workload_is_seeded_and_shares_its_prefix():
@@ -36,3 +47,80 @@ def test_bench_rejects_an_unknown_transport():
     res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "bench", "--transport", "rdma"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown transport" in res.stderr
+
+
+def test_trace_replay_hit_rate_equals_the_offline_simulation(tmp_path):
+    """The trace's prefix structure replayed through one prefill worker (requests
+    in arrival order, one at a time) on a region that holds the whole workload:
+    the pool's hit rate is exactly the offline simulation's."""
+    out = tmp_path / "bench.json"
+    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "40",
+                "--speedup", "100", "--decode-workers", "2", "--transport", "tract-copy",
+                "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    s = data["summaries"][0]
+    assert s["verified"] and s["requests"] == 40
+    assert data["sim_hit_rate"] > 0
+    assert s["hit_rate_blocks"] == pytest.approx(data["sim_hit_rate"])
+    assert "trace" in data["workload"] and "offline LRU simulation" in res.stdout
+
+
+def test_several_workers_under_eviction_pressure(tmp_path):
+    """2 prefill and 2 decode workers on a region far smaller than the trace's
+    blocks: requests overlap, blocks are evicted, every KV is still verified,
+    and the offline simulation is reported next to the measured hit rate."""
+    out = tmp_path / "bench.json"
+    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "60",
+                "--speedup", "100", "--prefill-workers", "2", "--decode-workers", "2",
+                "--pool-size", "16M", "--transport", "tract-copy", "--transport", "tract-zero-copy",
+                "--transport", "tcp", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    by = {s["transport"]: s for s in data["summaries"]}
+    assert all(s["verified"] and s["requests"] == 60 for s in by.values())
+    assert data["unique_blocks"] > data["pool_slots"]               # eviction had to happen
+    recs = data["records"]["tract-copy"]
+    assert len({r["prefill"] for r in recs}) == 2                  # both prefill workers served
+    for r in recs:
+        assert r["ttft"] > 0 and r["e2e"] >= r["ttft"] and r["t"]["queue"] >= 0
+
+
+def test_synthetic_preset_runs_and_plots(tmp_path):
+    png = tmp_path / "bench.png"
+    res = tract("bench", "--model", "tiny-llama", "--workload", "synthetic-c", "--requests", "12",
+                "--isl-mean", "600", "--osl-mean", "8", "--qps", "40", "--transport",
+                "tract-zero-copy", "--plot", str(png))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "synthetic-c" in res.stdout
+
+
+def test_requests_larger_than_a_handoff_are_refused_up_front():
+    res = tract("bench", "--model", "tiny", "--trace", TRACE)
+    assert res.returncode == 2
+    assert "holds at most 4096 tokens" in res.stderr and "--max-input-len" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_the_fix(tmp_path):
+    env = {**os.environ, "TRACT_PEERS_DIR": str(tmp_path)}
+    res = tract("bench", "--model", "tiny", "--input-len", "64", "--requests", "2",
+                "--transport", "tract-copy", "--transport", "nixl", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "skipped nixl" in res.stdout and "--install-peers" in res.stdout
+
+
+@pytest.mark.skipif(peers.unavailable("nixl") is not None,
+                    reason=f"the NIXL peer is not installed ({peers.unavailable('nixl')})")
+def test_nixl_peers_move_and_verify_the_same_kv(tmp_path):
+    out = tmp_path / "bench.json"
+    res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
+                "--transport", "nixl", "--transport", "nixl-tcp", "--transport", "tract-copy",
+                "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    by = {s["transport"]: s for s in data["summaries"]}
+    assert set(by) == {"nixl", "nixl-tcp", "tract-copy"}
+    assert all(s["verified"] and s["requests"] == 3 for s in by.values())
+    assert all(r["t"]["kv_read"] > 0 for r in data["records"]["nixl-tcp"])

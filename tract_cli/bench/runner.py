@@ -1,28 +1,43 @@
-"""`tract bench`: requests through prefill and decode worker processes on two
-emulated nodes, the KV moved by a transport under test, timed per stage.
+"""`tract bench`: requests through prefill and decode worker processes on
+emulated nodes, issued at their arrival times, the KV moved by a transport
+under test, timed per stage.
 
 Transports: `tract-copy` (private -> pool -> private, as a GPU does by DMA),
 `tract-zero-copy` (prefill computes into pool slots, decode reads them in
-place: the handoff moves metadata only), `tcp` (the KV over a loopback
-socket: the network path stand-in).  Compute is modelled from a device
-profile (prefill tokens/s, decode s/token) and added to the measured stages;
-reports say so.  Every request's KV is verified on the decode side.
+place: the handoff moves metadata only), `tcp` (the KV over loopback
+sockets: the network path stand-in).  Peers (NIXL, Mooncake) run through
+`bench.peers` in their own environments.
+
+Compute is modelled from a device profile: a prefill worker is busy for the
+prompt tokens it computes at the profile's prefill rate (producing the
+stand-in KV counts towards that time, the rest is slept), so prefill
+queueing under load is real; decode is modelled as continuous
+batching (a request's first token one decode step after its KV is in, one
+token a step after that, the worker free for the next handoff at once).
+Reports say "modelled compute".  Every request's KV is verified on
+the decode side (first and last block, and the partial tail).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
+import queue as queue_mod
 import socket
 import statistics
+import struct
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tract_cli.bench.workloads import Request
+from tract_cli.core.errors import TractError
 
 TRANSPORTS = ("tract-copy", "tract-zero-copy", "tcp")
-WORKER_TIMEOUT_S = 600
+PENDING_WAIT_S = 10.0          # a block another worker is writing must be READY by then
+WORKER_TIMEOUT_S = int(__import__("os").environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
+STAGES = ("queue", "hash", "lookup", "kv_load", "compute", "kv_write", "handoff_publish",
+          "handoff_open", "kv_read", "first_token", "ack")
 
 
 def payload(key: bytes, nbytes: int) -> np.ndarray:
@@ -30,103 +45,163 @@ def payload(key: bytes, nbytes: int) -> np.ndarray:
     return np.frombuffer((key * (nbytes // 16 + 1))[:nbytes], dtype=np.uint8)
 
 
+def payloads(keys: np.ndarray, nbytes: int) -> np.ndarray:
+    """payload() of every key at once: (n, nbytes)."""
+    if not len(keys):
+        return np.zeros((0, nbytes), np.uint8)
+    return np.ascontiguousarray(np.tile(keys, (1, -(-nbytes // 16)))[:, :nbytes])
+
+
 def _tail(rid: str, nbytes: int) -> np.ndarray:
     raw = rid.encode() or b"x"
     return np.frombuffer((raw * (nbytes // len(raw) + 1))[:nbytes], dtype=np.uint8)
 
 
-def _prefill(path, node, transport, ctl, to_decode, tcp_port, prefill_rate):
+@dataclass(frozen=True)
+class Compute:
+    """Modelled compute: prefill tokens per second, decode seconds per token."""
+
+    prefill_tokens_per_s: float
+    decode_s_per_token: float
+
+
+def _prefill(path, node, index, transport, ctl, to_decode, decode_ports, compute, results):
+    try:
+        _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute)
+    except TractError as exc:              # one line to the driver, not a traceback
+        results.put({"error": f"prefill worker {index}: {exc}"})
+
+
+def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute):
     from tract_cli.core.hashing import block_hashes, pool_root
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info, g = pool.info, pool.info.geometry
     root = pool_root(info)
-    sock = socket.create_connection(("127.0.0.1", tcp_port)) if transport == "tcp" else None
+    socks = [socket.create_connection(("127.0.0.1", p)) for p in decode_ports] \
+        if transport == "tcp" else []
+    for sock in socks:                                   # say who we are to each decode worker
+        sock.sendall(struct.pack("<I", index))
+    ctl.send("ready")                                    # the driver's clock starts after this
     while (msg := ctl.recv()) is not None:
+        start = time.monotonic()
         rid, tokens = msg["rid"], np.frombuffer(msg["tokens"], dtype=np.int32)
-        t = {}
+        dec = msg["decode"]
+        t = {"queue": start - msg["arrival"]}
         c = time.perf_counter()
         keys = block_hashes(tokens, root=root)
         t["hash"] = time.perf_counter() - c
         n, bt = len(keys), g.block_tokens
-        tail_tokens = len(tokens) - n * bt
-        tail = _tail(rid, tail_tokens * info.bytes_per_token)
+        tail = _tail(rid, (len(tokens) - n * bt) * info.bytes_per_token)
         hits = 0
+        hit = None
         if transport != "tcp":
             c = time.perf_counter()
             hit = pool.index.lookup(keys)
             t["lookup"] = time.perf_counter() - c
             hits = hit.hits
-        t["compute"] = (len(tokens) - hits * bt) / prefill_rate          # modelled
+        # compute: the modelled time, of which producing the stand-in KV is a
+        # part (the same for every transport), the rest slept
+        modelled = (len(tokens) - hits * bt) / compute.prefill_tokens_per_s
         miss = keys[hits:]
-        if transport == "tract-copy":
-            kv = np.stack([payload(k.tobytes(), info.block_bytes) for k in miss]) if len(miss) \
-                else np.zeros((0, info.block_bytes), np.uint8)
+        if transport == "tract-zero-copy":
             c = time.perf_counter()
-            pool.index.put(miss, kv)
+            status, slots = pool.index.reserve(miss, pin=True)
+            t["kv_write"] = time.perf_counter() - c
+        c = time.perf_counter()
+        if transport == "tract-zero-copy":
+            for i in np.flatnonzero(status == 4):         # computed straight into the slots
+                pool.slot_bytes(int(slots[i]))[:] = payload(miss[i].tobytes(), info.block_bytes)
+        else:
+            kv = payloads(keys if transport == "tcp" else miss, info.block_bytes)
+        made = time.perf_counter() - c
+        time.sleep(max(modelled - made, 0.0))
+        t["compute"] = max(modelled, made)
+        if transport == "tract-copy":
+            c = time.perf_counter()
+            put = pool.index.put(miss, kv, pin=True)          # pinned until the handoff pins them
             t["kv_write"] = time.perf_counter() - c
         elif transport == "tract-zero-copy":
             c = time.perf_counter()
-            status, slots = pool.index.reserve(miss)
-            t["kv_write"] = time.perf_counter() - c
-            for i in np.flatnonzero(status == 4):                       # "compute" into slots
-                pool.slot_bytes(int(slots[i]))[:] = payload(miss[i].tobytes(), info.block_bytes)
-            c = time.perf_counter()
-            pool.index.commit(miss, status, slots)
+            put = pool.index.commit(miss, status, slots, pin=True)
             t["kv_write"] += time.perf_counter() - c
+        out = {"rid": rid, "keys": keys.tobytes(), "t": t, "hits": hits, "blocks": n,
+               "tokens": len(tokens), "arrival": msg["arrival"], "output_len": msg["output_len"],
+               "prefill": msg["prefill"]}
         if transport == "tcp":
-            kv = np.stack([payload(k.tobytes(), info.block_bytes) for k in keys])
             # tell the decode side first, so it is receiving while we send
             # (the transfer is timed there, from its first byte to its last)
-            to_decode.send({"rid": rid, "ticket": {"blocks": n, "tail_bytes": tail.size},
-                            "keys": keys.tobytes(), "t": t, "hits": 0, "blocks": n})
-            sock.sendall(memoryview(kv).cast("B"))
-            sock.sendall(memoryview(tail))
+            out["ticket"] = {"blocks": n, "tail_bytes": tail.size}
+            to_decode[dec].put(out)
+            for part in (kv, tail):
+                if part.size:
+                    socks[dec].sendall(memoryview(part).cast("B"))
             continue
-        else:
-            c = time.perf_counter()
-            ticket = pool.handoffs.publish(rid, keys, len(tokens), tail=tail,
-                                           tail_tokens=tail_tokens).to_dict()
-            t["handoff_publish"] = time.perf_counter() - c
-            pool.index.unpin(hit)
-        to_decode.send({"rid": rid, "ticket": ticket, "keys": keys.tobytes(), "t": t,
-                        "hits": hits, "blocks": n})
+        if put.count("no_room"):
+            raise TractError(f"{put.count('no_room')} blocks found no free index bucket",
+                             "the index is too full: use a larger region (more buckets)")
+        c = time.perf_counter()
+        out["ticket"] = pool.handoffs.publish(rid, keys, len(tokens), tail=tail,
+                                              tail_tokens=len(tokens) - n * bt,
+                                              wait_s=PENDING_WAIT_S).to_dict()
+        t["handoff_publish"] = time.perf_counter() - c
+        pool.index.unpin(hit)
+        pool.index.unpin(put.pinned(miss))
+        to_decode[dec].put(out)
     pool.close()
 
 
-def _decode(path, node, transport, from_prefill, ctl, listener_port_q, decode_s):
+def _decode(path, node, index, transport, inbox, results, ready, prefill_count, compute):
+    try:
+        _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute)
+    except TractError as exc:
+        results.put({"error": f"decode worker: {exc}"})
+
+
+def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute):
     from tract_cli.core.handoff import Ticket
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info = pool.info
-    conn = None
+    conns = []
     if transport == "tcp":
         srv = socket.socket()
         srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        listener_port_q.put(srv.getsockname()[1])
-        conn, _ = srv.accept()
+        srv.listen(prefill_count)
+        ready.put((index, srv.getsockname()[1]))
+        for _ in range(prefill_count):
+            conns.append(srv.accept()[0])
     else:
-        listener_port_q.put(0)
+        ready.put((index, 0))
+    who = {}
+    for c in conns:                    # connections arrive in any order: each names its sender
+        raw = b""
+        while len(raw) < 4:
+            chunk = c.recv(4 - len(raw))
+            if not chunk:
+                raise TractError("a prefill worker closed its connection", "check the workers")
+            raw += chunk
+        who[struct.unpack("<I", raw)[0]] = c
     out = None
-    while (msg := from_prefill.recv()) is not None:
+    while (msg := inbox.get()) is not None:
         t = msg["t"]
         keys = np.frombuffer(msg["keys"], np.uint8).reshape(-1, 16)
         n = msg["blocks"]
         if out is None or out.shape[0] < n:
-            out = np.empty((n, info.block_bytes), np.uint8)
+            out = np.empty((max(n, 1), info.block_bytes), np.uint8)
             out.fill(0)          # fault the private buffer in now, not inside a timed copy
         if transport == "tcp":
+            conn = who[msg["prefill"]]
             tail = np.empty(msg["ticket"]["tail_bytes"], np.uint8)
             c = time.perf_counter()
-            view = memoryview(out[:n]).cast("B")
-            got = 0
-            while got < view.nbytes:
-                got += conn.recv_into(view[got:], view.nbytes - got)
-            got = 0
-            tv = memoryview(tail)
-            while got < tail.size:
-                got += conn.recv_into(tv[got:], tail.size - got)
+            for buf in (memoryview(out[:n]).cast("B") if n else memoryview(b""), memoryview(tail)):
+                got = 0
+                while got < buf.nbytes:
+                    k = conn.recv_into(buf[got:], buf.nbytes - got)
+                    if not k:
+                        raise TractError("a prefill worker closed its connection mid-transfer",
+                                         "its error is printed above")
+                    got += k
             t["kv_read"] = time.perf_counter() - c
             blocks = [out[0], out[n - 1]] if n else []
         else:
@@ -148,13 +223,21 @@ def _decode(path, node, transport, from_prefill, ctl, listener_port_q, decode_s)
             pool.handoffs.copy_tail(rec, tail)
         ok = all(np.array_equal(b, payload(keys[i].tobytes(), info.block_bytes))
                  for b, i in zip(blocks, (0, n - 1))) and np.array_equal(tail, _tail(msg["rid"], tail.size))
-        t["first_token"] = decode_s                                       # modelled
+        # decode is modelled as continuous batching: the request joins the running
+        # batch, its first token one step after its KV is in, one token a step
+        # after that; the worker is free for the next handoff at once
+        t["first_token"] = compute.decode_s_per_token
+        first_token_at = time.monotonic() + t["first_token"]
         if transport != "tcp":
             del blocks
             c = time.perf_counter()
             pool.handoffs.ack(ticket)
             t["ack"] = time.perf_counter() - c
-        ctl.send({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": msg["hits"], "blocks": n})
+        ttft = first_token_at - msg["arrival"]
+        results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": msg["hits"], "blocks": n,
+                     "tokens": msg["tokens"], "output_len": msg["output_len"], "ttft": ttft,
+                     "e2e": ttft + max(msg["output_len"] - 1, 0) * compute.decode_s_per_token,
+                     "prefill": msg["prefill"]})
     pool.close()
 
 
@@ -162,6 +245,9 @@ def _decode(path, node, transport, from_prefill, ctl, listener_port_q, decode_s)
 class TransportResult:
     transport: str
     records: list = field(default_factory=list)
+    wall_s: float = 0.0
+    lock_wait_s: float = 0.0
+    lock_acquisitions: int = 0
 
     def stage(self, name: str) -> list[float]:
         return [r["t"].get(name, 0.0) for r in self.records]
@@ -174,50 +260,140 @@ def handoff_s(rec: dict) -> float:
     return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open", "kv_read"))
 
 
-def ttft_s(rec: dict) -> float:
-    t = rec["t"]
-    return sum(t.get(k, 0.0) for k in ("hash", "lookup", "compute", "kv_write", "handoff_publish",
-                                        "handoff_open", "kv_read", "first_token"))
+def _lock_totals(path: str, nodes) -> tuple[float, int]:
+    from tract_cli.core.pool import Pool
+    wait, count = 0.0, 0
+    for node in nodes:
+        with Pool.attach(path, node=node, prefault=False) as p:
+            for i in range(p.locks.count):
+                a, w = p.locks.stats(i)
+                wait += w
+                count += a
+    return wait, count
 
 
-def run_transport(path: str, transport: str, requests: list[Request], prefill_rate: float,
-                  decode_s: float, progress=None) -> TransportResult:
-    """Runs every request through one transport with a prefill and a decode process."""
+def run_transport(path: str, transport: str, requests: list[Request], compute: Compute,
+                  prefill_workers: int = 1, decode_workers: int = 1, prefill_node: int = 1,
+                  decode_node: int = 2, progress=None) -> TransportResult:
+    """Runs every request through one transport: requests are issued at their
+    arrival times to the prefill worker with the fewest outstanding requests;
+    each prefill worker hands off round robin to the decode workers."""
     ctx = mp.get_context("spawn")
-    p_ctl, p_ctl_child = ctx.Pipe()
-    d_ctl, d_ctl_child = ctx.Pipe()
-    to_dec_w, to_dec_r = ctx.Pipe()
-    port_q = ctx.Queue()
-    decode = ctx.Process(target=_decode, args=(path, 2, transport, to_dec_r, d_ctl_child, port_q,
-                                               decode_s), daemon=True)
-    decode.start()
-    port = port_q.get(timeout=WORKER_TIMEOUT_S)
-    prefill = ctx.Process(target=_prefill, args=(path, 1, transport, p_ctl_child, to_dec_w, port,
-                                                 prefill_rate), daemon=True)
-    prefill.start()
+    results = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(decode_workers)]
+    ready = ctx.Queue()
+    decoders = [ctx.Process(target=_decode, args=(path, decode_node, i, transport, inboxes[i],
+                                                  results, ready, prefill_workers, compute),
+                            daemon=True)
+                for i in range(decode_workers)]
+    for d in decoders:
+        d.start()
+    # decode workers report in any order: port i must be decode worker i's
+    ports = [p for _, p in sorted(ready.get(timeout=WORKER_TIMEOUT_S) for _ in decoders)]
+    ctls, children, prefills = [], [], []
+    for i in range(prefill_workers):
+        parent, child = ctx.Pipe()
+        ctls.append(parent)
+        children.append(child)
+        prefills.append(ctx.Process(target=_prefill, args=(path, prefill_node, i, transport, child,
+                                                          inboxes, ports, compute, results),
+                                    daemon=True))
+    for p in prefills:
+        p.start()
+    for c in children:          # the driver keeps only its ends: a dead worker breaks its pipe
+        c.close()
+    for c in ctls:
+        if not c.poll(WORKER_TIMEOUT_S) or c.recv() != "ready":
+            _stop(prefills + decoders)
+            raise TractError(f"{transport}: a prefill worker did not start", "check the workers")
+    lock_before = _lock_totals(path, {prefill_node, decode_node})
     res = TransportResult(transport)
+    outstanding = [0] * prefill_workers
+    lock = threading.Lock()
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def collect():
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        try:
+            while len(res.records) < len(requests):
+                try:
+                    rec = results.get(timeout=0.5)
+                except queue_mod.Empty:
+                    dead = [p for p in prefills + decoders if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise TractError(f"{transport}: a worker process died (exit code "
+                                         f"{dead[0].exitcode})", "its error is printed above")
+                    if time.monotonic() > deadline:
+                        raise TractError(f"{transport}: no request finished within "
+                                         f"{WORKER_TIMEOUT_S} s", "check the workers")
+                    continue
+                if "error" in rec:
+                    raise TractError(f"{transport}: {rec['error']}")
+                deadline = time.monotonic() + WORKER_TIMEOUT_S
+                with lock:
+                    outstanding[rec["prefill"]] -= 1
+                res.records.append(rec)
+                if progress:
+                    progress()
+        except TractError as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    t0 = time.monotonic()
+    collector.start()
     try:
-        for req in requests:
-            p_ctl.send({"rid": req.rid, "tokens": req.tokens.tobytes()})
-            if not d_ctl.poll(WORKER_TIMEOUT_S):
-                raise RuntimeError(f"{transport}: no result for {req.rid} within {WORKER_TIMEOUT_S} s")
-            res.records.append(d_ctl.recv())
-            if progress:
-                progress()
+        for seq, req in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
+            wait = t0 + req.arrival_s - time.monotonic()
+            if done.wait(max(wait, 0)):               # the workload's clock (or a failure)
+                break
+            with lock:
+                w = min(range(prefill_workers), key=lambda i: (outstanding[i], (seq + i) % prefill_workers))
+                outstanding[w] += 1
+            try:
+                ctls[w].send({"rid": req.rid, "tokens": req.tokens.tobytes(),
+                              "arrival": t0 + req.arrival_s, "output_len": req.output_len,
+                              "prefill": w, "decode": seq % decode_workers})
+            except OSError:                           # the worker died: collect() says why
+                break
+        collector.join()                   # bounded: collect() gives up after its deadline
+        res.wall_s = time.monotonic() - t0
+        if failure:
+            raise failure[0]
+        if len(res.records) != len(requests):
+            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished",
+                             "check the workers")
     finally:
-        p_ctl.send(None)
-        prefill.join(timeout=60)
-        to_dec_w.send(None)
-        decode.join(timeout=60)
-        for proc in (prefill, decode):
-            if proc.is_alive():
-                proc.kill()
+        for c in ctls:
+            try:
+                c.send(None)
+            except OSError:                # that worker is gone already
+                pass
+        for p in prefills:
+            p.join(timeout=60)
+        for q in inboxes:
+            q.put(None)
+        for d in decoders:
+            d.join(timeout=60)
+        _stop(prefills + decoders)
+    lock_after = _lock_totals(path, {prefill_node, decode_node})
+    res.lock_wait_s = lock_after[0] - lock_before[0]
+    res.lock_acquisitions = lock_after[1] - lock_before[1]
     return res
+
+
+def _stop(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=30)
 
 
 def memcpy_reference(nbytes: int, rounds: int = 3) -> float:
     """Seconds for two copies of NBYTES (private -> buffer -> private), best of rounds."""
-    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    a = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
     b, c = np.empty_like(a), np.empty_like(a)
     np.copyto(b, a)
     np.copyto(c, b)
@@ -230,18 +406,31 @@ def memcpy_reference(nbytes: int, rounds: int = 3) -> float:
     return best
 
 
-def summarize(r: TransportResult) -> dict:
-    ttft = [ttft_s(x) for x in r.records]
+def _pct(v, q) -> float:
+    return float(np.percentile(v, q)) if len(v) else 0.0
+
+
+def summarize(r: TransportResult, block_bytes: int, block_tokens: int) -> dict:
+    ttft = [x["ttft"] for x in r.records]
+    e2e = [x["e2e"] for x in r.records]
     hand = [handoff_s(x) for x in r.records]
-    pct = lambda v, q: float(np.percentile(v, q)) if v else 0.0
     blocks = sum(x["blocks"] for x in r.records)
     hits = sum(x["hits"] for x in r.records)
+    tokens = sum(x["tokens"] for x in r.records)
+    # bytes written (tract: the missing blocks; tcp: sent) and read (every block)
+    moved = sum(((x["blocks"] - x["hits"]) if r.transport != "tcp" else 0) * block_bytes
+                + x["blocks"] * block_bytes for x in r.records)
+    move_s = sum(x["t"].get("kv_write", 0.0) + x["t"].get("kv_read", 0.0) for x in r.records)
+    stats = lambda v: {"mean": statistics.fmean(v) if v else 0.0, "p50": _pct(v, 50),
+                       "p90": _pct(v, 90), "p99": _pct(v, 99)}
     return {"transport": r.transport, "requests": len(r.records),
             "verified": all(x["ok"] for x in r.records),
-            "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": pct(ttft, 50),
-            "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-            "handoff_mean_s": statistics.fmean(hand), "handoff_p50_s": pct(hand, 50),
+            "ttft_s": stats(ttft), "e2e_s": stats(e2e), "handoff_s": stats(hand),
+            "stages_s": {k: stats(r.stage(k)) for k in STAGES},
             "hit_rate_blocks": hits / blocks if blocks else 0.0,
-            "stages_mean_s": {k: statistics.fmean(r.stage(k)) for k in
-                              ("hash", "lookup", "compute", "kv_write", "handoff_publish",
-                               "handoff_open", "kv_read", "first_token", "ack")}}
+            "hit_rate_tokens": hits * block_tokens / tokens if tokens else 0.0,
+            "throughput_rps": len(r.records) / r.wall_s if r.wall_s else 0.0,
+            "output_tokens_per_s": sum(x["output_len"] for x in r.records) / r.wall_s if r.wall_s else 0.0,
+            "kv_bytes_moved": moved, "kv_gbps": moved / move_s / 1e9 if move_s else 0.0,
+            "lock_wait_s": r.lock_wait_s, "lock_acquisitions": r.lock_acquisitions,
+            "wall_s": r.wall_s}

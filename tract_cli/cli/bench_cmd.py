@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
+import signal
 from typing import List, Optional
 
 import typer
@@ -10,107 +10,174 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tract_cli.bench import runner, workloads
-from tract_cli.bench.micro import temp_region_path
+from tract_cli.bench import peers, runner, session, workloads
 from tract_cli.cli import render
-from tract_cli.core.agent import ensure_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
-from tract_cli.core.pool import Pool
-from tract_cli.core.units import format_duration, format_size
+from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
+
+ALL_TRANSPORTS = list(runner.TRANSPORTS) + list(peers.PEERS)
 
 
 def bench(
     input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens (static workload)."),
-    output_len: int = typer.Option(3, "--output-len", help="Output tokens."),
-    requests: int = typer.Option(8, "--requests", help="Requests per transport."),
-    prefix_ratio: float = typer.Option(0.0, "--prefix-ratio", help="Shared prefix share, 0-1."),
+    output_len: int = typer.Option(3, "--output-len", help="Output tokens (static workload)."),
+    requests: Optional[int] = typer.Option(None, "--requests",
+                                           help="Requests (static: 8; synthetic: the preset's)."),
+    workload: str = typer.Option("static", "--workload",
+                                 help="static | synthetic | a preset (synthetic-a, -b, -c)."),
+    trace: Optional[str] = typer.Option(None, "--trace", help="Replay a Mooncake-format JSONL trace."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Trace: first N requests."),
+    speedup: float = typer.Option(1.0, "--speedup", help="Trace: time compression factor."),
+    max_input_len: Optional[int] = typer.Option(None, "--max-input-len",
+                                                help="Trace: skip requests longer than this."),
+    prefix_ratio: Optional[float] = typer.Option(None, "--prefix-ratio", help="Shared prefix share, 0-1."),
+    num_prefix_prompts: Optional[int] = typer.Option(None, "--num-prefix-prompts",
+                                                     help="Synthetic: distinct shared prefixes."),
+    isl_mean: Optional[int] = typer.Option(None, "--isl-mean", help="Synthetic: mean input tokens."),
+    osl_mean: Optional[int] = typer.Option(None, "--osl-mean", help="Synthetic: mean output tokens."),
+    qps: Optional[float] = typer.Option(None, "--qps", help="Poisson arrival rate (0: all at once)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     model: str = typer.Option("llama-3-8b", "--model", help="Model profile (KV geometry)."),
     transports: List[str] = typer.Option(list(runner.TRANSPORTS), "--transport",
-                                         help="tract-copy | tract-zero-copy | tcp (repeatable)."),
+                                         help=f"{' | '.join(ALL_TRANSPORTS)} (repeatable)."),
     device: str = typer.Option("a6000", "--device", help="Device profile for modelled compute."),
+    prefill_workers: int = typer.Option(1, "--prefill-workers", help="Prefill worker processes (node 1)."),
+    decode_workers: int = typer.Option(1, "--decode-workers", help="Decode worker processes (node 2)."),
+    nodes: int = typer.Option(3, "--nodes", help="Nodes of the temporary region."),
     pool: Optional[str] = typer.Option(None, "--pool", help="An existing region (default: a "
                                                              "temporary one in /dev/shm)."),
+    pool_size: Optional[str] = typer.Option(None, "--pool-size", help="Temporary region size "
+                                            "(default: the whole workload fits; smaller evicts)."),
     flush_mode: str = typer.Option("none", "--flush-mode", help="For the temporary region."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Write every record here."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="TTFT CDF and stage breakdown (PNG)."),
+    install_peers: bool = typer.Option(False, "--install-peers", help="Create the virtual "
+                                       "environments of the peer transports asked for first."),
     numa_node: Optional[int] = typer.Option(None, "--numa-node", help="Pin to this node's CPUs."),
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs."),
 ) -> None:
-    """Run requests through prefill and decode processes; compare KV transports."""
+    """Run a workload through prefill and decode processes; compare KV transports."""
+    # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
+    signal.signal(signal.SIGTERM, _interrupt)
     pin(numa_node, cpus)
     for t in transports:
-        if t not in runner.TRANSPORTS:
-            raise UsageError(f"unknown transport {t!r}", f"use {', '.join(runner.TRANSPORTS)}")
+        if t not in ALL_TRANSPORTS:
+            raise UsageError(f"unknown transport {t!r}", f"use {', '.join(ALL_TRANSPORTS)}")
+    if plot:
+        _check_plot_dependency()
+    if install_peers:
+        for t in transports:
+            if t in peers.PEERS:
+                peers.install(t, render.stderr.file)
     profile = load_model(model)
     dev = load_device(device)
     if dev.prefill_tokens_per_s <= 0:
         raise UsageError(f"device profile {device} has no compute rates", "use --device a6000")
-    reqs = workloads.static(input_len, requests, output_len, prefix_ratio, seed)
-    g = profile.geometry
-    blocks = input_len // g.block_tokens
-    kv_bytes = blocks * g.block_bytes
-    if pool is not None:
-        summaries, records = _run(pool, transports, reqs, dev, None)
-        medium = Pool.attach(pool, readonly=True, prefault=False, local=False).medium
-    else:
-        slots = min(requests, 2) * blocks + 2 * blocks + 64     # a cache of two requests, plus in flight
-        size = ((slots * g.block_bytes + (16 << 20)) // (2 << 20) + 1) * (2 << 20)
-        with temp_region_path() as path:
-            with render.byte_progress(f"reserving a {format_size(size)} region") as cb:
-                Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode,
-                            progress=cb).close()
-            summaries, records = _run(path, transports, reqs, dev, None)
-            medium = "emulated /dev/shm region"
-    ref = runner.memcpy_reference(kv_bytes)
-    best = min(s["handoff_mean_s"] for s in summaries)
-    t = Table(title=f"{requests} x {input_len}-token requests, {profile.name} "
-                    f"({blocks} blocks, {format_size(kv_bytes)} of KV each); {medium}; "
-                    f"modelled compute ({dev.description}); {os.cpu_count()} CPUs",
-              title_justify="left")
-    for c in ("transport", "TTFT mean", "TTFT p50", "TTFT p99", "KV handoff", "/ 2x memcpy",
-              "/ best", "hit rate", "KV verified"):
-        t.add_column(c, justify="right", no_wrap=True)
-    for s in summaries:
-        t.add_row(s["transport"], format_duration(s["ttft_mean_s"]), format_duration(s["ttft_p50_s"]),
-                  format_duration(s["ttft_p99_s"]), format_duration(s["handoff_mean_s"]),
-                  f"{s['handoff_mean_s'] / ref:.2f}x", f"{s['handoff_mean_s'] / best:.1f}x",
-                  f"{100 * s['hit_rate_blocks']:.0f}%", "yes" if s["verified"] else "[red]NO[/]")
-    out = render.stdout if render.stdout.is_terminal else Console(width=132)
-    out.print(t)
-    out.print(f"reference: two memcpy of {format_size(kv_bytes)} = "
-                        f"{format_duration(ref)} (same run)")
+    reqs, described = _workload(workload, trace, limit, speedup, max_input_len, input_len, output_len, requests,
+                                prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps, seed)
+    size = parse_size(pool_size) if pool_size else None
+    compute = runner.Compute(dev.prefill_tokens_per_s, dev.decode_s_per_token)
+    with Progress(console=render.stderr, transient=True) as prog:
+        tasks = {}
+
+        def advance(tr):
+            if tr not in tasks:
+                tasks[tr] = prog.add_task(tr, total=len(reqs))
+            prog.advance(tasks[tr])
+        with render.byte_progress("reserving the region") as cb:
+            res = session.run(reqs, profile, transports, compute, pool=pool, pool_size=size,
+                              prefill_workers=prefill_workers, decode_workers=decode_workers,
+                              nodes=nodes, flush_mode=flush_mode, progress=advance,
+                              reserve_progress=cb)
+    _render(res, described, profile, dev, prefill_workers, decode_workers)
     if json_file:
-        with open(json_file, "w") as f:
-            json.dump({"summaries": summaries, "records": records, "memcpy_2x_s": ref,
-                       "medium": medium, "compute": "modelled", "device": dev.name}, f, indent=2)
-    if not all(s["verified"] for s in summaries):
+        try:
+            with open(json_file, "w") as f:
+                json.dump({"workload": described, "summaries": res.summaries, "records": res.records,
+                           "skipped": res.skipped, "memcpy_2x_s": res.memcpy_2x_s,
+                           "kv_bytes_mean": res.kv_bytes_mean, "medium": res.medium,
+                           "compute": "modelled", "device": dev.name, "machine": session.machine(),
+                           "sim_hit_rate": res.sim_hit_rate, "pool_slots": res.pool_slots,
+                           "unique_blocks": res.unique_blocks}, f, indent=2)
+        except OSError as exc:
+            raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
+    if plot:
+        from tract_cli.bench.plot import plot_results
+        plot_results(res, plot, described)
+    if not all(s["verified"] for s in res.summaries):
         raise typer.Exit(1)
 
 
-def _run(path, transports, reqs, dev, _):
-    agent = ensure_agent(path, 0, manager=True)
-    summaries, records = [], {}
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_len, requests, prefix_ratio,
+              num_prefix_prompts, isl_mean, osl_mean, qps, seed):
+    if trace:
+        if max_input_len is not None and max_input_len < 1:
+            raise UsageError("--max-input-len must be positive", "e.g. --max-input-len 8192")
+        reqs = workloads.trace(trace, limit, speedup, salt=seed, max_input_len=max_input_len)
+        return reqs, f"trace {trace} ({len(reqs)} requests, speedup {speedup:g}" + \
+            (f", <= {max_input_len} tokens" if max_input_len else "") + ")"
+    if workload == "static":
+        n = requests or 8
+        reqs = workloads.static(input_len, n, output_len, prefix_ratio or 0.0, seed)
+        if qps:
+            arrivals = workloads._poisson_arrivals(__import__("numpy").random.default_rng(seed), n, qps)
+            reqs = [workloads.Request(r.rid, float(a), r.tokens, r.output_len)
+                    for r, a in zip(reqs, arrivals)]
+        return reqs, f"static: {n} x {input_len} tokens in, {output_len} out" + \
+            (f", {prefix_ratio:g} shared" if prefix_ratio else "") + (f", {qps:g} QPS" if qps else "")
+    params = {} if workload == "synthetic" else workloads.load_preset(workload)
+    desc = params.pop("description", workload)
+    overrides = {"requests": requests, "prefix_ratio": prefix_ratio,
+                 "num_prefix_prompts": num_prefix_prompts, "isl_mean": isl_mean,
+                 "osl_mean": osl_mean, "qps": qps}
+    params.update({k: v for k, v in overrides.items() if v is not None})
+    params.setdefault("requests", 16)
+    reqs = workloads.synthetic(seed=seed, **params)
+    return reqs, f"{workload}: {len(reqs)} requests, {desc}"
+
+
+def _check_plot_dependency():
     try:
-        with Progress(console=render.stderr, transient=True) as prog:
-            for tr in transports:
-                _empty_cache(path)       # every transport starts from an empty prefix cache
-                task = prog.add_task(tr, total=len(reqs))
-                res = runner.run_transport(path, tr, reqs, dev.prefill_tokens_per_s,
-                                           dev.decode_s_per_token,
-                                           progress=lambda: prog.advance(task))
-                summaries.append(runner.summarize(res))
-                records[tr] = res.records
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
-    return summaries, records
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
 
 
-def _empty_cache(path: str) -> None:
-    with Pool.attach(path, node=0, prefault=False) as p:
-        while p.index.evict(1 << 20):
-            pass
-        p.allocator.drain()
+def _render(res, described, profile, dev, pw, dw):
+    out = render.stdout if render.stdout.is_terminal else Console(width=160)
+    t = Table(title=f"{described}; {profile.name}; {pw} prefill + {dw} decode workers; "
+                    f"{res.medium}; modelled compute ({dev.description}); {session.machine()}",
+              title_justify="left")
+    for c in ("transport", "TTFT mean", "p50", "p90", "p99", "KV handoff", "/ 2x memcpy",
+              "/ best", "hit rate", "req/s", "KV GB/s", "lock wait", "verified"):
+        t.add_column(c, justify="right", no_wrap=True)
+    best = min((s["handoff_s"]["mean"] for s in res.summaries), default=0.0)
+    for s in res.summaries:
+        tt, h = s["ttft_s"], s["handoff_s"]["mean"]
+        t.add_row(s["transport"], format_duration(tt["mean"]), format_duration(tt["p50"]),
+                  format_duration(tt["p90"]), format_duration(tt["p99"]), format_duration(h),
+                  f"{h / res.memcpy_2x_s:.2f}x" if res.memcpy_2x_s else "-",
+                  f"{h / best:.1f}x" if best else "-", f"{100 * s['hit_rate_blocks']:.1f}%",
+                  f"{s['throughput_rps']:.2f}", f"{s['kv_gbps']:.1f}",
+                  format_duration(s["lock_wait_s"]), "yes" if s["verified"] else "[red]NO[/]")
+    out.print(t)
+    st = Table(title="mean time per stage", title_justify="left")
+    st.add_column("transport")
+    stages = [k for k in runner.STAGES if any(s["stages_s"][k]["mean"] for s in res.summaries)]
+    for k in stages:
+        st.add_column(k, justify="right", no_wrap=True)
+    for s in res.summaries:
+        st.add_row(s["transport"], *(format_duration(s["stages_s"][k]["mean"]) for k in stages))
+    out.print(st)
+    out.print(f"reference: two memcpy of {format_size(res.kv_bytes_mean)} (a mean request's KV) = "
+              f"{format_duration(res.memcpy_2x_s)} (same run). Prefix cache: {res.unique_blocks} "
+              f"distinct blocks, {res.pool_slots} slots; offline LRU simulation hit rate "
+              f"{100 * res.sim_hit_rate:.1f}% ({res.sim_evictions} evictions).")
+    for tr, why in res.skipped.items():
+        out.print(f"[yellow]skipped {tr}[/]: {why}")

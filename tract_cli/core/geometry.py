@@ -109,6 +109,9 @@ def _profiles_dir() -> pathlib.Path:
     raise UsageError("the TraCT profiles directory is missing", "reinstall with `pip install .`")
 
 
+profiles_dir = _profiles_dir
+
+
 def model_names() -> list[str]:
     """Names of the model profiles shipped with TraCT."""
     return sorted(p.stem for p in (_profiles_dir() / "models").glob("*.toml"))

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.index import ChecksumMismatch, as_keys
 from tract_cli.core.native import ffi, lib, raise_for
@@ -76,8 +77,23 @@ class Handoffs:
         self._pool = pool
 
     def publish(self, request_id: str | bytes, hashes, token_count: int, tail=None,
-                tail_tokens: int = 0, ttl: float = 30.0, timeout: float = 30.0) -> Ticket:
-        """Pins the request's cached blocks for a decode side and writes the record."""
+                tail_tokens: int = 0, ttl: float = 30.0, timeout: float = 30.0,
+                wait_s: float = 0.0) -> Ticket:
+        """Pins the request's cached blocks for a decode side and writes the record.
+
+        Every block must be READY; a block another writer still holds PENDING
+        is waited for up to WAIT_S (polling), then HandoffError.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._publish(request_id, hashes, token_count, tail, tail_tokens, ttl, timeout)
+            except HandoffError as exc:
+                if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.002)      # another process finishing its write: poll, bounded
+
+    def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout) -> Ticket:
         keys = as_keys(hashes)
         rid = request_key(request_id)
         tail_buf = None if tail is None else np.ascontiguousarray(tail).view(np.uint8).reshape(-1)
@@ -90,9 +106,12 @@ class Handoffs:
         if rc == lib.TRACT_E_NOT_FOUND:
             raise HandoffError("not every block of the request is in the pool",
                                "put the blocks before publishing the handoff")
-        if rc == lib.TRACT_E_FULL:
+        if rc == lib.TRACT_E_TABLE_FULL:
             raise HandoffError("the transfer table is full",
                                "acknowledge handoffs, or let expired ones be reclaimed")
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull("no slot for the handoff's key list: the pool is full and every "
+                           "block in it is pinned", "acknowledge handoffs or use a larger region")
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("the request has more blocks than one key-list slot holds",
                              "use a model with larger blocks or shorter requests")

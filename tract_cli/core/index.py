@@ -41,6 +41,13 @@ class PutResult:
     def count(self, name: str) -> int:
         return int((self.status == PUT_STATUS.index(name)).sum())
 
+    def pinned(self, hashes) -> np.ndarray:
+        """The keys of HASHES a pinning put pinned: those it stored and those
+        already READY (unpin them once the handoff holds its own pins)."""
+        ok = (self.status == PUT_STATUS.index("stored")) | \
+            (self.status == PUT_STATUS.index("already_ready"))
+        return as_keys(hashes)[ok]
+
 
 def as_keys(hashes) -> np.ndarray:
     """(n, 16) contiguous uint8 keys from block hashes ((n, 16) or (n, 32))."""
@@ -82,12 +89,15 @@ class PrefixIndex:
             raise TractError("a key was not pinned by this node", "unpin only what lookup pinned")
         raise_for(rc, f"{self._pool.path} index unpin")
 
-    def put(self, hashes, kv, tokens=None, checksum: bool = False,
+    def put(self, hashes, kv, tokens=None, checksum: bool = False, pin: bool = False,
             timeout: float = 30.0) -> PutResult:
         """Stores block i of KV (shape (n, ...) with block_bytes per row) under key i.
 
         Keys already READY or being written (PENDING) are skipped and reported.
-        Raises PoolFull when the pool has no room and nothing is evictable.
+        With PIN, the stored blocks are published pinned by this node, and keys
+        already READY are pinned too (unpin them with `unpin(result.pinned(keys))`):
+        nothing can evict them before the caller's handoff pins them.  Raises PoolFull when the pool has no
+        room and nothing is evictable.
         """
         keys = as_keys(hashes)
         n = len(keys)
@@ -101,25 +111,30 @@ class PrefixIndex:
         rc = lib.tract_index_put(self._pool._r(), ffi.from_buffer(keys), n,
                                  ffi.from_buffer(data) if n else ffi.NULL, row, row,
                                  self._u32(tok) if tok is not None else ffi.NULL,
-                                 1 if checksum else 0, ffi.from_buffer(status), int(timeout * 1e9))
+                                 (lib.TRACT_PUT_CHECKSUM if checksum else 0) |
+                                 (lib.TRACT_PUT_PIN if pin else 0),
+                                 ffi.from_buffer(status), int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
             raise PoolFull("the pool is full and every block in it is pinned",
                            "unpin blocks (finish or time out handoffs) or use a larger region")
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
 
-    def reserve(self, hashes, timeout: float = 30.0):
+    def reserve(self, hashes, pin: bool = False, timeout: float = 30.0):
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
 
         Returns (status, slots); write block i into `pool.slot_array(slots[i])`
-        for every i with status[i] == 4 (claimed), then call commit().
+        for every i with status[i] == 4 (claimed), then call commit().  With
+        PIN, keys already READY are pinned now (commit with pin=True pins the
+        claimed ones); unpin `PutResult.pinned(keys)` after the handoff.
         """
         keys = as_keys(hashes)
         n = len(keys)
         status = np.zeros(n, np.uint8)
         slots = np.zeros(max(n, 1), np.uint32)
         rc = lib.tract_index_put_begin(self._pool._r(), ffi.from_buffer(keys), n,
-                                       ffi.from_buffer(status), self._u32(slots), int(timeout * 1e9))
+                                       ffi.from_buffer(status), self._u32(slots),
+                                       lib.TRACT_PUT_PIN if pin else 0, int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
             raise PoolFull("the pool is full and every block in it is pinned",
                            "unpin blocks or use a larger region")
@@ -127,13 +142,14 @@ class PrefixIndex:
         return status, slots[:n]
 
     def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
-               timeout: float = 30.0) -> PutResult:
-        """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed."""
+               pin: bool = False, timeout: float = 30.0) -> PutResult:
+        """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed;
+        with PIN, published pinned by this node (as put(pin=True))."""
         keys = as_keys(hashes)
         rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), len(keys),
                                         ffi.from_buffer(status), self._u32(np.ascontiguousarray(
                                             slots, dtype=np.uint32)), ffi.NULL, ffi.NULL,
-                                        1 if publish else 0, int(timeout * 1e9))
+                                        (2 if pin else 1) if publish else 0, int(timeout * 1e9))
         raise_for(rc, f"{self._pool.path} index commit")
         return PutResult(status)
 

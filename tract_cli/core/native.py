@@ -74,6 +74,8 @@ _MESSAGES = {
     lib.TRACT_E_FULL: (TractError, "{what}: no room left",
                        "free or evict entries, or use a larger region"),
     lib.TRACT_E_NOT_FOUND: (TractError, "{what}: not found", "check the name or key"),
+    lib.TRACT_E_TABLE_FULL: (TractError, "{what}: the transfer table is full",
+                             "acknowledge handoffs, or let expired ones be reclaimed"),
     lib.TRACT_E_CORRUPT: (TractError, "{what}: region metadata is inconsistent",
                           "run `tract inspect` on it; reformat if it persists"),
     lib.TRACT_E_NO_LOCAL: (TractError, "{what}: this handle has no node-local segment",

@@ -29,6 +29,7 @@ from tract_cli.serve.worker import PoolWorker
 
 MODES = ("copy", "zero-copy")
 CLAIMED = 4                     # index.reserve status: slot claimed for this writer
+ALREADY_READY = 1               # index.reserve status: READY already (pinned with pin=True)
 PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
 
 
@@ -118,7 +119,7 @@ class PrefillWorker(PoolWorker):
         table = eng.new_table(len(tokens), self.slots if mode == "zero-copy" else None)
         private = table.stores[PRIVATE]
         hit = None
-        status = slots = None
+        status = slots = put_pins = ready_pins = None
         h = 0
         try:
             c = time.perf_counter()
@@ -131,7 +132,8 @@ class PrefillWorker(PoolWorker):
                     hit = None
                 else:
                     pool.invalidate_slots(hit.slots)
-                    status, slots = pool.index.reserve(keys[h:])
+                    status, slots = pool.index.reserve(keys[h:], pin=True)
+                    ready_pins = keys[h:][status == ALREADY_READY]
             t["lookup_load"] = time.perf_counter() - c
             m.observe("kv_load_seconds", t["lookup_load"])
             # the block table: hits, the new full blocks, the tail
@@ -149,12 +151,15 @@ class PrefillWorker(PoolWorker):
             t["compute"] = time.perf_counter() - c
             c = time.perf_counter()
             with self.pool_lock:
+                # new blocks are published pinned: nothing evicts them before the handoff
                 if mode == "copy":
-                    res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1)) \
-                        if full > h else PutResult(np.zeros(0, np.uint8))
+                    res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1),
+                                         pin=True) if full > h else PutResult(np.zeros(0, np.uint8))
                 else:
-                    res = pool.index.commit(keys[h:], status, slots)
+                    res = pool.index.commit(keys[h:], status, slots, pin=True)
                     status = None
+                put_pins = res.pinned(keys[h:])
+                ready_pins = None
             if res.count("no_room"):
                 raise PoolFull("no room for the new blocks", "free or enlarge the pool")
             t["kv_write"] = time.perf_counter() - c
@@ -163,15 +168,19 @@ class PrefillWorker(PoolWorker):
             tail = as_bytes(private[table.ids[full]]) if tail_tokens else None
             c = time.perf_counter()
             ticket = self._publish(rid, keys, len(tokens), tail, tail_tokens,
-                                   res.count("already_pending"))
+                                   PENDING_WAIT_S if res.count("already_pending") else 0.0)
             t["handoff_publish"] = time.perf_counter() - c
             m.observe("handoff_publish_seconds", t["handoff_publish"])
         finally:
             with self.pool_lock:
                 if status is not None:           # reserved but never committed: abandon
                     pool.index.commit(keys[h:], status, slots, publish=False)
+                if ready_pins is not None and len(ready_pins):
+                    pool.index.unpin(ready_pins)
                 if hit is not None:
                     pool.index.unpin(hit)
+                if put_pins is not None and len(put_pins):
+                    pool.index.unpin(put_pins)
             table.release()
         first = eng.sample(logits, sampling, 0)
         t["total"] = time.perf_counter() - t0
@@ -187,27 +196,17 @@ class PrefillWorker(PoolWorker):
                 "_log": f"rid={rid[:12]} {len(tokens)} tok, {h} hit blocks, {mode}, "
                         f"{1e3 * t['total']:.1f} ms"}
 
-    def _publish(self, rid, keys, token_count, tail, tail_tokens, pending: int):
-        """Publishes the handoff; blocks another worker is still writing (PENDING)
-        are waited for, bounded."""
-        deadline = time.monotonic() + PENDING_WAIT_S
+    def _publish(self, rid, keys, token_count, tail, tail_tokens, wait_s: float):
+        """Publishes the handoff.  Blocks another request still holds PENDING
+        (possibly one of this worker's threads, which needs pool_lock to
+        finish) are waited for with the lock released, bounded by WAIT_S."""
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 with self.pool_lock:
                     return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
                                                       tail_tokens=tail_tokens, ttl=self.ttl)
             except HandoffError as exc:
-                if "not every block" not in str(exc) or time.monotonic() > deadline:
-                    if pending:
-                        raise HandoffError(f"{pending} blocks of this prompt were still being "
-                                           f"written by another worker after {PENDING_WAIT_S:.0f} s",
-                                           "retry the request") from None
-                    raise HandoffError("a block of this prompt was evicted before its handoff "
-                                       "was published", "retry the request, or enlarge the pool") \
-                        from None
-                if not pending:
-                    raise HandoffError("a block of this prompt was evicted before its handoff "
-                                       "was published", "retry the request, or enlarge the pool") \
-                        from None
-            time.sleep(0.005)    # another process's write finishing: poll, bounded by deadline
-
+                if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.002)    # another writer finishing: poll, bounded by the deadline

@@ -1,0 +1,204 @@
+"""The real peers the paper compares against, each in its own environment.
+
+A peer's dependencies must not change TraCT's, so each peer gets a virtual
+environment of its own (`$TRACT_PEERS_DIR/<env>`, default
+`~/.cache/tract/peers`), created by `tract bench --install-peers`, and its
+adapter (a standalone script: the peer library and numpy, nothing of TraCT)
+runs in it as a subprocess driven over JSON lines.  A peer that is not
+installed is reported as skipped with the command that installs it.
+
+Peers:
+- `nixl`: NIXL with its UCX backend and UCX's same-host default transports;
+- `nixl-tcp`: the same with `UCX_TLS=tcp`, the network path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+from tract_cli.core.errors import TractError
+
+# transport -> (environment, adapter module file, extra environment variables)
+PEERS = {
+    "nixl": ("nixl", "peer_nixl.py", {}),
+    "nixl-tcp": ("nixl", "peer_nixl.py", {"UCX_TLS": "tcp"}),
+}
+# environment -> pip install steps (torch first: the CPU build, never a CUDA one)
+ENVS = {
+    "nixl": [["torch==2.13.0"], ["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
+}
+CHECKS = {"nixl": "from nixl._api import nixl_agent"}
+RECV_SLOTS = 4
+PEER_TIMEOUT_S = 600
+
+
+def peers_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("TRACT_PEERS_DIR") or
+                        pathlib.Path.home() / ".cache" / "tract" / "peers")
+
+
+def python_of(env: str) -> pathlib.Path:
+    return peers_dir() / env / "bin" / "python"
+
+
+_checked: dict[str, str | None] = {}
+
+
+def unavailable(transport: str) -> str | None:
+    """None if TRANSPORT's peer can run here, else why and how to fix it."""
+    env = PEERS[transport][0]
+    if env not in _checked:
+        py = python_of(env)
+        if not py.exists():
+            _checked[env] = f"{env} is not installed in {py.parent.parent}; run " \
+                            f"`tract bench --transport {transport} --install-peers`"
+        else:
+            r = subprocess.run([str(py), "-c", CHECKS[env]], capture_output=True, text=True,
+                               timeout=120)
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            _checked[env] = None if r.returncode == 0 else \
+                f"{env} does not import in {py.parent.parent} ({last}); reinstall with " \
+                f"`tract bench --transport {transport} --install-peers`"
+    return _checked[env]
+
+
+def install(transport: str, log=sys.stderr) -> None:
+    """Creates TRANSPORT's environment (a virtual environment with its peer)."""
+    env = PEERS[transport][0]
+    root = peers_dir() / env
+    if unavailable(transport) is None:
+        return
+    _checked.pop(env, None)
+    print(f"installing {env} into {root} ...", file=log, flush=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(root)], check=True,
+                       capture_output=True, timeout=600)
+        for step in ENVS[env]:
+            subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", *step],
+                           check=True, capture_output=True, text=True, timeout=1800)
+    except subprocess.CalledProcessError as exc:
+        tail = ((exc.stderr or "") if isinstance(exc.stderr, str) else "").strip().splitlines()
+        raise TractError(f"installing {env} failed: {tail[-1] if tail else exc}",
+                         "check network access to the package index") from None
+    except subprocess.TimeoutExpired:
+        raise TractError(f"installing {env} took too long", "retry, or install it by hand") from None
+    why = unavailable(transport)
+    if why:
+        raise TractError(f"{env} was installed but does not work: {why}", "see the message")
+
+
+def run(transport: str, requests, geometry, compute, progress=None):
+    """Runs the requests through TRANSPORT's peer: one sender (prefill) and one
+    receiver (decode) process; returns a runner.TransportResult."""
+    from tract_cli.bench import runner
+    from tract_cli.core.hashing import block_hashes
+    env_name, script, extra_env = PEERS[transport]
+    py = str(python_of(env_name))
+    # -I: the adapter's directory (this package) must not shadow the peer's
+    # imports (numpy imports `inspect`, and bench/ has an inspect.py)
+    adapter = str(pathlib.Path(__file__).with_name(script))
+    bb, bt, bpt = geometry.block_bytes, geometry.block_tokens, geometry.bytes_per_token
+    longest = max(len(r.tokens) for r in requests)
+    capacity = (longest // bt) * bb + bt * bpt
+    env = {**os.environ, **extra_env}
+    procs = []
+    res = runner.TransportResult(transport)
+    try:
+        recv = subprocess.Popen([py, "-I", adapter, "receiver", "--capacity", str(capacity),
+                                 "--slots", str(RECV_SLOTS)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(recv)
+        hello = _read_line(recv, "receiver")
+        send = subprocess.Popen([py, "-I", adapter, "sender", "--capacity", str(capacity)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(send)
+        send.stdin.write(json.dumps(hello) + "\n")
+        send.stdin.flush()
+        _read_line(send, "sender")
+        free = threading.Semaphore(RECV_SLOTS)
+        slots_free = list(range(RECV_SLOTS))
+        lock = threading.Lock()
+        done = threading.Event()
+        failure = []
+
+        def collect():
+            try:
+                for _ in requests:
+                    rec = _read_line(recv, "receiver")
+                    with lock:
+                        slots_free.append(rec.pop("slot"))
+                    free.release()
+                    res.records.append(rec)
+                    if progress:
+                        progress()
+            except TractError as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+        collector = threading.Thread(target=collect, daemon=True)
+        t0 = time.monotonic()
+        collector.start()
+        for req in sorted(requests, key=lambda r: r.arrival_s):
+            wait = t0 + req.arrival_s - time.monotonic()
+            if wait > 0 and done.wait(wait):
+                break
+            if not free.acquire(timeout=PEER_TIMEOUT_S) or done.is_set():
+                break
+            with lock:
+                slot = slots_free.pop()
+            keys = block_hashes(req.tokens, block_tokens=bt)
+            n = len(keys)
+            common = {"rid": req.rid, "keys": keys.tobytes().hex(), "blocks": n, "block_bytes": bb,
+                      "tail_bytes": (len(req.tokens) - n * bt) * bpt, "slot": slot,
+                      "arrival": t0 + req.arrival_s, "tokens": len(req.tokens),
+                      "output_len": req.output_len}
+            recv.stdin.write(json.dumps({**common, "decode_s": compute.decode_s_per_token}) + "\n")
+            recv.stdin.flush()
+            send.stdin.write(json.dumps({**common, "compute_s": len(req.tokens) /
+                                         compute.prefill_tokens_per_s}) + "\n")
+            send.stdin.flush()
+        collector.join(timeout=PEER_TIMEOUT_S)
+        res.wall_s = time.monotonic() - t0
+        if failure:
+            raise failure[0]
+        if len(res.records) != len(requests):
+            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished",
+                             "check the peer's output above")
+    finally:
+        for p in procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+    return res
+
+
+def _read_line(proc, who: str) -> dict:
+    """One JSON line from a peer process (bounded by the peer timeout)."""
+    box = {}
+
+    def read():
+        box["line"] = proc.stdout.readline()
+    th = threading.Thread(target=read, daemon=True)
+    th.start()
+    th.join(PEER_TIMEOUT_S)
+    line = box.get("line")
+    if not line:
+        code = proc.poll()
+        raise TractError(f"the {who} peer process {'exited with code ' + str(code) if code is not None else 'is silent'}",
+                         "its error is printed above; reinstall the peer with --install-peers")
+    return json.loads(line)
+
+
+__all__ = ["PEERS", "install", "run", "unavailable"]

@@ -1,0 +1,145 @@
+"""One `tract bench` run: the region (given, or a temporary one sized to the
+workload), the node agent, every transport on the same requests from an empty
+prefix cache, the summaries, and the offline hit-rate simulation they are
+checked against."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tract_cli.bench import peers, prefix_sim, runner
+from tract_cli.bench.micro import _need_space, temp_region_path
+from tract_cli.bench.workloads import Request
+from tract_cli.core import medium
+from tract_cli.core.agent import ensure_agent
+from tract_cli.core.errors import UsageError
+from tract_cli.core.geometry import ModelProfile
+from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.pool import Pool
+
+ALIGN = 2 << 20
+HANDOFF_ENTRY_BYTES = 32          # a key-list entry (FORMAT.md)
+META_RESERVE = 16 << 20
+
+
+@dataclass
+class BenchResult:
+    summaries: list
+    records: dict
+    skipped: dict                 # transport -> why, and how to make it available
+    medium: str
+    pool_slots: int
+    unique_blocks: int
+    sim_hit_rate: float
+    sim_evictions: int
+    kv_bytes_mean: int
+    memcpy_2x_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def unique_blocks(requests: list[Request], block_tokens: int) -> tuple[list[np.ndarray], int]:
+    keys = [block_hashes(r.tokens, block_tokens=block_tokens) for r in requests]
+    return keys, len({k.tobytes() for ks in keys for k in ks})
+
+
+def region_size_for(requests: list[Request], profile: ModelProfile, prefill_workers: int,
+                    decode_workers: int, free_bytes: int | None = None) -> int:
+    """Every distinct block of the workload plus what requests in flight pin,
+    capped at half the free space (then the cache evicts) but never below what
+    the requests in flight need."""
+    g = profile.geometry
+    _, uniq = unique_blocks(requests, g.block_tokens)
+    longest = max(len(r.tokens) for r in requests) // g.block_tokens + 2
+    in_flight = (prefill_workers + decode_workers + 2) * longest + 64 * 4
+    slots = uniq + in_flight
+    if free_bytes is not None:
+        slots = max(in_flight, min(slots, int(free_bytes * 0.5) // g.block_bytes))
+    return -(-(slots * g.block_bytes + META_RESERVE) // ALIGN) * ALIGN
+
+
+def run(requests: list[Request], profile: ModelProfile, transports: list[str],
+        compute: runner.Compute, *, pool: str | None = None, pool_size: int | None = None,
+        prefill_workers: int = 1, decode_workers: int = 1, nodes: int = 3,
+        flush_mode: str = "none", progress=None, reserve_progress=None) -> BenchResult:
+    if prefill_workers < 1 or decode_workers < 1:
+        raise UsageError("--prefill-workers and --decode-workers must be at least 1", "e.g. 2")
+    if nodes < 3:
+        raise UsageError("--nodes must be at least 3 (agent, prefill, decode)", "e.g. --nodes 3")
+    if pool is not None:
+        return _run_on(pool, requests, profile, transports, compute, prefill_workers,
+                       decode_workers, progress)
+    if pool_size is not None and pool_size % ALIGN:
+        raise UsageError("--pool-size must be a multiple of 2 MiB", "e.g. --pool-size 4G")
+    with temp_region_path() as path:
+        size = pool_size or region_size_for(requests, profile, prefill_workers, decode_workers,
+                                            medium.free_bytes(path))
+        _need_space(path, size)
+        Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
+                    progress=reserve_progress).close()
+        res = _run_on(path, requests, profile, transports, compute, prefill_workers,
+                      decode_workers, progress)
+        res.medium = "emulated /dev/shm region"
+        return res
+
+
+def _run_on(path, requests, profile, transports, compute, prefill_workers, decode_workers,
+            progress) -> BenchResult:
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        medium, info = p.medium, p.info
+    if info.geometry != profile.geometry:
+        raise UsageError(f"{path} holds KV of {info.model_name} ({info.geometry.describe()})",
+                         f"pass --model {info.model_name}, or no --pool")
+    g = info.geometry
+    fits = info.block_bytes // HANDOFF_ENTRY_BYTES * g.block_tokens
+    longest = max(len(r.tokens) for r in requests)
+    if longest > fits:
+        raise UsageError(f"the workload has a {longest}-token request; a handoff of {info.model_name} "
+                         f"holds at most {fits} tokens (its key list fits one "
+                         f"{info.block_bytes}-byte slot)",
+                         f"use --max-input-len {fits} to skip longer requests, or a model with "
+                         "larger blocks (e.g. --model llama-3-8b)")
+    root = pool_root(info)
+    keys = [block_hashes(r.tokens, block_tokens=g.block_tokens, root=root) for r in requests]
+    uniq = len({k.tobytes() for ks in keys for k in ks})
+    # the offline simulation sees what the index can hold: the slots, less the
+    # key-list and tail slots of one handoff per worker in flight
+    capacity = info.slot_count - 2 * (prefill_workers + decode_workers)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    sim = prefix_sim.simulate([keys[i] for i in order], capacity)
+    agent = ensure_agent(path, 0, manager=True)
+    summaries, records, skipped = [], {}, {}
+    try:
+        for tr in transports:
+            if tr in peers.PEERS:
+                why = peers.unavailable(tr)
+                if why:
+                    skipped[tr] = why
+                    continue
+            _empty_cache(path)          # every transport starts from an empty prefix cache
+            if tr in peers.PEERS:
+                res = peers.run(tr, requests, g, compute, progress=progress and (lambda: progress(tr)))
+            else:
+                res = runner.run_transport(path, tr, requests, compute, prefill_workers,
+                                           decode_workers, progress=progress and (lambda: progress(tr)))
+            summaries.append(runner.summarize(res, g.block_bytes, g.block_tokens))
+            records[tr] = res.records
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=30)
+    kv_mean = int(np.mean([len(r.tokens) // g.block_tokens for r in requests]) * g.block_bytes)
+    return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq, sim.hit_rate,
+                       sim.evictions, kv_mean, runner.memcpy_reference(kv_mean))
+
+
+def _empty_cache(path: str) -> None:
+    with Pool.attach(path, node=0, prefault=False) as p:
+        while p.index.evict(1 << 20):
+            pass
+        p.allocator.drain()
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} CPUs"
