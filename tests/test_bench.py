@@ -124,3 +124,14 @@ def test_nixl_peers_move_and_verify_the_same_kv(tmp_path):
     assert set(by) == {"nixl", "nixl-tcp", "tract-copy"}
     assert all(s["verified"] and s["requests"] == 3 for s in by.values())
     assert all(r["t"]["kv_read"] > 0 for r in data["records"]["nixl-tcp"])
+
+
+@pytest.mark.skipif(peers.unavailable("mooncake-tcp") is not None,
+                    reason=f"the Mooncake peer is not installed ({peers.unavailable('mooncake-tcp')})")
+def test_mooncake_peer_moves_and_verifies_the_same_kv(tmp_path):
+    out = tmp_path / "bench.json"
+    res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
+                "--transport", "mooncake-tcp", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    s = json.loads(out.read_text())["summaries"][0]
+    assert s["transport"] == "mooncake-tcp" and s["verified"] and s["requests"] == 3

@@ -9,7 +9,9 @@ installed is reported as skipped with the command that installs it.
 
 Peers:
 - `nixl`: NIXL with its UCX backend and UCX's same-host default transports;
-- `nixl-tcp`: the same with `UCX_TLS=tcp`, the network path.
+- `nixl-tcp`: the same with `UCX_TLS=tcp`, the network path;
+- `mooncake-tcp`: the Mooncake Transfer Engine (non-CUDA build), protocol
+  `tcp`, metadata by `P2PHANDSHAKE` (needs libibverbs1 and librdmacm1).
 """
 from __future__ import annotations
 
@@ -23,16 +25,21 @@ import time
 
 from tract_cli.core.errors import TractError
 
-# transport -> (environment, adapter module file, extra environment variables)
+# transport -> (environment, adapter module file, extra environment variables,
+#               whether the driver relays the sender's completions to the receiver)
 PEERS = {
-    "nixl": ("nixl", "peer_nixl.py", {}),
-    "nixl-tcp": ("nixl", "peer_nixl.py", {"UCX_TLS": "tcp"}),
+    "nixl": ("nixl", "peer_nixl.py", {}, False),
+    "nixl-tcp": ("nixl", "peer_nixl.py", {"UCX_TLS": "tcp"}, False),
+    "mooncake-tcp": ("mooncake", "peer_mooncake.py", {}, True),
 }
 # environment -> pip install steps (torch first: the CPU build, never a CUDA one)
 ENVS = {
     "nixl": [["torch==2.13.0"], ["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
+    "mooncake": [["numpy"], ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]],
 }
-CHECKS = {"nixl": "from nixl._api import nixl_agent"}
+CHECKS = {"nixl": "from nixl._api import nixl_agent",
+          "mooncake": "from mooncake.engine import TransferEngine"}
+SYSTEM_HINTS = {"libibverbs": "apt-get install libibverbs1 librdmacm1 (Mooncake links them)"}
 RECV_SLOTS = 4
 PEER_TIMEOUT_S = 600
 
@@ -61,9 +68,10 @@ def unavailable(transport: str) -> str | None:
             r = subprocess.run([str(py), "-c", CHECKS[env]], capture_output=True, text=True,
                                timeout=120)
             last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            hint = next((h for lib, h in SYSTEM_HINTS.items() if lib in last),
+                        f"reinstall with `tract bench --transport {transport} --install-peers`")
             _checked[env] = None if r.returncode == 0 else \
-                f"{env} does not import in {py.parent.parent} ({last}); reinstall with " \
-                f"`tract bench --transport {transport} --install-peers`"
+                f"{env} does not import in {py.parent.parent} ({last}); {hint}"
     return _checked[env]
 
 
@@ -97,7 +105,7 @@ def run(transport: str, requests, geometry, compute, progress=None):
     receiver (decode) process; returns a runner.TransportResult."""
     from tract_cli.bench import runner
     from tract_cli.core.hashing import block_hashes
-    env_name, script, extra_env = PEERS[transport]
+    env_name, script, extra_env, relay = PEERS[transport]
     py = str(python_of(env_name))
     # -I: the adapter's directory (this package) must not shadow the peer's
     # imports (numpy imports `inspect`, and bench/ has an inspect.py)
@@ -120,6 +128,21 @@ def run(transport: str, requests, geometry, compute, progress=None):
         send.stdin.write(json.dumps(hello) + "\n")
         send.stdin.flush()
         _read_line(send, "sender")
+        write_lock = threading.Lock()
+
+        def to_receiver(obj):
+            with write_lock:
+                recv.stdin.write(json.dumps(obj) + "\n")
+                recv.stdin.flush()
+
+        if relay:                       # the sender's completions go to the receiver
+            def relay_loop():
+                for line in send.stdout:
+                    try:
+                        to_receiver(json.loads(line))
+                    except (OSError, ValueError):
+                        return
+            threading.Thread(target=relay_loop, daemon=True).start()
         free = threading.Semaphore(RECV_SLOTS)
         slots_free = list(range(RECV_SLOTS))
         lock = threading.Lock()
@@ -157,8 +180,7 @@ def run(transport: str, requests, geometry, compute, progress=None):
                       "tail_bytes": (len(req.tokens) - n * bt) * bpt, "slot": slot,
                       "arrival": t0 + req.arrival_s, "tokens": len(req.tokens),
                       "output_len": req.output_len}
-            recv.stdin.write(json.dumps({**common, "decode_s": compute.decode_s_per_token}) + "\n")
-            recv.stdin.flush()
+            to_receiver({**common, "decode_s": compute.decode_s_per_token})
             send.stdin.write(json.dumps({**common, "compute_s": len(req.tokens) /
                                          compute.prefill_tokens_per_s}) + "\n")
             send.stdin.flush()
