@@ -62,14 +62,17 @@ def region_size_for(requests: list[Request], profile: ModelProfile, prefill_work
 def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         compute: runner.Compute, *, pool: str | None = None, pool_size: int | None = None,
         prefill_workers: int = 1, decode_workers: int = 1, nodes: int = 3,
-        flush_mode: str = "none", progress=None, reserve_progress=None) -> BenchResult:
+        flush_mode: str = "none", progress=None, reserve_progress=None,
+        real_compute: bool = False) -> BenchResult:
     if prefill_workers < 1 or decode_workers < 1:
         raise UsageError("--prefill-workers and --decode-workers must be at least 1", "e.g. 2")
     if nodes < 3:
         raise UsageError("--nodes must be at least 3 (agent, prefill, decode)", "e.g. --nodes 3")
+    if real_compute:
+        _check_real(requests, profile)
     if pool is not None:
         return _run_on(pool, requests, profile, transports, compute, prefill_workers,
-                       decode_workers, progress)
+                       decode_workers, progress, real_compute)
     if pool_size is not None and pool_size % ALIGN:
         raise UsageError("--pool-size must be a multiple of 2 MiB", "e.g. --pool-size 4G")
     with temp_region_path() as path:
@@ -79,13 +82,25 @@ def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
                     progress=reserve_progress).close()
         res = _run_on(path, requests, profile, transports, compute, prefill_workers,
-                      decode_workers, progress)
+                      decode_workers, progress, real_compute)
         res.medium = "emulated /dev/shm region"
         return res
 
 
+def _check_real(requests, profile) -> None:
+    """Real compute runs the reference engine: the profile needs its architecture
+    and every request must fit the engine's context."""
+    from tract_cli.serve.model import ModelConfig
+    cfg = ModelConfig.from_profile(profile)
+    longest = max(len(r.tokens) + r.output_len for r in requests)
+    if longest > cfg.max_positions:
+        raise UsageError(f"a request needs {longest} positions; {profile.name}'s engine has "
+                         f"{cfg.max_positions}", "use --max-input-len, shorter requests, or "
+                         "--compute modelled")
+
+
 def _run_on(path, requests, profile, transports, compute, prefill_workers, decode_workers,
-            progress) -> BenchResult:
+            progress, real_compute=False) -> BenchResult:
     with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
         medium, info = p.medium, p.info
     if info.geometry != profile.geometry:
@@ -110,15 +125,27 @@ def _run_on(path, requests, profile, transports, compute, prefill_workers, decod
     sim = prefix_sim.simulate([keys[i] for i in order], capacity)
     agent = ensure_agent(path, 0, manager=True)
     summaries, records, skipped = [], {}, {}
+    extra_agents, cluster = [], None
     try:
+        if real_compute:
+            from tract_cli.bench import real
+            extra_agents = [ensure_agent(path, 1), ensure_agent(path, 2)]
+            cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
         for tr in transports:
+            if real_compute and tr not in real.KV_MODES:
+                skipped[tr] = ("real compute runs the serving path (tract serve-*), which moves "
+                               "KV only through the pool; use --compute modelled for it")
+                continue
             if tr in peers.PEERS:
                 why = peers.unavailable(tr)
                 if why:
                     skipped[tr] = why
                     continue
             _empty_cache(path)          # every transport starts from an empty prefix cache
-            if tr in peers.PEERS:
+            if real_compute:
+                res = real.run_transport(cluster, tr, requests, profile.arch["vocab_size"],
+                                         g.block_tokens, progress=progress and (lambda: progress(tr)))
+            elif tr in peers.PEERS:
                 res = peers.run(tr, requests, g, compute, progress=progress and (lambda: progress(tr)))
             else:
                 res = runner.run_transport(path, tr, requests, compute, prefill_workers,
@@ -126,9 +153,12 @@ def _run_on(path, requests, profile, transports, compute, prefill_workers, decod
             summaries.append(runner.summarize(res, g.block_bytes, g.block_tokens))
             records[tr] = res.records
     finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
+        if cluster is not None:
+            cluster.stop()
+        for a in [agent, *extra_agents]:
+            if a is not None:
+                a.terminate()
+                a.wait(timeout=30)
     kv_mean = int(np.mean([len(r.tokens) // g.block_tokens for r in requests]) * g.block_bytes)
     return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq, sim.hit_rate,
                        sim.evictions, kv_mean, runner.memcpy_reference(kv_mean))

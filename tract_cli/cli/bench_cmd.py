@@ -43,6 +43,8 @@ def bench(
     transports: List[str] = typer.Option(list(runner.TRANSPORTS), "--transport",
                                          help=f"{' | '.join(ALL_TRANSPORTS)} (repeatable)."),
     device: str = typer.Option("a6000", "--device", help="Device profile for modelled compute."),
+    compute_mode: str = typer.Option("modelled", "--compute", help="modelled (device profile) or "
+                                     "real (the reference engine through tract serve-*)."),
     prefill_workers: int = typer.Option(1, "--prefill-workers", help="Prefill worker processes (node 1)."),
     decode_workers: int = typer.Option(1, "--decode-workers", help="Decode worker processes (node 2)."),
     nodes: int = typer.Option(3, "--nodes", help="Nodes of the temporary region."),
@@ -71,6 +73,11 @@ def bench(
         for t in transports:
             if t in peers.PEERS:
                 peers.install(t, render.stderr.file)
+    if compute_mode not in ("modelled", "real"):
+        raise UsageError(f"--compute {compute_mode!r} is not modelled or real", "e.g. --compute real")
+    real = compute_mode == "real"
+    if real and model == "llama-3-8b":
+        model = "tiny-llama"          # the reference engine's CPU model, unless one is named
     profile = load_model(model)
     dev = load_device(device)
     if dev.prefill_tokens_per_s <= 0:
@@ -90,15 +97,18 @@ def bench(
             res = session.run(reqs, profile, transports, compute, pool=pool, pool_size=size,
                               prefill_workers=prefill_workers, decode_workers=decode_workers,
                               nodes=nodes, flush_mode=flush_mode, progress=advance,
-                              reserve_progress=cb)
-    _render(res, described, profile, dev, prefill_workers, decode_workers)
+                              reserve_progress=cb, real_compute=real)
+    compute_text = (f"real compute (reference engine, {profile.name}, random weights)" if real
+                    else f"modelled compute ({dev.description})")
+    _render(res, described, profile, compute_text, prefill_workers, decode_workers)
     if json_file:
         try:
             with open(json_file, "w") as f:
                 json.dump({"workload": described, "summaries": res.summaries, "records": res.records,
                            "skipped": res.skipped, "memcpy_2x_s": res.memcpy_2x_s,
                            "kv_bytes_mean": res.kv_bytes_mean, "medium": res.medium,
-                           "compute": "modelled", "device": dev.name, "machine": session.machine(),
+                           "compute": compute_mode, "device": None if real else dev.name,
+                           "machine": session.machine(),
                            "sim_hit_rate": res.sim_hit_rate, "pool_slots": res.pool_slots,
                            "unique_blocks": res.unique_blocks}, f, indent=2)
         except OSError as exc:
@@ -149,10 +159,10 @@ def _check_plot_dependency():
         raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
 
 
-def _render(res, described, profile, dev, pw, dw):
+def _render(res, described, profile, compute_text, pw, dw):
     out = render.stdout if render.stdout.is_terminal else Console(width=160)
     t = Table(title=f"{described}; {profile.name}; {pw} prefill + {dw} decode workers; "
-                    f"{res.medium}; modelled compute ({dev.description}); {session.machine()}",
+                    f"{res.medium}; {compute_text}; {session.machine()}",
               title_justify="left")
     for c in ("transport", "TTFT mean", "p50", "p90", "p99", "KV handoff", "/ 2x memcpy",
               "/ best", "hit rate", "req/s", "KV GB/s", "lock wait", "verified"):

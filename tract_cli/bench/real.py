@@ -1,0 +1,125 @@
+"""`tract bench --compute real`: the workload through the real serving path.
+
+Prefill workers (`tract serve-prefill`, node 1) and decode workers
+(`tract serve-decode`, node 2) run the reference engine; the driver sends
+each request to a decode worker (round robin) at its arrival time, as an
+OpenAI completion of token ids, greedy, `max_tokens` = the request's output
+length, `kv_mode` copy or zero-copy per transport.  Each decode worker
+spreads its requests over all prefill workers.  The records come from the
+workers' own timings (the `tract` object of each answer).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tract_cli.bench import runner
+from tract_cli.core.errors import TractError
+from tract_cli.serve.launch import WorkerProcess
+
+KV_MODES = {"tract-copy": "copy", "tract-zero-copy": "zero-copy"}
+REQUEST_TIMEOUT_S = 600
+
+
+def engine_tokens(tokens: np.ndarray, vocab: int) -> list[int]:
+    """Workload token ids folded into the engine's byte vocabulary (0..255):
+    equal ids stay equal, so shared prefixes stay shared."""
+    return [int(t) for t in np.asarray(tokens, dtype=np.int64) % min(vocab, 256)]
+
+
+class RealCluster:
+    """Prefill and decode serve workers on a region (agents started by the caller)."""
+
+    def __init__(self, path: str, profile: str, prefill_workers: int, decode_workers: int):
+        self.workers = []
+        try:
+            self.prefills = [self._start("serve-prefill", "--pool", path, "--node", "1",
+                                         "--model-profile", profile)
+                             for _ in range(prefill_workers)]
+            urls = [a for p in self.prefills for a in ("--prefill", p.url)]
+            self.decodes = [self._start("serve-decode", "--pool", path, "--node", "2",
+                                        "--model-profile", profile, *urls)
+                            for _ in range(decode_workers)]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, *args):
+        w = WorkerProcess(*args)
+        self.workers.append(w)
+        return w
+
+    def stop(self) -> None:
+        for w in reversed(self.workers):
+            try:
+                w.stop()
+            except TractError:
+                pass
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            msg = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError, OSError):
+            msg = exc.reason
+        raise TractError(f"the serving path answered {exc.code}: {msg}",
+                         "see the worker's log line above") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise TractError(f"the serving path is unreachable ({exc})", "check the workers") from None
+
+
+def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, block_tokens: int,
+                  progress=None) -> runner.TransportResult:
+    res = runner.TransportResult(transport)
+    mode = KV_MODES[transport]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def one(seq, req, arrival):
+        try:
+            body = {"prompt": engine_tokens(req.tokens, vocab), "max_tokens": req.output_len,
+                    "temperature": 0, "kv_mode": mode}
+            out = _post(cluster.decodes[seq % len(cluster.decodes)].url + "/v1/completions", body)
+            done = time.monotonic()
+            tr, pt = out["tract"], out["tract"]["prefill_timings"]
+            t = {"hash": pt.get("hash", 0.0), "lookup": pt.get("lookup_load", 0.0),
+                 "compute": pt.get("compute", 0.0), "kv_write": pt.get("kv_write", 0.0),
+                 "handoff_publish": pt.get("handoff_publish", 0.0), "kv_read": tr["handoff_s"],
+                 "queue": max(tr["prefill_s"] - pt.get("total", 0.0), 0.0)}
+            rec = {"rid": req.rid, "t": t, "ok": len(tr["token_ids"]) >= 1,
+                   "hits": tr["hit_blocks"], "blocks": len(req.tokens) // block_tokens,
+                   "tokens": len(req.tokens), "output_len": len(tr["token_ids"]),
+                   "ttft": tr["ttft_s"], "e2e": done - arrival, "prefill": 0}
+            with lock:
+                res.records.append(rec)
+            if progress:
+                progress()
+        except BaseException as exc:          # reported by the driver, once
+            errors.append(exc)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        for seq, req in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
+            wait = t0 + req.arrival_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)                  # the workload's clock
+            if errors:
+                break
+            pool.submit(one, seq, req, t0 + req.arrival_s)
+    res.wall_s = time.monotonic() - t0
+    if errors:
+        err = errors[0]
+        raise err if isinstance(err, TractError) else TractError(f"{transport}: {err}")
+    return res
