@@ -28,9 +28,9 @@ def engine():
     return Engine.load(None, MODEL, 0)
 
 
-def _cluster(simulate: bool, size: int = 64 << 20):
+def _cluster(simulate: bool, size: int = 64 << 20, flush_mode: str | None = None):
     path = f"/dev/shm/tract-test-serve-{uuid.uuid4().hex[:10]}.pool"
-    Pool.create(path, size, MODEL, nodes=4).close()
+    Pool.create(path, size, MODEL, nodes=4, flush_mode=flush_mode).close()
     agents, servers = [], []
     try:
         agents = [RunningAgent(path, 0, manager=True, simulate=simulate),
@@ -60,9 +60,12 @@ def _teardown(c):
     remove_region(c.path)
 
 
-@pytest.fixture(scope="module", params=["plain", "simulator"])
+@pytest.fixture(scope="module", params=["plain", "simulator", "clflush"])
 def cluster(request):
-    c = _cluster(request.param == "simulator")
+    """plain: flush mode none; simulator: the non-coherence simulator; clflush:
+    the flush mode a device gets, real flush instructions on every path."""
+    c = _cluster(request.param == "simulator",
+                 flush_mode="clflush" if request.param == "clflush" else None)
     yield c
     _teardown(c)
 
