@@ -71,14 +71,19 @@ def test_several_workers_under_eviction_pressure(tmp_path):
     blocks: requests overlap, blocks are evicted, every KV is still verified,
     and the offline simulation is reported next to the measured hit rate."""
     out = tmp_path / "bench.json"
-    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "60",
-                "--speedup", "100", "--prefill-workers", "2", "--decode-workers", "2",
-                "--pool-size", "16M", "--transport", "tract-copy", "--transport", "tract-zero-copy",
-                "--transport", "tcp", "--json", str(out))
+    # 100 requests of at most 4096 tokens (258 slots each in flight): 2102 distinct
+    # blocks on 1920 slots, so the cache must evict, while the most that requests
+    # in flight can pin (2 prefill workers + a few unacknowledged handoffs, ~1750
+    # slots) still fits: "pool full of pinned blocks" would be a correct answer
+    # on a smaller region, not a pass
+    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "100",
+                "--max-input-len", "4096", "--speedup", "100", "--prefill-workers", "2",
+                "--decode-workers", "2", "--pool-size", "32M", "--transport", "tract-copy",
+                "--transport", "tract-zero-copy", "--transport", "tcp", "--json", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     by = {s["transport"]: s for s in data["summaries"]}
-    assert all(s["verified"] and s["requests"] == 60 for s in by.values())
+    assert all(s["verified"] and s["requests"] == 100 for s in by.values())
     assert data["unique_blocks"] > data["pool_slots"]               # eviction had to happen
     recs = data["records"]["tract-copy"]
     assert len({r["prefill"] for r in recs}) == 2                  # both prefill workers served
