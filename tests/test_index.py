@@ -19,7 +19,6 @@ from tract_cli.core.pool import Pool
 @pytest.fixture(scope="module")
 def small_region(tmp_path_factory):
     """A 4 MiB tiny-model region (about 250 slots) with a lock manager."""
-    import os
     import uuid
     path = f"/dev/shm/tract-test-index-{uuid.uuid4().hex[:8]}.pool"
     Pool.create(path, 4 << 20, "tiny", nodes=4, index_stripes=4).close()

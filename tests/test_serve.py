@@ -4,10 +4,7 @@ non-coherence simulator.  The answer must be token-for-token the one the same
 engine gives in one process."""
 from __future__ import annotations
 
-import json
-import os
 import threading
-import urllib.request
 import uuid
 from types import SimpleNamespace
 

@@ -104,6 +104,7 @@ def run(transport: str, requests, geometry, compute, progress=None):
     """Runs the requests through TRANSPORT's peer: one sender (prefill) and one
     receiver (decode) process; returns a runner.TransportResult."""
     from tract_cli.bench import runner
+    from tract_cli.bench.workloads import arrivals
     from tract_cli.core.hashing import block_hashes
     env_name, script, extra_env, relay = PEERS[transport]
     py = str(python_of(env_name))
@@ -151,25 +152,28 @@ def run(transport: str, requests, geometry, compute, progress=None):
 
         def collect():
             try:
-                for _ in requests:
-                    rec = _read_line(recv, "receiver")
+                for line in recv.stdout:          # bounded: the driver kills a silent peer
+                    rec = json.loads(line)
                     with lock:
                         slots_free.append(rec.pop("slot"))
                     free.release()
                     res.records.append(rec)
                     if progress:
                         progress()
-            except TractError as exc:
-                failure.append(exc)
+                    if len(res.records) == len(requests):
+                        return
+                failure.append(TractError("the receiver peer process exited early",
+                                          "its error is printed above; reinstall the peer with "
+                                          "--install-peers"))
+            except ValueError:
+                failure.append(TractError("the receiver peer printed something that is not JSON",
+                                          "see its output above"))
             finally:
                 done.set()
         collector = threading.Thread(target=collect, daemon=True)
         t0 = time.monotonic()
         collector.start()
-        for req in sorted(requests, key=lambda r: r.arrival_s):
-            wait = t0 + req.arrival_s - time.monotonic()
-            if wait > 0 and done.wait(wait):
-                break
+        for _, req, arrival in arrivals(requests, t0, done):
             if not free.acquire(timeout=PEER_TIMEOUT_S) or done.is_set():
                 break
             with lock:
@@ -178,7 +182,7 @@ def run(transport: str, requests, geometry, compute, progress=None):
             n = len(keys)
             common = {"rid": req.rid, "keys": keys.tobytes().hex(), "blocks": n, "block_bytes": bb,
                       "tail_bytes": (len(req.tokens) - n * bt) * bpt, "slot": slot,
-                      "arrival": t0 + req.arrival_s, "tokens": len(req.tokens),
+                      "arrival": arrival, "tokens": len(req.tokens),
                       "output_len": req.output_len}
             to_receiver({**common, "decode_s": compute.decode_s_per_token})
             send.stdin.write(json.dumps({**common, "compute_s": len(req.tokens) /

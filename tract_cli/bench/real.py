@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from tract_cli.bench import runner
+from tract_cli.bench.workloads import arrivals
 from tract_cli.core.errors import TractError
 from tract_cli.serve.launch import WorkerProcess
 
@@ -30,7 +31,7 @@ REQUEST_TIMEOUT_S = 600
 def engine_tokens(tokens: np.ndarray, vocab: int) -> list[int]:
     """Workload token ids folded into the engine's byte vocabulary (0..255):
     equal ids stay equal, so shared prefixes stay shared."""
-    return [int(t) for t in np.asarray(tokens, dtype=np.int64) % min(vocab, 256)]
+    return (np.asarray(tokens, dtype=np.int64) % min(vocab, 256)).tolist()
 
 
 class RealCluster:
@@ -86,6 +87,7 @@ def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, bl
     mode = KV_MODES[transport]
     lock = threading.Lock()
     errors: list[BaseException] = []
+    failed = threading.Event()
 
     def one(seq, req, arrival):
         try:
@@ -108,16 +110,12 @@ def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, bl
                 progress()
         except BaseException as exc:          # reported by the driver, once
             errors.append(exc)
+            failed.set()
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=64) as pool:
-        for seq, req in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
-            wait = t0 + req.arrival_s - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)                  # the workload's clock
-            if errors:
-                break
-            pool.submit(one, seq, req, t0 + req.arrival_s)
+        for seq, req, arrival in arrivals(requests, t0, failed):
+            pool.submit(one, seq, req, arrival)
     res.wall_s = time.monotonic() - t0
     if errors:
         err = errors[0]

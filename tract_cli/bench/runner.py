@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tract_cli.bench.workloads import Request
+from tract_cli.bench.workloads import Request, arrivals
 from tract_cli.core.errors import TractError
 
 TRANSPORTS = ("tract-copy", "tract-zero-copy", "tcp")
@@ -265,10 +265,9 @@ def _lock_totals(path: str, nodes) -> tuple[float, int]:
     wait, count = 0.0, 0
     for node in nodes:
         with Pool.attach(path, node=node, prefault=False) as p:
-            for i in range(p.locks.count):
-                a, w = p.locks.stats(i)
-                wait += w
-                count += a
+            a, w = p.locks.totals()
+        wait += w
+        count += a
     return wait, count
 
 
@@ -345,16 +344,13 @@ def run_transport(path: str, transport: str, requests: list[Request], compute: C
     t0 = time.monotonic()
     collector.start()
     try:
-        for seq, req in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
-            wait = t0 + req.arrival_s - time.monotonic()
-            if done.wait(max(wait, 0)):               # the workload's clock (or a failure)
-                break
+        for seq, req, arrival in arrivals(requests, t0, done):
             with lock:
                 w = min(range(prefill_workers), key=lambda i: (outstanding[i], (seq + i) % prefill_workers))
                 outstanding[w] += 1
             try:
                 ctls[w].send({"rid": req.rid, "tokens": req.tokens.tobytes(),
-                              "arrival": t0 + req.arrival_s, "output_len": req.output_len,
+                              "arrival": arrival, "output_len": req.output_len,
                               "prefill": w, "decode": seq % decode_workers})
             except OSError:                           # the worker died: collect() says why
                 break

@@ -16,7 +16,7 @@ from tract_cli.core import medium
 from tract_cli.core.agent import ensure_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import ModelProfile
-from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.hashing import block_hashes
 from tract_cli.core.pool import Pool
 
 ALIGN = 2 << 20
@@ -40,17 +40,19 @@ class BenchResult:
 
 
 def unique_blocks(requests: list[Request], block_tokens: int) -> tuple[list[np.ndarray], int]:
+    """Every request's block keys and the number of distinct ones.  Hashed from the
+    default root: which blocks are equal does not depend on the root, so these
+    keys serve the sizing and the offline simulation of any region."""
     keys = [block_hashes(r.tokens, block_tokens=block_tokens) for r in requests]
     return keys, len({k.tobytes() for ks in keys for k in ks})
 
 
 def region_size_for(requests: list[Request], profile: ModelProfile, prefill_workers: int,
-                    decode_workers: int, free_bytes: int | None = None) -> int:
-    """Every distinct block of the workload plus what requests in flight pin,
-    capped at half the free space (then the cache evicts) but never below what
-    the requests in flight need."""
+                    decode_workers: int, uniq: int, free_bytes: int | None = None) -> int:
+    """Every distinct block of the workload (UNIQ) plus what requests in flight
+    pin, capped at half the free space (then the cache evicts) but never below
+    what the requests in flight need."""
     g = profile.geometry
-    _, uniq = unique_blocks(requests, g.block_tokens)
     longest = max(len(r.tokens) for r in requests) // g.block_tokens + 2
     in_flight = (prefill_workers + decode_workers + 2) * longest + 64 * 4
     slots = uniq + in_flight
@@ -70,18 +72,19 @@ def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         raise UsageError("--nodes must be at least 3 (agent, prefill, decode)", "e.g. --nodes 3")
     if real_compute:
         _check_real(requests, profile)
+    keys, uniq = unique_blocks(requests, profile.geometry.block_tokens)
     if pool is not None:
-        return _run_on(pool, requests, profile, transports, compute, prefill_workers,
+        return _run_on(pool, requests, keys, uniq, profile, transports, compute, prefill_workers,
                        decode_workers, progress, real_compute)
     if pool_size is not None and pool_size % ALIGN:
         raise UsageError("--pool-size must be a multiple of 2 MiB", "e.g. --pool-size 4G")
     with temp_region_path() as path:
         size = pool_size or region_size_for(requests, profile, prefill_workers, decode_workers,
-                                            medium.free_bytes(path))
+                                            uniq, medium.free_bytes(path))
         _need_space(path, size)
         Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
                     progress=reserve_progress).close()
-        res = _run_on(path, requests, profile, transports, compute, prefill_workers,
+        res = _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_workers,
                       decode_workers, progress, real_compute)
         res.medium = "emulated /dev/shm region"
         return res
@@ -99,8 +102,8 @@ def _check_real(requests, profile) -> None:
                          "--compute modelled")
 
 
-def _run_on(path, requests, profile, transports, compute, prefill_workers, decode_workers,
-            progress, real_compute=False) -> BenchResult:
+def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_workers,
+            decode_workers, progress, real_compute=False) -> BenchResult:
     with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
         medium, info = p.medium, p.info
     if info.geometry != profile.geometry:
@@ -115,9 +118,6 @@ def _run_on(path, requests, profile, transports, compute, prefill_workers, decod
                          f"{info.block_bytes}-byte slot)",
                          f"use --max-input-len {fits} to skip longer requests, or a model with "
                          "larger blocks (e.g. --model llama-3-8b)")
-    root = pool_root(info)
-    keys = [block_hashes(r.tokens, block_tokens=g.block_tokens, root=root) for r in requests]
-    uniq = len({k.tobytes() for ks in keys for k in ks})
     # the offline simulation sees what the index can hold: the slots, less the
     # key-list and tail slots of one handoff per worker in flight
     capacity = info.slot_count - 2 * (prefill_workers + decode_workers)

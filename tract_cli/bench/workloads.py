@@ -1,6 +1,8 @@
 """Workload generators for `tract bench` (seeded: the same seed, the same requests)."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +18,21 @@ class Request:
     output_len: int
 
 
-def static(input_len: int, requests: int, output_len: int = 3, prefix_ratio: float = 0.0,
-           seed: int = 0, vocab: int = 128000) -> list[Request]:
-    """The paper's static workload: R prompts of INPUT_LEN tokens, back to back.
+def arrivals(requests: list[Request], t0: float, stop: threading.Event):
+    """Yields (seq, request, arrival time on the monotonic clock) in arrival order,
+    each when its time comes (T0 + arrival_s): the drivers' workload clock.
+    Ends early once STOP is set (a failure elsewhere)."""
+    for seq, req in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
+        if stop.wait(max(t0 + req.arrival_s - time.monotonic(), 0.0)):
+            return
+        yield seq, req, t0 + req.arrival_s
 
-    With PREFIX_RATIO > 0, the first PREFIX_RATIO of every prompt is shared.
+
+def static(input_len: int, requests: int, output_len: int = 3, prefix_ratio: float = 0.0,
+           seed: int = 0, vocab: int = 128000, qps: float = 0.0) -> list[Request]:
+    """The paper's static workload: R prompts of INPUT_LEN tokens, back to back
+    (or Poisson at QPS).  With PREFIX_RATIO > 0, the first PREFIX_RATIO of
+    every prompt is shared.
     """
     if input_len < 1 or requests < 1 or output_len < 1:
         raise UsageError("--input-len, --requests and --output-len must be positive",
@@ -33,6 +45,11 @@ def static(input_len: int, requests: int, output_len: int = 3, prefix_ratio: flo
     for i in range(requests):
         own = rng.integers(0, vocab, input_len - len(shared)).astype(np.int32)
         out.append(Request(f"req-{seed}-{i}", 0.0, np.concatenate([shared, own]), output_len))
+    if qps:
+        if qps < 0:
+            raise UsageError("--qps must not be negative", "e.g. --qps 2")
+        times = _poisson_arrivals(np.random.default_rng(seed), requests, qps)
+        out = [Request(r.rid, float(a), r.tokens, r.output_len) for r, a in zip(out, times)]
     return out
 
 
@@ -147,12 +164,8 @@ def trace(path: str, limit: int | None = None, speedup: float = 1.0, vocab: int 
 
 def load_preset(name: str) -> dict:
     """A named synthetic workload from profiles/workloads/NAME.toml."""
-    from tract_cli.core.geometry import profiles_dir, tomllib
-    path = profiles_dir() / "workloads" / f"{name}.toml"
-    if not path.is_file():
-        names = sorted(p.stem for p in (profiles_dir() / "workloads").glob("*.toml"))
-        raise UsageError(f"unknown workload preset {name!r}", f"use one of {', '.join(names)}")
-    data = tomllib.loads(path.read_text())
+    from tract_cli.core.geometry import named_profile
+    data = named_profile("workloads", name, "workload preset")
     allowed = {"isl_mean", "osl_mean", "prefix_ratio", "num_prefix_prompts", "qps", "isl_std",
                "osl_std", "requests"}
     unknown = set(data) - allowed - {"description"}

@@ -134,11 +134,7 @@ def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_
             (f", <= {max_input_len} tokens" if max_input_len else "") + ")"
     if workload == "static":
         n = requests or 8
-        reqs = workloads.static(input_len, n, output_len, prefix_ratio or 0.0, seed)
-        if qps:
-            arrivals = workloads._poisson_arrivals(__import__("numpy").random.default_rng(seed), n, qps)
-            reqs = [workloads.Request(r.rid, float(a), r.tokens, r.output_len)
-                    for r, a in zip(reqs, arrivals)]
+        reqs = workloads.static(input_len, n, output_len, prefix_ratio or 0.0, seed, qps=qps or 0.0)
         return reqs, f"static: {n} x {input_len} tokens in, {output_len} out" + \
             (f", {prefix_ratio:g} shared" if prefix_ratio else "") + (f", {qps:g} QPS" if qps else "")
     params = {} if workload == "synthetic" else workloads.load_preset(workload)

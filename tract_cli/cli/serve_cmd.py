@@ -30,14 +30,13 @@ _AGENT = typer.Option(True, "--agent/--no-agent",
 
 def _engine(model_dir, profile, seed, threads):
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise UsageError("the serving engine needs torch", 'pip install "tract-cxl[serve]"') from None
     from tract_cli.serve.engine import Engine
     if threads is not None:
         if threads < 1:
             raise UsageError("--threads must be at least 1", "pass a positive count")
-        import torch
         torch.set_num_threads(threads)
     return Engine.load(model_dir, profile, seed)
 

@@ -109,9 +109,6 @@ def _profiles_dir() -> pathlib.Path:
     raise UsageError("the TraCT profiles directory is missing", "reinstall with `pip install .`")
 
 
-profiles_dir = _profiles_dir
-
-
 def model_names() -> list[str]:
     """Names of the model profiles shipped with TraCT."""
     return sorted(p.stem for p in (_profiles_dir() / "models").glob("*.toml"))
@@ -192,13 +189,19 @@ class DeviceProfile:
     decode_s_per_token: float = 0.0
 
 
+def named_profile(kind: str, name: str, what: str) -> dict:
+    """The TOML data of profiles/KIND/NAME.toml; an unknown NAME is a UsageError
+    listing the WHAT profiles there are."""
+    path = _profiles_dir() / kind / f"{name}.toml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (_profiles_dir() / kind).glob("*.toml"))
+        raise UsageError(f"unknown {what} {name!r}", f"use one of {', '.join(names)}")
+    return tomllib.loads(path.read_text())
+
+
 def load_device(name: str) -> DeviceProfile:
     """Loads a shipped device profile (profiles/devices/NAME.toml)."""
-    path = _profiles_dir() / "devices" / f"{name}.toml"
-    if not path.is_file():
-        names = sorted(p.stem for p in (_profiles_dir() / "devices").glob("*.toml"))
-        raise UsageError(f"unknown device profile {name!r}", f"use one of {', '.join(names)}")
-    data = tomllib.loads(path.read_text())
+    data = named_profile("devices", name, "device profile")
     return DeviceProfile(name=data["name"], kind=data["kind"], description=data["description"],
                          latency_ns=float(data["latency_ns"]),
                          bandwidth_gbps=float(data["bandwidth_gbps"]),

@@ -36,6 +36,19 @@ def request_key(request_id: str | bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
+def retry_while_pending(publish, wait_s: float):
+    """Calls PUBLISH until it stops failing for "not every block" (a block
+    another writer still holds PENDING) or WAIT_S has passed (then it raises)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return publish()
+        except HandoffError as exc:
+            if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.002)      # another process finishing its write: poll, bounded
+
+
 @dataclass(frozen=True)
 class Ticket:
     """The control message from prefill to decode: metadata only."""
@@ -84,14 +97,8 @@ class Handoffs:
         Every block must be READY; a block another writer still holds PENDING
         is waited for up to WAIT_S (polling), then HandoffError.
         """
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self._publish(request_id, hashes, token_count, tail, tail_tokens, ttl, timeout)
-            except HandoffError as exc:
-                if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
-                    raise
-            time.sleep(0.002)      # another process finishing its write: poll, bounded
+        return retry_while_pending(lambda: self._publish(request_id, hashes, token_count, tail,
+                                                         tail_tokens, ttl, timeout), wait_s)
 
     def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout) -> Ticket:
         keys = as_keys(hashes)
@@ -178,4 +185,5 @@ class Handoffs:
         return out[0]
 
 
-__all__ = ["ChecksumMismatch", "HandoffError", "Handoffs", "Received", "Ticket", "request_key"]
+__all__ = ["ChecksumMismatch", "HandoffError", "Handoffs", "Received", "Ticket", "request_key",
+           "retry_while_pending"]

@@ -75,6 +75,11 @@ class Locks:
         raise_for(lib.tract_lock_stats(self._pool._r(), lock_id, acquired, wait), "lock stats")
         return acquired[0], wait[0] / 1e9
 
+    def totals(self) -> tuple[int, float]:
+        """(acquisitions, seconds spent acquiring) by this node over every lock."""
+        stats = [self.stats(i) for i in range(self.count)]
+        return sum(a for a, _ in stats), sum(w for _, w in stats)
+
     def _check(self, lock_id: int) -> None:
         if not 0 <= lock_id < self.count:
             raise TractError(f"lock id {lock_id} is outside 0..{self.count - 1}",

@@ -80,7 +80,6 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
     hi = np.ascontiguousarray(raw[:, 8:16]).view("<u8").reshape(-1)
     home = (lo & np.uint64(per - 1)).astype(np.int64)
-    pos = np.arange(bs.count)
     for i in np.flatnonzero(live):
         s = i // per
         if int((hi[i] >> np.uint64(40)) & np.uint64(stripes - 1)) != s:

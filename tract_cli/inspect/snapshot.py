@@ -157,7 +157,6 @@ def index_view(rd: Sections, now: int) -> dict:
     pos = np.arange(bs.count, dtype=np.int64) % per
     dist = (pos - home) % per
     hist = np.bincount(dist[live], minlength=1) if live.any() else np.zeros(1, np.int64)
-    pins_s = info.section("pins")
     pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
     pinned_by_node = {n: int((pins[n] > 0).sum()) for n in range(info.max_nodes) if pins[n].any()}
     anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]

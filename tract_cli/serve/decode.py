@@ -17,9 +17,9 @@ import uuid
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import HandoffError, Ticket
 from tract_cli.serve.engine import Sampling
-from tract_cli.serve.httpd import ApiError, UpstreamError, post_json
-from tract_cli.serve.kvcache import POOL, PRIVATE
-from tract_cli.serve.prefill import MODES, as_bytes, field
+from tract_cli.serve.httpd import ApiError, UpstreamError, field, post_json
+from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
+from tract_cli.serve.prefill import MODES
 from tract_cli.serve.worker import PoolWorker
 
 PREFILL_TIMEOUT_S = 300.0

@@ -108,11 +108,14 @@ class Engine:
 
     def grow(self, table: BlockTable, tokens: int, next_private: list[int]) -> None:
         """Appends private blocks until TABLE holds TOKENS positions."""
-        while table.capacity_tokens < tokens:
-            if next_private[0] >= table.stores[PRIVATE].shape[0]:
-                raise UsageError("the request outgrew its KV buffer", "lower max_tokens")
-            table.append(PRIVATE, next_private[0])
-            next_private[0] += 1
+        need = -(-tokens // self.block_tokens) - len(table)
+        if need <= 0:
+            return
+        first = next_private[0]
+        if first + need > table.stores[PRIVATE].shape[0]:
+            raise UsageError("the request outgrew its KV buffer", "lower max_tokens")
+        table.extend(PRIVATE, range(first, first + need))
+        next_private[0] = first + need
 
     # ---- compute ----
 

@@ -31,6 +31,21 @@ class ApiError(Exception):
                           "code": self.status}}
 
 
+def field(body: dict, name: str, kind, default=None, required: bool = False):
+    """One validated field of a JSON request (bool is not an int here)."""
+    if name not in body or body[name] is None:
+        if required:
+            raise ApiError(400, f"missing field {name!r}", param=name)
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"field {name!r} must be {names}, got {type(value).__name__}",
+                       param=name)
+    return value
+
+
 class UpstreamError(Exception):
     """A peer worker could not be reached or answered with an error."""
 

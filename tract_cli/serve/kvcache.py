@@ -12,6 +12,7 @@ Attention gathers a layer's K or V for the first n positions with one
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 PRIVATE, POOL = 0, 1
@@ -25,16 +26,19 @@ class BlockTable:
         self.ids: list[int] = []
         self._runs = None
 
-    def append(self, src: int, block_id: int) -> None:
-        if src == POOL and self.stores[POOL] is None:
+    def extend(self, src, block_ids) -> None:
+        """Appends blocks BLOCK_IDS; SRC is one store (PRIVATE or POOL) for all of
+        them or one per block."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        srcs = np.broadcast_to(np.asarray(src, dtype=np.int64), ids.shape)
+        if self.stores[POOL] is None and (srcs == POOL).any():
             raise ValueError("no pool store attached to this block table")
-        self.src.append(src)
-        self.ids.append(int(block_id))
+        self.src.extend(srcs.tolist())
+        self.ids.extend(ids.tolist())
         self._runs = None
 
-    def extend(self, src: int, block_ids) -> None:
-        for b in block_ids:
-            self.append(src, b)
+    def append(self, src: int, block_id: int) -> None:
+        self.extend(src, [block_id])
 
     def __len__(self) -> int:
         return len(self.src)
@@ -44,15 +48,13 @@ class BlockTable:
         return len(self.src) * self.block_tokens
 
     def _run_list(self):
+        """(store, block ids) of each run of consecutive blocks in the same store."""
         if self._runs is None:
-            runs, i = [], 0
-            while i < len(self.src):
-                j = i
-                while j < len(self.src) and self.src[j] == self.src[i]:
-                    j += 1
-                runs.append((self.stores[self.src[i]], torch.tensor(self.ids[i:j], dtype=torch.long)))
-                i = j
-            self._runs = runs
+            src = np.asarray(self.src)
+            ids = torch.tensor(self.ids, dtype=torch.long)
+            cuts = (np.flatnonzero(np.diff(src)) + 1).tolist()
+            self._runs = [(self.stores[int(src[a])], ids[a:b])
+                          for a, b in zip([0, *cuts], [*cuts, len(src)])]
         return self._runs
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -75,6 +77,11 @@ class BlockTable:
         """Drops the references to the stores (pool views must go before the pool closes)."""
         self.stores = (None, None)
         self._runs = None
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor (any dtype)."""
+    return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
 def private_blocks(count: int, block_shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -15,42 +15,21 @@ import time
 import uuid
 
 import numpy as np
-import torch
 
 from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import HandoffError
+from tract_cli.core.handoff import HandoffError, retry_while_pending
 from tract_cli.core.hashing import block_hashes
 from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
-from tract_cli.serve.httpd import ApiError
-from tract_cli.serve.kvcache import POOL, PRIVATE
+from tract_cli.serve.httpd import ApiError, field
+from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.worker import PoolWorker
 
 MODES = ("copy", "zero-copy")
 CLAIMED = 4                     # index.reserve status: slot claimed for this writer
 ALREADY_READY = 1               # index.reserve status: READY already (pinned with pin=True)
 PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
-
-
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy uint8 numpy view of a contiguous CPU tensor (any dtype)."""
-    return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-
-
-def field(body: dict, name: str, kind, default=None, required: bool = False):
-    """One validated field of a JSON request (bool is not an int here)."""
-    if name not in body or body[name] is None:
-        if required:
-            raise ApiError(400, f"missing field {name!r}", param=name)
-        return default
-    value = body[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = "/".join(k.__name__ for k in kinds)
-        raise ApiError(400, f"field {name!r} must be {names}, got {type(value).__name__}",
-                       param=name)
-    return value
 
 
 class PrefillWorker(PoolWorker):
@@ -141,9 +120,11 @@ class PrefillWorker(PoolWorker):
                 table.extend(PRIVATE, range(-(-len(tokens) // bt)))
             else:
                 table.extend(POOL, hit.slots)
-                for i in range(full - h):
-                    table.append(POOL, slots[i]) if status[i] == CLAIMED \
-                        else table.append(PRIVATE, h + i)
+                # claimed blocks are computed into their pool slots; the few another
+                # writer holds go to private scratch blocks
+                claimed = status == CLAIMED
+                table.extend(np.where(claimed, POOL, PRIVATE),
+                             np.where(claimed, slots, np.arange(h, full)))
                 if len(tokens) % bt:
                     table.append(PRIVATE, full)
             c = time.perf_counter()
@@ -199,14 +180,9 @@ class PrefillWorker(PoolWorker):
     def _publish(self, rid, keys, token_count, tail, tail_tokens, wait_s: float):
         """Publishes the handoff.  Blocks another request still holds PENDING
         (possibly one of this worker's threads, which needs pool_lock to
-        finish) are waited for with the lock released, bounded by WAIT_S."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                with self.pool_lock:
-                    return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
-                                                      tail_tokens=tail_tokens, ttl=self.ttl)
-            except HandoffError as exc:
-                if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
-                    raise
-            time.sleep(0.002)    # another writer finishing: poll, bounded by the deadline
+        finish) are waited for with the lock released between attempts."""
+        def attempt():
+            with self.pool_lock:
+                return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
+                                                  tail_tokens=tail_tokens, ttl=self.ttl)
+        return retry_while_pending(attempt, wait_s)

@@ -60,10 +60,9 @@ class PoolWorker:
         with self.pool_lock:
             return self.pool.slot_usage()["used"]
 
-    def _lock_totals(self):
+    def _lock_totals(self) -> tuple[int, float]:
         with self.pool_lock:
-            stats = [self.pool.locks.stats(i) for i in range(self.pool.locks.count)]
-        return sum(a for a, _ in stats), sum(w for _, w in stats)
+            return self.pool.locks.totals()
 
     def _lock_wait(self) -> float:
         return self._lock_totals()[1]
