@@ -30,6 +30,9 @@ def init(
                                help="Overwrite an existing TraCT region or other data."),
     provision: bool = typer.Option(False, "--provision",
                                    help="Create the CXL region / namespace / devdax mode first."),
+    provision_only: bool = typer.Option(
+        False, "--provision-only", help="Provision and stop without formatting (a host attaching "
+                                        "to a device another host already formatted)."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="With --provision: print the commands, change nothing."),
     json_out: bool = typer.Option(False, "--json", help="Print the new header as JSON."),
@@ -39,15 +42,21 @@ def init(
     opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
                          hash_scheme=hash_scheme, index_stripes=stripes)
     size_bytes = parse_size(size) if size is not None else None
-    if dry_run and not provision:
+    if dry_run and not (provision or provision_only):
         raise UsageError("--dry-run goes with --provision", "add --provision")
-    if provision:
+    if provision or provision_only:
         steps = provision_device(path, force=force, dry_run=dry_run,
                                  echo=lambda line: render.stderr.print(line, highlight=False))
         if dry_run:
             if not steps:
                 render.stderr.print(f"{path} is ready: nothing to provision")
-            render.stderr.print(f"would format {path} (--dry-run: nothing changed)")
+            if not provision_only:
+                render.stderr.print(f"would format {path} (--dry-run: nothing changed)")
+            return
+        if provision_only:
+            if not steps:
+                render.stderr.print(f"{path} is ready: nothing to provision")
+            render.stdout.print(f"{path} is provisioned (not formatted: --provision-only)")
             return
     timings: dict = {}
     with render.byte_progress(f"reserving {path}", enabled=not quiet and not json_out) as cb:

@@ -139,6 +139,27 @@ def filesystem_type(path: str) -> str:
     return fstype
 
 
+def read_head(path: str, length: int, alignment: int, devdax: bool) -> bytes:
+    """The first LENGTH bytes of PATH (at most its size).
+
+    A device-DAX character device has no read(): pread gives EINVAL. It is
+    mapped instead, read-only, over one alignment unit (its mappings must be
+    aligned: 4 KiB fails with EINVAL too).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not devdax:
+            return os.pread(fd, length, 0)
+        mm = mmap.mmap(fd, max(alignment, length, 2 << 20), flags=mmap.MAP_SHARED,
+                       prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        return mm[:length]
+    finally:
+        mm.close()
+
+
 def _materialize(fd: int, offset: int, length: int) -> None:
     """Faults in and zero-fills the pages of a fresh memory-backed file range.
 

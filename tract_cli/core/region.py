@@ -112,13 +112,10 @@ def probe(path: str, target: medium.Target) -> tuple[str, RegionInfo | None]:
     if target.kind == "missing" or target.size == 0:
         return "empty", None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        head = medium.read_head(path, HEADER_SIZE, target.alignment, target.kind == "devdax")
     except OSError as exc:
-        raise TractError(f"{path}: cannot open: {exc.strerror}", "check permissions") from None
-    try:
-        head = os.pread(fd, HEADER_SIZE, 0)
-    finally:
-        os.close(fd)
+        raise TractError(f"{path}: cannot read its first page: {exc.strerror}",
+                         "check permissions (and that a device is in devdax mode)") from None
     if len(head) < HEADER_SIZE:
         return ("empty" if not any(head) else "other"), None
     if head[:8] == b"TRACTPOL":
@@ -204,7 +201,11 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
             timings["format_s"] = time.perf_counter() - t0
             hdr = ffi.new("struct tract_header *")
             raise_for(lib.tract_verify_header(base, size, hdr), path)
-            mm.flush()
+            if target.kind != "devdax":
+                # a file's pages to its backing store; device-DAX has no page
+                # cache (msync gives EINVAL): the core's line flushes are what
+                # put the metadata on the device
+                mm.flush()
         finally:
             ffi.release(base)
             mm.close()

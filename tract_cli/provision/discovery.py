@@ -114,21 +114,10 @@ def _dax_from_sysfs() -> list[DaxDevice]:
 
 def holds_tract(path: str, align: int) -> bool | None:
     """True if the device-DAX at PATH starts with a TraCT header (None: cannot tell)."""
-    import mmap
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        mm = mmap.mmap(fd, max(align, 2 << 20), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return medium.read_head(path, 8, align, devdax=True) == b"TRACTPOL"
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
-    try:
-        return mm[:8] == b"TRACTPOL"
-    finally:
-        mm.close()
 
 
 def discover(probe_headers: bool = True) -> Inventory:
