@@ -167,6 +167,21 @@ def test_dry_run_prints_the_commands_and_changes_nothing(fake_tools, tmp_path):
     assert all(" list" in c for c in calls()), calls()
 
 
+def test_provision_only_provisions_and_does_not_format(fake_tools):
+    """A second host attaching to a device another host formatted: region and
+    namespace as needed, then stop (there is no /dev/dax0.0 here to format)."""
+    set_script, calls = fake_tools
+    set_script(bare_machine_script())
+    res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", "/dev/dax0.0",
+                          "--provision-only"], capture_output=True, text=True, timeout=60,
+                         env=os.environ)
+    assert res.returncode == 0, res.stderr
+    assert "is provisioned (not formatted: --provision-only)" in res.stdout
+    assert [c for c in calls() if " list" not in c] == [
+        "cxl create-region -m -d decoder0.0 -w 1 -t pmem mem0",
+        "ndctl create-namespace -m devdax -a 2M --map=mem -r region0"]
+
+
 @pytest.mark.parametrize("command,recording,needle", [
     ("cxl create-region -m -d decoder0.0 -w 1 -t pmem mem0",
      "run3-tcg/11_cxl_create_region_m_d_decoder0_0_w_1_mem0.txt", "no free decoder"),

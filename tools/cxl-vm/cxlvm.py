@@ -176,7 +176,10 @@ class Cpio:
 def build_initramfs(release: str, dest: str) -> str:
     """Writes the guest's initramfs (busybox, modules, /init) to DEST."""
     arc = Cpio()
-    with open(shutil.which("busybox"), "rb") as f:
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise VmError("no busybox: install the package busybox-static")
+    with open(busybox, "rb") as f:
         arc.file("bin/busybox", f.read(), 0o755)
     with open(os.path.join(HERE, "init.sh"), "rb") as f:
         arc.file("init", f.read(), 0o755)

@@ -16,6 +16,7 @@ export MPLCONFIGDIR=/tmp XDG_CACHE_HOME=/tmp NO_COLOR=1 TRACT_DEBUG=1
 SEQ=0
 
 tract() { python3 -m tract_cli.cli "$@"; }
+e2e() { python3 "$E2E" "$@"; }      # the TraCT parts of the test: e2e.py
 
 record() {
     SEQ=$((SEQ + 1))

@@ -15,6 +15,6 @@ t1=$(now)
 echo "{\"provision_s\": $(elapsed "$t0" "$t1")}" > "$OUT/timings.json"
 must tract devices
 must tract info $DEV
-must python3 "$E2E" node $DEV --node $node --part $part --params "$OUT/params.json" \
+must e2e node $DEV --node $node --part $part --params "$OUT/params.json" \
     --out "$OUT/result.json"
 must tract check $DEV

@@ -15,5 +15,5 @@ tract devices --json > "$OUT/device.json"
 record tract doctor $DEV      # exit 1 when a check fails (TCG lacks some CPU features): keep going
 must tract info $DEV
 tract info $DEV --json > "$OUT/info.json"
-must python3 "$E2E" roundtrip $DEV --out "$OUT/roundtrip.json"
+must e2e roundtrip $DEV --out "$OUT/roundtrip.json"
 must tract check $DEV

@@ -9,4 +9,4 @@ must tract init $DEV --provision --model tiny --nodes 2 --quiet
 t1=$(now)
 echo "{\"provision_s\": $(elapsed "$t0" "$t1")}" > "$OUT/timings.json"
 must ndctl list -N -X
-must python3 "$E2E" setup $DEV --out "$OUT/info.json"
+must e2e setup $DEV --out "$OUT/info.json"
