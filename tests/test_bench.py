@@ -142,6 +142,21 @@ def test_mooncake_peer_moves_and_verifies_the_same_kv(tmp_path):
     assert s["transport"] == "mooncake-tcp" and s["verified"] and s["requests"] == 3
 
 
+@pytest.mark.skipif(peers.unavailable("lmcache-lm") is not None,
+                    reason=f"the LMCache peer is not installed ({peers.unavailable('lmcache-lm')})")
+def test_lmcache_server_peer_moves_and_verifies_the_same_kv(tmp_path):
+    """Requests of several chunks (256 tokens) and a tail through LMCache's lm:// server."""
+    out = tmp_path / "bench.json"
+    res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
+                "--transport", "lmcache-lm", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    s = data["summaries"][0]
+    assert s["transport"] == "lmcache-lm" and s["verified"] and s["requests"] == 3
+    assert all(r["t"]["kv_write"] > 0 and r["t"]["kv_read"] > 0
+               for r in data["records"]["lmcache-lm"])
+
+
 def test_real_compute_runs_the_serving_path(tmp_path):
     """--compute real: the same workload through serve-prefill / serve-decode with
     the reference engine; the network transports are skipped with the reason."""

@@ -11,7 +11,9 @@ Peers:
 - `nixl`: NIXL with its UCX backend and UCX's same-host default transports;
 - `nixl-tcp`: the same with `UCX_TLS=tcp`, the network path;
 - `mooncake-tcp`: the Mooncake Transfer Engine (non-CUDA build), protocol
-  `tcp`, metadata by `P2PHANDSHAKE` (needs libibverbs1 and librdmacm1).
+  `tcp`, metadata by `P2PHANDSHAKE` (needs libibverbs1 and librdmacm1);
+- `lmcache-lm`: LMCache's `lm://` server path (its server process, its
+  client connector and CPU memory objects).
 """
 from __future__ import annotations
 
@@ -31,15 +33,24 @@ PEERS = {
     "nixl": ("nixl", "peer_nixl.py", {}, False),
     "nixl-tcp": ("nixl", "peer_nixl.py", {"UCX_TLS": "tcp"}, False),
     "mooncake-tcp": ("mooncake", "peer_mooncake.py", {}, True),
+    # LMCache hashes with PYTHONHASHSEED-dependent builtins in places: fix it
+    "lmcache-lm": ("lmcache", "peer_lmcache.py",
+                   {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "ERROR"}, True),
 }
 # environment -> pip install steps (torch first: the CPU build, never a CUDA one)
 ENVS = {
     "nixl": [["torch==2.13.0"], ["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
     "mooncake": [["numpy"], ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]],
+    # its own pins (numpy<=2.2.6, transformers, cupy...) stay in its environment
+    "lmcache": [["torch==2.13.0"], ["lmcache==0.5.6"]],
 }
 CHECKS = {"nixl": "from nixl._api import nixl_agent",
-          "mooncake": "from mooncake.engine import TransferEngine"}
+          "mooncake": "from mooncake.engine import TransferEngine",
+          "lmcache": "from lmcache.v1.storage_backend.connector.lm_connector import "
+                     "LMCServerConnector"}
 SYSTEM_HINTS = {"libibverbs": "apt-get install libibverbs1 librdmacm1 (Mooncake links them)"}
+# peers whose store keeps every request's KV until the run ends (no eviction)
+KEEPS_EVERYTHING = {"lmcache-lm"}
 RECV_SLOTS = 4
 PEER_TIMEOUT_S = 600
 
@@ -114,6 +125,8 @@ def run(transport: str, requests, geometry, compute, progress=None):
     bb, bt, bpt = geometry.block_bytes, geometry.block_tokens, geometry.bytes_per_token
     longest = max(len(r.tokens) for r in requests)
     capacity = (longest // bt) * bb + bt * bpt
+    if transport in KEEPS_EVERYTHING:
+        _check_it_fits(transport, sum(len(r.tokens) for r in requests) * bpt)
     env = {**os.environ, **extra_env}
     procs = []
     res = runner.TransportResult(transport)
@@ -182,6 +195,7 @@ def run(transport: str, requests, geometry, compute, progress=None):
             n = len(keys)
             common = {"rid": req.rid, "keys": keys.tobytes().hex(), "blocks": n, "block_bytes": bb,
                       "tail_bytes": (len(req.tokens) - n * bt) * bpt, "slot": slot,
+                      "block_tokens": bt,
                       "arrival": arrival, "tokens": len(req.tokens),
                       "output_len": req.output_len}
             to_receiver({**common, "decode_s": compute.decode_s_per_token})
@@ -208,6 +222,23 @@ def run(transport: str, requests, geometry, compute, progress=None):
                 p.kill()
                 p.wait(timeout=30)
     return res
+
+
+def _check_it_fits(transport: str, kv_bytes: int) -> None:
+    """Refuses a workload whose KV the peer's store would hold in memory all at once."""
+    from tract_cli.core.units import format_size
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return
+    if avail is not None and kv_bytes > avail // 2:
+        raise TractError(f"{transport} keeps every request's KV in its server ({format_size(kv_bytes)} "
+                         f"for this workload, {format_size(avail)} of memory available)",
+                         "run fewer requests (--requests/--limit) for this transport")
 
 
 def _read_line(proc, who: str) -> dict:
