@@ -144,17 +144,20 @@ def test_mooncake_peer_moves_and_verifies_the_same_kv(tmp_path):
 
 @pytest.mark.skipif(peers.unavailable("lmcache-lm") is not None,
                     reason=f"the LMCache peer is not installed ({peers.unavailable('lmcache-lm')})")
-def test_lmcache_server_peer_moves_and_verifies_the_same_kv(tmp_path):
-    """Requests of several chunks (256 tokens) and a tail through LMCache's lm:// server."""
+def test_lmcache_peers_move_and_verify_the_same_kv(tmp_path):
+    """Requests of several 256-token chunks and a tail through LMCache's lm://
+    server and through its PD backend (NIXL, CPU buffers); every chunk's first
+    block is checked on arrival."""
     out = tmp_path / "bench.json"
     res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
-                "--transport", "lmcache-lm", "--json", str(out))
+                "--transport", "lmcache-lm", "--transport", "lmcache-pd", "--json", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
-    s = data["summaries"][0]
-    assert s["transport"] == "lmcache-lm" and s["verified"] and s["requests"] == 3
+    by = {s["transport"]: s for s in data["summaries"]}
+    assert set(by) == {"lmcache-lm", "lmcache-pd"}
+    assert all(s["verified"] and s["requests"] == 3 for s in by.values())
     assert all(r["t"]["kv_write"] > 0 and r["t"]["kv_read"] > 0
-               for r in data["records"]["lmcache-lm"])
+               for recs in data["records"].values() for r in recs)
 
 
 def test_real_compute_runs_the_serving_path(tmp_path):

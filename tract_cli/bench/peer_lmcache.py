@@ -1,7 +1,21 @@
-"""The LMCache peer adapter, its `lm://` server path (LMCache 0.5.6): run by
-the peer's own Python as `receiver` (decode side) or `sender` (prefill side),
-driven by `tract bench` over JSON lines on stdin/stdout (as peer_nixl.py).
+"""The LMCache peer adapter (LMCache 0.5.6), two paths: run by the peer's own
+Python as `receiver` (decode side) or `sender` (prefill side), driven by
+`tract bench` over JSON lines on stdin/stdout (as peer_nixl.py). The path is
+`TRACT_LMCACHE_PATH`: `lm` (default) or `pd`.
 
+**`pd`: LMCache's PD disaggregation backend (`PDBackend`) over NIXL/UCX with
+CPU buffers**, as between a prefill and a decode engine: the receiver is a
+PD receiver (its memory-allocation side channel and NIXL listener on free
+loopback ports); the sender a PD sender (`pd_skip_proxy_notification`: the
+driver relays the completion, as LMCache's proxy would). Per request the
+sender allocates memory objects from its PD buffer, copies each 256-token
+chunk into one (the copy LMCache's GPU connector makes from the engine's KV),
+and `batched_submit_put_task`s them: the receiver allocates their twins in
+its buffer over the side channel, NIXL writes them, the future resolves. The
+receiver then copies each chunk out of its buffer into the request's receive
+slot (LMCache's retrieve copy) and frees it.
+
+**`lm`: the `lm://` server path.**
 The receiver starts LMCache's own server (`python -m lmcache.v1.server HOST
 PORT cpu`, the process behind `remote_url: lm://HOST:PORT`) and prints its
 address. Both sides talk to it through LMCache's client, `LMCServerConnector`,
@@ -44,6 +58,9 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+from peer_common import GEOMETRY  # noqa: E402
+
+PATH = os.environ.get("TRACT_LMCACHE_PATH", "lm")
 
 CHUNK_TOKENS = 256              # LMCache's default chunk_size
 MODEL = "tract-bench"
@@ -135,7 +152,7 @@ def start_server() -> tuple[subprocess.Popen, int]:
     raise SystemExit(f"lmcache: the server did not listen within {SERVER_START_S:.0f} s")
 
 
-def receiver(capacity: int, slots: int) -> None:
+def lm_receiver(capacity: int, slots: int) -> None:
     server, port = start_server()
     try:
         buf = np.zeros(capacity * slots, np.uint8)
@@ -157,13 +174,13 @@ def receiver(capacity: int, slots: int) -> None:
                 for key, (s, e) in zip(chunk_keys(rid, len(parts)), parts):
                     client.get_into(key, buf[base + s:base + e])
                 t["kv_read"] = time.perf_counter() - c
-                out(record(buf, capacity, exp, t))
+                out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
     finally:
         server.kill()
         server.wait()
 
 
-def sender(capacity: int) -> None:
+def lm_sender(capacity: int) -> None:
     hello = json.loads(sys.stdin.readline())
     buf = np.zeros(capacity, np.uint8)
     client = None
@@ -183,5 +200,98 @@ def sender(capacity: int) -> None:
         out({"done": req["rid"], "t": t})
 
 
+# ---------------------------------------------------------------- the PD path
+
+def pd_backend(role: str, buffer_bytes: int, ports: tuple[int, int] | None = None):
+    """A PDBackend with a CPU buffer of BUFFER_BYTES whose chunk is 256 tokens."""
+    from lmcache.v1.storage_backend.pd_backend import PDBackend
+    bpt = GEOMETRY["block_bytes"] // GEOMETRY["block_tokens"]
+    meta = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.uint8,
+                           kv_shape=(1, 2, CHUNK_TOKENS, 1, bpt // 2))
+    chunk = CHUNK_TOKENS * bpt
+    kw = dict(chunk_size=CHUNK_TOKENS, local_cpu=False, pd_role=role, pd_backend_mode="sync",
+              pd_buffer_size=(buffer_bytes // chunk + 2) * chunk, pd_buffer_device="cpu",
+              transfer_channel="nixl", nixl_backends=["UCX"])
+    if role == "receiver":
+        kw.update(pd_peer_host="127.0.0.1", pd_peer_init_port=[ports[0]],
+                  pd_peer_alloc_port=[ports[1]])
+    else:
+        kw.update(pd_skip_proxy_notification=True)
+    return PDBackend(LMCacheEngineConfig.from_defaults(**kw), meta)
+
+
+def pd_shapes(req: dict) -> list:
+    """The KV_2LTD shape of each chunk: [K|V, layer, tokens, bytes per token / 2]."""
+    bpt = req["block_bytes"] // req["block_tokens"]
+    return [torch.Size([2, 1, (e - s) // bpt, bpt // 2]) for s, e in spans(req)]
+
+
+def pd_receiver(capacity: int, slots: int) -> None:
+    ports = (free_port(), free_port())
+    backend = pd_backend("receiver", capacity * slots, ports)
+    buf = np.zeros(capacity * slots, np.uint8)
+    out({"host": "127.0.0.1", "init_port": ports[0], "alloc_port": ports[1]})
+    expected, done = {}, {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "done" in msg:
+            done[msg["done"]] = msg["t"]
+        else:
+            expected[msg["rid"]] = msg
+        for rid in [r for r in done if r in expected]:
+            exp, t = expected.pop(rid), done.pop(rid)
+            c = time.perf_counter()
+            base = exp["slot"] * capacity
+            parts = spans(exp)
+            for key, (s, e) in zip(chunk_keys(rid, len(parts)), parts):
+                obj = backend.get_blocking(key)        # written by NIXL before "done"
+                buf[base + s:base + e] = obj.tensor.view(-1).numpy()[:e - s]
+                backend.remove(key)
+                obj.ref_count_down()
+            t["kv_read"] = time.perf_counter() - c
+            out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
+    backend.close()
+
+
+def pd_sender(capacity: int) -> None:
+    import types
+    hello = json.loads(sys.stdin.readline())
+    backend = pd_backend("sender", capacity)
+    spec = types.SimpleNamespace(receiver_host=hello["host"],
+                                 receiver_init_port=[hello["init_port"]],
+                                 receiver_alloc_port=[hello["alloc_port"]],
+                                 is_last_prefill=False, req_id="")
+    buf = np.zeros(capacity, np.uint8)
+    out({"ready": True})
+    for line in sys.stdin:
+        req = json.loads(line)
+        t, _ = fill_and_compute(buf, req)
+        c = time.perf_counter()
+        parts = spans(req)
+        objs = []
+        for shape, (s, e) in zip(pd_shapes(req), parts):
+            obj = backend.allocate(shape, torch.uint8)
+            if obj is None:
+                raise SystemExit("lmcache: the PD buffer has no room for a chunk")
+            obj.tensor.view(-1).numpy()[:] = buf[s:e]
+            objs.append(obj)
+        spec.req_id = req["rid"]
+        futures = backend.batched_submit_put_task(chunk_keys(req["rid"], len(parts)), objs, spec)
+        futures[0].result(timeout=600)
+        for obj in objs:
+            obj.ref_count_down()
+        t["kv_write"] = time.perf_counter() - c
+        out({"done": req["rid"], "t": t})
+    backend.close()
+
+
+def chunk_blocks(req: dict) -> int:
+    return max(CHUNK_TOKENS // req["block_tokens"], 1)
+
+
 if __name__ == "__main__":
-    main(receiver, sender)
+    if PATH == "pd":
+        main(pd_receiver, pd_sender)
+    else:
+        main(lm_receiver, lm_sender)

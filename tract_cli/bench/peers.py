@@ -13,7 +13,9 @@ Peers:
 - `mooncake-tcp`: the Mooncake Transfer Engine (non-CUDA build), protocol
   `tcp`, metadata by `P2PHANDSHAKE` (needs libibverbs1 and librdmacm1);
 - `lmcache-lm`: LMCache's `lm://` server path (its server process, its
-  client connector and CPU memory objects).
+  client connector and CPU memory objects);
+- `lmcache-pd`: LMCache's PD disaggregation backend over NIXL/UCX with CPU
+  buffers (a PD sender and a PD receiver).
 """
 from __future__ import annotations
 
@@ -36,18 +38,24 @@ PEERS = {
     # LMCache hashes with PYTHONHASHSEED-dependent builtins in places: fix it
     "lmcache-lm": ("lmcache", "peer_lmcache.py",
                    {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "ERROR"}, True),
+    "lmcache-pd": ("lmcache", "peer_lmcache.py",
+                   {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "ERROR",
+                    "TRACT_LMCACHE_PATH": "pd", "NIXL_LOG_LEVEL": "WARN"}, True),
 }
 # environment -> pip install steps (torch first: the CPU build, never a CUDA one)
 ENVS = {
     "nixl": [["torch==2.13.0"], ["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
     "mooncake": [["numpy"], ["mooncake-transfer-engine-non-cuda==0.3.13.post1"]],
     # its own pins (numpy<=2.2.6, transformers, cupy...) stay in its environment
-    "lmcache": [["torch==2.13.0"], ["lmcache==0.5.6"]],
+    # nixl-cu13: LMCache's cupy/cuda-python make NIXL look for its CUDA 13 build
+    "lmcache": [["torch==2.13.0"], ["lmcache==0.5.6"], ["nixl-cu13==1.5.1"],
+                ["--no-deps", "nixl==1.5.1"]],
 }
 CHECKS = {"nixl": "from nixl._api import nixl_agent",
           "mooncake": "from mooncake.engine import TransferEngine",
           "lmcache": "from lmcache.v1.storage_backend.connector.lm_connector import "
-                     "LMCServerConnector"}
+                     "LMCServerConnector; import lmcache.v1.storage_backend.pd_backend; "
+                     "from nixl._api import nixl_agent"}
 SYSTEM_HINTS = {"libibverbs": "apt-get install libibverbs1 librdmacm1 (Mooncake links them)"}
 # peers whose store keeps every request's KV until the run ends (no eviction)
 KEEPS_EVERYTHING = {"lmcache-lm"}
@@ -131,12 +139,13 @@ def run(transport: str, requests, geometry, compute, progress=None):
     procs = []
     res = runner.TransportResult(transport)
     try:
+        geo = ["--block-bytes", str(bb), "--block-tokens", str(bt)]
         recv = subprocess.Popen([py, "-I", adapter, "receiver", "--capacity", str(capacity),
-                                 "--slots", str(RECV_SLOTS)], stdin=subprocess.PIPE,
+                                 "--slots", str(RECV_SLOTS), *geo], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env)
         procs.append(recv)
         hello = _read_line(recv, "receiver")
-        send = subprocess.Popen([py, "-I", adapter, "sender", "--capacity", str(capacity)],
+        send = subprocess.Popen([py, "-I", adapter, "sender", "--capacity", str(capacity), *geo],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         procs.append(send)
         send.stdin.write(json.dumps(hello) + "\n")
