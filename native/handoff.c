@@ -119,9 +119,11 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto release;
 	if (tail_len && (rc = tract_copy_in(r, slot_off(r, extra[1]), tail, tail_len)) < 0)
 		goto release;
-	/* 3. the record, under the transfer lock */
+	/* 3. the record, under the transfer lock; the pins become the record's
+	 * (forgotten by this process's journal before the record can exist) */
 	if ((rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
+	tract_journal_pins(r, keys, n, -1);
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
 	rc = TRACT_E_TABLE_FULL;
 	for (uint32_t i = 0; i < sec->count; i++) {

@@ -476,6 +476,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		i = j;
 	}
 	*hits = keep;
+	tract_journal_pins(r, keys, keep, +1);      /* after taking them: never more than held */
 	free(refs);
 	free(pinned);
 	free(set);
@@ -526,7 +527,72 @@ int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uin
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
 {
+	if (r && keys)
+		tract_journal_pins(r, keys, n, -1);  /* before giving them back */
 	return tract_index_unpin_node(r, keys, n, r ? r->node_id : 0, timeout_ns);
+}
+
+/* the stripe of one key, entered (internal) */
+static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
+		     struct stripe_ctx *c)
+{
+	return stripe_enter(r, key_stripe(r, key), timeout_ns, c, NULL);
+}
+
+/* gives back up to count of this node's pins on key (a dead process's) (internal) */
+int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
+			     uint32_t *released, uint64_t timeout_ns)
+{
+	*released = 0;
+	struct stripe_ctx c;
+	int rc = enter_key(r, key, timeout_ns, &c);
+	if (rc < 0)
+		return rc;
+	uint64_t b, fb;
+	struct tract_bucket bk;
+	probe(&c, key, &b, &fb, &bk);
+	rc = TRACT_E_NOT_FOUND;
+	if (b != UINT64_MAX) {
+		uint64_t off = pin_off(r, r->node_id, b);
+		uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+		uint8_t buf[TRACT_LINE];
+		uint16_t v;
+		line_get(&c, line, buf);
+		memcpy(&v, buf + (off - line), 2);
+		uint32_t take = count < v ? count : v;
+		if (take && pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
+			store_bucket(&c, b, &bk);
+			*released = take;
+		}
+		rc = TRACT_OK;
+	}
+	stripe_leave(&c);
+	return rc;
+}
+
+/* drops a dead process's PENDING claim on key: the bucket is buried and the
+ * slot freed only when the bucket is still PENDING and pid's (internal) */
+int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
+			   int *freed, uint64_t timeout_ns)
+{
+	*freed = 0;
+	struct stripe_ctx c;
+	int rc = enter_key(r, key, timeout_ns, &c);
+	if (rc < 0)
+		return rc;
+	uint64_t b, fb;
+	struct tract_bucket bk;
+	probe(&c, key, &b, &fb, &bk);
+	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
+		   bk.owner_node == r->node_id;
+	if (ours)
+		bury(&c, b);
+	stripe_leave(&c);
+	if (!ours)
+		return TRACT_E_NOT_FOUND;
+	if (slot < r->hdr.slot_count && tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
+		*freed = 1;
+	return TRACT_OK;
 }
 
 /* evicts up to want unpinned READY entries, LRU first, spread over the
@@ -792,6 +858,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	memset(slots, 0, (size_t)n * sizeof(uint32_t));
 	if ((rc = claim_all(r, keys, n, refs, status, pin_ready, timeout_ns)) < 0)
 		goto abandon;
+	tract_journal_claims(r, keys, n, status, PUT_CLAIMED, NULL, 0);
 	uint32_t want = 0;
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
@@ -820,12 +887,14 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 			slots[k] = 0;
 			slots[mine[k]] = s;
 		}
+		tract_journal_claims(r, keys, n, status, PUT_CLAIMED, slots, 0);
 	}
 	free(refs);
 	free(mine);
 	return TRACT_OK;
 abandon:
 	finish_all(r, keys, n, refs, status, slots, NULL, NULL, 0, timeout_ns);
+	tract_journal_claims(r, keys, n, status, PUT_CLAIMED, NULL, 1);
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
 			status[i] = PUT_NO_ROOM;
@@ -852,8 +921,13 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		if (status[i] == PUT_CLAIMED && slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
 	struct keyref *refs = group(r, keys, n);
-	if (!refs)
+	uint8_t *claimed = malloc((size_t)n + 1);
+	if (!refs || !claimed) {
+		free(refs);
+		free(claimed);
 		return TRACT_E_NOMEM;
+	}
+	memcpy(claimed, status, n);
 	uint32_t *freed = NULL;
 	if (!publish) {
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
@@ -862,6 +936,7 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			if (status[i] == PUT_CLAIMED)
 				freed[k++] = slots[i];
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
+		tract_journal_claims(r, keys, n, claimed, PUT_CLAIMED, NULL, 1);
 		if (freed && k)
 			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
 		for (uint32_t i = 0; i < n; i++)
@@ -879,7 +954,13 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		__sync_synchronize();
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
 				publish == 2 ? 2 : 1, timeout_ns);
+		/* pins first (after taking them), then the claims: a death in
+		 * between leaves a READY bucket whose claim recovery keeps */
+		if (publish == 2)
+			tract_journal_put_pins(r, keys, n, status);
+		tract_journal_claims(r, keys, n, claimed, PUT_CLAIMED, NULL, 1);
 	}
+	free(claimed);
 	free(freed);
 	free(refs);
 	return rc;

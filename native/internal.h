@@ -37,7 +37,34 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 1
+#define TRACT_LOCAL_VERSION 2
+
+/*
+ * The per-process journal in the node-local segment (journal.c): what each
+ * attached process holds in the shared index, so the node agent can give it
+ * back when the process dies: its pins (per key) and its PENDING claims (key
+ * and the slot allocated for it).  One entry per attached handle, claimed by
+ * pid; an open-addressing table of keys per entry.
+ */
+#define TRACT_JOURNAL_PROCS 32
+#define TRACT_JOURNAL_CAP 8192          /* keys per process (power of two) */
+
+struct tract_journal_key {
+	uint8_t key[16];
+	uint32_t pins;          /* pins this process holds on the key */
+	uint32_t claim;         /* 1 + slot of a PENDING claim (UINT32_MAX: no slot yet), 0 none */
+	uint64_t used;          /* 1: occupied */
+};
+
+struct tract_journal_proc {
+	uint32_t pid;           /* 0: free; set by CAS, cleared by the owner or the agent */
+	uint32_t used;          /* occupied keys */
+	uint32_t overflow;      /* operations not journaled (table full): recovery incomplete */
+	uint32_t reserved;
+	uint64_t attached_ns;
+	uint8_t pad[40];
+	struct tract_journal_key keys[TRACT_JOURNAL_CAP];
+} __attribute__((aligned(64)));
 
 struct tract_local_mutex {
 	pthread_mutex_t mu;
@@ -57,6 +84,7 @@ struct tract_local_hdr {
 	uint64_t locks_off;     /* offsets inside the segment */
 	uint64_t free_list_off; /* u32 slot ids */
 	uint64_t free_bits_off; /* 1 bit per slot: in this node's free list */
+	uint64_t journal_off;   /* TRACT_JOURNAL_PROCS struct tract_journal_proc */
 	pthread_mutex_t agent_mu __attribute__((aligned(64)));
 	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
@@ -72,6 +100,8 @@ struct tract_region {
 	struct tract_header hdr;    /* private copy of the verified header */
 	struct tract_local_hdr *local; /* bound node-local segment, or NULL */
 	uint8_t *held;              /* per lock: 1 if this process holds it */
+	struct tract_journal_proc *journal; /* this handle's entry in the local segment, or NULL */
+	pthread_mutex_t journal_mu; /* guards the entry across this process's threads */
 	pthread_mutex_t held_mu;    /* guards held[] across this process's threads */
 };
 
@@ -122,6 +152,24 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 /* unpins keys on behalf of node (a handoff's prefill side) (internal) */
 int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
 			   uint64_t timeout_ns);
+
+/* gives back up to count of this node's pins on key (internal) */
+int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
+			     uint32_t *released, uint64_t timeout_ns);
+
+/* drops a dead pid's PENDING claim on key, freeing slot (internal) */
+int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
+			   int *freed, uint64_t timeout_ns);
+
+/* the per-process journal (journal.c) (internal) */
+void tract_journal_open(tract_region *r);
+void tract_journal_close(tract_region *r);
+uint64_t tract_journal_size(void);
+void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_t dpins);
+void tract_journal_put_pins(tract_region *r, const uint8_t *keys, uint32_t n,
+			    const uint8_t *status);
+void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
+			  uint8_t claimed, const uint32_t *slots, int forget);
 
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);

@@ -224,6 +224,8 @@ void tract_detach(tract_region *r)
 {
 	if (!r)
 		return;
+	if (r->local)
+		tract_journal_close(r);
 	tract_sim_destroy(r);
 	pthread_mutex_destroy(&r->held_mu);
 	free(r->held);

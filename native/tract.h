@@ -294,6 +294,14 @@ int tract_agent_lock(tract_region *r);
 /* Releases the node's agent mutex. */
 int tract_agent_unlock(tract_region *r);
 
+/* Gives back what the node's dead processes held in the index (their
+ * journaled pins and PENDING claims): out[0] processes, out[1] pins,
+ * out[2] claims, out[3] slots freed, out[4] partial (overflowed) journals. */
+int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns);
+
+/* Journal entries in use, keys journaled, overflowed operations (out[0..3)). */
+int tract_journal_stats(const tract_region *r, uint64_t *out);
+
 /* ---- the two-tier lock ---- */
 
 /* what a timed-out acquire saw, for the error message */

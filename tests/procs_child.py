@@ -39,6 +39,9 @@ def main() -> None:
         "index_release_held": lambda: index_release_held(pool),
         "handoff_publish": lambda **kw: handoff_publish(pool, **kw),
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
+        "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
+        "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
+        "index_put_pinned_chain": lambda chain: index_put_pinned_chain(pool, chain),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -153,6 +156,23 @@ def index_lookup_verify(pool, chains: list, hold: bool = False) -> list:
 
 
 HELD: list = []
+
+
+def index_reserve_chain(pool, chain: list) -> dict:
+    """Reserves a chain's absent keys (PENDING, slots allocated) and stops there,
+    as a writer that dies before it publishes."""
+    status, slots = pool.index.reserve(_chain_keys(pool, *chain))
+    claimed = status == 4
+    return {"claimed": int(claimed.sum()), "slots": slots[claimed].tolist()}
+
+
+def index_put_pinned_chain(pool, chain: list) -> int:
+    """Puts a chain pinned (as a prefill worker before its handoff); the pins stay."""
+    import numpy as np
+    from index_check import payload_for
+    keys = _chain_keys(pool, *chain)
+    kv = np.stack([payload_for(k.tobytes(), pool.info.block_bytes) for k in keys])
+    return len(pool.index.put(keys, kv, checksum=True, pin=True).pinned(keys))
 
 
 def index_release_held(pool) -> int:

@@ -65,6 +65,36 @@ def read_nodes(pool: Pool) -> list[NodeRecord]:
     return out
 
 
+@dataclass
+class Recovered:
+    """What one recovery pass gave back from the node's dead processes."""
+
+    processes: int = 0
+    pins: int = 0
+    claims: int = 0
+    slots: int = 0
+    partial: int = 0      # journals that had overflowed: the rest needs `tract check --repair`
+
+    def describe(self) -> str:
+        text = (f"recovered {self.processes} dead process(es): {self.pins} pin(s) released, "
+                f"{self.claims} unfinished write(s) dropped, {self.slots} slot(s) freed")
+        if self.partial:
+            text += (f"; {self.partial} journal(s) had overflowed: run `tract check --repair` "
+                     "offline for the rest")
+        return text
+
+
+def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
+    """Gives back what this node's dead processes held in the index: their
+    journaled pins and unfinished (PENDING) writes with their slots."""
+    out = ffi.new("uint64_t[5]")
+    rc = lib.tract_recover_dead(pool._r(), out, int(timeout * 1e9))
+    if rc == lib.TRACT_E_TIMEOUT:
+        return Recovered()           # a stripe lock was busy: the next heartbeat retries
+    raise_for(rc, "recovery of dead processes")
+    return Recovered(*(int(v) for v in out))
+
+
 class Agent:
     """A running node agent (foreground: `tract agent`)."""
 
@@ -82,6 +112,7 @@ class Agent:
         self._locked = False
         self.reclaimed = 0
         self.recovered_locks = 0
+        self.recovered_processes = 0
         self.epoch = 0
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
 
@@ -136,6 +167,17 @@ class Agent:
                 self.recovered_locks += count[0]
                 print(f"tract agent: node {self.node}: released {count[0]} lock(s) of dead "
                       "processes", file=sys.stderr, flush=True)
+            # then what they held in the index (their stripe locks are free now)
+            try:
+                got = recover_dead_processes(self.pool)
+            except TractError as err:
+                print(f"tract agent: node {self.node}: recovery: {err}", file=sys.stderr,
+                      flush=True)
+            else:
+                if got.processes:
+                    self.recovered_processes += got.processes
+                    print(f"tract agent: node {self.node}: {got.describe()}", file=sys.stderr,
+                          flush=True)
             now = time.monotonic()
             if self.manager and now - last_reclaim >= RECLAIM_S:
                 # expired handoffs (a decode side that died): pins and slots back

@@ -1,0 +1,283 @@
+/*
+ * journal.c -- what each attached process holds in the index, so that its
+ * node's agent can give it back when the process dies (docs/PROTOCOLS.md §7).
+ *
+ * A process that dies with lookup pins leaves blocks that can never be
+ * evicted; one that dies between reserving a key (PENDING) and publishing it
+ * leaves a key nobody can ever write, and a slot nobody can free.  The index
+ * counts pins per node, not per process, and a PENDING bucket does not name
+ * its slot, so the region alone cannot tell what a dead process held.  Each
+ * handle therefore keeps a journal in the node-local segment (DRAM of the
+ * node, coherent for the node's processes): per key, the pins it holds and
+ * the claim (and slot) it reserved.
+ *
+ * The journal may say less than the process holds, never more: pins are
+ * journaled after they are taken and forgotten before they are given back,
+ * and a handoff's pins are forgotten before its record is published.  So
+ * recovery may leave something behind (a leak, for `tract check --repair`),
+ * but never releases what another process holds.  Recovery frees a claim's
+ * slot only when it finds the bucket still PENDING and owned by the dead
+ * pid: a bucket that turned READY keeps its slot, and a missing bucket's
+ * slot is left alone (it may have been freed and reused since).
+ */
+#include <errno.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* the journal entries of the local segment (internal) */
+static struct tract_journal_proc *procs(const tract_region *r)
+{
+	return (struct tract_journal_proc *)((uint8_t *)r->local + r->local->journal_off);
+}
+
+/* Bytes of the journal section of a local segment. */
+uint64_t tract_journal_size(void)
+{
+	return (uint64_t)TRACT_JOURNAL_PROCS * sizeof(struct tract_journal_proc);
+}
+
+/* Takes a free journal entry for this handle (none free: the handle runs
+ * without one, and its holdings are recovered only offline) (internal) */
+void tract_journal_open(tract_region *r)
+{
+	pthread_mutex_init(&r->journal_mu, NULL);
+	r->journal = NULL;
+	if (!r->local || !r->local->journal_off)
+		return;
+	uint32_t me = (uint32_t)getpid();
+	struct tract_journal_proc *p = procs(r);
+	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
+		uint32_t zero = 0;
+		if (__atomic_compare_exchange_n(&p[i].pid, &zero, me, 0, __ATOMIC_ACQ_REL,
+						__ATOMIC_ACQUIRE)) {
+			/* a fresh entry: empty (recovery and close leave it zeroed) */
+			p[i].attached_ns = tract_now_ns();
+			r->journal = &p[i];
+			return;
+		}
+	}
+}
+
+/* Gives the entry back if it holds nothing; otherwise it stays for the agent,
+ * which recovers it once this process is gone (internal) */
+void tract_journal_close(tract_region *r)
+{
+	if (r->journal) {
+		pthread_mutex_lock(&r->journal_mu);
+		if (r->journal->used == 0 && r->journal->overflow == 0)
+			__atomic_store_n(&r->journal->pid, 0, __ATOMIC_RELEASE);
+		r->journal = NULL;
+		pthread_mutex_unlock(&r->journal_mu);
+	}
+	pthread_mutex_destroy(&r->journal_mu);
+}
+
+/* the home position of a key (internal) */
+static uint32_t home(const uint8_t *key)
+{
+	uint64_t lo;
+	memcpy(&lo, key, 8);
+	return (uint32_t)(lo ^ (lo >> 29)) & (TRACT_JOURNAL_CAP - 1);
+}
+
+/* the position of key, or of the free place it would take; -1 when full (internal) */
+static int64_t find(struct tract_journal_proc *p, const uint8_t *key, int *found)
+{
+	uint32_t h = home(key);
+	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
+		uint32_t pos = (h + i) & (TRACT_JOURNAL_CAP - 1);
+		struct tract_journal_key *k = &p->keys[pos];
+		if (!k->used) {
+			*found = 0;
+			return pos;
+		}
+		if (!memcmp(k->key, key, 16)) {
+			*found = 1;
+			return pos;
+		}
+	}
+	*found = 0;
+	return -1;
+}
+
+/* removes position pos, shifting back the keys of its probe run (internal) */
+static void erase(struct tract_journal_proc *p, uint32_t pos)
+{
+	uint32_t hole = pos;
+	for (uint32_t i = 1; i < TRACT_JOURNAL_CAP; i++) {
+		uint32_t at = (pos + i) & (TRACT_JOURNAL_CAP - 1);
+		struct tract_journal_key *k = &p->keys[at];
+		if (!k->used)
+			break;
+		uint32_t h = home(k->key);
+		/* k may move into the hole if its home is not in (hole, at] */
+		uint32_t d_at = (at - h) & (TRACT_JOURNAL_CAP - 1);
+		uint32_t d_hole = (hole - h) & (TRACT_JOURNAL_CAP - 1);
+		if (d_hole <= d_at) {
+			p->keys[hole] = *k;
+			hole = at;
+		}
+	}
+	memset(&p->keys[hole], 0, sizeof(p->keys[hole]));
+	p->used--;
+}
+
+/* adds dpins to a key's pins and sets (claim > 0), clears (claim == 0 with
+ * clear_claim) or keeps its claim (internal, journal_mu held) */
+static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpins,
+		   int set_claim, uint32_t claim)
+{
+	int found;
+	int64_t pos = find(p, key, &found);
+	if (!found) {
+		if (dpins <= 0 && !(set_claim && claim))
+			return;                    /* nothing journaled to take back */
+		if (pos < 0) {
+			p->overflow++;
+			return;
+		}
+		struct tract_journal_key *k = &p->keys[pos];
+		memcpy(k->key, key, 16);
+		k->pins = 0;
+		k->claim = 0;
+		k->used = 1;
+		p->used++;
+	}
+	struct tract_journal_key *k = &p->keys[pos];
+	if (dpins < 0 && (uint32_t)-dpins > k->pins)
+		k->pins = 0;
+	else
+		k->pins = (uint32_t)((int64_t)k->pins + dpins);
+	if (set_claim)
+		k->claim = claim;
+	if (!k->pins && !k->claim)
+		erase(p, (uint32_t)pos);
+}
+
+/* Journals dpins (+1 taken, -1 given back) on each of n keys (internal). */
+void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_t dpins)
+{
+	if (!r->journal || !n)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	for (uint32_t i = 0; i < n; i++)
+		update(r->journal, keys + (uint64_t)i * 16, dpins, 0, 0);
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* Journals the pins of the keys whose status is 0 or 1 (a pinning put) (internal). */
+void tract_journal_put_pins(tract_region *r, const uint8_t *keys, uint32_t n,
+			    const uint8_t *status)
+{
+	if (!r->journal || !n)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	for (uint32_t i = 0; i < n; i++)
+		if (status[i] == 0 || status[i] == 1)
+			update(r->journal, keys + (uint64_t)i * 16, +1, 0, 0);
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* Journals (slots != NULL: with their slots) or forgets (forget) the claims
+ * of the keys whose status is `claimed` (internal). */
+void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
+			  uint8_t claimed, const uint32_t *slots, int forget)
+{
+	if (!r->journal || !n)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	for (uint32_t i = 0; i < n; i++) {
+		if (status[i] != claimed)
+			continue;
+		uint32_t c = forget ? 0 : slots ? slots[i] + 1 : UINT32_MAX;
+		update(r->journal, keys + (uint64_t)i * 16, 0, 1, c);
+	}
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* whether pid is gone (internal) */
+static int pid_dead(uint32_t pid)
+{
+	return pid && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+}
+
+/*
+ * Gives back what the node's dead processes held in the index: their pins
+ * (per key, as journaled) and their PENDING claims (bucket buried, slot
+ * freed when the bucket is still theirs).  out[0] processes recovered,
+ * out[1] pins released, out[2] claims dropped, out[3] slots freed,
+ * out[4] journal entries that had overflowed (recovered only in part).
+ * The node agent calls it every heartbeat; it needs no lock of its own
+ * (only one agent runs per node, and a dead process writes nothing).
+ */
+int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
+{
+	if (!r || !out)
+		return TRACT_E_INVAL;
+	memset(out, 0, 5 * sizeof(*out));
+	if (!r->local || !r->local->journal_off)
+		return TRACT_E_NO_LOCAL;
+	struct tract_journal_proc *p = procs(r);
+	int rc = TRACT_OK;
+	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
+		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
+		if (!pid_dead(pid))
+			continue;
+		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP && p[e].used; i++) {
+			struct tract_journal_key *k = &p[e].keys[i];
+			if (!k->used)
+				continue;
+			if (k->pins) {
+				uint32_t released = 0;
+				int rc2 = tract_index_release_pins(r, k->key, k->pins, &released,
+								   timeout_ns);
+				if (rc2 == TRACT_E_TIMEOUT)
+					return rc2;     /* try again next heartbeat, entry intact */
+				out[1] += released;
+			}
+			if (k->claim) {
+				uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;
+				int freed = 0;
+				int rc2 = tract_index_drop_claim(r, k->key, pid, slot, &freed,
+								 timeout_ns);
+				if (rc2 == TRACT_E_TIMEOUT)
+					return rc2;
+				out[2] += rc2 == TRACT_OK;
+				out[3] += freed;
+			}
+			k->pins = 0;
+			k->claim = 0;
+			erase(&p[e], i);
+			i--;            /* a key shifted back into position i */
+		}
+		if (p[e].overflow)
+			out[4]++;
+		p[e].overflow = 0;
+		p[e].used = 0;
+		out[0]++;
+		__atomic_store_n(&p[e].pid, 0, __ATOMIC_RELEASE);
+	}
+	return rc;
+}
+
+/* Journal entries in use and keys journaled, for inspection. */
+int tract_journal_stats(const tract_region *r, uint64_t *out)
+{
+	if (!r || !out)
+		return TRACT_E_INVAL;
+	memset(out, 0, 3 * sizeof(*out));
+	if (!r->local || !r->local->journal_off)
+		return TRACT_E_NO_LOCAL;
+	const struct tract_journal_proc *p = procs(r);
+	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
+		if (!__atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE))
+			continue;
+		out[0]++;
+		out[1] += p[e].used;
+		out[2] += p[e].overflow;
+	}
+	return TRACT_OK;
+}

@@ -1,0 +1,144 @@
+"""Recovery of what dead processes held in the index (native/journal.c):
+pins a reader took and never gave back, and keys a writer reserved (PENDING,
+with a slot) and never published. Real processes on emulated nodes are
+killed with SIGKILL; the node's recovery (what the agent runs every
+heartbeat) gives back exactly what they held, never what live processes
+hold. Plain mode and the non-coherence simulator."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from agents import RunningAgent
+from conftest import remove_region
+from index_check import check_index
+from procs import Worker
+from tract_cli.core.agent import recover_dead_processes
+from tract_cli.core.pool import Pool
+from tract_cli.inspect import snapshot
+
+CHAIN = [0, 0, 11, 12]          # prefix_seed, prefix_blocks, suffix_seed, blocks
+
+
+@pytest.fixture
+def region():
+    path = f"/dev/shm/tract-test-recovery-{uuid.uuid4().hex[:8]}.pool"
+    Pool.create(path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
+    agent = RunningAgent(path, 0, manager=True)
+    yield path
+    agent.stop()
+    remove_region(path)
+
+
+def pins_of(path: str) -> dict:
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        ix = snapshot.take(p, views=("index",))["index"]
+    return {"total": ix["pins_total"], "by_node": ix["pinned_by_node"],
+            "pending": ix["states"]["PENDING"]}
+
+
+def node_free_list(path: str, node: int) -> set:
+    with Pool.attach(path, node=node, prefault=False) as p:
+        return set(p.allocator.local_free().tolist())
+
+
+def killed(worker: Worker) -> None:
+    """SIGKILL, and wait (bounded) until the process is gone."""
+    worker.proc.kill()
+    worker.proc.wait(timeout=30)
+    worker.close()
+
+
+def recover(path: str, node: int) -> dict:
+    with Pool.attach(path, node=node) as p:
+        return vars(recover_dead_processes(p, timeout=30))
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_dead_readers_pins_are_given_back_and_a_live_ones_kept(region, simulate):
+    with Worker(region, 1, simulate) as writer:
+        assert writer.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+    live, dead = Worker(region, 2, simulate), Worker(region, 2, simulate)
+    try:
+        assert live.call("index_pin_chain", chain=CHAIN) == 12
+        assert dead.call("index_pin_chain", chain=CHAIN) == 12
+        assert dead.call("index_pin_chain", chain=CHAIN) == 12      # twice: 2 pins per key
+        assert pins_of(region)["total"] == 36
+        killed(dead)
+        got = recover(region, 2)
+        assert got["processes"] == 1 and got["pins"] == 24 and got["claims"] == 0
+        assert pins_of(region)["total"] == 12                       # the live reader's
+        assert recover(region, 2)["processes"] == 0                 # nothing twice
+    finally:
+        live.close()
+    check_index(region)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_dead_writers_reserved_keys_are_dropped_and_their_slots_freed(region, simulate):
+    w = Worker(region, 1, simulate)
+    got = w.call("index_reserve_chain", chain=CHAIN)
+    assert got["claimed"] == 12 and len(got["slots"]) == 12
+    killed(w)
+    assert pins_of(region)["pending"] == 12
+    assert not set(got["slots"]) & node_free_list(region, 1)
+    # nobody else can write those keys while the dead writer's claims stand
+    with Worker(region, 3, simulate) as other:
+        assert other.call("index_put_chains", chains=[CHAIN])["already_pending"] == 12
+    rec = recover(region, 1)
+    assert rec == {"processes": 1, "pins": 0, "claims": 12, "slots": 12, "partial": 0}
+    assert pins_of(region)["pending"] == 0
+    assert set(got["slots"]) <= node_free_list(region, 1)      # back to the node's free list
+    with Worker(region, 3, simulate) as other:
+        assert other.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+        assert other.call("index_lookup_verify", chains=[CHAIN]) == [12]
+    check_index(region)
+
+
+def test_a_dead_prefill_workers_pinned_put_is_unpinned(region):
+    w = Worker(region, 1)
+    assert w.call("index_put_pinned_chain", chain=CHAIN) == 12
+    killed(w)
+    assert pins_of(region)["total"] == 12
+    assert recover(region, 1)["pins"] == 12
+    assert pins_of(region)["total"] == 0
+    check_index(region)
+
+
+def test_a_handoffs_pins_belong_to_its_record_not_to_the_dead_publisher(region):
+    """The publisher dies after publishing: its handoff's pins stay for the
+    decode side, which reads every byte and acknowledges; nothing is left."""
+    pub = Worker(region, 1)
+    ticket = pub.call("handoff_publish", chain=CHAIN, request="r-1")
+    killed(pub)
+    assert recover(region, 1)["pins"] == 0
+    assert pins_of(region)["total"] == 12
+    with Worker(region, 2) as dec:
+        dec.call("handoff_receive", ticket=ticket, chain=CHAIN, request="r-1")
+    assert pins_of(region)["total"] == 0
+    check_index(region)
+
+
+def test_the_agent_recovers_a_dead_reader_by_itself(region):
+    with Worker(region, 1) as writer:
+        writer.call("index_put_chains", chains=[CHAIN])
+    agent = RunningAgent(region, 2, manager=False)
+    try:
+        reader = Worker(region, 2)
+        assert reader.call("index_pin_chain", chain=CHAIN) == 12
+        killed(reader)
+        deadline = time.monotonic() + 30
+        while pins_of(region)["total"] and time.monotonic() < deadline:
+            time.sleep(0.05)            # polling the region, bounded: the agent's heartbeat
+        assert pins_of(region)["total"] == 0, "the node agent did not release the dead pins"
+    finally:
+        agent.stop()
+
+
+def test_a_clean_exit_leaves_nothing_to_recover(region):
+    with Worker(region, 1) as w:
+        w.call("index_put_chains", chains=[CHAIN])
+        assert w.call("index_lookup_verify", chains=[CHAIN]) == [12]
+    assert recover(region, 1)["processes"] == 0
