@@ -60,7 +60,11 @@ static void update_header(tract_region *r, int64_t used_delta, uint64_t hint, in
 	tract_write_line(r, off, (const uint8_t *)&h);
 }
 
-/* claims up to want free slots into out under the allocator lock (internal) */
+/* claims up to want free slots under the allocator lock onto the node's
+ * free list (inside the critical section: a slot is never between the two
+ * when a process dies) (internal; alloc_mu held) */
+static void push_local(tract_region *r, const uint32_t *slots, uint32_t n);
+
 static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
 		 uint64_t timeout_ns)
 {
@@ -104,6 +108,7 @@ static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
 		set_owners(r, out, n, (uint8_t)(r->node_id + 1));
 		update_header(r, n, (uint64_t)last + 1, 1);
 		r->ops->fence(r);
+		push_local(r, out, n);          /* ours now, even if short */
 	}
 	tract_lock_release(r, LOCK_ALLOC);
 	*got = n;
@@ -117,15 +122,13 @@ static int cmp_u32(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-/* returns slots (sorted in place) to the pool under the allocator lock (internal) */
-static int release(tract_region *r, uint32_t *slots, uint32_t n, uint64_t timeout_ns)
+/* returns slots (sorted in place) to the pool; the caller holds the
+ * allocator lock (internal) */
+static int release_locked(tract_region *r, uint32_t *slots, uint32_t n)
 {
 	if (!n)
 		return TRACT_OK;
 	qsort(slots, n, sizeof(*slots), cmp_u32);
-	int rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
-	if (rc < 0)
-		return rc;
 	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
 	uint8_t line[TRACT_LINE];
 	uint32_t cleared = 0;
@@ -143,7 +146,6 @@ static int release(tract_region *r, uint32_t *slots, uint32_t n, uint64_t timeou
 	set_owners(r, slots, n, 0);
 	update_header(r, -(int64_t)cleared, 0, 0);
 	r->ops->fence(r);
-	tract_lock_release(r, LOCK_ALLOC);
 	return cleared == n ? TRACT_OK : TRACT_E_CORRUPT;
 }
 
@@ -186,8 +188,6 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 		uint32_t *tmp = malloc((size_t)want * sizeof(uint32_t));
 		uint32_t got = 0;
 		rc = tmp ? claim(r, want, tmp, &got, timeout_ns) : TRACT_E_NOMEM;
-		if (rc == TRACT_OK)
-			push_local(r, tmp, got);   /* ours now, even if short */
 		free(tmp);
 		if (rc == TRACT_OK && got < need)
 			rc = TRACT_E_FULL;
@@ -201,8 +201,17 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 	return TRACT_OK;
 }
 
-/* Frees n slots: own slots go to the node's free list, others back to the region. */
-int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns)
+/*
+ * Frees n slots: own slots go to the node's free list, others back to the
+ * region.  Every lock it needs is taken before anything changes, so a slot is
+ * never in flight (off the free list, not yet in the region) while the
+ * process waits: a death leaves it in one place or the other.  note(arg),
+ * when given, runs once all locks are held, right before the slots change
+ * hands: a handoff marks its record there, so that a crash can leak the
+ * slots (between the mark and the free) but never free them twice (internal).
+ */
+int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
+		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns)
 {
 	if (!r || (!slots && n))
 		return TRACT_E_INVAL;
@@ -212,7 +221,7 @@ int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t time
 		if (slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
 	uint32_t *foreign = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	uint32_t *own = malloc(((size_t)n + 1) * sizeof(uint32_t));
+	uint32_t *own = malloc(((size_t)n + HIGH_WATER + 1) * sizeof(uint32_t));
 	if (!foreign || !own) {
 		free(foreign);
 		free(own);
@@ -255,24 +264,38 @@ int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t time
 			foreign[nf++] = s;             /* nf <= i: compacts in place */
 	}
 	if (rc == TRACT_OK) {
-		push_local(r, own, no);
-		rc = release(r, foreign, nf, timeout_ns);
-		/* keep the free list bounded: return the excess to the region */
-		if (rc == TRACT_OK && r->local->free_count > HIGH_WATER) {
-			uint32_t k = (uint32_t)r->local->free_count - HIGH_WATER / 2;
-			uint32_t *ex = realloc(own, (size_t)k * sizeof(uint32_t));
-			if (ex) {
-				own = ex;
-				pop_local(r, k, own);
-				rc = release(r, own, k, timeout_ns);
-			}
+		/* the free list stays bounded: the excess goes back to the region too */
+		uint64_t after = r->local->free_count + no;
+		uint32_t excess = after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
+		int global = nf || excess;
+		if (global && (rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL)) < 0) {
+			pthread_mutex_unlock(&r->local->alloc_mu);
+			goto out;
 		}
+		if (note)
+			note(r, arg);
+		push_local(r, own, no);
+		rc = release_locked(r, foreign, nf);
+		if (excess) {
+			pop_local(r, excess, own);
+			int rc2 = release_locked(r, own, excess);
+			if (rc == TRACT_OK)
+				rc = rc2;
+		}
+		if (global)
+			tract_lock_release(r, LOCK_ALLOC);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 out:
 	free(foreign);
 	free(own);
 	return rc;
+}
+
+/* Frees n slots: own slots go to the node's free list, others back to the region. */
+int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns)
+{
+	return tract_free_noted(r, slots, n, NULL, NULL, timeout_ns);
 }
 
 /* Returns every slot of this node's free list to the region. */
@@ -291,10 +314,12 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 		pthread_mutex_unlock(&r->local->alloc_mu);
 		return TRACT_E_NOMEM;
 	}
-	pop_local(r, k, buf);
-	rc = release(r, buf, k, timeout_ns);
-	if (rc == TRACT_E_TIMEOUT)
-		push_local(r, buf, k);
+	rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
+	if (rc == TRACT_OK) {
+		pop_local(r, k, buf);        /* under both locks: never in flight */
+		rc = release_locked(r, buf, k);
+		tract_lock_release(r, LOCK_ALLOC);
+	}
 	free(buf);
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	return rc;

@@ -118,7 +118,13 @@ struct tract_transfer_record {
 	uint32_t tail_tokens;
 	uint64_t created_ns;
 	uint64_t expiry_ns;
-	uint8_t reserved[56];
+	/* while ACKED or RECLAIMING: who gives the resources back, and how far
+	 * it got (so a successor resumes instead of releasing twice) */
+	uint32_t releaser_node;    /* node + 1, 0 = none */
+	uint32_t releaser_pid;
+	uint32_t released_groups;  /* stripe groups of the key list whose pins are given back */
+	uint32_t slots_freed;      /* 1 once the key-list and tail slots are (being) freed */
+	uint8_t reserved[40];
 };
 
 static_assert(sizeof(struct tract_header) == TRACT_HEADER_SIZE, "header size");

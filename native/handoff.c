@@ -109,6 +109,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	}
 	if (rc < 0)
 		goto unpin;
+	tract_journal_slots(r, extra, nextra, 0);    /* ours until the record holds them */
 	for (uint32_t i = 0; i < n; i++) {
 		memcpy(list[i].key, keys + (uint64_t)i * 16, 16);
 		list[i].slot = slots[i];
@@ -124,6 +125,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if ((rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
 	tract_journal_pins(r, keys, n, -1);
+	tract_journal_slots(r, extra, nextra, 1);
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
 	rc = TRACT_E_TABLE_FULL;
 	for (uint32_t i = 0; i < sec->count; i++) {
@@ -152,6 +154,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if (rc == TRACT_OK)
 		goto out;
 release:
+	tract_journal_slots(r, extra, nextra, 1);
 	tract_free(r, extra, nextra, timeout_ns);
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
@@ -208,8 +211,30 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 	return TRACT_OK;
 }
 
-/* unpins a record's blocks for its owner and frees its slots (internal) */
-static int release_resources(tract_region *r, const struct tract_transfer_record *t,
+/* the progress of a release, published in its record (internal) */
+struct release_ctx {
+	uint32_t rec;
+	struct tract_transfer_record *t;
+};
+
+static void mark_groups(tract_region *r, void *arg, uint32_t groups)
+{
+	struct release_ctx *x = arg;
+	x->t->released_groups = groups;
+	publish_record(r, x->rec, x->t);
+}
+
+static void mark_slots_freed(tract_region *r, void *arg)
+{
+	struct release_ctx *x = arg;
+	x->t->slots_freed = 1;
+	publish_record(r, x->rec, x->t);
+}
+
+/* unpins a record's blocks for its owner and frees its slots, resuming from
+ * the progress its record shows; the caller owns the record (ACKED or
+ * RECLAIMING with itself as releaser), so nobody else writes it (internal) */
+static int release_resources(tract_region *r, uint32_t rec, struct tract_transfer_record *t,
 			     uint64_t timeout_ns)
 {
 	if (!record_sane(r, t))
@@ -217,24 +242,35 @@ static int release_resources(tract_region *r, const struct tract_transfer_record
 	struct handoff_entry *list = calloc((size_t)t->block_count + 1, sizeof(*list));
 	uint8_t *keys = calloc((size_t)t->block_count + 1, 16);
 	int rc = (list && keys) ? TRACT_OK : TRACT_E_NOMEM;
-	if (rc == TRACT_OK)
+	if (rc == TRACT_OK && !t->slots_freed)
 		rc = tract_copy_out(r, list, t->keys_offset, (uint64_t)t->block_count * sizeof(*list), 1);
-	if (rc == TRACT_OK) {
+	if (rc == TRACT_OK && !t->slots_freed) {
 		for (uint32_t i = 0; i < t->block_count; i++)
 			memcpy(keys + (uint64_t)i * 16, list[i].key, 16);
-		rc = tract_index_unpin_node(r, keys, t->block_count, t->owner_node - 1, timeout_ns);
-		uint32_t extra[2] = {(uint32_t)((t->keys_offset - tract_sec(r, TRACT_SEC_DATA)->offset) /
-						r->hdr.slot_stride), t->tail_slot ? t->tail_slot - 1 : 0};
-		int rc2 = tract_free(r, extra, t->tail_slot ? 2 : 1, timeout_ns);
-		if (rc == TRACT_OK)
-			rc = rc2;
+		struct release_ctx x = {rec, t};
+		rc = tract_index_unpin_groups(r, keys, t->block_count, t->owner_node - 1,
+					      t->released_groups, mark_groups, &x, timeout_ns);
+		if (rc != TRACT_E_TIMEOUT && rc != TRACT_E_NOMEM) {
+			uint32_t extra[2] = {(uint32_t)((t->keys_offset -
+							  tract_sec(r, TRACT_SEC_DATA)->offset) /
+							 r->hdr.slot_stride),
+					     t->tail_slot ? t->tail_slot - 1 : 0};
+			/* marked once the allocator's locks are held, right before
+			 * the free: a crash in between leaks the two slots rather
+			 * than freeing them twice */
+			int rc2 = tract_free_noted(r, extra, t->tail_slot ? 2 : 1, mark_slots_freed,
+						   &x, timeout_ns);
+			if (rc == TRACT_OK)
+				rc = rc2;
+		}
 	}
 	free(list);
 	free(keys);
 	return rc;
 }
 
-/* moves a record from one state to another under the transfer lock (internal) */
+/* moves a record from one state to another under the transfer lock; into
+ * ACKED or RECLAIMING it records this process as the releaser (internal) */
 static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, uint32_t from,
 		      uint32_t to, struct tract_transfer_record *out, uint64_t timeout_ns)
 {
@@ -246,12 +282,21 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	if (t.state != from || (request_id && memcmp(t.request_id, request_id, 16))) {
 		rc = TRACT_E_NOT_FOUND;
 	} else {
+		if (to == REC_FREE) {
+			memset(&t, 0, sizeof(t));
+		} else {
+			if (from == REC_PUBLISHED) {        /* a fresh release */
+				t.released_groups = 0;
+				t.slots_freed = 0;
+			}
+			if (to == REC_ACKED || to == REC_RECLAIMING) {
+				t.releaser_node = r->node_id + 1;
+				t.releaser_pid = (uint32_t)getpid();
+			}
+			t.state = to;
+		}
 		if (out)
 			*out = t;
-		if (to == REC_FREE)
-			memset(&t, 0, sizeof(t));
-		else
-			t.state = to;
 		publish_record(r, rec, &t);
 		rc = TRACT_OK;
 	}
@@ -270,13 +315,16 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, &t, timeout_ns);
 	if (rc)
 		return rc;
-	rc = release_resources(r, &t, timeout_ns);
+	rc = release_resources(r, rec, &t, timeout_ns);
+	if (rc == TRACT_E_TIMEOUT)
+		return rc;      /* stays ACKED and ours: this node's agent finishes it if we die */
 	int rc2 = transition(r, rec, NULL, REC_ACKED, REC_FREE, NULL, timeout_ns);
 	return rc ? rc : rc2;
 }
 
-/* Reclaims records past their expiry at now_ns (published, or acknowledged
- * by a decode side that died before releasing); *count gets how many. */
+/* Reclaims records past their expiry at now_ns that were never
+ * acknowledged; *count gets how many.  (A release a dead process left half
+ * done is finished by its own node's agent: tract_handoff_recover.) */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
 {
 	if (!r || !count)
@@ -287,16 +335,56 @@ int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uin
 	for (uint32_t i = 0; i < sec->count; i++) {
 		struct tract_transfer_record t;
 		observe_record(r, i, &t);       /* cheap scan without the lock */
-		if ((t.state != REC_PUBLISHED && t.state != REC_ACKED) || t.expiry_ns > now_ns)
+		if (t.state != REC_PUBLISHED || t.expiry_ns > now_ns)
 			continue;
 		struct tract_transfer_record got;
 		if (transition(r, i, NULL, t.state, REC_RECLAIMING, &got, timeout_ns) != TRACT_OK)
 			continue;                   /* someone else moved it first */
-		int rc2 = release_resources(r, &got, timeout_ns);
+		int rc2 = release_resources(r, i, &got, timeout_ns);
+		if (rc2 == TRACT_E_TIMEOUT)
+			return rc2;             /* stays RECLAIMING and ours; finished later */
 		if (rc2 && rc2 != TRACT_E_CORRUPT)
 			rc = rc2;
 		transition(r, i, NULL, REC_RECLAIMING, REC_FREE, NULL, timeout_ns);
 		(*count)++;
 	}
 	return rc;
+}
+
+/* Finishes the releases (acknowledge or reclaim) that dead processes of this
+ * node left half done, resuming from the progress their records show. */
+int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
+{
+	if (!r || !count)
+		return TRACT_E_INVAL;
+	*count = 0;
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
+	for (uint32_t i = 0; i < sec->count; i++) {
+		struct tract_transfer_record t;
+		observe_record(r, i, &t);       /* cheap scan without the lock */
+		if ((t.state != REC_ACKED && t.state != REC_RECLAIMING) ||
+		    t.releaser_node != r->node_id + 1 || !tract_pid_dead(t.releaser_pid))
+			continue;
+		/* take it over, under the lock, if nobody did meanwhile */
+		int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
+		if (rc < 0)
+			return rc;
+		struct tract_transfer_record now;
+		observe_record(r, i, &now);
+		int mine = now.state == t.state && now.releaser_node == t.releaser_node &&
+			   now.releaser_pid == t.releaser_pid;
+		if (mine) {
+			now.releaser_pid = (uint32_t)getpid();
+			publish_record(r, i, &now);
+		}
+		tract_lock_release(r, LOCK_TRANSFER);
+		if (!mine)
+			continue;
+		rc = release_resources(r, i, &now, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT)
+			return rc;
+		transition(r, i, NULL, now.state, REC_FREE, NULL, timeout_ns);
+		(*count)++;
+	}
+	return TRACT_OK;
 }

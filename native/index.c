@@ -431,6 +431,8 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			}
 			if ((rc = pin_add(&c, b, &bk, r->node_id, +1)) < 0)
 				break;
+			/* journaled right after it is taken: a death leaves at most this one */
+			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
 			lru_touch(&c, b, &bk);
 			c.lru.hits++;
 			c.lru_dirty = 1;
@@ -468,6 +470,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				uint64_t b, fb;
 				struct tract_bucket bk;
 				probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
 				if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
 					store_bucket(&c, b, &bk);
 			}
@@ -476,16 +479,16 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		i = j;
 	}
 	*hits = keep;
-	tract_journal_pins(r, keys, keep, +1);      /* after taking them: never more than held */
 	free(refs);
 	free(pinned);
 	free(set);
 	return rc;
 }
 
-/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
-int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			   uint64_t timeout_ns)
+/* unpins keys on behalf of node; with `journal`, each pin leaves this
+ * process's journal right before it is given back (internal) */
+static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+		      int journal, uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
@@ -508,9 +511,12 @@ int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			break;
 		}
 		for (uint32_t k = i; k < j; k++) {
+			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)refs[k].idx * 16, &b, &fb, &bk);
+			probe(&c, key, &b, &fb, &bk);
+			if (journal)
+				tract_journal_pins(r, key, 1, -1);
 			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
 				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
 			else
@@ -524,12 +530,63 @@ int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	return rc;
 }
 
+/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
+int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			   uint64_t timeout_ns)
+{
+	return unpin_impl(r, keys, n, node, 0, timeout_ns);
+}
+
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
 {
-	if (r && keys)
-		tract_journal_pins(r, keys, n, -1);  /* before giving them back */
-	return tract_index_unpin_node(r, keys, n, r ? r->node_id : 0, timeout_ns);
+	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, timeout_ns);
+}
+
+/* unpins keys on behalf of node, stripe group by stripe group in ascending
+ * stripe order, skipping the first `done` groups; before a group's pins are
+ * given back, mark(arg, g + 1) records the progress: a crash between the two
+ * leaves pins behind but never gives one back twice (internal) */
+int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
+			     void *arg, uint64_t timeout_ns)
+{
+	if (node >= r->hdr.max_nodes)
+		return TRACT_E_INVAL;
+	struct keyref *refs = group(r, keys, n);
+	if (!refs && n)
+		return TRACT_E_NOMEM;
+	int rc = TRACT_OK;
+	uint32_t g = 0;
+	for (uint32_t i = 0; i < n; g++) {
+		uint32_t s = refs[i].stripe, j = i;
+		while (j < n && refs[j].stripe == s)
+			j++;
+		if (g < done) {
+			i = j;
+			continue;
+		}
+		struct stripe_ctx c;
+		int rc2 = stripe_enter(r, s, timeout_ns, &c, NULL);
+		if (rc2 < 0) {
+			rc = rc2;
+			break;
+		}
+		mark(r, arg, g + 1);
+		for (uint32_t k = i; k < j; k++) {
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, keys + (uint64_t)refs[k].idx * 16, &b, &fb, &bk);
+			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
+				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
+			else
+				store_bucket(&c, b, &bk);
+		}
+		stripe_leave(&c);
+		i = j;
+	}
+	free(refs);
+	return rc;
 }
 
 /* the stripe of one key, entered (internal) */
@@ -703,9 +760,10 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 				/* a pinning put pins what is already there too: the caller's
 				 * handoff needs every block, its own and the others' */
 				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
-					if (pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK)
+					if (pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK) {
 						store_bucket(&c, b, &bk);
-					else
+						tract_journal_pins(r, key, 1, +1);
+					} else
 						status[idx] = PUT_WAS_PENDING;   /* pin count saturated */
 				}
 				continue;
@@ -722,6 +780,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			bk.last_access_ns = tract_now_ns();
 			store_bucket(&c, fb, &bk);
 			status[idx] = PUT_CLAIMED;
+			tract_journal_claims(r, key, 1, &status[idx], PUT_CLAIMED, NULL, 0);
 		}
 		stripe_leave(&c);
 		if (nfreed)          /* the allocator lock, with no stripe lock held */
@@ -769,6 +828,8 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			}
 			if (!publish) {
 				bury(&c, b);
+				tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx],
+						     PUT_CLAIMED, NULL, 1);
 				continue;
 			}
 			bk.state = TRACT_BUCKET_READY;
@@ -782,10 +843,17 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			lru_push_head(&c, b, &bk);
 			/* publish pinned (2): READY and pinned by this node in one store,
 			 * so the block cannot be evicted before the caller's handoff pins it */
-			if (publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) < 0)
+			int pinned_now = publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;
+			if (publish == 2 && !pinned_now)
 				rc = TRACT_E_CORRUPT;
 			store_bucket(&c, b, &bk);
 			c.lru.inserts++;
+			/* the pin is journaled once taken, the claim forgotten once READY:
+			 * a death in between leaves a READY bucket whose claim recovery keeps */
+			if (pinned_now)
+				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
+			tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx], PUT_CLAIMED,
+					     NULL, 1);
 			status[idx] = PUT_STORED;
 		}
 		stripe_leave(&c);
@@ -858,7 +926,6 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	memset(slots, 0, (size_t)n * sizeof(uint32_t));
 	if ((rc = claim_all(r, keys, n, refs, status, pin_ready, timeout_ns)) < 0)
 		goto abandon;
-	tract_journal_claims(r, keys, n, status, PUT_CLAIMED, NULL, 0);
 	uint32_t want = 0;
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
@@ -894,7 +961,6 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	return TRACT_OK;
 abandon:
 	finish_all(r, keys, n, refs, status, slots, NULL, NULL, 0, timeout_ns);
-	tract_journal_claims(r, keys, n, status, PUT_CLAIMED, NULL, 1);
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED)
 			status[i] = PUT_NO_ROOM;
@@ -921,13 +987,8 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		if (status[i] == PUT_CLAIMED && slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
 	struct keyref *refs = group(r, keys, n);
-	uint8_t *claimed = malloc((size_t)n + 1);
-	if (!refs || !claimed) {
-		free(refs);
-		free(claimed);
+	if (!refs)
 		return TRACT_E_NOMEM;
-	}
-	memcpy(claimed, status, n);
 	uint32_t *freed = NULL;
 	if (!publish) {
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
@@ -936,7 +997,6 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			if (status[i] == PUT_CLAIMED)
 				freed[k++] = slots[i];
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
-		tract_journal_claims(r, keys, n, claimed, PUT_CLAIMED, NULL, 1);
 		if (freed && k)
 			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
 		for (uint32_t i = 0; i < n; i++)
@@ -954,13 +1014,7 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		__sync_synchronize();
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
 				publish == 2 ? 2 : 1, timeout_ns);
-		/* pins first (after taking them), then the claims: a death in
-		 * between leaves a READY bucket whose claim recovery keeps */
-		if (publish == 2)
-			tract_journal_put_pins(r, keys, n, status);
-		tract_journal_claims(r, keys, n, claimed, PUT_CLAIMED, NULL, 1);
 	}
-	free(claimed);
 	free(freed);
 	free(refs);
 	return rc;

@@ -52,8 +52,11 @@ struct tract_ops {
 struct tract_journal_key {
 	uint8_t key[16];
 	uint32_t pins;          /* pins this process holds on the key */
-	uint32_t claim;         /* 1 + slot of a PENDING claim (UINT32_MAX: no slot yet), 0 none */
-	uint64_t used;          /* 1: occupied */
+	uint32_t claim;         /* 1 + slot of a PENDING claim (UINT32_MAX: no slot yet), 0 none;
+				 * for a bare slot: 1 + the slot */
+	uint32_t used;          /* 1: occupied */
+	uint32_t kind;          /* 0: a key of the index; 1: a bare slot (a handoff's, before
+				 * its record exists), key = "slot" + slot id */
 };
 
 struct tract_journal_proc {
@@ -153,6 +156,11 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
 			   uint64_t timeout_ns);
 
+/* unpins keys for node group by stripe group, recording progress (internal) */
+int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
+			     void *arg, uint64_t timeout_ns);
+
 /* gives back up to count of this node's pins on key (internal) */
 int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
 			     uint32_t *released, uint64_t timeout_ns);
@@ -161,15 +169,21 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
 			   int *freed, uint64_t timeout_ns);
 
+/* frees slots, calling note(arg) once every lock is held, right before (internal) */
+int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
+		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns);
+
+/* whether pid (of this host) is gone (internal) */
+int tract_pid_dead(uint32_t pid);
+
 /* the per-process journal (journal.c) (internal) */
 void tract_journal_open(tract_region *r);
 void tract_journal_close(tract_region *r);
 uint64_t tract_journal_size(void);
 void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_t dpins);
-void tract_journal_put_pins(tract_region *r, const uint8_t *keys, uint32_t n,
-			    const uint8_t *status);
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			  uint8_t claimed, const uint32_t *slots, int forget);
+void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget);
 
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);

@@ -143,6 +143,7 @@ static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpi
 		memcpy(k->key, key, 16);
 		k->pins = 0;
 		k->claim = 0;
+		k->kind = 0;
 		k->used = 1;
 		p->used++;
 	}
@@ -168,19 +169,6 @@ void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_
 	pthread_mutex_unlock(&r->journal_mu);
 }
 
-/* Journals the pins of the keys whose status is 0 or 1 (a pinning put) (internal). */
-void tract_journal_put_pins(tract_region *r, const uint8_t *keys, uint32_t n,
-			    const uint8_t *status)
-{
-	if (!r->journal || !n)
-		return;
-	pthread_mutex_lock(&r->journal_mu);
-	for (uint32_t i = 0; i < n; i++)
-		if (status[i] == 0 || status[i] == 1)
-			update(r->journal, keys + (uint64_t)i * 16, +1, 0, 0);
-	pthread_mutex_unlock(&r->journal_mu);
-}
-
 /* Journals (slots != NULL: with their slots) or forgets (forget) the claims
  * of the keys whose status is `claimed` (internal). */
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
@@ -198,8 +186,51 @@ void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, cons
 	pthread_mutex_unlock(&r->journal_mu);
 }
 
-/* whether pid is gone (internal) */
-static int pid_dead(uint32_t pid)
+/* the journal key of a bare slot (internal) */
+static void slot_key(uint32_t slot, uint8_t *key)
+{
+	memset(key, 0, 16);
+	memcpy(key, "slot", 4);
+	memcpy(key + 4, &slot, 4);
+	key[15] = 0xA5;          /* never equal to an index key's layout by accident */
+}
+
+/* Journals (forget = 0) or forgets bare slots this process holds outside the
+ * index: a handoff's key-list and tail slots before its record exists (internal). */
+void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget)
+{
+	if (!r->journal || !n)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	for (uint32_t i = 0; i < n; i++) {
+		uint8_t key[16];
+		slot_key(slots[i], key);
+		int found;
+		int64_t pos = find(r->journal, key, &found);
+		if (forget) {
+			if (found)
+				erase(r->journal, (uint32_t)pos);
+			continue;
+		}
+		if (found)
+			continue;
+		if (pos < 0) {
+			r->journal->overflow++;
+			continue;
+		}
+		struct tract_journal_key *k = &r->journal->keys[pos];
+		memcpy(k->key, key, 16);
+		k->pins = 0;
+		k->claim = slots[i] + 1;
+		k->kind = 1;
+		k->used = 1;
+		r->journal->used++;
+	}
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* whether pid (of this host) is gone (internal) */
+int tract_pid_dead(uint32_t pid)
 {
 	return pid && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
 }
@@ -224,12 +255,25 @@ int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
 	int rc = TRACT_OK;
 	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
 		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
-		if (!pid_dead(pid))
+		if (!tract_pid_dead(pid))
 			continue;
 		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP && p[e].used; i++) {
 			struct tract_journal_key *k = &p[e].keys[i];
 			if (!k->used)
 				continue;
+			if (k->kind == 1) {
+				/* a bare slot: forgotten before anything else could own it */
+				uint32_t slot = k->claim - 1;
+				if (k->claim && slot < r->hdr.slot_count) {
+					int rc2 = tract_free(r, &slot, 1, timeout_ns);
+					if (rc2 == TRACT_E_TIMEOUT)
+						return rc2;
+					out[3] += rc2 == TRACT_OK;
+				}
+				erase(&p[e], i);
+				i--;
+				continue;
+			}
 			if (k->pins) {
 				uint32_t released = 0;
 				int rc2 = tract_index_release_pins(r, k->key, k->pins, &released,
@@ -237,6 +281,7 @@ int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
 				if (rc2 == TRACT_E_TIMEOUT)
 					return rc2;     /* try again next heartbeat, entry intact */
 				out[1] += released;
+				k->pins = 0;    /* given back: never twice, even if the claim waits */
 			}
 			if (k->claim) {
 				uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;
@@ -244,7 +289,7 @@ int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
 				int rc2 = tract_index_drop_claim(r, k->key, pid, slot, &freed,
 								 timeout_ns);
 				if (rc2 == TRACT_E_TIMEOUT)
-					return rc2;
+					return rc2;     /* the pins are done; the claim next time */
 				out[2] += rc2 == TRACT_OK;
 				out[3] += freed;
 			}

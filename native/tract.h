@@ -45,7 +45,7 @@ enum {
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 1,
+	TRACT_FORMAT_VERSION = 2,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -436,6 +436,10 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 
 /* Reclaims records expired at now_ns; *count gets how many. */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
+
+/* Finishes the releases (acknowledge or reclaim) that a dead process of this
+ * node left half done, from where it stopped; *count gets how many. */
+int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns);
 
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);

@@ -98,7 +98,7 @@ def test_the_host_reads_a_region_header_at_the_device_dax_data_offset(tmp_path):
         f.write(b"\xAB" * cxlvm.DAX_DATA_OFFSET)     # the namespace's info block lives here
         f.write(region.read_bytes())
     h = cxlvm.read_region_header(str(backing))
-    assert h == {"magic": "TRACTPOL", "version": 1, "uuid": uuid, "region_size": 4 << 20}
+    assert h == {"magic": "TRACTPOL", "version": 2, "uuid": uuid, "region_size": 4 << 20}
 
 
 def test_initramfs_archive_lists_init_busybox_and_modules_in_order(tmp_path):

@@ -178,6 +178,16 @@ class Agent:
                     self.recovered_processes += got.processes
                     print(f"tract agent: node {self.node}: {got.describe()}", file=sys.stderr,
                           flush=True)
+            # handoffs whose acknowledgement or reclaim a dead process left half done
+            try:
+                finished = self.pool.handoffs.recover()
+            except TractError as err:
+                print(f"tract agent: node {self.node}: handoff recovery: {err}",
+                      file=sys.stderr, flush=True)
+            else:
+                if finished:
+                    print(f"tract agent: node {self.node}: finished {finished} handoff "
+                          "release(s) of dead processes", file=sys.stderr, flush=True)
             now = time.monotonic()
             if self.manager and now - last_reclaim >= RECLAIM_S:
                 # expired handoffs (a decode side that died): pins and slots back

@@ -1,0 +1,242 @@
+"""The chaos test: prefill and decode processes on several emulated nodes
+share a region while a killer SIGKILLs one of them at a random moment, many
+times, and starts a replacement each time. Afterwards (every worker stopped,
+the agents' recovery and handoff expiry given a bounded time):
+
+- `tract check` finds no violation;
+- no pin, no PENDING claim and no handoff record is left;
+- no slot leaked: every slot taken from the region is either READY data or
+  on its node's free list;
+- every block a decode worker read (handoffs and lookups) matched what was
+  put, and every handoff was either received and acknowledged or expired
+  and reclaimed.
+
+    .venv/bin/python tests/chaos.py --kills 300 --seed 1 [--simulate]
+
+tests/test_chaos.py runs a bounded version; the long one is this command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from tract_cli.core.agent import ensure_agent  # noqa: E402
+from tract_cli.core.pool import Pool  # noqa: E402
+from tract_cli.core.region import remove_region  # noqa: E402
+from tract_cli.inspect import check, snapshot  # noqa: E402
+
+NODES = 4                        # agents on 0 (manager) .. 3
+LAYOUT = [("prefill", 1), ("prefill", 2), ("decode", 2), ("decode", 3)]
+SETTLE_S = 30.0                  # bound on recovery and expiry after the workers stop
+
+
+class Chaos:
+    def __init__(self, seed: int, simulate: bool = False, region_size: int = 32 << 20):
+        self.rng = np.random.default_rng(seed)
+        self.simulate = simulate
+        self.path = f"/dev/shm/tract-chaos-{uuid.uuid4().hex[:8]}.pool"
+        self.dir = tempfile.mkdtemp(prefix="tract-chaos-")
+        Pool.create(self.path, region_size, "tiny", nodes=NODES, index_stripes=8).close()
+        self.agents = [ensure_agent(self.path, n, manager=n == 0, simulate=simulate,
+                                    log_path=os.path.join(self.dir, f"agent{n}.log"))
+                       for n in range(NODES)]
+        self.sel = selectors.DefaultSelector()
+        self.workers: list[subprocess.Popen | None] = [None] * len(LAYOUT)
+        self.events: dict[str, int] = {}
+        self.blocks_verified = 0
+        self.bad_blocks = 0
+        self.errors: list[str] = []
+        self.kills = 0
+        self.started = 0
+
+    # ---- workers
+
+    def start(self, i: int) -> None:
+        role, node = LAYOUT[i]
+        decoders = [k for k, (r, _) in enumerate(LAYOUT) if r == "decode"]
+        args = {"pool": self.path, "node": node, "role": role, "simulate": self.simulate,
+                "seed": int(self.rng.integers(1 << 31))}
+        if role == "prefill":
+            args["tickets"] = os.path.join(self.dir, f"tickets-{i}-{self.started}.jsonl")
+        else:
+            args.update(tickets=os.path.join(self.dir, "tickets-*.jsonl"),
+                        index=decoders.index(i), of=len(decoders))
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "chaos_worker.py"),
+                              json.dumps(args)], stdout=subprocess.PIPE,
+                             stderr=open(os.path.join(self.dir, f"worker{i}.err"), "wb"),
+                             stdin=subprocess.DEVNULL, text=True)
+        self.sel.register(p.stdout, selectors.EVENT_READ, i)
+        self.workers[i] = p
+        self.started += 1
+
+    def drain(self, wait_s: float) -> None:
+        """Reads every worker's event lines for up to WAIT_S seconds."""
+        end = time.monotonic() + wait_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            for key, _ in self.sel.select(timeout=left):
+                line = key.fileobj.readline()
+                if not line:
+                    self.sel.unregister(key.fileobj)
+                    continue
+                self.count(key.data, line)
+
+    def count(self, i: int, line: str) -> None:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return                     # cut by SIGKILL mid-line
+        name = ev["ev"]
+        self.events[name] = self.events.get(name, 0) + 1
+        if name in ("received", "lookup"):
+            self.blocks_verified += ev["blocks"]
+            self.bad_blocks += ev["bad"]
+            if ev["bad"]:
+                self.errors.append(f"worker {i} ({LAYOUT[i][0]}) read {ev['bad']} bad block(s)")
+
+    def kill_one(self) -> None:
+        i = int(self.rng.integers(len(self.workers)))
+        p = self.workers[i]
+        if p.poll() is not None:       # it died on its own: a bug, not chaos
+            err = open(os.path.join(self.dir, f"worker{i}.err")).read()
+            self.errors.append(f"worker {i} ({LAYOUT[i][0]}) exited by itself with "
+                               f"{p.returncode}: {err.strip()[-600:]}")
+        p.kill()
+        p.wait(timeout=30)
+        self.drain(0)                  # what it printed before dying
+        try:
+            self.sel.unregister(p.stdout)
+        except (KeyError, ValueError):
+            pass
+        p.stdout.close()
+        self.kills += 1
+        self.start(i)
+
+    def stop_workers(self) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                p.terminate()
+        end = time.monotonic() + 60
+        for i, p in enumerate(self.workers):
+            try:
+                p.wait(timeout=max(1.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+                self.errors.append(f"worker {i} did not stop within 60 s of SIGTERM")
+        self.drain(0.2)
+        for p in self.workers:
+            if p.returncode not in (0, -15):
+                err = open(os.path.join(self.dir, f"worker{self.workers.index(p)}.err")).read()
+                self.errors.append(f"a worker exited with {p.returncode}: {err.strip()[-600:]}")
+
+    # ---- the run
+
+    def run(self, kills: int, min_gap_s: float = 0.05, max_gap_s: float = 0.6) -> dict:
+        t0 = time.monotonic()
+        for i in range(len(LAYOUT)):
+            self.start(i)
+        for _ in range(kills):
+            # the kill points: a random moment of whatever the workers are doing
+            self.drain(float(self.rng.uniform(min_gap_s, max_gap_s)))
+            self.kill_one()
+        self.drain(1.0)
+        self.stop_workers()
+        settled = self.settle()
+        violations, _ = self.verify()
+        leaked = self.leaked_slots()
+        return {"kills": self.kills, "workers_started": self.started,
+                "seconds": round(time.monotonic() - t0, 1), "events": self.events,
+                "blocks_verified": self.blocks_verified, "bad_blocks": self.bad_blocks,
+                "settled": settled, "check_violations": violations, "leaked_slots": leaked,
+                "errors": self.errors,
+                "ok": (not self.errors and not self.bad_blocks and settled["clean"] and
+                       not violations and not leaked)}
+
+    def settle(self) -> dict:
+        """Waits (bounded) until no pin, PENDING claim or handoff record is left."""
+        end = time.monotonic() + SETTLE_S
+        while True:
+            with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+                snap = snapshot.take(p, views=("index", "handoffs"))
+            by_node = snap["index"]["pinned_by_node"]
+            state = {"pins": snap["index"]["pins_total"],
+                     "pending": snap["index"]["states"]["PENDING"],
+                     "handoffs": len(snap["handoffs"]["in_flight"])}
+            if not any(state.values()) or time.monotonic() > end:
+                return {**state, "pinned_blocks_by_node": by_node,
+                        "clean": not any(state.values())}
+            time.sleep(0.1)            # polling the region, bounded by SETTLE_S
+
+    def verify(self) -> tuple[list[str], dict]:
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            violations, counts = check.verify(p, data=True)
+        return [f"{v.check}: {v.detail}" for v in violations], counts
+
+    def leaked_slots(self) -> list[int]:
+        """Slots taken from the region that are neither READY data nor on a free list."""
+        from tract_cli.inspect.snapshot import BUCKET_DTYPE
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            info = p.info
+            bits = np.unpackbits(np.frombuffer(p.observe(info.section("bitmap").offset,
+                                                         info.section("bitmap").length),
+                                               np.uint8), bitorder="little")[:info.slot_count]
+            b = np.frombuffer(p.observe(info.section("buckets").offset,
+                                        info.section("buckets").length), np.uint8).view(BUCKET_DTYPE)
+            in_use = set((b["slot"][b["state"] == 2].astype(np.int64) - 1).tolist())
+        free = set()
+        for n in range(NODES):
+            with Pool.attach(self.path, node=n, prefault=False) as p:
+                free |= set(p.allocator.local_free().tolist())
+        taken = set(np.flatnonzero(bits).tolist())
+        return sorted(taken - in_use - free)
+
+    def keep_logs(self) -> str:
+        return self.dir
+
+    def close(self) -> None:
+        for p in self.workers:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for a in self.agents:
+            if a is not None and a.poll() is None:
+                a.terminate()
+                try:
+                    a.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+        self.sel.close()
+        remove_region(self.path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--simulate", action="store_true", help="non-coherence simulator")
+    a = ap.parse_args()
+    chaos = Chaos(a.seed, a.simulate)
+    try:
+        result = chaos.run(a.kills)
+    finally:
+        chaos.close()
+    print(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
