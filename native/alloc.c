@@ -149,6 +149,20 @@ static int release_locked(tract_region *r, uint32_t *slots, uint32_t n)
 	return cleared == n ? TRACT_OK : TRACT_E_CORRUPT;
 }
 
+/* clears the payloads of slots and writes them back to the device (internal) */
+static void zero_slots(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	for (uint32_t i = 0; i < n; i++) {
+		if (slots[i] >= r->hdr.slot_count)
+			continue;
+		uint8_t *p = r->base + data->offset + (uint64_t)slots[i] * r->hdr.slot_stride;
+		memset(p, 0, r->hdr.block_bytes);
+		tract_flush_lines(r->flush_mode, p, r->hdr.block_bytes);
+	}
+	__sync_synchronize();
+}
+
 /* pops n slots from the node's free list into out (internal) */
 static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
 {
@@ -227,6 +241,11 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 		free(own);
 		return TRACT_E_NOMEM;
 	}
+	/* a region formatted with zero-on-free never hands out another tenant's
+	 * KV: the slots are cleared (and written back) while they are still the
+	 * caller's, before any lock */
+	if (r->hdr.flags & TRACT_HDR_ZERO_ON_FREE)
+		zero_slots(r, slots, n);
 	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
 	if (rc < 0)
 		goto out;

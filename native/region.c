@@ -37,6 +37,7 @@ static void build_header(struct tract_header *h, const struct tract_format_param
 	h->flush_mode = p->flush_mode;
 	h->max_nodes = p->max_nodes;
 	h->created_ns = p->created_ns;
+	h->flags = p->flags;
 	h->block_tokens = p->block_tokens;
 	h->num_layers = p->num_layers;
 	h->num_kv_heads = p->num_kv_heads;
@@ -131,6 +132,8 @@ int tract_verify_header(const void *base, uint64_t mapped_size, struct tract_hea
 		return TRACT_E_LAYOUT;
 	if (h.region_size > mapped_size)
 		return TRACT_E_SIZE;
+	if (h.flags & ~(uint32_t)TRACT_HDR_KNOWN_FLAGS)
+		return TRACT_E_LAYOUT;          /* a flag this build does not know how to honour */
 
 	/* recompute the layout from the header's own parameters */
 	struct tract_format_params p;

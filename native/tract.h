@@ -110,6 +110,12 @@ enum {
 	TRACT_ATTACH_READONLY = 2    /* the mapping is read-only: stores are refused */
 };
 
+/* header flags (header.flags, chosen at format time) */
+enum {
+	TRACT_HDR_ZERO_ON_FREE = 1,  /* freed slots are zeroed before reuse (tenant isolation) */
+	TRACT_HDR_KNOWN_FLAGS = 1
+};
+
 /* one layout-table entry (32 bytes on media) */
 struct tract_section {
 	uint32_t kind;
@@ -134,7 +140,7 @@ struct tract_format_params {
 	uint32_t hash_scheme;
 	uint32_t index_stripes;
 	uint32_t transfer_entries;
-	uint32_t reserved0;
+	uint32_t flags;              /* TRACT_HDR_* */
 	uint8_t uuid[16];
 	uint8_t hash_seed[16];
 	uint8_t model_fingerprint[32];

@@ -118,6 +118,25 @@ def test_shared_prefix_skips_compute_in_prefill_metrics(cluster, engine):
     assert metric(after, "prefix_hit_tokens_total") - metric(before, "prefix_hit_tokens_total") == 64
 
 
+def test_tenants_with_different_cache_salts_never_share_prefixes(cluster, engine):
+    """vLLM's `cache_salt`: the same prompt under another tenant's salt is a
+    miss (its keys differ), under the same salt a hit; tokens are unchanged."""
+    p = prompt(500, 64)
+    want = engine.generate(p, Sampling(3, 0.0, 0))
+    first = complete(cluster, prompt=p, max_tokens=3, temperature=0, cache_salt="tenant-a")
+    assert first["tract"]["hit_blocks"] == 0
+    other = complete(cluster, prompt=p, max_tokens=3, temperature=0, cache_salt="tenant-b")
+    unsalted = complete(cluster, prompt=p, max_tokens=3, temperature=0)
+    again = complete(cluster, prompt=p, max_tokens=3, temperature=0, cache_salt="tenant-a")
+    assert other["tract"]["hit_blocks"] == 0 and unsalted["tract"]["hit_blocks"] == 0
+    assert again["tract"]["hit_blocks"] == 3          # all but the last block
+    for out in (first, other, unsalted, again):
+        assert out["tract"]["token_ids"] == want
+    status, err = request(cluster.decode.url + "/v1/completions",
+                          {"prompt": p, "max_tokens": 1, "cache_salt": ""})
+    assert status == 400 and err["error"]["param"] == "cache_salt"
+
+
 def test_concurrent_requests_are_served_correctly(cluster, engine):
     prompts = [prompt(400 + i, 30 + 13 * i) for i in range(4)]
     results, errors = {}, []

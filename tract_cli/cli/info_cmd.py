@@ -52,6 +52,8 @@ def render_info(path: str, info: RegionInfo, usage: dict | None, medium: str | N
         ("index", f"{info.section('buckets').count} buckets in {info.index_stripes} stripes, "
                   f"hash {info.hash_scheme}"),
         ("locks", str(info.lock_count)),
+        ("freed slots", "zeroed before reuse" if info.zero_on_free else "reused as they are "
+                        "(tract init --zero-on-free clears them)"),
     ]
     if usage is not None:
         claimed = ", ".join(f"node {n}: {c}" for n, c in usage["claimed_by_node"].items()) or "none"

@@ -35,12 +35,20 @@ def init(
                                         "to a device another host already formatted)."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="With --provision: print the commands, change nothing."),
+    zero_on_free: bool = typer.Option(
+        False, "--zero-on-free", help="Clear every freed slot before it is reused, so no "
+                                      "tenant ever reads another's KV (costs a write of "
+                                      "each evicted block)."),
+    group: Optional[str] = typer.Option(
+        None, "--group", "-g", help="Share the region file with this group (mode 0660; "
+                                    "default 0600, its owner only)."),
     json_out: bool = typer.Option(False, "--json", help="Print the new header as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Create and format a TraCT region (metadata only: time does not grow with the data area)."""
     opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
-                         hash_scheme=hash_scheme, index_stripes=stripes)
+                         hash_scheme=hash_scheme, index_stripes=stripes,
+                         zero_on_free=zero_on_free)
     size_bytes = parse_size(size) if size is not None else None
     if dry_run and not (provision or provision_only):
         raise UsageError("--dry-run goes with --provision", "add --provision")
@@ -60,7 +68,8 @@ def init(
             return
     timings: dict = {}
     with render.byte_progress(f"reserving {path}", enabled=not quiet and not json_out) as cb:
-        info = format_region(path, size_bytes, opts, force=force, progress=cb, timings=timings)
+        info = format_region(path, size_bytes, opts, force=force, progress=cb, timings=timings,
+                             group=group)
     if json_out:
         data = info.to_dict()
         data["timings"] = timings

@@ -53,6 +53,7 @@ class RegionInfo:
     index_stripes: int
     lock_count: int
     sections: tuple[Section, ...]
+    zero_on_free: bool = False      # header flag: freed slots are cleared before reuse
 
     def section(self, name: str) -> Section:
         """The section called NAME (locks, nodes, ..., data)."""
@@ -93,4 +94,5 @@ def decode_header(h) -> RegionInfo:
         slot_stride=h.slot_stride, slot_count=h.slot_count,
         hash_scheme=HASH_SCHEME_NAMES[h.hash_scheme],
         hash_seed=bytes(ffi.buffer(h.hash_seed, 16)).hex(),
+        zero_on_free=bool(h.flags & lib.TRACT_HDR_ZERO_ON_FREE),
         index_stripes=h.index_stripes, lock_count=h.lock_count, sections=sections)

@@ -36,14 +36,18 @@ class LocalSegment:
         self._base = base
 
     @classmethod
-    def open_or_create(cls, region, region_uuid: str, node: int) -> "LocalSegment":
-        """Maps the node's segment, creating and initializing it if absent."""
+    def open_or_create(cls, region, region_uuid: str, node: int,
+                       sharing: tuple[int, int | None] = (0o600, None)) -> "LocalSegment":
+        """Maps the node's segment, creating and initializing it if absent
+        (with SHARING: the mode and group of the region it belongs to)."""
         path = local_path(region_uuid, node)
         size = lib.tract_local_size(region)
         if not os.path.exists(path):
             tmp = f"{path}.{uuidlib.uuid4().hex[:8]}.tmp"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
+                from tract_cli.core.ownership import apply_sharing
+                apply_sharing(fd, sharing[1])
                 os.ftruncate(fd, size)
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                 base = ffi.from_buffer(mm)
@@ -59,7 +63,12 @@ class LocalSegment:
             finally:
                 os.close(fd)
                 os.unlink(tmp)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except PermissionError:
+            raise TractError(f"local segment {path} belongs to another user",
+                             "run as that user, or have the region shared with --group and "
+                             "remove the segment once no process of the node runs") from None
         try:
             if os.fstat(fd).st_size < size:
                 raise TractError(f"local segment {path} is smaller than this region needs",

@@ -185,8 +185,12 @@ def free_bytes(path: str) -> int:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | None = None) -> bool:
+def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | None = None,
+                 gid: int | None = None) -> bool:
     """Creates or resizes PATH to SIZE and reserves all its pages (fallocate).
+
+    A new file is 0600, or 0660 in group GID (ownership.py); an existing one
+    keeps its mode unless GID is given.
 
     A full tmpfs is reported here, at init, never hit mid-run.  Returns True
     if the file was created by this call (the caller removes it on failure).
@@ -203,9 +207,12 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
             "free space there, give a smaller --size, or grow the tmpfs "
             "(mount -o remount,size=... /dev/shm)")
     in_memory = filesystem_type(path) in MEMORY_FILESYSTEMS
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     created = not existing
     try:
+        if created or gid is not None:
+            from tract_cli.core.ownership import apply_sharing
+            apply_sharing(fd, gid)
         os.ftruncate(fd, size)
         done = 0
         while done < size:

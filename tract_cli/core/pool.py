@@ -24,6 +24,7 @@ from tract_cli.core.allocator import Allocator
 from tract_cli.core.handoff import Handoffs
 from tract_cli.core.index import PrefixIndex
 from tract_cli.core.local import LocalSegment
+from tract_cli.core.ownership import check_may_attach, sharing_of
 from tract_cli.core.locks import Locks
 from tract_cli.core.objects import ObjectStore
 from tract_cli.core.region import FormatOptions, format_region
@@ -69,14 +70,15 @@ class Pool:
     def create(cls, path: str, size: int | None, model: str | ModelProfile = "tiny", *,
                nodes: int = 4, flush_mode: str | None = None, force: bool = False,
                hash_scheme: str = "tract", index_stripes: int = 16,
-               transfer_entries: int = 1024,
+               transfer_entries: int = 1024, group: str | None = None,
                progress: Callable[[int, int], None] | None = None, **attach_options) -> "Pool":
-        """Formats a region at PATH (a file is created) and attaches to it as node 0."""
+        """Formats a region at PATH (a file is created: 0600, or 0660 shared with
+        GROUP) and attaches to it as node 0."""
         profile = load_model(model) if isinstance(model, str) else model
         opts = FormatOptions(model=profile, max_nodes=nodes, flush_mode=flush_mode,
                              hash_scheme=hash_scheme, index_stripes=index_stripes,
                              transfer_entries=transfer_entries)
-        format_region(path, size, opts, force=force, progress=progress)
+        format_region(path, size, opts, force=force, progress=progress, group=group)
         return cls.attach(path, **attach_options)
 
     @classmethod
@@ -114,7 +116,13 @@ class Pool:
         if target.size < lib.TRACT_HEADER_SIZE:
             raise_for(lib.TRACT_E_NOT_FORMATTED, path)
         size = target.size
-        fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        check_may_attach(path)
+        try:
+            fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        except PermissionError:
+            raise TractError(f"{path}: permission denied",
+                             "run as its owner, or have it shared with one of your groups "
+                             "(tract init --group)") from None
         try:
             prot = mmap.PROT_READ | (0 if readonly else mmap.PROT_WRITE)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
@@ -149,7 +157,7 @@ class Pool:
             if prefault:
                 raise_for(lib.tract_prefault(base, info.region_size, 0 if readonly else 1), path)
             if local and not readonly:
-                segment = LocalSegment.open_or_create(region, info.uuid, node)
+                segment = LocalSegment.open_or_create(region, info.uuid, node, sharing_of(path))
         except BaseException:
             if region != ffi.NULL:
                 lib.tract_detach(region)

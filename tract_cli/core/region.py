@@ -35,6 +35,7 @@ class FormatOptions:
     hash_scheme: str = "tract"
     index_stripes: int = 16
     transfer_entries: int = 1024
+    zero_on_free: bool = False       # freed slots are cleared before reuse (tenant isolation)
 
 
 def _params(size: int, alignment: int, opts: FormatOptions, flush_mode: str):
@@ -53,6 +54,7 @@ def _params(size: int, alignment: int, opts: FormatOptions, flush_mode: str):
     p.hash_scheme = HASH_SCHEMES[opts.hash_scheme]
     p.index_stripes = opts.index_stripes
     p.transfer_entries = opts.transfer_entries
+    p.flags = lib.TRACT_HDR_ZERO_ON_FREE if opts.zero_on_free else 0
     ffi.memmove(p.uuid, uuidlib.uuid4().bytes, 16)
     ffi.memmove(p.hash_seed, secrets.token_bytes(16), 16)
     ffi.memmove(p.model_fingerprint, opts.model.fingerprint(), 32)
@@ -140,8 +142,10 @@ def describe_existing(kind: str, info: RegionInfo | None, target: medium.Target)
 
 def format_region(path: str, size: int | None, opts: FormatOptions, force: bool = False,
                   progress: Callable[[int, int], None] | None = None,
-                  timings: dict | None = None) -> RegionInfo:
+                  timings: dict | None = None, group: str | None = None) -> RegionInfo:
     """Creates (for files) and formats a region at PATH; returns its header.
+
+    A new region file is 0600; GROUP shares it (0660, that group).
 
     TIMINGS, if given, receives reserve_s (file page reservation, grows with
     size) and format_s (metadata only, does not).
@@ -183,8 +187,15 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
         remove_segments(info.uuid)
     created = False
     t0 = time.perf_counter()
+    gid = None
+    if group is not None:
+        if target.kind == "devdax":
+            raise UsageError("--group applies to region files; a device's access is its device "
+                             "node's", f"set the group of {path} with a udev rule")
+        from tract_cli.core.ownership import group_id
+        gid = group_id(group)
     if target.kind != "devdax":
-        created = medium.reserve_file(path, size, progress)
+        created = medium.reserve_file(path, size, progress, gid=gid)
     timings["reserve_s"] = time.perf_counter() - t0
     try:
         fd = os.open(path, os.O_RDWR)

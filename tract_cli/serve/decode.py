@@ -20,7 +20,7 @@ from tract_cli.serve.engine import Sampling
 from tract_cli.serve.httpd import ApiError, UpstreamError, field, post_json
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.prefill import MODES
-from tract_cli.serve.worker import PoolWorker
+from tract_cli.serve.worker import PoolWorker, cache_salt
 
 PREFILL_TIMEOUT_S = 300.0
 MAX_TOKENS_DEFAULT = 16
@@ -113,14 +113,14 @@ class DecodeWorker(PoolWorker):
             self.engine.check_prompt(tokens, max_tokens, self.max_context)
         except TractError as exc:
             raise ApiError(400, exc.problem, param="prompt") from None
-        return tokens, Sampling(max_tokens, temperature, seed), stream, stop, mode
+        return tokens, Sampling(max_tokens, temperature, seed), stream, stop, mode, cache_salt(body)
 
     # ---- serving ----
 
     def completions(self, body: dict):
-        tokens, sampling, stream, stop, mode = self._parse(body)
+        tokens, sampling, stream, stop, mode, salt = self._parse(body)
         cid = "cmpl-" + uuid.uuid4().hex
-        gen = self._generate(cid, tokens, sampling, mode)
+        gen = self._generate(cid, tokens, sampling, mode, salt)
         # prefill and handoff happen before the first yield: their errors get
         # an HTTP status, not an event in a stream that already said 200
         _, meta = next(gen)
@@ -128,9 +128,12 @@ class DecodeWorker(PoolWorker):
             return self._sse(cid, meta, gen, stop)
         return self._collect(cid, tokens, meta, gen, stop)
 
-    def _prefill(self, rid: str, tokens, sampling: Sampling, mode: str) -> dict:
+    def _prefill(self, rid: str, tokens, sampling: Sampling, mode: str,
+                 salt: str | None = None) -> dict:
         body = {"request_id": rid, "tokens": tokens, "mode": mode, "max_tokens": sampling.max_tokens,
                 "temperature": sampling.temperature, "seed": sampling.seed}
+        if salt is not None:
+            body["cache_salt"] = salt
         errors = []
         start = next(self._rr)
         for i in range(len(self.prefill_urls)):
@@ -147,7 +150,7 @@ class DecodeWorker(PoolWorker):
         raise ApiError(503, "no prefill worker is reachable: " + "; ".join(errors),
                        "service_unavailable")
 
-    def _generate(self, cid: str, tokens, sampling: Sampling, mode: str):
+    def _generate(self, cid: str, tokens, sampling: Sampling, mode: str, salt: str | None = None):
         """Yields ("meta", dict) once the KV is in place, then ("token", id)..."""
         eng, pool, m = self.engine, self.pool, self.metrics
         t0 = time.perf_counter()
@@ -160,7 +163,7 @@ class DecodeWorker(PoolWorker):
         count = 0
         try:
             c = time.perf_counter()
-            resp = self._prefill(cid, tokens, sampling, mode)
+            resp = self._prefill(cid, tokens, sampling, mode, salt)
             prefill_s = time.perf_counter() - c
             m.observe("prefill_call_seconds", prefill_s)
             try:

@@ -24,7 +24,7 @@ from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.httpd import ApiError, field
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
-from tract_cli.serve.worker import PoolWorker
+from tract_cli.serve.worker import PoolWorker, cache_salt
 
 MODES = ("copy", "zero-copy")
 CLAIMED = 4                     # index.reserve status: slot claimed for this writer
@@ -62,6 +62,7 @@ class PrefillWorker(PoolWorker):
         if mode not in MODES:
             raise ApiError(400, f"mode must be one of {', '.join(MODES)}", param="mode")
         rid = field(body, "request_id", str) or uuid.uuid4().hex
+        salt = cache_salt(body)
         sampling = Sampling(max_tokens=field(body, "max_tokens", int, 1),
                             temperature=float(field(body, "temperature", (int, float), 0.0)),
                             seed=field(body, "seed", int, 0))
@@ -70,7 +71,7 @@ class PrefillWorker(PoolWorker):
         except TractError as exc:
             raise ApiError(400, exc.problem, param="tokens") from None
         try:
-            out = self.prefill(rid, tokens, mode, sampling)
+            out = self.prefill(rid, tokens, mode, sampling, salt)
         except ApiError:
             self.metrics.inc("prefill_failures_total")
             raise
@@ -85,13 +86,14 @@ class PrefillWorker(PoolWorker):
             raise ApiError(500, str(exc), "pool_error") from None
         return out
 
-    def prefill(self, rid: str, tokens: list[int], mode: str, sampling: Sampling) -> dict:
+    def prefill(self, rid: str, tokens: list[int], mode: str, sampling: Sampling,
+                salt: str | None = None) -> dict:
         eng, pool, m = self.engine, self.pool, self.metrics
         bt = eng.block_tokens
         t0 = time.perf_counter()
         t = {}
         arr = np.asarray(tokens, dtype=np.int32)
-        keys = block_hashes(arr, pool.info.hash_scheme, bt, root=self.root)
+        keys = block_hashes(arr, pool.info.hash_scheme, bt, root=self.root_for(salt))
         full = len(keys)
         reusable = (len(tokens) - 1) // bt            # the last token is always computed
         t["hash"] = time.perf_counter() - t0

@@ -20,6 +20,16 @@ from tract_cli.serve.metrics import Metrics
 
 # a handoff's key list holds 32 bytes per block in one slot (FORMAT.md)
 HANDOFF_ENTRY_BYTES = 32
+MAX_SALT_BYTES = 256
+
+
+def cache_salt(body: dict) -> str | None:
+    """The request's `cache_salt` (vLLM's name): None, or 1..256 bytes."""
+    from tract_cli.serve.httpd import ApiError, field
+    salt = field(body, "cache_salt", str)
+    if salt is not None and not 1 <= len(salt.encode()) <= MAX_SALT_BYTES:
+        raise ApiError(400, f"cache_salt must be 1 to {MAX_SALT_BYTES} bytes", param="cache_salt")
+    return salt
 
 
 class PoolWorker:
@@ -55,6 +65,18 @@ class PoolWorker:
         m.gauge("lock_wait_seconds", "Seconds this node spent waiting for pool locks",
                 self._lock_wait)
         m.gauge("lock_acquisitions", "Pool lock acquisitions by this node", self._lock_count)
+
+    def root_for(self, salt: str | None) -> bytes:
+        """The hash chain root of a request: the worker's, or a tenant's
+        (`cache_salt`): tenants never share, or probe, each other's prefixes."""
+        if salt is None:
+            return self.root
+        roots = self.__dict__.setdefault("_tenant_roots", {})
+        if salt not in roots:
+            if len(roots) > 4096:
+                roots.clear()
+            roots[salt] = pool_root(self.pool.info, salt)
+        return roots[salt]
 
     def _slots_used(self) -> float:
         with self.pool_lock:
