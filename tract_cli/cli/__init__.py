@@ -36,12 +36,44 @@ app.command("generate")(serve_cmd.generate)
 app.add_typer(microbench_cmd.app, name="microbench")
 
 
+def _click_exceptions():
+    """The usage-error and abort classes of the click that parses our arguments
+    (newer typer releases carry their own copy of click)."""
+    from types import SimpleNamespace
+    try:
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+        from typer.exceptions import Abort
+    except ImportError:
+        from click.exceptions import Abort, NoArgsIsHelpError, UsageError
+    return SimpleNamespace(NoArgsIsHelpError=NoArgsIsHelpError, UsageError=UsageError,
+                           Abort=Abort)
+
+
 def main() -> None:
     """Entry point of the `tract` console script."""
     from tract_cli.core.errors import TractError
 
+    cx = _click_exceptions()
+
     try:
-        app()
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except cx.NoArgsIsHelpError:
+        sys.exit(2)                      # the help was printed
+    except cx.UsageError as err:
+        # one line, like every other error: what is wrong, where the help is
+        names, ctx = [], err.ctx
+        while ctx is not None and ctx.parent is not None:
+            names.append(ctx.info_name)
+            ctx = ctx.parent
+        where = " ".join(["tract", *reversed(names)])
+        message = " ".join(err.format_message().split())
+        print(f"tract: usage error: {message} (see `{where} -h`)", file=sys.stderr)
+        sys.exit(2)
+    except cx.Abort:
+        print("tract: interrupted", file=sys.stderr)
+        sys.exit(130)
     except TractError as err:
         print(f"tract: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -29,6 +29,10 @@ def inspect(
     """A read-only view of locks, index, allocator, nodes and handoffs (no locks taken)."""
     if interval <= 0:
         raise UsageError("--interval must be positive", "e.g. --interval 0.5")
+    if count < 0:
+        raise UsageError("--count must be 0 (no limit) or more", "e.g. --count 10")
+    if count and not watch:
+        raise UsageError("--count goes with --watch", "add --watch, or drop --count")
     views = [v for v, on in zip(snapshot.VIEWS, (nodes, locks, index, alloc, handoffs)) if on]
     views = views or list(snapshot.VIEWS)
     with snapshot.open_pool(pool) as p:

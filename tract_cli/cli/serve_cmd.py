@@ -41,11 +41,14 @@ def _engine(model_dir, profile, seed, threads):
     return Engine.load(model_dir, profile, seed)
 
 
+def _check_port(port: int) -> None:
+    """Before anything is loaded or attached: a bad port is a usage error."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"port {port} is out of range", "use 1..65535 (0 picks a free one)")
+
+
 def _serve(worker, host: str, port: int, name: str) -> None:
     from tract_cli.serve.httpd import JsonServer
-    if not 0 <= port <= 65535:
-        worker.close()
-        raise UsageError(f"port {port} is out of range", "use 1..65535 (0 picks a free one)")
     try:
         server = JsonServer((host, port), worker.routes(), name)
     except OSError as exc:
@@ -71,6 +74,7 @@ def serve_prefill(
     from tract_cli.serve.prefill import PrefillWorker
     if ttl <= 0:
         raise UsageError("--handoff-ttl must be positive", "pass seconds, e.g. 30")
+    _check_port(port)
     pin(numa_node, cpus)
     engine = _engine(model_dir, profile, seed, threads)
     worker = PrefillWorker(pool, node, engine, simulate=simulate, flush_mode=flush_mode,
@@ -89,7 +93,11 @@ def serve_decode(
     cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
 ) -> None:
     """Decode worker and front door: OpenAI /v1/completions, /health, /metrics."""
-    from tract_cli.serve.decode import DecodeWorker
+    from tract_cli.serve.decode import DecodeWorker, MODES
+    _check_port(port)
+    if kv_mode not in MODES:
+        raise UsageError(f"--kv-mode {kv_mode!r} is not one of {', '.join(MODES)}",
+                         "pass --kv-mode copy or --kv-mode zero-copy")
     for url in prefill:
         if not url.startswith(("http://", "https://")):
             raise UsageError(f"--prefill {url!r} is not an http:// URL",
