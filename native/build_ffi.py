@@ -24,11 +24,19 @@ def read_cdef() -> str:
     return text[start:end]
 
 
+def asan() -> bool:
+    """TRACT_ASAN=1: build under AddressSanitizer (tests/test_asan_fuzz.py; the
+    process that loads it needs LD_PRELOAD of libasan)."""
+    return os.environ.get("TRACT_ASAN") == "1"
+
+
 def extra_compile_args() -> list[str]:
     """Strict warnings always; -Werror when TRACT_WERROR=1 (tests and CI)."""
     args = ["-std=gnu11", "-O3", "-Wall", "-Wextra", "-fno-strict-aliasing"]
     if os.environ.get("TRACT_WERROR") == "1":
         args.append("-Werror")
+    if asan():
+        args += ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"]
     return args
 
 
@@ -41,6 +49,7 @@ ffibuilder.set_source(
     sources=[f"native/{name}" for name in SOURCES],
     include_dirs=["native"],
     extra_compile_args=extra_compile_args(),
+    extra_link_args=["-fsanitize=address"] if asan() else [],
     libraries=["pthread"],
 )
 

@@ -203,14 +203,34 @@ static void stripe_leave(struct stripe_ctx *c)
 	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
 }
 
+/* whether bucket b belongs to the entered stripe: LRU links and anchors are
+ * read from the region, written by other hosts, and checked before use (internal) */
+static int in_stripe(const struct stripe_ctx *c, uint64_t b)
+{
+	return b >= c->first && b - c->first < c->size;
+}
+
+/* whether a bucket's slot field names a slot of the region (internal) */
+static int slot_ok(const struct stripe_ctx *c, const struct tract_bucket *k)
+{
+	return k->slot && k->slot - 1 < c->r->hdr.slot_count;
+}
+
+/* loads bucket b; a b outside the stripe (a corrupt link) reads as EMPTY (internal) */
 static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
 {
+	if (!in_stripe(c, b)) {
+		memset(out, 0, sizeof(*out));
+		return;
+	}
 	line_get(c, bucket_off(c, b), out);
 }
 
+/* stores bucket b; never outside the stripe (internal) */
 static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
 {
-	line_put(c, bucket_off(c, b), in);
+	if (in_stripe(c, b))
+		line_put(c, bucket_off(c, b), in);
 }
 
 /*
@@ -249,6 +269,10 @@ static void probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uin
 /* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
 static void lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
 {
+	if (k->lru_prev && !in_stripe(c, k->lru_prev - 1))
+		k->lru_prev = NONE;             /* a corrupt link: cut here */
+	if (k->lru_next && !in_stripe(c, k->lru_next - 1))
+		k->lru_next = NONE;
 	if (k->lru_prev) {
 		struct tract_bucket p;
 		load_bucket(c, k->lru_prev - 1, &p);
@@ -274,6 +298,8 @@ static void lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
 /* links bucket b at the head (most recent); the caller stores *k (internal) */
 static void lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
 {
+	if (c->lru.head && !in_stripe(c, c->lru.head - 1))
+		c->lru.head = c->lru.tail = NONE;   /* a corrupt anchor: restart the list */
 	k->lru_prev = NONE;
 	k->lru_next = c->lru.head;
 	if (c->lru.head) {
@@ -425,7 +451,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			struct tract_bucket bk;
 			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			c.lru.lookups++;
-			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_READY || !bk.slot) {
+			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_READY || !slot_ok(&c, &bk)) {
 				limit = idx;
 				continue;
 			}
@@ -675,12 +701,16 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 			if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 				break;
 			uint32_t cur = c.lru.tail, here = 0;
-			while (cur && got < want && here < per) {
+			/* bounded by the stripe's size: a corrupt list may cycle */
+			for (uint64_t steps = 0; cur && got < want && here < per && steps < c.size;
+			     steps++) {
 				uint64_t b = cur - 1;
+				if (!in_stripe(&c, b))
+					break;
 				struct tract_bucket bk;
 				load_bucket(&c, b, &bk);
 				cur = bk.lru_prev;
-				if (bk.state != TRACT_BUCKET_READY || bk.pins)
+				if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(&c, &bk))
 					continue;     /* pinned blocks are never evicted */
 				lru_unlink(&c, b, &bk);
 				slots[got++] = bk.slot - 1;
@@ -708,12 +738,15 @@ enum { PUT_STORED = 0, PUT_WAS_READY = 1, PUT_WAS_PENDING = 2, PUT_NO_ROOM = 3, 
  * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
 static int evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed)
 {
-	for (uint32_t cur = c->lru.tail; cur;) {
+	uint32_t cur = c->lru.tail;
+	for (uint64_t steps = 0; cur && steps < c->size; steps++) {
 		uint64_t b = cur - 1;
+		if (!in_stripe(c, b))
+			break;                  /* a corrupt link */
 		struct tract_bucket bk;
 		load_bucket(c, b, &bk);
 		cur = bk.lru_prev;
-		if (bk.state != TRACT_BUCKET_READY || bk.pins)
+		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
 			continue;
 		lru_unlink(c, b, &bk);
 		freed[(*nfreed)++] = bk.slot - 1;
