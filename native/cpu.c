@@ -31,6 +31,9 @@ static uint64_t xgetbv0(void)
 }
 #endif
 
+/* the mutation site removed in this process (tests/mutation.py); 0 = none */
+int tract_mutant;
+
 /* env flag set to a non-empty value other than "0" (internal) */
 static int env_flag(const char *name)
 {
@@ -69,6 +72,10 @@ static void detect(void)
 	if (env_flag("TRACT_NO_AVX2"))
 		f &= ~(uint32_t)(TRACT_CPU_AVX2 | TRACT_CPU_AVX512F);
 	features = f;
+
+	const char *mu = getenv("TRACT_MUTANT");
+	if (mu && *mu)
+		tract_mutant = atoi(mu);
 
 	const char *t = getenv("TRACT_MOVNT_THRESHOLD");
 	if (t && *t)

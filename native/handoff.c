@@ -43,7 +43,8 @@ static uint64_t slot_off(const tract_region *r, uint32_t slot)
 static void observe_record(tract_region *r, uint32_t rec, struct tract_transfer_record *out)
 {
 	uint64_t off = record_off(r, rec);
-	r->ops->invalidate(r, off, sizeof(*out));
+	if (TRACT_KEEP(SITE_HANDOFF_OBSERVE_RECORD))
+		r->ops->invalidate(r, off, sizeof(*out));
 	r->ops->fence(r);
 	r->ops->load(r, off, out, sizeof(*out));
 }
@@ -52,7 +53,8 @@ static void publish_record(tract_region *r, uint32_t rec, const struct tract_tra
 {
 	uint64_t off = record_off(r, rec);
 	r->ops->store(r, off, in, sizeof(*in));
-	r->ops->flush(r, off, sizeof(*in));
+	if (TRACT_KEEP(SITE_HANDOFF_PUBLISH_RECORD))
+		r->ops->flush(r, off, sizeof(*in));
 	r->ops->fence(r);
 }
 

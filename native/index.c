@@ -115,7 +115,7 @@ static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
 		c->r->ops->load(c->r, off, dst, TRACT_LINE);
 		return;
 	}
-	tract_observe_line(c->r, off, dst);
+	tract_observe_line_at(c->r, off, dst, SITE_INDEX_OBSERVE_LINE);
 	if (p >= 0 && c->set->n_used < SET_CAP) {
 		c->set->off[p] = off + 1;
 		c->set->dirty[p] = 0;
@@ -128,7 +128,7 @@ static void line_put(struct stripe_ctx *c, uint64_t off, const void *src)
 {
 	int p = c->set ? set_slot(c->set, off) : -1;
 	if (p < 0 || (c->set->off[p] != off + 1 && c->set->n_used >= SET_CAP)) {
-		tract_write_line(c->r, off, src);      /* no room to defer: flush now */
+		tract_write_line_at(c->r, off, src, SITE_INDEX_FLUSH_SECTION);   /* no deferral */
 		return;
 	}
 	c->r->ops->store(c->r, off, src, TRACT_LINE);
@@ -149,7 +149,8 @@ static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t 
 		int p = set_slot(c->set, offs[i]);
 		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
 			continue;
-		c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
+		if (TRACT_KEEP(SITE_INDEX_PREFETCH))
+			c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
 		c->set->off[p] = offs[i] + 1;
 		c->set->dirty[p] = 0;
 		c->set->used[c->set->n_used++] = (uint16_t)p;
@@ -166,7 +167,7 @@ static void set_flush(struct stripe_ctx *c)
 		return;
 	for (uint32_t i = 0; i < c->set->n_used; i++) {
 		uint16_t p = c->set->used[i];
-		if (c->set->dirty[p])
+		if (c->set->dirty[p] && TRACT_KEEP(SITE_INDEX_FLUSH_SECTION))
 			c->r->ops->flush(c->r, c->set->off[p] - 1, TRACT_LINE);
 		c->set->off[p] = 0;
 		c->set->dirty[p] = 0;
@@ -188,7 +189,7 @@ static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, s
 	c->first = (uint64_t)stripe * c->size;
 	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
 	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
-	tract_observe_line(r, c->lru_off, &c->lru);
+	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
 	c->lru_dirty = 0;
 	return TRACT_OK;
 }
@@ -197,7 +198,7 @@ static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, s
 static void stripe_leave(struct stripe_ctx *c)
 {
 	if (c->lru_dirty)
-		tract_write_line(c->r, c->lru_off, &c->lru);
+		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
 	set_flush(c);
 	c->r->ops->fence(c->r);
 	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);

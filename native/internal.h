@@ -131,25 +131,74 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 }
 
 /* observes one whole line: invalidate, fence, load (internal) */
-static inline void tract_observe_line(tract_region *r, uint64_t off, void *dst)
+/*
+ * Mutation sites (tests/mutation.py): every flush and invalidate of the
+ * lock, publish and pin paths has a name here.  TRACT_MUTANT=<site> (read
+ * once, at CPU detection, like the other TRACT_* overrides) removes exactly
+ * that one, so the tests under the non-coherence simulator can show they
+ * catch its absence.  0 (the default) removes nothing.
+ */
+enum tract_site {
+	SITE_NONE = 0,
+	SITE_LOCK_OBSERVE_SEQ,          /* acquire: invalidate the own slot before its seq */
+	SITE_LOCK_PUBLISH_WAITING,      /* acquire: flush the WAITING request */
+	SITE_LOCK_OBSERVE_GRANT,        /* acquire: invalidate the manager line while waiting */
+	SITE_LOCK_PUBLISH_LOCKED,       /* acquire: flush LOCKED */
+	SITE_LOCK_OBSERVE_RELEASE,      /* release: invalidate the own slot */
+	SITE_LOCK_PUBLISH_IDLE,         /* release: flush IDLE */
+	SITE_MGR_OBSERVE_SLOTS,         /* manager: invalidate the node slots before a scan */
+	SITE_MGR_PUBLISH_GRANT,         /* manager: flush a grant */
+	SITE_INDEX_OBSERVE_LINE,        /* stripe section: invalidate a line on first read */
+	SITE_INDEX_PREFETCH,            /* lookup: invalidate home buckets and pin lines */
+	SITE_INDEX_OBSERVE_ANCHOR,      /* stripe enter: invalidate the LRU anchor */
+	SITE_INDEX_FLUSH_SECTION,       /* stripe leave: flush the lines the section wrote */
+	SITE_INDEX_PUBLISH_ANCHOR,      /* stripe leave: flush the LRU anchor */
+	SITE_HANDOFF_PUBLISH_RECORD,    /* handoff record: flush */
+	SITE_HANDOFF_OBSERVE_RECORD,    /* handoff record: invalidate */
+	SITE_COUNT
+};
+
+/* the site TRACT_MUTANT removes (0: none), set once at CPU detection (internal) */
+extern int tract_mutant;
+#define TRACT_KEEP(site) ((site) == SITE_NONE || tract_mutant != (site))
+
+/* invalidates, fences and loads one line (site: see enum tract_site) (internal) */
+static inline void tract_observe_line_at(tract_region *r, uint64_t off, void *dst, int site)
 {
-	r->ops->invalidate(r, off, TRACT_LINE);
+	if (TRACT_KEEP(site))
+		r->ops->invalidate(r, off, TRACT_LINE);
 	r->ops->fence(r);
 	r->ops->load(r, off, dst, TRACT_LINE);
 }
 
+static inline void tract_observe_line(tract_region *r, uint64_t off, void *dst)
+{
+	tract_observe_line_at(r, off, dst, SITE_NONE);
+}
+
 /* stores one whole line and flushes it; the caller fences once (internal) */
-static inline void tract_write_line(tract_region *r, uint64_t off, const void *src)
+static inline void tract_write_line_at(tract_region *r, uint64_t off, const void *src, int site)
 {
 	r->ops->store(r, off, src, TRACT_LINE);
-	r->ops->flush(r, off, TRACT_LINE);
+	if (TRACT_KEEP(site))
+		r->ops->flush(r, off, TRACT_LINE);
+}
+
+static inline void tract_write_line(tract_region *r, uint64_t off, const void *src)
+{
+	tract_write_line_at(r, off, src, SITE_NONE);
 }
 
 /* publishes one whole line: store, flush, fence (internal) */
+static inline void tract_publish_line_at(tract_region *r, uint64_t off, const void *src, int site)
+{
+	tract_write_line_at(r, off, src, site);
+	r->ops->fence(r);
+}
+
 static inline void tract_publish_line(tract_region *r, uint64_t off, const void *src)
 {
-	tract_write_line(r, off, src);
-	r->ops->fence(r);
+	tract_publish_line_at(r, off, src, SITE_NONE);
 }
 
 /* unpins keys on behalf of node (a handoff's prefill side) (internal) */

@@ -20,7 +20,7 @@
 #define MAX_SLEEP_NS 100000ULL
 
 /* writes this node's slot for lock id: state, pid, request seq (internal) */
-static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req)
+static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req, int site)
 {
 	struct tract_lock_node_slot s;
 	memset(&s, 0, sizeof(s));
@@ -28,7 +28,7 @@ static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t 
 	s.pid = (uint32_t)getpid();
 	s.request_seq = req;
 	s.since_ns = tract_now_ns();
-	tract_publish_line(r, tract_lock_line(r, id, 1 + r->node_id), &s);
+	tract_publish_line_at(r, tract_lock_line(r, id, 1 + r->node_id), &s, site);
 }
 
 /* fills the wait report from what the region says now (internal) */
@@ -72,29 +72,29 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	 * for this one; the previous holder on this node wrote the line last */
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
-	tract_observe_line(r, slot_off, &mine);
+	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
 	uint64_t req = mine.request_seq + 1;
-	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req);
+	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, SITE_LOCK_PUBLISH_WAITING);
 
 	/* wait for the manager's grant of exactly this request */
 	uint64_t mgr_off = tract_lock_line(r, lock_id, 0);
 	uint32_t round = 0;
 	for (;;) {
 		struct tract_lock_manager_line m;
-		tract_observe_line(r, mgr_off, &m);
+		tract_observe_line_at(r, mgr_off, &m, SITE_LOCK_OBSERVE_GRANT);
 		if (m.granted_node == r->node_id + 1 && m.granted_req == req)
 			break;
 		if (tract_mono_ns() - start > timeout_ns) {
 			describe_wait(r, lock_id, 2, wait);
 			/* withdraw; a grant racing with this is released by the
 			 * manager when it sees IDLE, so nothing leaks */
-			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req);
+			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req, SITE_NONE);
 			pthread_mutex_unlock(&lm->mu);
 			return TRACT_E_TIMEOUT;
 		}
 		tract_backoff(&round, MAX_SLEEP_NS);
 	}
-	publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req);
+	publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req, SITE_LOCK_PUBLISH_LOCKED);
 	lm->acquired++;
 	lm->wait_ns += tract_mono_ns() - start;
 	pthread_mutex_lock(&r->held_mu);
@@ -118,8 +118,8 @@ int tract_lock_release(tract_region *r, uint32_t lock_id)
 		return TRACT_E_NOT_HELD;
 	struct tract_lock_node_slot mine;
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
-	tract_observe_line(r, slot_off, &mine);
-	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq);
+	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_RELEASE);
+	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq, SITE_LOCK_PUBLISH_IDLE);
 	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
 	return TRACT_OK;
 }
@@ -165,7 +165,7 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 		/* re-check under the mutex: a live successor may have taken over */
 		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
 		if (mine.state != TRACT_LOCK_IDLE && kill((pid_t)mine.pid, 0) != 0 && errno == ESRCH) {
-			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq);
+			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, SITE_NONE);
 			(*count)++;
 		}
 		pthread_mutex_unlock(&lm->mu);

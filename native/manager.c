@@ -45,7 +45,7 @@ static void publish_grant(struct tract_manager *m, uint32_t id)
 	line.grant_seq = m->grants[id].seq;
 	line.granted_req = m->grants[id].req;
 	line.grant_ns = tract_now_ns();
-	tract_write_line(r, tract_lock_line(r, id, 0), &line);
+	tract_write_line_at(r, tract_lock_line(r, id, 0), &line, SITE_MGR_PUBLISH_GRANT);
 }
 
 /* one pass over every lock; returns 1 if any request or grant is live (internal) */
@@ -54,7 +54,8 @@ static int scan(struct tract_manager *m)
 	tract_region *r = m->r;
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
 	uint32_t nodes = r->hdr.max_nodes;
-	r->ops->invalidate(r, sec->offset, sec->length);
+	if (TRACT_KEEP(SITE_MGR_OBSERVE_SLOTS))
+		r->ops->invalidate(r, sec->offset, sec->length);
 	r->ops->fence(r);
 	r->ops->load(r, sec->offset, m->table, sec->length);
 	int busy = 0, wrote = 0;

@@ -1,0 +1,21 @@
+"""A bounded run of the mutation test (tests/mutation.py has all the sites):
+removing one flush or invalidate of the lock, publish or pin paths makes a
+protocol test under the simulator fail. These sites fail fast; the lock
+sites whose absence shows as a hang (caught by the lock timeouts, a minute
+each) are left to the full command."""
+from __future__ import annotations
+
+import mutation
+
+FAST = {"SITE_LOCK_PUBLISH_LOCKED", "SITE_INDEX_OBSERVE_LINE", "SITE_INDEX_FLUSH_SECTION",
+        "SITE_INDEX_PUBLISH_ANCHOR", "SITE_HANDOFF_PUBLISH_RECORD", "SITE_HANDOFF_OBSERVE_RECORD"}
+
+
+def test_each_removed_flush_or_invalidate_is_caught_by_the_simulator_tests():
+    chosen = [s for s in mutation.sites() if s[1] in FAST]
+    assert len(chosen) == len(FAST), "a site was renamed: update FAST"
+    base = mutation.run(0, timeout=300)
+    assert base["outcome"] == "passed", base
+    for num, name, _ in chosen:
+        r = mutation.run(num, timeout=300)
+        assert r["outcome"] != "passed", f"removing {name} went unnoticed"
