@@ -19,6 +19,7 @@ exception fails the run.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import mmap
 import os
@@ -159,6 +160,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
+    # the nodes' local segments in a folder of this run's own (a corrupted
+    # header makes segments under UUIDs nobody else would clean up)
+    import tempfile
+    seg_dir = tempfile.mkdtemp(prefix="tract-fuzz-local-", dir="/dev/shm")
+    os.environ["TRACT_LOCAL_DIR"] = seg_dir
     path = f"/dev/shm/tract-asan-fuzz-{uuid.uuid4().hex[:8]}.pool"
     Pool.create(path, 4 << 20, "tiny", nodes=2, index_stripes=4).close()
     summary = {"cases": 0, "attached": 0, "refused": 0, "tract_errors": 0, "ops": 0,
@@ -166,8 +172,6 @@ def main() -> int:
     try:
         tickets = populate(path)
         areas = regions_of(path)
-        with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
-            region_uuid = p.info.uuid
         with open(path, "rb") as f:
             pristine = f.read()
         fd = os.open(path, os.O_RDWR)
@@ -187,13 +191,16 @@ def main() -> int:
             summary["cases"] += 1
             for k, v in seen.items():
                 summary[k] += v
-            # the nodes' DRAM state belongs to the image just replaced
-            from tract_cli.core.local import remove_segments
-            remove_segments(region_uuid)
+            # the nodes' DRAM state belongs to the image just replaced (and a
+            # corrupted UUID makes segments of its own)
+            for seg in glob.glob(os.path.join(seg_dir, "tract-*.local")):
+                os.unlink(seg)
         mm.close()
     finally:
+        import shutil
         from tract_cli.core.region import remove_region
         remove_region(path)
+        shutil.rmtree(seg_dir, ignore_errors=True)
     summary["cases"] = a.cases
     import tract_cli._native
     summary["core"] = tract_cli._native.__file__
