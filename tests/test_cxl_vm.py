@@ -90,6 +90,7 @@ def test_two_hosts_share_one_device_without_lost_updates_or_corrupt_blocks(tmp_p
 
 def test_the_host_reads_a_region_header_at_the_device_dax_data_offset(tmp_path):
     """With --map=mem the device-DAX data starts 2 MiB into the memdev's file."""
+    from tract_cli.core.region import remove_region
     region = tmp_path / "region.pool"
     with Pool.create(str(region), 4 << 20, "tiny", nodes=2) as p:
         uuid = p.info.uuid
@@ -97,6 +98,7 @@ def test_the_host_reads_a_region_header_at_the_device_dax_data_offset(tmp_path):
     with open(backing, "wb") as f:
         f.write(b"\xAB" * cxlvm.DAX_DATA_OFFSET)     # the namespace's info block lives here
         f.write(region.read_bytes())
+    remove_region(str(region))                     # and its node's local segment
     h = cxlvm.read_region_header(str(backing))
     assert h == {"magic": "TRACTPOL", "version": 2, "uuid": uuid, "region_size": 4 << 20}
 
