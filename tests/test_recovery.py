@@ -6,6 +6,8 @@ heartbeat) gives back exactly what they held, never what live processes
 hold. Plain mode and the non-coherence simulator."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 
@@ -142,3 +144,33 @@ def test_a_clean_exit_leaves_nothing_to_recover(region):
         w.call("index_put_chains", chains=[CHAIN])
         assert w.call("index_lookup_verify", chains=[CHAIN]) == [12]
     assert recover(region, 1)["processes"] == 0
+
+
+def test_a_new_agent_resumes_the_duties_of_a_killed_one(region):
+    """SIGKILL the node's agent, then one of its processes: the agent started
+    next takes the node over (its robust agent mutex) and gives back what the
+    dead process held, and what the dead agent's own journal held."""
+    with Worker(region, 1) as writer:
+        writer.call("index_put_chains", chains=[CHAIN])
+    first = RunningAgent(region, 2, manager=False)
+    first.proc.kill()
+    first.proc.wait(timeout=30)
+    reader = Worker(region, 2)
+    assert reader.call("index_pin_chain", chain=CHAIN) == 12
+    killed(reader)
+    assert pins_of(region)["total"] == 12             # nobody recovers a node without an agent
+    # started at once (the dead agent's heartbeat still looks fresh): the new
+    # agent takes the node through its robust mutex, not by waiting for staleness
+    second = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "agent", "--pool", region,
+                               "--node", "2"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while pins_of(region)["total"] and time.monotonic() < deadline:
+            assert second.poll() is None, f"the new agent exited with {second.returncode}"
+            time.sleep(0.05)            # polling the region, bounded: the new agent's heartbeat
+        assert pins_of(region)["total"] == 0, "the new agent did not take the node's duties over"
+    finally:
+        second.terminate()
+        second.wait(timeout=30)
+    assert recover(region, 2)["processes"] == 0        # the dead agent's entry was recovered too
