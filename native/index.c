@@ -327,15 +327,25 @@ static void lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
 	store_bucket(c, b, k);
 }
 
+/* node's pin count of bucket b; buf gets the line holding it (internal) */
+static uint16_t pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
+			  uint8_t buf[TRACT_LINE])
+{
+	uint64_t off = pin_off(c->r, node, b);
+	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+	uint16_t v;
+	line_get(c, line, buf);
+	memcpy(&v, buf + (off - line), 2);
+	return v;
+}
+
 /* adds delta to node's pin count of bucket b and to the bucket total (internal) */
 static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node, int delta)
 {
 	uint64_t off = pin_off(c->r, node, b);
 	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 	uint8_t buf[TRACT_LINE];
-	line_get(c, line, buf);
-	uint16_t v;
-	memcpy(&v, buf + (off - line), 2);
+	uint16_t v = pin_count(c, node, b, buf);
 	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
 	    (delta < 0 && k->pins == 0))
 		return TRACT_E_CORRUPT;
@@ -512,10 +522,17 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	return rc;
 }
 
-/* unpins keys on behalf of node; with `journal`, each pin leaves this
- * process's journal right before it is given back (internal) */
+/*
+ * Unpins keys on behalf of node, stripe group by stripe group in ascending
+ * stripe order.  With `journal`, each pin leaves this process's journal right
+ * before it is given back.  With `mark`, the first `done` groups are skipped
+ * and mark(arg, g + 1) records the progress before group g's pins are given
+ * back: a crash between the two leaves pins behind but never gives one back
+ * twice (a handoff's release) (internal).
+ */
 static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-		      int journal, uint64_t timeout_ns)
+		      int journal, uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
+		      void *arg, uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
@@ -527,16 +544,23 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 		return TRACT_E_NOMEM;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	rc = TRACT_OK;
-	for (uint32_t i = 0; i < n;) {
-		struct stripe_ctx c;
+	uint32_t g = 0;
+	for (uint32_t i = 0; i < n; g++) {
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
+		if (g < done) {
+			i = j;
+			continue;
+		}
+		struct stripe_ctx c;
 		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
 		}
+		if (mark)
+			mark(r, arg, g + 1);
 		for (uint32_t k = i; k < j; k++) {
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
@@ -557,63 +581,19 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 	return rc;
 }
 
-/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
-int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			   uint64_t timeout_ns)
-{
-	return unpin_impl(r, keys, n, node, 0, timeout_ns);
-}
-
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
 {
-	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, timeout_ns);
+	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, 0, NULL, NULL, timeout_ns);
 }
 
-/* unpins keys on behalf of node, stripe group by stripe group in ascending
- * stripe order, skipping the first `done` groups; before a group's pins are
- * given back, mark(arg, g + 1) records the progress: a crash between the two
- * leaves pins behind but never gives one back twice (internal) */
+/* unpins keys for node resuming after `done` stripe groups, recording each
+ * group's progress with mark before it is given back (internal) */
 int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
 			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
 			     void *arg, uint64_t timeout_ns)
 {
-	if (node >= r->hdr.max_nodes)
-		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
-	if (!refs && n)
-		return TRACT_E_NOMEM;
-	int rc = TRACT_OK;
-	uint32_t g = 0;
-	for (uint32_t i = 0; i < n; g++) {
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if (g < done) {
-			i = j;
-			continue;
-		}
-		struct stripe_ctx c;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c, NULL);
-		if (rc2 < 0) {
-			rc = rc2;
-			break;
-		}
-		mark(r, arg, g + 1);
-		for (uint32_t k = i; k < j; k++) {
-			uint64_t b, fb;
-			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)refs[k].idx * 16, &b, &fb, &bk);
-			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
-				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
-			else
-				store_bucket(&c, b, &bk);
-		}
-		stripe_leave(&c);
-		i = j;
-	}
-	free(refs);
-	return rc;
+	return unpin_impl(r, keys, n, node, 0, done, mark, arg, timeout_ns);
 }
 
 /* the stripe of one key, entered (internal) */
@@ -637,12 +617,8 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 	probe(&c, key, &b, &fb, &bk);
 	rc = TRACT_E_NOT_FOUND;
 	if (b != UINT64_MAX) {
-		uint64_t off = pin_off(r, r->node_id, b);
-		uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 		uint8_t buf[TRACT_LINE];
-		uint16_t v;
-		line_get(&c, line, buf);
-		memcpy(&v, buf + (off - line), 2);
+		uint16_t v = pin_count(&c, r->node_id, b, buf);
 		uint32_t take = count < v ? count : v;
 		if (take && pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
 			store_bucket(&c, b, &bk);

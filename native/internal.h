@@ -201,10 +201,6 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 	tract_publish_line_at(r, off, src, SITE_NONE);
 }
 
-/* unpins keys on behalf of node (a handoff's prefill side) (internal) */
-int tract_index_unpin_node(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			   uint64_t timeout_ns);
-
 /* unpins keys for node group by stripe group, recording progress (internal) */
 int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
 			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),

@@ -178,6 +178,7 @@ def main() -> int:
         mm = mmap.mmap(fd, len(pristine))
         os.close(fd)
         for case in range(a.cases):
+            summary["cases"] += 1
             img = bytearray(pristine)
             area = corrupt(img, areas, rng)
             mm[:] = img
@@ -188,7 +189,6 @@ def main() -> int:
                 summary["failures"].append({"case": case, "area": area,
                                             "error": traceback.format_exc()[-1500:]})
                 continue
-            summary["cases"] += 1
             for k, v in seen.items():
                 summary[k] += v
             # the nodes' DRAM state belongs to the image just replaced (and a
@@ -201,7 +201,6 @@ def main() -> int:
         from tract_cli.core.region import remove_region
         remove_region(path)
         shutil.rmtree(seg_dir, ignore_errors=True)
-    summary["cases"] = a.cases
     import tract_cli._native
     summary["core"] = tract_cli._native.__file__
     print(json.dumps(summary, indent=2))

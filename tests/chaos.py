@@ -204,9 +204,6 @@ class Chaos:
         taken = set(np.flatnonzero(bits).tolist())
         return sorted(taken - in_use - free)
 
-    def keep_logs(self) -> str:
-        return self.dir
-
     def close(self) -> None:
         for p in self.workers:
             if p is not None and p.poll() is None:

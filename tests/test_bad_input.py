@@ -36,7 +36,7 @@ def files(tmp_path_factory):
     remove_region(region)
 
 
-# (argv with placeholders, exit code, a word the one line must contain)
+# (arguments, {NAME} fields filled from `files`; exit code; a word the one line must contain)
 CASES = [
     # init
     ("init", 2, "Missing argument 'path'"),

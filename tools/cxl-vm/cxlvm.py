@@ -73,7 +73,7 @@ def missing() -> list[str]:
         if shutil.which(tool) is None and not os.path.exists(f"/sbin/{tool}"):
             out.append(f"{tool} (package {PACKAGES[tool]})")
     busybox = shutil.which("busybox")
-    if busybox is None or b"statically linked" not in _file_kind(busybox):
+    if busybox is None or not _is_static(busybox):
         out.append("a static busybox (package busybox-static)")
     try:
         release, vmlinuz = kernel()
@@ -86,20 +86,18 @@ def missing() -> list[str]:
     return out
 
 
-def _file_kind(path: str) -> bytes:
-    """Whether PATH is static: no PT_INTERP program header (ELF64 only)."""
+def _is_static(path: str) -> bool:
+    """Whether the ELF64 executable at PATH has no PT_INTERP (a static binary)."""
     with open(path, "rb") as f:
         head = f.read(64)
         if head[:4] != b"\x7fELF" or head[4] != 2:
-            return b"unknown"
+            return False
         phoff, = struct.unpack_from("<Q", head, 32)
         phentsize, phnum = struct.unpack_from("<HH", head, 54)
         f.seek(phoff)
         table = f.read(phentsize * phnum)
-    for i in range(phnum):
-        if struct.unpack_from("<I", table, i * phentsize)[0] == 3:      # PT_INTERP
-            return b"dynamically linked"
-    return b"statically linked"
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != 3     # PT_INTERP
+               for i in range(phnum))
 
 
 def _importable() -> bool:

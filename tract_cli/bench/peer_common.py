@@ -77,6 +77,21 @@ def record(buf: np.ndarray, capacity: int, exp: dict, t: dict, every: int = 0) -
             "slot": exp["slot"]}
 
 
+def relayed(lines):
+    """Yields (expectation, sender's timings) per request from the receiver's
+    input, once both have arrived: the driver sends the request's expectation
+    and relays the sender's completion ({"done": rid, "t": ...}) in either order."""
+    expected, done = {}, {}
+    for line in lines:
+        msg = json.loads(line)
+        if "done" in msg:
+            done[msg["done"]] = msg["t"]
+        else:
+            expected[msg["rid"]] = msg
+        for rid in [r for r in done if r in expected]:
+            yield expected.pop(rid), done.pop(rid)
+
+
 def main(receiver, sender) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=("receiver", "sender"))

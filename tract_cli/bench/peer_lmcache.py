@@ -50,7 +50,8 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import fill_and_compute, main, np, out, record  # noqa: E402  (takes stdout)
+from peer_common import (GEOMETRY, fill_and_compute, main, np, out, record,  # noqa: E402
+                         relayed)  # (importing it takes stdout: before the libraries)
 import torch  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -58,7 +59,6 @@ from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
-from peer_common import GEOMETRY  # noqa: E402
 
 PATH = os.environ.get("TRACT_LMCACHE_PATH", "lm")
 
@@ -158,23 +158,15 @@ def lm_receiver(capacity: int, slots: int) -> None:
         buf = np.zeros(capacity * slots, np.uint8)
         client = None
         out({"host": "127.0.0.1", "port": port})
-        expected, done = {}, {}
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if "done" in msg:
-                done[msg["done"]] = msg["t"]
-            else:
-                expected[msg["rid"]] = msg
-            for rid in [r for r in done if r in expected]:
-                exp, t = expected.pop(rid), done.pop(rid)
-                client = client or client_for(exp, "127.0.0.1", port)
-                c = time.perf_counter()
-                base = exp["slot"] * capacity
-                parts = spans(exp)
-                for key, (s, e) in zip(chunk_keys(rid, len(parts)), parts):
-                    client.get_into(key, buf[base + s:base + e])
-                t["kv_read"] = time.perf_counter() - c
-                out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
+        for exp, t in relayed(sys.stdin):
+            client = client or client_for(exp, "127.0.0.1", port)
+            c = time.perf_counter()
+            base = exp["slot"] * capacity
+            parts = spans(exp)
+            for key, (s, e) in zip(chunk_keys(exp["rid"], len(parts)), parts):
+                client.get_into(key, buf[base + s:base + e])
+            t["kv_read"] = time.perf_counter() - c
+            out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
     finally:
         server.kill()
         server.wait()
@@ -232,25 +224,17 @@ def pd_receiver(capacity: int, slots: int) -> None:
     backend = pd_backend("receiver", capacity * slots, ports)
     buf = np.zeros(capacity * slots, np.uint8)
     out({"host": "127.0.0.1", "init_port": ports[0], "alloc_port": ports[1]})
-    expected, done = {}, {}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if "done" in msg:
-            done[msg["done"]] = msg["t"]
-        else:
-            expected[msg["rid"]] = msg
-        for rid in [r for r in done if r in expected]:
-            exp, t = expected.pop(rid), done.pop(rid)
-            c = time.perf_counter()
-            base = exp["slot"] * capacity
-            parts = spans(exp)
-            for key, (s, e) in zip(chunk_keys(rid, len(parts)), parts):
-                obj = backend.get_blocking(key)        # written by NIXL before "done"
-                buf[base + s:base + e] = obj.tensor.view(-1).numpy()[:e - s]
-                backend.remove(key)
-                obj.ref_count_down()
-            t["kv_read"] = time.perf_counter() - c
-            out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
+    for exp, t in relayed(sys.stdin):
+        c = time.perf_counter()
+        base = exp["slot"] * capacity
+        parts = spans(exp)
+        for key, (s, e) in zip(chunk_keys(exp["rid"], len(parts)), parts):
+            obj = backend.get_blocking(key)        # written by NIXL before "done"
+            buf[base + s:base + e] = obj.tensor.view(-1).numpy()[:e - s]
+            backend.remove(key)
+            obj.ref_count_down()
+        t["kv_read"] = time.perf_counter() - c
+        out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
     backend.close()
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import fill_and_compute, main, np, out, record  # noqa: E402  (takes stdout)
+from peer_common import fill_and_compute, main, np, out, record, relayed  # noqa: E402  (takes stdout)
 from mooncake.engine import TransferEngine  # noqa: E402
 
 
@@ -37,16 +37,8 @@ def receiver(capacity: int, slots: int) -> None:
     if te.register_memory(addr, buf.size) != 0:
         raise SystemExit("mooncake: registering the receive buffers failed")
     out({"session": f"127.0.0.1:{te.get_rpc_port()}", "addr": addr})
-    expected, done = {}, {}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if "done" in msg:
-            done[msg["done"]] = msg["t"]
-        else:
-            expected[msg["rid"]] = msg
-        for rid in [r for r in done if r in expected]:
-            out(record(buf, capacity, expected.pop(rid), done.pop(rid)))
-
+    for exp, t in relayed(sys.stdin):
+        out(record(buf, capacity, exp, t))
 
 def sender(capacity: int) -> None:
     te = engine()
