@@ -24,7 +24,8 @@ struct tract_lock_manager_line {
 	uint64_t grant_seq;    /* grants issued for this lock */
 	uint64_t grant_ns;     /* CLOCK_REALTIME of the current grant */
 	uint64_t granted_req;  /* the granted node's request_seq this grant answers */
-	uint8_t reserved[32];
+	uint64_t token;        /* fencing token of the manager that wrote the line */
+	uint8_t reserved[24];
 };
 
 struct tract_lock_node_slot {
@@ -33,7 +34,8 @@ struct tract_lock_node_slot {
 	uint64_t epoch;        /* node agent epoch when written */
 	uint64_t request_seq;  /* incremented by the node for every request */
 	uint64_t since_ns;     /* CLOCK_REALTIME when state was entered */
-	uint8_t reserved[32];
+	uint64_t grant_token;  /* LOCKED: the token of the grant it entered with */
+	uint8_t reserved[24];
 };
 
 enum { TRACT_LOCK_IDLE = 0, TRACT_LOCK_WAITING = 1, TRACT_LOCK_LOCKED = 2 };
@@ -45,7 +47,7 @@ struct tract_node_entry {
 	uint64_t epoch;        /* incremented every time an agent starts */
 	uint64_t heartbeat_ns; /* CLOCK_REALTIME of the last heartbeat */
 	uint32_t flags;        /* bit 0: this agent runs the lock manager */
-	uint32_t reserved0;
+	uint32_t manager_epoch; /* the node's manager claim, 0 = never claimed */
 	uint64_t manager_heartbeat_ns;
 	char hostname[24];
 	uint8_t recovery[192]; /* three lines of recovery records */

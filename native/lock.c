@@ -3,7 +3,9 @@
  *
  * acquire: local robust mutex -> publish WAITING (with a fresh request_seq)
  *          in this node's slot line -> poll the manager's line until it
- *          grants this node this request -> publish LOCKED.
+ *          grants this node this request -> publish LOCKED with the grant's
+ *          token -> observe the manager claims: enter only if the token is
+ *          the current one, else withdraw to WAITING and go on polling.
  * release: publish IDLE -> unlock the local mutex.
  *
  * Only the holder of the node's local mutex writes the node's slot line and
@@ -20,7 +22,8 @@
 #define MAX_SLEEP_NS 100000ULL
 
 /* writes this node's slot for lock id: state, pid, request seq (internal) */
-static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req, int site)
+static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req,
+			 uint64_t grant_token, int site)
 {
 	struct tract_lock_node_slot s;
 	memset(&s, 0, sizeof(s));
@@ -28,6 +31,7 @@ static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t 
 	s.pid = (uint32_t)getpid();
 	s.request_seq = req;
 	s.since_ns = tract_now_ns();
+	s.grant_token = grant_token;
 	tract_publish_line_at(r, tract_lock_line(r, id, 1 + r->node_id), &s, site);
 }
 
@@ -74,27 +78,38 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
 	uint64_t req = mine.request_seq + 1;
-	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, SITE_LOCK_PUBLISH_WAITING);
+	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, 0, SITE_LOCK_PUBLISH_WAITING);
 
-	/* wait for the manager's grant of exactly this request */
+	/* wait for the current manager's grant of exactly this request */
 	uint64_t mgr_off = tract_lock_line(r, lock_id, 0);
+	uint64_t floor = 0;   /* grants of smaller tokens were superseded */
 	uint32_t round = 0;
 	for (;;) {
 		struct tract_lock_manager_line m;
 		tract_observe_line_at(r, mgr_off, &m, SITE_LOCK_OBSERVE_GRANT);
-		if (m.granted_node == r->node_id + 1 && m.granted_req == req)
-			break;
+		if (m.granted_node == r->node_id + 1 && m.granted_req == req && m.token >= floor) {
+			/* LOCKED first, then the claims (publish ends with a full
+			 * fence): a manager taking over either sees this slot and
+			 * adopts it, or its claim is seen here */
+			publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req, m.token,
+				     SITE_LOCK_PUBLISH_LOCKED);
+			uint64_t current = tract_current_token(r, NULL);
+			if (current == m.token)
+				break;
+			/* a grant of a superseded manager: withdraw, keep the request */
+			publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, 0, SITE_NONE);
+			floor = current > m.token ? current : m.token + 1;
+		}
 		if (tract_mono_ns() - start > timeout_ns) {
 			describe_wait(r, lock_id, 2, wait);
 			/* withdraw; a grant racing with this is released by the
 			 * manager when it sees IDLE, so nothing leaks */
-			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req, SITE_NONE);
+			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req, 0, SITE_NONE);
 			pthread_mutex_unlock(&lm->mu);
 			return TRACT_E_TIMEOUT;
 		}
 		tract_backoff(&round, MAX_SLEEP_NS);
 	}
-	publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req, SITE_LOCK_PUBLISH_LOCKED);
 	lm->acquired++;
 	lm->wait_ns += tract_mono_ns() - start;
 	pthread_mutex_lock(&r->held_mu);
@@ -119,7 +134,7 @@ int tract_lock_release(tract_region *r, uint32_t lock_id)
 	struct tract_lock_node_slot mine;
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_RELEASE);
-	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq, SITE_LOCK_PUBLISH_IDLE);
+	publish_slot(r, lock_id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_LOCK_PUBLISH_IDLE);
 	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
 	return TRACT_OK;
 }
@@ -165,7 +180,7 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 		/* re-check under the mutex: a live successor may have taken over */
 		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
 		if (mine.state != TRACT_LOCK_IDLE && kill((pid_t)mine.pid, 0) != 0 && errno == ESRCH) {
-			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, SITE_NONE);
+			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_NONE);
 			(*count)++;
 		}
 		pthread_mutex_unlock(&lm->mu);

@@ -1,12 +1,21 @@
 /*
  * manager.c -- the lock manager: a native thread that arbitrates the global
- * tier of every lock (docs/PROTOCOLS.md §4).
+ * tier of every lock, and the fencing of managers (docs/PROTOCOLS.md §4).
  *
  * Each scan observes the whole lock table at once (one invalidate pass, one
  * fence), then for every lock: a grant whose node went IDLE or moved on to
  * a newer request is released; a lock with no grant is granted to the next
  * WAITING node after the last one granted (round-robin: no node starves).
  * The manager only writes line 0 of each lock and never holds a lock.
+ *
+ * Fencing: a manager runs under a token, its node's claim in the node table
+ * ((manager_epoch << 32) | node); the largest claim is the current manager.
+ * Every grant carries the token, and a requester enters only with a grant of
+ * the current token (lock.c).  A manager that finds a larger claim stops,
+ * and one that starts adopts each lock's holder from the LOCKED slots
+ * before it grants anything, so a takeover -- even from a manager that is
+ * still running, paused or unaware -- never admits two holders
+ * (tests/model/takeover.pml).
  *
  * It polls continuously while any request is pending and backs off when
  * idle (yield, then sleeps growing up to idle_sleep_max_ns), so on a small
@@ -28,13 +37,45 @@ struct tract_manager {
 	pthread_t thread;
 	tract_region *r;
 	volatile int stop;
+	volatile int superseded;
+	uint64_t token;     /* this manager's claim; 0 = unfenced (no claims) */
+	uint64_t by;        /* the claim that superseded it */
 	uint64_t idle_sleep_max_ns;
 	struct grant *grants;
 	uint8_t *table;     /* private copy of the lock table */
-	uint64_t scans, grants_issued, releases, sleeps;
+	uint64_t scans, grants_issued, releases, sleeps, repairs;
 };
 
-/* publishes a lock's manager line from the private state (internal) */
+/* the largest manager claim in the node table; *node gets its node (internal) */
+uint64_t tract_current_token(tract_region *r, int32_t *node)
+{
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_NODES);
+	uint64_t best = 0;
+	int32_t who = -1;
+	for (uint32_t k = 0; k < sec->count && k < r->hdr.max_nodes; k++) {
+		struct tract_node_entry e;
+		tract_observe_line(r, sec->offset + (uint64_t)k * sec->entry_size, &e);
+		uint64_t token = ((uint64_t)e.manager_epoch << 32) | k;
+		if (e.manager_epoch && token > best) {
+			best = token;
+			who = (int32_t)k;
+		}
+	}
+	if (node)
+		*node = who;
+	return best;
+}
+
+/* The current manager's fencing token and its node (-1, token 0 if none). */
+int tract_manager_current(tract_region *r, uint64_t *token, int32_t *node)
+{
+	if (!r || !token)
+		return TRACT_E_INVAL;
+	*token = tract_current_token(r, node);
+	return TRACT_OK;
+}
+
+/* writes a lock's manager line from the private state; the caller fences (internal) */
 static void publish_grant(struct tract_manager *m, uint32_t id)
 {
 	tract_region *r = m->r;
@@ -45,13 +86,32 @@ static void publish_grant(struct tract_manager *m, uint32_t id)
 	line.grant_seq = m->grants[id].seq;
 	line.granted_req = m->grants[id].req;
 	line.grant_ns = tract_now_ns();
+	line.token = m->token;
 	tract_write_line_at(r, tract_lock_line(r, id, 0), &line, SITE_MGR_PUBLISH_GRANT);
+}
+
+/* whether line 0 still says what this manager last published (internal) */
+static int line_is_mine(const struct tract_manager *m, const struct tract_lock_manager_line *l,
+			uint32_t id)
+{
+	const struct grant *g = &m->grants[id];
+	return l->token == m->token && l->granted_node == g->node && l->last_node == g->last &&
+	       l->granted_req == g->req && l->grant_seq == g->seq;
 }
 
 /* one pass over every lock; returns 1 if any request or grant is live (internal) */
 static int scan(struct tract_manager *m)
 {
 	tract_region *r = m->r;
+	if (m->token) {
+		/* fenced: a larger claim means another manager took over */
+		uint64_t current = tract_current_token(r, NULL);
+		if (current > m->token) {
+			m->by = current;
+			m->superseded = 1;
+			return 0;
+		}
+	}
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
 	uint32_t nodes = r->hdr.max_nodes;
 	if (TRACT_KEEP(SITE_MGR_OBSERVE_SLOTS))
@@ -61,8 +121,15 @@ static int scan(struct tract_manager *m)
 	int busy = 0, wrote = 0;
 	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
 		const uint8_t *entry = m->table + (uint64_t)id * sec->entry_size;
+		const struct tract_lock_manager_line *line = (const void *)entry;
 		const struct tract_lock_node_slot *slot = (const void *)(entry + TRACT_LINE);
 		struct grant *g = &m->grants[id];
+		if (m->token && !line_is_mine(m, line, id)) {
+			/* a superseded manager wrote it after this one took over */
+			m->repairs++;
+			wrote = 1;
+			publish_grant(m, id);
+		}
 		if (g->node) {
 			const struct tract_lock_node_slot *s = &slot[g->node - 1];
 			if (s->state == TRACT_LOCK_IDLE || s->request_seq != g->req) {
@@ -100,7 +167,7 @@ static void *run(void *arg)
 {
 	struct tract_manager *m = arg;
 	uint32_t round = 0;
-	while (!m->stop) {
+	while (!m->stop && !m->superseded) {
 		if (scan(m)) {
 			round = 0;
 		} else {
@@ -112,15 +179,60 @@ static void *run(void *arg)
 	return NULL;
 }
 
+/* Takes over the lock table.  Fenced: each lock's holder is the LOCKED slot
+ * with the largest grant token (a requester that entered under an older
+ * manager and was not seen here sees this manager's claim and withdraws);
+ * then every line 0 is republished under this token.  Unfenced (no claims,
+ * one manager by the operator's word): resume from line 0 as published. */
+static void take_over(struct tract_manager *m)
+{
+	tract_region *r = m->r;
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
+	r->ops->invalidate(r, sec->offset, sec->length);
+	r->ops->fence(r);
+	r->ops->load(r, sec->offset, m->table, sec->length);
+	uint32_t nodes = r->hdr.max_nodes;
+	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
+		const uint8_t *entry = m->table + (uint64_t)id * sec->entry_size;
+		const struct tract_lock_manager_line *line = (const void *)entry;
+		const struct tract_lock_node_slot *slot = (const void *)(entry + TRACT_LINE);
+		struct grant *g = &m->grants[id];
+		g->last = line->last_node <= nodes ? line->last_node : 0;
+		g->seq = line->grant_seq;
+		if (!m->token) {
+			g->node = line->granted_node <= nodes ? line->granted_node : 0;
+			g->req = line->granted_req;
+			continue;
+		}
+		int found = 0;
+		uint64_t best = 0;
+		for (uint32_t k = 0; k < nodes; k++) {
+			if (slot[k].state == TRACT_LOCK_LOCKED && (!found || slot[k].grant_token > best)) {
+				found = 1;
+				best = slot[k].grant_token;
+				g->node = k + 1;
+				g->req = slot[k].request_seq;
+			}
+		}
+		publish_grant(m, id);
+	}
+	r->ops->fence(r);
+}
+
 /* Starts the manager thread; idle_sleep_max_ns caps its back-off when nothing is pending. */
 int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manager **out)
 {
 	if (!r || !out || (r->flags & TRACT_ATTACH_READONLY))
 		return TRACT_E_INVAL;
+	int32_t who;
+	uint64_t current = tract_current_token(r, &who);
+	if (current && who != (int32_t)r->node_id)
+		return TRACT_E_SUPERSEDED;
 	struct tract_manager *m = calloc(1, sizeof(*m));
 	if (!m)
 		return TRACT_E_NOMEM;
 	m->r = r;
+	m->token = current;
 	m->idle_sleep_max_ns = idle_sleep_max_ns ? idle_sleep_max_ns : 1000000ULL;
 	m->grants = calloc(r->hdr.lock_count, sizeof(*m->grants));
 	m->table = malloc(tract_sec(r, TRACT_SEC_LOCKS)->length);
@@ -130,17 +242,7 @@ int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manag
 		free(m);
 		return TRACT_E_NOMEM;
 	}
-	/* resume from what a previous manager published: live grants stay */
-	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
-		struct tract_lock_manager_line line;
-		tract_observe_line(r, tract_lock_line(r, id, 0), &line);
-		if (line.granted_node <= r->hdr.max_nodes)
-			m->grants[id].node = line.granted_node;
-		if (line.last_node <= r->hdr.max_nodes)
-			m->grants[id].last = line.last_node;
-		m->grants[id].req = line.granted_req;
-		m->grants[id].seq = line.grant_seq;
-	}
+	take_over(m);
 	if (pthread_create(&m->thread, NULL, run, m)) {
 		free(m->grants);
 		free(m->table);
@@ -163,14 +265,25 @@ void tract_manager_stop(tract_manager *m)
 	free(m);
 }
 
-/* Manager counters: scans, grants, releases seen, idle sleeps (4 values). */
-int tract_manager_stats(const tract_manager *m, uint64_t *out4)
+/* 1 if a later claim superseded the manager (*by gets it), 0 while current. */
+int tract_manager_superseded(const tract_manager *m, uint64_t *by)
 {
-	if (!m || !out4)
+	if (!m)
 		return TRACT_E_INVAL;
-	out4[0] = m->scans;
-	out4[1] = m->grants_issued;
-	out4[2] = m->releases;
-	out4[3] = m->sleeps;
+	if (by)
+		*by = m->by;
+	return m->superseded ? 1 : 0;
+}
+
+/* Manager counters: scans, grants, releases seen, idle sleeps, line repairs (5 values). */
+int tract_manager_stats(const tract_manager *m, uint64_t *out5)
+{
+	if (!m || !out5)
+		return TRACT_E_INVAL;
+	out5[0] = m->scans;
+	out5[1] = m->grants_issued;
+	out5[2] = m->releases;
+	out5[3] = m->sleeps;
+	out5[4] = m->repairs;
 	return TRACT_OK;
 }

@@ -40,12 +40,13 @@ enum {
 	TRACT_E_NOT_FOUND = -17,     /* no such named object */
 	TRACT_E_CORRUPT = -18,       /* region metadata fails a consistency check */
 	TRACT_E_TABLE_FULL = -19,    /* the transfer table has no free record */
+	TRACT_E_SUPERSEDED = -20,    /* another node holds a later lock-manager claim */
 	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 2,
+	TRACT_FORMAT_VERSION = 3,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -333,18 +334,31 @@ int tract_lock_recover(tract_region *r, uint32_t *count);
 int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
 		     uint64_t *wait_ns);
 
-/* ---- the lock manager (a native thread; exactly one per region) ---- */
+/* ---- the lock manager (a native thread; one current manager per region) ---- */
 
 typedef struct tract_manager tract_manager;
 
-/* Starts the manager thread; idle_sleep_max_ns caps its back-off when nothing is pending. */
+/* The current manager's fencing token: the largest claim in the node table,
+ * (manager_epoch << 32) | node, 0 if no node ever claimed; *node gets its
+ * node, or -1.  Observes every node entry. */
+int tract_manager_current(tract_region *r, uint64_t *token, int32_t *node);
+
+/* Starts the manager thread; idle_sleep_max_ns caps its back-off when nothing
+ * is pending.  This node's claim must be the current token, published before
+ * (TRACT_E_SUPERSEDED if another node's is larger); with no claim anywhere the
+ * manager runs unfenced, token 0.  It adopts the holder of every lock from
+ * the LOCKED slots before it grants anything (docs/PROTOCOLS.md §4). */
 int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manager **out);
+
+/* 1 if the manager stopped managing because a later claim appeared (*by gets
+ * that token), 0 while it is current. */
+int tract_manager_superseded(const tract_manager *m, uint64_t *by);
 
 /* Stops and frees the manager thread. */
 void tract_manager_stop(tract_manager *m);
 
-/* Manager counters: scans, grants, releases seen, idle sleeps (4 values). */
-int tract_manager_stats(const tract_manager *m, uint64_t *out4);
+/* Manager counters: scans, grants, releases seen, idle sleeps, line repairs (5 values). */
+int tract_manager_stats(const tract_manager *m, uint64_t *out5);
 
 /* ---- allocator ---- */
 

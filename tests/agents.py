@@ -10,8 +10,9 @@ from tract_cli.core.agent import ensure_agent
 class RunningAgent:
     """`tract agent` for a node as a real process; stopped with SIGTERM (bounded)."""
 
-    def __init__(self, pool_path: str, node: int = 0, manager: bool = True, simulate: bool = False):
-        self.proc = ensure_agent(pool_path, node, manager=manager, simulate=simulate)
+    def __init__(self, pool_path: str, node: int = 0, manager: bool = True, simulate: bool = False,
+                 **options):
+        self.proc = ensure_agent(pool_path, node, manager=manager, simulate=simulate, **options)
         assert self.proc is not None, "an agent was already running"
 
     def stop(self) -> int:

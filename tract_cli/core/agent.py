@@ -2,10 +2,14 @@
 
 One agent per node (held by the node's agent mutex in its local segment):
 it heartbeats in the node table, runs the lock manager on the manager node
-(exactly one per region: an agent refuses to start a manager while another
-node's manager heartbeat is fresh), releases the lock grants and requests of
-its node's dead processes, reclaims expired handoffs (on the manager node),
-and is where the rest of recovery hangs (issue: faults).  Workers and benchmarks start one with `ensure_agent` when none runs.
+(an agent refuses to start a manager while another node's manager heartbeat
+is fresh), stands by to take the manager over when that heartbeat has been
+stale for `takeover_after` seconds (fenced by the claim tokens of
+native/manager.c, docs/PROTOCOLS.md §4), releases the lock grants and
+requests of its node's dead processes and what they held in the index,
+finishes their handoff releases, and reclaims expired handoffs (on the
+manager node).  Workers and benchmarks start one with `ensure_agent` when
+none runs.
 """
 from __future__ import annotations
 
@@ -24,10 +28,33 @@ from tract_cli.core.pool import Pool
 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
 NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER = 1
+FLAG_MANAGER, FLAG_STANDBY = 1, 2
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
 STALE_S = 2.0
+TAKEOVER_AFTER_S = 2.0
+TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
+
+
+def hostname() -> str:
+    """The name recorded in the node table; TRACT_HOSTNAME lets emulated
+    nodes on one machine stand for separate hosts (failure tests)."""
+    return os.environ.get("TRACT_HOSTNAME") or socket.gethostname()
+
+
+def on_this_host(rec: "NodeRecord") -> bool:
+    """Whether REC was written by an agent of this host (as the node table keeps it)."""
+    return rec.hostname == hostname().encode()[:23].decode(errors="replace")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether PID names a live (not zombie) process on this machine."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 @dataclass(frozen=True)
@@ -42,6 +69,13 @@ class NodeRecord:
     manager: bool
     manager_heartbeat_ns: int
     hostname: str
+    manager_epoch: int = 0
+    standby: bool = False
+
+    @property
+    def token(self) -> int:
+        """The node's lock-manager claim as a fencing token (0: never claimed)."""
+        return (self.manager_epoch << 32) | self.node if self.manager_epoch else 0
 
     def heartbeat_age(self, now_ns: int | None = None) -> float:
         """Seconds since the last heartbeat (inf if never)."""
@@ -61,8 +95,15 @@ def read_nodes(pool: Pool) -> list[NodeRecord]:
     for n in range(sec.count):
         f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
         out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
-                              f[7].rstrip(b"\0").decode(errors="replace")))
+                              f[7].rstrip(b"\0").decode(errors="replace"), f[5],
+                              bool(f[4] & FLAG_STANDBY)))
     return out
+
+
+def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
+    """The node holding the largest claim: the current lock manager, alive or not."""
+    best = max(nodes, key=lambda r: r.token, default=None)
+    return best if best is not None and best.token else None
 
 
 @dataclass
@@ -100,10 +141,12 @@ class Agent:
 
     def __init__(self, pool_path: str, node: int, manager: bool = False, *,
                  simulate: bool | None = None, flush_mode: str | None = None,
-                 heartbeat_s: float = HEARTBEAT_S, idle_sleep_max_s: float = 0.001):
+                 heartbeat_s: float = HEARTBEAT_S, idle_sleep_max_s: float = 0.001,
+                 takeover_after_s: float | None = TAKEOVER_AFTER_S):
         self.node = node
-        self.manager = manager
+        self.manager = manager            # asked to start as the manager
         self.heartbeat_s = heartbeat_s
+        self.takeover_after_s = takeover_after_s   # None: never take over
         self.pool = Pool.attach(pool_path, node=node, simulate=simulate, flush_mode=flush_mode,
                                 prefault=False)
         self._manager = None
@@ -113,8 +156,18 @@ class Agent:
         self.reclaimed = 0
         self.recovered_locks = 0
         self.recovered_processes = 0
+        self.takeovers = 0
+        self.superseded_by: int | None = None
         self.epoch = 0
+        self.manager_epoch = 0
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
+        self._watch = None                 # (node, manager heartbeat seen, monotonic when it changed)
+        self._said_alive = False
+
+    @property
+    def managing(self) -> bool:
+        """Whether this agent runs the lock manager now."""
+        return self._manager is not None
 
     def start(self) -> "Agent":
         """Takes the node, checks manager uniqueness, starts heartbeat and manager."""
@@ -126,20 +179,21 @@ class Agent:
                                  "stop it first, or use it")
             raise_for(rc, "agent lock")
             self._locked = True
+            nodes = read_nodes(self.pool)
             if self.manager:
-                for rec in read_nodes(self.pool):
+                for rec in nodes:
                     if rec.node != self.node and rec.manager and rec.alive():
                         raise TractError(
                             f"a lock manager already runs on node {rec.node} (pid {rec.agent_pid}, "
                             f"heartbeat {rec.heartbeat_age():.1f} s ago)",
                             "run this agent without --manager; one manager serves the region")
-            self.epoch = read_nodes(self.pool)[self.node].epoch + 1
+            self.epoch = nodes[self.node].epoch + 1
+            self.manager_epoch = nodes[self.node].manager_epoch   # claims never go back
             self._publish(NODE_ALIVE)
-            if self.manager:
-                out = ffi.new("tract_manager **")
-                raise_for(lib.tract_manager_start(self.pool._r(), self._idle_sleep_max_ns, out),
-                          "lock manager")
-                self._manager = out[0]
+            if self.manager and not self._take_over("started with --manager"):
+                raise TractError(f"node {self.node}: another node claimed the lock manager at the "
+                                 "same moment",
+                                 "run this agent without --manager; it stands by to take over")
             self._thread = threading.Thread(target=self._heartbeat, name="tract-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -151,16 +205,96 @@ class Agent:
     def _publish(self, state: int) -> None:
         sec = self.pool.info.section("nodes")
         now = time.time_ns()
-        line = NODE_LINE.pack(state, os.getpid(), self.epoch, now,
-                              FLAG_MANAGER if self.manager and state == NODE_ALIVE else 0, 0,
-                              now if self.manager else 0,
-                              socket.gethostname().encode()[:23])
+        flags = 0
+        if state == NODE_ALIVE:
+            flags |= FLAG_MANAGER if self.managing else 0
+            flags |= FLAG_STANDBY if self.takeover_after_s is not None else 0
+        line = NODE_LINE.pack(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
+                              now if self.managing else 0, hostname().encode()[:23])
         self.pool.publish(sec.offset + self.node * sec.entry_size, line)
+
+    def _take_over(self, why: str) -> bool:
+        """Claims the next token, then starts the manager under it; False when a
+        larger claim appeared meanwhile (that node manages: this one stands by)."""
+        nodes = read_nodes(self.pool)
+        self.manager_epoch = max(r.manager_epoch for r in nodes) + 1
+        self._publish(NODE_ALIVE)          # the claim, visible before the slots are read
+        out = ffi.new("tract_manager **")
+        rc = lib.tract_manager_start(self.pool._r(), self._idle_sleep_max_ns, out)
+        if rc == lib.TRACT_E_SUPERSEDED:
+            return False
+        raise_for(rc, "lock manager")
+        self._manager = out[0]
+        self.superseded_by = None
+        self._publish(NODE_ALIVE)          # the manager flag and heartbeat
+        print(f"tract agent: node {self.node}: lock manager running, token "
+              f"{self.manager_epoch}.{self.node} ({why})", file=sys.stderr, flush=True)
+        return True
+
+    def _check_superseded(self) -> None:
+        """Stops a manager that a later claim superseded; the agent stands by."""
+        by = ffi.new("uint64_t *")
+        if lib.tract_manager_superseded(self._manager, by) != 1:
+            return
+        lib.tract_manager_stop(self._manager)
+        self._manager = None
+        self.superseded_by = int(by[0]) & 0xFFFFFFFF
+        self._watch = None
+        self._publish(NODE_ALIVE)
+        print(f"tract agent: node {self.node}: lock manager superseded by node "
+              f"{self.superseded_by} (token {int(by[0]) >> 32}.{self.superseded_by}); "
+              "standing by", file=sys.stderr, flush=True)
+
+    def _maybe_take_over(self) -> None:
+        """Takes the manager over once its heartbeat has not moved for
+        takeover_after seconds (plus a stagger per standby node ranked before
+        this one), unless the manager's process is seen alive on this host."""
+        nodes = read_nodes(self.pool)
+        cur = current_manager(nodes)
+        if cur is None:
+            return                        # no manager was ever started: nothing to resume
+        if cur.node == self.node:
+            # the claim is this node's and this agent holds the node: the agent
+            # that claimed it is gone, so its duties are this one's now
+            self._take_over(f"resuming node {self.node}'s manager after its agent died")
+            return
+        # staleness is measured here, by how long the manager's heartbeat has
+        # not changed on this host's clock: no comparison of two hosts' clocks
+        now = time.monotonic()
+        running = cur.manager and cur.state == NODE_ALIVE
+        seen = (cur.node, cur.manager_heartbeat_ns if running else 0)
+        if self._watch is None or self._watch[0] != seen:
+            self._watch = (seen, now)
+            self._said_alive = False
+        still = now - self._watch[1]
+        rank = sum(1 for r in nodes if r.standby and r.alive() and r.node < self.node
+                   and r.node != cur.node)
+        if still < self.takeover_after_s + rank * TAKEOVER_STAGGER_S:
+            return
+        if running and on_this_host(cur) and pid_alive(cur.agent_pid):
+            if not self._said_alive:
+                self._said_alive = True
+                print(f"tract agent: node {self.node}: the lock manager's heartbeat (node "
+                      f"{cur.node}, pid {cur.agent_pid}) is stale but the process is alive on "
+                      "this host: not taking over", file=sys.stderr, flush=True)
+            return
+        why = (f"node {cur.node}'s manager heartbeat stale for {still:.1f} s" if running
+               else f"node {cur.node}'s manager stopped {still:.1f} s ago")
+        if self._take_over(why):
+            self.takeovers += 1
 
     def _heartbeat(self) -> None:
         last_reclaim = 0.0
         while not self._stop.wait(self.heartbeat_s):
             self._publish(NODE_ALIVE)
+            if self.managing:
+                self._check_superseded()
+            elif self.takeover_after_s is not None:
+                try:
+                    self._maybe_take_over()
+                except TractError as err:
+                    print(f"tract agent: node {self.node}: takeover: {err}", file=sys.stderr,
+                          flush=True)
             # locks held or requested by this node's dead processes: released
             count = ffi.new("uint32_t *")
             if lib.tract_lock_recover(self.pool._r(), count) == 0 and count[0]:
@@ -189,7 +323,7 @@ class Agent:
                     print(f"tract agent: node {self.node}: finished {finished} handoff "
                           "release(s) of dead processes", file=sys.stderr, flush=True)
             now = time.monotonic()
-            if self.manager and now - last_reclaim >= RECLAIM_S:
+            if self.managing and now - last_reclaim >= RECLAIM_S:
                 # expired handoffs (a decode side that died): pins and slots back
                 last_reclaim = now
                 try:
@@ -202,9 +336,9 @@ class Agent:
         """Scans, grants, releases, idle sleeps of the manager thread."""
         if self._manager is None:
             return {}
-        out = ffi.new("uint64_t[4]")
+        out = ffi.new("uint64_t[5]")
         lib.tract_manager_stats(self._manager, out)
-        return dict(zip(("scans", "grants", "releases", "sleeps"), list(out)))
+        return dict(zip(("scans", "grants", "releases", "sleeps", "repairs"), list(out)))
 
     def wait(self, stop: threading.Event) -> None:
         """Blocks until STOP is set (SIGTERM / Ctrl-C in the CLI)."""
@@ -229,17 +363,24 @@ class Agent:
 
 
 def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
-                 log_path: str | None = None, **attach) -> subprocess.Popen | None:
+                 log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
+                 **attach) -> subprocess.Popen | None:
     """Starts `tract agent` for NODE unless one is alive; returns the process started.
 
     Waits (bounded) until the new agent's heartbeat shows in the node table.
     """
     with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        if read_nodes(pool)[node].alive():
+        rec = read_nodes(pool)[node]
+        # a fresh heartbeat of an agent seen dead on this host does not count
+        if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
             return None
     cmd = [sys.executable, "-m", "tract_cli.cli", "agent", "--pool", pool_path, "--node", str(node)]
     if manager:
         cmd.append("--manager")
+    if takeover_after is None:
+        cmd.append("--no-takeover")
+    elif takeover_after != TAKEOVER_AFTER_S:
+        cmd += ["--takeover-after", str(takeover_after)]
     if attach.get("simulate"):
         cmd.append("--simulate")
     if attach.get("flush_mode"):

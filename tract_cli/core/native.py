@@ -80,6 +80,8 @@ _MESSAGES = {
                           "run `tract inspect` on it; reformat if it persists"),
     lib.TRACT_E_NO_LOCAL: (TractError, "{what}: this handle has no node-local segment",
                            "attach without readonly= to take locks"),
+    lib.TRACT_E_SUPERSEDED: (TractError, "{what}: another node holds a later lock-manager claim",
+                             "let that node manage; this agent stands by"),
     lib.TRACT_E_INVAL: (UsageError, "{what}: invalid argument", "check the parameters"),
 }
 
