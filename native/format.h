@@ -50,7 +50,7 @@ struct tract_node_entry {
 	uint32_t manager_epoch; /* the node's manager claim, 0 = never claimed */
 	uint64_t manager_heartbeat_ns;
 	char hostname[24];
-	uint8_t recovery[192]; /* three lines of recovery records */
+	uint8_t reserved[192]; /* three lines, reserved */
 };
 
 /* object directory entry: written under the object-directory lock. */

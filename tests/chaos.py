@@ -1,8 +1,12 @@
 """The chaos test: prefill and decode processes on several emulated nodes
 share a region while a killer SIGKILLs one of them at a random moment, many
-times, and starts a replacement each time. Afterwards (every worker stopped,
-the agents' recovery and handoff expiry given a bounded time):
+times, and starts a replacement each time. Node agents are killed too (about
+one kill in six), the lock manager's among them: an agent comes back at once
+or after a few more kills, so a standby on another node takes the manager
+over, or the node's new agent resumes it. Afterwards (every worker stopped,
+every agent back, recovery and handoff expiry given a bounded time):
 
+- exactly one lock manager runs;
 - `tract check` finds no violation;
 - no pin, no PENDING claim and no handoff record is left;
 - no slot leaked: every slot taken from the region is either READY data or
@@ -31,14 +35,16 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tract_cli.core.agent import ensure_agent  # noqa: E402
+from tract_cli.core.agent import current_manager, ensure_agent, read_nodes  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 from tract_cli.core.region import remove_region  # noqa: E402
 from tract_cli.inspect import check, snapshot  # noqa: E402
 
-NODES = 4                        # agents on 0 (manager) .. 3
+NODES = 4                        # agents on 0 (manager at first) .. 3
 LAYOUT = [("prefill", 1), ("prefill", 2), ("decode", 2), ("decode", 3)]
 SETTLE_S = 30.0                  # bound on recovery and expiry after the workers stop
+AGENT_KILL_P = 1 / 6             # share of the kills that hit a node agent
+TAKEOVER_AFTER_S = 0.5
 
 
 class Chaos:
@@ -48,9 +54,10 @@ class Chaos:
         self.path = f"/dev/shm/tract-chaos-{uuid.uuid4().hex[:8]}.pool"
         self.dir = tempfile.mkdtemp(prefix="tract-chaos-")
         Pool.create(self.path, region_size, "tiny", nodes=NODES, index_stripes=8).close()
-        self.agents = [ensure_agent(self.path, n, manager=n == 0, simulate=simulate,
-                                    log_path=os.path.join(self.dir, f"agent{n}.log"))
-                       for n in range(NODES)]
+        self.agents = [self.start_agent(n, manager=n == 0) for n in range(NODES)]
+        self.agent_back_at: dict[int, int] = {}    # node -> the kill count that restarts it
+        self.agent_kills = 0
+        self.manager_kills = 0
         self.sel = selectors.DefaultSelector()
         self.workers: list[subprocess.Popen | None] = [None] * len(LAYOUT)
         self.events: dict[str, int] = {}
@@ -59,6 +66,45 @@ class Chaos:
         self.errors: list[str] = []
         self.kills = 0
         self.started = 0
+
+    # ---- agents
+
+    def start_agent(self, node: int, manager: bool = False) -> subprocess.Popen:
+        return ensure_agent(self.path, node, manager=manager, simulate=self.simulate,
+                            takeover_after=TAKEOVER_AFTER_S,
+                            log_path=os.path.join(self.dir, f"agent{node}.log"))
+
+    def kill_agent(self) -> None:
+        """SIGKILLs a random node's agent; it comes back now or a few kills later."""
+        node = int(self.rng.integers(NODES))
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            cur = current_manager(read_nodes(p))
+        if cur is not None and cur.node == node:
+            self.manager_kills += 1
+        a = self.agents[node]
+        a.kill()
+        a.wait(timeout=30)
+        self.agent_kills += 1
+        self.agent_back_at[node] = self.kills + int(self.rng.integers(0, 4))
+
+    def restart_agents(self, everyone: bool = False) -> None:
+        for node, at in list(self.agent_back_at.items()):
+            if everyone or at <= self.kills:
+                del self.agent_back_at[node]
+                self.agents[node] = self.start_agent(node)
+
+    def managers(self) -> dict:
+        """Which nodes run a manager now, and how many takeovers the logs show."""
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            table = read_nodes(p)
+        cur = current_manager(table)
+        started = 0
+        for n in range(NODES):
+            path = os.path.join(self.dir, f"agent{n}.log")
+            if os.path.exists(path):
+                started += open(path, errors="replace").read().count("lock manager running")
+        return {"running": [r.node for r in table if r.manager and r.state == 1],
+                "current": cur.node if cur else None, "manager_starts": started}
 
     # ---- workers
 
@@ -108,6 +154,11 @@ class Chaos:
                 self.errors.append(f"worker {i} ({LAYOUT[i][0]}) read {ev['bad']} bad block(s)")
 
     def kill_one(self) -> None:
+        self.restart_agents()
+        if not self.agent_back_at and self.rng.random() < AGENT_KILL_P:
+            self.kill_agent()
+            self.kills += 1
+            return
         i = int(self.rng.integers(len(self.workers)))
         p = self.workers[i]
         if p.poll() is not None:       # it died on its own: a bug, not chaos
@@ -153,18 +204,32 @@ class Chaos:
             # the kill points: a random moment of whatever the workers are doing
             self.drain(float(self.rng.uniform(min_gap_s, max_gap_s)))
             self.kill_one()
+        self.restart_agents(everyone=True)
         self.drain(1.0)
         self.stop_workers()
         settled = self.settle()
+        managers = self.wait_one_manager()
         violations, _ = self.verify()
         leaked = self.leaked_slots()
-        return {"kills": self.kills, "workers_started": self.started,
+        return {"kills": self.kills, "agent_kills": self.agent_kills,
+                "manager_kills": self.manager_kills, "managers": managers,
+                "workers_started": self.started,
                 "seconds": round(time.monotonic() - t0, 1), "events": self.events,
                 "blocks_verified": self.blocks_verified, "bad_blocks": self.bad_blocks,
                 "settled": settled, "check_violations": violations, "leaked_slots": leaked,
                 "errors": self.errors,
                 "ok": (not self.errors and not self.bad_blocks and settled["clean"] and
-                       not violations and not leaked)}
+                       not violations and not leaked and
+                       managers["running"] == [managers["current"]])}
+
+    def wait_one_manager(self) -> dict:
+        """Waits (bounded) until exactly the current manager runs one."""
+        end = time.monotonic() + SETTLE_S
+        while True:
+            m = self.managers()
+            if m["running"] == [m["current"]] or time.monotonic() > end:
+                return m
+            time.sleep(0.1)            # polling the node table, bounded by SETTLE_S
 
     def settle(self) -> dict:
         """Waits (bounded) until no pin, PENDING claim or handoff record is left."""

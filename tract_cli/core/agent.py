@@ -258,11 +258,15 @@ class Agent:
             # that claimed it is gone, so its duties are this one's now
             self._take_over(f"resuming node {self.node}'s manager after its agent died")
             return
+        if cur.state != NODE_ALIVE:
+            # it left cleanly: stopped on purpose, so the next manager is the
+            # operator's (or a worker's ensure_agent) choice, not a takeover
+            self._watch = None
+            return
         # staleness is measured here, by how long the manager's heartbeat has
         # not changed on this host's clock: no comparison of two hosts' clocks
         now = time.monotonic()
-        running = cur.manager and cur.state == NODE_ALIVE
-        seen = (cur.node, cur.manager_heartbeat_ns if running else 0)
+        seen = (cur.node, cur.manager_heartbeat_ns if cur.manager else 0)
         if self._watch is None or self._watch[0] != seen:
             self._watch = (seen, now)
             self._said_alive = False
@@ -271,15 +275,14 @@ class Agent:
                    and r.node != cur.node)
         if still < self.takeover_after_s + rank * TAKEOVER_STAGGER_S:
             return
-        if running and on_this_host(cur) and pid_alive(cur.agent_pid):
+        if on_this_host(cur) and pid_alive(cur.agent_pid):
             if not self._said_alive:
                 self._said_alive = True
                 print(f"tract agent: node {self.node}: the lock manager's heartbeat (node "
                       f"{cur.node}, pid {cur.agent_pid}) is stale but the process is alive on "
                       "this host: not taking over", file=sys.stderr, flush=True)
             return
-        why = (f"node {cur.node}'s manager heartbeat stale for {still:.1f} s" if running
-               else f"node {cur.node}'s manager stopped {still:.1f} s ago")
+        why = f"node {cur.node}'s manager heartbeat stale for {still:.1f} s"
         if self._take_over(why):
             self.takeovers += 1
 
