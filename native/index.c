@@ -655,6 +655,46 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 	return TRACT_OK;
 }
 
+/*
+ * Buries this node's PENDING buckets whose writer is dead and named in no
+ * journal entry: the journal that would have dropped the claim is gone (the
+ * host restarted and its node-local segment with it) or overflowed.  The
+ * key becomes writable again.  The slot is not freed: a PENDING bucket does
+ * not name it, so it comes back with `tract check --repair`.  A writer the
+ * journal still names is left to tract_recover_dead, which frees its slot
+ * too.  A stripe whose lock stays busy for timeout_ns is skipped.
+ */
+int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
+			     uint32_t *skipped)
+{
+	if (!r || !buried || !skipped || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	*buried = *skipped = 0;
+	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		struct stripe_ctx c;
+		int rc = stripe_enter(r, s, timeout_ns, &c, NULL);
+		if (rc == TRACT_E_TIMEOUT) {
+			(*skipped)++;
+			continue;
+		}
+		if (rc < 0)
+			return rc;
+		for (uint64_t b = c.first; b < c.first + c.size; b++) {
+			struct tract_bucket bk;
+			load_bucket(&c, b, &bk);
+			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
+			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
+				continue;
+			bury(&c, b);
+			(*buried)++;
+		}
+		stripe_leave(&c);
+	}
+	return TRACT_OK;
+}
+
 /* evicts up to want unpinned READY entries, LRU first, spread over the
  * stripes: each round takes at most ceil(want / stripes) from each stripe,
  * starting at *cursor, until want are taken or a round finds nothing.

@@ -130,6 +130,9 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
 }
 
+/* whether a journal entry of this node names pid (journal.c; internal) */
+int tract_journal_names(tract_region *r, uint32_t pid);
+
 /* the largest lock-manager claim in the node table (manager.c; internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node);
 

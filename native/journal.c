@@ -326,3 +326,15 @@ int tract_journal_stats(const tract_region *r, uint64_t *out)
 	}
 	return TRACT_OK;
 }
+
+/* whether a journal entry of this node names pid (internal) */
+int tract_journal_names(tract_region *r, uint32_t pid)
+{
+	if (!r->local || !r->local->journal_off || !pid)
+		return 0;
+	struct tract_journal_proc *p = procs(r);
+	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++)
+		if (__atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE) == pid)
+			return 1;
+	return 0;
+}

@@ -306,6 +306,12 @@ int tract_agent_unlock(tract_region *r);
  * out[2] claims, out[3] slots freed, out[4] partial (overflowed) journals. */
 int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns);
 
+/* Buries this node's PENDING buckets whose writer is dead and in no journal
+ * (a restarted host, an overflowed journal): their keys become writable; their
+ * slots come back with `tract check --repair`.  Busy stripes are skipped. */
+int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
+			     uint32_t *skipped);
+
 /* Journal entries in use, keys journaled, overflowed operations (out[0..3)). */
 int tract_journal_stats(const tract_region *r, uint64_t *out);
 

@@ -174,3 +174,36 @@ def test_a_new_agent_resumes_the_duties_of_a_killed_one(region):
         second.terminate()
         second.wait(timeout=30)
     assert recover(region, 2)["processes"] == 0        # the dead agent's entry was recovered too
+
+
+def test_a_restarted_hosts_unfinished_writes_are_dropped_by_its_next_agent(region):
+    """A host that restarts loses its node-local segment, journal and all: its
+    dead writers' PENDING claims are remembered nowhere. The node's next agent
+    finds them (PENDING, its node, a dead pid no journal names) and buries
+    them, so their keys are writable again; a live writer's claim stays."""
+    live = Worker(region, 1)
+    dead = Worker(region, 1)
+    try:
+        assert live.call("index_reserve_chain", chain=[0, 0, 21, 4])["claimed"] == 4
+        assert dead.call("index_reserve_chain", chain=CHAIN)["claimed"] == 12
+        killed(dead)
+        with Pool.attach(region, readonly=True, prefault=False) as p:
+            seg = f"/dev/shm/tract-{p.info.uuid}-node1.local"
+        # the restart: the live writer is of the host's next life (its journal
+        # entry goes with the segment too, but its pid is alive)
+        import os
+        os.unlink(seg)
+        assert pins_of(region)["pending"] == 16
+        agent = RunningAgent(region, 1, manager=False)
+        try:
+            deadline = time.monotonic() + 30
+            while pins_of(region)["pending"] > 4 and time.monotonic() < deadline:
+                time.sleep(0.05)        # polling the region, bounded: the agent's first sweep
+            assert pins_of(region)["pending"] == 4, "the new agent did not drop the orphans"
+        finally:
+            agent.stop()
+        with Worker(region, 3) as other:
+            assert other.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+            assert other.call("index_lookup_verify", chains=[CHAIN]) == [12]
+    finally:
+        live.close()

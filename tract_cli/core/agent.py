@@ -32,6 +32,7 @@ FLAG_MANAGER, FLAG_STANDBY = 1, 2
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
 STALE_S = 2.0
+ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
 
@@ -125,6 +126,15 @@ class Recovered:
         return text
 
 
+def bury_orphan_claims(pool: Pool, timeout: float = 1.0) -> tuple[int, int]:
+    """Buries this node's PENDING claims whose writer died with no journal
+    left to say so (a restarted host); returns (buried, stripes skipped busy)."""
+    buried, skipped = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    raise_for(lib.tract_bury_orphan_claims(pool._r(), int(timeout * 1e9), buried, skipped),
+              "orphaned writes")
+    return int(buried[0]), int(skipped[0])
+
+
 def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
     """Gives back what this node's dead processes held in the index: their
     journaled pins and unfinished (PENDING) writes with their slots."""
@@ -157,6 +167,7 @@ class Agent:
         self.recovered_locks = 0
         self.recovered_processes = 0
         self.takeovers = 0
+        self.buried_orphans = 0
         self.superseded_by: int | None = None
         self.epoch = 0
         self.manager_epoch = 0
@@ -288,6 +299,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         last_reclaim = 0.0
+        last_sweep = -ORPHAN_SWEEP_S        # the first round sweeps: a restarted host
         while not self._stop.wait(self.heartbeat_s):
             self._publish(NODE_ALIVE)
             if self.managing:
@@ -315,6 +327,21 @@ class Agent:
                     self.recovered_processes += got.processes
                     print(f"tract agent: node {self.node}: {got.describe()}", file=sys.stderr,
                           flush=True)
+            # unfinished writes no journal remembers (a restarted host's)
+            if time.monotonic() - last_sweep >= ORPHAN_SWEEP_S:
+                try:
+                    buried, skipped = bury_orphan_claims(self.pool)
+                except TractError as err:
+                    print(f"tract agent: node {self.node}: orphaned writes: {err}",
+                          file=sys.stderr, flush=True)
+                else:
+                    last_sweep = time.monotonic() if not skipped else last_sweep
+                    if buried:
+                        self.buried_orphans += buried
+                        print(f"tract agent: node {self.node}: dropped {buried} unfinished "
+                              "write(s) of processes no journal remembers (their keys are "
+                              "writable again; `tract check --repair` returns their slots)",
+                              file=sys.stderr, flush=True)
             # handoffs whose acknowledgement or reclaim a dead process left half done
             try:
                 finished = self.pool.handoffs.recover()
