@@ -1,7 +1,8 @@
 """The chaos test, bounded for CI (tests/chaos.py has the long version):
-prefill and decode processes on three emulated nodes, one of them SIGKILLed
-at a random moment again and again. Afterwards nothing is left over and
-nothing read was wrong (see tests/chaos.py for the list)."""
+prefill and decode processes on three emulated nodes, one of them -- or a
+node agent, the lock manager's included -- SIGKILLed at a random moment again
+and again. Afterwards one manager runs, nothing is left over and nothing read
+was wrong (see tests/chaos.py for the list)."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,12 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
         r = chaos.run(kills)
     finally:
         chaos.close()
-    summary = {k: r[k] for k in ("kills", "events", "settled", "check_violations",
-                                 "leaked_slots", "bad_blocks", "errors")}
+    summary = {k: r[k] for k in ("kills", "agent_kills", "manager_kills", "managers", "events",
+                                 "settled", "check_violations", "leaked_slots", "bad_blocks",
+                                 "errors")}
     assert r["kills"] == kills
+    assert r["agent_kills"] > 0, summary
+    assert r["managers"]["running"] == [r["managers"]["current"]], summary
     assert r["errors"] == [], summary
     assert r["bad_blocks"] == 0, summary
     assert r["events"].get("received", 0) > 0 and r["events"].get("published", 0) > 0, summary

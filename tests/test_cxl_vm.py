@@ -90,6 +90,7 @@ def test_two_hosts_share_one_device_without_lost_updates_or_corrupt_blocks(tmp_p
 
 def test_the_host_reads_a_region_header_at_the_device_dax_data_offset(tmp_path):
     """With --map=mem the device-DAX data starts 2 MiB into the memdev's file."""
+    from tract_cli.core.native import lib
     from tract_cli.core.region import remove_region
     region = tmp_path / "region.pool"
     with Pool.create(str(region), 4 << 20, "tiny", nodes=2) as p:
@@ -100,7 +101,8 @@ def test_the_host_reads_a_region_header_at_the_device_dax_data_offset(tmp_path):
         f.write(region.read_bytes())
     remove_region(str(region))                     # and its node's local segment
     h = cxlvm.read_region_header(str(backing))
-    assert h == {"magic": "TRACTPOL", "version": 2, "uuid": uuid, "region_size": 4 << 20}
+    assert h == {"magic": "TRACTPOL", "version": lib.TRACT_FORMAT_VERSION, "uuid": uuid,
+                 "region_size": 4 << 20}
 
 
 def test_initramfs_archive_lists_init_busybox_and_modules_in_order(tmp_path):
