@@ -46,15 +46,22 @@ struct tract_manager {
 	uint64_t scans, grants_issued, releases, sleeps, repairs;
 };
 
-/* the largest manager claim in the node table; *node gets its node (internal) */
+/* the largest manager claim in the node table; *node gets its node.  Every
+ * claim line is invalidated first and fenced once, then loaded: one fence for
+ * the whole table, not one per node -- a requester pays this per acquisition
+ * (internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node)
 {
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_NODES);
+	uint32_t n = sec->count < r->hdr.max_nodes ? (uint32_t)sec->count : r->hdr.max_nodes;
+	for (uint32_t k = 0; k < n; k++)
+		r->ops->invalidate(r, sec->offset + (uint64_t)k * sec->entry_size, TRACT_LINE);
+	r->ops->fence(r);
 	uint64_t best = 0;
 	int32_t who = -1;
-	for (uint32_t k = 0; k < sec->count && k < r->hdr.max_nodes; k++) {
+	for (uint32_t k = 0; k < n; k++) {
 		struct tract_node_entry e;
-		tract_observe_line(r, sec->offset + (uint64_t)k * sec->entry_size, &e);
+		r->ops->load(r, sec->offset + (uint64_t)k * sec->entry_size, &e, TRACT_LINE);
 		uint64_t token = ((uint64_t)e.manager_epoch << 32) | k;
 		if (e.manager_epoch && token > best) {
 			best = token;
