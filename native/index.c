@@ -54,6 +54,7 @@ struct stripe_ctx {
 	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
 	struct tract_lru_anchor lru;
 	int lru_dirty;
+	uint32_t repaired;    /* buckets repair_pins fixed */
 };
 
 /* geometry of the index (internal) */
@@ -176,12 +177,26 @@ static void set_flush(struct stripe_ctx *c)
 }
 
 /* locks a stripe and loads its LRU anchor (internal) */
+static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
+			struct line_set *set);
+static void repair_pins(struct stripe_ctx *c, uint32_t node);
+
 static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c,
 			struct line_set *set)
 {
 	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
+	stripe_init(r, stripe, c, set);
+	if (rc == TRACT_RECOVERED)
+		repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	return TRACT_OK;
+}
+
+/* fills the context of a stripe whose lock the caller holds (internal) */
+static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
+			struct line_set *set)
+{
 	c->r = r;
 	c->set = set;
 	c->stripe = stripe;
@@ -191,7 +206,7 @@ static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, s
 	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
 	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
 	c->lru_dirty = 0;
-	return TRACT_OK;
+	c->repaired = 0;
 }
 
 /* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
@@ -351,9 +366,64 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
 		return TRACT_E_CORRUPT;
 	v = (uint16_t)(v + delta);
 	memcpy(buf + (off - line), &v, 2);
+	/* the node's count first, the total right after: a holder killed in
+	 * between leaves the node's count ahead (repair_pins undoes a pin and
+	 * completes an unpin from that) */
 	line_put(c, line, buf);
 	k->pins = (uint32_t)((int64_t)k->pins + delta);
+	store_bucket(c, b, k);
 	return TRACT_OK;
+}
+
+/*
+ * Reconciles the pin counts of an entered stripe whose previous holder, a
+ * process of `node`, died inside it.  pin_add writes the node's count, then
+ * the bucket total, so the only torn state is the node's count ahead of the
+ * total by the death's one operation: a pin it was taking (not journaled
+ * yet: undone) or one it was giving back (already forgotten by the journal:
+ * completed).  Either way the node's count moves back by the difference and
+ * the total is set to the sum; c->repaired counts the buckets fixed
+ * (internal).
+ */
+static void repair_pins(struct stripe_ctx *c, uint32_t node)
+{
+	tract_region *r = c->r;
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket bk;
+		load_bucket(c, b, &bk);
+		uint8_t buf[TRACT_LINE];
+		uint64_t sum = 0;
+		for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
+			sum += pin_count(c, n, b, buf);
+		if (sum == bk.pins)
+			continue;
+		if (sum > bk.pins && node < r->hdr.max_nodes) {
+			uint16_t mine = pin_count(c, node, b, buf);
+			uint64_t back = sum - bk.pins < mine ? sum - bk.pins : mine;
+			uint64_t off = pin_off(r, node, b);
+			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+			uint16_t v = (uint16_t)(mine - back);
+			memcpy(buf + (off - line), &v, 2);
+			line_put(c, line, buf);
+			sum -= back;
+		}
+		bk.pins = (uint32_t)sum;
+		store_bucket(c, b, &bk);
+		c->repaired++;
+	}
+}
+
+/* repairs stripe lock lock_id, which this node holds for a holder that died
+ * inside it (lock.c's recovery); returns the buckets fixed (internal) */
+uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node)
+{
+	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
+		return 0;
+	struct stripe_ctx c;
+	stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
+	repair_pins(&c, node);
+	c.r->ops->fence(c.r);
+	return c.repaired;
 }
 
 /* turns an unlinked bucket into a tombstone or, where the probe chain ends

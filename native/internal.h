@@ -130,6 +130,10 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
 }
 
+/* repairs the pin counts of stripe lock lock_id after its holder, a process
+ * of node, died inside it; the caller holds the lock (index.c; internal) */
+uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node);
+
 /* whether a journal entry of this node names pid (journal.c; internal) */
 int tract_journal_names(tract_region *r, uint32_t pid);
 

@@ -180,6 +180,15 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 		/* re-check under the mutex: a live successor may have taken over */
 		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
 		if (mine.state != TRACT_LOCK_IDLE && kill((pid_t)mine.pid, 0) != 0 && errno == ESRCH) {
+			/* it died holding the lock (the current manager's grant of its
+			 * request): what it left half done is repaired before anyone
+			 * else enters */
+			struct tract_lock_manager_line m;
+			tract_observe_line(r, tract_lock_line(r, id, 0), &m);
+			if (mine.state == TRACT_LOCK_LOCKED && m.granted_node == r->node_id + 1 &&
+			    m.granted_req == mine.request_seq && m.token == mine.grant_token &&
+			    tract_current_token(r, NULL) == m.token)
+				tract_index_repair_stripe(r, id, r->node_id);
 			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_NONE);
 			(*count)++;
 		}

@@ -18,6 +18,7 @@ from conftest import remove_region
 from index_check import check_index
 from procs import Worker
 from tract_cli.core.agent import recover_dead_processes
+from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import snapshot
 
@@ -207,3 +208,49 @@ def test_a_restarted_hosts_unfinished_writes_are_dropped_by_its_next_agent(regio
             assert other.call("index_lookup_verify", chains=[CHAIN]) == [12]
     finally:
         live.close()
+
+
+def _tear_pins(path: str, stripe: int, node: int) -> tuple[int, int]:
+    """Leaves what a holder killed inside pin_add leaves: NODE's count of the
+    stripe's first bucket one ahead of the bucket's total. Returns
+    (pins offset of that count, bucket index)."""
+    import struct
+    with Pool.attach(path, node=0) as p:
+        per = p.info.section("buckets").count // p.info.index_stripes
+        b = stripe * per
+        pins = p.info.section("pins")
+        off = pins.offset + node * pins.entry_size + b * 2
+        line = off & ~63
+        raw = bytearray(p.observe(line, 64))
+        struct.pack_into("<H", raw, off - line, 1)
+        p.publish(line, bytes(raw))
+    return off, b
+
+
+def _pin_violations(path: str) -> list:
+    from tract_cli.inspect import check
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        violations, _ = check.verify(p, data=False)
+    return [v for v in violations if v.check == "pins"]
+
+
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+def test_a_holder_killed_inside_a_pin_update_leaves_counts_that_are_repaired(region, who):
+    """pin_add writes the node's count, then the bucket total: a SIGKILL in
+    between leaves the count ahead. Whoever recovers the dead holder's stripe
+    lock -- the node's agent, or the node's next process to take the lock --
+    repairs the stripe before anyone else enters it."""
+    stripe, lock_id = 1, 3 + 1
+    holder = Worker(region, 2)
+    holder.call("lock_acquire", lock_id=lock_id)
+    _tear_pins(region, stripe, 2)
+    assert _pin_violations(region), "the torn state should be visible to tract check"
+    killed(holder)
+    if who == "agent":
+        with Pool.attach(region, node=2) as p:
+            count = ffi.new("uint32_t *")
+            assert lib.tract_lock_recover(p._r(), count) == 0 and count[0] == 1
+    else:
+        with Worker(region, 2) as successor:
+            successor.call("index_lookup_verify", chains=[CHAIN])   # enters every stripe
+    assert _pin_violations(region) == []
