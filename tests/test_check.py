@@ -85,3 +85,22 @@ def test_repair_refuses_while_the_region_is_in_use(used_region):
         res = tract("check", used_region, "--repair")
         assert res.returncode == 1
         assert f"mapped by running processes (pids {agent.proc.pid}" in res.stderr
+
+
+def test_a_lock_token_above_every_manager_claim_is_reported_and_repair_clears_it(used_region):
+    """Claims only grow (PROTOCOLS.md §4): a grant or a holder under a token no
+    claim accounts for is corrupt; --repair empties the lock table."""
+    with Pool.attach(used_region, local=False) as p:
+        sec = p.info.section("locks")
+        forged = (7 << 32) | 2
+        p.publish(sec.offset + 1 * sec.entry_size,
+                  struct.pack("<IIQQQQ", 2, 2, 1, 0, 1, forged).ljust(64, b"\0"))
+        p.publish(sec.offset + 1 * sec.entry_size + 64 * 2,      # node 1's slot, LOCKED
+                  struct.pack("<IIQQQQ", 2, 1, 1, 1, 0, forged).ljust(64, b"\0"))
+    rc, out = check_json(used_region)
+    assert rc == 1
+    details = [v["detail"] for v in out["violations"] if v["check"] == "locks"]
+    assert any("lock 1: grant token 7.2 is above every manager claim" in d for d in details), out
+    assert any("lock 1: node 1 holds it under token 7.2" in d for d in details), out
+    res = tract("check", used_region, "--repair", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["remaining_violations"] == [], res.stdout

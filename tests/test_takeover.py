@@ -251,3 +251,18 @@ def test_a_new_manager_adopts_the_holder_from_the_locked_slots(region):
             assert by[0] == (4 << 32) | 0
         finally:
             lib.tract_manager_stop(out[0])
+
+
+def test_inspect_shows_the_claims_and_roles(region):
+    import json
+    import subprocess
+    import sys
+    with RunningAgent(region, 0, manager=True), RunningAgent(region, 2, manager=False):
+        res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "inspect", region, "--nodes",
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        v = json.loads(res.stdout)["nodes"]
+        rows = {r["node"]: r for r in v["nodes"]}
+        assert v["current_claim"] == "1.0" and v["manager_node"] == 0
+        assert rows[0]["manager"] and rows[0]["claim"] == "1.0"
+        assert rows[2]["standby"] and not rows[2]["manager"] and rows[2]["claim"] is None

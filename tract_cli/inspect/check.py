@@ -19,7 +19,9 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
-from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE, RECORD_DTYPE, Sections
+from tract_cli.core.agent import current_manager, read_nodes
+from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
+                                        SLOT_DTYPE, Sections, token_text)
 
 READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
 
@@ -130,6 +132,8 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
             handoff_slots.append(int(r["tail_slot"]) - 1)
     for s in set(handoff_slots) & set(ok_slots.tolist()):
         out.append(Violation("slots", f"slot {s} is both READY data and a handoff's"))
+    # lock table: every token comes from a claim in the node table
+    out.extend(lock_violations(pool, rd))
     # payload checksums
     checked = 0
     if data:
@@ -149,6 +153,31 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
              "ready": int(len(ready)), "pending": int((state == PENDING).sum()),
              "handoffs": int((rec["state"] != 0).sum()), "checksums_verified": checked}
     return out, stats
+
+
+def lock_violations(pool: Pool, rd: Sections) -> list[Violation]:
+    """Tokens in the lock table that no manager claim accounts for (PROTOCOLS.md §4):
+    claims only grow, so a line 0 or a LOCKED slot above the largest is corrupt."""
+    info = pool.info
+    cur = current_manager(read_nodes(pool))
+    current = cur.token if cur else 0
+    out = []
+    per = info.max_nodes + 1
+    raw = rd["locks"][:info.lock_count * per * 64].reshape(info.lock_count, per * 64)
+    mgr = raw[:, :64].copy().view(MGR_DTYPE).ravel()
+    for lid in np.flatnonzero(mgr["token"] > current)[:20]:
+        out.append(Violation("locks", f"lock {lid}: grant token {token_text(int(mgr['token'][lid]))} "
+                                      f"is above every manager claim ({token_text(current)})"))
+    for lid in np.flatnonzero(mgr["granted_node"] > info.max_nodes)[:20]:
+        out.append(Violation("locks", f"lock {lid}: granted to node {int(mgr['granted_node'][lid]) - 1}"
+                                      f", outside 0..{info.max_nodes - 1}"))
+    slots = raw[:, 64:].copy().view(SLOT_DTYPE).reshape(info.lock_count, info.max_nodes)
+    bad = np.argwhere((slots["state"] == 2) & (slots["grant_token"] > current))
+    for lid, node in bad[:20]:
+        out.append(Violation("locks", f"lock {lid}: node {node} holds it under token "
+                                      f"{token_text(int(slots['grant_token'][lid, node]))}, above "
+                                      f"every manager claim"))
+    return out
 
 
 def repair(path: str, force: bool = False) -> dict:

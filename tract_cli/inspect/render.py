@@ -11,13 +11,16 @@ def _s(v, unit: str = "s") -> str:
 
 
 def nodes_table(v: dict) -> Table:
-    t = Table(title=f"nodes (manager: node {v['manager_node']})", title_justify="left")
-    for c in ("node", "state", "agent pid", "epoch", "heartbeat age", "live", "role"):
+    claim = v.get("current_claim")
+    t = Table(title=f"nodes (manager: node {v['manager_node']}"
+                    f"{f', claim {claim}' if claim else ''})", title_justify="left")
+    for c in ("node", "state", "agent pid", "epoch", "heartbeat age", "live", "role", "claim"):
         t.add_column(c)
     for r in v["nodes"]:
+        role = "manager" if r["manager"] else ("standby" if r.get("standby") else "")
         t.add_row(str(r["node"]), r["state"], str(r["agent_pid"]), str(r["epoch"]),
                   _s(r["heartbeat_age_s"]), "yes" if r["live"] else "[red]stale[/]",
-                  "manager" if r["manager"] else "")
+                  role, r.get("claim") or "-")
     return t
 
 

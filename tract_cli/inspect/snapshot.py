@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.agent import read_nodes
+from tract_cli.core.agent import current_manager, read_nodes
 from tract_cli.core.locks import lock_name
 from tract_cli.core.pool import Pool
 
@@ -34,9 +34,10 @@ ANCHOR_DTYPE = np.dtype([("head", "<u4"), ("tail", "<u4"), ("count", "<u8"), ("h
                          ("inserts", "<u8"), ("evictions", "<u8"), ("lookups", "<u8"),
                          ("pad", "V16")])
 SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("request_seq", "<u8"),
-                       ("since_ns", "<u8"), ("pad", "V32")])
+                       ("since_ns", "<u8"), ("grant_token", "<u8"), ("pad", "V24")])
 MGR_DTYPE = np.dtype([("granted_node", "<u4"), ("last_node", "<u4"), ("grant_seq", "<u8"),
-                      ("grant_ns", "<u8"), ("granted_req", "<u8"), ("pad", "V32")])
+                      ("grant_ns", "<u8"), ("granted_req", "<u8"), ("token", "<u8"),
+                      ("pad", "V24")])
 RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", "<u4"),
                          ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
                          ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
@@ -91,10 +92,18 @@ def nodes_view(pool: Pool, now: int) -> dict:
         rows.append({"node": r.node, "state": {1: "alive", 2: "left"}.get(r.state, "unknown"),
                      "agent_pid": r.agent_pid, "epoch": r.epoch, "hostname": r.hostname,
                      "heartbeat_age_s": _age(now, r.heartbeat_ns), "live": r.alive(),
-                     "manager": r.manager,
+                     "manager": r.manager, "standby": r.standby,
+                     "claim": token_text(r.token) if r.token else None,
                      "pid_alive": _pid_alive(r.agent_pid) if local and r.agent_pid else None})
     managers = [r["node"] for r in rows if r["manager"] and r["live"]]
-    return {"nodes": rows, "manager_node": managers[0] if managers else None}
+    cur = current_manager(read_nodes(pool))
+    return {"nodes": rows, "manager_node": managers[0] if managers else None,
+            "current_claim": token_text(cur.token) if cur else None}
+
+
+def token_text(token: int) -> str:
+    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
+    return f"{token >> 32}.{token & 0xFFFFFFFF}"
 
 
 def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
@@ -104,7 +113,10 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
     per = info.max_nodes + 1
     out = []
     me = socket.gethostname()[:23]
-    hosts = {r.node: r.hostname for r in read_nodes(pool)}
+    table = read_nodes(pool)
+    hosts = {r.node: r.hostname for r in table}
+    cur = current_manager(table)
+    current = cur.token if cur else 0
     for lid in range(info.lock_count):
         entry = raw[lid * per * 64:(lid + 1) * per * 64]
         mgr = entry[:64].view(MGR_DTYPE)[0]
@@ -122,6 +134,9 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
             if st == 1:
                 row["waiting"].append({"node": n, "pid": int(slots[n]["pid"]),
                                        "waited_s": _age(now, slots[n]["since_ns"])})
+        if granted and int(mgr["token"]) != current:
+            # written by a manager that a later claim superseded: never entered
+            row["flags"].append(f"grant of superseded manager {token_text(int(mgr['token']))}")
         if granted:
             s = slots[granted - 1]
             pid = int(s["pid"])
