@@ -68,6 +68,10 @@ CASES = [
     ("agent --pool {R} --node x", 2, "--node"),
     ("agent --pool {R} --node 0 --numa-node 999", 2, "999"),
     ("agent --pool {R} --node 0 --cpus 9-x", 2, "cpu"),
+    ("agent --pool {R} --node 0 --takeover-after 0", 2, "--takeover-after 0 is outside"),
+    ("agent --pool {R} --node 0 --takeover-after x", 2, "--takeover-after"),
+    ("agent --pool {R} --node 0 --takeover-after 0.2 --heartbeat-ms 100", 2, "three heartbeats"),
+    ("agent --pool {R} --node 0 --heartbeat-ms 0", 2, "--heartbeat-ms 0 is outside"),
     # hash
     ("hash --scheme nope 1 2 3", 2, "hash scheme"),
     ("hash --block-tokens 0 1 2 3", 2, "block"),
