@@ -138,7 +138,7 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 int tract_journal_names(tract_region *r, uint32_t pid);
 
 /* the largest lock-manager claim in the node table (manager.c; internal) */
-uint64_t tract_current_token(tract_region *r, int32_t *node);
+uint64_t tract_current_token(tract_region *r, int32_t *node, int site);
 
 /* observes one whole line: invalidate, fence, load (internal) */
 /*
@@ -165,6 +165,9 @@ enum tract_site {
 	SITE_INDEX_PUBLISH_ANCHOR,      /* stripe leave: flush the LRU anchor */
 	SITE_HANDOFF_PUBLISH_RECORD,    /* handoff record: flush */
 	SITE_HANDOFF_OBSERVE_RECORD,    /* handoff record: invalidate */
+	SITE_LOCK_OBSERVE_CLAIMS,       /* acquire: invalidate the manager claims after LOCKED */
+	SITE_MGR_OBSERVE_CLAIMS,        /* manager: invalidate the claims before a scan */
+	SITE_MGR_OBSERVE_ADOPT,         /* manager start: invalidate the lock table to adopt */
 	SITE_COUNT
 };
 

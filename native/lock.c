@@ -93,7 +93,7 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 			 * adopts it, or its claim is seen here */
 			publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req, m.token,
 				     SITE_LOCK_PUBLISH_LOCKED);
-			uint64_t current = tract_current_token(r, NULL);
+			uint64_t current = tract_current_token(r, NULL, SITE_LOCK_OBSERVE_CLAIMS);
 			if (current == m.token)
 				break;
 			/* a grant of a superseded manager: withdraw, keep the request */
@@ -187,7 +187,7 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 			tract_observe_line(r, tract_lock_line(r, id, 0), &m);
 			if (mine.state == TRACT_LOCK_LOCKED && m.granted_node == r->node_id + 1 &&
 			    m.granted_req == mine.request_seq && m.token == mine.grant_token &&
-			    tract_current_token(r, NULL) == m.token)
+			    tract_current_token(r, NULL, SITE_NONE) == m.token)
 				tract_index_repair_stripe(r, id, r->node_id);
 			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_NONE);
 			(*count)++;

@@ -50,11 +50,11 @@ struct tract_manager {
  * claim line is invalidated first and fenced once, then loaded: one fence for
  * the whole table, not one per node -- a requester pays this per acquisition
  * (internal) */
-uint64_t tract_current_token(tract_region *r, int32_t *node)
+uint64_t tract_current_token(tract_region *r, int32_t *node, int site)
 {
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_NODES);
 	uint32_t n = sec->count < r->hdr.max_nodes ? (uint32_t)sec->count : r->hdr.max_nodes;
-	for (uint32_t k = 0; k < n; k++)
+	for (uint32_t k = 0; k < n && TRACT_KEEP(site); k++)
 		r->ops->invalidate(r, sec->offset + (uint64_t)k * sec->entry_size, TRACT_LINE);
 	r->ops->fence(r);
 	uint64_t best = 0;
@@ -78,7 +78,7 @@ int tract_manager_current(tract_region *r, uint64_t *token, int32_t *node)
 {
 	if (!r || !token)
 		return TRACT_E_INVAL;
-	*token = tract_current_token(r, node);
+	*token = tract_current_token(r, node, SITE_NONE);
 	return TRACT_OK;
 }
 
@@ -112,7 +112,7 @@ static int scan(struct tract_manager *m)
 	tract_region *r = m->r;
 	if (m->token) {
 		/* fenced: a larger claim means another manager took over */
-		uint64_t current = tract_current_token(r, NULL);
+		uint64_t current = tract_current_token(r, NULL, SITE_MGR_OBSERVE_CLAIMS);
 		if (current > m->token) {
 			m->by = current;
 			m->superseded = 1;
@@ -195,7 +195,8 @@ static void take_over(struct tract_manager *m)
 {
 	tract_region *r = m->r;
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
-	r->ops->invalidate(r, sec->offset, sec->length);
+	if (TRACT_KEEP(SITE_MGR_OBSERVE_ADOPT))
+		r->ops->invalidate(r, sec->offset, sec->length);
 	r->ops->fence(r);
 	r->ops->load(r, sec->offset, m->table, sec->length);
 	uint32_t nodes = r->hdr.max_nodes;
@@ -232,7 +233,7 @@ int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manag
 	if (!r || !out || (r->flags & TRACT_ATTACH_READONLY))
 		return TRACT_E_INVAL;
 	int32_t who;
-	uint64_t current = tract_current_token(r, &who);
+	uint64_t current = tract_current_token(r, &who, SITE_NONE);
 	if (current && who != (int32_t)r->node_id)
 		return TRACT_E_SUPERSEDED;
 	struct tract_manager *m = calloc(1, sizeof(*m));

@@ -266,3 +266,47 @@ def test_inspect_shows_the_claims_and_roles(region):
         assert v["current_claim"] == "1.0" and v["manager_node"] == 0
         assert rows[0]["manager"] and rows[0]["claim"] == "1.0"
         assert rows[2]["standby"] and not rows[2]["manager"] and rows[2]["claim"] is None
+
+
+def test_under_the_simulator_every_party_sees_the_new_claim(region):
+    """Each party has the claims and the lock table in a private cache from
+    before the takeover (the non-coherence simulator): the old manager must
+    still notice the later claim and stop, a requester must still refuse a
+    grant of the old token, and the new manager must still adopt the holder.
+    (Each of these fails if its invalidate is removed: tests/mutation.py.)"""
+    out_old, out_new = ffi.new("tract_manager **"), ffi.new("tract_manager **")
+    with Pool.attach(region, node=0, simulate=True) as old_host, \
+            Pool.attach(region, node=1, simulate=True) as new_host, \
+            Pool.attach(region, node=2, simulate=True) as p, \
+            Pool.attach(region, node=3, simulate=True) as holder:
+        sec = new_host.info.section("locks")
+        new_host.observe(sec.offset, sec.length)        # its cache: the table as it is now
+        old_token = claim(old_host, 0, 1)
+        assert lib.tract_manager_start(old_host._r(), 1000000, out_old) == 0
+        try:
+            p.locks.acquire(1, timeout=10)               # p caches the claims
+            p.locks.release(1)
+            holder.locks.acquire(1, timeout=10)          # node 3 holds lock 1 under 1.0
+            new_token = claim(new_host, 1, 2)
+            by = ffi.new("uint64_t *")
+            wait_for("the old manager stopping",
+                     lambda: lib.tract_manager_superseded(out_old[0], by) == 1, timeout=10)
+        finally:
+            lib.tract_manager_stop(out_old[0])
+        # a grant of node 2's next request under the old token: never entered
+        req = read_line(old_host, 1, 3)[3] + 1
+        forge_grant(old_host, 1, 2, req, old_token)
+        with pytest.raises(LockTimeout):
+            p.locks.acquire(1, timeout=0.3)
+        assert lib.tract_manager_start(new_host._r(), 1000000, out_new) == 0
+        try:
+            line = wait_for("the adopted grant", lambda: (lambda l: l if l[5] == new_token
+                                                          else None)(read_line(old_host, 1, 0)),
+                            timeout=10)
+            assert line[0] == 3 + 1, "the new manager did not adopt node 3's hold"
+            holder.locks.release(1)
+            p.locks.acquire(1, timeout=10)               # under the new token
+            assert read_line(old_host, 1, 3)[5] == new_token
+            p.locks.release(1)
+        finally:
+            lib.tract_manager_stop(out_new[0])
