@@ -31,6 +31,16 @@ def as_nobody(args: list[str], groups: tuple[int, ...] = (), timeout: float = 12
                           cwd="/tmp")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def nobody_can_run_the_checkout():
+    """Skips (with the reason) where user nobody cannot read this checkout."""
+    res = as_nobody([sys.executable, "-c", "import tract_cli.cli"], timeout=120)
+    if res.returncode != 0:
+        err = (res.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"user nobody cannot run this checkout ({err}); make its folders "
+                    "readable by others (o+rx) to run these tests")
+
+
 def init(path: str, *extra: str) -> None:
     subprocess.run([*TRACT, "init", path, "--size", "16M", "--model", "tiny", "--nodes", "3",
                     *extra], check=True, capture_output=True, timeout=120)
