@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agents import RunningAgent
+from counters import counter_offset, finish_counters, start_counters
 from procs import Worker
 from tract_cli.core.locks import LockTimeout
 from tract_cli.core.pool import Pool
@@ -19,24 +20,10 @@ def region(region_path):
     return region_path
 
 
-def counter_offset(path: str) -> int:
-    with Pool.attach(path, readonly=True, prefault=False) as p:
-        return p.info.section("transfer").offset + 64    # an unused line, for the test
-
-
 def run_counters(path: str, simulate: bool, iterations: int, use_lock: bool) -> int:
-    off = counter_offset(path)
-    workers = [Worker(path, node, simulate) for node in range(NODES) for _ in range(PER_NODE)]
-    try:
-        for w in workers:
-            w.send("counter_loop", off=off, iterations=iterations, use_lock=use_lock)
-        for w in workers:
-            assert w.recv("counter_loop", timeout=300) == iterations
-    finally:
-        for w in workers:
-            w.close()
-    with Pool.attach(path, readonly=True) as p:
-        return p.observe_u64(off)
+    nodes = [node for node in range(NODES) for _ in range(PER_NODE)]
+    workers = start_counters(path, simulate, iterations, nodes, use_lock)
+    return finish_counters(path, workers, iterations)
 
 
 @pytest.mark.parametrize("simulate,iterations", [(False, 1500), (True, 300)], ids=["plain", "sim"])

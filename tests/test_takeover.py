@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agents import RunningAgent
-from procs import Worker
+from counters import finish_counters, start_counters
 from tract_cli.core.agent import NODE_ALIVE, NODE_LINE, current_manager, read_nodes
 from tract_cli.core.locks import LockTimeout
 from tract_cli.core.native import ffi, lib
@@ -59,30 +59,6 @@ def manager_node(path) -> int | None:
     return cur.node if cur is not None and cur.manager and cur.state == NODE_ALIVE else None
 
 
-def counter_offset(path: str) -> int:
-    with Pool.attach(path, readonly=True, prefault=False) as p:
-        return p.info.section("transfer").offset + 64    # an unused line, for the test
-
-
-def start_counters(path, simulate, iterations, on_nodes=(1, 2, 3)):
-    off = counter_offset(path)
-    workers = [Worker(path, node, simulate) for node in on_nodes]
-    for w in workers:
-        w.send("counter_loop", off=off, iterations=iterations, use_lock=True)
-    return workers
-
-
-def finish_counters(path, workers, iterations) -> int:
-    try:
-        for w in workers:
-            assert w.recv("counter_loop", timeout=300) == iterations
-    finally:
-        for w in workers:
-            w.close()
-    with Pool.attach(path, readonly=True) as p:
-        return p.observe_u64(counter_offset(path))
-
-
 def log_text(path: pathlib.Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
@@ -94,7 +70,7 @@ def test_a_standby_takes_over_a_killed_manager(region, tmp_path, simulate, itera
     old_token = nodes(region)[0].token
     with RunningAgent(region, 1, manager=False, simulate=simulate, takeover_after=0.5,
                       log_path=str(log)):
-        workers = start_counters(region, simulate, iterations)
+        workers = start_counters(region, simulate, iterations, (1, 2, 3))
         old.proc.send_signal(signal.SIGKILL)       # mid-run: grants and requests in flight
         old.proc.wait(timeout=30)
         assert finish_counters(region, workers, iterations) == 3 * iterations
@@ -115,7 +91,7 @@ def test_a_paused_manager_wakes_up_superseded(region, tmp_path, monkeypatch):
     try:
         with RunningAgent(region, 1, manager=False, takeover_after=0.5, log_path=str(log_b)):
             monkeypatch.delenv("TRACT_HOSTNAME")
-            workers = start_counters(region, False, 800)
+            workers = start_counters(region, False, 800, (1, 2, 3))
             old.proc.send_signal(signal.SIGSTOP)
             wait_for("node 1 taking the manager over", lambda: manager_node(region) == 1)
             old.proc.send_signal(signal.SIGCONT)
@@ -167,7 +143,7 @@ def test_two_managers_started_at_once_end_as_one(region, tmp_path):
                               stdout=subprocess.DEVNULL, stderr=open(logs[n], "wb"))
              for n in (0, 1)]
     try:
-        workers = start_counters(region, False, 400, on_nodes=(2, 3))
+        workers = start_counters(region, False, 400, (2, 3))
         wait_for("one manager running", lambda: manager_node(region) is not None)
         assert finish_counters(region, workers, 400) == 2 * 400
         table = nodes(region)

@@ -202,9 +202,9 @@ class Agent:
             self.manager_epoch = nodes[self.node].manager_epoch   # claims never go back
             self._publish(NODE_ALIVE)
             if self.manager and not self._take_over("started with --manager"):
-                raise TractError(f"node {self.node}: another node claimed the lock manager at the "
-                                 "same moment",
-                                 "run this agent without --manager; it stands by to take over")
+                # another node claimed it at the same moment: it manages, this one stands by
+                print(f"tract agent: node {self.node}: another node claimed the lock manager at "
+                      "the same moment; standing by", file=sys.stderr, flush=True)
             self._thread = threading.Thread(target=self._heartbeat, name="tract-heartbeat",
                                             daemon=True)
             self._thread.start()
