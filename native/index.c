@@ -54,7 +54,6 @@ struct stripe_ctx {
 	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
 	struct tract_lru_anchor lru;
 	int lru_dirty;
-	uint32_t repaired;    /* buckets repair_pins fixed */
 };
 
 /* geometry of the index (internal) */
@@ -179,7 +178,7 @@ static void set_flush(struct stripe_ctx *c)
 /* locks a stripe and loads its LRU anchor (internal) */
 static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 			struct line_set *set);
-static void repair_pins(struct stripe_ctx *c, uint32_t node);
+static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node);
 
 static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c,
 			struct line_set *set)
@@ -206,7 +205,6 @@ static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
 	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
 	c->lru_dirty = 0;
-	c->repaired = 0;
 }
 
 /* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
@@ -382,12 +380,12 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
  * total by the death's one operation: a pin it was taking (not journaled
  * yet: undone) or one it was giving back (already forgotten by the journal:
  * completed).  Either way the node's count moves back by the difference and
- * the total is set to the sum; c->repaired counts the buckets fixed
- * (internal).
+ * the total is set to the sum.  Returns the buckets fixed (internal).
  */
-static void repair_pins(struct stripe_ctx *c, uint32_t node)
+static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node)
 {
 	tract_region *r = c->r;
+	uint32_t fixed = 0;
 	for (uint64_t b = c->first; b < c->first + c->size; b++) {
 		struct tract_bucket bk;
 		load_bucket(c, b, &bk);
@@ -409,8 +407,9 @@ static void repair_pins(struct stripe_ctx *c, uint32_t node)
 		}
 		bk.pins = (uint32_t)sum;
 		store_bucket(c, b, &bk);
-		c->repaired++;
+		fixed++;
 	}
+	return fixed;
 }
 
 /* repairs stripe lock lock_id, which this node holds for a holder that died
@@ -421,9 +420,9 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 		return 0;
 	struct stripe_ctx c;
 	stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
-	repair_pins(&c, node);
-	c.r->ops->fence(c.r);
-	return c.repaired;
+	uint32_t fixed = repair_pins(&c, node);
+	r->ops->fence(r);
+	return fixed;
 }
 
 /* turns an unlinked bucket into a tombstone or, where the probe chain ends

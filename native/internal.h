@@ -140,7 +140,6 @@ int tract_journal_names(tract_region *r, uint32_t pid);
 /* the largest lock-manager claim in the node table (manager.c; internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node, int site);
 
-/* observes one whole line: invalidate, fence, load (internal) */
 /*
  * Mutation sites (tests/mutation.py): every flush and invalidate of the
  * lock, publish and pin paths has a name here.  TRACT_MUTANT=<site> (read

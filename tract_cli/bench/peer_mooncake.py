@@ -40,6 +40,7 @@ def receiver(capacity: int, slots: int) -> None:
     for exp, t in relayed(sys.stdin):
         out(record(buf, capacity, exp, t))
 
+
 def sender(capacity: int) -> None:
     te = engine()
     buf = np.zeros(capacity, np.uint8)

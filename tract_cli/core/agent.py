@@ -101,6 +101,11 @@ def read_nodes(pool: Pool) -> list[NodeRecord]:
     return out
 
 
+def token_text(token: int) -> str:
+    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
+    return f"{token >> 32}.{token & 0xFFFFFFFF}"
+
+
 def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
     """The node holding the largest claim: the current lock manager, alive or not."""
     best = max(nodes, key=lambda r: r.token, default=None)
@@ -166,9 +171,6 @@ class Agent:
         self.reclaimed = 0
         self.recovered_locks = 0
         self.recovered_processes = 0
-        self.takeovers = 0
-        self.buried_orphans = 0
-        self.superseded_by: int | None = None
         self.epoch = 0
         self.manager_epoch = 0
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
@@ -236,10 +238,10 @@ class Agent:
             return False
         raise_for(rc, "lock manager")
         self._manager = out[0]
-        self.superseded_by = None
         self._publish(NODE_ALIVE)          # the manager flag and heartbeat
         print(f"tract agent: node {self.node}: lock manager running, token "
-              f"{self.manager_epoch}.{self.node} ({why})", file=sys.stderr, flush=True)
+              f"{token_text(self.manager_epoch << 32 | self.node)} ({why})", file=sys.stderr,
+              flush=True)
         return True
 
     def _check_superseded(self) -> None:
@@ -249,12 +251,11 @@ class Agent:
             return
         lib.tract_manager_stop(self._manager)
         self._manager = None
-        self.superseded_by = int(by[0]) & 0xFFFFFFFF
         self._watch = None
         self._publish(NODE_ALIVE)
         print(f"tract agent: node {self.node}: lock manager superseded by node "
-              f"{self.superseded_by} (token {int(by[0]) >> 32}.{self.superseded_by}); "
-              "standing by", file=sys.stderr, flush=True)
+              f"{int(by[0]) & 0xFFFFFFFF} (token {token_text(int(by[0]))}); standing by",
+              file=sys.stderr, flush=True)
 
     def _maybe_take_over(self) -> None:
         """Takes the manager over once its heartbeat has not moved for
@@ -294,8 +295,7 @@ class Agent:
                       "this host: not taking over", file=sys.stderr, flush=True)
             return
         why = f"node {cur.node}'s manager heartbeat stale for {still:.1f} s"
-        if self._take_over(why):
-            self.takeovers += 1
+        self._take_over(why)
 
     def _heartbeat(self) -> None:
         last_reclaim = 0.0
@@ -337,7 +337,6 @@ class Agent:
                 else:
                     last_sweep = time.monotonic() if not skipped else last_sweep
                     if buried:
-                        self.buried_orphans += buried
                         print(f"tract agent: node {self.node}: dropped {buried} unfinished "
                               "write(s) of processes no journal remembers (their keys are "
                               "writable again; `tract check --repair` returns their slots)",

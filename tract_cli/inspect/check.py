@@ -19,9 +19,9 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
-from tract_cli.core.agent import current_manager, read_nodes
+from tract_cli.core.agent import current_manager, read_nodes, token_text
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
-                                        SLOT_DTYPE, Sections, token_text)
+                                        SLOT_DTYPE, Sections)
 
 READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
 

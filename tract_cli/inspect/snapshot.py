@@ -9,14 +9,13 @@ The JSON schema is documented in docs/INSPECT.md.
 """
 from __future__ import annotations
 
-import os
 import socket
 import time
 import weakref
 
 import numpy as np
 
-from tract_cli.core.agent import current_manager, read_nodes
+from tract_cli.core.agent import current_manager, on_this_host, pid_alive, read_nodes, token_text
 from tract_cli.core.locks import lock_name
 from tract_cli.core.pool import Pool
 
@@ -42,16 +41,6 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
                          ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
                          ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
                          ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _age(now: int, ns: int) -> float | None:
@@ -83,27 +72,22 @@ class Sections:
 
 
 def nodes_view(pool: Pool, now: int) -> dict:
-    me = socket.gethostname()
+    table = read_nodes(pool)
     rows = []
-    for r in read_nodes(pool):
+    for r in table:
         if r.state == 0 and not r.heartbeat_ns:
             continue
-        local = r.hostname == me[:23]
+        local = on_this_host(r)
         rows.append({"node": r.node, "state": {1: "alive", 2: "left"}.get(r.state, "unknown"),
                      "agent_pid": r.agent_pid, "epoch": r.epoch, "hostname": r.hostname,
                      "heartbeat_age_s": _age(now, r.heartbeat_ns), "live": r.alive(),
                      "manager": r.manager, "standby": r.standby,
                      "claim": token_text(r.token) if r.token else None,
-                     "pid_alive": _pid_alive(r.agent_pid) if local and r.agent_pid else None})
+                     "pid_alive": pid_alive(r.agent_pid) if local and r.agent_pid else None})
     managers = [r["node"] for r in rows if r["manager"] and r["live"]]
-    cur = current_manager(read_nodes(pool))
+    cur = current_manager(table)
     return {"nodes": rows, "manager_node": managers[0] if managers else None,
             "current_claim": token_text(cur.token) if cur else None}
-
-
-def token_text(token: int) -> str:
-    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
-    return f"{token >> 32}.{token & 0xFFFFFFFF}"
 
 
 def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
@@ -145,7 +129,7 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
             # pids are checkable here on an emulated (single-host) region, or
             # when the holder node's agent runs on this host
             here = pool.target.kind == "file" or hosts.get(granted - 1) == me
-            if here and pid and not _pid_alive(pid):
+            if here and pid and not pid_alive(pid):
                 row["flags"].append(f"holder pid {pid} is dead")
             if row["held_s"] is not None and row["held_s"] > hold_warn_s:
                 row["flags"].append(f"held longer than {hold_warn_s:g} s")
