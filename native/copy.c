@@ -179,3 +179,20 @@ int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n)
 	__sync_synchronize();
 	return TRACT_OK;
 }
+
+/* CRC-32C of each of n slots' whole payload, in place (zero-copy writers record
+ * it at commit, zero-copy readers compare it before use); the caller invalidates
+ * first where another host may have written the slots. */
+int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out)
+{
+	if (!r || ((!slots || !out) && n))
+		return TRACT_E_INVAL;
+	for (uint32_t i = 0; i < n; i++)
+		if (slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	for (uint32_t i = 0; i < n; i++)
+		out[i] = tract_crc32c(r->base + data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
+				      r->hdr.block_bytes);
+	return TRACT_OK;
+}

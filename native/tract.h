@@ -281,6 +281,9 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
  * them (numpy / torch views) read what other hosts wrote. */
 int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
 
+/* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */
+int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out);
+
 /* Copies with the core's copy routine between two private buffers (benchmarks). */
 void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
 

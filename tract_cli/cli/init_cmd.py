@@ -7,7 +7,7 @@ import typer
 
 from tract_cli.cli import render
 from tract_cli.cli.info_cmd import render_info
-from tract_cli.core.geometry import load_model
+from tract_cli.core.geometry import load_model, with_block_tokens
 from tract_cli.core.region import FormatOptions, format_region
 from tract_cli.core.errors import UsageError
 from tract_cli.core.units import format_duration, parse_size
@@ -24,6 +24,10 @@ def init(
     flush_mode: Optional[str] = typer.Option(
         None, "--flush-mode", help="clflush|clflushopt|clwb|none (default: clflush on a "
                                    "device, none on a file)."),
+    block_tokens: Optional[int] = typer.Option(
+        None, "--block-tokens", help="Tokens per KV block (default: the profile's, 16 for a "
+                                     "checkpoint directory; an engine's block size must be a "
+                                     "multiple of it, docs/VLLM.md)."),
     hash_scheme: str = typer.Option("tract", "--hash-scheme", help="Block hash: tract|vllm."),
     stripes: int = typer.Option(16, "--stripes", help="Index stripes (a power of two; each lookup of a long prompt takes every stripe lock once)."),
     force: bool = typer.Option(False, "--force", "-f",
@@ -46,7 +50,10 @@ def init(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Create and format a TraCT region (metadata only: time does not grow with the data area)."""
-    opts = FormatOptions(model=load_model(model), max_nodes=nodes, flush_mode=flush_mode,
+    profile = load_model(model)
+    if block_tokens is not None:
+        profile = with_block_tokens(profile, block_tokens)
+    opts = FormatOptions(model=profile, max_nodes=nodes, flush_mode=flush_mode,
                          hash_scheme=hash_scheme, index_stripes=stripes,
                          zero_on_free=zero_on_free)
     size_bytes = parse_size(size) if size is not None else None

@@ -5,6 +5,7 @@ so one layer of one block is one contiguous range (docs/FORMAT.md §5).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pathlib
 from dataclasses import dataclass, field
@@ -148,12 +149,21 @@ def checkpoint_profile(model_dir: pathlib.Path) -> ModelProfile:
         geometry = Geometry(num_layers=int(cfg["num_hidden_layers"]),
                             num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
                             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-                            dtype=cfg.get("torch_dtype", "bf16"), block_tokens=16)
+                            dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bf16",
+                            block_tokens=16)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"cannot read the KV geometry of {model_dir}/config.json ({exc})",
                          "pass a Hugging Face checkpoint directory with a complete config.json") \
             from None
     return ModelProfile(name=model_dir.resolve().name[:31] or "checkpoint", geometry=geometry)
+
+
+def with_block_tokens(profile: ModelProfile, block_tokens: int) -> ModelProfile:
+    """PROFILE with BLOCK_TOKENS tokens per block (1..4096)."""
+    if not 1 <= block_tokens <= 4096:
+        raise UsageError(f"--block-tokens {block_tokens} is out of range", "use 1 to 4096 tokens")
+    return dataclasses.replace(profile, geometry=dataclasses.replace(profile.geometry,
+                                                                     block_tokens=block_tokens))
 
 
 def load_model(name_or_path: str) -> ModelProfile:

@@ -142,13 +142,25 @@ class PrefixIndex:
         return status, slots[:n]
 
     def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
-               pin: bool = False, timeout: float = 30.0) -> PutResult:
+               pin: bool = False, tokens=None, checksums=None,
+               timeout: float = 30.0) -> PutResult:
         """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed;
-        with PIN, published pinned by this node (as put(pin=True))."""
+        with PIN, published pinned by this node (as put(pin=True)).  TOKENS (per
+        key; default a full block) and CHECKSUMS (per key, `Pool.checksum_slots`
+        of the written slots; default none) are recorded with each entry."""
         keys = as_keys(hashes)
-        rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), len(keys),
+        n = len(keys)
+        extra = []
+        for name, arr in (("tokens", tokens), ("checksums", checksums)):
+            if arr is not None:
+                arr = np.ascontiguousarray(arr, dtype=np.uint32)
+                if arr.shape != (n,):
+                    raise UsageError(f"{name} must have one entry per key", f"pass {n} values")
+            extra.append(arr)
+        tok, sums = (self._u32(a) if a is not None else ffi.NULL for a in extra)
+        rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), n,
                                         ffi.from_buffer(status), self._u32(np.ascontiguousarray(
-                                            slots, dtype=np.uint32)), ffi.NULL, ffi.NULL,
+                                            slots, dtype=np.uint32)), tok, sums,
                                         (2 if pin else 1) if publish else 0, int(timeout * 1e9))
         raise_for(rc, f"{self._pool.path} index commit")
         return PutResult(status)

@@ -350,6 +350,19 @@ class Pool:
             raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
         raise_for(rc, self.path)
 
+    def checksum_slots(self, slots) -> np.ndarray:
+        """CRC-32C of each slot's whole payload, in place (one C call): what a
+        zero-copy writer records at commit and a zero-copy reader compares."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        out = np.zeros(max(arr.size, 1), np.uint32)
+        u32 = lambda a: ffi.cast("uint32_t *", ffi.from_buffer(a))
+        rc = lib.tract_checksum_slots(self._r(), u32(arr) if arr.size else ffi.NULL, arr.size,
+                                      u32(out))
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
+        raise_for(rc, self.path)
+        return out[:arr.size]
+
     def slots_tensor(self):
         """Zero-copy torch tensor over every slot: shape (slot_count, layer, K|V,
         token, kv_head, head_dim); `t[ids]` gathers blocks as paged attention does."""

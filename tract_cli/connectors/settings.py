@@ -1,0 +1,88 @@
+"""The vLLM connector's configuration: `kv_connector_extra_config`, validated.
+
+Every key is checked when vLLM starts, so a mistake stops the engine with one
+line naming the key and the fix, never a failure at the first request.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from tract_cli.core.errors import UsageError
+from tract_cli.core.native import FLUSH_MODES
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What `kv_connector_extra_config` may say (docs/VLLM.md lists each key)."""
+
+    pool: str                      # region file or /dev/daxX.Y, formatted for the model
+    node: int                      # this instance's node id in the region
+    prefix_cache: bool = True      # look prompts up in the pool (and, saving, share them)
+    save: bool | None = None       # write computed prompt KV to the pool (default: not kv_consumer)
+    checksums: bool = True         # record and verify each block's CRC-32C
+    handoff_ttl_s: float = 30.0    # a P/D handoff's blocks stay pinned this long unacknowledged
+    lookup_timeout_s: float = 5.0  # bound on one pool lock wait (lookup, put, publish)
+    start_agent: bool = True       # start this node's agent if none runs
+    flush_mode: str | None = None  # override the region header's flush mode
+    simulate: bool = False         # run metadata through the non-coherence simulator
+
+    @classmethod
+    def parse(cls, extra: dict | None, role: str) -> "ConnectorSettings":
+        """From vLLM's `kv_connector_extra_config` and `kv_role`; UsageError on anything wrong."""
+        if role not in ROLES:
+            raise UsageError(f"kv_role {role!r} is not one of {', '.join(ROLES)}",
+                             "set kv_role in --kv-transfer-config")
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise UsageError(f"kv_connector_extra_config has unknown key(s) {', '.join(unknown)}",
+                             f"use only {', '.join(sorted(known))} (docs/VLLM.md)")
+        for key in ("pool", "node"):
+            if key not in extra:
+                raise UsageError(f"kv_connector_extra_config lacks {key!r}",
+                                 'add e.g. "pool": "/dev/shm/tract.pool", "node": 1')
+        pool = extra["pool"]
+        if not isinstance(pool, str) or not pool:
+            raise UsageError("kv_connector_extra_config pool must be a path",
+                             'e.g. "pool": "/dev/shm/tract.pool"')
+        out = {"pool": pool, "node": _int(extra, "node", 0)}
+        for key in ("prefix_cache", "checksums", "start_agent", "simulate"):
+            if key in extra:
+                out[key] = _bool(extra, key)
+        if "simulate" not in extra:
+            out["simulate"] = os.environ.get("TRACT_SIMULATE", "") not in ("", "0")
+        out["save"] = _bool(extra, "save") if "save" in extra else role != "kv_consumer"
+        for key in ("handoff_ttl_s", "lookup_timeout_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise UsageError(f"kv_connector_extra_config {key} must be a positive number "
+                                     f"of seconds, got {value!r}", f'e.g. "{key}": 30')
+                out[key] = float(value)
+        if "flush_mode" in extra:
+            mode = extra["flush_mode"]
+            if mode not in FLUSH_MODES:
+                raise UsageError(f"kv_connector_extra_config flush_mode {mode!r} is unknown",
+                                 f"use one of {', '.join(FLUSH_MODES)}")
+            out["flush_mode"] = mode
+        return cls(**out)
+
+
+def _int(extra: dict, key: str, minimum: int) -> int:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"kv_connector_extra_config {key} must be an integer >= {minimum}, "
+                         f"got {value!r}", f'e.g. "{key}": 1')
+    return value
+
+
+def _bool(extra: dict, key: str) -> bool:
+    value = extra[key]
+    if not isinstance(value, bool):
+        raise UsageError(f"kv_connector_extra_config {key} must be true or false, got {value!r}",
+                         f'e.g. "{key}": true')
+    return value
