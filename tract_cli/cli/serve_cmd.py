@@ -24,6 +24,11 @@ _FLUSH = typer.Option(None, "--flush-mode", help="Override the region header's f
 _NUMA = typer.Option(None, "--numa-node", help="Pin to this NUMA node's CPUs.")
 _CPUS = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3,8).")
 _THREADS = typer.Option(None, "--threads", help="torch compute threads (default: torch's).")
+_ENGINE = typer.Option("reference", "--engine", help="reference (TraCT's own engine) or vllm "
+                                                     "(vLLM's OpenAI server with TraCT as its KV "
+                                                     "connector; docs/VLLM.md).")
+_VLLM_ARG = typer.Option(None, "--vllm-arg", help="An extra argument for vLLM's server "
+                                                  "(repeatable), e.g. --vllm-arg=--max-model-len=4096.")
 _AGENT = typer.Option(True, "--agent/--no-agent",
                       help="Start this node's agent if none runs (it outlives the worker).")
 
@@ -61,6 +66,59 @@ def _serve(worker, host: str, port: int, name: str) -> None:
     server.serve_until_signal(worker.close)
 
 
+def _is_vllm(engine_name: str) -> bool:
+    if engine_name not in ("reference", "vllm"):
+        raise UsageError(f"--engine {engine_name!r} is not reference or vllm",
+                         "pass --engine reference or --engine vllm")
+    return engine_name == "vllm"
+
+
+def _free_port(host: str) -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serve_vllm(name: str, pool: str, node: int, host: str, port: int, model_dir, vllm_args,
+                extra: dict, front_door=None) -> None:
+    """vLLM's server with TraCT's connector (and, for decode, the front door) until a signal."""
+    import signal
+    import tempfile
+    from tract_cli.core.pool import Pool
+    from tract_cli.serve.vllm_engine import VllmServer, check_model_dir
+    check_model_dir(model_dir)
+    with Pool.attach(pool, node=node, readonly=True, prefault=False):
+        pass                                    # a missing or unformatted region: one line now
+    log = tempfile.NamedTemporaryFile(prefix=f"tract-{name}-vllm-", suffix=".log", delete=False)
+    server = VllmServer(model_dir, 0 if port is None else port, pool=pool, node=node,
+                        extra=extra, host=host, args=tuple(vllm_args or ()), log_path=log.name)
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    stop = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, interrupt)     # SIGTERM stops vLLM as Ctrl-C does
+    try:
+        print(f"tract {name}: starting vLLM (log {log.name})", file=sys.stderr, flush=True)
+        server.wait_ready()
+        if front_door is None:
+            print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} "
+                  f"pool {pool}: listening on {server.url}", file=sys.stderr, flush=True)
+            server.proc.wait()
+            raise TractError(f"vLLM exited with code {server.proc.returncode}",
+                             f"see its log {log.name}")
+        from tract_cli.serve.vllm_proxy import serve
+        prefill_urls, door_port = front_door
+        print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} pool "
+              f"{pool} (vLLM at {server.url}): listening on http://{host}:{door_port}",
+              file=sys.stderr, flush=True)
+        serve(prefill_urls, server.url, host, door_port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+        server.stop()
+
+
 def serve_prefill(
     pool: str = _POOL, node: int = _NODE, host: str = _HOST,
     port: int = typer.Option(8100, "--port", help="Port to listen on (0: any free port)."),
@@ -69,12 +127,18 @@ def serve_prefill(
                                                           "without an acknowledgement."),
     simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
     cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
+    engine_name: str = _ENGINE, vllm_args: Optional[List[str]] = _VLLM_ARG,
 ) -> None:
     """Prefill worker: computes prompts, writes KV to the pool, returns handoffs."""
     from tract_cli.serve.prefill import PrefillWorker
     if ttl <= 0:
         raise UsageError("--handoff-ttl must be positive", "pass seconds, e.g. 30")
     _check_port(port)
+    if _is_vllm(engine_name):
+        _serve_vllm("serve-prefill", pool, node, host, port, model_dir, vllm_args,
+                    {"handoff_ttl_s": ttl, "simulate": simulate, "start_agent": agent}
+                    | ({"flush_mode": flush_mode} if flush_mode else {}))
+        return
     pin(numa_node, cpus)
     engine = _engine(model_dir, profile, seed, threads)
     worker = PrefillWorker(pool, node, engine, simulate=simulate, flush_mode=flush_mode,
@@ -91,10 +155,25 @@ def serve_decode(
     model_dir: Optional[str] = _MODEL_DIR, profile: str = _PROFILE, seed: int = _SEED,
     simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
     cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
+    engine_name: str = _ENGINE, vllm_args: Optional[List[str]] = _VLLM_ARG,
+    engine_port: int = typer.Option(0, "--engine-port", help="With --engine vllm: the port of the "
+                                                           "decode vLLM behind the front door "
+                                                           "(0: a free one)."),
 ) -> None:
     """Decode worker and front door: OpenAI /v1/completions, /health, /metrics."""
     from tract_cli.serve.decode import DecodeWorker, MODES
     _check_port(port)
+    if _is_vllm(engine_name):
+        _check_port(engine_port)
+        for url in prefill:
+            if not url.startswith(("http://", "https://")):
+                raise UsageError(f"--prefill {url!r} is not an http:// URL",
+                                 "pass the prefill worker's address, e.g. http://127.0.0.1:8100")
+        _serve_vllm("serve-decode", pool, node, host, engine_port or _free_port(host), model_dir,
+                    vllm_args, {"simulate": simulate, "start_agent": agent}
+                    | ({"flush_mode": flush_mode} if flush_mode else {}),
+                    front_door=(prefill, port))
+        return
     if kv_mode not in MODES:
         raise UsageError(f"--kv-mode {kv_mode!r} is not one of {', '.join(MODES)}",
                          "pass --kv-mode copy or --kv-mode zero-copy")

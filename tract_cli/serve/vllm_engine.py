@@ -1,0 +1,129 @@
+"""vLLM as the serving engine of `tract serve-*` (and of tests and benchmarks).
+
+`VllmServer` runs vLLM's OpenAI server as a child process with TraCT's KV
+connector configured (`kv_transfer_config`), waits (bounded) until its
+`/health` answers, and stops its whole process group (vLLM spawns an engine
+core and workers) on `stop()`: nothing of it outlives the command.
+
+vLLM runs in its own environment when it is not importable here:
+`TRACT_VLLM_PYTHON` names that environment's python, which must have TraCT
+installed too (`pip install tract-cxl` beside vLLM), since vLLM imports the
+connector.  The `vllm` console script of the CPU build fails to find its own
+version, so the server is started as `python -m vllm.entrypoints.openai.api_server`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from tract_cli.core.errors import TractError, UsageError
+
+CONNECTOR = {"kv_connector": "TractConnector",
+             "kv_connector_module_path": "tract_cli.connectors.vllm"}
+READY_TIMEOUT_S = 300
+
+
+def vllm_python() -> str:
+    """The python that runs vLLM: TRACT_VLLM_PYTHON, else this one."""
+    return os.environ.get("TRACT_VLLM_PYTHON") or sys.executable
+
+
+def kv_transfer_config(pool: str, node: int, role: str = "kv_both", **extra) -> dict:
+    """vLLM's --kv-transfer-config for TraCT; a failed load recomputes, never fails a request."""
+    return CONNECTOR | {"kv_role": role, "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"pool": pool, "node": node} | extra}
+
+
+class VllmServer:
+    """vLLM's OpenAI server on HOST:PORT, with TraCT as its KV connector when POOL is given."""
+
+    def __init__(self, model_dir: str, port: int, *, pool: str | None = None,
+                 node: int | None = None, role: str = "kv_both", extra: dict | None = None,
+                 host: str = "127.0.0.1", args: tuple[str, ...] = (), kv_cache_gib: float = 1,
+                 log_path: str | None = None, env: dict | None = None):
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--host", host, "--port", str(port), "--enforce-eager", *args]
+        if pool is not None:
+            cfg = kv_transfer_config(pool, node if node is not None else 0, role, **(extra or {}))
+            cmd += ["--kv-transfer-config", json.dumps(cfg)]
+        child_env = os.environ | {"HF_HUB_OFFLINE": "1",
+                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT, env=child_env,
+                                         start_new_session=True)
+        except OSError as exc:
+            raise TractError(f"cannot start vLLM with {cmd[0]}: {exc.strerror}",
+                             "set TRACT_VLLM_PYTHON to the python of vLLM's environment") from None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "VllmServer":
+        """Waits until /health answers 200; a vLLM that exits is an error naming why."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TractError(f"vLLM exited with code {self.proc.returncode} before it was "
+                                 f"ready: {self.failure()}", f"see its log {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)     # polling another process's readiness, bounded
+        self.stop()
+        raise TractError(f"vLLM did not become ready within {timeout:.0f} s",
+                         f"check the machine's load; its log: {self.log_path}")
+
+    def failure(self) -> str:
+        """The line of vLLM's log that says why it stopped (TraCT's own, if any)."""
+        if not self.log_path:
+            return "no log kept"
+        try:
+            lines = open(self.log_path, errors="replace").read().splitlines()
+        except OSError:
+            return "its log is unreadable"
+        for line in reversed(lines):
+            if "TraCT connector:" in line:
+                return line[line.index("TraCT connector:"):].strip()
+        errors = [ln for ln in lines if "Error" in ln]
+        return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM to vLLM's process group, then SIGKILL if it lingers (bounded)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        try:                       # its engine core and workers share the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+            self._log = subprocess.DEVNULL
+        return self.proc.returncode
+
+
+def check_model_dir(model_dir: str | None) -> str:
+    """A vLLM engine needs a local checkpoint directory with a config.json."""
+    if not model_dir:
+        raise UsageError("--engine vllm needs --model DIR (a local Hugging Face checkpoint)",
+                         "pass the checkpoint directory vLLM should serve")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise UsageError(f"--model {model_dir} is not a checkpoint directory (no config.json)",
+                         "pass a local Hugging Face checkpoint directory")
+    return model_dir
