@@ -216,6 +216,8 @@ class _Request:
     tail_saved: bool = False
     handoff_failed: bool = False
     want_handoff: bool = False         # a prefill for a remote decode (do_remote_decode)
+    load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
+    load_failed: bool = False          # a load of it failed: compute it, never load again
 
 
 class TractConnector(KVConnectorBase_V1):
@@ -295,7 +297,7 @@ class TractConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens the pool holds beyond NUM_COMPUTED_TOKENS (loaded asynchronously)."""
         st = self._state(request)
-        if not st.cacheable:
+        if not st.cacheable or st.load_failed:
             return 0, False
         st.matched_from = num_computed_tokens
         params = request.kv_transfer_params or {}
@@ -369,6 +371,7 @@ class TractConnector(KVConnectorBase_V1):
                                             sums[first:last], page_ids[idx // self.r],
                                             idx % self.r, ticket))
         st.loading = True
+        st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
         st.saved = max(st.saved, min(last, len(st.keys)))
         st.tail_saved = st.tail_saved or last > len(st.keys)
 
@@ -412,10 +415,14 @@ class TractConnector(KVConnectorBase_V1):
                         blocks % self.r)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        invalid = connector_output.invalid_block_ids or set()
         for req_id in connector_output.finished_recving or ():
             st = self._reqs.get(req_id) or self._loading_done.pop(req_id, None)
             if st is not None:
                 st.loading = False
+                # a bad block stays in the index until evicted: vLLM recomputes this
+                # request, and it is not offered the same blocks again
+                st.load_failed = st.load_failed or bool(st.load_pages & invalid)
                 self._unpin(st)
 
     def request_finished(self, request: "Request",
