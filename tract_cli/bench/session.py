@@ -13,7 +13,7 @@ from tract_cli.bench import peers, prefix_sim, runner
 from tract_cli.bench.micro import _need_space, temp_region_path
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent import IDLE_EXIT_S, ensure_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import ModelProfile
 from tract_cli.core.hashing import block_hashes
@@ -123,13 +123,19 @@ def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_wo
     capacity = info.slot_count - 2 * (prefill_workers + decode_workers)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     sim = prefix_sim.simulate([keys[i] for i in order], capacity)
-    agent = ensure_agent(path, 0, manager=True)
+    # the agents this run starts stop by themselves once idle (also if this
+    # process is killed); the driver stays attached to the manager's node
+    # meanwhile, so the manager outlives gaps between transports
+    driver = Pool.attach(path, node=0, prefault=False)
+    agent = None
     summaries, records, skipped = [], {}, {}
     extra_agents, cluster = [], None
     try:
+        agent = ensure_agent(path, 0, manager=True, idle_exit=IDLE_EXIT_S)
         if real_compute:
             from tract_cli.bench import real
-            extra_agents = [ensure_agent(path, 1), ensure_agent(path, 2)]
+            extra_agents = [ensure_agent(path, 1, idle_exit=IDLE_EXIT_S),
+                            ensure_agent(path, 2, idle_exit=IDLE_EXIT_S)]
             cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
         for tr in transports:
             if real_compute and tr not in real.KV_MODES:
@@ -141,7 +147,7 @@ def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_wo
                 if why:
                     skipped[tr] = why
                     continue
-            _empty_cache(path)          # every transport starts from an empty prefix cache
+            _empty_cache(driver)        # every transport starts from an empty prefix cache
             if real_compute:
                 res = real.run_transport(cluster, tr, requests, profile.arch["vocab_size"],
                                          g.block_tokens, progress=progress and (lambda: progress(tr)))
@@ -159,16 +165,16 @@ def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_wo
             if a is not None:
                 a.terminate()
                 a.wait(timeout=30)
+        driver.close()
     kv_mean = int(np.mean([len(r.tokens) // g.block_tokens for r in requests]) * g.block_bytes)
     return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq, sim.hit_rate,
                        sim.evictions, kv_mean, runner.memcpy_reference(kv_mean))
 
 
-def _empty_cache(path: str) -> None:
-    with Pool.attach(path, node=0, prefault=False) as p:
-        while p.index.evict(1 << 20):
-            pass
-        p.allocator.drain()
+def _empty_cache(p: Pool) -> None:
+    while p.index.evict(1 << 20):
+        pass
+    p.allocator.drain()
 
 
 def machine() -> str:
