@@ -41,6 +41,14 @@ def sender_buffer(capacity: int) -> np.ndarray:
     return np.ascontiguousarray(pattern_at(0, capacity))
 
 
+def receiver_buffer(nbytes: int) -> np.ndarray:
+    """The receive slots, faulted in now (np.zeros would leave the first
+    transfer into each page to fault it in, inside the timed transfer)."""
+    buf = np.empty(nbytes, np.uint8)
+    buf.fill(0)
+    return buf
+
+
 def tail_stamp(rid: str) -> np.ndarray:
     import hashlib
     return np.frombuffer(hashlib.blake2b(rid.encode(), digest_size=16).digest(), np.uint8)

@@ -51,8 +51,8 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (GEOMETRY, fill_and_compute, main, np, out, record, sender_buffer,  # noqa: E402
-                         relayed)  # (importing it takes stdout: before the libraries)
+from peer_common import (GEOMETRY, fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+                         relayed, sender_buffer)  # (importing it takes stdout: first)
 import torch  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -156,7 +156,7 @@ def start_server() -> tuple[subprocess.Popen, int]:
 def lm_receiver(capacity: int, slots: int) -> None:
     server, port = start_server()
     try:
-        buf = np.zeros(capacity * slots, np.uint8)
+        buf = receiver_buffer(capacity * slots)
         client = None
         out({"host": "127.0.0.1", "port": port})
         for exp, t in relayed(sys.stdin):
@@ -223,7 +223,7 @@ def pd_shapes(req: dict) -> list:
 def pd_receiver(capacity: int, slots: int) -> None:
     ports = (free_port(), free_port())
     backend = pd_backend("receiver", capacity * slots, ports)
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     out({"host": "127.0.0.1", "init_port": ports[0], "alloc_port": ports[1]})
     for exp, t in relayed(sys.stdin):
         c = time.perf_counter()

@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (fill_and_compute, main, np, out, record, relayed,  # noqa: E402
+from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record, relayed,  # noqa: E402
                          sender_buffer)  # (importing it takes stdout: before the libraries)
 from mooncake.engine import TransferEngine  # noqa: E402
 
@@ -34,7 +34,7 @@ def engine() -> TransferEngine:
 
 def receiver(capacity: int, slots: int) -> None:
     te = engine()
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     addr = buf.ctypes.data
     if te.register_memory(addr, buf.size) != 0:
         raise SystemExit("mooncake: registering the receive buffers failed")

@@ -22,7 +22,8 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import fill_and_compute, main, np, out, record, sender_buffer  # noqa: E402
+from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+                         sender_buffer)  # (importing it takes stdout: before the libraries)
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def agent(name: str):
 
 def receiver(capacity: int, slots: int) -> None:
     a = agent("tract-bench-decode")
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     addr = buf.ctypes.data
     reg = a.get_reg_descs([(addr, buf.size, 0, "")], "DRAM")
     if a.register_memory(reg) is None:

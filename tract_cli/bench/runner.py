@@ -237,7 +237,8 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
     info = pool.info
     bb, bt = info.block_bytes, info.geometry.block_tokens
     # the private KV buffer (blocks, then the tail), faulted in now, not inside a timed copy
-    out = np.zeros(max_tokens // bt * bb + bt * info.bytes_per_token, np.uint8)
+    out = np.empty(max_tokens // bt * bb + bt * info.bytes_per_token, np.uint8)
+    out.fill(0)             # np.zeros would leave the pages to fault in inside the first read
     conns = []
     if transport == "tcp":
         srv = socket.socket()
