@@ -327,6 +327,26 @@ int tract_journal_stats(const tract_region *r, uint64_t *out)
 	return TRACT_OK;
 }
 
+/* The pids of this node's journal entries in use: up to cap into out, *n = all. */
+int tract_journal_pids(const tract_region *r, uint32_t *out, uint32_t cap, uint32_t *n)
+{
+	if (!r || !n || (cap && !out))
+		return TRACT_E_INVAL;
+	*n = 0;
+	if (!r->local || !r->local->journal_off)
+		return TRACT_E_NO_LOCAL;
+	const struct tract_journal_proc *p = procs(r);
+	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
+		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
+		if (!pid)
+			continue;
+		if (*n < cap)
+			out[*n] = pid;
+		(*n)++;
+	}
+	return TRACT_OK;
+}
+
 /* whether a journal entry of this node names pid (internal) */
 int tract_journal_names(tract_region *r, uint32_t pid)
 {

@@ -318,6 +318,10 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 /* Journal entries in use, keys journaled, overflowed operations (out[0..3)). */
 int tract_journal_stats(const tract_region *r, uint64_t *out);
 
+/* The pids of this node's journal entries in use (processes attached to the
+ * node, live or dead and not yet recovered): up to cap into out, *n = all. */
+int tract_journal_pids(const tract_region *r, uint32_t *out, uint32_t cap, uint32_t *n);
+
 /* ---- the two-tier lock ---- */
 
 /* what a timed-out acquire saw, for the error message */

@@ -14,9 +14,9 @@ from tract_cli.serve.launch import WorkerProcess
 class Server(WorkerProcess):
     """A worker process; a start or stop failure fails the test."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, **kw):
         try:
-            super().__init__(*args)
+            super().__init__(*args, **kw)
         except TractError as exc:
             raise AssertionError(str(exc)) from None
 

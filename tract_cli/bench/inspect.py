@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from tract_cli.core.agent import ensure_agent
 from tract_cli.core.geometry import Geometry, ModelProfile
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import Pool
+from tract_cli.core.spawn import child_env, module_command
 from tract_cli.inspect import snapshot
 
 # 1 KiB blocks: a 400 MiB region holds ~400K slots, hence a 1M-bucket index
@@ -81,9 +81,10 @@ def bench_inspect(entries: int = 20000, seconds: float = 3.0,
                     times.append(time.perf_counter() - t0)
                 buckets, ready = snap["index"]["buckets"], snap["index"]["states"]["READY"]
             alone = _run_workload(path, seconds)
-            watcher = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "inspect", path,
-                                        "--watch", "--interval", str(interval)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            watcher = subprocess.Popen(module_command("tract_cli.cli", "inspect", path,
+                                                      "--watch", "--interval", str(interval)),
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       env=child_env())
             try:
                 watched = _run_workload(path, seconds)
             finally:

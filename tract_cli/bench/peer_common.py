@@ -1,6 +1,6 @@
-"""What the peer adapters (peer_nixl.py, peer_mooncake.py) share: the protocol
-channel, the stand-in KV, the sender's fill-and-compute step, the receiver's
-check and record, and the command line.  Standalone like them: numpy only,
+"""What the peer adapters (peer_nixl.py, peer_mooncake.py, peer_lmcache.py)
+share: the protocol channel, the stand-in KV, the sender's stamp-and-compute
+step, the receiver's check and record, and the command line.  Standalone like them: numpy only,
 nothing of TraCT (they run in the peer's own virtual environment).
 
 Importing this module takes the process's stdout for the protocol and sends
@@ -22,14 +22,41 @@ import numpy as np  # noqa: E402
 GEOMETRY = {"block_bytes": 0, "block_tokens": 0}
 
 
-def payload(keys: np.ndarray, block_bytes: int) -> np.ndarray:
-    """(n, block_bytes): each block is its 16-byte key, repeated (as runner.payloads)."""
-    return np.tile(keys, (1, block_bytes // 16)) if len(keys) else np.zeros((0, block_bytes), np.uint8)
+# the stand-in KV, as runner.py makes it (this module imports nothing of TraCT):
+# a fixed function of the byte's position, each block's key stamped into its
+# first 16 bytes, the request's stamp into the tail's
+PATTERN_BYTES = 4093
+_PATTERN = ((np.arange(PATTERN_BYTES, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(7)
+            & np.uint64(0xFF)).astype(np.uint8)
 
 
-def tail_bytes(rid: str, n: int) -> np.ndarray:
-    raw = rid.encode() or b"x"
-    return np.frombuffer((raw * (n // len(raw) + 1))[:n], dtype=np.uint8)
+def pattern_at(offset: int, length: int) -> np.ndarray:
+    rolled = np.roll(_PATTERN, -(offset % PATTERN_BYTES))
+    return np.tile(rolled, -(-length // PATTERN_BYTES))[:length] if length else rolled[:0]
+
+
+def sender_buffer(capacity: int) -> np.ndarray:
+    """The sender's buffer, the stand-in KV of the longest request in it: made
+    at start, before the driver's clock (a GPU has its KV when compute ends)."""
+    return np.ascontiguousarray(pattern_at(0, capacity))
+
+
+def receiver_buffer(nbytes: int) -> np.ndarray:
+    """The receive slots, faulted in now (np.zeros would leave the first
+    transfer into each page to fault it in, inside the timed transfer)."""
+    buf = np.empty(nbytes, np.uint8)
+    buf.fill(0)
+    return buf
+
+
+def tail_stamp(rid: str) -> np.ndarray:
+    import hashlib
+    return np.frombuffer(hashlib.blake2b(rid.encode(), digest_size=16).digest(), np.uint8)
+
+
+def sleep_until(deadline: float) -> None:
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(left)
 
 
 def out(obj) -> None:
@@ -42,39 +69,46 @@ def keys_of(msg: dict) -> np.ndarray:
 
 
 def fill_and_compute(buf: np.ndarray, req: dict) -> tuple[dict, int]:
-    """Writes the request's stand-in KV and tail into BUF, waits out the rest of
-    its modelled compute (producing the KV is part of it); returns (timings, bytes)."""
-    t = {"queue": time.monotonic() - req["arrival"]}
-    c = time.perf_counter()
+    """Marks the request's KV in BUF (its keys into the stand-in blocks, its
+    stamp into the tail: microseconds) and waits out its modelled compute,
+    exactly (sleep until the deadline); returns (timings, bytes)."""
+    start = time.monotonic()
+    t = {"queue": start - req["arrival"]}
     n, bb, tb = req["blocks"], req["block_bytes"], req["tail_bytes"]
     if n:
-        buf[:n * bb].reshape(n, bb)[:] = payload(keys_of(req), bb)
-    buf[n * bb:n * bb + tb] = tail_bytes(req["rid"], tb)
-    made = time.perf_counter() - c
-    time.sleep(max(req["compute_s"] - made, 0.0))
-    t["compute"] = max(req["compute_s"], made)
+        buf[:n * bb].reshape(n, bb)[:, :16] = keys_of(req)
+    k = min(16, tb)
+    buf[n * bb:n * bb + k] = tail_stamp(req["rid"])[:k]
+    sleep_until(start + req["compute_s"])
+    t["compute"] = time.monotonic() - start
     return t, n * bb + tb
 
 
 def record(buf: np.ndarray, capacity: int, exp: dict, t: dict, every: int = 0) -> dict:
-    """Checks the first and last block and the tail that landed in the request's
-    receive slot (and, with EVERY, each EVERY-th block: the first of each chunk
-    of a chunked transfer); the record the runner's decode side would give
-    (decode modelled as continuous batching). The first token's time is taken
-    before the check."""
+    """The record the runner's decode side would give (decode modelled as
+    continuous batching), the first token's time taken before the check: the
+    first and last block (and, with EVERY, each EVERY-th block: the first of
+    each chunk of a chunked transfer) carry their keys and stand-in bytes, the
+    tail its stamp and bytes, in the request's receive slot."""
     t["first_token"] = exp["decode_s"]
     ttft = time.monotonic() + t["first_token"] - exp["arrival"]
     n, bb, tb = exp["blocks"], exp["block_bytes"], exp["tail_bytes"]
     base = exp["slot"] * capacity
     keys = keys_of(exp)
-    blocks = buf[base:base + n * bb].reshape(n, bb) if n else np.zeros((0, bb), np.uint8)
     which = sorted({0, n - 1} | set(range(0, n, every) if every else ())) if n else []
-    ok = bool(np.array_equal(blocks[which], payload(keys[which], bb)) and
-              np.array_equal(buf[base + n * bb:base + n * bb + tb], tail_bytes(exp["rid"], tb)))
-    return {"rid": exp["rid"], "t": t, "ok": ok, "hits": 0, "blocks": n, "tokens": exp["tokens"],
-            "output_len": exp["output_len"], "ttft": ttft,
+    ok = True
+    for i in which:
+        b = buf[base + i * bb:base + (i + 1) * bb]
+        ok = ok and np.array_equal(b[:16], keys[i]) and \
+            np.array_equal(b[16:], pattern_at(i * bb + 16, bb - 16))
+    tail = buf[base + n * bb:base + n * bb + tb]
+    k = min(16, tb)
+    ok = ok and np.array_equal(tail[:k], tail_stamp(exp["rid"])[:k]) and \
+        np.array_equal(tail[k:], pattern_at(n * bb + k, tb - k))
+    return {"rid": exp["rid"], "t": t, "ok": bool(ok), "hits": 0, "blocks": n,
+            "tokens": exp["tokens"], "output_len": exp["output_len"], "ttft": ttft,
             "e2e": ttft + max(exp["output_len"] - 1, 0) * exp["decode_s"], "prefill": 0,
-            "slot": exp["slot"]}
+            "slot": exp["slot"], "modelled_compute": exp["compute_s"]}
 
 
 def relayed(lines):

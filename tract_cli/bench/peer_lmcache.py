@@ -22,8 +22,9 @@ address. Both sides talk to it through LMCache's client, `LMCServerConnector`,
 with memory objects from LMCache's `LocalCPUBackend`, as an LMCache engine
 configured with that `remote_url` does:
 
-- sender, per request: waits out its modelled compute, writes the stand-in KV
-  (the same bytes as the tract transports) into its private buffer, then per
+- sender, per request: stamps the stand-in KV in its private buffer (made at
+  start, before the clock: the same bytes as the tract transports), waits out
+  its modelled compute, then per
   LMCache chunk (256 tokens = 16 TraCT blocks, plus the tail in the last one)
   allocates a memory object, copies the chunk into it (the copy LMCache makes
   from the engine's KV when it stores) and `put`s it; an `exists` of the last
@@ -50,8 +51,8 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (GEOMETRY, fill_and_compute, main, np, out, record,  # noqa: E402
-                         relayed)  # (importing it takes stdout: before the libraries)
+from peer_common import (GEOMETRY, fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+                         relayed, sender_buffer)  # (importing it takes stdout: first)
 import torch  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -155,7 +156,7 @@ def start_server() -> tuple[subprocess.Popen, int]:
 def lm_receiver(capacity: int, slots: int) -> None:
     server, port = start_server()
     try:
-        buf = np.zeros(capacity * slots, np.uint8)
+        buf = receiver_buffer(capacity * slots)
         client = None
         out({"host": "127.0.0.1", "port": port})
         for exp, t in relayed(sys.stdin):
@@ -174,7 +175,7 @@ def lm_receiver(capacity: int, slots: int) -> None:
 
 def lm_sender(capacity: int) -> None:
     hello = json.loads(sys.stdin.readline())
-    buf = np.zeros(capacity, np.uint8)
+    buf = sender_buffer(capacity)          # the stand-in KV, before the clock
     client = None
     out({"ready": True})
     for line in sys.stdin:
@@ -222,7 +223,7 @@ def pd_shapes(req: dict) -> list:
 def pd_receiver(capacity: int, slots: int) -> None:
     ports = (free_port(), free_port())
     backend = pd_backend("receiver", capacity * slots, ports)
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     out({"host": "127.0.0.1", "init_port": ports[0], "alloc_port": ports[1]})
     for exp, t in relayed(sys.stdin):
         c = time.perf_counter()
@@ -246,7 +247,7 @@ def pd_sender(capacity: int) -> None:
                                  receiver_init_port=[hello["init_port"]],
                                  receiver_alloc_port=[hello["alloc_port"]],
                                  is_last_prefill=False, req_id="")
-    buf = np.zeros(capacity, np.uint8)
+    buf = sender_buffer(capacity)          # the stand-in KV, before the clock
     out({"ready": True})
     for line in sys.stdin:
         req = json.loads(line)

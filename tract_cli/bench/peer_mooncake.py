@@ -4,8 +4,9 @@ as `receiver` (decode side) or `sender` (prefill side), driven by
 `tract bench` over JSON lines on stdin/stdout (as peer_nixl.py).
 
 The receiver registers SLOTS receive buffers and prints its session id and
-buffer address.  The sender, per request: waits out its modelled compute,
-writes the stand-in KV (the same bytes as the tract transports) and
+buffer address.  The sender, per request: stamps the stand-in KV (made at
+start, before the clock: the same bytes as the tract transports), waits out
+its modelled compute and
 `transfer_sync_write`s it into the receiver's slot, then prints the request's
 timings; the driver relays them to the receiver, which verifies the first
 and last block and the tail and prints the record (peer_common.py).
@@ -18,7 +19,8 @@ import sys
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import fill_and_compute, main, np, out, record, relayed  # noqa: E402  (takes stdout)
+from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record, relayed,  # noqa: E402
+                         sender_buffer)  # (importing it takes stdout: before the libraries)
 from mooncake.engine import TransferEngine  # noqa: E402
 
 
@@ -32,7 +34,7 @@ def engine() -> TransferEngine:
 
 def receiver(capacity: int, slots: int) -> None:
     te = engine()
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     addr = buf.ctypes.data
     if te.register_memory(addr, buf.size) != 0:
         raise SystemExit("mooncake: registering the receive buffers failed")
@@ -43,7 +45,7 @@ def receiver(capacity: int, slots: int) -> None:
 
 def sender(capacity: int) -> None:
     te = engine()
-    buf = np.zeros(capacity, np.uint8)
+    buf = sender_buffer(capacity)          # the stand-in KV, before the clock
     addr = buf.ctypes.data
     if te.register_memory(addr, buf.size) != 0:
         raise SystemExit("mooncake: registering the send buffer failed")

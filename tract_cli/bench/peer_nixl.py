@@ -4,8 +4,9 @@ has nixl and numpy, not TraCT), as `receiver` (decode side) or `sender`
 
 The receiver registers SLOTS receive buffers of CAPACITY bytes and prints its
 agent metadata and buffer address.  The sender registers one send buffer,
-loads the receiver's metadata, and per request: waits out its modelled
-compute, writes the stand-in KV (the same bytes as the tract transports),
+loads the receiver's metadata, and per request: stamps the stand-in KV (made
+at start, before the clock: the same bytes as the tract transports), waits
+out its modelled compute,
 WRITEs it into the receiver's slot and, once the WRITE is DONE (the bytes are
 in the receiver's memory), notifies the request id with its timings.  The
 receiver polls its notifications (the progress thread is off: it would spin
@@ -21,7 +22,8 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import fill_and_compute, main, np, out, record  # noqa: E402  (takes stdout)
+from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+                         sender_buffer)  # (importing it takes stdout: before the libraries)
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 
@@ -31,7 +33,7 @@ def agent(name: str):
 
 def receiver(capacity: int, slots: int) -> None:
     a = agent("tract-bench-decode")
-    buf = np.zeros(capacity * slots, np.uint8)
+    buf = receiver_buffer(capacity * slots)
     addr = buf.ctypes.data
     reg = a.get_reg_descs([(addr, buf.size, 0, "")], "DRAM")
     if a.register_memory(reg) is None:
@@ -69,7 +71,7 @@ def receiver(capacity: int, slots: int) -> None:
 
 def sender(capacity: int) -> None:
     a = agent("tract-bench-prefill")
-    buf = np.zeros(capacity, np.uint8)
+    buf = sender_buffer(capacity)          # the stand-in KV, before the clock
     addr = buf.ctypes.data
     reg = a.get_reg_descs([(addr, buf.size, 0, "")], "DRAM")
     if a.register_memory(reg) is None:

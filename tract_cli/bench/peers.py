@@ -138,19 +138,24 @@ def run(transport: str, requests, geometry, compute, progress=None):
     env = {**os.environ, **extra_env}
     procs = []
     res = runner.TransportResult(transport)
+    # the peers' own logging (NIXL, UCX, Mooncake's glog, LMCache) goes to a
+    # file, not over the report: its path is in the report and in any error
+    res.log_path = log_path(transport)
+    log = open(res.log_path, "w")
     try:
         geo = ["--block-bytes", str(bb), "--block-tokens", str(bt)]
         recv = subprocess.Popen([py, "-I", adapter, "receiver", "--capacity", str(capacity),
                                  "--slots", str(RECV_SLOTS), *geo], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         procs.append(recv)
-        hello = _read_line(recv, "receiver")
+        hello = _read_line(recv, "receiver", res.log_path)
         send = subprocess.Popen([py, "-I", adapter, "sender", "--capacity", str(capacity), *geo],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True, env=env)
         procs.append(send)
         send.stdin.write(json.dumps(hello) + "\n")
         send.stdin.flush()
-        _read_line(send, "sender")
+        _read_line(send, "sender", res.log_path)
         write_lock = threading.Lock()
 
         def to_receiver(obj):
@@ -184,12 +189,13 @@ def run(transport: str, requests, geometry, compute, progress=None):
                         progress()
                     if len(res.records) == len(requests):
                         return
-                failure.append(TractError("the receiver peer process exited early",
-                                          "its error is printed above; reinstall the peer with "
+                failure.append(TractError("the receiver peer process exited early"
+                                          + _log_tail(res.log_path),
+                                          f"its log: {res.log_path}; reinstall the peer with "
                                           "--install-peers"))
             except ValueError:
                 failure.append(TractError("the receiver peer printed something that is not JSON",
-                                          "see its output above"))
+                                          f"its log: {res.log_path}"))
             finally:
                 done.set()
         collector = threading.Thread(target=collect, daemon=True)
@@ -206,18 +212,18 @@ def run(transport: str, requests, geometry, compute, progress=None):
                       "tail_bytes": (len(req.tokens) - n * bt) * bpt, "slot": slot,
                       "block_tokens": bt,
                       "arrival": arrival, "tokens": len(req.tokens),
-                      "output_len": req.output_len}
+                      "output_len": req.output_len,
+                      "compute_s": len(req.tokens) / compute.prefill_tokens_per_s}
             to_receiver({**common, "decode_s": compute.decode_s_per_token})
-            send.stdin.write(json.dumps({**common, "compute_s": len(req.tokens) /
-                                         compute.prefill_tokens_per_s}) + "\n")
+            send.stdin.write(json.dumps(common) + "\n")
             send.stdin.flush()
         collector.join(timeout=PEER_TIMEOUT_S)
         res.wall_s = time.monotonic() - t0
         if failure:
             raise failure[0]
         if len(res.records) != len(requests):
-            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished",
-                             "check the peer's output above")
+            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished"
+                             + _log_tail(res.log_path), f"see the peers' log {res.log_path}")
     finally:
         for p in procs:
             try:
@@ -230,7 +236,24 @@ def run(transport: str, requests, geometry, compute, progress=None):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)
+        log.close()
     return res
+
+
+def log_path(transport: str) -> str:
+    """Where TRANSPORT's peer processes log in this run (the temporary directory)."""
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"tract-bench-{transport}-{os.getpid()}.log")
+
+
+def _log_tail(path: str) -> str:
+    """The last line of a peer's log, as ` (last log line: ...)`, or ''."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    return f" (last log line: {lines[-1][:200]})" if lines else ""
 
 
 def _check_it_fits(transport: str, kv_bytes: int) -> None:
@@ -250,7 +273,7 @@ def _check_it_fits(transport: str, kv_bytes: int) -> None:
                          "run fewer requests (--requests/--limit) for this transport")
 
 
-def _read_line(proc, who: str) -> dict:
+def _read_line(proc, who: str, log: str) -> dict:
     """One JSON line from a peer process (bounded by the peer timeout)."""
     box = {}
 
@@ -262,8 +285,9 @@ def _read_line(proc, who: str) -> dict:
     line = box.get("line")
     if not line:
         code = proc.poll()
-        raise TractError(f"the {who} peer process {'exited with code ' + str(code) if code is not None else 'is silent'}",
-                         "its error is printed above; reinstall the peer with --install-peers")
+        state = f"exited with code {code}" if code is not None else "is silent"
+        raise TractError(f"the {who} peer process {state}{_log_tail(log)}",
+                         f"its log: {log}; reinstall the peer with --install-peers")
     return json.loads(line)
 
 

@@ -6,7 +6,9 @@ each request to a decode worker (round robin) at its arrival time, as an
 OpenAI completion of token ids, greedy, `max_tokens` = the request's output
 length, `kv_mode` copy or zero-copy per transport.  Each decode worker
 spreads its requests over all prefill workers.  The records come from the
-workers' own timings (the `tract` object of each answer).
+workers' own timings (the `tract` object of each answer).  A request is
+verified when its tokens equal the single-process engine's for the same
+prompt (computed after the transport's run, outside every timed stage).
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class RealCluster:
 
     def __init__(self, path: str, profile: str, prefill_workers: int, decode_workers: int):
         self.workers = []
+        self.profile = profile
+        self.reference: dict[str, list[int]] = {}     # rid -> the single-process engine's tokens
+        self._engine = None
         try:
             self.prefills = [self._start("serve-prefill", "--pool", path, "--node", "1",
                                          "--model-profile", profile)
@@ -55,6 +60,20 @@ class RealCluster:
         w = WorkerProcess(*args)
         self.workers.append(w)
         return w
+
+    def verify(self, res: runner.TransportResult, requests, vocab: int) -> None:
+        """Marks each record verified when its tokens equal those of the same
+        engine in this process (greedy, the workers' weights seed 0)."""
+        from tract_cli.serve.engine import Engine, Sampling
+        by = {r.rid: r for r in requests}
+        for rec in res.records:
+            req = by[rec["rid"]]
+            if req.rid not in self.reference:
+                if self._engine is None:
+                    self._engine = Engine.load(None, self.profile, 0)
+                self.reference[req.rid] = self._engine.generate(
+                    engine_tokens(req.tokens, vocab), Sampling(req.output_len, 0.0, 0))
+            rec["ok"] = rec.pop("token_ids") == self.reference[req.rid]
 
     def stop(self) -> None:
         for w in reversed(self.workers):
@@ -100,7 +119,7 @@ def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, bl
                  "compute": pt.get("compute", 0.0), "kv_write": pt.get("kv_write", 0.0),
                  "handoff_publish": pt.get("handoff_publish", 0.0), "kv_read": tr["handoff_s"],
                  "queue": max(tr["prefill_s"] - pt.get("total", 0.0), 0.0)}
-            rec = {"rid": req.rid, "t": t, "ok": len(tr["token_ids"]) >= 1,
+            rec = {"rid": req.rid, "t": t, "ok": False, "token_ids": tr["token_ids"],
                    "hits": tr["hit_blocks"], "blocks": len(req.tokens) // block_tokens,
                    "tokens": len(req.tokens), "output_len": len(tr["token_ids"]),
                    "ttft": tr["ttft_s"], "e2e": done - arrival, "prefill": 0}
@@ -120,4 +139,5 @@ def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, bl
     if errors:
         err = errors[0]
         raise err if isinstance(err, TractError) else TractError(f"{transport}: {err}")
+    cluster.verify(res, requests, vocab)          # after the clock: not timed
     return res

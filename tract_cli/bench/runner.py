@@ -5,17 +5,28 @@ under test, timed per stage.
 Transports: `tract-copy` (private -> pool -> private, as a GPU does by DMA),
 `tract-zero-copy` (prefill computes into pool slots, decode reads them in
 place: the handoff moves metadata only), `tcp` (the KV over loopback
-sockets: the network path stand-in).  Peers (NIXL, Mooncake) run through
-`bench.peers` in their own environments.
+sockets: the network path stand-in).  Peers (NIXL, Mooncake, LMCache) run
+through `bench.peers` in their own environments.
 
-Compute is modelled from a device profile: a prefill worker is busy for the
-prompt tokens it computes at the profile's prefill rate (producing the
-stand-in KV counts towards that time, the rest is slept), so prefill
-queueing under load is real; decode is modelled as continuous
-batching (a request's first token one decode step after its KV is in, one
-token a step after that, the worker free for the next handoff at once).
-Reports say "modelled compute".  Every request's KV is verified on
-the decode side (first and last block, and the partial tail).
+What is timed is the KV path, never the harness:
+
+- the stand-in KV exists before the clock starts, as a GPU's KV is in its
+  memory when its compute ends: each prefill worker makes one buffer of
+  stand-in blocks (`stand_in`) at start, and per request only stamps each
+  block's key into its first 16 bytes (and the request's into the tail);
+- modelled compute is exactly the model: the worker sleeps until
+  start + tokens computed / the profile's prefill rate (`Compute`), doing
+  no work that competes for the CPUs (zero-copy's stores into the slots it
+  computes into are the compute's own output: the stamps, and the full
+  stand-in of the blocks the decode side checks);
+- decode is modelled as continuous batching (a request's first token one
+  decode step after its KV is in, one token a step after that, the worker
+  free for the next handoff at once);
+- verifying runs after the first token's time is taken: on every row it
+  means the first and last block carry their keys, the blocks of them this
+  request computed hold their stand-in bytes in full, and so does the tail.
+
+Reports say "modelled compute".
 """
 from __future__ import annotations
 
@@ -40,21 +51,59 @@ STAGES = ("queue", "hash", "lookup", "kv_load", "compute", "kv_write", "handoff_
           "handoff_open", "kv_read", "first_token", "ack")
 
 
-def payload(key: bytes, nbytes: int) -> np.ndarray:
-    """Deterministic stand-in KV for a block: the key, repeated."""
-    return np.frombuffer((key * (nbytes // 16 + 1))[:nbytes], dtype=np.uint8)
+PATTERN_BYTES = 4093           # a prime: the stand-in differs block to block
+_PATTERN = ((np.arange(PATTERN_BYTES, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(7)
+            & np.uint64(0xFF)).astype(np.uint8)
 
 
-def payloads(keys: np.ndarray, nbytes: int) -> np.ndarray:
-    """payload() of every key at once: (n, nbytes)."""
-    if not len(keys):
-        return np.zeros((0, nbytes), np.uint8)
-    return np.ascontiguousarray(np.tile(keys, (1, -(-nbytes // 16)))[:, :nbytes])
+def pattern_at(offset: int, length: int) -> np.ndarray:
+    """The stand-in bytes at OFFSET..OFFSET+LENGTH of a request's KV (blocks,
+    then the tail), before stamps: a fixed function of the position."""
+    rolled = np.roll(_PATTERN, -(offset % PATTERN_BYTES))
+    return np.tile(rolled, -(-length // PATTERN_BYTES))[:length] if length else rolled[:0]
 
 
-def _tail(rid: str, nbytes: int) -> np.ndarray:
-    raw = rid.encode() or b"x"
-    return np.frombuffer((raw * (nbytes // len(raw) + 1))[:nbytes], dtype=np.uint8)
+def stand_in(blocks: int, block_bytes: int, tail_bytes: int = 0) -> np.ndarray:
+    """A flat buffer of BLOCKS stand-in blocks and a tail, made once (before the
+    clock): a request's KV is its first n blocks (and tail) once stamped."""
+    return np.ascontiguousarray(pattern_at(0, blocks * block_bytes + tail_bytes))
+
+
+def tail_stamp(rid: str) -> np.ndarray:
+    """The 16 bytes that mark a request's tail."""
+    import hashlib
+    return np.frombuffer(hashlib.blake2b(rid.encode(), digest_size=16).digest(), np.uint8)
+
+
+def stamp(buf: np.ndarray, keys: np.ndarray, block_bytes: int, rid: str, tail_bytes: int) -> None:
+    """Marks a request's KV in BUF (flat stand-in): each block's first 16 bytes
+    are its key, the tail's its request's stamp.  Microseconds."""
+    n = len(keys)
+    if n:
+        buf[:n * block_bytes].reshape(n, block_bytes)[:, :16] = keys
+    k = min(16, tail_bytes)
+    buf[n * block_bytes:n * block_bytes + k] = tail_stamp(rid)[:k]
+
+
+def block_ok(block: np.ndarray, i: int, key: np.ndarray, block_bytes: int, computed: bool) -> bool:
+    """Block I of a request as the decode side got it: its key in the first 16
+    bytes and, when this request computed it, the stand-in bytes in full."""
+    b = block.reshape(-1)
+    if not np.array_equal(b[:16], key):
+        return False
+    return not computed or np.array_equal(b[16:], pattern_at(i * block_bytes + 16, block_bytes - 16))
+
+
+def tail_ok(tail: np.ndarray, n: int, block_bytes: int, rid: str) -> bool:
+    k = min(16, tail.size)
+    return np.array_equal(tail[:k], tail_stamp(rid)[:k]) and \
+        np.array_equal(tail[k:], pattern_at(n * block_bytes + k, tail.size - k))
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleeps until DEADLINE on the monotonic clock (modelled compute)."""
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(left)
 
 
 @dataclass(frozen=True)
@@ -65,19 +114,25 @@ class Compute:
     decode_s_per_token: float
 
 
-def _prefill(path, node, index, transport, ctl, to_decode, decode_ports, compute, results):
+def _prefill(path, node, index, transport, ctl, to_decode, decode_ports, compute, results,
+             max_tokens):
     try:
-        _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute)
+        _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute,
+                      max_tokens)
     except TractError as exc:              # one line to the driver, not a traceback
         results.put({"error": f"prefill worker {index}: {exc}"})
 
 
-def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute):
+def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute, max_tokens):
     from tract_cli.core.hashing import block_hashes, pool_root
+    from tract_cli.core.index import PUT_STATUS
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info, g = pool.info, pool.info.geometry
+    bb, bt, bpt = info.block_bytes, g.block_tokens, info.bytes_per_token
     root = pool_root(info)
+    # the stand-in KV of the longest request, made before the clock starts
+    kv_all = stand_in(max_tokens // bt, bb, bt * bpt)
     socks = [socket.create_connection(("127.0.0.1", p)) for p in decode_ports] \
         if transport == "tcp" else []
     for sock in socks:                                   # say who we are to each decode worker
@@ -91,8 +146,8 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         c = time.perf_counter()
         keys = block_hashes(tokens, root=root)
         t["hash"] = time.perf_counter() - c
-        n, bt = len(keys), g.block_tokens
-        tail = _tail(rid, (len(tokens) - n * bt) * info.bytes_per_token)
+        n = len(keys)
+        tail_bytes = (len(tokens) - n * bt) * bpt
         hits = 0
         hit = None
         if transport != "tcp":
@@ -100,42 +155,56 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
             hit = pool.index.lookup(keys)
             t["lookup"] = time.perf_counter() - c
             hits = hit.hits
-        # compute: the modelled time, of which producing the stand-in KV is a
-        # part (the same for every transport), the rest slept
-        modelled = (len(tokens) - hits * bt) / compute.prefill_tokens_per_s
         miss = keys[hits:]
         if transport == "tract-zero-copy":
             c = time.perf_counter()
             status, slots = pool.index.reserve(miss, pin=True)
             t["kv_write"] = time.perf_counter() - c
-        c = time.perf_counter()
+        # compute: exactly the model (the tokens it computes at the profile's
+        # rate), slept until its deadline; the KV it produces exists already
+        c0 = time.monotonic()
+        modelled = (len(tokens) - hits * bt) / compute.prefill_tokens_per_s
+        stamp(kv_all, keys, bb, rid, tail_bytes)
+        kv = kv_all[:n * bb].reshape(n, bb) if n else kv_all[:0].reshape(0, bb)
+        tail = kv_all[n * bb:n * bb + tail_bytes]
         if transport == "tract-zero-copy":
-            for i in np.flatnonzero(status == 4):         # computed straight into the slots
-                pool.slot_bytes(int(slots[i]))[:] = payload(miss[i].tobytes(), info.block_bytes)
-        else:
-            kv = payloads(keys if transport == "tcp" else miss, info.block_bytes)
-        made = time.perf_counter() - c
-        time.sleep(max(modelled - made, 0.0))
-        t["compute"] = max(modelled, made)
+            # computed straight into the slots: the compute's own stores (the
+            # keys, and in full the blocks the decode side checks)
+            for i in np.flatnonzero(status == 4):
+                pos = hits + int(i)
+                dst = pool.slot_bytes(int(slots[i]))
+                if pos in (0, n - 1):
+                    dst[:] = kv[pos]
+                else:
+                    dst[:16] = kv[pos, :16]
+        sleep_until(c0 + modelled)
+        t["compute"] = time.monotonic() - c0
         if transport == "tract-copy":
             c = time.perf_counter()
-            put = pool.index.put(miss, kv, pin=True)          # pinned until the handoff pins them
+            put = pool.index.put(miss, kv[hits:], pin=True)   # pinned until the handoff pins them
             t["kv_write"] = time.perf_counter() - c
         elif transport == "tract-zero-copy":
             c = time.perf_counter()
             put = pool.index.commit(miss, status, slots, pin=True)
             t["kv_write"] += time.perf_counter() - c
+        # the checked blocks (first, last) this request wrote: the decode side
+        # checks their bytes in full, the others' keys only
+        if transport == "tcp":
+            wrote = sorted({0, n - 1}) if n else []
+        else:
+            done = (status == 4) if transport == "tract-zero-copy" else \
+                (put.status == PUT_STATUS.index("stored"))
+            wrote = [i for i in sorted({0, n - 1}) if n and i >= hits and done[i - hits]]
         out = {"rid": rid, "keys": keys.tobytes(), "t": t, "hits": hits, "blocks": n,
                "tokens": len(tokens), "arrival": msg["arrival"], "output_len": msg["output_len"],
-               "prefill": msg["prefill"]}
+               "prefill": msg["prefill"], "modelled_compute": modelled, "wrote": wrote}
         if transport == "tcp":
             # tell the decode side first, so it is receiving while we send
             # (the transfer is timed there, from its first byte to its last)
-            out["ticket"] = {"blocks": n, "tail_bytes": tail.size}
+            out["ticket"] = {"blocks": n, "tail_bytes": tail_bytes}
             to_decode[dec].put(out)
-            for part in (kv, tail):
-                if part.size:
-                    socks[dec].sendall(memoryview(part).cast("B"))
+            if n * bb + tail_bytes:
+                socks[dec].sendall(memoryview(kv_all[:n * bb + tail_bytes]))
             continue
         if put.count("no_room"):
             raise TractError(f"{put.count('no_room')} blocks found no free index bucket",
@@ -151,18 +220,25 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
     pool.close()
 
 
-def _decode(path, node, index, transport, inbox, results, ready, prefill_count, compute):
+def _decode(path, node, index, transport, inbox, results, ready, prefill_count, compute,
+            max_tokens):
     try:
-        _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute)
+        _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute,
+                     max_tokens)
     except TractError as exc:
         results.put({"error": f"decode worker: {exc}"})
 
 
-def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute):
+def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute,
+                 max_tokens):
     from tract_cli.core.handoff import Ticket
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info = pool.info
+    bb, bt = info.block_bytes, info.geometry.block_tokens
+    # the private KV buffer (blocks, then the tail), faulted in now, not inside a timed copy
+    out = np.empty(max_tokens // bt * bb + bt * info.bytes_per_token, np.uint8)
+    out.fill(0)             # np.zeros would leave the pages to fault in inside the first read
     conns = []
     if transport == "tcp":
         srv = socket.socket()
@@ -182,62 +258,59 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
                 raise TractError("a prefill worker closed its connection", "check the workers")
             raw += chunk
         who[struct.unpack("<I", raw)[0]] = c
-    out = None
     while (msg := inbox.get()) is not None:
         t = msg["t"]
         keys = np.frombuffer(msg["keys"], np.uint8).reshape(-1, 16)
-        n = msg["blocks"]
-        if out is None or out.shape[0] < n:
-            out = np.empty((max(n, 1), info.block_bytes), np.uint8)
-            out.fill(0)          # fault the private buffer in now, not inside a timed copy
+        n, hits = msg["blocks"], msg["hits"]
+        blocks = out[:n * bb].reshape(n, bb) if n else out[:0].reshape(0, bb)
         if transport == "tcp":
             conn = who[msg["prefill"]]
-            tail = np.empty(msg["ticket"]["tail_bytes"], np.uint8)
+            tail = out[n * bb:n * bb + msg["ticket"]["tail_bytes"]]
+            buf = memoryview(out[:n * bb + tail.size])
             c = time.perf_counter()
-            for buf in (memoryview(out[:n]).cast("B") if n else memoryview(b""), memoryview(tail)):
-                got = 0
-                while got < buf.nbytes:
-                    k = conn.recv_into(buf[got:], buf.nbytes - got)
-                    if not k:
-                        raise TractError("a prefill worker closed its connection mid-transfer",
-                                         "its error is printed above")
-                    got += k
+            got = 0
+            while got < buf.nbytes:
+                k = conn.recv_into(buf[got:], buf.nbytes - got)
+                if not k:
+                    raise TractError("a prefill worker closed its connection mid-transfer",
+                                     "its error is printed above")
+                got += k
             t["kv_read"] = time.perf_counter() - c
-            blocks = [out[0], out[n - 1]] if n else []
         else:
             ticket = Ticket.from_dict(msg["ticket"])
             c = time.perf_counter()
             rec = pool.handoffs.open(ticket)
             t["handoff_open"] = time.perf_counter() - c
+            tail = out[n * bb:n * bb + rec.tail_tokens * info.bytes_per_token]
             c = time.perf_counter()
             if transport == "tract-copy":
-                pool.handoffs.copy_blocks(rec, out[:n], verify=False)
-                blocks = [out[0], out[n - 1]] if n else []
+                pool.handoffs.copy_blocks(rec, blocks, verify=False)
             else:
                 views = pool.handoffs.views(rec)
-                blocks = [views[0].view(np.uint8).reshape(-1), views[-1].view(np.uint8).reshape(-1)] \
-                    if n else []
+                blocks = [views[i].view(np.uint8) if i in (0, n - 1) else None
+                          for i in range(n)]
                 del views
-            t["kv_read"] = time.perf_counter() - c
-            tail = np.empty(rec.tail_tokens * info.bytes_per_token, np.uint8)
             pool.handoffs.copy_tail(rec, tail)
-        ok = all(np.array_equal(b, payload(keys[i].tobytes(), info.block_bytes))
-                 for b, i in zip(blocks, (0, n - 1))) and np.array_equal(tail, _tail(msg["rid"], tail.size))
+            t["kv_read"] = time.perf_counter() - c
         # decode is modelled as continuous batching: the request joins the running
         # batch, its first token one step after its KV is in, one token a step
         # after that; the worker is free for the next handoff at once
         t["first_token"] = compute.decode_s_per_token
         first_token_at = time.monotonic() + t["first_token"]
+        # verified after the first token's time is taken (the harness is not timed)
+        ok = all(block_ok(blocks[i], i, keys[i], bb, i in msg["wrote"]) for i in {0, n - 1}
+                 if n) and \
+            tail_ok(tail, n, bb, msg["rid"])
         if transport != "tcp":
             del blocks
             c = time.perf_counter()
             pool.handoffs.ack(ticket)
             t["ack"] = time.perf_counter() - c
         ttft = first_token_at - msg["arrival"]
-        results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": msg["hits"], "blocks": n,
+        results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": hits, "blocks": n,
                      "tokens": msg["tokens"], "output_len": msg["output_len"], "ttft": ttft,
                      "e2e": ttft + max(msg["output_len"] - 1, 0) * compute.decode_s_per_token,
-                     "prefill": msg["prefill"]})
+                     "prefill": msg["prefill"], "modelled_compute": msg["modelled_compute"]})
     pool.close()
 
 
@@ -248,9 +321,11 @@ class TransportResult:
     wall_s: float = 0.0
     lock_wait_s: float = 0.0
     lock_acquisitions: int = 0
+    log_path: str | None = None       # where a peer's own processes logged
 
     def stage(self, name: str) -> list[float]:
-        return [r["t"].get(name, 0.0) for r in self.records]
+        """The stage's times of the requests that went through it."""
+        return [r["t"][name] for r in self.records if name in r["t"]]
 
 
 def handoff_s(rec: dict) -> float:
@@ -278,11 +353,13 @@ def run_transport(path: str, transport: str, requests: list[Request], compute: C
     arrival times to the prefill worker with the fewest outstanding requests;
     each prefill worker hands off round robin to the decode workers."""
     ctx = mp.get_context("spawn")
+    longest = max(len(r.tokens) for r in requests)
     results = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(decode_workers)]
     ready = ctx.Queue()
     decoders = [ctx.Process(target=_decode, args=(path, decode_node, i, transport, inboxes[i],
-                                                  results, ready, prefill_workers, compute),
+                                                  results, ready, prefill_workers, compute,
+                                                  longest),
                             daemon=True)
                 for i in range(decode_workers)]
     for d in decoders:
@@ -295,7 +372,8 @@ def run_transport(path: str, transport: str, requests: list[Request], compute: C
         ctls.append(parent)
         children.append(child)
         prefills.append(ctx.Process(target=_prefill, args=(path, prefill_node, i, transport, child,
-                                                          inboxes, ports, compute, results),
+                                                          inboxes, ports, compute, results,
+                                                          longest),
                                     daemon=True))
     for p in prefills:
         p.start()
@@ -406,27 +484,47 @@ def _pct(v, q) -> float:
     return float(np.percentile(v, q)) if len(v) else 0.0
 
 
+# transports with no prefix cache: a hit rate would be a figure of nothing
+NO_CACHE = ("tcp",)
+
+
 def summarize(r: TransportResult, block_bytes: int, block_tokens: int) -> dict:
+    """Per transport: TTFT, handoff and stage statistics (a stage no request
+    went through is None, not 0), hit rate (None without a prefix cache), KV
+    bytes moved and their rate (zero-copy: 0 bytes, rate None: nothing moves)."""
     ttft = [x["ttft"] for x in r.records]
     e2e = [x["e2e"] for x in r.records]
     hand = [handoff_s(x) for x in r.records]
     blocks = sum(x["blocks"] for x in r.records)
     hits = sum(x["hits"] for x in r.records)
     tokens = sum(x["tokens"] for x in r.records)
-    # bytes written (tract: the missing blocks; tcp: sent) and read (every block)
-    moved = sum(((x["blocks"] - x["hits"]) if r.transport != "tcp" else 0) * block_bytes
-                + x["blocks"] * block_bytes for x in r.records)
+    cache = r.transport.startswith("tract-")
+    if r.transport == "tract-zero-copy":
+        moved = 0                       # computed in place, attended in place
+    elif r.transport == "tract-copy":
+        # written: the blocks the request computed; read: every block
+        moved = sum((x["blocks"] - x["hits"] + x["blocks"]) * block_bytes for x in r.records)
+    else:
+        moved = blocks * block_bytes    # sent once
     move_s = sum(x["t"].get("kv_write", 0.0) + x["t"].get("kv_read", 0.0) for x in r.records)
-    stats = lambda v: {"mean": statistics.fmean(v) if v else 0.0, "p50": _pct(v, 50),
-                       "p90": _pct(v, 90), "p99": _pct(v, 99)}
+    modelled = [x["modelled_compute"] for x in r.records if "modelled_compute" in x]
+
+    def stats(v):
+        if not v:
+            return None
+        return {"mean": statistics.fmean(v), "p50": _pct(v, 50), "p90": _pct(v, 90),
+                "p99": _pct(v, 99)}
     return {"transport": r.transport, "requests": len(r.records),
-            "verified": all(x["ok"] for x in r.records),
+            "verified": bool(r.records) and all(x["ok"] for x in r.records),
             "ttft_s": stats(ttft), "e2e_s": stats(e2e), "handoff_s": stats(hand),
             "stages_s": {k: stats(r.stage(k)) for k in STAGES},
-            "hit_rate_blocks": hits / blocks if blocks else 0.0,
-            "hit_rate_tokens": hits * block_tokens / tokens if tokens else 0.0,
+            "modelled_compute_s": statistics.fmean(modelled) if modelled else None,
+            "hit_rate_blocks": (hits / blocks if blocks else 0.0) if cache else None,
+            "hit_rate_tokens": (hits * block_tokens / tokens if tokens else 0.0) if cache else None,
             "throughput_rps": len(r.records) / r.wall_s if r.wall_s else 0.0,
             "output_tokens_per_s": sum(x["output_len"] for x in r.records) / r.wall_s if r.wall_s else 0.0,
-            "kv_bytes_moved": moved, "kv_gbps": moved / move_s / 1e9 if move_s else 0.0,
-            "lock_wait_s": r.lock_wait_s, "lock_acquisitions": r.lock_acquisitions,
+            "kv_bytes_moved": moved,
+            "kv_gbps": moved / move_s / 1e9 if moved and move_s else None,
+            "lock_wait_s": r.lock_wait_s if r.lock_acquisitions else None,
+            "lock_acquisitions": r.lock_acquisitions,
             "wall_s": r.wall_s}

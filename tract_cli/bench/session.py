@@ -13,7 +13,7 @@ from tract_cli.bench import peers, prefix_sim, runner
 from tract_cli.bench.micro import _need_space, temp_region_path
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent import IDLE_EXIT_S, ensure_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import ModelProfile
 from tract_cli.core.hashing import block_hashes
@@ -65,36 +65,81 @@ def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         compute: runner.Compute, *, pool: str | None = None, pool_size: int | None = None,
         prefill_workers: int = 1, decode_workers: int = 1, nodes: int = 3,
         flush_mode: str = "none", progress=None, reserve_progress=None,
-        real_compute: bool = False) -> BenchResult:
+        real_compute: bool = False, groups: list[tuple[object, list[Request]]] | None = None
+        ) -> BenchResult:
+    """Runs REQUESTS through every transport; with GROUPS ([(label, requests)],
+    e.g. one per input length of a sweep), each group runs through every
+    transport on its own, from an empty cache, and every summary names its
+    group (`group`)."""
     if prefill_workers < 1 or decode_workers < 1:
         raise UsageError("--prefill-workers and --decode-workers must be at least 1", "e.g. 2")
     if nodes < 3:
         raise UsageError("--nodes must be at least 3 (agent, prefill, decode)", "e.g. --nodes 3")
+    groups = groups or [(None, requests)]
+    requests = [r for _, reqs in groups for r in reqs]
     if real_compute:
-        _check_real(requests, profile)
-    keys, uniq = unique_blocks(requests, profile.geometry.block_tokens)
+        _check_real(requests, profile, prefill_workers, decode_workers)
+    keyed = []
+    for label, reqs in groups:
+        keys, uniq = unique_blocks(reqs, profile.geometry.block_tokens)
+        keyed.append((label, reqs, keys, uniq))
     if pool is not None:
-        return _run_on(pool, requests, keys, uniq, profile, transports, compute, prefill_workers,
+        return _run_on(pool, keyed, profile, transports, compute, prefill_workers,
                        decode_workers, progress, real_compute)
     if pool_size is not None and pool_size % ALIGN:
         raise UsageError("--pool-size must be a multiple of 2 MiB", "e.g. --pool-size 4G")
     with temp_region_path() as path:
-        size = pool_size or region_size_for(requests, profile, prefill_workers, decode_workers,
-                                            uniq, medium.free_bytes(path))
+        # groups run one after the other from an empty cache: the largest decides
+        size = pool_size or max(region_size_for(reqs, profile, prefill_workers, decode_workers,
+                                                uniq, medium.free_bytes(path))
+                                for _, reqs, _, uniq in keyed)
         _need_space(path, size)
         Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
                     progress=reserve_progress).close()
-        res = _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_workers,
+        res = _run_on(path, keyed, profile, transports, compute, prefill_workers,
                       decode_workers, progress, real_compute)
         res.medium = "emulated /dev/shm region"
         return res
 
 
-def _check_real(requests, profile) -> None:
+def load_note(requests: list[Request], compute: runner.Compute, prefill_workers: int) -> str | None:
+    """A sentence when the offered load exceeds the modelled prefill capacity
+    (then TTFT is mostly queueing), else None."""
+    work = sum(len(r.tokens) for r in requests) / compute.prefill_tokens_per_s / prefill_workers
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    if len(requests) < 2 or work <= 0:
+        return None
+    if span == 0:
+        return (f"all {len(requests)} requests arrive at once: each queues behind the "
+                f"modelled prefill of those before it ({work:.2f} s of prefill for "
+                f"{prefill_workers} prefill worker(s)), so TTFT includes that queueing")
+    if work > span:
+        return (f"the offered load exceeds the modelled prefill capacity {work / span:.1f}x: "
+                f"{work:.1f} s of prefill ({prefill_workers} worker(s) at "
+                f"{compute.prefill_tokens_per_s:g} tokens/s) arrive within {span:.1f} s, so "
+                "requests queue and TTFT is mostly queueing; lower --speedup / --qps or add "
+                "--prefill-workers")
+    return None
+
+
+def _check_real(requests, profile, prefill_workers: int, decode_workers: int) -> None:
     """Real compute runs the reference engine: the profile needs its architecture
     and every request must fit the engine's context."""
     from tract_cli.serve.model import ModelConfig
     cfg = ModelConfig.from_profile(profile)
+    # the engine's random weights are float32, in every worker and in this
+    # process (the verification's single-process reference)
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    weights = 4 * (2 * cfg.vocab_size * h + cfg.num_layers * (2 * h * h + 2 * h * kv + 3 * h * inter))
+    procs = prefill_workers + decode_workers + 1
+    avail = medium.mem_available()
+    if avail is not None and weights * procs > avail:
+        from tract_cli.core.units import format_size
+        raise UsageError(f"--compute real with {profile.name} needs ~{format_size(weights)} of "
+                         f"random float32 weights in each of {procs} processes, "
+                         f"{format_size(avail)} of memory is available",
+                         "use --model tiny-llama (the default for real compute), or "
+                         "--compute modelled")
     longest = max(len(r.tokens) + r.output_len for r in requests)
     if longest > cfg.max_positions:
         raise UsageError(f"a request needs {longest} positions; {profile.name}'s engine has "
@@ -102,14 +147,15 @@ def _check_real(requests, profile) -> None:
                          "--compute modelled")
 
 
-def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_workers,
-            decode_workers, progress, real_compute=False) -> BenchResult:
+def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_workers,
+            progress, real_compute=False) -> BenchResult:
     with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
         medium, info = p.medium, p.info
     if info.geometry != profile.geometry:
         raise UsageError(f"{path} holds KV of {info.model_name} ({info.geometry.describe()})",
                          f"pass --model {info.model_name}, or no --pool")
     g = info.geometry
+    requests = [r for _, reqs, _, _ in keyed for r in reqs]
     fits = info.block_bytes // HANDOFF_ENTRY_BYTES * g.block_tokens
     longest = max(len(r.tokens) for r in requests)
     if longest > fits:
@@ -119,39 +165,60 @@ def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_wo
                          f"use --max-input-len {fits} to skip longer requests, or a model with "
                          "larger blocks (e.g. --model llama-3-8b)")
     # the offline simulation sees what the index can hold: the slots, less the
-    # key-list and tail slots of one handoff per worker in flight
+    # key-list and tail slots of one handoff per worker in flight; each group
+    # starts from an empty cache, as the transports do
     capacity = info.slot_count - 2 * (prefill_workers + decode_workers)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-    sim = prefix_sim.simulate([keys[i] for i in order], capacity)
-    agent = ensure_agent(path, 0, manager=True)
-    summaries, records, skipped = [], {}, {}
+    sim_hits = sim_blocks = sim_evictions = 0
+    for _, reqs, keys, _ in keyed:
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
+        sim = prefix_sim.simulate([keys[i] for i in order], capacity)
+        sim_hits += sim.hit_blocks
+        sim_blocks += sim.total_blocks
+        sim_evictions += sim.evictions
+    # the agents this run starts stop by themselves once idle (also if this
+    # process is killed); the driver stays attached to the manager's node
+    # meanwhile, so the manager outlives gaps between transports
+    driver = Pool.attach(path, node=0, prefault=False)
+    agent = None
+    summaries, records, skipped, logs = [], {}, {}, {}
     extra_agents, cluster = [], None
     try:
+        agent = ensure_agent(path, 0, manager=True, idle_exit=IDLE_EXIT_S)
         if real_compute:
             from tract_cli.bench import real
-            extra_agents = [ensure_agent(path, 1), ensure_agent(path, 2)]
+            extra_agents = [ensure_agent(path, 1, idle_exit=IDLE_EXIT_S),
+                            ensure_agent(path, 2, idle_exit=IDLE_EXIT_S)]
             cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
         for tr in transports:
             if real_compute and tr not in real.KV_MODES:
                 skipped[tr] = ("real compute runs the serving path (tract serve-*), which moves "
                                "KV only through the pool; use --compute modelled for it")
-                continue
-            if tr in peers.PEERS:
+            elif tr in peers.PEERS:
                 why = peers.unavailable(tr)
                 if why:
                     skipped[tr] = why
+        for label, reqs, _, _ in keyed:
+            for tr in transports:
+                if tr in skipped:
                     continue
-            _empty_cache(path)          # every transport starts from an empty prefix cache
-            if real_compute:
-                res = real.run_transport(cluster, tr, requests, profile.arch["vocab_size"],
-                                         g.block_tokens, progress=progress and (lambda: progress(tr)))
-            elif tr in peers.PEERS:
-                res = peers.run(tr, requests, g, compute, progress=progress and (lambda: progress(tr)))
-            else:
-                res = runner.run_transport(path, tr, requests, compute, prefill_workers,
-                                           decode_workers, progress=progress and (lambda: progress(tr)))
-            summaries.append(runner.summarize(res, g.block_bytes, g.block_tokens))
-            records[tr] = res.records
+                _empty_cache(driver)    # every transport starts from an empty prefix cache
+                tick = progress and (lambda tr=tr: progress(tr if label is None else f"{tr} {label}"))
+                if real_compute:
+                    res = real.run_transport(cluster, tr, reqs, profile.arch["vocab_size"],
+                                             g.block_tokens, progress=tick)
+                elif tr in peers.PEERS:
+                    res = peers.run(tr, reqs, g, compute, progress=tick)
+                else:
+                    res = runner.run_transport(path, tr, reqs, compute, prefill_workers,
+                                               decode_workers, progress=tick)
+                s = runner.summarize(res, g.block_bytes, g.block_tokens)
+                s["group"] = label
+                summaries.append(s)
+                for rec in res.records:
+                    rec["group"] = label
+                records.setdefault(tr, []).extend(res.records)
+                if res.log_path:
+                    logs[tr] = res.log_path
     finally:
         if cluster is not None:
             cluster.stop()
@@ -159,16 +226,27 @@ def _run_on(path, requests, keys, uniq, profile, transports, compute, prefill_wo
             if a is not None:
                 a.terminate()
                 a.wait(timeout=30)
-    kv_mean = int(np.mean([len(r.tokens) // g.block_tokens for r in requests]) * g.block_bytes)
-    return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq, sim.hit_rate,
-                       sim.evictions, kv_mean, runner.memcpy_reference(kv_mean))
+        driver.close()
+    # the references, measured after the run: two memcpy of each group's mean KV
+    refs = {}
+    for label, reqs, _, _ in keyed:
+        kv = int(np.mean([len(r.tokens) // g.block_tokens for r in reqs]) * g.block_bytes)
+        refs[label] = (kv, runner.memcpy_reference(kv))
+    for s in summaries:
+        s["kv_bytes_mean"], s["memcpy_2x_s"] = refs[s["group"]]
+    kv_mean, memcpy_2x = refs[keyed[-1][0]]
+    uniq = sum(u for *_, u in keyed)
+    notes = {} if real_compute else \
+        {label: n for label, reqs, _, _ in keyed if (n := load_note(reqs, compute, prefill_workers))}
+    return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq,
+                       sim_hits / sim_blocks if sim_blocks else 0.0, sim_evictions, kv_mean,
+                       memcpy_2x, extra={"peer_logs": logs, "load_notes": notes})
 
 
-def _empty_cache(path: str) -> None:
-    with Pool.attach(path, node=0, prefault=False) as p:
-        while p.index.evict(1 << 20):
-            pass
-        p.allocator.drain()
+def _empty_cache(p: Pool) -> None:
+    while p.index.evict(1 << 20):
+        pass
+    p.allocator.drain()
 
 
 def machine() -> str:

@@ -21,10 +21,13 @@ ALL_TRANSPORTS = list(runner.TRANSPORTS) + list(peers.PEERS)
 
 
 def bench(
-    input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens (static workload)."),
+    input_len: Optional[List[int]] = typer.Option(
+        None, "--input-len", help="Prompt tokens of the static workload (repeatable; default: "
+                                  "the paper's sweep 1500, 3000, 4500, 6000)."),
     output_len: int = typer.Option(3, "--output-len", help="Output tokens (static workload)."),
     requests: Optional[int] = typer.Option(None, "--requests",
-                                           help="Requests (static: 8; synthetic: the preset's)."),
+                                           help="Requests (static: 8 per input length; "
+                                                "synthetic: the preset's)."),
     workload: str = typer.Option("static", "--workload",
                                  help="static | synthetic | a preset (synthetic-a, -b, -c)."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay a Mooncake-format JSONL trace."),
@@ -39,7 +42,8 @@ def bench(
     osl_mean: Optional[int] = typer.Option(None, "--osl-mean", help="Synthetic: mean output tokens."),
     qps: Optional[float] = typer.Option(None, "--qps", help="Poisson arrival rate (0: all at once)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
-    model: str = typer.Option("llama-3-8b", "--model", help="Model profile (KV geometry)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model profile (KV geometry; "
+                                        "default llama-3-8b, with --compute real tiny-llama)."),
     transports: List[str] = typer.Option(list(runner.TRANSPORTS), "--transport",
                                          help=f"{' | '.join(ALL_TRANSPORTS)} (repeatable)."),
     device: str = typer.Option("a6000", "--device", help="Device profile for modelled compute."),
@@ -76,28 +80,34 @@ def bench(
     if compute_mode not in ("modelled", "real"):
         raise UsageError(f"--compute {compute_mode!r} is not modelled or real", "e.g. --compute real")
     real = compute_mode == "real"
-    if real and model == "llama-3-8b":
-        model = "tiny-llama"          # the reference engine's CPU model, unless one is named
-    profile = load_model(model)
+    if model is None:                 # real compute: the reference engine's CPU model
+        model = "tiny-llama" if real else "llama-3-8b"
+    profile = load_model(model)       # a model named is run (or refused), never replaced
     dev = load_device(device)
     if dev.prefill_tokens_per_s <= 0:
         raise UsageError(f"device profile {device} has no compute rates", "use --device a6000")
-    reqs, described = _workload(workload, trace, limit, speedup, max_input_len, input_len, output_len, requests,
-                                prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps, seed)
+    groups, described = _workload(workload, trace, limit, speedup, max_input_len, input_len,
+                                  output_len, requests, prefix_ratio, num_prefix_prompts, isl_mean,
+                                  osl_mean, qps, seed)
+    reqs = [r for _, g in groups for r in g]
     size = parse_size(pool_size) if pool_size else None
     compute = runner.Compute(dev.prefill_tokens_per_s, dev.decode_s_per_token)
     with Progress(console=render.stderr, transient=True) as prog:
         tasks = {}
 
-        def advance(tr):
-            if tr not in tasks:
-                tasks[tr] = prog.add_task(tr, total=len(reqs))
-            prog.advance(tasks[tr])
+        per = {(f"{tr} {label}" if label is not None else tr): len(g)
+               for label, g in groups for tr in transports}
+
+        def advance(name):
+            if name not in tasks:
+                tasks[name] = prog.add_task(name, total=per.get(name, len(reqs)))
+            prog.advance(tasks[name])
         with render.byte_progress("reserving the region") as cb:
             res = session.run(reqs, profile, transports, compute, pool=pool, pool_size=size,
                               prefill_workers=prefill_workers, decode_workers=decode_workers,
                               nodes=nodes, flush_mode=flush_mode, progress=advance,
-                              reserve_progress=cb, real_compute=real)
+                              reserve_progress=cb, real_compute=real,
+                              groups=groups if len(groups) > 1 else None)
     compute_text = (f"real compute (reference engine, {profile.name}, random weights)" if real
                     else f"modelled compute ({dev.description})")
     _render(res, described, profile, compute_text, prefill_workers, decode_workers)
@@ -110,7 +120,9 @@ def bench(
                            "compute": compute_mode, "device": None if real else dev.name,
                            "machine": session.machine(),
                            "sim_hit_rate": res.sim_hit_rate, "pool_slots": res.pool_slots,
-                           "unique_blocks": res.unique_blocks}, f, indent=2)
+                           "unique_blocks": res.unique_blocks,
+                           "load_notes": {str(k): v for k, v in res.extra["load_notes"].items()},
+                           "peer_logs": res.extra["peer_logs"]}, f, indent=2)
         except OSError as exc:
             raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
     if plot:
@@ -124,18 +136,35 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_len, requests, prefix_ratio,
-              num_prefix_prompts, isl_mean, osl_mean, qps, seed):
+STATIC_SWEEP = (1500, 3000, 4500, 6000)     # the paper's static experiment
+
+
+def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_len, requests,
+              prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps, seed):
+    """[(group label, requests)] and a description.  Static: one group per input
+    length (--input-len as given, or the paper's sweep); the others: one group."""
+    if input_len and (trace or workload != "static"):
+        raise UsageError("--input-len is for the static workload",
+                         "use --isl-mean for a synthetic one; a trace has its own lengths")
     if trace:
         if max_input_len is not None and max_input_len < 1:
             raise UsageError("--max-input-len must be positive", "e.g. --max-input-len 8192")
         reqs = workloads.trace(trace, limit, speedup, salt=seed, max_input_len=max_input_len)
-        return reqs, f"trace {trace} ({len(reqs)} requests, speedup {speedup:g}" + \
+        return [(None, reqs)], f"trace {trace} ({len(reqs)} requests, speedup {speedup:g}" + \
             (f", <= {max_input_len} tokens" if max_input_len else "") + ")"
     if workload == "static":
         n = requests or 8
-        reqs = workloads.static(input_len, n, output_len, prefix_ratio or 0.0, seed, qps=qps or 0.0)
-        return reqs, f"static: {n} x {input_len} tokens in, {output_len} out" + \
+        lengths = list(dict.fromkeys(input_len)) if input_len else list(STATIC_SWEEP)
+        groups = [(length if len(lengths) > 1 else None,
+                   workloads.static(length, n, output_len, prefix_ratio or 0.0, seed,
+                                    qps=qps or 0.0))
+                  for length in lengths]
+        if len(lengths) > 1:    # request ids must differ between groups
+            groups = [(label, [workloads.Request(f"{r.rid}-{label}", r.arrival_s, r.tokens,
+                                                 r.output_len) for r in reqs])
+                      for label, reqs in groups]
+        inputs = " / ".join(str(x) for x in lengths)
+        return groups, f"static: {n} x {inputs} tokens in, {output_len} out" + \
             (f", {prefix_ratio:g} shared" if prefix_ratio else "") + (f", {qps:g} QPS" if qps else "")
     params = {} if workload == "synthetic" else workloads.load_preset(workload)
     desc = params.pop("description", workload)
@@ -145,7 +174,7 @@ def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_
     params.update({k: v for k, v in overrides.items() if v is not None})
     params.setdefault("requests", 16)
     reqs = workloads.synthetic(seed=seed, **params)
-    return reqs, f"{workload}: {len(reqs)} requests, {desc}"
+    return [(None, reqs)], f"{workload}: {len(reqs)} requests, {desc}"
 
 
 def _check_plot_dependency():
@@ -155,35 +184,66 @@ def _check_plot_dependency():
         raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
 
 
+def _cell(v, fmt) -> str:
+    return "—" if v is None else fmt(v)
+
+
 def _render(res, described, profile, compute_text, pw, dw):
-    out = render.stdout if render.stdout.is_terminal else Console(width=160)
+    out = render.stdout if render.stdout.is_terminal else Console(width=200)
+    sweep = any(s.get("group") is not None for s in res.summaries)
     t = Table(title=f"{described}; {profile.name}; {pw} prefill + {dw} decode workers; "
                     f"{res.medium}; {compute_text}; {session.machine()}",
               title_justify="left")
-    for c in ("transport", "TTFT mean", "p50", "p90", "p99", "KV handoff", "/ 2x memcpy",
-              "/ best", "hit rate", "req/s", "KV GB/s", "lock wait", "verified"):
+    cols = (["input"] if sweep else []) + [
+        "transport", "TTFT mean", "p50", "p90", "p99", "KV handoff", "/ 2x memcpy", "/ best",
+        "hit rate", "req/s", "KV GB/s", "lock wait", "verified"]
+    for c in cols:
         t.add_column(c, justify="right", no_wrap=True)
-    best = min((s["handoff_s"]["mean"] for s in res.summaries), default=0.0)
+    best = {}
     for s in res.summaries:
-        tt, h = s["ttft_s"], s["handoff_s"]["mean"]
-        t.add_row(s["transport"], format_duration(tt["mean"]), format_duration(tt["p50"]),
-                  format_duration(tt["p90"]), format_duration(tt["p99"]), format_duration(h),
-                  f"{h / res.memcpy_2x_s:.2f}x" if res.memcpy_2x_s else "-",
-                  f"{h / best:.1f}x" if best else "-", f"{100 * s['hit_rate_blocks']:.1f}%",
-                  f"{s['throughput_rps']:.2f}", f"{s['kv_gbps']:.1f}",
-                  format_duration(s["lock_wait_s"]), "yes" if s["verified"] else "[red]NO[/]")
+        h = s["handoff_s"]["mean"] if s["handoff_s"] else None
+        if h is not None:
+            best[s.get("group")] = min(best.get(s.get("group"), h), h)
+    for s in res.summaries:
+        tt, h = s["ttft_s"], s["handoff_s"]["mean"] if s["handoff_s"] else None
+        b, m = best.get(s.get("group")), s.get("memcpy_2x_s")
+        gbps = "bytes not moved" if s["transport"] == "tract-zero-copy" else \
+            _cell(s["kv_gbps"], lambda v: f"{v:.1f}")
+        row = [format_duration(tt["mean"]), format_duration(tt["p50"]),
+               format_duration(tt["p90"]), format_duration(tt["p99"]),
+               _cell(h, format_duration), f"{h / m:.2f}x" if h is not None and m else "—",
+               f"{h / b:.1f}x" if h is not None and b else "—",
+               _cell(s["hit_rate_blocks"], lambda v: f"{100 * v:.1f}%"),
+               f"{s['throughput_rps']:.2f}", gbps, _cell(s["lock_wait_s"], format_duration),
+               "yes" if s["verified"] else "[red]NO[/]"]
+        t.add_row(*([str(s["group"])] if sweep else []), s["transport"], *row)
     out.print(t)
-    st = Table(title="mean time per stage", title_justify="left")
+    st = Table(title="mean time per stage (— : the transport has no such stage)",
+               title_justify="left")
+    if sweep:
+        st.add_column("input")
     st.add_column("transport")
-    stages = [k for k in runner.STAGES if any(s["stages_s"][k]["mean"] for s in res.summaries)]
+    stages = [k for k in runner.STAGES if any(s["stages_s"][k] for s in res.summaries)]
     for k in stages:
         st.add_column(k, justify="right", no_wrap=True)
+    st.add_column("modelled compute", justify="right", no_wrap=True)
     for s in res.summaries:
-        st.add_row(s["transport"], *(format_duration(s["stages_s"][k]["mean"]) for k in stages))
+        st.add_row(*([str(s["group"])] if sweep else []), s["transport"],
+                   *(_cell(s["stages_s"][k], lambda v: format_duration(v["mean"])) for k in stages),
+                   _cell(s.get("modelled_compute_s"), format_duration))
     out.print(st)
-    out.print(f"reference: two memcpy of {format_size(res.kv_bytes_mean)} (a mean request's KV) = "
+    out.print(f"reference: two memcpy of {format_size(res.kv_bytes_mean)} (a mean request's KV"
+              f"{' of the longest input' if sweep else ''}) = "
               f"{format_duration(res.memcpy_2x_s)} (same run). Prefix cache: {res.unique_blocks} "
               f"distinct blocks, {res.pool_slots} slots; offline LRU simulation hit rate "
               f"{100 * res.sim_hit_rate:.1f}% ({res.sim_evictions} evictions).")
+    notes = res.extra.get("load_notes", {})
+    if notes:
+        (label, note), rest = next(iter(notes.items())), list(notes)[1:]
+        where = f"input {label}: " if label is not None else ""
+        also = f" (likewise at input {', '.join(map(str, rest))})" if rest else ""
+        out.print(f"[yellow]load[/]: {where}{note}{also}")
+    for tr, path in res.extra.get("peer_logs", {}).items():
+        out.print(f"{tr}: the peer's own log is {path}")
     for tr, why in res.skipped.items():
         out.print(f"[yellow]skipped {tr}[/]: {why}")

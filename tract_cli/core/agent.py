@@ -9,7 +9,12 @@ native/manager.c, docs/PROTOCOLS.md §4), releases the lock grants and
 requests of its node's dead processes and what they held in the index,
 finishes their handoff releases, and reclaims expired handoffs (on the
 manager node).  Workers and benchmarks start one with `ensure_agent` when
-none runs.
+none runs; such an agent (`idle_exit_s`) stops by itself once its node has
+had no attached process for that long (and, on the manager node, no other
+node has a live agent), an agent started by hand runs until stopped; every
+agent stops at once when its region file is removed (docs/PROTOCOLS.md §7).
+The process entry point is `python -m tract_cli.core.agent_main`, which
+`tract agent` shares (`run_foreground`).
 """
 from __future__ import annotations
 
@@ -22,19 +27,22 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tract_cli.core.errors import TractError
+from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.pool import Pool
 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
 NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER, FLAG_STANDBY = 1, 2
+FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
 STALE_S = 2.0
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
+# how long an agent that a worker started waits with no process on its node
+# before it stops (TRACT_AGENT_IDLE_EXIT_S overrides it, e.g. in tests)
+IDLE_EXIT_S = float(os.environ.get("TRACT_AGENT_IDLE_EXIT_S") or 30.0)
 
 
 def hostname() -> str:
@@ -72,6 +80,7 @@ class NodeRecord:
     hostname: str
     manager_epoch: int = 0
     standby: bool = False
+    autostop: bool = False      # started by a worker: stops when its node is idle
 
     @property
     def token(self) -> int:
@@ -97,7 +106,7 @@ def read_nodes(pool: Pool) -> list[NodeRecord]:
         f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
         out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
                               f[7].rstrip(b"\0").decode(errors="replace"), f[5],
-                              bool(f[4] & FLAG_STANDBY)))
+                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP)))
     return out
 
 
@@ -157,8 +166,10 @@ class Agent:
     def __init__(self, pool_path: str, node: int, manager: bool = False, *,
                  simulate: bool | None = None, flush_mode: str | None = None,
                  heartbeat_s: float = HEARTBEAT_S, idle_sleep_max_s: float = 0.001,
-                 takeover_after_s: float | None = TAKEOVER_AFTER_S):
+                 takeover_after_s: float | None = TAKEOVER_AFTER_S,
+                 idle_exit_s: float | None = None):
         self.node = node
+        self.idle_exit_s = idle_exit_s    # None: run until stopped (started by hand)
         self.manager = manager            # asked to start as the manager
         self.heartbeat_s = heartbeat_s
         self.takeover_after_s = takeover_after_s   # None: never take over
@@ -176,6 +187,11 @@ class Agent:
         self._idle_sleep_max_ns = int(idle_sleep_max_s * 1e9)
         self._watch = None                 # (node, manager heartbeat seen, monotonic when it changed)
         self._said_alive = False
+        self._path = pool_path
+        self._identity = _file_identity(pool_path)
+        self._busy_at = time.monotonic()   # when the node was last seen with a process
+        self.exit_reason: str | None = None
+        self.exited = threading.Event()    # set when the agent decided to stop by itself
 
     @property
     def managing(self) -> bool:
@@ -218,7 +234,8 @@ class Agent:
     def _publish(self, state: int) -> None:
         sec = self.pool.info.section("nodes")
         now = time.time_ns()
-        flags = 0
+        # who started the agent stays readable after it left (tract inspect)
+        flags = FLAG_AUTOSTOP if self.idle_exit_s is not None else 0
         if state == NODE_ALIVE:
             flags |= FLAG_MANAGER if self.managing else 0
             flags |= FLAG_STANDBY if self.takeover_after_s is not None else 0
@@ -297,10 +314,46 @@ class Agent:
         why = f"node {cur.node}'s manager heartbeat stale for {still:.1f} s"
         self._take_over(why)
 
+    def node_processes(self) -> list[int]:
+        """Live processes attached to this node (its journal), the agent excluded."""
+        cap = 64
+        pids, n = ffi.new("uint32_t[]", cap), ffi.new("uint32_t *")
+        if lib.tract_journal_pids(self.pool._r(), pids, cap, n) != 0:
+            return []
+        me = os.getpid()
+        return [int(p) for p in pids[0:min(int(n[0]), cap)] if p != me and pid_alive(int(p))]
+
+    def _why_exit(self) -> str | None:
+        """Why this agent should stop by itself now, or None."""
+        if self._identity is not None and _file_identity(self._path) != self._identity:
+            return f"the region file {self._path} was removed"
+        if self.idle_exit_s is None:
+            return None
+        now = time.monotonic()
+        if self.node_processes():
+            self._busy_at = now
+            return None
+        if self.managing:
+            # the manager serves every node: it stays while another node's agent lives
+            for r in read_nodes(self.pool):
+                if r.node != self.node and r.alive() and \
+                        not (on_this_host(r) and not pid_alive(r.agent_pid)):
+                    self._busy_at = now
+                    return None
+        if now - self._busy_at >= self.idle_exit_s:
+            return (f"no process on node {self.node} for {self.idle_exit_s:g} s"
+                    + (" and no other node's agent alive" if self.managing else ""))
+        return None
+
     def _heartbeat(self) -> None:
         last_reclaim = 0.0
         last_sweep = -ORPHAN_SWEEP_S        # the first round sweeps: a restarted host
         while not self._stop.wait(self.heartbeat_s):
+            why = self._why_exit()
+            if why is not None:
+                self.exit_reason = why
+                self.exited.set()
+                return
             self._publish(NODE_ALIVE)
             if self.managing:
                 self._check_superseded()
@@ -370,8 +423,9 @@ class Agent:
         return dict(zip(("scans", "grants", "releases", "sleeps", "repairs"), list(out)))
 
     def wait(self, stop: threading.Event) -> None:
-        """Blocks until STOP is set (SIGTERM / Ctrl-C in the CLI)."""
-        while not stop.wait(0.5):
+        """Blocks until STOP is set (SIGTERM / Ctrl-C in the CLI) or the agent
+        decided to stop by itself (`exit_reason`)."""
+        while not stop.wait(0.1) and not self.exited.is_set():
             pass
 
     def stop(self) -> None:
@@ -387,23 +441,97 @@ class Agent:
             self._publish(NODE_LEFT)
             lib.tract_agent_unlock(self.pool._r())
             self._locked = False
+        gone = self._identity is not None and _file_identity(self._path) != self._identity
+        uuid = self.pool.info.uuid
         if not self.pool.closed:
             self.pool.close()
+        if gone:
+            # the region is gone: nothing can attach to this node's segment again
+            from tract_cli.core.local import local_path
+            try:
+                os.unlink(local_path(uuid, self.node))
+            except OSError:
+                pass
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of a region file, None for a device or a missing path."""
+    import stat
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def check_options(heartbeat_ms: int, takeover_after: float, idle_exit: float | None) -> None:
+    """Refuses agent options out of range (UsageError: one line, exit 2)."""
+    if not 10 <= heartbeat_ms <= 10000:
+        raise UsageError(f"--heartbeat-ms {heartbeat_ms} is outside 10..10000",
+                         "give the heartbeat period in milliseconds, e.g. 100")
+    if not 0.2 <= takeover_after <= 3600:
+        raise UsageError(f"--takeover-after {takeover_after:g} is outside 0.2..3600 seconds",
+                         "give the seconds a manager heartbeat may stand still, e.g. 2")
+    if takeover_after * 1000 < 3 * heartbeat_ms:
+        raise UsageError(f"--takeover-after {takeover_after:g} s is under three heartbeats "
+                         f"({heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
+    if idle_exit is not None and not 0.1 <= idle_exit <= 86400:
+        raise UsageError(f"--exit-when-idle {idle_exit:g} is outside 0.1..86400 seconds",
+                         "give the seconds a node may have no process, e.g. 30")
+
+
+def run_foreground(pool_path: str, node: int, manager: bool = False, *,
+                   simulate: bool = False, flush_mode: str | None = None,
+                   heartbeat_ms: int = 100, takeover_after: float | None = TAKEOVER_AFTER_S,
+                   idle_exit: float | None = None) -> None:
+    """Runs a node agent in this process until SIGTERM/SIGINT, or until it stops
+    by itself (IDLE_EXIT seconds with no process on its node, or its region
+    removed); logs to stderr.  `tract agent` and `python -m
+    tract_cli.core.agent_main` (what `ensure_agent` starts) both run this."""
+    import signal
+    check_options(heartbeat_ms, TAKEOVER_AFTER_S if takeover_after is None else takeover_after,
+                  idle_exit)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    a = Agent(pool_path, node, manager, simulate=simulate or None, flush_mode=flush_mode,
+              heartbeat_s=heartbeat_ms / 1000, takeover_after_s=takeover_after,
+              idle_exit_s=idle_exit).start()
+    role = ", lock manager" if manager else (", standby manager" if takeover_after is not None
+                                             else "")
+    life = (f", stops after {idle_exit:g} s with no process on the node" if idle_exit is not None
+            else ", runs until stopped")
+    print(f"tract agent: node {node} pid {os.getpid()} epoch {a.epoch}{role}{life}: running",
+          file=sys.stderr, flush=True)
+    try:
+        a.wait(stop)
+    finally:
+        stats = a.manager_stats()
+        a.stop()
+        extra = f" ({stats['grants']} grants in {stats['scans']} scans)" if stats else ""
+        why = f": {a.exit_reason}" if a.exit_reason else ""
+        print(f"tract agent: node {node}: stopped{why}{extra}", file=sys.stderr, flush=True)
 
 
 def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
                  log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
-                 **attach) -> subprocess.Popen | None:
-    """Starts `tract agent` for NODE unless one is alive; returns the process started.
+                 idle_exit: float | None = None, **attach) -> subprocess.Popen | None:
+    """Starts an agent process for NODE unless one is alive; returns the process started.
 
-    Waits (bounded) until the new agent's heartbeat shows in the node table.
+    IDLE_EXIT (seconds): the agent stops by itself once the node has had no
+    attached process for that long (what workers pass: `IDLE_EXIT_S`); None:
+    it runs until stopped.  The process is `python -m tract_cli.core.agent_main`
+    with this copy of the package (`spawn`): never a checkout's that happens to
+    be the working directory.  Waits (bounded) until the new agent's
+    heartbeat shows in the node table.
     """
+    from tract_cli.core.spawn import child_env, module_command
     with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
         rec = read_nodes(pool)[node]
         # a fresh heartbeat of an agent seen dead on this host does not count
         if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
             return None
-    cmd = [sys.executable, "-m", "tract_cli.cli", "agent", "--pool", pool_path, "--node", str(node)]
+    cmd = module_command("tract_cli.core.agent_main", "--pool", pool_path, "--node", str(node))
     if manager:
         cmd.append("--manager")
     if takeover_after is None:
@@ -414,9 +542,15 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
         cmd.append("--simulate")
     if attach.get("flush_mode"):
         cmd += ["--flush-mode", attach["flush_mode"]]
+    if idle_exit is not None:
+        cmd += ["--exit-when-idle", f"{idle_exit:g}"]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            start_new_session=True)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env=child_env())
+    finally:
+        if log is not subprocess.DEVNULL:
+            log.close()
     deadline = time.monotonic() + timeout
     with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
         while time.monotonic() < deadline:
@@ -425,7 +559,8 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
                 return proc
             if proc.poll() is not None:
                 raise TractError(f"the agent for node {node} exited with code {proc.returncode}",
-                                 f"run `tract agent --pool {pool_path} --node {node}` to see why")
+                                 f"run `tract agent --pool {pool_path} --node {node}` to see why"
+                                 + (f" (its log: {log_path})" if log_path else ""))
             time.sleep(0.02)   # polling a heartbeat another process writes
     proc.kill()
     raise TractError(f"the agent for node {node} did not heartbeat within {timeout:.0f} s",

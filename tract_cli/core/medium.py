@@ -185,6 +185,18 @@ def free_bytes(path: str) -> int:
     return vfs.f_bavail * vfs.f_frsize
 
 
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | None = None,
                  gid: int | None = None) -> bool:
     """Creates or resizes PATH to SIZE and reserves all its pages (fallocate).

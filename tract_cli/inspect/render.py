@@ -14,13 +14,16 @@ def nodes_table(v: dict) -> Table:
     claim = v.get("current_claim")
     t = Table(title=f"nodes (manager: node {v['manager_node']}"
                     f"{f', claim {claim}' if claim else ''})", title_justify="left")
-    for c in ("node", "state", "agent pid", "epoch", "heartbeat age", "live", "role", "claim"):
+    for c in ("node", "state", "agent pid", "epoch", "heartbeat age", "live", "role", "claim",
+              "started by"):
         t.add_column(c)
     for r in v["nodes"]:
         role = "manager" if r["manager"] else ("standby" if r.get("standby") else "")
+        life = ("a worker (stops when the node is idle)" if r.get("started_by") == "worker"
+                else "hand (runs until stopped)")
         t.add_row(str(r["node"]), r["state"], str(r["agent_pid"]), str(r["epoch"]),
                   _s(r["heartbeat_age_s"]), "yes" if r["live"] else "[red]stale[/]",
-                  role, r.get("claim") or "-")
+                  role, r.get("claim") or "-", life)
     return t
 
 

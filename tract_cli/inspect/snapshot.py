@@ -82,6 +82,8 @@ def nodes_view(pool: Pool, now: int) -> dict:
                      "agent_pid": r.agent_pid, "epoch": r.epoch, "hostname": r.hostname,
                      "heartbeat_age_s": _age(now, r.heartbeat_ns), "live": r.alive(),
                      "manager": r.manager, "standby": r.standby,
+                     # started by a worker (stops once its node is idle) or by hand
+                     "started_by": "worker" if r.autostop else "hand",
                      "claim": token_text(r.token) if r.token else None,
                      "pid_alive": pid_alive(r.agent_pid) if local and r.agent_pid else None})
     managers = [r["node"] for r in rows if r["manager"] and r["live"]]

@@ -17,12 +17,13 @@ import uuid
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import HandoffError, Ticket
 from tract_cli.serve.engine import Sampling
-from tract_cli.serve.httpd import ApiError, UpstreamError, field, post_json
+from tract_cli.serve.httpd import ApiError, UpstreamError, field, get_json, post_json
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.prefill import MODES
 from tract_cli.serve.worker import PoolWorker, cache_salt
 
 PREFILL_TIMEOUT_S = 300.0
+HEALTH_PROBE_S = 2.0          # a prefill worker that does not answer /health in this is down
 MAX_TOKENS_DEFAULT = 16
 
 
@@ -64,8 +65,23 @@ class DecodeWorker(PoolWorker):
                 ("GET", "/metrics"): self.metrics_text, ("GET", "/v1/models"): self.models}
 
     def health(self) -> dict:
+        """Ready (200) only when at least one prefill worker answers its /health;
+        else 503 saying what it waits for: a request now would fail."""
+        reachable, down = [], []
+        for url in self.prefill_urls:
+            try:
+                got = get_json(url + "/health", HEALTH_PROBE_S)
+            except UpstreamError as exc:
+                down.append(str(exc))
+                continue
+            (reachable if got.get("role") == "prefill" else down).append(
+                url if got.get("role") == "prefill" else f"{url} is not a prefill worker")
+        if not reachable:
+            raise ApiError(503, "waiting for a prefill worker: " + "; ".join(down),
+                           "service_unavailable")
         out = super().health()
         out["prefill"] = self.prefill_urls
+        out["prefill_reachable"] = reachable
         return out
 
     def models(self) -> dict:

@@ -57,6 +57,15 @@ class UpstreamError(Exception):
 def post_json(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
+    return _call(url, req, timeout)
+
+
+def get_json(url: str, timeout: float) -> dict:
+    """GET URL, its JSON answer (UpstreamError when unreachable or not 2xx)."""
+    return _call(url, urllib.request.Request(url, method="GET"), timeout)
+
+
+def _call(url: str, req, timeout: float) -> dict:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())

@@ -7,20 +7,24 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 
 from tract_cli.core.errors import TractError
+from tract_cli.core.spawn import child_env, module_command
 
 START_TIMEOUT_S = 120
 
 
 class WorkerProcess:
-    def __init__(self, *args: str, start_timeout: float = START_TIMEOUT_S):
+    def __init__(self, *args: str, start_timeout: float = START_TIMEOUT_S,
+                 start_agent: bool = False, env: dict | None = None, port: int = 0):
         self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", *args, "--port", "0",
-                                      "--no-agent"], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        agent = [] if start_agent else ["--no-agent"]
+        # this copy of the package, whatever the working directory holds (core/spawn.py)
+        self.proc = subprocess.Popen(module_command("tract_cli.cli", *args, "--port", str(port),
+                                                    *agent),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=child_env(env))
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()

@@ -1,0 +1,44 @@
+"""The node agent as a process: `python -m tract_cli.core.agent_main --pool P --node N ...`.
+
+What `ensure_agent` starts (workers, benchmarks): the core's own entry point,
+so the core never calls up into the command line.  `tract agent` runs the
+same `agent.run_foreground` with the same options (and adds CPU pinning).
+Errors are one line on stderr, exit code 1 (2 for bad options).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tract_cli.core.errors import TractError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tract_cli.core.agent_main",
+                                description="Run a node agent (as `tract agent`).")
+    p.add_argument("--pool", "-p", required=True)
+    p.add_argument("--node", "-n", type=int, required=True)
+    p.add_argument("--manager", action="store_true")
+    p.add_argument("--simulate", action="store_true")
+    p.add_argument("--flush-mode")
+    p.add_argument("--heartbeat-ms", type=int, default=100)
+    p.add_argument("--takeover-after", type=float, default=2.0)
+    p.add_argument("--no-takeover", action="store_true")
+    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
+    args = p.parse_args(argv)
+    from tract_cli.core.agent import run_foreground
+    try:
+        run_foreground(args.pool, args.node, args.manager, simulate=args.simulate,
+                       flush_mode=args.flush_mode, heartbeat_ms=args.heartbeat_ms,
+                       takeover_after=None if args.no_takeover else args.takeover_after,
+                       idle_exit=args.exit_when_idle)
+    except TractError as err:
+        print(f"tract agent: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
