@@ -54,6 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.core.agent import start_node_agent
 from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
@@ -96,7 +97,6 @@ def shared_pool(s: ConnectorSettings) -> Pool:
         pool = _pools.get(key)
         if pool is None or pool.closed:
             if s.start_agent:
-                from tract_cli.serve.worker import start_node_agent
                 start_node_agent(s.pool, s.node, simulate=s.simulate, flush_mode=s.flush_mode)
             pool = Pool.attach(s.pool, node=s.node, flush_mode=s.flush_mode, simulate=s.simulate)
             _pools[key] = pool

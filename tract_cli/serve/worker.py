@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from tract_cli.core.agent import IDLE_EXIT_S, ensure_agent, read_nodes
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.agent import start_node_agent
+from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import pool_root
 from tract_cli.core.pool import Pool
 from tract_cli.serve.engine import Engine
@@ -104,29 +104,3 @@ class PoolWorker:
         self.slots = None
         if not self.pool.closed:
             self.pool.close()
-
-
-def start_node_agent(pool_path: str, node: int, **attach):
-    """Starts this node's agent if none runs; it runs the lock manager when no
-    node has a live one.  The agent is its own process (its own session): it
-    outlives the worker for IDLE_EXIT_S, then stops by itself once no process
-    is attached to its node (a manager: and no other node's agent is alive)."""
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        nodes = read_nodes(pool)
-    if not 0 <= node < len(nodes):
-        raise UsageError(f"node {node} is outside this region's nodes 0..{len(nodes) - 1}",
-                         "pick a node in range")
-    manager = not any(n.manager and n.alive() for n in nodes)
-    try:
-        return ensure_agent(pool_path, node, manager=manager, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        if not manager:
-            raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
-    # another node's worker started the manager meanwhile: be a plain agent.
-    # (Two agents starting in the same instant can both pass the check: the
-    # election is the faults issue's manager takeover; start the manager's
-    # agent first, as docs/SERVING.md says, to avoid the window.)
-    try:
-        return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
