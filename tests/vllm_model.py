@@ -39,7 +39,7 @@ def make_checkpoint(out_dir: str, layers: int = 2, hidden: int = 128, heads: int
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden,
                       intermediate_size=hidden * 2, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=hidden // heads, max_position_embeddings=4096,
+                      head_dim=hidden // heads, max_position_embeddings=8192,
                       bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
                       torch_dtype="bfloat16")
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)

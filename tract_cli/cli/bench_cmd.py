@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tract_cli.bench import peers, runner, session, workloads
+from tract_cli.bench import peers, runner, session, vllm_bench, workloads
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
@@ -18,6 +18,8 @@ from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
 ALL_TRANSPORTS = list(runner.TRANSPORTS) + list(peers.PEERS)
+# the paper's static experiment (Fig. 5): input lengths of --engine vllm by default
+DEFAULT_VLLM_LENGTHS = (1500, 3000, 4500, 6000)
 
 
 def bench(
@@ -63,11 +65,22 @@ def bench(
                                        "environments of the peer transports asked for first."),
     numa_node: Optional[int] = typer.Option(None, "--numa-node", help="Pin to this node's CPUs."),
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs."),
+    engine: str = typer.Option("reference", "--engine", help="reference (modelled or reference-"
+                               "engine compute) or vllm (real vLLM prefill/decode pairs on the "
+                               "--model checkpoint; docs/VLLM.md)."),
+    vllm_configs: List[str] = typer.Option(list(vllm_bench.CONFIGS), "--vllm-config",
+                                           help="With --engine vllm: tract, example (vLLM's "
+                                                "ExampleConnector on /dev/shm), mono (repeatable)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""
     # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
     signal.signal(signal.SIGTERM, _interrupt)
     pin(numa_node, cpus)
+    if engine not in ("reference", "vllm"):
+        raise UsageError(f"--engine {engine!r} is not reference or vllm", "pass --engine vllm")
+    if engine == "vllm":
+        _bench_vllm(model, input_len, requests, output_len, vllm_configs, seed, json_file, plot)
+        return
     for t in transports:
         if t not in ALL_TRANSPORTS:
             raise UsageError(f"unknown transport {t!r}", f"use {', '.join(ALL_TRANSPORTS)}")
@@ -129,6 +142,44 @@ def bench(
         from tract_cli.bench.plot import plot_results
         plot_results(res, plot, described)
     if not all(s["verified"] for s in res.summaries):
+        raise typer.Exit(1)
+
+
+def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot) -> None:
+    """`--engine vllm`: the static workload through real vLLM configurations."""
+    from tract_cli.serve.vllm_engine import check_model_dir
+    check_model_dir(model)
+    if plot:
+        _check_plot_dependency()
+    lengths = list(input_len) if input_len else list(DEFAULT_VLLM_LENGTHS)
+    if any(n < 1 for n in lengths) or output_len < 1:
+        raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
+    per = requests or 4
+    res = vllm_bench.run(model, lengths, per, output_len, configs, seed, render.stderr.file)
+    table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
+                        f"{output_len} output tokens)")
+    for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
+                "verified"):
+        table.add_column(col, justify="left" if col in ("config", "verified") else "right")
+    ms = lambda v: "—" if v is None else f"{v * 1e3:.1f} ms"
+    for s in res["summaries"]:
+        table.add_row(str(s["input_len"]), s["config"], ms(s["ttft_mean_s"]), ms(s["ttft_p50_s"]),
+                      ms(s["ttft_p90_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_s"]),
+                      ms(s["decode_s"]), "yes" if s["verified"] else "NO")
+    render.stdout.print(table)
+    for kind, fig in res["memcpy"].items():
+        render.stdout.print(f"TraCT KV {kind[:-1]}: {fig['bytes'] / 2**20:.1f} MiB in "
+                            f"{fig['tract_ms']:.1f} ms; memcpy of the same bytes "
+                            f"{fig['memcpy_ms']:.2f} ms ({fig['ratio']:.1f}x)")
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                json.dump(res, f, indent=2)
+        except OSError as exc:
+            raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
+    if plot:
+        vllm_bench.plot(res, plot)
+    if not all(s["verified"] for s in res["summaries"]):
         raise typer.Exit(1)
 
 

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.tract")
 
 CLAIMED = 4                      # reserve()'s status of a key this call claimed
+# TRACT_CONNECTOR_TIMINGS=1: one INFO line per load and per save with its time
+# (what `tract bench --engine vllm` reads); otherwise those lines are DEBUG
+TIMINGS = logging.INFO if os.environ.get("TRACT_CONNECTOR_TIMINGS") == "1" else logging.DEBUG
 PARTIAL_TAG = b"tract-partial-v1|"
 PARAMS_KEY = "tract_ticket"
 
@@ -551,6 +556,7 @@ class TractConnector(KVConnectorBase_V1):
         """Copies one request's blocks into vLLM's pages (all layers), then acks."""
         n = len(spec.slots)
         valid = n
+        t0 = time.perf_counter()
         try:
             if spec.ticket is not None:          # still published: its pins hold the slots
                 self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
@@ -577,6 +583,8 @@ class TractConnector(KVConnectorBase_V1):
         if valid < n:
             self._load_errors.update(int(p) for p in np.unique(spec.pages[valid:]))
         self._recvd.add(spec.req_id)
+        log.log(TIMINGS, "TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms", valid,
+                valid * self.pool.info.block_bytes, spec.req_id, (time.perf_counter() - t0) * 1e3)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return        # loads are asynchronous: done before the request is scheduled
@@ -589,10 +597,12 @@ class TractConnector(KVConnectorBase_V1):
         layer = self._layers.get(layer_name)
         if layer is None:
             return
+        t0 = time.perf_counter()
         block = self._slots_t.shape[2:]
         src = kv_layer.view(-1)[plan.index_t].to("cpu")
         self._slots_t[plan.slots_t, layer] = src.view(-1, *block)
         plan.layers_done.add(layer)
+        plan.seconds += time.perf_counter() - t0
 
     def wait_for_save(self):
         plan, self._plan = self._plan, None
@@ -600,6 +610,7 @@ class TractConnector(KVConnectorBase_V1):
             return
         complete = len(plan.layers_done) == len(self._layers) or plan.slots_t is None
         sums = None
+        t0 = time.perf_counter()
         try:
             if complete and plan.mine.size:
                 self._zero_partial_tails(plan)
@@ -610,6 +621,11 @@ class TractConnector(KVConnectorBase_V1):
                                    tokens=plan.tokens, checksums=sums, timeout=self.timeout)
         except TractError as exc:
             log.warning("TraCT commit of %d blocks failed: %s", plan.mine.size, exc)
+            return
+        if plan.mine.size:
+            log.log(TIMINGS, "TraCT: saved %d blocks (%d bytes) in %.3f ms", plan.mine.size,
+                    plan.mine.size * self.pool.info.block_bytes,
+                    (plan.seconds + time.perf_counter() - t0) * 1e3)
 
     def _zero_partial_tails(self, plan: "_SavePlan") -> None:
         """Clears a partial tail's slot past its tokens: vLLM's page may hold another
@@ -640,6 +656,7 @@ class _SavePlan:
     slots_t: Any                      # their slots (torch int64)
     index_t: Any                      # their elements in one layer's tensor (PageMap)
     layers_done: set = field(default_factory=set)
+    seconds: float = 0.0              # time spent writing and committing them
 
 
 def _digest(keys: np.ndarray, tail_key: np.ndarray | None) -> str:

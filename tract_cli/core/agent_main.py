@@ -8,9 +8,37 @@ Errors are one line on stderr, exit code 1 (2 for bad options).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tract_cli.core.errors import TractError
+
+
+def allowed_cpus() -> set[int]:
+    """Every CPU this process may run on (its cgroup's cpuset, else all online)."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            text = f.read().strip()
+        cpus = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        if cpus:
+            return cpus
+    except (OSError, ValueError):
+        pass
+    return set(range(os.cpu_count() or 1))
+
+
+def leave_parent_pinning() -> None:
+    """An agent runs where the OS schedules it, not on the CPUs its starter was pinned
+    to: vLLM's CPU worker binds itself to one core, and a lock manager inheriting
+    that core next to the engine's busy-polling threads answered lock requests
+    after up to a second."""
+    try:
+        os.sched_setaffinity(0, allowed_cpus())
+    except (OSError, AttributeError):
+        pass                      # not permitted here: stay where we are
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-takeover", action="store_true")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
     args = p.parse_args(argv)
+    leave_parent_pinning()
     from tract_cli.core.agent import run_foreground
     try:
         run_foreground(args.pool, args.node, args.manager, simulate=args.simulate,

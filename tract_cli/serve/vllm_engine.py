@@ -108,7 +108,12 @@ class VllmServer:
                 self.proc.wait(timeout=30)
             except ProcessLookupError:
                 pass
-        try:                       # its engine core and workers share the group
+        # its engine core, workers and resource tracker share the group: let them
+        # finish (the tracker removes vLLM's shared-memory files), then kill stragglers
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.05)       # waiting for other processes to exit, bounded
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
@@ -116,6 +121,14 @@ class VllmServer:
             self._log.close()
             self._log = subprocess.DEVNULL
         return self.proc.returncode
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def check_model_dir(model_dir: str | None) -> str:

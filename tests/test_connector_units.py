@@ -1,0 +1,100 @@
+"""The vLLM connector's engine-free parts: its configuration and the page-layout map.
+
+(The connector itself is tested against real vLLM in tests/test_vllm.py.)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
+from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.core.errors import TractError, UsageError
+
+
+def test_settings_defaults_follow_the_role():
+    s = ConnectorSettings.parse({"pool": "/dev/shm/p", "node": 1}, "kv_both")
+    assert (s.pool, s.node, s.save, s.prefix_cache, s.checksums) == ("/dev/shm/p", 1, True, True,
+                                                                     True)
+    assert ConnectorSettings.parse({"pool": "p", "node": 0}, "kv_consumer").save is False
+    assert ConnectorSettings.parse({"pool": "p", "node": 0, "save": True}, "kv_consumer").save
+
+
+@pytest.mark.parametrize("extra, role, words", [
+    ({"node": 1}, "kv_both", "lacks 'pool'"),
+    ({"pool": "p"}, "kv_both", "lacks 'node'"),
+    ({"pool": "p", "node": -1}, "kv_both", "node must be an integer >= 0"),
+    ({"pool": "p", "node": "1"}, "kv_both", "node must be an integer"),
+    ({"pool": "p", "node": 1, "nod": 2}, "kv_both", "unknown key(s) nod"),
+    ({"pool": "p", "node": 1, "checksums": "yes"}, "kv_both", "checksums must be true or false"),
+    ({"pool": "p", "node": 1, "handoff_ttl_s": 0}, "kv_both", "handoff_ttl_s must be a positive"),
+    ({"pool": "p", "node": 1, "flush_mode": "fast"}, "kv_both", "flush_mode 'fast' is unknown"),
+    ({"pool": "", "node": 1}, "kv_both", "pool must be a path"),
+    ({"pool": "p", "node": 1}, "kv_sideways", "kv_role 'kv_sideways'"),
+])
+def test_bad_settings_are_one_line_saying_what_to_fix(extra, role, words):
+    with pytest.raises(UsageError) as exc:
+        ConnectorSettings.parse(extra, role)
+    text = str(exc.value)
+    assert words in text and "\n" not in text and "; " in text
+
+
+def _cache_from_semantic(offsets, kv):
+    """A flat page filled so that the element at offsets[c, t, h, d] is kv[c, t, h, d]."""
+    flat = np.zeros(offsets.size, kv.dtype)
+    flat[offsets.reshape(-1)] = kv.reshape(-1)
+    return flat
+
+
+def test_page_map_gathers_region_blocks_in_layer_major_order():
+    pages, b, h, d, g = 3, 8, 2, 4, 4
+    offsets, stride = flash_offsets(pages, b, h, d)
+    pm = PageMap(offsets, stride, g)
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((2, pages, b, h, d)).astype(np.float32)   # [K|V, page, token, h, d]
+    layer = kv.reshape(-1)                     # FlashAttention's [2, pages, B, H, D], flattened
+    idx = pm.gather_index(np.array([2, 0, 1]), np.array([1, 0, 1]))
+    got = layer[idx].reshape(3, 2, g, h, d)
+    for i, (p, sub) in enumerate([(2, 1), (0, 0), (1, 1)]):
+        np.testing.assert_array_equal(got[i], kv[:, p, sub * g:(sub + 1) * g])
+
+
+def test_page_map_refuses_a_page_that_is_not_whole_blocks():
+    offsets, stride = flash_offsets(1, 12, 1, 2)
+    with pytest.raises(TractError, match="not a multiple of the region's 8"):
+        PageMap(offsets, stride, 8)
+
+
+def test_probe_measures_a_packed_layout_from_the_engine_writer():
+    torch = pytest.importorskip("torch")
+    b, h, d = 8, 2, 4
+
+    def write(key, value, page, slots):
+        # a packed writer like vLLM's AMX path: per head, K as [d/2][token][2], V token-major
+        view = page.view(h, 2, b * d)
+        for t in slots.tolist():
+            for hh in range(h):
+                for dd in range(d):
+                    view[hh, 0, (dd // 2) * b * 2 + t * 2 + dd % 2] = key[t, hh, dd]
+                    view[hh, 1, t * d + dd] = value[t, hh, dd]
+
+    offsets = probe_offsets(write, b, h, d, torch.bfloat16, (h, 2, b * d))
+    kv = np.arange(2 * b * h * d, dtype=np.float32).reshape(2, b, h, d)
+    page = np.zeros(offsets.size, np.float32)
+    page[offsets.reshape(-1)] = kv.reshape(-1)
+    # the measured offsets put K[t, h, d] where the writer does
+    assert offsets[0, 3, 1, 2] == 1 * 2 * b * d + (2 // 2) * b * 2 + 3 * 2 + 0
+    assert offsets[1, 5, 0, 3] == 0 * 2 * b * d + b * d + 5 * d + 3
+    pm = PageMap(offsets, offsets.size, 4)
+    got = page[pm.gather_index(np.array([0]), np.array([1]))].reshape(2, 4, h, d)
+    np.testing.assert_array_equal(got, kv[:, 4:8])
+
+
+def test_probe_refuses_a_writer_that_leaves_holes():
+    torch = pytest.importorskip("torch")
+
+    def write(key, value, page, slots):
+        page.view(-1)[: key.numel()] = key.reshape(-1)     # V never written
+
+    with pytest.raises(TractError, match="unwritten"):
+        probe_offsets(write, 4, 1, 2, torch.bfloat16, (1, 4, 4))

@@ -1,0 +1,301 @@
+"""`tract bench --engine vllm`: the paper's static experiment on real vLLM.
+
+The same vLLM, the same checkpoint and the same prompts through each KV path,
+one configuration at a time (so they never compete for the CPUs):
+
+- `tract`: a prefill and a decode vLLM on one TraCT region (nodes 1 and 2),
+  the KV handed over through the pool (TraCT's connector);
+- `example`: vLLM's own ExampleConnector, KV as safetensors files in
+  /dev/shm (what vLLM ships for shared storage);
+- `mono`: one vLLM computing everything (the floor: no KV moves).
+
+NixlConnector is not run: it needs NIXL inside vLLM's environment (the CPU
+build of vLLM does not install it), see docs/VLLM.md.
+
+A P/D request is what a proxy does: the prefill request (`max_tokens: 1`,
+`do_remote_decode`) then the decode request, streamed; TTFT is from sending
+the first to the first streamed token of the second.  Its parts: `prefill`
+(the prefill request's latency, KV save included) and `decode` (the rest: KV
+load and the decode instance's first step).  The connector's own figures,
+`kv save` and `kv load` (from its log lines), are set against a `memcpy` of
+the same bytes measured in this process.  Prompts are random token ids, a
+different prompt per request (no prefix reuse).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+from tract_cli.core.errors import TractError, UsageError
+
+CONFIGS = ("tract", "example", "mono")
+EXAMPLE = {"kv_connector": "ExampleConnector"}
+LOAD_LINE = re.compile(r"TraCT: loaded (\d+) blocks \((\d+) bytes\) of request (\S+) in ([\d.]+) ms")
+SAVE_LINE = re.compile(r"TraCT: saved (\d+) blocks \((\d+) bytes\) in ([\d.]+) ms")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str]:
+    """Streams BODY; returns (monotonic time of the first token chunk, whole text)."""
+    req = urllib.request.Request(url, data=json.dumps(body | {"stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    first, text = None, []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            piece = chunk["choices"][0].get("text", "")
+            if first is None:
+                first = time.monotonic()
+            text.append(piece)
+    if first is None:
+        raise TractError("a streamed completion returned no token", "see the server's log")
+    return first, "".join(text)
+
+
+def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[tuple[int, list]]:
+    """(length, token ids) of each request: random ids, distinct prompts."""
+    rng = np.random.default_rng(seed)
+    return [(n, rng.integers(3, vocab, size=n).tolist()) for n in lengths
+            for _ in range(per_length)]
+
+
+def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
+        configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2) -> dict:
+    """Runs each configuration over the same prompts; returns records and summaries."""
+    from tract_cli.serve.vllm_engine import check_model_dir
+    check_model_dir(model_dir)
+    for c in configs:
+        if c not in CONFIGS:
+            raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(CONFIGS)}")
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    vocab = int(cfg.get("vocab_size", 1000))
+    max_len = max(lengths) + output_len + 16
+    if max_len > int(cfg.get("max_position_embeddings", max_len)):
+        raise UsageError(f"inputs of {max(lengths)} tokens exceed the model's "
+                         f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
+    reqs = prompts(lengths, per_length, vocab, seed)
+    args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
+            "--no-enable-prefix-caching")
+    work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
+    records, texts, kv = [], {}, {}
+    pool = None
+    try:
+        pool = _tract_region(model_dir) if "tract" in configs else None
+        for config in configs:
+            print(f"starting {config} ...", file=log, flush=True)
+            servers = _start(config, model_dir, work, args, kv_cache_gib, pool)
+            try:
+                for s in servers.values():
+                    s.wait_ready()
+                _warm(servers, config, output_len)
+                for i, (n, tokens) in enumerate(reqs):
+                    rec = _one(servers, config, tokens, output_len)
+                    records.append({"config": config, "input_len": n, "request": i} | rec)
+                    texts.setdefault(i, {})[config] = rec.pop("text")
+            finally:
+                for s in servers.values():
+                    s.stop()
+                store = getattr(servers.get("prefill"), "store", None)
+                if store:
+                    shutil.rmtree(store, ignore_errors=True)
+            if config == "tract":
+                kv = _connector_figures(os.path.join(work, "tract-decode.log"),
+                                        os.path.join(work, "tract-prefill.log"))
+    finally:
+        if pool is not None:
+            from tract_cli.core.region import remove_region
+            remove_region(pool)
+        shutil.rmtree(work, ignore_errors=True)
+    for rec in records:      # the same tokens as one vLLM: what "verified" means here
+        rec["verified"] = ("mono" not in texts[rec["request"]] or
+                           texts[rec["request"]][rec["config"]] == texts[rec["request"]]["mono"])
+    return {"records": records, "summaries": summarize(records), "kv": kv,
+            "memcpy": _memcpy_figures(kv)}
+
+
+def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
+           pool: str | None) -> dict:
+    from tract_cli.serve.vllm_engine import VllmServer
+    if config == "mono":
+        return {"mono": VllmServer(model_dir, _port(), args=args, kv_cache_gib=gib,
+                                   log_path=os.path.join(work, "mono.log"))}
+    if config == "tract":
+        return {role: VllmServer(model_dir, _port(), pool=pool, node=node, args=args,
+                                 kv_cache_gib=gib, log_path=os.path.join(work, f"tract-{role}.log"),
+                                 env={"TRACT_CONNECTOR_TIMINGS": "1"} | _cores(role))
+                for role, node in (("prefill", 1), ("decode", 2))}
+    store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
+    out = {}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        cfg = EXAMPLE | {"kv_role": kv_role,
+                         "kv_connector_extra_config": {"shared_storage_path": store}}
+        out[role] = VllmServer(model_dir, _port(), args=args + ("--kv-transfer-config",
+                                                                json.dumps(cfg)),
+                               kv_cache_gib=gib, log_path=os.path.join(work, f"example-{role}.log"),
+                               env=_cores(role))
+    out["prefill"].store = store
+    return out
+
+
+def _cores(role: str) -> dict:
+    """Prefill and decode on different cores, as a deployment would place them (vLLM's
+    CPU worker otherwise binds every instance to the same first core)."""
+    n = os.cpu_count() or 1
+    if n < 2:
+        return {}
+    half = n // 2
+    cores = range(0, half) if role == "prefill" else range(half, n)
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
+
+
+def _tract_region(model_dir: str) -> str:
+    """A temporary region in /dev/shm for the checkpoint's KV (4 nodes)."""
+    path = f"/dev/shm/tract-bench-vllm-{os.getpid()}.pool"
+    r = subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", path, "--size", "1G",
+                        "--model", model_dir, "--nodes", "4", "--force", "-q"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise TractError(f"cannot make the benchmark's region: {r.stderr.strip()}",
+                         "free room in /dev/shm")
+    return path
+
+
+def _warm(servers: dict, config: str, output_len: int) -> None:
+    """One short request through the path first (vLLM's first step pays one-time costs)."""
+    _one(servers, config, list(range(3, 67)), output_len)
+
+
+def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
+    base = {"model": None, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
+    if config == "mono":
+        s = servers["mono"]
+        t0 = time.monotonic()
+        first, text = _first_token(s.url + "/v1/completions", base | {"model": _model(s)})
+        return {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
+    p, d = servers["prefill"], servers["decode"]
+    model = _model(p)
+    t0 = time.monotonic()
+    out = _post(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
+                                                   "kv_transfer_params": {"do_remote_decode": True}})
+    t1 = time.monotonic()
+    params = out.get("kv_transfer_params")
+    second = base | {"model": model} | ({"kv_transfer_params": params} if params else {})
+    first, text = _first_token(d.url + "/v1/completions", second)
+    if config == "example":
+        shutil.rmtree(p.store, ignore_errors=True)    # the next prompt starts from empty storage
+        os.makedirs(p.store, exist_ok=True)
+    return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
+            "handed_over": bool(params), "text": text}
+
+
+_models: dict = {}
+
+
+def _model(server) -> str:
+    if server.url not in _models:
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as resp:
+            _models[server.url] = json.loads(resp.read())["data"][0]["id"]
+    return _models[server.url]
+
+
+def _connector_figures(decode_log: str, prefill_log: str) -> dict:
+    """The connector's own load and save timings (its INFO lines), per request."""
+    loads, saves = [], []
+    for line in open(decode_log, errors="replace"):
+        m = LOAD_LINE.search(line)
+        if m:
+            loads.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[4])})
+    for line in open(prefill_log, errors="replace"):
+        m = SAVE_LINE.search(line)
+        if m:
+            saves.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[3])})
+    return {"loads": loads[1:], "saves": saves[1:]}      # the first is the warm-up
+
+
+def _memcpy_figures(kv: dict) -> dict:
+    """memcpy (numpy copy) of the same byte counts in this process: the reference."""
+    out = {}
+    for kind in ("loads", "saves"):
+        rows = kv.get(kind) or []
+        if not rows:
+            continue
+        size = max(r["bytes"] for r in rows)
+        src = np.ones(size, np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)                  # fault both in before timing
+        times = []
+        for r in rows:
+            t = time.perf_counter()
+            np.copyto(dst[:r["bytes"]], src[:r["bytes"]])
+            times.append((time.perf_counter() - t) * 1e3)
+        tract = sum(r["ms"] for r in rows)
+        out[kind] = {"tract_ms": tract, "memcpy_ms": sum(times),
+                     "ratio": tract / max(sum(times), 1e-9), "bytes": sum(r["bytes"] for r in rows)}
+    return out
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per configuration and input length: TTFT percentiles and the parts' means."""
+    out = []
+    keys = sorted({(r["config"], r["input_len"]) for r in records},
+                  key=lambda k: (k[1], CONFIGS.index(k[0])))
+    for config, n in keys:
+        rows = [r for r in records if r["config"] == config and r["input_len"] == n]
+        ttft = np.array([r["ttft_s"] for r in rows])
+        part = lambda k: (float(np.mean([r[k] for r in rows])) if rows[0][k] is not None
+                          else None)
+        out.append({"config": config, "input_len": n, "requests": len(rows),
+                    "ttft_mean_s": float(ttft.mean()), "ttft_p50_s": float(np.percentile(ttft, 50)),
+                    "ttft_p90_s": float(np.percentile(ttft, 90)),
+                    "ttft_p99_s": float(np.percentile(ttft, 99)),
+                    "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
+                    "verified": all(r["verified"] for r in rows)})
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    """TTFT CDF per input length, one line per configuration (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lengths = sorted({r["input_len"] for r in result["records"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        for config in CONFIGS:
+            t = sorted(r["ttft_s"] * 1e3 for r in result["records"]
+                       if r["config"] == config and r["input_len"] == n)
+            if t:
+                ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", label=config)
+        ax.set_title(f"{n} input tokens")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("CDF")
+    axes[0][0].legend()
+    fig.suptitle("vLLM (CPU) prefill/decode: TraCT vs ExampleConnector vs one vLLM")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
