@@ -260,9 +260,10 @@ class TractConnector(KVConnectorBase_V1):
             self._plan = None
             self._recvd: set[str] = set()
             self._load_errors: set[int] = set()
-        log.info("TraCT connector (%s, %s): region %s node %d, %s, %d-token blocks, vLLM block %d",
-                 role.name.lower(), self.role_name, self.settings.pool, self.settings.node,
-                 self.pool.info.model_name, self.g, self.page_tokens)
+        log.info("TraCT connector (%s, %s): region %s node %d, %s, %d-token blocks, vLLM block "
+                 "%d, accessors %s", role.name.lower(), self.role_name, self.settings.pool,
+                 self.settings.node, self.pool.info.model_name, self.g, self.page_tokens,
+                 self.pool.accessors)
 
     # ================= scheduler side =================
 

@@ -91,9 +91,11 @@ class VllmServer:
             lines = open(self.log_path, errors="replace").read().splitlines()
         except OSError:
             return "its log is unreadable"
-        for line in reversed(lines):
-            if "TraCT connector:" in line:
-                return line[line.index("TraCT connector:"):].strip()
+        for marker in ("ConnectorError: ", "TraCT connector:"):
+            for line in reversed(lines):
+                if marker in line:      # the connector's own sentence, without vLLM's wrapping
+                    text = line[line.index(marker):].removeprefix("ConnectorError: ")
+                    return text.split("', please check")[0].strip()
         errors = [ln for ln in lines if "Error" in ln]
         return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()
 

@@ -1,0 +1,141 @@
+"""Real vLLM servers for tests: a region with a prefill and a decode instance on
+it and a monolithic vLLM beside them, started with the product's launcher
+(`serve.vllm_engine.VllmServer`) in vLLM's environment, and the requests and
+metrics the tests read from them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.servers import request
+from tract_cli.core.agent import read_nodes
+from tract_cli.core.errors import TractError
+from tract_cli.core.pool import Pool
+from tract_cli.core.region import remove_region
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PY = os.environ.get("TRACT_VLLM_PYTHON") or os.path.join(ROOT, ".peers", "vllm", "bin",
+                                                              "python")
+ARGS = ("--max-model-len", "2048", "--dtype", "bfloat16")
+
+
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stack(tmp, size: str, extra: dict, name: str = "vllm") -> dict:
+    """Checkpoint, region (SIZE), prefill (node 1) + decode (node 2) with connector
+    options EXTRA, and a monolithic vLLM; each on its own cores where there are two."""
+    from tract_cli.serve.vllm_engine import VllmServer
+    os.environ["TRACT_VLLM_PYTHON"] = VLLM_PY
+    ckpt = str(tmp / "ckpt")
+    subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt], check=True,
+                   capture_output=True, timeout=300)
+    pool = f"/dev/shm/tract-test-{name}-{os.getpid()}.pool"
+    subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", pool, "--size", size,
+                    "--model", ckpt, "--nodes", "4", "--force", "-q"], check=True, timeout=120)
+    st = {"pool": pool, "ckpt": ckpt, "tmp": tmp}
+    two = (os.cpu_count() or 1) >= 2
+    try:
+        for role, node, core in (("prefill", 1, "0"), ("decode", 2, "1"), ("mono", None, "0")):
+            st[role] = VllmServer(ckpt, port(), pool=pool if node else None, node=node,
+                                  args=ARGS, extra=extra, log_path=str(tmp / f"{role}.log"),
+                                  env={"VLLM_CPU_OMP_THREADS_BIND": core} if two else None)
+        for role in ("prefill", "decode", "mono"):
+            st[role].wait_ready()
+    except BaseException:
+        stop_stack(st)
+        raise
+    return st
+
+
+def stop_stack(st: dict) -> None:
+    """Stops the servers, then the node agents their connectors started (bounded)."""
+    for role in ("prefill", "decode", "mono"):
+        if role in st:
+            st[role].stop()
+    pool = st["pool"]
+    try:
+        with Pool.attach(pool, readonly=True, prefault=False) as p:
+            pids = [n.agent_pid for n in read_nodes(p) if n.agent_pid]
+    except TractError:
+        pids = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.05)      # waiting for another process to exit, bounded
+    remove_region(pool)
+
+
+def server_model(server) -> str:
+    status, body = request(server.url + "/v1/models")
+    assert status == 200, body
+    return body["data"][0]["id"]
+
+
+def complete(server, prompt, max_tokens: int = 12, **extra) -> dict:
+    status, body = request(server.url + "/v1/completions",
+                           {"model": server_model(server), "prompt": prompt,
+                            "max_tokens": max_tokens, "temperature": 0} | extra)
+    assert status == 200, body
+    return body
+
+
+def _metrics(server) -> list[str]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        return resp.read().decode().splitlines()
+
+
+def tokens_by_source(server, source: str) -> float:
+    return sum(float(line.split()[-1]) for line in _metrics(server)
+               if line.startswith("vllm:prompt_tokens_by_source_total") and
+               f'source="{source}"' in line)
+
+
+def external_hits(server) -> float:
+    return sum(float(line.split()[-1]) for line in _metrics(server)
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def prefill_params(st: dict, prompt, **extra) -> dict:
+    """The kv_transfer_params a prefill instance answers (a TraCT handoff)."""
+    body = complete(st["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True},
+                    **extra)
+    params = body.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill") and "tract_ticket" in params, body
+    return params
+
+
+def pool_state(pool: str) -> dict:
+    """`tract inspect --json` of POOL (a live region, read-only)."""
+    out = subprocess.run([sys.executable, "-m", "tract_cli.cli", "inspect", pool, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_until_released(pool: str, timeout: float = 60) -> dict:
+    """Waits (bounded) until POOL has no pins, no PENDING entry and no handoff in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = pool_state(pool)
+        index, live = data["index"], data["handoffs"]["in_flight"]
+        if index["states"]["PENDING"] == 0 and index["pins_total"] == 0 and not live:
+            return data
+        assert time.monotonic() < deadline, \
+            f"still held after {timeout:.0f} s: pins {index['pins_total']}, " \
+            f"states {index['states']}, handoffs {live}"
+        time.sleep(0.5)   # waiting for other processes' acknowledgements or expiry, bounded
