@@ -168,12 +168,13 @@ out:
 	return rc;
 }
 
-/* Reads a published record and its key list: the slots, checksums and
- * token counts of its blocks (cap entries at most) and the tail. */
+/* Reads a published record and its key list: the keys (16 bytes each; keys may be
+ * NULL), slots, checksums and token counts of its blocks (cap entries at most)
+ * and the tail. */
 int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
-		       uint32_t *slots, uint32_t *checksums, uint32_t *tokens, uint32_t cap,
-		       uint32_t *block_count, uint64_t *token_count, uint32_t *tail_slot,
-		       uint32_t *tail_tokens)
+		       uint8_t *keys, uint32_t *slots, uint32_t *checksums, uint32_t *tokens,
+		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,
+		       uint32_t *tail_slot, uint32_t *tail_tokens)
 {
 	if (!r || !request_id || !block_count || !token_count || !tail_slot || !tail_tokens)
 		return TRACT_E_INVAL;
@@ -196,6 +197,8 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 			rc = TRACT_E_CORRUPT;
 			break;
 		}
+		if (keys)
+			memcpy(keys + (uint64_t)i * 16, list[i].key, 16);
 		if (slots)
 			slots[i] = list[i].slot;
 		if (checksums)

@@ -458,11 +458,11 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns);
 
-/* Reads a published record: block slots, checksums, token counts, tail slot + 1. */
+/* Reads a published record: block keys, slots, checksums, token counts, tail slot + 1. */
 int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
-		       uint32_t *slots, uint32_t *checksums, uint32_t *tokens, uint32_t cap,
-		       uint32_t *block_count, uint64_t *token_count, uint32_t *tail_slot,
-		       uint32_t *tail_tokens);
+		       uint8_t *keys, uint32_t *slots, uint32_t *checksums, uint32_t *tokens,
+		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,
+		       uint32_t *tail_slot, uint32_t *tail_tokens);
 
 /* Acknowledges a handoff: pins and slots released, record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns);

@@ -98,3 +98,22 @@ def test_probe_refuses_a_writer_that_leaves_holes():
 
     with pytest.raises(TractError, match="unwritten"):
         probe_offsets(write, 4, 1, 2, torch.bfloat16, (1, 4, 4))
+
+
+@pytest.mark.parametrize("raw", [
+    {"record": 2**70, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": 1.5, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": True, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": -1, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "", "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "00" * 15, "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "zz" * 16, "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "00" * 16, "blocks": 2**40, "tokens": 1},
+    {"record": 0, "request_id": "00" * 16, "blocks": 1, "tokens": -1},
+    {"record": 0, "request_id": "00" * 16, "blocks": 1},
+    "a string",
+])
+def test_a_hostile_ticket_is_a_usage_error(raw):
+    from tract_cli.core.handoff import Ticket
+    with pytest.raises(UsageError, match="malformed handoff ticket"):
+        Ticket.from_dict(raw)

@@ -7,7 +7,7 @@ import pytest
 
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import Pool
-from tract_cli.serve.gpu import _runs, cuda_available
+from tract_cli.core.gpu import _runs, cuda_available
 
 
 def test_runs_of_consecutive_slots():
@@ -19,7 +19,7 @@ def test_runs_of_consecutive_slots():
 def test_gpu_put_and_load_through_registered_mapping(region_path):
     import torch
 
-    from tract_cli.serve.gpu import CudaPool
+    from tract_cli.core.gpu import CudaPool
     with Pool.create(region_path, 64 << 20, "tiny-llama") as pool:
         g = pool.geometry
         cp = CudaPool(pool)

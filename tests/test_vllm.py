@@ -89,11 +89,12 @@ def test_a_block_failing_its_checksum_is_recomputed(stack):
         view = pool.slot_bytes(int(rec.slots[1]))
         view[:64] ^= 0xFF                   # one cache line of the second block
         del view
-    external = tokens_by_source(stack["decode"], "external_kv_transfer")
+    local = tokens_by_source(stack["decode"], "local_compute")
     out = complete(stack["decode"], prompt, kv_transfer_params=params)
     assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
-    # only the blocks before the bad one came from the pool (one 16-token block)
-    assert tokens_by_source(stack["decode"], "external_kv_transfer") - external <= 16
+    # the bad block's vLLM page (128 tokens: the whole prompt) was computed again
+    assert tokens_by_source(stack["decode"], "local_compute") - local == \
+        out["usage"]["prompt_tokens"]
     assert "fails its checksum" in open(stack["tmp"] / "decode.log").read()
 
 
@@ -104,6 +105,42 @@ def test_a_handoff_gone_before_decode_is_recomputed(stack):
         pool.handoffs.ack(Ticket.from_dict(params["tract_ticket"]))
     out = complete(stack["decode"], prompt, kv_transfer_params=params)
     assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert "is not published (acknowledged, expired" in open(stack["tmp"] / "decode.log").read()
+
+
+@pytest.mark.parametrize("ticket", [
+    {"record": 2**40, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": 1.5, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": -1, "request_id": "00" * 16, "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "", "blocks": 1, "tokens": 1},
+    {"record": 0, "request_id": "zz", "blocks": 2**40, "tokens": 1},
+    "not an object",
+])
+def test_a_hostile_ticket_is_computed_never_fatal(stack, ticket):
+    prompt = "A ticket from the network is input like any other. " * 3
+    out = complete(stack["decode"], prompt, kv_transfer_params={
+        "do_remote_prefill": True, "tract_ticket": ticket})
+    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+
+
+def test_another_prompts_ticket_loads_nothing_of_it(stack):
+    """The record's own key list decides: a ticket sent with a different prompt of the
+    same length is not loaded (that would serve one tenant another's KV)."""
+    victim = "The victim's confidential prompt, some forty tokens long ok. " * 2
+    params = prefill_params(stack, victim)
+    n = params["tract_ticket"]["tokens"]
+    other = complete(stack["mono"], "x", 1)                 # its model name, and a warm-up
+    del other
+    # a prompt of the same token count with other tokens
+    thief = list(range(20, 20 + n))
+    external = tokens_by_source(stack["decode"], "external_kv_transfer")
+    out = complete(stack["decode"], thief, kv_transfer_params=params)
+    assert out["choices"][0]["text"] == complete(stack["mono"], thief)["choices"][0]["text"]
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") == external
+    # the victim's handoff is intact: its own decode still loads it
+    mine = complete(stack["decode"], victim, kv_transfer_params=params)
+    assert mine["choices"][0]["text"] == complete(stack["mono"], victim)["choices"][0]["text"]
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == n
 
 
 def test_front_door_runs_the_two_step_flow_over_http(stack):

@@ -30,7 +30,8 @@ _ENGINE = typer.Option("reference", "--engine", help="reference (TraCT's own eng
 _VLLM_ARG = typer.Option(None, "--vllm-arg", help="An extra argument for vLLM's server "
                                                   "(repeatable), e.g. --vllm-arg=--max-model-len=4096.")
 _AGENT = typer.Option(True, "--agent/--no-agent",
-                      help="Start this node's agent if none runs (it outlives the worker).")
+                      help="Start this node's agent if none runs (it stops by itself once the "
+                           "node has had no process for 30 s).")
 
 
 def _engine(model_dir, profile, seed, threads):
@@ -90,24 +91,26 @@ def _serve_vllm(name: str, pool: str, node: int, host: str, port: int, model_dir
     check_model_dir(model_dir)
     with Pool.attach(pool, node=node, readonly=True, prefault=False):
         pass                                    # a missing or unformatted region: one line now
-    log = tempfile.NamedTemporaryFile(prefix=f"tract-{name}-vllm-", suffix=".log", delete=False)
-    server = VllmServer(model_dir, 0 if port is None else port, pool=pool, node=node,
-                        extra=extra, host=host, args=tuple(vllm_args or ()), log_path=log.name)
+    fd, log_path = tempfile.mkstemp(prefix=f"tract-{name}-vllm-", suffix=".log")
+    os.close(fd)
+    server = VllmServer(model_dir, port or _free_port(host), pool=pool, node=node,
+                        extra=extra, host=host, args=tuple(vllm_args or ()), log_path=log_path)
     def interrupt(*_):
         raise KeyboardInterrupt
     stop = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, interrupt)     # SIGTERM stops vLLM as Ctrl-C does
     try:
-        print(f"tract {name}: starting vLLM (log {log.name})", file=sys.stderr, flush=True)
+        print(f"tract {name}: starting vLLM (log {log_path})", file=sys.stderr, flush=True)
         server.wait_ready()
         if front_door is None:
             print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} "
                   f"pool {pool}: listening on {server.url}", file=sys.stderr, flush=True)
             server.proc.wait()
             raise TractError(f"vLLM exited with code {server.proc.returncode}",
-                             f"see its log {log.name}")
+                             f"see its log {log_path}")
         from tract_cli.serve.vllm_proxy import serve
         prefill_urls, door_port = front_door
+        door_port = door_port or _free_port(host)
         print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} pool "
               f"{pool} (vLLM at {server.url}): listening on http://{host}:{door_port}",
               file=sys.stderr, flush=True)

@@ -38,7 +38,6 @@ process).  docs/VLLM.md is the user's guide; the lifecycle in short:
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -208,7 +207,6 @@ class _Request:
 
     prompt_len: int
     keys: np.ndarray                   # (n_full, 16) keys of the full blocks
-    hashes: np.ndarray                 # (n_full, 16|32) chain values (parents of the tail)
     tail_key: np.ndarray | None        # (1, 16) key of the partial tail block, if any
     tail_tokens: int
     cacheable: bool
@@ -291,10 +289,10 @@ class TractConnector(KVConnectorBase_V1):
                 tail_key = block_hashes(arr[-tail:], "tract", tail, root=parent, extra=extra)
                 tail_key = as_keys(tail_key)
         else:
-            keys = hashes = np.zeros((0, 16), np.uint8)
+            keys = np.zeros((0, 16), np.uint8)
             tail, tail_key = 0, None
         params = request.kv_transfer_params or {}
-        st = _Request(len(tokens or ()), keys, hashes, tail_key, tail, cacheable,
+        st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable,
                       want_handoff=bool(params.get("do_remote_decode")))
         self._reqs[request.request_id] = st
         return st
@@ -332,18 +330,24 @@ class TractConnector(KVConnectorBase_V1):
         """Opens the handoff a prefill instance published for this prompt, if it is one."""
         try:
             raw = params[PARAMS_KEY]
+            if not isinstance(raw, dict):
+                raise HandoffError("the ticket is not an object", "pass it unchanged")
             ticket = Ticket.from_dict(raw)
             if raw.get("region") != self.pool.info.uuid:
                 raise HandoffError("the handoff is in another region",
                                    "point prefill and decode at the same pool")
-            if raw.get("keys") != _digest(st.keys, st.tail_key):
-                raise HandoffError("the handoff is of another prompt (or another tenant's salt)",
+            expected = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
+            if ticket.blocks != len(expected):
+                raise HandoffError("the handoff is of another prompt",
                                    "send the decode request with the prefill's prompt")
             rec = self.pool.handoffs.open(ticket)
-            if rec.token_count != st.prompt_len:
-                raise HandoffError(f"the handoff holds {rec.token_count} tokens, the prompt "
-                                   f"{st.prompt_len}", "send the prefill's prompt")
-        except TractError as exc:
+            # the record's own key list, not anything the ticket says, names the blocks:
+            # only a request whose prompt (and salt) has exactly these keys loads them
+            if rec.token_count != st.prompt_len or not np.array_equal(rec.keys, expected):
+                raise HandoffError("the handoff is of another prompt (or another tenant's salt)",
+                                   "send the decode request with the prefill's prompt")
+        except (TractError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            # a ticket is network input: whatever is wrong with it, the request is computed
             st.handoff_failed = True
             log.warning("TraCT handoff of request %s not used, computing it: %s",
                         request.request_id, exc)
@@ -357,6 +361,9 @@ class TractConnector(KVConnectorBase_V1):
             return
         if num_external_tokens == 0:
             self._unpin(st)
+            if st.ticket is not None:              # not needed (e.g. a local hit): release now
+                self._ack(st.ticket)
+                st.received = st.ticket = None
             return
         first = st.matched_from // self.g
         end_tokens = st.matched_from + num_external_tokens
@@ -448,15 +455,17 @@ class TractConnector(KVConnectorBase_V1):
             return False, None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         try:
+            # no waiting here (the engine's scheduler loop): the step that computed the
+            # blocks committed them before its output reached the scheduler, so a block
+            # not READY now was not saved (pool full) or is another writer's: computed
             ticket = self.pool.handoffs.publish(request.request_id, keys, st.prompt_len,
                                                 ttl=self.settings.handoff_ttl_s,
-                                                timeout=self.timeout, wait_s=min(1.0, self.timeout))
+                                                timeout=self.timeout)
         except TractError as exc:
             log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
                         request.request_id, exc)
             return False, None
-        raw = ticket.to_dict() | {"region": self.pool.info.uuid,
-                                  "keys": _digest(st.keys, st.tail_key)}
+        raw = ticket.to_dict() | {"region": self.pool.info.uuid}
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
                        "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
@@ -508,7 +517,7 @@ class TractConnector(KVConnectorBase_V1):
         if first.device.type == "cuda":
             # the mapping registered once (cudaHostRegister): slot views are pinned
             # host memory, so the per-layer copies to and from the GPU are DMA
-            from tract_cli.serve.gpu import CudaPool
+            from tract_cli.core.gpu import CudaPool
             self._cuda = CudaPool(self.pool, device=str(first.device))
             self._slots_t = self._cuda.slots
         else:
@@ -621,7 +630,15 @@ class TractConnector(KVConnectorBase_V1):
             self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
                                    tokens=plan.tokens, checksums=sums, timeout=self.timeout)
         except TractError as exc:
-            log.warning("TraCT commit of %d blocks failed: %s", plan.mine.size, exc)
+            log.warning("TraCT commit of %d blocks failed, abandoning them: %s", plan.mine.size,
+                        exc)
+            try:                    # never leave claims PENDING behind a live process
+                self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=False,
+                                       timeout=max(30.0, self.timeout))
+            except TractError as again:
+                log.error("TraCT could not abandon %d claimed blocks (%s); they stay PENDING "
+                          "until this process exits and its node agent buries them",
+                          plan.mine.size, again)
             return
         if plan.mine.size:
             log.log(TIMINGS, "TraCT: saved %d blocks (%d bytes) in %.3f ms", plan.mine.size,
@@ -658,12 +675,3 @@ class _SavePlan:
     index_t: Any                      # their elements in one layer's tensor (PageMap)
     layers_done: set = field(default_factory=set)
     seconds: float = 0.0              # time spent writing and committing them
-
-
-def _digest(keys: np.ndarray, tail_key: np.ndarray | None) -> str:
-    """Names a prompt (with its salt) by its block keys: a ticket only loads into
-    a request whose prompt is the one the prefill instance computed."""
-    h = hashlib.blake2b(np.ascontiguousarray(keys).tobytes(), digest_size=16)
-    if tail_key is not None:
-        h.update(np.ascontiguousarray(tail_key).tobytes())
-    return h.hexdigest()

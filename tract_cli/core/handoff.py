@@ -49,6 +49,10 @@ def retry_while_pending(publish, wait_s: float):
         time.sleep(0.002)      # another process finishing its write: poll, bounded
 
 
+# more blocks than any key list can hold (one slot of at most 16 MiB, 32 bytes a block)
+MAX_TICKET_BLOCKS = 1 << 19
+
+
 @dataclass(frozen=True)
 class Ticket:
     """The control message from prefill to decode: metadata only."""
@@ -63,10 +67,18 @@ class Ticket:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Ticket":
+        """Validates a ticket from outside (another process, the network): integers in
+        range, a 32-hex-digit request id; anything else is a UsageError."""
         try:
-            t = cls(int(d["record"]), str(d["request_id"]), int(d["blocks"]), int(d["tokens"]))
-            bytes.fromhex(t.request_id)
-        except (KeyError, TypeError, ValueError):
+            fields = [d["record"], d["blocks"], d["tokens"]]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+                raise TypeError
+            t = cls(fields[0], str(d["request_id"]), fields[1], fields[2])
+            if len(bytes.fromhex(t.request_id)) != 16 or not (
+                    0 <= t.record < 2**32 and 0 <= t.blocks <= MAX_TICKET_BLOCKS and
+                    0 <= t.tokens < 2**63):
+                raise ValueError
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise UsageError("malformed handoff ticket",
                              "pass the dict Handoffs.publish returned") from None
         return t
@@ -75,6 +87,7 @@ class Ticket:
 @dataclass
 class Received:
     ticket: Ticket
+    keys: np.ndarray              # (blocks, 16) uint8: the key of each block
     slots: np.ndarray
     checksums: np.ndarray
     block_tokens: np.ndarray
@@ -129,11 +142,13 @@ class Handoffs:
         """Reads the record and its key list (metadata only)."""
         n = ticket.blocks
         slots, sums, toks = (np.zeros(max(n, 1), np.uint32) for _ in range(3))
+        keys = np.zeros((max(n, 1), 16), np.uint8)
         bc, tc, ts, tt = (ffi.new(t) for t in ("uint32_t *", "uint64_t *", "uint32_t *",
                                                 "uint32_t *"))
         u32 = lambda a: ffi.cast("uint32_t *", ffi.from_buffer(a))
         rc = lib.tract_handoff_open(self._pool._r(), ticket.record, bytes.fromhex(ticket.request_id),
-                                    u32(slots), u32(sums), u32(toks), n, bc, tc, ts, tt)
+                                    ffi.from_buffer(keys), u32(slots), u32(sums), u32(toks), n,
+                                    bc, tc, ts, tt)
         if rc == lib.TRACT_E_NOT_FOUND:
             raise HandoffError(f"handoff record {ticket.record} for request {ticket.request_id} "
                                "is not published (acknowledged, expired or never written)",
@@ -141,9 +156,13 @@ class Handoffs:
         if rc == lib.TRACT_E_CORRUPT:
             raise HandoffError(f"handoff record {ticket.record} points outside the pool",
                                "run `tract check` on the region")
+        if rc == lib.TRACT_E_RANGE:
+            raise HandoffError(f"handoff record {ticket.record} does not match the ticket (no "
+                               "such record, or more blocks than the ticket names)",
+                               "pass the ticket the prefill worker returned")
         raise_for(rc, f"{self._pool.path} handoff open")
         k = bc[0]
-        return Received(ticket, slots[:k], sums[:k], toks[:k], tc[0],
+        return Received(ticket, keys[:k], slots[:k], sums[:k], toks[:k], tc[0],
                         ts[0] - 1 if ts[0] else None, tt[0])
 
     def copy_blocks(self, rec: Received, out: np.ndarray, verify: bool = True) -> None:

@@ -53,8 +53,8 @@ def make_app(prefill_urls: list[str], decode_url: str):
     async def prefill(path: str, body: dict):
         first = body | {"max_tokens": 1, "stream": False,
                         "kv_transfer_params": {"do_remote_decode": True}}
-        first.pop("stream_options", None)
-        first.pop("max_completion_tokens", None)
+        for key in ("stream_options", "max_completion_tokens", "min_tokens"):
+            first.pop(key, None)
         url = next(turn)
         try:
             resp = await client.post(url + path, json=first)
@@ -70,7 +70,22 @@ def make_app(prefill_urls: list[str], decode_url: str):
         return resp.json().get("kv_transfer_params")
 
     async def two_step(path: str, request: Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the request body must be a JSON object",
+                                           "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+        # transfer parameters are the front door's to set, never the client's: a client's
+        # own ticket or do_remote_decode would reach the decode instance unchecked
+        body.pop("kv_transfer_params", None)
+        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+            return JSONResponse({"error": {"message": "n and best_of other than 1 are not served "
+                                           "by prefill/decode disaggregation",
+                                           "type": "BadRequestError", "code": 400}},
+                                status_code=400)
         params = await prefill(path, body)
         if isinstance(params, dict) and "_error" in params:
             bad = params["_error"]
