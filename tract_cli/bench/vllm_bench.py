@@ -9,8 +9,8 @@ one configuration at a time (so they never compete for the CPUs):
   /dev/shm (what vLLM ships for shared storage);
 - `mono`: one vLLM computing everything (the floor: no KV moves).
 
-NixlConnector is not run: it needs NIXL inside vLLM's environment (the CPU
-build of vLLM does not install it), see docs/VLLM.md.
+NixlConnector is not run: vLLM's CPU build has no NIXL in its environment
+(`NIXL is not available` at start), see docs/VLLM.md.
 
 A P/D request is what a proxy does: the prefill request (`max_tokens: 1`,
 `do_remote_decode`) then the decode request, streamed; TTFT is from sending
