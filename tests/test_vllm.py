@@ -22,8 +22,8 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.pool import Pool
 from tests.vllm_stack import (ARGS, VLLM_PY, complete, external_hits, port, prefill_params,
-                              server_model, start_stack, stop_stack, tokens_by_source,
-                              wait_until_released)
+                              remove_vllm_debris, server_model, shm_names, start_stack,
+                              stop_stack, tokens_by_source, wait_until_released)
 
 PROMPT = "Prefill computes the prompt's KV cache; decode reads it one token at a time. "
 
@@ -185,6 +185,7 @@ def test_a_region_of_another_model_stops_vllm_at_start_with_one_line(stack, regi
     from tract_cli.serve.vllm_engine import VllmServer
     subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", region_path, "--size", "32M",
                     "--model", "tiny", "--nodes", "4", "-q"], check=True, timeout=60)
+    before = shm_names()
     server = VllmServer(stack["ckpt"], port(), pool=region_path, node=1, args=ARGS,
                         extra={"start_agent": False}, log_path=str(stack["tmp"] / "bad.log"))
     try:
@@ -192,6 +193,7 @@ def test_a_region_of_another_model_stops_vllm_at_start_with_one_line(stack, regi
             server.wait_ready(timeout=240)
     finally:
         server.stop()
+        remove_vllm_debris(before)      # a vLLM that fails at start leaves its shm behind
     line = str(exc.value)
     assert "TraCT connector:" in line and "holds KV blocks of tiny" in line, line
     assert "tract init" in line

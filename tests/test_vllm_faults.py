@@ -16,8 +16,9 @@ import threading
 import numpy as np
 import pytest
 
-from tests.vllm_stack import (VLLM_PY, complete, prefill_params, start_stack, stop_stack,
-                              tokens_by_source, wait_until_released)
+from tests.vllm_stack import (VLLM_PY, complete, prefill_params, remove_vllm_debris,
+                              shm_names, start_stack, stop_stack, tokens_by_source,
+                              wait_until_released)
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
@@ -89,7 +90,7 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
         except Exception as exc:          # the kill cuts the others off
             errors.append(exc)
 
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_names()
     threads = [threading.Thread(target=send, args=(500 + i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
@@ -98,21 +99,9 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
     for t in threads:
         t.join(60)
     sim["prefill"].stop()
-    # vLLM's own shared memory dies with it unremoved under SIGKILL (its resource
-    # tracker was in the killed group): that crash debris is vLLM's, not the region's
-    maps = " ".join(_read(f"/proc/{pid}/maps") for pid in os.listdir("/proc") if pid.isdigit())
-    for name in set(os.listdir("/dev/shm")) - shm_before:
-        if name.startswith(("psm_", "sem.mp-")) and name not in maps:   # nobody maps it
-            os.unlink(os.path.join("/dev/shm", name))
+    remove_vllm_debris(shm_before)
     wait_until_released(sim["pool"], timeout=TTL_S + 60)
     check = subprocess.run([sys.executable, "-m", "tract_cli.cli", "check", sim["pool"]],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
 
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""

@@ -139,3 +139,28 @@ def wait_until_released(pool: str, timeout: float = 60) -> dict:
             f"still held after {timeout:.0f} s: pins {index['pins_total']}, " \
             f"states {index['states']}, handoffs {live}"
         time.sleep(0.5)   # waiting for other processes' acknowledgements or expiry, bounded
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def remove_vllm_debris(before: set[str]) -> None:
+    """vLLM's own shared memory (psm_*, sem.mp-*) that a vLLM which crashed or was
+    killed left since BEFORE and that no live process maps: its resource tracker
+    died with it, so nobody else will remove it."""
+    maps = " ".join(_read(f"/proc/{pid}/maps") for pid in os.listdir("/proc") if pid.isdigit())
+    for name in shm_names() - before:
+        if name.startswith(("psm_", "sem.mp-")) and name not in maps:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
