@@ -7,7 +7,10 @@ one configuration at a time (so they never compete for the CPUs):
   the KV handed over through the pool (TraCT's connector);
 - `example`: vLLM's own ExampleConnector, KV as safetensors files in
   /dev/shm (what vLLM ships for shared storage);
-- `mono`: one vLLM computing everything (the floor: no KV moves).
+- `mono`: one vLLM computing everything (the floor: no KV moves);
+- `prefix`: the rack-wide prefix cache: a prompt computed by the prefill
+  instance (`prefix-miss`), then asked of the decode instance, which loads it
+  from the pool (`prefix-hit`).
 
 NixlConnector is not run: vLLM's CPU build has no NIXL in its environment
 (`NIXL is not available` at start), see docs/VLLM.md.
@@ -37,7 +40,9 @@ import numpy as np
 
 from tract_cli.core.errors import TractError, UsageError
 
-CONFIGS = ("tract", "example", "mono")
+CONFIGS = ("tract", "example", "mono", "prefix")
+# the rows of a run: "prefix" gives two, a miss and the hit that follows it
+ROWS = ("tract", "example", "mono", "prefix-miss", "prefix-hit")
 EXAMPLE = {"kv_connector": "ExampleConnector"}
 LOAD_LINE = re.compile(r"TraCT: loaded (\d+) blocks \((\d+) bytes\) of request (\S+) in ([\d.]+) ms")
 SAVE_LINE = re.compile(r"TraCT: saved (\d+) blocks \((\d+) bytes\) in ([\d.]+) ms")
@@ -104,18 +109,24 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     records, texts, kv = [], {}, {}
     pool = None
     try:
-        pool = _tract_region(model_dir, lengths, per_length + 1) if "tract" in configs else None
         for config in configs:
             print(f"starting {config} ...", file=log, flush=True)
+            if config in ("tract", "prefix"):       # each from an empty region
+                if pool is not None:
+                    from tract_cli.core.region import remove_region
+                    remove_region(pool)
+                pool = _tract_region(model_dir, lengths, per_length + 1)
             servers = _start(config, model_dir, work, args, kv_cache_gib, pool)
             try:
                 for s in servers.values():
                     s.wait_ready()
                 _warm(servers, config, output_len)
                 for i, (n, tokens) in enumerate(reqs):
-                    rec = _one(servers, config, tokens, output_len)
-                    records.append({"config": config, "input_len": n, "request": i} | rec)
-                    texts.setdefault(i, {})[config] = rec.pop("text")
+                    got = (_prefix(servers, tokens, output_len) if config == "prefix" else
+                           {config: _one(servers, config, tokens, output_len)})
+                    for row, rec in got.items():
+                        records.append({"config": row, "input_len": n, "request": i} | rec)
+                        texts.setdefault(i, {})[row] = rec.pop("text")
             finally:
                 for s in servers.values():
                     s.stop()
@@ -143,9 +154,10 @@ def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
     if config == "mono":
         return {"mono": VllmServer(model_dir, _port(), args=args, kv_cache_gib=gib,
                                    log_path=os.path.join(work, "mono.log"))}
-    if config == "tract":
+    if config in ("tract", "prefix"):
         return {role: VllmServer(model_dir, _port(), pool=pool, node=node, args=args,
-                                 kv_cache_gib=gib, log_path=os.path.join(work, f"tract-{role}.log"),
+                                 kv_cache_gib=gib,
+                                 log_path=os.path.join(work, f"{config}-{role}.log"),
                                  env={"TRACT_CONNECTOR_TIMINGS": "1"} | _cores(role))
                 for role, node in (("prefill", 1), ("decode", 2))}
     store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
@@ -189,7 +201,23 @@ def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
 
 def _warm(servers: dict, config: str, output_len: int) -> None:
     """One short request through the path first (vLLM's first step pays one-time costs)."""
-    _one(servers, config, list(range(3, 67)), output_len)
+    if config == "prefix":
+        _prefix(servers, list(range(3, 67)), output_len)
+    else:
+        _one(servers, config, list(range(3, 67)), output_len)
+
+
+def _prefix(servers: dict, tokens: list, output_len: int) -> dict:
+    """A miss (the prefill instance computes the prompt, and saves it) and then the hit
+    (the decode instance, another node, loads it from the pool): TTFT of each."""
+    out = {}
+    for row, s in (("prefix-miss", servers["prefill"]), ("prefix-hit", servers["decode"])):
+        t0 = time.monotonic()
+        first, text = _first_token(s.url + "/v1/completions",
+                                   {"model": _model(s), "prompt": tokens,
+                                    "max_tokens": output_len, "temperature": 0})
+        out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
+    return out
 
 
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
@@ -265,7 +293,7 @@ def summarize(records: list[dict]) -> list[dict]:
     """Per configuration and input length: TTFT percentiles and the parts' means."""
     out = []
     keys = sorted({(r["config"], r["input_len"]) for r in records},
-                  key=lambda k: (k[1], CONFIGS.index(k[0])))
+                  key=lambda k: (k[1], ROWS.index(k[0])))
     for config, n in keys:
         rows = [r for r in records if r["config"] == config and r["input_len"] == n]
         ttft = np.array([r["ttft_s"] for r in rows])
@@ -291,7 +319,7 @@ def plot(result: dict, path: str) -> None:
     lengths = sorted({r["input_len"] for r in result["records"]})
     fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
     for ax, n in zip(axes[0], lengths):
-        for config in CONFIGS:
+        for config in ROWS:
             t = sorted(r["ttft_s"] * 1e3 for r in result["records"]
                        if r["config"] == config and r["input_len"] == n)
             if t:

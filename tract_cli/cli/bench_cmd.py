@@ -70,7 +70,8 @@ def bench(
                                "--model checkpoint; docs/VLLM.md)."),
     vllm_configs: List[str] = typer.Option(list(vllm_bench.CONFIGS), "--vllm-config",
                                            help="With --engine vllm: tract, example (vLLM's "
-                                                "ExampleConnector on /dev/shm), mono (repeatable)."),
+                                                "ExampleConnector on /dev/shm), mono, prefix "
+                                                "(a pool hit against a miss; repeatable)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""
     # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
