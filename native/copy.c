@@ -9,6 +9,7 @@
  *
  * The widest streaming store the CPU offers is chosen once, at first use.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -126,6 +127,16 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
 	if (r->flags & TRACT_ATTACH_READONLY)
 		return TRACT_E_INVAL;
 	uint8_t *dst = r->base + dst_off;
+	if (r->sim) {
+		/* streaming stores bypass the cache and drop any cached copy of
+		 * the lines they write: the simulated cache lets go of the range
+		 * (writing back what this process left dirty there), then the
+		 * bytes go straight to the mapping */
+		r->ops->invalidate(r, dst_off, len);
+		memcpy(dst, src, len);
+		__sync_synchronize();
+		return TRACT_OK;
+	}
 	if (len >= tract_movnt_threshold()) {
 		copy_nt(dst, src, len);
 		/* the unaligned edges went through the cache: write them back */
@@ -142,42 +153,40 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
 	return TRACT_OK;
 }
 
-/* Copies len bytes from the region into private memory; invalidates first if asked. */
+/* loads len payload bytes at off into private memory: through the simulated
+ * cache in simulator mode (a stale line stays visible), else with the core's
+ * copy routine (internal) */
+static void load_payload(tract_region *r, void *dst, uint64_t off, uint64_t len)
+{
+	if (r->sim)
+		r->ops->load(r, off, dst, len);
+	else
+		tract_memcpy_nt(dst, r->base + off, len);
+}
+
+/* Copies len bytes from the region into private memory; evicts the range first if
+ * asked (a range no payload tag vouches for: key lists, tails, offline checks). */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate)
 {
 	if (!r || !dst)
 		return TRACT_E_INVAL;
 	if (!tract_in_bounds(r, src_off, len))
 		return TRACT_E_RANGE;
-	const uint8_t *src = r->base + src_off;
-	if (invalidate && r->flush_mode != TRACT_FLUSH_NONE) {
-		/* a reused slot may still sit in this host's cache: evict it first */
-		int mode = r->flush_mode == TRACT_FLUSH_CLWB ? TRACT_FLUSH_CLFLUSH : r->flush_mode;
-		tract_flush_lines(mode, src, len);
-		__sync_synchronize();
+	if (invalidate) {
+		/* a reused slot may still sit in this host's cache: evict it first
+		 * (clean lines: weakly ordered eviction and one fence, payload.c) */
+		r->ops->invalidate(r, src_off, len);
+		r->ops->fence(r);
 	}
-	tract_memcpy_nt(dst, src, len);
+	load_payload(r, dst, src_off, len);
 	return TRACT_OK;
 }
 
-/* Evicts the payload lines of n slots (zero-copy readers call this before loading). */
+/* Evicts the payload lines of n slots (readers with no payload tags call this
+ * before loading; tagged readers call tract_payload_acquire). */
 int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n)
 {
-	if (!r || (!slots && n))
-		return TRACT_E_INVAL;
-	for (uint32_t i = 0; i < n; i++)
-		if (slots[i] >= r->hdr.slot_count)
-			return TRACT_E_RANGE;
-	if (r->flush_mode == TRACT_FLUSH_NONE)
-		return TRACT_OK;
-	/* clwb keeps the line: evicting needs clflush(opt) */
-	int mode = r->flush_mode == TRACT_FLUSH_CLWB ? TRACT_FLUSH_CLFLUSH : r->flush_mode;
-	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-	for (uint32_t i = 0; i < n; i++)
-		tract_flush_lines(mode, r->base + data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
-				  r->hdr.block_bytes);
-	__sync_synchronize();
-	return TRACT_OK;
+	return tract_payload_acquire(r, slots, NULL, n, NULL);
 }
 
 /* CRC-32C of each of n slots' whole payload, in place (zero-copy writers record
@@ -191,8 +200,15 @@ int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uin
 		if (slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
 	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-	for (uint32_t i = 0; i < n; i++)
-		out[i] = tract_crc32c(r->base + data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
-				      r->hdr.block_bytes);
+	uint8_t *buf = NULL;
+	if (r->sim && n && !(buf = malloc(r->hdr.block_bytes)))
+		return TRACT_E_NOMEM;
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t off = data->offset + (uint64_t)slots[i] * r->hdr.slot_stride;
+		if (buf)    /* the simulator: what this process's loads would see */
+			r->ops->load(r, off, buf, r->hdr.block_bytes);
+		out[i] = tract_crc32c(buf ? buf : r->base + off, r->hdr.block_bytes);
+	}
+	free(buf);
 	return TRACT_OK;
 }

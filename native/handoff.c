@@ -94,7 +94,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if (rc)
 		goto out;
 	/* 1. pin every block for the decode side (as this node) */
-	rc = tract_index_lookup(r, keys, n, slots, tokens, sums, &hits, timeout_ns);
+	rc = tract_index_lookup(r, keys, n, slots, tokens, sums, NULL, &hits, timeout_ns);
 	if (rc)
 		goto out;
 	if (hits < n) {

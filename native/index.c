@@ -432,8 +432,10 @@ static void bury(struct stripe_ctx *c, uint64_t b)
 	uint64_t rel = b - c->first;
 	struct tract_bucket next;
 	load_bucket(c, c->first + ((rel + 1) & (c->size - 1)), &next);
-	struct tract_bucket dead;
+	struct tract_bucket dead, was;
+	load_bucket(c, b, &was);
 	memset(&dead, 0, sizeof(dead));
+	dead.epoch = was.epoch;     /* kept: a later claim's tag must differ (payload.c) */
 	if (next.state != TRACT_BUCKET_EMPTY) {
 		dead.state = TRACT_BUCKET_TOMBSTONE;
 		store_bucket(c, b, &dead);
@@ -446,7 +448,9 @@ static void bury(struct stripe_ctx *c, uint64_t b)
 		load_bucket(c, p, &k);
 		if (k.state != TRACT_BUCKET_TOMBSTONE)
 			break;
+		uint32_t epoch = k.epoch;
 		memset(&k, 0, sizeof(k));
+		k.epoch = epoch;
 		store_bucket(c, p, &k);
 	}
 }
@@ -486,9 +490,18 @@ static int index_usable(const tract_region *r)
 	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
 }
 
+/* the tag of the payload a READY bucket publishes: the bucket and its epoch,
+ * which every claim bumps, so it names one write of the slot (payload.c);
+ * 0 (unknown: always evicted) past 2^32 - 1 buckets (internal) */
+static uint64_t payload_tag(uint64_t b, const struct tract_bucket *bk)
+{
+	return b + 1 < UINT32_MAX ? ((uint64_t)bk->epoch << 32) | (b + 1) : 0;
+}
+
 /* Finds, pins and touches the longest run of leading READY keys. */
 int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
-		       uint32_t *tokens, uint32_t *checksums, uint32_t *hits, uint64_t timeout_ns)
+		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,
+		       uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
@@ -549,6 +562,8 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				tokens[idx] = bk.tokens;
 			if (checksums)
 				checksums[idx] = (bk.flags & 1) ? bk.checksum : 0;
+			if (tags)
+				tags[idx] = payload_tag(b, &bk);
 		}
 		stripe_leave(&c);
 		i = j;
@@ -891,9 +906,15 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 				status[idx] = PUT_NO_ROOM;
 				continue;
 			}
+			struct tract_bucket was;
+			load_bucket(&c, fb, &was);
 			memset(&bk, 0, sizeof(bk));
 			memcpy(bk.key, key, 16);
 			bk.state = TRACT_BUCKET_PENDING;
+			/* a new epoch: the payload tag of this claim is new (payload.c) */
+			bk.epoch = was.epoch;
+			if (TRACT_KEEP(SITE_INDEX_CLAIM_EPOCH) && !++bk.epoch)
+				bk.epoch = 1;
 			bk.owner_node = (uint16_t)r->node_id;
 			bk.owner_pid = (uint32_t)getpid();
 			bk.last_access_ns = tract_now_ns();
@@ -1109,7 +1130,8 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	if (!refs)
 		return TRACT_E_NOMEM;
 	uint32_t *freed = NULL;
-	if (!publish) {
+	int mode = publish & ~TRACT_COMMIT_STREAMED;
+	if (!mode) {
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
 		uint32_t k = 0;
 		for (uint32_t i = 0; freed && i < n; i++)
@@ -1122,17 +1144,21 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			if (status[i] == PUT_CLAIMED)
 				status[i] = PUT_NO_ROOM;
 	} else {
-		/* the caller wrote the payloads with plain stores (zero copy): write them
-		 * back to the device before any READY can point at them */
-		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-		uint64_t len = (uint64_t)r->hdr.block_bytes;
-		for (uint32_t i = 0; i < n; i++)
-			if (status[i] == PUT_CLAIMED)
-				tract_flush_lines(r->flush_mode, r->base + data->offset +
-						  (uint64_t)slots[i] * r->hdr.slot_stride, len);
-		__sync_synchronize();
+		/* a zero-copy writer's plain stores are dirty in this host's cache:
+		 * write them back to the device (the mode's flush: dirty data) before
+		 * any READY can point at them.  Streamed payloads are there already:
+		 * the streaming stores and their sfence (tract_copy_in) preceded this
+		 * commit, and the READY publication below fences again */
+		if (!(publish & TRACT_COMMIT_STREAMED)) {
+			const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+			for (uint32_t i = 0; i < n; i++)
+				if (status[i] == PUT_CLAIMED)
+					r->ops->flush(r, data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
+						      r->hdr.block_bytes);
+			r->ops->fence(r);
+		}
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
-				publish == 2 ? 2 : 1, timeout_ns);
+				mode == 2 ? 2 : 1, timeout_ns);
 	}
 	free(freed);
 	free(refs);
@@ -1177,7 +1203,8 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 	}
 	if (rc == TRACT_OK) {
 		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums,
-					    (flags & TRACT_PUT_PIN) ? 2 : 1, timeout_ns);
+					    ((flags & TRACT_PUT_PIN) ? 2 : 1) | TRACT_COMMIT_STREAMED,
+					    timeout_ns);
 	} else if (begun) {
 		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, 0, timeout_ns);
 		if (flags & TRACT_PUT_PIN)
@@ -1188,22 +1215,23 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 	return rc;
 }
 
-/* Copies n blocks out of slots into dst + i * dst_stride, invalidating first;
- * with checksums (non-NULL, 0 = none recorded) verifies each, returning the
- * first bad index in *bad (TRACT_E_CORRUPT). */
-int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *dst,
-		     uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
+/* Copies n blocks out of slots into dst + i * dst_stride, evicting first what
+ * the payload ledger does not vouch for (tags from the lookup; NULL: every
+ * slot); with checksums (non-NULL, 0 = none recorded) verifies each,
+ * returning the first bad index in *bad (TRACT_E_CORRUPT). */
+int tract_index_read(tract_region *r, const uint32_t *slots, const uint64_t *tags, uint32_t n,
+		     void *dst, uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
 		     uint32_t *bad)
 {
 	if (!r || (!slots && n) || (n && !dst) || block_len > r->hdr.block_bytes)
 		return TRACT_E_INVAL;
+	int rc = tract_payload_acquire(r, slots, tags, n, NULL);
+	if (rc)
+		return rc;
 	for (uint32_t i = 0; i < n; i++) {
-		if (slots[i] >= r->hdr.slot_count)
-			return TRACT_E_RANGE;
 		uint8_t *d = (uint8_t *)dst + (uint64_t)i * dst_stride;
 		uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slots[i] * r->hdr.slot_stride;
-		int rc = tract_copy_out(r, d, off, block_len, 1);
-		if (rc)
+		if ((rc = tract_copy_out(r, d, off, block_len, 0)))
 			return rc;
 		if (checksums && checksums[i] && tract_crc32c(d, block_len) != checksums[i]) {
 			if (bad)

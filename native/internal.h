@@ -37,7 +37,7 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 2
+#define TRACT_LOCAL_VERSION 3
 
 /*
  * The per-process journal in the node-local segment (journal.c): what each
@@ -88,6 +88,7 @@ struct tract_local_hdr {
 	uint64_t free_list_off; /* u32 slot ids */
 	uint64_t free_bits_off; /* 1 bit per slot: in this node's free list */
 	uint64_t journal_off;   /* TRACT_JOURNAL_PROCS struct tract_journal_proc */
+	uint64_t ledger_off;    /* u64 per slot: the payload ledger (payload.c) */
 	pthread_mutex_t agent_mu __attribute__((aligned(64)));
 	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
@@ -167,6 +168,8 @@ enum tract_site {
 	SITE_LOCK_OBSERVE_CLAIMS,       /* acquire: invalidate the manager claims after LOCKED */
 	SITE_MGR_OBSERVE_CLAIMS,        /* manager: invalidate the claims before a scan */
 	SITE_MGR_OBSERVE_ADOPT,         /* manager start: invalidate the lock table to adopt */
+	SITE_PAYLOAD_EVICT,             /* payload read: evict a slot the ledger does not vouch for */
+	SITE_INDEX_CLAIM_EPOCH,         /* claim: a new epoch for the bucket (a new payload tag) */
 	SITE_COUNT
 };
 
@@ -241,6 +244,12 @@ void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			  uint8_t claimed, const uint32_t *slots, int forget);
 void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget);
+
+/* the payload ledger's entries, one u64 per slot (payload.c) (internal) */
+static inline uint64_t *tract_ledger(const tract_region *r)
+{
+	return (uint64_t *)((uint8_t *)r->local + r->local->ledger_off);
+}
 
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);

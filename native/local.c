@@ -62,7 +62,7 @@ uint64_t tract_local_size(const tract_region *r)
 	uint64_t n = r->hdr.slot_count;
 	return up64(sizeof(struct tract_local_hdr)) +
 	       up64((uint64_t)r->hdr.lock_count * sizeof(struct tract_local_mutex)) +
-	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size();
+	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size() + up64(n * 8);
 }
 
 /* initializes one robust, process-shared mutex (internal) */
@@ -94,6 +94,7 @@ int tract_local_init(void *mem, uint64_t size, const tract_region *r)
 	h->free_list_off = h->locks_off + up64((uint64_t)h->lock_count * sizeof(struct tract_local_mutex));
 	h->free_bits_off = h->free_list_off + up64(h->slot_count * 4);
 	h->journal_off = h->free_bits_off + up64((h->slot_count + 7) / 8);
+	h->ledger_off = h->journal_off + tract_journal_size();
 	int rc = init_mutex(&h->agent_mu);
 	if (!rc)
 		rc = init_mutex(&h->alloc_mu);

@@ -274,12 +274,22 @@ void tract_fence(tract_region *r);
 /* Copies len bytes from private memory into the region (NT stores above threshold). */
 int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t len);
 
-/* Copies len bytes from the region into private memory; invalidates first if asked. */
+/* Copies len bytes from the region into private memory; evicts the range first if asked. */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
 
 /* Evicts this host's cached lines of n block slots, so zero-copy loads from
  * them (numpy / torch views) read what other hosts wrote. */
 int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
+
+/* Makes n slots safe to load from for payloads tags[i] (from a lookup; 0 or
+ * NULL: unknown): evicts only the slots whose lines this node's caches may
+ * hold of another payload (the payload ledger), one fence; *evicted (may be
+ * NULL) gets how many were evicted.  The caller holds pins on the payloads. */
+int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t *tags,
+			  uint32_t n, uint32_t *evicted);
+
+/* The payload tag the node's ledger holds for a slot (0: none or unknown). */
+uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);
 
 /* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */
 int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out);
@@ -415,9 +425,11 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 
 /* ---- the prefix index ---- */
 
-/* Finds, pins and touches the longest run of leading READY keys (16 bytes each). */
+/* Finds, pins and touches the longest run of leading READY keys (16 bytes each);
+ * per hit: slot, token count, checksum (0 none) and payload tag (may be NULL). */
 int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
-		       uint32_t *tokens, uint32_t *checksums, uint32_t *hits, uint64_t timeout_ns);
+		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,
+		       uint64_t timeout_ns);
 
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns);
@@ -433,19 +445,27 @@ enum {
 	TRACT_PUT_PIN = 2,           /* pin, for this node, the stored blocks and those already READY */
 };
 
+/* or'ed into tract_index_put_commit's publish: the payloads went in with
+ * tract_copy_in (streaming stores, already on the device), so the commit does
+ * not write them back line by line; without it the commit writes back every
+ * payload line (a zero-copy writer's plain stores) before any READY */
+enum { TRACT_COMMIT_STREAMED = 4 };
+
 /* Claims PENDING buckets for absent keys and allocates their slots (status 4 =
  * claimed); with TRACT_PUT_PIN, keys already READY (status 1) are pinned by this node. */
 int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			  uint32_t *slots, int flags, uint64_t timeout_ns);
 
-/* Publishes (1; 2: pinned by this node) or abandons (0) what tract_index_put_begin claimed. */
+/* Publishes (1; 2: pinned by this node; | TRACT_COMMIT_STREAMED) or abandons (0)
+ * what tract_index_put_begin claimed. */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
 			   int publish, uint64_t timeout_ns);
 
-/* Copies blocks out of slots, verifying recorded checksums; *bad gets a failing index. */
-int tract_index_read(tract_region *r, const uint32_t *slots, uint32_t n, void *dst,
-		     uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
+/* Copies blocks out of slots (payload tags from the lookup, or NULL: evicts every
+ * slot first), verifying recorded checksums; *bad gets a failing index. */
+int tract_index_read(tract_region *r, const uint32_t *slots, const uint64_t *tags, uint32_t n,
+		     void *dst, uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
 		     uint32_t *bad);
 
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */

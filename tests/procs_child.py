@@ -42,6 +42,9 @@ def main() -> None:
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
         "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
         "index_put_pinned_chain": lambda chain: index_put_pinned_chain(pool, chain),
+        "index_put_variant": lambda **kw: index_put_variant(pool, **kw),
+        "index_read_variant": lambda **kw: index_read_variant(pool, **kw),
+        "index_evict_all": lambda: pool.index.evict(pool.slot_count),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -173,6 +176,61 @@ def index_put_pinned_chain(pool, chain: list) -> int:
     keys = _chain_keys(pool, *chain)
     kv = np.stack([payload_for(k.tobytes(), pool.info.block_bytes) for k in keys])
     return len(pool.index.put(keys, kv, checksum=True, pin=True).pinned(keys))
+
+
+def _variant_payload(key: bytes, nbytes: int, variant: int):
+    """A block whose bytes depend on the key and on VARIANT: the same key
+    written twice with other bytes (a recomputation)."""
+    from index_check import payload_for
+    return payload_for(key, nbytes) ^ (variant & 0xFF)
+
+
+def index_put_variant(pool, chain: list, variant: int) -> list:
+    """Puts a chain with variant bytes (checksummed); returns the slots it holds."""
+    import numpy as np
+    keys = _chain_keys(pool, *chain)
+    nbytes = pool.info.block_bytes
+    kv = np.stack([_variant_payload(k.tobytes(), nbytes, variant) for k in keys])
+    res = pool.index.put(keys, kv, checksum=True)
+    assert res.count("stored") == len(keys), f"put stored {res.count('stored')} of {len(keys)}"
+    hit = pool.index.lookup(keys)
+    slots = hit.slots.tolist()
+    pool.index.unpin(hit)
+    return slots
+
+
+def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False) -> dict:
+    """Looks a chain up and checks every byte of each hit against the variant,
+    by a copy (index.read) or in place (views, then the bytes as this process's
+    loads see them: `checksum_slots`); returns the slots and how many of them
+    the payload ledger made it evict."""
+    import numpy as np
+    keys = _chain_keys(pool, *chain)
+    nbytes = pool.info.block_bytes
+    res = pool.index.lookup(keys)
+    try:
+        assert res.hits == len(keys), f"{res.hits} of {len(keys)} blocks hit"
+        before = pool.sim_stats()["evictions"] if pool.accessors == "sim" else None
+        if zero_copy:
+            evicted = pool.acquire_payload(res.slots, res.tags)
+            seen = pool.checksum_slots(res.slots)
+            for i, k in enumerate(keys):
+                want = _variant_payload(k.tobytes(), nbytes, variant)
+                from tract_cli.core.native import lib, ffi
+                assert int(seen[i]) == lib.tract_crc32c(ffi.from_buffer(want), nbytes), \
+                    f"block {i} (slot {res.slots[i]}) holds stale bytes in place"
+        else:
+            evicted = None
+            out = np.empty((res.hits, nbytes), np.uint8)
+            pool.index.read(res, out)      # verifies the checksums: a stale line fails
+            for i, k in enumerate(keys):
+                assert np.array_equal(out[i], _variant_payload(k.tobytes(), nbytes, variant)), \
+                    f"block {i} (slot {res.slots[i]}) read back stale bytes"
+        after = pool.sim_stats()["evictions"] if before is not None else None
+        return {"slots": res.slots.tolist(), "evicted": evicted,
+                "sim_evictions": None if after is None else after - before}
+    finally:
+        pool.index.unpin(res)
 
 
 def index_release_held(pool) -> int:

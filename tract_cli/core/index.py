@@ -32,6 +32,9 @@ class Lookup:
     slots: np.ndarray
     tokens: np.ndarray
     checksums: np.ndarray
+    # per hit, the payload's tag (bucket and epoch): the node's payload ledger
+    # skips evicting a slot whose cached lines are of this very payload
+    tags: np.ndarray | None = None
 
 
 @dataclass
@@ -72,12 +75,15 @@ class PrefixIndex:
         keys = as_keys(hashes)
         n = len(keys)
         slots, tokens, sums = (np.zeros(n, np.uint32) for _ in range(3))
+        tags = np.zeros(n, np.uint64)
         hits = ffi.new("uint32_t *")
         rc = lib.tract_index_lookup(self._pool._r(), ffi.from_buffer(keys), n, self._u32(slots),
-                                    self._u32(tokens), self._u32(sums), hits, int(timeout * 1e9))
+                                    self._u32(tokens), self._u32(sums),
+                                    ffi.cast("uint64_t *", ffi.from_buffer(tags)), hits,
+                                    int(timeout * 1e9))
         raise_for(rc, f"{self._pool.path} index lookup")
         h = hits[0]
-        return Lookup(keys, h, slots[:h], tokens[:h], sums[:h])
+        return Lookup(keys, h, slots[:h], tokens[:h], sums[:h], tags[:h])
 
     def unpin(self, lookup_or_hashes, timeout: float = 30.0) -> None:
         """Unpins the blocks of a Lookup (or keys this node pinned)."""
@@ -142,12 +148,15 @@ class PrefixIndex:
         return status, slots[:n]
 
     def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
-               pin: bool = False, tokens=None, checksums=None,
+               pin: bool = False, tokens=None, checksums=None, streamed: bool = False,
                timeout: float = 30.0) -> PutResult:
         """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed;
         with PIN, published pinned by this node (as put(pin=True)).  TOKENS (per
         key; default a full block) and CHECKSUMS (per key, `Pool.checksum_slots`
-        of the written slots; default none) are recorded with each entry."""
+        of the written slots; default none) are recorded with each entry.  The
+        payloads are written back to the device line by line first (plain stores,
+        a GPU's DMA through the cache), unless STREAMED says they all went in
+        through `Pool.copy_in` (streaming stores: on the device already)."""
         keys = as_keys(hashes)
         n = len(keys)
         extra = []
@@ -161,7 +170,9 @@ class PrefixIndex:
         rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), n,
                                         ffi.from_buffer(status), self._u32(np.ascontiguousarray(
                                             slots, dtype=np.uint32)), tok, sums,
-                                        (2 if pin else 1) if publish else 0, int(timeout * 1e9))
+                                        ((2 if pin else 1) | (lib.TRACT_COMMIT_STREAMED if streamed
+                                                              else 0)) if publish else 0,
+                                        int(timeout * 1e9))
         raise_for(rc, f"{self._pool.path} index commit")
         return PutResult(status)
 
@@ -169,12 +180,14 @@ class PrefixIndex:
         """Copies the pinned blocks into OUT (shape (hits, ...); a numpy array or a
         CPU torch tensor), verifying checksums."""
         self.read_slots(lookup.slots, lookup.checksums if verify else None, out,
-                        lookup.keys[:lookup.hits])
+                        lookup.keys[:lookup.hits], lookup.tags)
 
     def read_slots(self, slots: np.ndarray, checksums: np.ndarray | None, out,
-                   keys: np.ndarray | None = None) -> None:
+                   keys: np.ndarray | None = None, tags: np.ndarray | None = None) -> None:
         """Copies blocks out of SLOTS into OUT in one call, each checked against its
-        CHECKSUMS entry (0 = none recorded; None = no checks); KEYS name a bad block."""
+        CHECKSUMS entry (0 = none recorded; None = no checks); KEYS name a bad block.
+        TAGS (a lookup's) spare the eviction of slots this node holds no stale line
+        of; without them every slot is evicted first."""
         n = len(slots)
         if n == 0:
             return
@@ -189,7 +202,10 @@ class PrefixIndex:
         slots = np.ascontiguousarray(slots, dtype=np.uint32)
         sums = None if checksums is None else np.ascontiguousarray(checksums, dtype=np.uint32)
         bad = ffi.new("uint32_t *")
-        rc = lib.tract_index_read(self._pool._r(), self._u32(slots), n,
+        tag_arr = None if tags is None else np.ascontiguousarray(tags, dtype=np.uint64)
+        rc = lib.tract_index_read(self._pool._r(), self._u32(slots),
+                                  ffi.NULL if tag_arr is None else
+                                  ffi.cast("uint64_t *", ffi.from_buffer(tag_arr)), n,
                                   ffi.from_buffer(dst, require_writable=True), row, row,
                                   self._u32(sums) if sums is not None else ffi.NULL, bad)
         if rc == lib.TRACT_E_CORRUPT:
@@ -202,7 +218,7 @@ class PrefixIndex:
         """Zero-copy views of the pinned blocks (valid until unpinned): numpy arrays,
         or torch tensors with torch=True, shaped (layer, K|V, token, kv_head, head_dim)."""
         view = self._pool.slot_tensor if torch else self._pool.slot_array
-        self._pool.invalidate_slots(lookup.slots)
+        self._pool.acquire_payload(lookup.slots, lookup.tags)
         return [view(int(s)) for s in lookup.slots]
 
     def evict(self, count: int, timeout: float = 30.0) -> int:

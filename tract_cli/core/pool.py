@@ -340,6 +340,27 @@ class Pool:
         dtype = _NUMPY_DTYPES[g.dtype]
         return self.slot_bytes(slot).view(dtype).reshape(g.block_shape)
 
+    def acquire_payload(self, slots, tags=None) -> int:
+        """Makes SLOTS safe to load from (one C call): evicts this host's cached
+        lines of every slot the node's payload ledger does not vouch for, given
+        the payload TAGS a lookup returned (None: every slot).  Zero-copy readers
+        and DMA call it before loading blocks another host may have rewritten;
+        returns how many slots were evicted."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        tag_arr = None if tags is None else np.ascontiguousarray(tags, dtype=np.uint64)
+        if tag_arr is not None and tag_arr.shape != arr.shape:
+            raise UsageError(f"{arr.size} slots but {tag_arr.size} payload tags",
+                             "pass the tags of the same lookup")
+        out = ffi.new("uint32_t *")
+        rc = lib.tract_payload_acquire(
+            self._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)) if arr.size else ffi.NULL,
+            ffi.NULL if tag_arr is None or not arr.size else
+            ffi.cast("uint64_t *", ffi.from_buffer(tag_arr)), arr.size, out)
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
+        raise_for(rc, self.path)
+        return int(out[0])
+
     def invalidate_slots(self, slots) -> None:
         """Evicts this host's cached lines of SLOTS (one C call): zero-copy readers
         call it before loading blocks that another host may have rewritten."""

@@ -233,6 +233,10 @@ def repair(path: str, force: bool = False) -> dict:
             anchors[s]["head"] = placed[-1] + 1 if placed else 0
             anchors[s]["tail"] = placed[0] + 1 if placed else 0
             anchors[s]["count"] = len(placed)
+        # every bucket, moved or emptied, takes an epoch above all the old
+        # ones: a payload tag (bucket, epoch) that some node's ledger holds
+        # never names a payload again (docs/PROTOCOLS.md §4.3)
+        new["epoch"] = (int(b["epoch"].max()) + 1) % (1 << 32) or 1
         old_anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
         for k in ("hits", "inserts", "evictions", "lookups"):
             anchors[k] = old_anchors[k]

@@ -1,0 +1,91 @@
+"""KV payload lines under the non-coherence simulator (docs/PROTOCOLS.md §4.3):
+a reader on another host never sees a stale line of a reused slot, by a copy
+or in place, and the node's payload ledger spares the eviction of a slot
+only while its cached lines are of the very payload being read.
+
+The simulator's private cache stands for the reader host's caches: payload
+loads go through it (copies, `checksum_slots`), so a missing eviction shows
+as stale bytes.  tests/mutation.py removes the eviction
+(SITE_PAYLOAD_EVICT) and the claim's new epoch (SITE_INDEX_CLAIM_EPOCH) and
+checks these tests fail."""
+from __future__ import annotations
+
+import pytest
+
+from agents import RunningAgent
+from procs import Worker
+from tract_cli.core.pool import Pool
+
+CHAIN_A = [7, 0, 70, 6]      # (prefix seed, prefix blocks, suffix seed, blocks)
+CHAIN_B = [8, 0, 80, 6]
+ONE = [9, 0, 90, 1]
+
+
+@pytest.fixture
+def region(region_path):
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
+    with RunningAgent(region_path, 0, manager=True, simulate=True):
+        yield region_path
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "in-place"])
+def test_a_reader_never_sees_a_stale_line_of_a_reused_slot(region, zero_copy):
+    """Host 2 reads chain A (its cache keeps A's lines); host 1 evicts A and
+    writes chain B into the same slots: host 2 must read B, not A."""
+    with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
+        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
+        reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
+        writer.call("index_evict_all")
+        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
+        assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+        reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=zero_copy)
+
+
+def test_the_same_key_rewritten_in_the_same_slot_is_a_new_payload(region):
+    """A block evicted and recomputed (other bytes) lands in the same bucket
+    and slot: the claim's new epoch makes it a new payload tag, so host 2,
+    which cached the old bytes, evicts them."""
+    with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
+        first = writer.call("index_put_variant", chain=ONE, variant=1)
+        reader.call("index_read_variant", chain=ONE, variant=1, zero_copy=True)
+        writer.call("index_evict_all")
+        second = writer.call("index_put_variant", chain=ONE, variant=2)
+        assert first == second, "the block moved to another slot: the test checks nothing"
+        reader.call("index_read_variant", chain=ONE, variant=2, zero_copy=True)
+
+
+def test_a_pinned_payload_read_again_is_not_evicted_again(region):
+    """The ledger's saving: the second read of the same payload evicts
+    nothing; once the slots hold another payload, they are evicted again."""
+    with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
+        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
+        first = reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=True)
+        again = reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=True)
+        assert first["evicted"] == len(slots_a)
+        assert again["evicted"] == 0 and again["sim_evictions"] == 0
+        writer.call("index_evict_all")
+        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
+        moved = reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=True)
+        assert moved["evicted"] == len(slots_b)      # new payloads, whatever slots they took
+
+
+def test_lookup_tags_name_the_bucket_and_a_new_epoch_per_claim(region_path):
+    """Plain mode, one process: a re-put of an evicted key gets another tag."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
+        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
+        kv = np.zeros((len(keys), p.info.block_bytes), np.uint8)
+        p.index.put(keys, kv)
+        hit = p.index.lookup(keys)
+        tags1 = hit.tags.copy()
+        p.index.unpin(hit)
+        assert (tags1 != 0).all() and len(set(tags1.tolist())) == len(keys)
+        p.index.evict(p.slot_count)
+        p.index.put(keys, kv)
+        hit = p.index.lookup(keys)
+        tags2 = hit.tags.copy()
+        p.index.unpin(hit)
+        assert not set(tags1.tolist()) & set(tags2.tolist())
+        assert ((tags2 >> 32) > (tags1 >> 32)).any()          # a later epoch
