@@ -1242,6 +1242,53 @@ int tract_index_read(tract_region *r, const uint32_t *slots, const uint64_t *tag
 	return TRACT_OK;
 }
 
+/*
+ * Payload tags of n blocks the caller holds pinned without a lookup of its
+ * own (a handoff's blocks, pinned by the prefill node for this reader),
+ * found by probing each key's stripe WITHOUT its lock: a pinned READY
+ * bucket cannot change its key, slot or epoch, and every line is observed
+ * (invalidated, fenced, loaded), so those fields are the device's.  Other
+ * buckets on the probe path may be mid-update by a lock holder; a stale one
+ * can only end the probe early or send it on, never match: the key's old
+ * bucket was buried and flushed before the key could be claimed again.  A
+ * key not found READY at slots[i] gets tag 0 (evicted as unknown).
+ */
+int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots, uint32_t n,
+		     uint64_t *tags)
+{
+	if (!r || ((!keys || !slots || !tags) && n))
+		return TRACT_E_INVAL;
+	uint64_t size = stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	/* the home buckets of all keys: one batch of evictions, one fence */
+	for (uint32_t i = 0; i < n; i++) {
+		const uint8_t *key = keys + (uint64_t)i * 16;
+		uint64_t home = (uint64_t)key_stripe(r, key) * size + key_home(r, key);
+		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
+	}
+	r->ops->fence(r);
+	for (uint32_t i = 0; i < n; i++) {
+		const uint8_t *key = keys + (uint64_t)i * 16;
+		uint64_t first = (uint64_t)key_stripe(r, key) * size, home = key_home(r, key);
+		tags[i] = 0;
+		for (uint64_t k = 0; k < size; k++) {
+			uint64_t b = first + ((home + k) & (size - 1));
+			struct tract_bucket bk;
+			if (k == 0)
+				r->ops->load(r, base + b * TRACT_LINE, &bk, sizeof(bk));
+			else
+				tract_observe_line(r, base + b * TRACT_LINE, &bk);
+			if (bk.state == TRACT_BUCKET_EMPTY)
+				break;
+			if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
+				continue;
+			if (bk.state == TRACT_BUCKET_READY && bk.slot == slots[i] + 1)
+				tags[i] = payload_tag(b, &bk);
+			break;
+		}
+	}
+	return TRACT_OK;
+}
+
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns)
 {

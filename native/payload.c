@@ -1,6 +1,6 @@
 /*
  * payload.c -- making KV payload that other hosts wrote safe to load
- * (DESIGN.md §4; the argument is docs/PROTOCOLS.md §4.3).
+ * (DESIGN.md §4; the argument is docs/PROTOCOLS.md §1.1).
  *
  * A reader must never load a stale line of a reused slot: a line this host
  * cached while the slot held an earlier block.  Evicting the whole slot
@@ -25,7 +25,7 @@
  * Eviction of these clean lines is weakly ordered clflushopt (clflush where
  * the CPU lacks it) and one fence per batch: the paper's requirement of
  * serialized clflush is about dirty data reaching the device before a
- * release is seen, which a reader's clean lines never need (§4.3).
+ * release is seen, which a reader's clean lines never need (§1.1).
  */
 #include "internal.h"
 

@@ -468,6 +468,11 @@ int tract_index_read(tract_region *r, const uint32_t *slots, const uint64_t *tag
 		     void *dst, uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
 		     uint32_t *bad);
 
+/* Payload tags of n blocks pinned for the caller without its own lookup (a
+ * handoff's), read without stripe locks; 0 where a key is not READY at slots[i]. */
+int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots, uint32_t n,
+		     uint64_t *tags);
+
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns);
 

@@ -1,4 +1,4 @@
-"""KV payload lines under the non-coherence simulator (docs/PROTOCOLS.md §4.3):
+"""KV payload lines under the non-coherence simulator (docs/PROTOCOLS.md §1.1):
 a reader on another host never sees a stale line of a reused slot, by a copy
 or in place, and the node's payload ledger spares the eviction of a slot
 only while its cached lines are of the very payload being read.

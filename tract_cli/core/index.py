@@ -221,6 +221,21 @@ class PrefixIndex:
         self._pool.acquire_payload(lookup.slots, lookup.tags)
         return [view(int(s)) for s in lookup.slots]
 
+    def tags(self, hashes, slots) -> np.ndarray:
+        """Payload tags of blocks pinned for this node without its own lookup (a
+        handoff's), read in one C call without stripe locks; 0 where a key is
+        not READY in its slot (that slot is then evicted as unknown)."""
+        keys = as_keys(hashes)
+        slot_arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        if len(slot_arr) != len(keys):
+            raise UsageError(f"{len(keys)} keys but {len(slot_arr)} slots", "pass a record's own")
+        out = np.zeros(len(keys), np.uint64)
+        if len(keys):
+            rc = lib.tract_index_tags(self._pool._r(), ffi.from_buffer(keys), self._u32(slot_arr),
+                                      len(keys), ffi.cast("uint64_t *", ffi.from_buffer(out)))
+            raise_for(rc, f"{self._pool.path} index tags")
+        return out
+
     def evict(self, count: int, timeout: float = 30.0) -> int:
         """Evicts up to COUNT unpinned blocks, least recently used first."""
         out = ffi.new("uint32_t *")

@@ -235,7 +235,7 @@ def repair(path: str, force: bool = False) -> dict:
             anchors[s]["count"] = len(placed)
         # every bucket, moved or emptied, takes an epoch above all the old
         # ones: a payload tag (bucket, epoch) that some node's ledger holds
-        # never names a payload again (docs/PROTOCOLS.md §4.3)
+        # never names a payload again (docs/PROTOCOLS.md §1.1)
         new["epoch"] = (int(b["epoch"].max()) + 1) % (1 << 32) or 1
         old_anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
         for k in ("hits", "inserts", "evictions", "lookups"):
