@@ -217,6 +217,62 @@ static void stripe_leave(struct stripe_ctx *c)
 	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
 }
 
+/*
+ * A pipelined walk over stripes in ascending order: entering one stripe
+ * requests the lock of the next one the caller will enter, so the lock
+ * manager grants it while the caller works on this one, and a request of
+ * 16 stripes waits for about one grant instead of 16.  Holding a stripe
+ * lock while requesting one of a higher stripe is deadlock-free: every
+ * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
+ */
+struct stripe_walk {
+	tract_region *r;
+	struct line_set *set;
+	uint64_t timeout_ns;
+	struct tract_lock_req q;    /* the next stripe's request, if pending */
+	uint32_t pending;           /* 1 + the stripe requested, 0 none */
+};
+
+static void walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
+		      uint64_t timeout_ns)
+{
+	w->r = r;
+	w->set = set;
+	w->timeout_ns = timeout_ns;
+	w->pending = 0;
+}
+
+/* withdraws the pending request, if any (internal) */
+static void walk_end(struct stripe_walk *w)
+{
+	if (w->pending)
+		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + w->pending - 1, &w->q);
+	w->pending = 0;
+}
+
+/* enters stripe s (its request pending or made now), then requests stripe
+ * next (UINT32_MAX: none; it must be higher than s) (internal) */
+static int walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c)
+{
+	tract_region *r = w->r;
+	if (w->pending && w->pending != s + 1)
+		walk_end(w);                /* the caller skipped it after all */
+	int rc;
+	if (!w->pending &&
+	    (rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q, NULL)) < 0)
+		return rc;
+	w->pending = 0;
+	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
+		return rc;
+	stripe_init(r, s, c, w->set);
+	if (rc == TRACT_RECOVERED)
+		repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	if (next != UINT32_MAX && next > s &&
+	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, w->timeout_ns, &w->q, NULL) == TRACT_OK)
+		w->pending = next + 1;
+	return TRACT_OK;
+}
+
 /* whether bucket b belongs to the entered stripe: LRU links and anchors are
  * read from the region, written by other hosts, and checked before use (internal) */
 static int in_stripe(const struct stripe_ctx *c, uint64_t b)
@@ -510,20 +566,24 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return TRACT_E_INVAL;
 	struct keyref *refs = group(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
-	if (!refs || !pinned) {
+	uint32_t *todo = malloc(((size_t)n + 1) * sizeof(uint32_t));
+	if (!refs || !pinned || !todo) {
 		free(refs);
 		free(pinned);
+		free(todo);
 		return TRACT_E_NOMEM;
 	}
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	struct stripe_walk walk;
+	walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+		if ((rc = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
 			break;
 		/* refs[i..j) are this stripe's keys, tail first: invalidate their
 		 * home buckets and this node's pin lines with a single fence */
@@ -568,8 +628,11 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		stripe_leave(&c);
 		i = j;
 	}
+	walk_end(&walk);
 	/* unpin what was pinned past the first miss (or everything on error) */
 	uint32_t keep = rc == TRACT_OK ? limit : 0;
+	/* the groups holding such a pin, entered in a pipelined walk */
+	uint32_t nt = 0;
 	for (uint32_t i = 0; i < n;) {
 		uint32_t s = refs[i].stripe, j = i;
 		int any = 0;
@@ -577,29 +640,36 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			any |= refs[j].idx >= keep && pinned[refs[j].idx];
 			j++;
 		}
-		if (any) {
-			struct stripe_ctx c;
-			int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
-			if (rc2 < 0) {
-				rc = rc2;   /* pins stay until the agent's recovery */
-				break;
-			}
-			for (uint32_t k = i; k < j; k++) {
-				uint32_t idx = refs[k].idx;
-				if (idx < keep || !pinned[idx])
-					continue;
-				uint64_t b, fb;
-				struct tract_bucket bk;
-				probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
-				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
-				if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
-					store_bucket(&c, b, &bk);
-			}
-			stripe_leave(&c);
-		}
+		if (any)
+			todo[nt++] = i;
 		i = j;
 	}
+	for (uint32_t t = 0; t < nt; t++) {
+		uint32_t i = todo[t], s = refs[i].stripe, j = i;
+		while (j < n && refs[j].stripe == s)
+			j++;
+		struct stripe_ctx c;
+		int rc2 = walk_enter(&walk, s, t + 1 < nt ? refs[todo[t + 1]].stripe : UINT32_MAX, &c);
+		if (rc2 < 0) {
+			rc = rc2;   /* pins stay until the agent's recovery */
+			break;
+		}
+		for (uint32_t k = i; k < j; k++) {
+			uint32_t idx = refs[k].idx;
+			if (idx < keep || !pinned[idx])
+				continue;
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
+			if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
+				store_bucket(&c, b, &bk);
+		}
+		stripe_leave(&c);
+	}
+	walk_end(&walk);
 	*hits = keep;
+	free(todo);
 	free(refs);
 	free(pinned);
 	free(set);
@@ -627,6 +697,8 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 	if (!refs && n)
 		return TRACT_E_NOMEM;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	struct stripe_walk walk;
+	walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
 	uint32_t g = 0;
 	for (uint32_t i = 0; i < n; g++) {
@@ -638,7 +710,7 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 			continue;
 		}
 		struct stripe_ctx c;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
+		int rc2 = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
@@ -660,6 +732,7 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 		stripe_leave(&c);
 		i = j;
 	}
+	walk_end(&walk);
 	free(refs);
 	free(set);
 	return rc;

@@ -138,6 +138,21 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 /* whether a journal entry of this node names pid (journal.c; internal) */
 int tract_journal_names(tract_region *r, uint32_t pid);
 
+/* a lock request published but not yet granted (lock.c; internal) */
+struct tract_lock_req {
+	uint64_t req;           /* the request sequence published as WAITING */
+	uint64_t start;         /* CLOCK_MONOTONIC of the request */
+	int recovered;          /* the local mutex's previous owner died */
+};
+
+/* lock request / await / cancel: tract_lock_acquire in two steps, so a holder
+ * of a lock can request one of higher id before it leaves (internal) */
+int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		       struct tract_lock_req *q, struct tract_lock_wait *wait);
+int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q,
+		     uint64_t timeout_ns, struct tract_lock_wait *wait);
+void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q);
+
 /* the largest lock-manager claim in the node table (manager.c; internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node, int site);
 

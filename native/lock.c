@@ -54,15 +54,24 @@ static void describe_wait(tract_region *r, uint32_t id, uint32_t stage, struct t
 	}
 }
 
-/* Acquires global lock lock_id (local mutex, then a grant from the lock manager). */
-int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
-		       struct tract_lock_wait *wait)
+/*
+ * Requests global lock lock_id without waiting for the grant: takes the
+ * local mutex, then publishes WAITING with a fresh request sequence; the
+ * grant is awaited by tract_lock_await (or the request withdrawn by
+ * tract_lock_cancel) by the same thread.  A caller may request the next of
+ * several locks while it still holds an earlier one, so that the manager
+ * grants it while the caller works (index.c pipelines its stripes): deadlock
+ * is impossible as long as every caller holding a lock requests only locks
+ * of higher id (docs/PROTOCOLS.md §4) (internal).
+ */
+int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		       struct tract_lock_req *q, struct tract_lock_wait *wait)
 {
-	if (!r || lock_id >= r->hdr.lock_count || (r->flags & TRACT_ATTACH_READONLY))
+	if (!r || lock_id >= r->hdr.lock_count || (r->flags & TRACT_ATTACH_READONLY) || !q)
 		return TRACT_E_INVAL;
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	uint64_t start = tract_mono_ns();
+	q->start = tract_mono_ns();
 	struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
 
 	int rc = tract_robust_lock(&lm->mu, timeout_ns);
@@ -70,52 +79,76 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		describe_wait(r, lock_id, 1, wait);
 		return rc;
 	}
-	int recovered = rc == TRACT_RECOVERED;
+	q->recovered = rc == TRACT_RECOVERED;
 
 	/* request: a fresh sequence number, so a stale grant is never mistaken
 	 * for this one; the previous holder on this node wrote the line last */
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
-	uint64_t req = mine.request_seq + 1;
-	publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, 0, SITE_LOCK_PUBLISH_WAITING);
+	q->req = mine.request_seq + 1;
+	publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_LOCK_PUBLISH_WAITING);
+	return TRACT_OK;
+}
 
-	/* wait for the current manager's grant of exactly this request */
+/* Withdraws a request tract_lock_request made (not granted, or granted and
+ * not entered): publishes IDLE, unlocks the local mutex; a grant racing with
+ * this is released by the manager when it sees IDLE, so nothing leaks (internal). */
+void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q)
+{
+	publish_slot(r, lock_id, TRACT_LOCK_IDLE, q->req, 0, SITE_NONE);
+	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
+}
+
+/* Waits, within timeout_ns of the request, for the current manager's grant of
+ * the request q, and enters; on a timeout the request is withdrawn (internal). */
+int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q,
+		     uint64_t timeout_ns, struct tract_lock_wait *wait)
+{
+	struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
 	uint64_t mgr_off = tract_lock_line(r, lock_id, 0);
 	uint64_t floor = 0;   /* grants of smaller tokens were superseded */
 	uint32_t round = 0;
 	for (;;) {
 		struct tract_lock_manager_line m;
 		tract_observe_line_at(r, mgr_off, &m, SITE_LOCK_OBSERVE_GRANT);
-		if (m.granted_node == r->node_id + 1 && m.granted_req == req && m.token >= floor) {
+		if (m.granted_node == r->node_id + 1 && m.granted_req == q->req && m.token >= floor) {
 			/* LOCKED first, then the claims (publish ends with a full
 			 * fence): a manager taking over either sees this slot and
 			 * adopts it, or its claim is seen here */
-			publish_slot(r, lock_id, TRACT_LOCK_LOCKED, req, m.token,
+			publish_slot(r, lock_id, TRACT_LOCK_LOCKED, q->req, m.token,
 				     SITE_LOCK_PUBLISH_LOCKED);
 			uint64_t current = tract_current_token(r, NULL, SITE_LOCK_OBSERVE_CLAIMS);
 			if (current == m.token)
 				break;
 			/* a grant of a superseded manager: withdraw, keep the request */
-			publish_slot(r, lock_id, TRACT_LOCK_WAITING, req, 0, SITE_NONE);
+			publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_NONE);
 			floor = current > m.token ? current : m.token + 1;
 		}
-		if (tract_mono_ns() - start > timeout_ns) {
+		if (tract_mono_ns() - q->start > timeout_ns) {
 			describe_wait(r, lock_id, 2, wait);
-			/* withdraw; a grant racing with this is released by the
-			 * manager when it sees IDLE, so nothing leaks */
-			publish_slot(r, lock_id, TRACT_LOCK_IDLE, req, 0, SITE_NONE);
-			pthread_mutex_unlock(&lm->mu);
+			tract_lock_cancel(r, lock_id, q);
 			return TRACT_E_TIMEOUT;
 		}
 		tract_backoff(&round, MAX_SLEEP_NS);
 	}
 	lm->acquired++;
-	lm->wait_ns += tract_mono_ns() - start;
+	lm->wait_ns += tract_mono_ns() - q->start;
 	pthread_mutex_lock(&r->held_mu);
 	r->held[lock_id] = 1;
 	pthread_mutex_unlock(&r->held_mu);
-	return recovered ? TRACT_RECOVERED : TRACT_OK;
+	return q->recovered ? TRACT_RECOVERED : TRACT_OK;
+}
+
+/* Acquires global lock lock_id (local mutex, then a grant from the lock manager). */
+int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		       struct tract_lock_wait *wait)
+{
+	struct tract_lock_req q;
+	int rc = tract_lock_request(r, lock_id, timeout_ns, &q, wait);
+	if (rc < 0)
+		return rc;
+	return tract_lock_await(r, lock_id, &q, timeout_ns, wait);
 }
 
 /* Releases global lock lock_id: publish IDLE, then unlock the local mutex. */
