@@ -40,14 +40,32 @@ static uint64_t slot_off(const tract_region *r, uint32_t slot)
 	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slot * r->hdr.slot_stride;
 }
 
+/* observes n consecutive records from rec: one invalidate of all their
+ * lines, one fence, then the loads -- the discipline of observe, with one
+ * fence per batch instead of one per record (internal) */
+static void observe_records(tract_region *r, uint32_t rec, uint32_t n,
+			    struct tract_transfer_record *out)
+{
+	uint64_t off = record_off(r, rec), len = (uint64_t)n * sizeof(*out);
+	if (TRACT_KEEP(SITE_HANDOFF_OBSERVE_RECORD))
+		r->ops->invalidate(r, off, len);
+	r->ops->fence(r);
+	r->ops->load(r, off, out, len);
+}
+
 static void observe_record(tract_region *r, uint32_t rec, struct tract_transfer_record *out)
 {
-	uint64_t off = record_off(r, rec);
-	if (TRACT_KEEP(SITE_HANDOFF_OBSERVE_RECORD))
-		r->ops->invalidate(r, off, sizeof(*out));
-	r->ops->fence(r);
-	r->ops->load(r, off, out, sizeof(*out));
+	observe_records(r, rec, 1, out);
 }
+
+/*
+ * Records a table scan observes per invalidate + fence: 8 KiB, 128 lines.
+ * A scan's view of a record may be stale by the time it acts on it (the
+ * scans run without the transfer lock); every action re-observes the
+ * record under the lock first, so a batch only has to be fresh enough to
+ * be worth acting on.  Bounded so the private buffer stays on the stack.
+ */
+#define SCAN_BATCH 64
 
 static void publish_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *in)
 {
@@ -72,6 +90,41 @@ static int record_sane(const tract_region *r, const struct tract_transfer_record
 	if (t->tail_slot > r->hdr.slot_count)
 		return 0;
 	return 1;
+}
+
+/*
+ * finds a FREE record for a publish (internal; the transfer lock held, so
+ * no record turns FREE -> anything else meanwhile).  Next fit: the scan
+ * starts at the record after the one this handle published last; records
+ * are observed in batches of 1, 2, 4 ... SCAN_BATCH (one invalidate + one
+ * fence per batch), so the common case -- acknowledgements roughly in
+ * publish order -- reads one record, and a nearly full table costs about
+ * count / SCAN_BATCH fences rather than one per record.
+ */
+static int find_free_record(tract_region *r, uint32_t *found)
+{
+	uint32_t count = tract_sec(r, TRACT_SEC_TRANSFER)->count;
+	uint32_t at = r->handoff_next < count ? r->handoff_next : 0, batch = 1;
+	struct tract_transfer_record t[SCAN_BATCH];
+	for (uint32_t seen = 0; seen < count;) {
+		uint32_t k = batch;
+		if (k > count - seen)
+			k = count - seen;
+		if (k > count - at)
+			k = count - at;                 /* a batch never wraps */
+		observe_records(r, at, k, t);
+		for (uint32_t j = 0; j < k; j++) {
+			if (t[j].state == REC_FREE) {
+				*found = at + j;
+				return TRACT_OK;
+			}
+		}
+		seen += k;
+		at = at + k == count ? 0 : at + k;
+		if (batch < SCAN_BATCH)
+			batch *= 2;
+	}
+	return TRACT_E_TABLE_FULL;
 }
 
 /* Publishes a handoff: pins the blocks (all must be READY), stores the key
@@ -128,13 +181,10 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto release;
 	tract_journal_pins(r, keys, n, -1);
 	tract_journal_slots(r, extra, nextra, 1);
-	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
-	rc = TRACT_E_TABLE_FULL;
-	for (uint32_t i = 0; i < sec->count; i++) {
+	uint32_t i;
+	rc = find_free_record(r, &i);
+	if (rc == TRACT_OK) {
 		struct tract_transfer_record t;
-		observe_record(r, i, &t);
-		if (t.state != REC_FREE)
-			continue;
 		memset(&t, 0, sizeof(t));
 		t.state = REC_PUBLISHED;
 		t.owner_node = r->node_id + 1;
@@ -148,9 +198,8 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		t.created_ns = tract_now_ns();
 		t.expiry_ns = t.created_ns + ttl_ns;
 		publish_record(r, i, &t);
+		r->handoff_next = i + 1;      /* next fit: the following record is likely free */
 		*rec = i;
-		rc = TRACT_OK;
-		break;
 	}
 	tract_lock_release(r, LOCK_TRANSFER);
 	if (rc == TRACT_OK)
@@ -274,17 +323,21 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 	return rc;
 }
 
-/* moves a record from one state to another under the transfer lock; into
- * ACKED or RECLAIMING it records this process as the releaser (internal) */
+/* moves a record from one state to another under the transfer lock, if it
+ * is in state from (for request_id, if given; expired at expired_at, if
+ * nonzero); into ACKED or RECLAIMING it records this process as the
+ * releaser (internal) */
 static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, uint32_t from,
-		      uint32_t to, struct tract_transfer_record *out, uint64_t timeout_ns)
+		      uint32_t to, uint64_t expired_at, struct tract_transfer_record *out,
+		      uint64_t timeout_ns)
 {
 	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	struct tract_transfer_record t;
 	observe_record(r, rec, &t);
-	if (t.state != from || (request_id && memcmp(t.request_id, request_id, 16))) {
+	if (t.state != from || (request_id && memcmp(t.request_id, request_id, 16)) ||
+	    (expired_at && t.expiry_ns > expired_at)) {
 		rc = TRACT_E_NOT_FOUND;
 	} else {
 		if (to == REC_FREE) {
@@ -317,13 +370,13 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
 		return TRACT_E_RANGE;
 	struct tract_transfer_record t;
-	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, &t, timeout_ns);
+	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, 0, &t, timeout_ns);
 	if (rc)
 		return rc;
 	rc = release_resources(r, rec, &t, timeout_ns);
 	if (rc == TRACT_E_TIMEOUT)
 		return rc;      /* stays ACKED and ours: this node's agent finishes it if we die */
-	int rc2 = transition(r, rec, NULL, REC_ACKED, REC_FREE, NULL, timeout_ns);
+	int rc2 = transition(r, rec, NULL, REC_ACKED, REC_FREE, 0, NULL, timeout_ns);
 	return rc ? rc : rc2;
 }
 
@@ -335,25 +388,62 @@ int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uin
 	if (!r || !count)
 		return TRACT_E_INVAL;
 	*count = 0;
-	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
+	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
 	int rc = TRACT_OK;
-	for (uint32_t i = 0; i < sec->count; i++) {
-		struct tract_transfer_record t;
-		observe_record(r, i, &t);       /* cheap scan without the lock */
-		if (t.state != REC_PUBLISHED || t.expiry_ns > now_ns)
-			continue;
-		struct tract_transfer_record got;
-		if (transition(r, i, NULL, t.state, REC_RECLAIMING, &got, timeout_ns) != TRACT_OK)
-			continue;                   /* someone else moved it first */
-		int rc2 = release_resources(r, i, &got, timeout_ns);
-		if (rc2 == TRACT_E_TIMEOUT)
-			return rc2;             /* stays RECLAIMING and ours; finished later */
-		if (rc2 && rc2 != TRACT_E_CORRUPT)
-			rc = rc2;
-		transition(r, i, NULL, REC_RECLAIMING, REC_FREE, NULL, timeout_ns);
-		(*count)++;
+	struct tract_transfer_record t[SCAN_BATCH];
+	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
+		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
+		observe_records(r, base, k, t);     /* cheap scan without the lock */
+		for (uint32_t j = 0; j < k; j++) {
+			uint32_t i = base + j;
+			if (t[j].state != REC_PUBLISHED || t[j].expiry_ns > now_ns)
+				continue;
+			/* the scan's copy may be stale: only the same request, still
+			 * expired, is taken (not a record acknowledged and reused since) */
+			struct tract_transfer_record got;
+			if (transition(r, i, t[j].request_id, REC_PUBLISHED, REC_RECLAIMING, now_ns,
+				       &got, timeout_ns) != TRACT_OK)
+				continue;               /* someone else moved it first */
+			int rc2 = release_resources(r, i, &got, timeout_ns);
+			if (rc2 == TRACT_E_TIMEOUT)
+				return rc2;         /* stays RECLAIMING and ours; finished later */
+			if (rc2 && rc2 != TRACT_E_CORRUPT)
+				rc = rc2;
+			transition(r, i, NULL, REC_RECLAIMING, REC_FREE, 0, NULL, timeout_ns);
+			(*count)++;
+		}
 	}
 	return rc;
+}
+
+/* finishes record rec if the scan saw it (t) half released by a dead
+ * process of this node: 1 if it did, 0 if not, or an error (internal) */
+static int recover_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+			  uint64_t timeout_ns)
+{
+	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
+	    t->releaser_node != r->node_id + 1 || !tract_pid_dead(t->releaser_pid))
+		return 0;
+	/* take it over, under the lock, if nobody did meanwhile */
+	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	struct tract_transfer_record now;
+	observe_record(r, rec, &now);
+	int mine = now.state == t->state && now.releaser_node == t->releaser_node &&
+		   now.releaser_pid == t->releaser_pid;
+	if (mine) {
+		now.releaser_pid = (uint32_t)getpid();
+		publish_record(r, rec, &now);
+	}
+	tract_lock_release(r, LOCK_TRANSFER);
+	if (!mine)
+		return 0;
+	rc = release_resources(r, rec, &now, timeout_ns);
+	if (rc == TRACT_E_TIMEOUT)
+		return rc;
+	transition(r, rec, NULL, now.state, REC_FREE, 0, NULL, timeout_ns);
+	return 1;
 }
 
 /* Finishes the releases (acknowledge or reclaim) that dead processes of this
@@ -363,33 +453,17 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 	if (!r || !count)
 		return TRACT_E_INVAL;
 	*count = 0;
-	const struct tract_section *sec = tract_sec(r, TRACT_SEC_TRANSFER);
-	for (uint32_t i = 0; i < sec->count; i++) {
-		struct tract_transfer_record t;
-		observe_record(r, i, &t);       /* cheap scan without the lock */
-		if ((t.state != REC_ACKED && t.state != REC_RECLAIMING) ||
-		    t.releaser_node != r->node_id + 1 || !tract_pid_dead(t.releaser_pid))
-			continue;
-		/* take it over, under the lock, if nobody did meanwhile */
-		int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
-		if (rc < 0)
-			return rc;
-		struct tract_transfer_record now;
-		observe_record(r, i, &now);
-		int mine = now.state == t.state && now.releaser_node == t.releaser_node &&
-			   now.releaser_pid == t.releaser_pid;
-		if (mine) {
-			now.releaser_pid = (uint32_t)getpid();
-			publish_record(r, i, &now);
+	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
+	struct tract_transfer_record seen[SCAN_BATCH];
+	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
+		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
+		observe_records(r, base, k, seen);  /* cheap scan without the lock */
+		for (uint32_t j = 0; j < k; j++) {
+			int rc = recover_record(r, base + j, &seen[j], timeout_ns);
+			if (rc < 0)
+				return rc;
+			*count += (uint32_t)rc;
 		}
-		tract_lock_release(r, LOCK_TRANSFER);
-		if (!mine)
-			continue;
-		rc = release_resources(r, i, &now, timeout_ns);
-		if (rc == TRACT_E_TIMEOUT)
-			return rc;
-		transition(r, i, NULL, now.state, REC_FREE, NULL, timeout_ns);
-		(*count)++;
 	}
 	return TRACT_OK;
 }

@@ -107,6 +107,7 @@ struct tract_region {
 	struct tract_journal_proc *journal; /* this handle's entry in the local segment, or NULL */
 	pthread_mutex_t journal_mu; /* guards the entry across this process's threads */
 	pthread_mutex_t held_mu;    /* guards held[] across this process's threads */
+	uint32_t handoff_next;      /* transfer record a publish tries first (handoff.c; transfer lock held) */
 };
 
 /* the section of a kind from the verified header (internal) */

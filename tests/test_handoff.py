@@ -91,3 +91,35 @@ def test_the_agent_reclaims_a_handoff_whose_decode_side_died(region):
                 assert time.monotonic() < deadline, "the agent did not reclaim within 30 s"
                 time.sleep(0.05)      # waiting for a timer-based expiry, bounded
     check_index(region)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_publish_takes_the_next_free_record_and_scans_wrap_around(region_path, simulate):
+    """Publish is next fit over the transfer table (the record after the one it
+    wrote last, wrapping); its scan and the agent's passes read the table in
+    batches (64 records), so a table of 70 crosses a batch boundary."""
+    Pool.create(region_path, 8 << 20, "tiny", nodes=2, transfer_entries=70).close()
+    with RunningAgent(region_path, 0, manager=True, simulate=simulate), \
+            Pool.attach(region_path, node=1, simulate=simulate) as p:
+        keys = np.arange(2 * 16, dtype=np.uint8).reshape(2, 16)
+        p.index.put(keys, np.zeros((2, p.info.block_bytes), np.uint8))
+        pub = lambda rid: p.handoffs.publish(rid, keys, 32, ttl=3600)
+        tickets = [pub(f"r{i}") for i in range(70)]
+        assert [t.record for t in tickets] == list(range(70))
+        with pytest.raises(HandoffError, match="transfer table is full"):
+            pub("one too many")
+        p.handoffs.ack(tickets[66])
+        p.handoffs.ack(tickets[3])
+        # the scan starts after record 69: it wraps and takes 3, then goes on to 66
+        assert pub("a").record == 3
+        assert pub("b").record == 66
+        p.handoffs.ack(tickets[67])
+        assert pub("c").record == 67
+        assert pins_and_records(region_path) == (2 * 70, 70)
+        # nothing has expired: a pass over the whole table reclaims nothing
+        assert p.handoffs.reclaim(now_ns=time.time_ns()) == 0
+        assert p.handoffs.recover() == 0
+        # an hour later every record, on both sides of the batch boundary, is reclaimed
+        assert p.handoffs.reclaim(now_ns=time.time_ns() + 3601 * 10**9) == 70
+        assert pins_and_records(region_path) == (0, 0)
+    check_index(region_path)
