@@ -54,6 +54,7 @@ def test_put_lookup_read_unpin_round_trip(small_region):
         p.index.read(res, out)
         assert np.array_equal(out, blocks_for(p, keys))
         views = p.index.views(res)                      # zero copy, same bytes
+        assert views.area is p.slots_array() and np.array_equal(views.slots, res.slots)
         assert views[3].tobytes() == blocks_for(p, keys)[3].tobytes()
         del views
         p.index.unpin(res)

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.geometry import Geometry, ModelProfile
 from tract_cli.core.native import lib
-from tract_cli.core.pool import Pool
+from tract_cli.core.pool import BlockTable, Pool
 
 
 @pytest.fixture
@@ -156,3 +157,59 @@ def test_environment_selects_flush_mode_and_simulator(region_path, monkeypatch):
     monkeypatch.setenv("TRACT_FLUSH_MODE", "bogus")
     with pytest.raises(UsageError, match="unknown flush mode"):
         Pool.attach(region_path)
+
+
+def test_the_whole_area_view_is_made_once_and_each_slot_is_its_own_bytes(region_path):
+    """slots_array / slots_tensor: one zero-copy view over every slot, cached per
+    Pool, slot i at the slot's offset even where the slot stride (a multiple of
+    64) is larger than the block; close() drops the cache so the pool can go."""
+    torch = pytest.importorskip("torch")
+    odd = ModelProfile("odd-blocks", Geometry(1, 1, 3, "f16", 3))      # 36-byte blocks
+    with Pool.create(region_path, 4 << 20, odd) as pool:
+        assert pool.info.slot_stride == 64 and pool.info.block_bytes == 36
+        area = pool.slots_array()
+        assert pool.slots_array() is area and pool.slots_tensor() is pool.slots_tensor()
+        assert area.shape == (pool.slot_count,) + pool.geometry.block_shape
+        for s in (0, 1, 777, pool.slot_count - 1):
+            pool.copy_in(s, block(pool, s))
+            assert area[s].tobytes() == pool.slot_bytes(s).tobytes() == block(pool, s).tobytes()
+            assert pool.slots_tensor()[s].numpy().tobytes() == block(pool, s).tobytes()
+        area[5] = 1.5                                   # writes land in the slot itself
+        assert (pool.slot_array(5) == 1.5).all() and not (pool.slot_array(6) == 1.5).all()
+        del area
+    # the cached views did not keep the mapping alive: close() above did not raise
+
+
+def test_a_block_table_indexes_the_area_without_copying(tiny_pool):
+    torch = pytest.importorskip("torch")
+    slots = np.array([7, 2, 40], np.uint32)
+    for s in slots:
+        tiny_pool.copy_in(int(s), block(tiny_pool, int(s)))
+    bt = tiny_pool.block_table(slots)
+    assert isinstance(bt, BlockTable) and bt.area is tiny_pool.slots_array() and len(bt) == 3
+    assert np.array_equal(bt.slots, slots)
+    for i, s in enumerate(slots):
+        assert np.shares_memory(bt[i], tiny_pool.slot_array(int(s)))
+        assert bt[i].view(np.uint8).tobytes() == block(tiny_pool, int(s)).tobytes()
+    assert [v.shape for v in bt] == [tiny_pool.geometry.block_shape] * 3
+    assert np.array_equal(bt[1:].slots, slots[1:])
+    tt = tiny_pool.block_table(slots, torch=True)
+    assert tt.area is tiny_pool.slots_tensor()
+    assert tt[2].data_ptr() == tiny_pool.slot_tensor(40).data_ptr()
+    del bt, tt
+
+
+def test_slots_in_use_is_the_bitmap_count(region_path):
+    """What a metrics scrape reads (the allocator header's count, one line) is
+    what the bitmap says, with a slot count that is not a multiple of 8."""
+    from agents import RunningAgent
+    odd = ModelProfile("odd-blocks", Geometry(1, 1, 9, "f16", 9))      # 5461 slots in 4 MiB
+    Pool.create(region_path, 4 << 20, odd, nodes=2).close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
+        assert p.slot_count % 8 and p.slots_in_use() == p.slot_usage()["used"] == 0
+        got = p.allocator.alloc(37)
+        used = p.slot_usage()["used"]
+        assert used >= 37 and p.slots_in_use() == used     # the node claims in batches
+        p.allocator.free(got)
+        p.allocator.drain()
+        assert p.slots_in_use() == p.slot_usage()["used"] == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.index import ChecksumMismatch, as_keys
 from tract_cli.core.native import ffi, lib, raise_for
+
+if TYPE_CHECKING:
+    from tract_cli.core.pool import BlockTable
 
 
 class HandoffError(TractError):
@@ -175,16 +179,20 @@ class Handoffs:
             return
         self._pool.copy_out(rec.tail_slot, out.reshape(-1).view(np.uint8))
 
-    def views(self, rec: Received) -> list[np.ndarray]:
-        """Zero-copy views of the blocks (valid until ack): the CPU zero-copy path."""
+    def views(self, rec: Received, torch: bool = False) -> BlockTable:
+        """Zero-copy views of the blocks (valid until ack), as a `BlockTable`
+        (`views[i]` is block i; numpy, or torch with torch=True): the CPU
+        zero-copy path.  One C call evicts this host's stale lines of the
+        slots; no per-block work."""
         self._pool.invalidate_slots(rec.slots)
-        return [self._pool.slot_array(int(s)) for s in rec.slots]
+        return self._pool.block_table(rec.slots, torch=torch)
 
     def tail_view(self, rec: Received) -> np.ndarray | None:
+        """Zero-copy view of the partial tail block's slot (valid until ack)."""
         if rec.tail_slot is None:
             return None
         self._pool.invalidate_slots([rec.tail_slot])
-        return self._pool.slot_array(rec.tail_slot)
+        return self._pool.slots_array()[rec.tail_slot]
 
     def ack(self, ticket: Ticket, timeout: float = 30.0) -> None:
         """Done with the blocks: pins and slots are released, the record freed."""

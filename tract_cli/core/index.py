@@ -9,12 +9,16 @@ zero-copy views) and unpins.  "Pool full, nothing evictable" is a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
+
+if TYPE_CHECKING:
+    from tract_cli.core.pool import BlockTable
 
 PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
 
@@ -214,12 +218,14 @@ class PrefixIndex:
                                    "the block was not served; run `tract check` and recompute it")
         raise_for(rc, f"{self._pool.path} index read")
 
-    def views(self, lookup: Lookup, torch: bool = False) -> list:
-        """Zero-copy views of the pinned blocks (valid until unpinned): numpy arrays,
-        or torch tensors with torch=True, shaped (layer, K|V, token, kv_head, head_dim)."""
-        view = self._pool.slot_tensor if torch else self._pool.slot_array
+    def views(self, lookup: Lookup, torch: bool = False) -> BlockTable:
+        """Zero-copy views of the pinned blocks (valid until unpinned), as a
+        `BlockTable`: `views[i]` is block i, a numpy array (a torch tensor with
+        torch=True) shaped (layer, K|V, token, kv_head, head_dim).  One C call
+        evicts this host's stale lines of the slots (those the payload ledger
+        does not vouch for); no per-block work."""
         self._pool.acquire_payload(lookup.slots, lookup.tags)
-        return [view(int(s)) for s in lookup.slots]
+        return self._pool.block_table(lookup.slots, torch=torch)
 
     def tags(self, hashes, slots) -> np.ndarray:
         """Payload tags of blocks pinned for this node without its own lookup (a

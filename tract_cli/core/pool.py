@@ -31,6 +31,8 @@ from tract_cli.core.region import FormatOptions, format_region
 
 _NUMPY_DTYPES = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "fp8": np.uint8}
 _TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "fp8": "uint8"}
+# set bits of each byte value: a bitmap's population count in one numpy gather
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
 
 
 def _env_flag(name: str) -> bool:
@@ -63,6 +65,10 @@ class Pool:
         data = info.section("data")
         self._data_offset = data.offset
         self._stride = info.slot_stride
+        # the zero-copy views over the whole data area, made once (slots_array,
+        # slots_tensor) and dropped at close so the mapping can go
+        self._area_np = None
+        self._area_torch = None
 
     # ---- construction ----
 
@@ -174,6 +180,7 @@ class Pool:
             return
         lib.tract_detach(self._region)
         self._region = None
+        self._area_np = self._area_torch = None
         if self._local is not None:
             self._local.close()
         ffi.release(self._base)
@@ -235,13 +242,24 @@ class Pool:
         raise_for(lib.tract_sim_stats(self._r(), out), self.path)
         return dict(zip(("hits", "misses", "writebacks", "evictions"), list(out)))
 
+    def slots_in_use(self) -> int:
+        """Slots taken from the pool by every node: the allocator header's count
+        (one observed line, no lock), which `tract check` holds equal to the
+        bitmap.  What a metrics scrape reads: O(1), whatever the pool size."""
+        return self.observe_u64(self.info.section("alloc").offset)
+
     def slot_usage(self) -> dict:
-        """Slots taken from the pool (bitmap) and claimed per node (owner map)."""
+        """Slots taken from the pool (bitmap) and claimed per node (owner map):
+        one observe of each section, counted with numpy (no lock)."""
         bitmap = self.info.section("bitmap")
         owners = self.info.section("owners")
-        bits = np.frombuffer(self.observe(bitmap.offset, bitmap.length), dtype=np.uint8)
-        used = int(np.unpackbits(bits)[: bitmap.count].sum())
-        own = np.frombuffer(self.observe(owners.offset, owners.length), dtype=np.uint8)
+        bits = np.empty(bitmap.length, np.uint8)
+        self.observe_into(bitmap.offset, bits)
+        if bitmap.count % 8:            # bits past the last slot do not count
+            bits[bitmap.count // 8] &= (1 << (bitmap.count % 8)) - 1
+        used = int(_POPCOUNT[bits[: -(-bitmap.count // 8)]].sum(dtype=np.int64))
+        own = np.empty(owners.length, np.uint8)
+        self.observe_into(owners.offset, own)
         counts = np.bincount(own[: owners.count], minlength=self.info.max_nodes + 1)
         per_node = {n: int(counts[n + 1]) for n in range(self.info.max_nodes) if counts[n + 1]}
         return {"total": self.slot_count, "used": used, "free": self.slot_count - used,
@@ -384,26 +402,59 @@ class Pool:
         raise_for(rc, self.path)
         return out[:arr.size]
 
-    def slots_tensor(self):
-        """Zero-copy torch tensor over every slot: shape (slot_count, layer, K|V,
-        token, kv_head, head_dim); `t[ids]` gathers blocks as paged attention does."""
-        torch = _torch()
-        g = self.geometry
-        self._r()
-        elem = g.dtype_bytes
+    def _block_strides(self, elem: int) -> list[int]:
+        """Strides, in elements, of one block (layer, K|V, token, kv_head, head_dim)
+        inside a slot, and of the slot dimension first (internal)."""
         if self._stride % elem:
             raise TractError("the slot stride is not a multiple of the KV element size",
                              "reformat the region")
+        inner, acc = [], 1
+        for dim in reversed(self.geometry.block_shape):
+            inner.insert(0, acc)
+            acc *= dim
+        return [self._stride // elem] + inner
+
+    def slots_array(self) -> np.ndarray:
+        """Zero-copy numpy view over every slot, made once per Pool: shape
+        (slot_count, layer, K|V, token, kv_head, head_dim).  `a[slot]` is one
+        block's view (no copy); `a[ids]` with an array copies (numpy fancy
+        indexing), so batches are handed out as a `BlockTable` instead."""
+        self._r()
+        if self._area_np is None:
+            g = self.geometry
+            dtype = np.dtype(_NUMPY_DTYPES[g.dtype])
+            strides = self._block_strides(dtype.itemsize)
+            self._area_np = np.ndarray((self.info.slot_count,) + tuple(g.block_shape), dtype,
+                                       buffer=self._mm, offset=self._data_offset,
+                                       strides=tuple(st * dtype.itemsize for st in strides))
+        return self._area_np
+
+    def block_table(self, slots, torch: bool = False) -> "BlockTable":
+        """Zero-copy access to the blocks in SLOTS: the cached whole-area view
+        (numpy, or torch with torch=True) and the slot ids, in O(1) -- no
+        per-block view is made until a consumer indexes one."""
+        area = self.slots_tensor() if torch else self.slots_array()
+        return BlockTable(area, np.asarray(slots, dtype=np.uint32))
+
+    def slots_tensor(self):
+        """Zero-copy torch tensor over every slot, made once per Pool: shape
+        (slot_count, layer, K|V, token, kv_head, head_dim); `t[ids]` gathers
+        blocks as paged attention does."""
+        self._r()
+        if self._area_torch is None:
+            self._area_torch = self._make_slots_tensor()
+        return self._area_torch
+
+    def _make_slots_tensor(self):
+        torch = _torch()
+        g = self.geometry
+        elem = g.dtype_bytes
+        strides = self._block_strides(elem)
         n = self.info.slot_count
         flat = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
                                 count=((n - 1) * self._stride + self.info.block_bytes) // elem,
                                 offset=self._data_offset)
-        inner = list(g.block_shape)
-        strides, acc = [], 1
-        for dim in reversed(inner):
-            strides.insert(0, acc)
-            acc *= dim
-        return flat.as_strided([n] + inner, [self._stride // elem] + strides)
+        return flat.as_strided([n] + list(g.block_shape), strides)
 
     def slot_tensor(self, slot: int):
         """Zero-copy torch tensor of SLOT shaped (layer, K|V, token, kv_head, head_dim)."""
@@ -414,6 +465,40 @@ class Pool:
                              count=self.info.block_bytes // g.dtype_bytes,
                              offset=self.slot_offset(slot))
         return t.view(g.block_shape)
+
+
+class BlockTable:
+    """A batch of blocks in the pool, zero copy: the pool's whole-area view
+    (`area`, numpy or torch, shaped (slot_count, layer, K|V, token, kv_head,
+    head_dim)) and the batch's slot ids (`slots`, uint32).
+
+    Made in O(1) whatever the batch size.  `table[i]` is block i's view (no
+    copy); a consumer that attends over the batch indexes `area` with
+    `slots` itself (what paged attention does with a block table).  The views
+    stay valid while the blocks are pinned (until unpin / ack).
+    """
+
+    __slots__ = ("area", "slots")
+
+    def __init__(self, area, slots: np.ndarray):
+        self.area = area
+        self.slots = slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return BlockTable(self.area, self.slots[i])
+        return self.area[int(self.slots[i])]        # basic indexing: a view
+
+    def __iter__(self):
+        # per-block views on demand, for consumers that do want one each
+        area = self.area
+        return (area[s] for s in self.slots.tolist())
+
+    def __repr__(self) -> str:
+        return f"BlockTable({len(self.slots)} blocks)"
 
 
 def _torch():
