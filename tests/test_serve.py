@@ -162,3 +162,41 @@ def test_no_pins_or_handoffs_left_after_requests(cluster):
         snap = take(pool)
     assert snap["index"]["pinned_blocks"] == 0
     assert snap["handoffs"]["in_flight"] == []
+
+
+def test_a_metrics_scrape_does_not_hold_up_the_serving_path(engine, region_path):
+    """A scrape that is slow inside its pool read (here: held there) must not
+    stall a prefill of the same worker: the scrape takes no lock a request needs."""
+    from tract_cli.core.handoff import Ticket
+    from tract_cli.serve.prefill import PrefillWorker
+    Pool.create(region_path, 64 << 20, MODEL, nodes=3).close()
+    with RunningAgent(region_path, 0, manager=True):
+        w = PrefillWorker(region_path, 1, engine, start_agent=False)
+        inside, release = threading.Event(), threading.Event()
+        real = w.pool.slots_in_use
+
+        def held_scrape_read():
+            inside.set()
+            release.wait(60)               # bounded: the test sets it in any case
+            return real()
+        w.pool.slots_in_use = held_scrape_read
+        scrape = threading.Thread(target=w.metrics.render)
+        served = {}
+        req = threading.Thread(target=lambda: served.update(
+            w.handle({"tokens": prompt(7, 40), "max_tokens": 1})))
+        try:
+            scrape.start()
+            assert inside.wait(30), "the scrape never read the pool"
+            req.start()
+            req.join(timeout=60)
+            assert not req.is_alive(), "a prefill waited for a /metrics scrape"
+            assert served["prompt_tokens"] == 40
+        finally:
+            release.set()
+            scrape.join(timeout=60)
+            req.join(timeout=60)
+        assert not scrape.is_alive()
+        w.pool.handoffs.ack(Ticket.from_dict(served["ticket"]))
+        del w.pool.slots_in_use
+        assert f"tract_pool_slots_used {w.pool.slots_in_use():g}" in w.metrics.render()
+        w.close()

@@ -193,27 +193,26 @@ class DecodeWorker(PoolWorker):
             table = eng.new_table(0, self.slots if mode == "zero-copy" else None,
                                   private=-(-(len(tokens) + sampling.max_tokens) // bt) + 1)
             private = table.stores[PRIVATE]
-            with self.pool_lock:
-                rec = pool.handoffs.open(ticket)
-                if rec.token_count != len(tokens):
-                    raise ApiError(502, f"the handoff holds {rec.token_count} tokens, the prompt "
-                                        f"has {len(tokens)}", "upstream_error")
-                n = len(rec.slots)
-                if mode == "copy":
-                    pool.handoffs.copy_blocks(rec, private[:n])
-                    table.extend(PRIVATE, range(n))
-                    nxt = n
-                else:
-                    pool.invalidate_slots(rec.slots)
-                    table.extend(POOL, rec.slots)
-                    nxt = 0
-                if rec.tail_slot is not None:
-                    pool.handoffs.copy_tail(rec, as_bytes(private[nxt]))
-                    table.append(PRIVATE, nxt)
-                    nxt += 1
-                if mode == "copy":
-                    pool.handoffs.ack(ticket)
-                    acked = True
+            rec = pool.handoffs.open(ticket)
+            if rec.token_count != len(tokens):
+                raise ApiError(502, f"the handoff holds {rec.token_count} tokens, the prompt "
+                                    f"has {len(tokens)}", "upstream_error")
+            n = len(rec.slots)
+            if mode == "copy":
+                pool.handoffs.copy_blocks(rec, private[:n])
+                table.extend(PRIVATE, range(n))
+                nxt = n
+            else:
+                pool.invalidate_slots(rec.slots)
+                table.extend(POOL, rec.slots)
+                nxt = 0
+            if rec.tail_slot is not None:
+                pool.handoffs.copy_tail(rec, as_bytes(private[nxt]))
+                table.append(PRIVATE, nxt)
+                nxt += 1
+            if mode == "copy":
+                pool.handoffs.ack(ticket)
+                acked = True
             handoff_s = time.perf_counter() - c
             m.observe("handoff_seconds", handoff_s)
             ttft = time.perf_counter() - t0
@@ -242,8 +241,7 @@ class DecodeWorker(PoolWorker):
                 table.release()
             if ticket is not None and not acked:
                 try:
-                    with self.pool_lock:
-                        pool.handoffs.ack(ticket)
+                    pool.handoffs.ack(ticket)
                 except TractError:
                     pass              # expired and reclaimed already: nothing left pinned
             if ticket is not None:

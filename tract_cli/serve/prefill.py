@@ -18,7 +18,7 @@ import numpy as np
 
 from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import HandoffError, retry_while_pending
+from tract_cli.core.handoff import HandoffError
 from tract_cli.core.hashing import block_hashes
 from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
@@ -104,17 +104,16 @@ class PrefillWorker(PoolWorker):
         h = 0
         try:
             c = time.perf_counter()
-            with self.pool_lock:
-                hit = pool.index.lookup(keys[:reusable])
-                h = hit.hits
-                if mode == "copy":
-                    pool.index.read(hit, private[:h])
-                    pool.index.unpin(hit)
-                    hit = None
-                else:
-                    pool.invalidate_slots(hit.slots)
-                    status, slots = pool.index.reserve(keys[h:], pin=True)
-                    ready_pins = keys[h:][status == ALREADY_READY]
+            hit = pool.index.lookup(keys[:reusable])
+            h = hit.hits
+            if mode == "copy":
+                pool.index.read(hit, private[:h])
+                pool.index.unpin(hit)
+                hit = None
+            else:
+                pool.invalidate_slots(hit.slots)
+                status, slots = pool.index.reserve(keys[h:], pin=True)
+                ready_pins = keys[h:][status == ALREADY_READY]
             t["lookup_load"] = time.perf_counter() - c
             m.observe("kv_load_seconds", t["lookup_load"])
             # the block table: hits, the new full blocks, the tail
@@ -133,16 +132,15 @@ class PrefillWorker(PoolWorker):
             logits = eng.prefill(tokens, table, h)
             t["compute"] = time.perf_counter() - c
             c = time.perf_counter()
-            with self.pool_lock:
-                # new blocks are published pinned: nothing evicts them before the handoff
-                if mode == "copy":
-                    res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1),
-                                         pin=True) if full > h else PutResult(np.zeros(0, np.uint8))
-                else:
-                    res = pool.index.commit(keys[h:], status, slots, pin=True)
-                    status = None
-                put_pins = res.pinned(keys[h:])
-                ready_pins = None
+            # new blocks are published pinned: nothing evicts them before the handoff
+            if mode == "copy":
+                res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1),
+                                     pin=True) if full > h else PutResult(np.zeros(0, np.uint8))
+            else:
+                res = pool.index.commit(keys[h:], status, slots, pin=True)
+                status = None
+            put_pins = res.pinned(keys[h:])
+            ready_pins = None
             if res.count("no_room"):
                 raise PoolFull("no room for the new blocks", "free or enlarge the pool")
             t["kv_write"] = time.perf_counter() - c
@@ -155,15 +153,14 @@ class PrefillWorker(PoolWorker):
             t["handoff_publish"] = time.perf_counter() - c
             m.observe("handoff_publish_seconds", t["handoff_publish"])
         finally:
-            with self.pool_lock:
-                if status is not None:           # reserved but never committed: abandon
-                    pool.index.commit(keys[h:], status, slots, publish=False)
-                if ready_pins is not None and len(ready_pins):
-                    pool.index.unpin(ready_pins)
-                if hit is not None:
-                    pool.index.unpin(hit)
-                if put_pins is not None and len(put_pins):
-                    pool.index.unpin(put_pins)
+            if status is not None:           # reserved but never committed: abandon
+                pool.index.commit(keys[h:], status, slots, publish=False)
+            if ready_pins is not None and len(ready_pins):
+                pool.index.unpin(ready_pins)
+            if hit is not None:
+                pool.index.unpin(hit)
+            if put_pins is not None and len(put_pins):
+                pool.index.unpin(put_pins)
             table.release()
         first = eng.sample(logits, sampling, 0)
         t["total"] = time.perf_counter() - t0
@@ -181,10 +178,7 @@ class PrefillWorker(PoolWorker):
 
     def _publish(self, rid, keys, token_count, tail, tail_tokens, wait_s: float):
         """Publishes the handoff.  Blocks another request still holds PENDING
-        (possibly one of this worker's threads, which needs pool_lock to
-        finish) are waited for with the lock released between attempts."""
-        def attempt():
-            with self.pool_lock:
-                return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
-                                                  tail_tokens=tail_tokens, ttl=self.ttl)
-        return retry_while_pending(attempt, wait_s)
+        (another worker's, or another thread's of this one) are waited for,
+        bounded by WAIT_S, polling between attempts."""
+        return self.pool.handoffs.publish(rid, keys, token_count, tail=tail,
+                                          tail_tokens=tail_tokens, ttl=self.ttl, wait_s=wait_s)
