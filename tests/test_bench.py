@@ -41,6 +41,7 @@ def test_bench_runs_every_transport_and_verifies_the_kv(tmp_path):
     assert by["tract-copy"]["hit_rate_blocks"] > 0.2 and by["tcp"]["hit_rate_blocks"] is None
     assert data["compute"] == "modelled" and len(data["records"]["tcp"]) == 3
     assert "emulated /dev/shm region" in res.stdout
+    assert "flush mode none" in headline(res.stdout) and data["flush_mode"] == "none"
 
 
 def test_bench_rejects_an_unknown_transport():
@@ -210,12 +211,21 @@ def test_ttft_differences_between_transports_are_their_kv_path_differences():
     assert abs(d_ttft - d_kv) <= tol, (d_ttft, d_kv, tol)
 
 
+def headline(stdout: str) -> str:
+    """The title of a command's output, before its table's header row (a title
+    Rich wraps over lines is joined)."""
+    text = " ".join(stdout.split())
+    return text[:text.index("┏")] if "┏" in text else text
+
+
 def test_zero_copy_moves_no_bytes_and_missing_stages_show_a_dash(tmp_path):
     out = tmp_path / "bench.json"
     res = tract("bench", "--model", "tiny", "--input-len", "300", "--requests", "2",
                 "--transport", "tract-zero-copy", "--transport", "tcp", "--json", str(out),
-                env={**os.environ, "COLUMNS": "250"})
+                "--flush-mode", "clflush", env={**os.environ, "COLUMNS": "250"})
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "flush mode clflush" in headline(res.stdout)
+    assert json.loads(out.read_text())["flush_mode"] == "clflush"
     by = {s["transport"]: s for s in json.loads(out.read_text())["summaries"]}
     assert by["tract-zero-copy"]["kv_bytes_moved"] == 0 and by["tract-zero-copy"]["kv_gbps"] is None
     assert by["tcp"]["stages_s"]["handoff_open"] is None
@@ -260,3 +270,20 @@ def test_a_trace_faster_than_the_modelled_capacity_says_so(tmp_path):
                 "--speedup", "400", "--transport", "tract-copy", "--max-input-len", "8192")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "exceeds the modelled prefill capacity" in " ".join(res.stdout.split())
+
+
+@pytest.mark.parametrize("command", [["copy", "--model", "tiny", "--size", "64M", "--rounds", "1"],
+                                     ["attach", "--size", "64M"], ["format", "--size", "64M"]],
+                         ids=["copy", "attach", "format"])
+def test_microbench_headlines_name_the_flush_mode_they_ran_with(command):
+    """The mode the pool really ran with: the header's, or TRACT_FLUSH_MODE's
+    override (format writes clflush into the header whatever the override)."""
+    env = {**os.environ, "COLUMNS": "250"}
+    env.pop("TRACT_FLUSH_MODE", None)
+    plain = tract("microbench", *command, timeout=300, env=env)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    expect = "clflush" if command[0] == "format" else "none"
+    assert f"flush mode {expect}" in headline(plain.stdout), plain.stdout
+    over = tract("microbench", *command, timeout=300, env={**env, "TRACT_FLUSH_MODE": "clflush"})
+    assert over.returncode == 0, over.stdout + over.stderr
+    assert "flush mode clflush" in headline(over.stdout), over.stdout

@@ -30,6 +30,7 @@ class InspectFigures:
     workload_ops_s: float
     workload_ops_s_watched: float
     interval_s: float
+    flush_mode: str = "none"     # the mode the pool ran with (header, or TRACT_FLUSH_MODE)
 
     @property
     def slowdown(self) -> float:
@@ -64,6 +65,7 @@ def bench_inspect(entries: int = 20000, seconds: float = 3.0,
         agent = ensure_agent(path, 0, manager=True)
         try:
             with Pool.attach(path, node=1) as pool:
+                mode = pool.flush_mode
                 root = pool_root(pool.info)
                 block = np.zeros(pool.info.block_bytes, np.uint8)
                 toks = np.random.default_rng(0).integers(0, 50000, entries * 16).astype(np.int32)
@@ -94,4 +96,5 @@ def bench_inspect(entries: int = 20000, seconds: float = 3.0,
             if agent is not None:
                 agent.terminate()
                 agent.wait(timeout=30)
-    return InspectFigures(buckets, ready, statistics.median(times) * 1e3, alone, watched, interval)
+    return InspectFigures(buckets, ready, statistics.median(times) * 1e3, alone, watched, interval,
+                          mode)

@@ -57,6 +57,7 @@ class CopyResult:
     blocks_per_round: int
     gbps: dict          # name -> median GB/s
     best_gbps: dict     # name -> best round GB/s
+    flush_mode: str = "none"    # the mode the pool ran with (header, or TRACT_FLUSH_MODE)
 
     def ratio(self, name: str, ref: str) -> float:
         return self.gbps[name] / self.gbps[ref]
@@ -71,6 +72,7 @@ def bench_copy(model: str = "llama-3-8b", region_size: int = 1 << 30, rounds: in
         _need_space(path, region_size)
         with Pool.create(path, region_size, profile, nodes=1, flush_mode="none", progress=None) as pool:
             n = min(pool.slot_count, 256)
+            mode = pool.flush_mode
             rng = np.random.default_rng(1)
             src = rng.integers(0, 255, size=block, dtype=np.uint8)
             dst = np.empty(block, dtype=np.uint8)
@@ -101,7 +103,7 @@ def bench_copy(model: str = "llama-3-8b", region_size: int = 1 << 30, rounds: in
                     samples[k].append(run(k))
             ffi.release(base)
     return CopyResult(block, rounds, n, {k: statistics.median(v) for k, v in samples.items()},
-                      {k: max(v) for k, v in samples.items()})
+                      {k: max(v) for k, v in samples.items()}, mode)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class AttachResult:
     attach_prefault_s: float   # attach with pre-fault
     first_copy_cold_gbps: float  # first copy into 64 untouched slots, no pre-fault
     first_copy_warm_gbps: float  # same after pre-fault
+    flush_mode: str = "none"     # the mode the pool ran with
 
 
 def bench_attach(region_size: int = 8 << 30, model: str = "llama-3-8b",
@@ -138,8 +141,9 @@ def bench_attach(region_size: int = 8 << 30, model: str = "llama-3-8b",
         pool = Pool.attach(path, prefault=True)
         warm_attach = time.perf_counter() - t0
         warm_copy = first_copies(pool)
+        mode = pool.flush_mode
         pool.close()
-    return AttachResult(region_size, cold_attach, warm_attach, cold_copy, warm_copy)
+    return AttachResult(region_size, cold_attach, warm_attach, cold_copy, warm_copy, mode)
 
 
 @dataclass
@@ -148,6 +152,7 @@ class FormatResult:
     metadata_bytes: int
     slot_count: int
     format_s: float
+    flush_mode: str = "clflush"  # the mode written into the header
 
 
 def bench_format(region_size: int, model: str = "llama-3-8b",
@@ -173,4 +178,4 @@ def bench_format(region_size: int, model: str = "llama-3-8b",
         slots = hdr.slot_count
         ffi.release(base)
         mm.close()
-    return FormatResult(region_size, meta, slots, elapsed)
+    return FormatResult(region_size, meta, slots, elapsed, opts.flush_mode)

@@ -44,7 +44,8 @@ def bench_serving(lengths: list[int], rounds: int, profile: str = "tiny-llama",
     out = []
     extra = ["--threads", str(threads)] if threads else []
     with temp_region_path() as path:
-        Pool.create(path, size, profile, nodes=4).close()
+        with Pool.create(path, size, profile, nodes=4) as p:
+            mode = p.flush_mode          # the workers attach with the same (header or env)
         agents, workers = [], []
         try:
             agents = [ensure_agent(path, 0, manager=True), ensure_agent(path, 1), ensure_agent(path, 2)]
@@ -66,7 +67,8 @@ def bench_serving(lengths: list[int], rounds: int, profile: str = "tiny-llama",
                     base.append(time.perf_counter() - t0)
                     if progress:
                         progress()
-                row = {"input_len": n, "single_process_ttft_s": statistics.median(base)}
+                row = {"input_len": n, "flush_mode": mode,
+                       "single_process_ttft_s": statistics.median(base)}
                 for mode in MODES:
                     ttft, move, client = [], [], []
                     for _ in range(rounds):

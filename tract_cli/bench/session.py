@@ -37,6 +37,7 @@ class BenchResult:
     kv_bytes_mean: int
     memcpy_2x_s: float
     extra: dict = field(default_factory=dict)
+    flush_mode: str = "none"      # what the workers ran with (the header's, or TRACT_FLUSH_MODE)
 
 
 def unique_blocks(requests: list[Request], block_tokens: int) -> tuple[list[np.ndarray], int]:
@@ -150,7 +151,7 @@ def _check_real(requests, profile, prefill_workers: int, decode_workers: int) ->
 def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_workers,
             progress, real_compute=False) -> BenchResult:
     with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
-        medium, info = p.medium, p.info
+        medium, info, flush = p.medium, p.info, p.flush_mode
     if info.geometry != profile.geometry:
         raise UsageError(f"{path} holds KV of {info.model_name} ({info.geometry.describe()})",
                          f"pass --model {info.model_name}, or no --pool")
@@ -240,7 +241,8 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
         {label: n for label, reqs, _, _ in keyed if (n := load_note(reqs, compute, prefill_workers))}
     return BenchResult(summaries, records, skipped, medium, info.slot_count, uniq,
                        sim_hits / sim_blocks if sim_blocks else 0.0, sim_evictions, kv_mean,
-                       memcpy_2x, extra={"peer_logs": logs, "load_notes": notes})
+                       memcpy_2x, extra={"peer_logs": logs, "load_notes": notes},
+                       flush_mode=flush)
 
 
 def _empty_cache(p: Pool) -> None:

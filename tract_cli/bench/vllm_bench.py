@@ -107,7 +107,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "--no-enable-prefix-caching")
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, texts, kv = [], {}, {}
-    pool = None
+    pool, flush_mode = None, None
     try:
         for config in configs:
             print(f"starting {config} ...", file=log, flush=True)
@@ -116,6 +116,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     from tract_cli.core.region import remove_region
                     remove_region(pool)
                 pool = _tract_region(model_dir, lengths, per_length + 1)
+                flush_mode = _flush_mode(pool)
             servers = _start(config, model_dir, work, args, kv_cache_gib, pool)
             try:
                 for s in servers.values():
@@ -145,7 +146,15 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         mono = texts[rec["request"]].get("mono")
         rec["verified"] = None if mono is None else texts[rec["request"]][rec["config"]] == mono
     return {"records": records, "summaries": summarize(records), "kv": kv,
-            "memcpy": _memcpy_figures(kv)}
+            "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode}
+
+
+def _flush_mode(path: str) -> str:
+    """The flush mode the connectors attach with: the header's, or TRACT_FLUSH_MODE
+    (which the vLLM processes inherit)."""
+    from tract_cli.core.pool import Pool
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        return p.flush_mode
 
 
 def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,

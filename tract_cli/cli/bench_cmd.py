@@ -131,6 +131,7 @@ def bench(
                 json.dump({"workload": described, "summaries": res.summaries, "records": res.records,
                            "skipped": res.skipped, "memcpy_2x_s": res.memcpy_2x_s,
                            "kv_bytes_mean": res.kv_bytes_mean, "medium": res.medium,
+                           "flush_mode": res.flush_mode,
                            "compute": compute_mode, "device": None if real else dev.name,
                            "machine": session.machine(),
                            "sim_hit_rate": res.sim_hit_rate, "pool_slots": res.pool_slots,
@@ -158,7 +159,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     per = requests or 4
     res = vllm_bench.run(model, lengths, per, output_len, configs, seed, render.stderr.file)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
-                        f"{output_len} output tokens)")
+                        f"{output_len} output tokens; TraCT region flush mode "
+                        f"{res['flush_mode'] or 'n/a (no TraCT configuration)'})")
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
                 "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right")
@@ -250,7 +252,8 @@ def _render(res, described, profile, compute_text, pw, dw):
     out = render.stdout if render.stdout.is_terminal else Console(width=200)
     sweep = any(s.get("group") is not None for s in res.summaries)
     t = Table(title=f"{described}; {profile.name}; {pw} prefill + {dw} decode workers; "
-                    f"{res.medium}; {compute_text}; {session.machine()}",
+                    f"{res.medium}, flush mode {res.flush_mode}; {compute_text}; "
+                    f"{session.machine()}",
               title_justify="left")
     cols = (["input"] if sweep else []) + [
         "transport", "TTFT mean", "p50", "p90", "p99", "KV handoff", "/ 2x memcpy", "/ best",

@@ -41,7 +41,8 @@ def copy(
         render.print_json(r.__dict__)
         return
     t = Table(title=f"{format_size(r.block_bytes)} block copies, {r.blocks_per_round} distinct "
-                    f"slots x {r.rounds} rounds (emulated /dev/shm region)", title_justify="left")
+                    f"slots x {r.rounds} rounds, flush mode {r.flush_mode} (emulated /dev/shm "
+                    "region)", title_justify="left")
     for c in ("direction", "memcpy GB/s", "tract GB/s", "tract / memcpy"):
         t.add_column(c, justify="right")
     t.add_row("private -> slot", f"{r.gbps['memcpy_in']:.1f}", f"{r.gbps['tract_in']:.1f}",
@@ -61,8 +62,8 @@ def attach(
     if json_out:
         render.print_json(r.__dict__)
         return
-    t = Table(title=f"attach of a {format_size(r.region_size)} region (emulated /dev/shm)",
-              title_justify="left")
+    t = Table(title=f"attach of a {format_size(r.region_size)} region, flush mode {r.flush_mode} "
+                    "(emulated /dev/shm)", title_justify="left")
     for c in ("attach", "time", "first 64 block copies"):
         t.add_column(c, justify="right")
     t.add_row("no pre-fault", format_duration(r.attach_s), f"{r.first_copy_cold_gbps:.1f} GB/s")
@@ -80,7 +81,9 @@ def format_(
     if json_out:
         render.print_json([r.__dict__ for r in results])
         return
-    t = Table(title="format (metadata only, sparse file in /dev/shm)", title_justify="left")
+    modes = ", ".join(dict.fromkeys(r.flush_mode for r in results))
+    t = Table(title=f"format (metadata only, sparse file in /dev/shm), flush mode {modes}",
+              title_justify="left")
     for c in ("size", "slots", "metadata", "format time"):
         t.add_column(c, justify="right")
     for r in results:
@@ -167,7 +170,7 @@ def inspect_(
         render.print_json({**r.__dict__, "slowdown": r.slowdown})
         return
     render.stdout.print(
-        f"snapshot of every view, {r.buckets} buckets ({r.ready} READY): {r.snapshot_ms:.1f} ms "
+        f"flush mode {r.flush_mode}: snapshot of every view, {r.buckets} buckets ({r.ready} READY): {r.snapshot_ms:.1f} ms "
         f"(median of 10)\nlookup+unpin of a 375-block chain: {r.workload_ops_s:.0f}/s alone, "
         f"{r.workload_ops_s_watched:.0f}/s while `tract inspect --watch --interval {r.interval_s:g}` runs "
         f"({100 * (r.slowdown - 1):+.1f}% time per op); emulated /dev/shm region, 2 cores")
@@ -195,8 +198,9 @@ def serve(
     if json_out:
         render.print_json(rows)
         return
+    modes = ", ".join(dict.fromkeys(r["flush_mode"] for r in rows))
     t = Table(title=f"TTFT, {model} (random weights, real CPU compute), max_tokens=1, median of "
-                    f"{rounds}; emulated /dev/shm region", title_justify="left")
+                    f"{rounds}; flush mode {modes}; emulated /dev/shm region", title_justify="left")
     for c in ("input", "1 process", "copy TTFT", "KV moved", "share", "zero-copy TTFT",
               "KV moved", "share"):
         t.add_column(c, justify="right")
