@@ -28,6 +28,7 @@ import numpy as np
 
 from tract_cli.core.agent import ensure_agent
 from tract_cli.core.pool import Pool
+from tract_cli.core.region import remove_region
 
 
 def _median_us(samples: list[float]) -> float:
@@ -67,7 +68,7 @@ def run(mode: str, in_flight: int, shape: str, rounds: int) -> dict:
     finally:
         agent.terminate()
         agent.wait(timeout=30)
-        os.unlink(path)
+        remove_region(path)
         os.rmdir(os.path.dirname(path))
     return {"mode": mode, "in_flight": in_flight, "shape": shape,
             "publish_us": _median_us(pub), "publish_ack_us": _median_us(pair),
