@@ -89,3 +89,26 @@ def test_lookup_tags_name_the_bucket_and_a_new_epoch_per_claim(region_path):
         p.index.unpin(hit)
         assert not set(tags1.tolist()) & set(tags2.tolist())
         assert ((tags2 >> 32) > (tags1 >> 32)).any()          # a later epoch
+
+
+def test_a_handoff_carries_the_payload_tags_of_its_blocks(region_path):
+    """The decode side reads a record's tags without a lookup of its own (the
+    blocks are pinned by the record): they equal the index's, so a decode
+    node that read these payloads before evicts nothing the second time."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as pre, \
+            Pool.attach(region_path, node=2) as dec:
+        keys = block_hashes(np.arange(80, dtype=np.int32), root=pool_root(pre.info))
+        pre.index.put(keys, np.ones((len(keys), pre.info.block_bytes), np.uint8))
+        hit = pre.index.lookup(keys)
+        want = hit.tags.copy()
+        pre.index.unpin(hit)
+        for round_ in range(2):
+            ticket = pre.handoffs.publish(f"r{round_}", keys, len(keys) * 16)
+            rec = dec.handoffs.open(ticket)
+            assert rec.tags.tolist() == want.tolist()
+            evicted = dec.acquire_payload(rec.slots, rec.tags)
+            assert evicted == (len(keys) if round_ == 0 else 0)
+            dec.handoffs.ack(ticket)

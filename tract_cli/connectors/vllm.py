@@ -182,6 +182,7 @@ class LoadSpec:
     pages: np.ndarray          # int64 vLLM block id of each region block
     subs: np.ndarray           # int64 sub-block of each region block in its page
     ticket: dict | None = None
+    tags: np.ndarray | None = None   # uint64 payload tags (None: evict every slot)
 
 
 @dataclass
@@ -369,20 +370,21 @@ class TractConnector(KVConnectorBase_V1):
         end_tokens = st.matched_from + num_external_tokens
         last = -(-end_tokens // self.g)
         if st.received is not None:
-            slots, sums = st.received.slots, st.received.checksums
+            slots, sums, tags = st.received.slots, st.received.checksums, st.received.tags
             ticket = st.ticket.to_dict()
             params = request.kv_transfer_params
             if params is not None:
                 params["do_remote_prefill"] = False   # one transfer per request
             st.received = st.ticket = None            # the worker acknowledges it now
         else:
-            slots, sums = st.lookup.slots, st.lookup.checksums
+            slots, sums, tags = st.lookup.slots, st.lookup.checksums, st.lookup.tags
             ticket = None
         page_ids = np.asarray(blocks.get_block_ids()[0], dtype=np.int64)
         idx = np.arange(first, last, dtype=np.int64)
         self._pending_loads.append(LoadSpec(request.request_id, slots[first:last],
                                             sums[first:last], page_ids[idx // self.r],
-                                            idx % self.r, ticket))
+                                            idx % self.r, ticket,
+                                            None if tags is None else tags[first:last]))
         st.loading = True
         st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
         st.saved = max(st.saved, min(last, len(st.keys)))
@@ -570,7 +572,7 @@ class TractConnector(KVConnectorBase_V1):
         try:
             if spec.ticket is not None:          # still published: its pins hold the slots
                 self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
-            self.pool.invalidate_slots(spec.slots)
+            self.pool.acquire_payload(spec.slots, spec.tags)
             if self.settings.checksums and n:
                 sums = self.pool.checksum_slots(spec.slots)
                 bad = np.flatnonzero((spec.checksums != 0) & (sums != spec.checksums))

@@ -63,11 +63,13 @@ class CudaPool:
             raise TractError("the pool mapping is not page-locked after cudaHostRegister",
                              "check the CUDA driver and the mapping")
 
-    def load(self, slots, out) -> None:
+    def load(self, slots, out, tags=None) -> None:
         """Copies blocks SLOTS into the CUDA tensor OUT (len(slots), *block_shape);
-        asynchronous on self.stream (synchronize before use on another stream)."""
+        asynchronous on self.stream (synchronize before use on another stream).
+        The DMA snoops this host's caches, so the slots this host may hold stale
+        lines of are evicted first (TAGS: a lookup's payload tags; None: all)."""
         slots = np.asarray(slots, dtype=np.uint32)
-        self.pool.invalidate_slots(slots)
+        self.pool.acquire_payload(slots, tags)
         import torch
         with torch.cuda.stream(self.stream):
             for i, first, n in _runs(slots):

@@ -98,6 +98,9 @@ class Received:
     token_count: int
     tail_slot: int | None
     tail_tokens: int
+    # per block, its payload tag (index bucket + epoch; 0 unknown): readers
+    # evict only the slots their node may hold stale lines of
+    tags: np.ndarray | None = None
 
 
 class Handoffs:
@@ -166,12 +169,16 @@ class Handoffs:
                                "pass the ticket the prefill worker returned")
         raise_for(rc, f"{self._pool.path} handoff open")
         k = bc[0]
+        # the blocks are pinned by the record: their buckets cannot change, so
+        # their payload tags are read without a lock (one C call)
+        tags = self._pool.index.tags(keys[:k], slots[:k])
         return Received(ticket, keys[:k], slots[:k], sums[:k], toks[:k], tc[0],
-                        ts[0] - 1 if ts[0] else None, tt[0])
+                        ts[0] - 1 if ts[0] else None, tt[0], tags)
 
     def copy_blocks(self, rec: Received, out: np.ndarray, verify: bool = True) -> None:
         """Copies the blocks into OUT (shape (blocks, ...)): the copying path."""
-        self._pool.index.read_slots(rec.slots, rec.checksums if verify else None, out)
+        self._pool.index.read_slots(rec.slots, rec.checksums if verify else None, out,
+                                    rec.keys, rec.tags)
 
     def copy_tail(self, rec: Received, out: np.ndarray) -> None:
         """Copies the partial tail block's bytes into OUT."""
@@ -182,9 +189,9 @@ class Handoffs:
     def views(self, rec: Received, torch: bool = False) -> BlockTable:
         """Zero-copy views of the blocks (valid until ack), as a `BlockTable`
         (`views[i]` is block i; numpy, or torch with torch=True): the CPU
-        zero-copy path.  One C call evicts this host's stale lines of the
-        slots; no per-block work."""
-        self._pool.invalidate_slots(rec.slots)
+        zero-copy path.  One C call evicts the slots this host may hold stale
+        lines of (the payload ledger, by the record's tags); no per-block work."""
+        self._pool.acquire_payload(rec.slots, rec.tags)
         return self._pool.block_table(rec.slots, torch=torch)
 
     def tail_view(self, rec: Received) -> np.ndarray | None:

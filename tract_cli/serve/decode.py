@@ -203,7 +203,7 @@ class DecodeWorker(PoolWorker):
                 table.extend(PRIVATE, range(n))
                 nxt = n
             else:
-                pool.invalidate_slots(rec.slots)
+                pool.acquire_payload(rec.slots, rec.tags)
                 table.extend(POOL, rec.slots)
                 nxt = 0
             if rec.tail_slot is not None:

@@ -111,7 +111,7 @@ class PrefillWorker(PoolWorker):
                 pool.index.unpin(hit)
                 hit = None
             else:
-                pool.invalidate_slots(hit.slots)
+                pool.acquire_payload(hit.slots, hit.tags)
                 status, slots = pool.index.reserve(keys[h:], pin=True)
                 ready_pins = keys[h:][status == ALREADY_READY]
             t["lookup_load"] = time.perf_counter() - c
