@@ -35,3 +35,28 @@ def tiny_pool(region_path):
     yield pool
     if not pool.closed:
         pool.close()
+
+
+# real vLLM (tests/test_vllm*.py): what every module can share is made once a session
+
+@pytest.fixture(scope="session")
+def vllm_checkpoint(tmp_path_factory):
+    """The tiny random-weight checkpoint the real-vLLM tests serve (tests/vllm_model.py),
+    made once: a fresh one per module only repeated the same seconds of imports."""
+    from tests.vllm_stack import make_checkpoint
+    return make_checkpoint(str(tmp_path_factory.mktemp("vllm-ckpt") / "ckpt"))
+
+
+@pytest.fixture(scope="session")
+def vllm_mono(vllm_checkpoint, tmp_path_factory):
+    """The monolithic vLLM (no connector) that every answer is compared with, one for
+    the session: no test stops, kills or reconfigures it, and its answers at
+    temperature 0 do not depend on what it served before. Started here, waited for
+    by `tests.vllm_stack.start_stack` beside the stack's own servers (they start
+    together); stopped at the end of the session."""
+    from tests.vllm_stack import start_mono
+    server = start_mono(vllm_checkpoint, str(tmp_path_factory.mktemp("vllm-mono") / "mono.log"))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -5,7 +5,9 @@ The servers are real `vllm.entrypoints.openai.api_server` processes started
 by the product's own launcher (`serve.vllm_engine.VllmServer`) in vLLM's
 environment (`.ci/setup` builds it in `.peers/vllm`; TRACT_VLLM_PYTHON names
 another), on a tiny random-weight checkpoint made locally.  They are shared
-by the module: three engines start once (~1.5 min on two cores).  Every
+by the module (the prefill and decode instances) and by the session (the
+checkpoint, and the monolithic vLLM that tests/test_vllm_faults.py compares
+with too): three engines start together once (~1.5 min on two cores).  Every
 answer is compared with a monolithic vLLM (no connector) at temperature 0.
 """
 from __future__ import annotations
@@ -32,10 +34,12 @@ pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, vllm_checkpoint, vllm_mono):
     """A region, a prefill and a decode instance on it (nodes 1, 2; kv_both),
-    and a monolithic vLLM; stopped, with their node agents, afterwards."""
-    st = start_stack(tmp_path_factory.mktemp("vllm"), "128M", {"handoff_ttl_s": 60.0})
+    and the session's monolithic vLLM; the two stopped, with their node agents,
+    afterwards."""
+    st = start_stack(tmp_path_factory.mktemp("vllm"), "128M", {"handoff_ttl_s": 60.0},
+                     ckpt=vllm_checkpoint, mono=vllm_mono)
     try:
         yield st
     finally:

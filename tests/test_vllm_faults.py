@@ -26,9 +26,12 @@ TTL_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def sim(tmp_path_factory):
+def sim(tmp_path_factory, vllm_checkpoint, vllm_mono):
+    """Prefill and decode instances of their own (the simulator, TTL_S), since a
+    test here kills one; the session's checkpoint and monolithic vLLM."""
     st = start_stack(tmp_path_factory.mktemp("vllm-sim"), "24M",
-                     {"handoff_ttl_s": TTL_S, "simulate": True}, name="vllm-sim")
+                     {"handoff_ttl_s": TTL_S, "simulate": True}, name="vllm-sim",
+                     ckpt=vllm_checkpoint, mono=vllm_mono)
     try:
         yield st
     finally:

@@ -17,11 +17,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-sched")
-    ckpt = str(tmp / "ckpt")
-    subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt], check=True,
-                   capture_output=True, timeout=300)
+def seen(vllm_checkpoint):
+    ckpt = vllm_checkpoint
     pool = f"/dev/shm/tract-test-vllm-sched-{os.getpid()}.pool"
     subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", pool, "--size", "64M",
                     "--model", ckpt, "--nodes", "4", "--force", "-q"], check=True, timeout=120)

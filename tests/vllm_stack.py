@@ -31,24 +31,41 @@ def port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(tmp, size: str, extra: dict, name: str = "vllm") -> dict:
-    """Checkpoint, region (SIZE), prefill (node 1) + decode (node 2) with connector
-    options EXTRA, and a monolithic vLLM; each on its own cores where there are two."""
+def make_checkpoint(out_dir: str) -> str:
+    """The tiny random-weight checkpoint (tests/vllm_model.py, in vLLM's environment)."""
+    subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), out_dir], check=True,
+                   capture_output=True, timeout=300)
+    return out_dir
+
+
+def _env(core: str) -> dict | None:
+    """Pins a server's CPU threads to CORE where there are two cores."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": core} if (os.cpu_count() or 1) >= 2 else None
+
+
+def start_mono(ckpt: str, log_path: str):
+    """A monolithic vLLM (no connector), the reference every answer is compared with;
+    started, not waited for (`start_stack` waits for it beside its own servers)."""
     from tract_cli.serve.vllm_engine import VllmServer
     os.environ["TRACT_VLLM_PYTHON"] = VLLM_PY
-    ckpt = str(tmp / "ckpt")
-    subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt], check=True,
-                   capture_output=True, timeout=300)
+    return VllmServer(ckpt, port(), args=ARGS, log_path=log_path, env=_env("0"))
+
+
+def start_stack(tmp, size: str, extra: dict, name: str = "vllm", *, ckpt: str,
+                mono) -> dict:
+    """A region (SIZE) of checkpoint CKPT, prefill (node 1) + decode (node 2) with
+    connector options EXTRA, each on its own core where there are two, and MONO, a
+    monolithic vLLM the caller owns (shared between stacks: `stop_stack` leaves it)."""
+    from tract_cli.serve.vllm_engine import VllmServer
+    os.environ["TRACT_VLLM_PYTHON"] = VLLM_PY
     pool = f"/dev/shm/tract-test-{name}-{os.getpid()}.pool"
     subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", pool, "--size", size,
                     "--model", ckpt, "--nodes", "4", "--force", "-q"], check=True, timeout=120)
-    st = {"pool": pool, "ckpt": ckpt, "tmp": tmp}
-    two = (os.cpu_count() or 1) >= 2
+    st = {"pool": pool, "ckpt": ckpt, "tmp": tmp, "mono": mono}
     try:
-        for role, node, core in (("prefill", 1, "0"), ("decode", 2, "1"), ("mono", None, "0")):
-            st[role] = VllmServer(ckpt, port(), pool=pool if node else None, node=node,
-                                  args=ARGS, extra=extra, log_path=str(tmp / f"{role}.log"),
-                                  env={"VLLM_CPU_OMP_THREADS_BIND": core} if two else None)
+        for role, node, core in (("prefill", 1, "0"), ("decode", 2, "1")):
+            st[role] = VllmServer(ckpt, port(), pool=pool, node=node, args=ARGS, extra=extra,
+                                  log_path=str(tmp / f"{role}.log"), env=_env(core))
         for role in ("prefill", "decode", "mono"):
             st[role].wait_ready()
     except BaseException:
@@ -58,8 +75,9 @@ def start_stack(tmp, size: str, extra: dict, name: str = "vllm") -> dict:
 
 
 def stop_stack(st: dict) -> None:
-    """Stops the servers, then the node agents their connectors started (bounded)."""
-    for role in ("prefill", "decode", "mono"):
+    """Stops the stack's servers (not the shared monolithic one), then the node agents
+    their connectors started (bounded)."""
+    for role in ("prefill", "decode"):
         if role in st:
             st[role].stop()
     pool = st["pool"]
