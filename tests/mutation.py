@@ -20,12 +20,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the multi-process protocol tests that run under the simulator
-TESTS = ["tests/test_lock.py::test_counters_are_exact_under_the_lock[sim]",
+TESTS = ["tests/test_payload_ledger.py",
+         "tests/test_lock.py::test_counters_are_exact_under_the_lock[sim]",
          "tests/test_index.py::test_prefill_and_decode_processes_share_prefixes[sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[copying-sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[zero-copy-sim]",
          "tests/test_noncoherence.py",
-         "tests/test_payload_ledger.py",
          "tests/test_takeover.py::test_under_the_simulator_every_party_sees_the_new_claim"]
 
 
