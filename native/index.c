@@ -156,8 +156,15 @@ static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t 
 		c->set->used[c->set->n_used++] = (uint16_t)p;
 		fresh++;
 	}
-	if (fresh)
+	if (fresh) {
 		c->r->ops->fence(c->r);
+		/* start every miss now, in parallel: the probes that follow load
+		 * these lines one by one, each a trip to the device otherwise.
+		 * A prefetch after the fence is an early load of the observe: the
+		 * lines are written only under the stripe lock this caller holds */
+		for (uint32_t i = 0; !c->r->sim && i < k; i++)
+			__builtin_prefetch(c->r->base + offs[i]);
+	}
 }
 
 /* flushes the section's written lines and empties the set (internal) */
@@ -538,6 +545,22 @@ static struct keyref *group(const tract_region *r, const uint8_t *keys, uint32_t
 	return refs;
 }
 
+/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
+ * lines for them with a single fence (internal) */
+static void prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
+			   uint32_t i, uint32_t j, uint32_t node)
+{
+	uint64_t pre[2 * 64];
+	uint32_t np = 0;
+	for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
+		const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
+		uint64_t home = c->first + key_home(c->r, key);
+		pre[np++] = bucket_off(c, home);
+		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
+	}
+	lines_prefetch(c, pre, np);
+}
+
 /* checks a handle can use the index (internal) */
 static int index_usable(const tract_region *r)
 {
@@ -585,17 +608,8 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			j++;
 		if ((rc = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
 			break;
-		/* refs[i..j) are this stripe's keys, tail first: invalidate their
-		 * home buckets and this node's pin lines with a single fence */
-		uint64_t pre[2 * 64];
-		uint32_t np = 0;
-		for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
-			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-			uint64_t home = c.first + key_home(r, key);
-			pre[np++] = bucket_off(&c, home);
-			pre[np++] = pin_off(r, r->node_id, home) & ~(uint64_t)(TRACT_LINE - 1);
-		}
-		lines_prefetch(&c, pre, np);
+		/* refs[i..j) are this stripe's keys, tail first */
+		prefetch_group(&c, keys, refs, i, j, r->node_id);
 		for (uint32_t k = i; k < j; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
@@ -717,6 +731,7 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 		}
 		if (mark)
 			mark(r, arg, g + 1);
+		prefetch_group(&c, keys, refs, i, j, node);
 		for (uint32_t k = i; k < j; k++) {
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
