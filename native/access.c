@@ -103,19 +103,35 @@ static void plain_flush(tract_region *r, uint64_t off, uint64_t n)
 }
 
 /*
- * invalidate: clwb cannot evict, so clwb mode invalidates with clflush.
- * Where the CPU has clflushopt, every invalidate uses it, one line or many:
- * unlike clflush it is not serialized (~10 ns a line here against ~100 ns),
- * and the fence that follows every invalidate in the discipline orders it
- * before the load.  (The paper's caveat about clflushopt concerns dirty
- * write-backs reaching the device; the lines a host invalidates to observe
- * are lines it did not write, clean here: PROTOCOLS.md §1.1.)  (internal)
+ * invalidate: clwb cannot evict, so clwb mode invalidates with clflush.  A
+ * range of several lines is evicted with clflushopt where the CPU has it:
+ * unlike clflush it is not serialized, and the fence that follows every
+ * invalidate in the discipline orders the batch.  (The paper's caveat about
+ * clflushopt concerns write-backs reaching the device; the lines a host
+ * invalidates to observe are lines it did not write.)  A single line keeps
+ * clflush: a lock-free observer may hit a line another process of this host
+ * holds dirty between its store and its flush, and must not be the one to
+ * write it back weakly (tract_evict_clean is for lines that cannot be dirty).
+ * (internal)
  */
 static void plain_invalidate(tract_region *r, uint64_t off, uint64_t n)
 {
 	int mode = r->flush_mode == TRACT_FLUSH_CLWB ? TRACT_FLUSH_CLFLUSH : r->flush_mode;
-	if (mode == TRACT_FLUSH_CLFLUSH && (tract_cpu_features() & TRACT_CPU_CLFLUSHOPT))
+	if (mode == TRACT_FLUSH_CLFLUSH && n > TRACT_LINE &&
+	    (tract_cpu_features() & TRACT_CPU_CLFLUSHOPT))
 		mode = TRACT_FLUSH_CLFLUSHOPT;
+	tract_flush_lines(mode, r->base + off, n);
+}
+
+/* evicts lines that cannot be dirty here with clflushopt (internal.h) (internal) */
+void tract_evict_clean(tract_region *r, uint64_t off, uint64_t n)
+{
+	if (r->sim || r->flush_mode == TRACT_FLUSH_NONE) {
+		r->ops->invalidate(r, off, n);
+		return;
+	}
+	int mode = (tract_cpu_features() & TRACT_CPU_CLFLUSHOPT) ? TRACT_FLUSH_CLFLUSHOPT
+								 : TRACT_FLUSH_CLFLUSH;
 	tract_flush_lines(mode, r->base + off, n);
 }
 

@@ -73,6 +73,40 @@ static void stream_sse2(uint8_t *dst, const uint8_t *src, uint64_t n)
 
 typedef void (*stream_fn)(uint8_t *, const uint8_t *, uint64_t);
 
+/* rewrites 64-byte lines in place with streaming stores: the cached (dirty)
+ * copy is read and streamed to memory, which drops the line from the caches;
+ * p 64-aligned, n a multiple of 64 (internal) */
+__attribute__((target("avx512f"))) static void restream_avx512(uint8_t *p, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 64)
+		_mm512_stream_si512((void *)(p + i), _mm512_load_si512((const void *)(p + i)));
+}
+
+__attribute__((target("avx2"))) static void restream_avx2(uint8_t *p, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 32)
+		_mm256_stream_si256((__m256i *)(p + i), _mm256_load_si256((const __m256i *)(p + i)));
+}
+
+static void restream_sse2(uint8_t *p, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 16)
+		_mm_stream_si128((__m128i *)(p + i), _mm_load_si128((const __m128i *)(p + i)));
+}
+
+/* streams the lines of [p, p+n) back in place; the unaligned edges are left
+ * to the caller (internal) */
+static void restream(uint8_t *p, uint64_t n)
+{
+	uint32_t f = tract_cpu_features();
+	if (f & TRACT_CPU_AVX512F)
+		restream_avx512(p, n);
+	else if (f & TRACT_CPU_AVX2)
+		restream_avx2(p, n);
+	else
+		restream_sse2(p, n);
+}
+
 /* picks the widest streaming routine once (internal) */
 static stream_fn stream_routine(void)
 {
@@ -106,7 +140,41 @@ static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
 	memcpy(dst, src, n);
 	__sync_synchronize();
 }
+
+static void restream(uint8_t *p, uint64_t n)
+{
+	(void)p;
+	(void)n;
+}
 #endif
+
+/*
+ * Writes back to the device the payload a zero-copy writer (plain stores) or a
+ * GPU's DMA (which DDIO may leave dirty in the last-level cache) put in
+ * [off, off+len), before its READY is published (internal).  In clflush mode
+ * the whole lines are streamed back in place (read from the cache, written
+ * with non-temporal stores, one sfence): the payload path DESIGN.md §4 and
+ * PROTOCOLS.md §1.1 sanction for CPU writers, at memory speed, where a
+ * serialized clflush of every line cost ~2 s per 750 MiB; the unaligned edges
+ * take clflush.  clflushopt and clwb modes use their instruction, fenced.
+ */
+void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
+{
+	if (r->sim || r->flush_mode != TRACT_FLUSH_CLFLUSH || tract_strict_payload) {
+		r->ops->flush(r, off, len);
+		r->ops->fence(r);
+		return;
+	}
+	uint8_t *p = r->base + off;
+	uint64_t head = (64 - ((uintptr_t)p & 63)) & 63;
+	if (head > len)
+		head = len;
+	tract_flush_lines(TRACT_FLUSH_CLFLUSH, p, head);
+	uint64_t bulk = (len - head) & ~(uint64_t)63;
+	restream(p + head, bulk);
+	tract_flush_lines(TRACT_FLUSH_CLFLUSH, p + head + bulk, len - head - bulk);
+	__sync_synchronize();     /* mfence: orders the streaming stores too */
+}
 
 /* Copies with the core's copy routine between two private buffers (benchmarks). */
 void tract_memcpy_nt(void *dst, const void *src, uint64_t len)
@@ -139,12 +207,15 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
 	}
 	if (len >= tract_movnt_threshold()) {
 		copy_nt(dst, src, len);
-		/* the unaligned edges went through the cache: write them back */
+		/* what copy_nt did not stream went through the cache: the unaligned
+		 * head, and everything past the last whole 256-byte chunk (up to
+		 * 255 bytes): write it back (the same arithmetic as copy_nt) */
 		uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-		tract_flush_lines(r->flush_mode, dst, head < len ? head : len);
-		uint64_t tail = ((uintptr_t)dst + len) & 63;
-		if (tail && len > head)
-			tract_flush_lines(r->flush_mode, dst + len - tail, tail);
+		if (head > len)
+			head = len;
+		uint64_t bulk = (len - head) & ~(uint64_t)255;
+		tract_flush_lines(r->flush_mode, dst, head);
+		tract_flush_lines(r->flush_mode, dst + head + bulk, len - head - bulk);
 	} else {
 		memcpy(dst, src, len);
 		tract_flush_lines(r->flush_mode, dst, len);
@@ -175,7 +246,7 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 	if (invalidate) {
 		/* a reused slot may still sit in this host's cache: evict it first
 		 * (clean lines: weakly ordered eviction and one fence, payload.c) */
-		r->ops->invalidate(r, src_off, len);
+		tract_evict_clean(r, src_off, len);
 		r->ops->fence(r);
 	}
 	load_payload(r, dst, src_off, len);

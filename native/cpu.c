@@ -33,6 +33,7 @@ static uint64_t xgetbv0(void)
 
 /* the mutation site removed in this process (tests/mutation.py); 0 = none */
 int tract_mutant;
+extern int tract_strict_payload;
 
 /* env flag set to a non-empty value other than "0" (internal) */
 static int env_flag(const char *name)
@@ -82,7 +83,12 @@ static void detect(void)
 		movnt_threshold = strtoull(t, NULL, 10);
 	if (env_flag("TRACT_NO_MOVNT"))
 		movnt_threshold = UINT64_MAX;
+	tract_strict_payload = env_flag("TRACT_STRICT_PAYLOAD");
 }
+
+/* TRACT_STRICT_PAYLOAD=1: every payload line is written back with the flush
+ * mode's own instruction before READY, also after streaming stores (copy.c) */
+int tract_strict_payload;
 
 /* Returns the TRACT_CPU_* bits of this CPU (detected once). */
 uint32_t tract_cpu_features(void)

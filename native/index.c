@@ -5,8 +5,9 @@
  * contiguous buckets; a key's stripe and home bucket come from its bits and
  * its probe sequence wraps inside its stripe, so every operation on a key
  * needs only that stripe's lock.  A request's keys are grouped by stripe
- * and the stripes are locked one at a time, in ascending order, never two
- * at once: no lock-order cycle is possible.
+ * and the stripes are locked in ascending order; lookup and unpin request
+ * the next stripe's lock while they hold one (a pipelined walk), so a holder
+ * only ever waits for higher locks: no lock-order cycle is possible.
  *
  * Under a stripe's lock its holder is the only writer of the stripe's
  * buckets, its LRU anchor and the pin lines of its buckets (a stripe spans
@@ -115,7 +116,12 @@ static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
 		c->r->ops->load(c->r, off, dst, TRACT_LINE);
 		return;
 	}
-	tract_observe_line_at(c->r, off, dst, SITE_INDEX_OBSERVE_LINE);
+	/* the line cannot be dirty here: its writers hold this stripe's lock, and
+	 * the previous holder flushed it (clflushopt, internal.h) */
+	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE))
+		tract_evict_clean(c->r, off, TRACT_LINE);
+	c->r->ops->fence(c->r);
+	c->r->ops->load(c->r, off, dst, TRACT_LINE);
 	if (p >= 0 && c->set->n_used < SET_CAP) {
 		c->set->off[p] = off + 1;
 		c->set->dirty[p] = 0;
@@ -150,7 +156,7 @@ static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t 
 		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
 			continue;
 		if (TRACT_KEEP(SITE_INDEX_PREFETCH))
-			c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
+			tract_evict_clean(c->r, offs[i], TRACT_LINE);   /* as line_get */
 		c->set->off[p] = offs[i] + 1;
 		c->set->dirty[p] = 0;
 		c->set->used[c->set->n_used++] = (uint16_t)p;
@@ -249,11 +255,24 @@ static void walk_init(struct stripe_walk *w, tract_region *r, struct line_set *s
 	w->pending = 0;
 }
 
-/* withdraws the pending request, if any (internal) */
+/* withdraws the pending request, if any; one that recovered the local mutex
+ * of a process that died inside the stripe enters instead, to repair what it
+ * left (its LOCKED slot is gone: nobody else would) (internal) */
 static void walk_end(struct stripe_walk *w)
 {
+	uint32_t s = w->pending - 1;
+	if (w->pending && w->q.recovered) {
+		struct stripe_ctx c;
+		w->pending = 0;
+		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
+			stripe_init(w->r, s, &c, NULL);
+			repair_pins(&c, w->r->node_id);
+			stripe_leave(&c);
+		}
+		return;
+	}
 	if (w->pending)
-		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + w->pending - 1, &w->q);
+		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + s, &w->q);
 	w->pending = 0;
 }
 
@@ -274,8 +293,10 @@ static int walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct s
 	stripe_init(r, s, c, w->set);
 	if (rc == TRACT_RECOVERED)
 		repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	/* the local tier only tried (timeout 0): a process of this node holding
+	 * or requesting the next stripe is not waited for while this one is held */
 	if (next != UINT32_MAX && next > s &&
-	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, w->timeout_ns, &w->q, NULL) == TRACT_OK)
+	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, 0, &w->q, NULL) == TRACT_OK)
 		w->pending = next + 1;
 	return TRACT_OK;
 }
@@ -822,8 +843,15 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 	stripe_leave(&c);
 	if (!ours)
 		return TRACT_E_NOT_FOUND;
-	if (slot < r->hdr.slot_count && tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
-		*freed = 1;
+	if (slot < r->hdr.slot_count) {
+		/* the dead writer's plain stores may still be dirty in this host's
+		 * caches (the agent runs on its host): written back now, they cannot
+		 * land later on the slot's next block */
+		tract_write_back_payload(r, tract_sec(r, TRACT_SEC_DATA)->offset +
+					    (uint64_t)slot * r->hdr.slot_stride, r->hdr.block_bytes);
+		if (tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
+			*freed = 1;
+	}
 	return TRACT_OK;
 }
 
@@ -1222,9 +1250,16 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	if (!mode) {
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
 		uint32_t k = 0;
+		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
 		for (uint32_t i = 0; freed && i < n; i++)
-			if (status[i] == PUT_CLAIMED)
+			if (status[i] == PUT_CLAIMED) {
+				/* a zero-copy writer's abandoned stores may be dirty here: written
+				 * back now, they cannot land later on the slot's next block */
+				if (!(publish & TRACT_COMMIT_STREAMED))
+					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
+								    r->hdr.slot_stride, r->hdr.block_bytes);
 				freed[k++] = slots[i];
+			}
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
 		if (freed && k)
 			rc = tract_free(r, freed, k, timeout_ns) ?: rc;

@@ -294,8 +294,23 @@ extern const struct tract_ops tract_sim_ops;
 /* creates simulator state for a region (internal) */
 int tract_sim_create(tract_region *r);
 
+/* the simulated process's own payload ledger, or NULL (sim.c) (internal) */
+uint64_t *tract_sim_ledger(tract_region *r);
+
 /* frees simulator state (internal) */
 void tract_sim_destroy(tract_region *r);
+
+/* set once at CPU detection from TRACT_STRICT_PAYLOAD (cpu.c) (internal) */
+extern int tract_strict_payload;
+
+/* evicts lines that cannot be dirty in this host's caches (payload that was
+ * written back before READY; metadata read under the lock its writers hold,
+ * whose previous holder flushed it): clflushopt where the CPU has it, one
+ * fence by the caller (access.c) (internal) */
+void tract_evict_clean(tract_region *r, uint64_t off, uint64_t n);
+
+/* writes a zero-copy writer's payload back to the device before READY (copy.c) (internal) */
+void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len);
 
 /* the flush-line primitive of a mode, used by the simulator and copies (internal) */
 void tract_flush_lines(int flush_mode, const uint8_t *p, uint64_t n);

@@ -35,6 +35,16 @@ static uint64_t slot_offset(const tract_region *r, uint32_t s)
 	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)s * r->hdr.slot_stride;
 }
 
+/* the ledger this handle reads and writes: the node's, shared by its
+ * processes as they share the host's caches; under the simulator each process
+ * has a cache of its own, so it gets a ledger of its own too (sim.c) (internal) */
+static uint64_t *payload_ledger(tract_region *r)
+{
+	if (r->sim)
+		return tract_sim_ledger(r);
+	return r->local ? tract_ledger(r) : NULL;
+}
+
 /*
  * Makes n slots safe to load from (zero-copy views, copies, GPU DMA, which
  * snoops this host's caches) for the payloads tags[i] (0 or tags NULL:
@@ -51,14 +61,14 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 	for (uint32_t i = 0; i < n; i++)
 		if (slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
-	uint64_t *ledger = r->local ? tract_ledger(r) : NULL;
+	uint64_t *ledger = payload_ledger(r);
 	uint32_t count = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t tag = tags ? tags[i] : 0;
 		if (tag && ledger && __atomic_load_n(&ledger[slots[i]], __ATOMIC_ACQUIRE) == tag)
 			continue;      /* this node can hold only lines of this very payload */
 		if (TRACT_KEEP(SITE_PAYLOAD_EVICT))
-			r->ops->invalidate(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
+			tract_evict_clean(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
 		count++;
 	}
 	if (count)
@@ -77,7 +87,8 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 /* Returns the payload tag the ledger holds for a slot (0: none or unknown). */
 uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot)
 {
-	if (!r || !r->local || slot >= r->hdr.slot_count)
+	uint64_t *ledger = r ? payload_ledger((tract_region *)r) : NULL;
+	if (!ledger || slot >= r->hdr.slot_count)
 		return 0;
-	return __atomic_load_n(&tract_ledger(r)[slot], __ATOMIC_ACQUIRE);
+	return __atomic_load_n(&ledger[slot], __ATOMIC_ACQUIRE);
 }

@@ -31,6 +31,7 @@ struct sim_line {
 
 struct tract_sim {
 	pthread_mutex_t mu;
+	uint64_t *ledger;      /* this process's payload ledger (payload.c), per slot */
 	uint64_t rng;
 	uint32_t evict_prob;   /* per access, in 1/2^32 units */
 	uint64_t hits, misses, writebacks, evictions;
@@ -212,6 +213,26 @@ int tract_sim_create(tract_region *r)
 	return TRACT_OK;
 }
 
+/* this process's payload ledger, made at first use: the simulated cache is
+ * per process, so what it may hold is too (payload.c) (internal) */
+uint64_t *tract_sim_ledger(tract_region *r)
+{
+	struct tract_sim *s = r->sim;
+	uint64_t *l = __atomic_load_n(&s->ledger, __ATOMIC_ACQUIRE);
+	if (l || !r->hdr.slot_count)
+		return l;
+	uint64_t *fresh = calloc(r->hdr.slot_count, sizeof(uint64_t));
+	if (!fresh)
+		return NULL;                    /* no ledger: every slot is evicted */
+	uint64_t *none = NULL;
+	if (!__atomic_compare_exchange_n(&s->ledger, &none, fresh, 0, __ATOMIC_ACQ_REL,
+					 __ATOMIC_ACQUIRE)) {
+		free(fresh);
+		return none;
+	}
+	return fresh;
+}
+
 /* frees simulator state, writing back dirty lines as a cache drain would (internal) */
 void tract_sim_destroy(tract_region *r)
 {
@@ -223,6 +244,7 @@ void tract_sim_destroy(tract_region *r)
 			for (int w = 0; w < SIM_WAYS; w++)
 				write_back(r, &s->lines[i][w]);
 	pthread_mutex_destroy(&s->mu);
+	free(s->ledger);
 	free(s);
 	r->sim = NULL;
 }
