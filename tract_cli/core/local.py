@@ -82,7 +82,8 @@ class LocalSegment:
             ffi.release(base)
             mm.close()
             if rc in (lib.TRACT_E_LAYOUT, lib.TRACT_E_NOT_FORMATTED):
-                raise TractError(f"local segment {path} belongs to another region or node",
+                raise TractError(f"local segment {path} belongs to another region or node, "
+                                 "or to another version of TraCT",
                                  "remove it once no process of this node runs")
             raise_for(rc, path)
         return cls(path, mm, base)
