@@ -1276,9 +1276,8 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 			const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
 			for (uint32_t i = 0; i < n; i++)
 				if (status[i] == PUT_CLAIMED)
-					r->ops->flush(r, data->offset + (uint64_t)slots[i] * r->hdr.slot_stride,
-						      r->hdr.block_bytes);
-			r->ops->fence(r);
+					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
+								    r->hdr.slot_stride, r->hdr.block_bytes);
 		}
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
 				mode == 2 ? 2 : 1, timeout_ns);
