@@ -175,3 +175,23 @@ def test_hash_command_uses_a_pools_seed(region_path):
         expected = block_hashes(np.arange(16, dtype=np.int32), root=pool_root(p.info))
     res = tract_cli("hash", "--pool", region_path, *map(str, range(16)))
     assert res.returncode == 0 and res.stdout.strip() == expected[0].tobytes().hex()
+
+
+@pytest.mark.parametrize("scheme", ["tract", "vllm"])
+def test_tenants_salts_give_other_keys_on_either_scheme(region_path, scheme):
+    """A region's request keys (what serve-prefill and the vLLM connector
+    compute) differ by tenant salt on both schemes: on the vLLM scheme the
+    root is vLLM's and carries no salt, so the salt must enter the first
+    block (a prompt under salt "b" once hit every block salt "a" cached)."""
+    from tract_cli.core.hashing import pool_root, request_keys
+    from tract_cli.core.pool import Pool
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2, hash_scheme=scheme).close()
+    with Pool.attach(region_path, readonly=True, prefault=False, local=False) as p:
+        toks = np.arange(64, dtype=np.int32)
+        a, b = (request_keys(p.info, toks, 16, s) for s in ("a", "b"))
+        none = request_keys(p.info, toks, 16)
+        assert len(a) == len(b) == len(none) == 4
+        assert not {bytes(k) for k in a} & {bytes(k) for k in b}
+        assert not {bytes(k) for k in a} & {bytes(k) for k in none}
+        # the root a caller caches per tenant gives the same keys
+        assert np.array_equal(request_keys(p.info, toks, 16, "a", root=pool_root(p.info, "a")), a)

@@ -60,7 +60,7 @@ from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
 from tract_cli.core.handoff import HandoffError, Ticket
-from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.hashing import block_hashes, pool_root, request_keys
 from tract_cli.core.index import Lookup, as_keys
 from tract_cli.core.pool import Pool
 
@@ -277,7 +277,7 @@ class TractConnector(KVConnectorBase_V1):
         if cacheable:
             arr = np.asarray(tokens, dtype=np.int32)
             root = pool_root(self.pool.info, salt)
-            hashes = block_hashes(arr, self.scheme, self.g, root=root, salt=salt)
+            hashes = request_keys(self.pool.info, arr, self.g, salt, root=root)
             keys = as_keys(hashes) if len(hashes) else np.zeros((0, 16), np.uint8)
             tail = arr.size % self.g
             tail_key = None

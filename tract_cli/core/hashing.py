@@ -148,8 +148,21 @@ def block_hashes(tokens, scheme: str = "tract", block_tokens: int = 16, *,
     return np.vstack([np.frombuffer(first, dtype=np.uint8)[None, :], rest])
 
 
+def request_keys(info, tokens, block_tokens: int, salt: bytes | str | None = None,
+                 root: bytes | None = None) -> np.ndarray:
+    """The block hashes of a request's prompt on a region, for a tenant's SALT on
+    either scheme: the tract scheme salts the root, the vLLM scheme the first
+    block's extra keys (as vLLM does), so tenants never share a block.  ROOT is
+    `pool_root(info, salt)` (pass it when cached)."""
+    if root is None:
+        root = pool_root(info, salt)
+    return block_hashes(tokens, info.hash_scheme, block_tokens, root=root, salt=salt)
+
+
 def pool_root(info, salt: bytes | str | None = None) -> bytes:
-    """The chain root of a region (its scheme, seed and model), with a tenant salt."""
+    """The chain root of a region (its scheme, seed and model), with a tenant salt.
+    The vLLM scheme's root is vLLM's own and does not carry the salt: hash with
+    `request_keys` (or `block_hashes(..., salt=)`), which puts it in the first block."""
     if info.hash_scheme == "vllm":
         return vllm_root()
     return tract_root(bytes.fromhex(info.hash_seed), bytes.fromhex(info.model_fingerprint), salt)

@@ -19,7 +19,7 @@ import numpy as np
 from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import HandoffError
-from tract_cli.core.hashing import block_hashes
+from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.httpd import ApiError, field
@@ -93,7 +93,7 @@ class PrefillWorker(PoolWorker):
         t0 = time.perf_counter()
         t = {}
         arr = np.asarray(tokens, dtype=np.int32)
-        keys = block_hashes(arr, pool.info.hash_scheme, bt, root=self.root_for(salt))
+        keys = request_keys(pool.info, arr, bt, salt, root=self.root_for(salt))
         full = len(keys)
         reusable = (len(tokens) - 1) // bt            # the last token is always computed
         t["hash"] = time.perf_counter() - t0
