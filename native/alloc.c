@@ -334,7 +334,7 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 		return TRACT_E_NOMEM;
 	}
 	rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
-	if (rc == TRACT_OK) {
+	if (rc >= 0) {           /* TRACT_RECOVERED too: acquired, from a dead holder */
 		pop_local(r, k, buf);        /* under both locks: never in flight */
 		rc = release_locked(r, buf, k);
 		tract_lock_release(r, LOCK_ALLOC);

@@ -254,3 +254,22 @@ def test_a_holder_killed_inside_a_pin_update_leaves_counts_that_are_repaired(reg
         with Worker(region, 2) as successor:
             successor.call("index_lookup_verify", chains=[CHAIN])   # enters every stripe
     assert _pin_violations(region) == []
+
+
+def test_draining_the_free_list_after_the_allocator_holder_died(region):
+    """A process killed holding the allocator lock (0): the node's next
+    process inherits it (TRACT_RECOVERED) and its drain still gives the
+    free list back and releases the lock, instead of failing with the
+    recovery code and keeping the lock."""
+    with Worker(region, 1) as first:
+        slots = first.call("alloc", n=4)
+        first.call("free", slots=slots)                 # in node 1's free list now
+        assert set(slots) <= set(first.call("local_free"))   # with the rest of its batch
+    holder = Worker(region, 1)
+    holder.call("lock_acquire", lock_id=0)
+    killed(holder)
+    with Worker(region, 1) as successor:
+        successor.call("drain")
+        assert successor.call("local_free") == []
+        successor.call("lock_acquire", lock_id=0, timeout=5.0)   # released: free again
+        successor.call("lock_release", lock_id=0)
