@@ -65,17 +65,26 @@ uint64_t tract_local_size(const tract_region *r)
 	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size() + up64(n * 8);
 }
 
+/* TRACT_E_SYS for a pthread return code: pthread calls return their error
+ * instead of setting errno, and callers report strerror(errno) (internal) */
+static int sys_error(int pthread_rc)
+{
+	errno = pthread_rc;
+	return TRACT_E_SYS;
+}
+
 /* initializes one robust, process-shared mutex (internal) */
 static int init_mutex(pthread_mutex_t *mu)
 {
 	pthread_mutexattr_t a;
-	if (pthread_mutexattr_init(&a))
-		return TRACT_E_SYS;
+	int rc = pthread_mutexattr_init(&a);
+	if (rc)
+		return sys_error(rc);
 	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
 	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-	int rc = pthread_mutex_init(mu, &a);
+	rc = pthread_mutex_init(mu, &a);
 	pthread_mutexattr_destroy(&a);
-	return rc ? TRACT_E_SYS : TRACT_OK;
+	return rc ? sys_error(rc) : TRACT_OK;
 }
 
 /* Initializes a fresh, zeroed local segment for this region and the handle's node. */
@@ -145,7 +154,7 @@ int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
 	}
 	if (rc == EBUSY || rc == ETIMEDOUT)
 		return TRACT_E_TIMEOUT;
-	return TRACT_E_SYS;
+	return sys_error(rc);   /* e.g. EINVAL: the segment's mutex is not a mutex */
 }
 
 /* Tries to take the node's agent mutex: 0 taken, TRACT_E_TIMEOUT if another agent holds it. */

@@ -108,3 +108,27 @@ def test_the_nodes_agent_releases_a_dead_holders_lock(region):
         with Pool.attach(region, node=1) as p:
             with p.locks.hold(1, timeout=30):
                 pass
+
+
+def test_a_broken_local_mutex_is_reported_with_its_own_error(region_path):
+    """pthread calls return their error instead of setting errno: a local
+    segment whose mutex is not a mutex any more (its kind overwritten) gives
+    the error pthread returned, not whatever errno last held."""
+    import errno
+    import mmap
+    import os
+    import struct
+    from tract_cli.core.errors import TractError
+    from tract_cli.core.local import local_path
+    from tract_cli.core.native import ffi
+    Pool.create(region_path, 8 << 20, "tiny", nodes=2).close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
+        path = local_path(p.info.uuid, 1)
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            locks_off = struct.unpack_from("<Q", mm, 56)[0]   # struct tract_local_hdr
+            mutex = locks_off + 5 * 64                          # lock 5's record
+            struct.pack_into("<i", mm, mutex + 16, 0x7F)        # pthread_mutex_t.__kind
+        ffi.errno = 0
+        with pytest.raises(TractError) as exc:
+            p.locks.acquire(5, timeout=1.0)
+        assert os.strerror(errno.EINVAL) in str(exc.value)
