@@ -82,16 +82,30 @@ __attribute__((target("avx512f"))) static void restream_avx512(uint8_t *p, uint6
 		_mm512_stream_si512((void *)(p + i), _mm512_load_si512((const void *)(p + i)));
 }
 
+/* (the whole line is loaded before any of it is streamed: the first streaming
+ * store drops the line from the cache, and a later load would fetch it again) */
 __attribute__((target("avx2"))) static void restream_avx2(uint8_t *p, uint64_t n)
 {
-	for (uint64_t i = 0; i < n; i += 32)
-		_mm256_stream_si256((__m256i *)(p + i), _mm256_load_si256((const __m256i *)(p + i)));
+	for (uint64_t i = 0; i < n; i += 64) {
+		__m256i a = _mm256_load_si256((const __m256i *)(p + i));
+		__m256i b = _mm256_load_si256((const __m256i *)(p + i + 32));
+		_mm256_stream_si256((__m256i *)(p + i), a);
+		_mm256_stream_si256((__m256i *)(p + i + 32), b);
+	}
 }
 
 static void restream_sse2(uint8_t *p, uint64_t n)
 {
-	for (uint64_t i = 0; i < n; i += 16)
-		_mm_stream_si128((__m128i *)(p + i), _mm_load_si128((const __m128i *)(p + i)));
+	for (uint64_t i = 0; i < n; i += 64) {
+		__m128i a = _mm_load_si128((const __m128i *)(p + i));
+		__m128i b = _mm_load_si128((const __m128i *)(p + i + 16));
+		__m128i c = _mm_load_si128((const __m128i *)(p + i + 32));
+		__m128i d = _mm_load_si128((const __m128i *)(p + i + 48));
+		_mm_stream_si128((__m128i *)(p + i), a);
+		_mm_stream_si128((__m128i *)(p + i + 16), b);
+		_mm_stream_si128((__m128i *)(p + i + 32), c);
+		_mm_stream_si128((__m128i *)(p + i + 48), d);
+	}
 }
 
 /* streams the lines of [p, p+n) back in place; the unaligned edges are left
@@ -160,7 +174,7 @@ static void restream(uint8_t *p, uint64_t n)
  */
 void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 {
-	if (r->sim || r->flush_mode != TRACT_FLUSH_CLFLUSH || tract_strict_payload) {
+	if (r->sim || r->flush_mode != TRACT_FLUSH_CLFLUSH || tract_payload_strict()) {
 		r->ops->flush(r, off, len);
 		r->ops->fence(r);
 		return;
@@ -173,7 +187,8 @@ void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 	uint64_t bulk = (len - head) & ~(uint64_t)63;
 	restream(p + head, bulk);
 	tract_flush_lines(TRACT_FLUSH_CLFLUSH, p + head + bulk, len - head - bulk);
-	__sync_synchronize();     /* mfence: orders the streaming stores too */
+	_mm_sfence();             /* the streaming stores drain before anything later */
+	__sync_synchronize();
 }
 
 /* Copies with the core's copy routine between two private buffers (benchmarks). */

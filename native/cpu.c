@@ -97,6 +97,13 @@ uint32_t tract_cpu_features(void)
 	return features;
 }
 
+/* whether TRACT_STRICT_PAYLOAD is set (detected once) (internal) */
+int tract_payload_strict(void)
+{
+	pthread_once(&once, detect);
+	return tract_strict_payload;
+}
+
 /* Returns the byte count above which block copies use non-temporal stores. */
 uint64_t tract_movnt_threshold(void)
 {

@@ -55,6 +55,7 @@ struct stripe_ctx {
 	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
 	struct tract_lru_anchor lru;
 	int lru_dirty;
+	int recovered;        /* a process of this node died inside: lines may be dirty here */
 };
 
 /* geometry of the index (internal) */
@@ -117,9 +118,14 @@ static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
 		return;
 	}
 	/* the line cannot be dirty here: its writers hold this stripe's lock, and
-	 * the previous holder flushed it (clflushopt, internal.h) */
-	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE))
-		tract_evict_clean(c->r, off, TRACT_LINE);
+	 * the previous holder flushed it (clflushopt, internal.h) -- unless that
+	 * holder was a process of this node that died inside (clflush then) */
+	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE)) {
+		if (c->recovered)
+			c->r->ops->invalidate(c->r, off, TRACT_LINE);
+		else
+			tract_evict_clean(c->r, off, TRACT_LINE);
+	}
 	c->r->ops->fence(c->r);
 	c->r->ops->load(c->r, off, dst, TRACT_LINE);
 	if (p >= 0 && c->set->n_used < SET_CAP) {
@@ -155,8 +161,12 @@ static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t 
 		int p = set_slot(c->set, offs[i]);
 		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
 			continue;
-		if (TRACT_KEEP(SITE_INDEX_PREFETCH))
-			tract_evict_clean(c->r, offs[i], TRACT_LINE);   /* as line_get */
+		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as line_get */
+			if (c->recovered)
+				c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
+			else
+				tract_evict_clean(c->r, offs[i], TRACT_LINE);
+		}
 		c->set->off[p] = offs[i] + 1;
 		c->set->dirty[p] = 0;
 		c->set->used[c->set->n_used++] = (uint16_t)p;
@@ -200,8 +210,10 @@ static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, s
 	if (rc < 0)
 		return rc;
 	stripe_init(r, stripe, c, set);
-	if (rc == TRACT_RECOVERED)
+	if (rc == TRACT_RECOVERED) {
+		c->recovered = 1;
 		repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	}
 	return TRACT_OK;
 }
 
@@ -218,6 +230,7 @@ static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
 	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
 	c->lru_dirty = 0;
+	c->recovered = 0;
 }
 
 /* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
@@ -264,8 +277,10 @@ static void walk_end(struct stripe_walk *w)
 	if (w->pending && w->q.recovered) {
 		struct stripe_ctx c;
 		w->pending = 0;
+		w->q.start = tract_mono_ns();   /* a full timeout for the repair's own wait */
 		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
 			stripe_init(w->r, s, &c, NULL);
+			c.recovered = 1;
 			repair_pins(&c, w->r->node_id);
 			stripe_leave(&c);
 		}
@@ -291,8 +306,10 @@ static int walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct s
 	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
 		return rc;
 	stripe_init(r, s, c, w->set);
-	if (rc == TRACT_RECOVERED)
+	if (rc == TRACT_RECOVERED) {
+		c->recovered = 1;
 		repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	}
 	/* the local tier only tried (timeout 0): a process of this node holding
 	 * or requesting the next stripe is not waited for while this one is held */
 	if (next != UINT32_MAX && next > s &&
@@ -504,6 +521,7 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 		return 0;
 	struct stripe_ctx c;
 	stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
+	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
 	uint32_t fixed = repair_pins(&c, node);
 	r->ops->fence(r);
 	return fixed;
@@ -1272,7 +1290,7 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		 * any READY can point at them.  Streamed payloads are there already:
 		 * the streaming stores and their sfence (tract_copy_in) preceded this
 		 * commit, and the READY publication below fences again */
-		if (!(publish & TRACT_COMMIT_STREAMED)) {
+		if (!(publish & TRACT_COMMIT_STREAMED) || tract_payload_strict()) {
 			const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
 			for (uint32_t i = 0; i < n; i++)
 				if (status[i] == PUT_CLAIMED)

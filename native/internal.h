@@ -302,6 +302,7 @@ void tract_sim_destroy(tract_region *r);
 
 /* set once at CPU detection from TRACT_STRICT_PAYLOAD (cpu.c) (internal) */
 extern int tract_strict_payload;
+int tract_payload_strict(void);
 
 /* evicts lines that cannot be dirty in this host's caches (payload that was
  * written back before READY; metadata read under the lock its writers hold,
