@@ -205,8 +205,10 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if (rc == TRACT_OK)
 		goto out;
 release:
-	tract_journal_slots(r, extra, nextra, 1);
-	tract_free(r, extra, nextra, timeout_ns);
+	/* forgotten by the journal only once freed: if the free fails, the agent
+	 * frees them when this process is gone */
+	if (tract_free(r, extra, nextra, timeout_ns) == TRACT_OK)
+		tract_journal_slots(r, extra, nextra, 1);
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
 out:

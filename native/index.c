@@ -1001,6 +1001,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		free(set);
 		return TRACT_E_NOMEM;
 	}
+	int err = TRACT_OK;
 	for (uint32_t i = 0; i < n;) {
 		uint32_t nfreed = 0;
 		struct stripe_ctx c;
@@ -1057,13 +1058,17 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			tract_journal_claims(r, key, 1, &status[idx], PUT_CLAIMED, NULL, 0);
 		}
 		stripe_leave(&c);
-		if (nfreed)          /* the allocator lock, with no stripe lock held */
-			tract_free(r, freed, nfreed, timeout_ns);
+		/* the allocator lock, with no stripe lock held; a failure (the lock
+		 * timed out) leaks the evicted blocks' slots until `tract check
+		 * --repair`, and is reported: the put is abandoned with it */
+		if (nfreed && (rc = tract_free(r, freed, nfreed, timeout_ns)) < 0 && !err)
+			err = rc;
+		nfreed = 0;
 		i = j;
 	}
 	free(set);
 	free(freed);
-	return TRACT_OK;
+	return err;
 }
 
 /* publishes (READY) or abandons claimed keys, inserting into LRU tail first (internal) */
