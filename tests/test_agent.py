@@ -60,3 +60,22 @@ def test_a_second_manager_refuses_while_the_first_heartbeats(region):
 def test_agent_rejects_a_node_out_of_range(region):
     res = agent_cli("--pool", region, "--node", "7")
     assert res.returncode == 2 and "node 7 is outside" in res.stderr
+
+
+def test_an_agent_that_fails_to_start_gives_the_node_back(region, monkeypatch):
+    """A start that fails after taking the node's agent mutex (here: the node
+    table cannot be written, as in a corrupted region) releases the mutex even
+    though marking the node as left fails too; a mutex left locked in a
+    segment that is then unmapped made a later unlock crash the process (the
+    fuzzer's seed 77031)."""
+    from tract_cli.core.agent import Agent
+    from tract_cli.core.errors import TractError
+
+    def broken(self, state):
+        raise TractError("the node table cannot be written", "test")
+    monkeypatch.setattr(Agent, "_publish", broken)
+    with pytest.raises(TractError, match="cannot be written"):
+        Agent(region, 1).start()
+    monkeypatch.undo()
+    agent = Agent(region, 1).start()          # the node's mutex is free again
+    agent.stop()

@@ -438,9 +438,15 @@ class Agent:
             lib.tract_manager_stop(self._manager)
             self._manager = None
         if self._locked:
-            self._publish(NODE_LEFT)
-            lib.tract_agent_unlock(self.pool._r())
-            self._locked = False
+            # the node mutex is given back even when the region no longer lets
+            # the node be marked (a corrupted node table): a robust mutex left
+            # locked in a segment that is then unmapped corrupts this thread's
+            # robust list, and the next unlock of any robust mutex crashes
+            try:
+                self._publish(NODE_LEFT)
+            finally:
+                lib.tract_agent_unlock(self.pool._r())
+                self._locked = False
         gone = self._identity is not None and _file_identity(self._path) != self._identity
         uuid = self.pool.info.uuid
         if not self.pool.closed:
