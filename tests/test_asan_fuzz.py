@@ -24,9 +24,14 @@ def libasan() -> str | None:
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
-@pytest.mark.skipif(libasan() is None, reason="no gcc with libasan (package libasan8/gcc)")
-def test_corrupted_regions_never_crash_the_core_under_asan(tmp_path):
-    src = tmp_path / "src"
+# a fixed seed (the same cases every run) and a fresh one (printed: a failure
+# names the seed that reproduces it, `tests/asan_fuzz.py --cases N --seed S`)
+FRESH_SEED = int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module")
+def asan_build(tmp_path_factory):
+    src = tmp_path_factory.mktemp("asan") / "src"
     shutil.copytree(os.path.join(ROOT, "native"), src / "native")
     shutil.copytree(os.path.join(ROOT, "tract_cli"), src / "tract_cli",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__", "_native.c"))
@@ -37,15 +42,25 @@ def test_corrupted_regions_never_crash_the_core_under_asan(tmp_path):
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
                            cwd=src, env=env, capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-3000:]
+    return src
+
+
+@pytest.mark.skipif(libasan() is None, reason="no gcc with libasan (package libasan8/gcc)")
+@pytest.mark.parametrize("seed,cases", [(5, CASES), (FRESH_SEED, 2 * CASES)],
+                         ids=["seed-5", f"fresh-seed-{FRESH_SEED}"])
+def test_corrupted_regions_never_crash_the_core_under_asan(asan_build, seed, cases):
+    src = asan_build
+    print(f"asan fuzz: seed {seed}, {cases} cases")
     run_env = {**os.environ, "PYTHONPATH": str(src), "LD_PRELOAD": libasan(),
                "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1"}
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "asan_fuzz.py"),
-                          "--cases", str(CASES), "--seed", "5"], env=run_env,
+                          "--cases", str(cases), "--seed", str(seed)], env=run_env,
                          capture_output=True, text=True, timeout=1200)
-    assert "AddressSanitizer" not in res.stderr, res.stderr[-6000:]
-    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    again = f"reproduce: tests/asan_fuzz.py --cases {cases} --seed {seed}"
+    assert "AddressSanitizer" not in res.stderr, (again, res.stderr[-6000:])
+    assert res.returncode == 0, (again, res.stdout[-3000:], res.stderr[-3000:])
     summary = json.loads(res.stdout)
     assert summary["core"].startswith(str(src)), summary["core"]   # the ASan build ran
-    assert summary["cases"] == CASES and summary["failures"] == []
+    assert summary["cases"] == cases and summary["failures"] == [], (again, summary["failures"])
     assert summary["attached"] > 0 and summary["refused"] > 0
     assert len(summary["by_area"]) >= 10

@@ -216,6 +216,10 @@ class Agent:
                             f"a lock manager already runs on node {rec.node} (pid {rec.agent_pid}, "
                             f"heartbeat {rec.heartbeat_age():.1f} s ago)",
                             "run this agent without --manager; one manager serves the region")
+            if nodes[self.node].epoch >= (1 << 64) - 1:
+                raise TractError(f"node {self.node}'s agent epoch in the node table is at its "
+                                 "maximum", "the region's node table is corrupt: run "
+                                 "`tract check --repair`")
             self.epoch = nodes[self.node].epoch + 1
             self.manager_epoch = nodes[self.node].manager_epoch   # claims never go back
             self._publish(NODE_ALIVE)
@@ -247,7 +251,13 @@ class Agent:
         """Claims the next token, then starts the manager under it; False when a
         larger claim appeared meanwhile (that node manages: this one stands by)."""
         nodes = read_nodes(self.pool)
-        self.manager_epoch = max(r.manager_epoch for r in nodes) + 1
+        top = max(nodes, key=lambda r: r.manager_epoch)
+        if top.manager_epoch >= 0xFFFFFFFF:
+            # a claim is a u32 that only grows: at its maximum the table is corrupt
+            raise TractError(f"node {top.node}'s lock-manager claim in the node table is "
+                             f"{top.manager_epoch}, the largest a claim can be",
+                             "the region's node table is corrupt: run `tract check --repair`")
+        self.manager_epoch = top.manager_epoch + 1
         self._publish(NODE_ALIVE)          # the claim, visible before the slots are read
         out = ffi.new("tract_manager **")
         rc = lib.tract_manager_start(self.pool._r(), self._idle_sleep_max_ns, out)
