@@ -36,10 +36,10 @@ struct grant {
 struct tract_manager {
 	pthread_t thread;
 	tract_region *r;
-	volatile int stop;
-	volatile int superseded;
+	int stop;           /* set by the stopping thread, read by the manager: atomics */
+	int superseded;     /* set by the manager (release: `by` first), read by the agent */
 	uint64_t token;     /* this manager's claim; 0 = unfenced (no claims) */
-	uint64_t by;        /* the claim that superseded it */
+	uint64_t by;        /* the claim that superseded it (written before superseded) */
 	uint64_t idle_sleep_max_ns;
 	struct grant *grants;
 	uint8_t *table;     /* private copy of the lock table */
@@ -114,8 +114,8 @@ static int scan(struct tract_manager *m)
 		/* fenced: a larger claim means another manager took over */
 		uint64_t current = tract_current_token(r, NULL, SITE_MGR_OBSERVE_CLAIMS);
 		if (current > m->token) {
-			m->by = current;
-			m->superseded = 1;
+			__atomic_store_n(&m->by, current, __ATOMIC_RELAXED);
+			__atomic_store_n(&m->superseded, 1, __ATOMIC_RELEASE);
 			return 0;
 		}
 	}
@@ -133,7 +133,7 @@ static int scan(struct tract_manager *m)
 		struct grant *g = &m->grants[id];
 		if (m->token && !line_is_mine(m, line, id)) {
 			/* a superseded manager wrote it after this one took over */
-			m->repairs++;
+			__atomic_fetch_add(&m->repairs, 1, __ATOMIC_RELAXED);
 			wrote = 1;
 			publish_grant(m, id);
 		}
@@ -141,7 +141,7 @@ static int scan(struct tract_manager *m)
 			const struct tract_lock_node_slot *s = &slot[g->node - 1];
 			if (s->state == TRACT_LOCK_IDLE || s->request_seq != g->req) {
 				g->node = 0;
-				m->releases++;
+				__atomic_fetch_add(&m->releases, 1, __ATOMIC_RELAXED);
 				wrote = 1;
 				publish_grant(m, id);
 			} else {
@@ -156,7 +156,7 @@ static int scan(struct tract_manager *m)
 				g->last = n + 1;
 				g->req = slot[n].request_seq;
 				g->seq++;
-				m->grants_issued++;
+				__atomic_fetch_add(&m->grants_issued, 1, __ATOMIC_RELAXED);
 				publish_grant(m, id);
 				wrote = busy = 1;
 				break;
@@ -165,7 +165,7 @@ static int scan(struct tract_manager *m)
 	}
 	if (wrote)
 		r->ops->fence(r);
-	m->scans++;
+	__atomic_fetch_add(&m->scans, 1, __ATOMIC_RELAXED);   /* read by stats */
 	return busy;
 }
 
@@ -174,12 +174,13 @@ static void *run(void *arg)
 {
 	struct tract_manager *m = arg;
 	uint32_t round = 0;
-	while (!m->stop && !m->superseded) {
+	while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE) &&
+	       !__atomic_load_n(&m->superseded, __ATOMIC_RELAXED)) {
 		if (scan(m)) {
 			round = 0;
 		} else {
 			if (round >= 128)
-				m->sleeps++;
+				__atomic_fetch_add(&m->sleeps, 1, __ATOMIC_RELAXED);
 			tract_backoff(&round, m->idle_sleep_max_ns);
 		}
 	}
@@ -266,7 +267,7 @@ void tract_manager_stop(tract_manager *m)
 {
 	if (!m)
 		return;
-	m->stop = 1;
+	__atomic_store_n(&m->stop, 1, __ATOMIC_RELEASE);
 	pthread_join(m->thread, NULL);
 	free(m->grants);
 	free(m->table);
@@ -278,9 +279,10 @@ int tract_manager_superseded(const tract_manager *m, uint64_t *by)
 {
 	if (!m)
 		return TRACT_E_INVAL;
+	int sup = __atomic_load_n(&m->superseded, __ATOMIC_ACQUIRE);   /* then `by` is set */
 	if (by)
-		*by = m->by;
-	return m->superseded ? 1 : 0;
+		*by = sup ? __atomic_load_n(&m->by, __ATOMIC_RELAXED) : 0;
+	return sup ? 1 : 0;
 }
 
 /* Manager counters: scans, grants, releases seen, idle sleeps, line repairs (5 values). */
@@ -288,10 +290,10 @@ int tract_manager_stats(const tract_manager *m, uint64_t *out5)
 {
 	if (!m || !out5)
 		return TRACT_E_INVAL;
-	out5[0] = m->scans;
-	out5[1] = m->grants_issued;
-	out5[2] = m->releases;
-	out5[3] = m->sleeps;
-	out5[4] = m->repairs;
+	out5[0] = __atomic_load_n(&m->scans, __ATOMIC_RELAXED);
+	out5[1] = __atomic_load_n(&m->grants_issued, __ATOMIC_RELAXED);
+	out5[2] = __atomic_load_n(&m->releases, __ATOMIC_RELAXED);
+	out5[3] = __atomic_load_n(&m->sleeps, __ATOMIC_RELAXED);
+	out5[4] = __atomic_load_n(&m->repairs, __ATOMIC_RELAXED);
 	return TRACT_OK;
 }
