@@ -36,7 +36,7 @@ def test_init_then_info_json(region_path):
                 "--json")
     assert res.returncode == 0, res.stderr
     created = json.loads(res.stdout)
-    assert created["timings"]["format_s"] >= 0
+    assert 0 < created["timings"]["format_s"] < 60
     res = tract("info", region_path, "--json")
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)

@@ -103,10 +103,12 @@ def test_health_and_metrics(small):
     assert status == 200 and h["role"] == "prefill" and h["max_context"] == 8192
     complete(small, prompt="metrics", max_tokens=2, temperature=0)
     _, text = request(small.decode.url + "/metrics")
-    for name in ("requests_total", "ttft_seconds_count", "handoff_seconds_count", "prefix_hit_rate",
-                 "pool_slots_used", "lock_wait_seconds"):
-        assert metric(text, name) >= 0
-    assert metric(text, "requests_total") >= 1
+    # the request went through: counted, timed, its handoff timed, its blocks cached
+    for name in ("requests_total", "ttft_seconds_count", "handoff_seconds_count",
+                 "pool_slots_used"):
+        assert metric(text, name) >= 1, name
+    assert 0 <= metric(text, "prefix_hit_rate") <= 1
+    assert metric(text, "lock_wait_seconds") >= 0          # present; may be 0 uncontended
     assert "# TYPE tract_ttft_seconds histogram" in text
 
 
