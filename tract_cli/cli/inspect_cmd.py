@@ -1,8 +1,9 @@
 """`tract inspect POOL`: who holds what, from the region itself."""
 from __future__ import annotations
 
+import signal
 import sys
-import time
+import threading
 
 import typer
 from rich.live import Live
@@ -43,16 +44,23 @@ def inspect(
             else:
                 render.stdout.print(render_snapshot(snap))
             return
-        shown = 0
+        # Ctrl-C (and SIGTERM) set a flag the loop waits on, instead of raising
+        # KeyboardInterrupt wherever the main thread happens to be: raised
+        # inside Rich's locking, it left the refresh thread blocked on a lock
+        # never released, and the view hung instead of exiting
+        stop = threading.Event()
+        handler = lambda signum, frame: stop.set()
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             print(f"tract inspect: watching {pool} every {interval:g} s; Ctrl-C to stop",
                   file=sys.stderr, flush=True)
             with Live(render_snapshot(snapshot.take(p, views, hold_warn)),
                       console=render.stdout, refresh_per_second=4, transient=False) as live:
                 shown = 1
-                while not count or shown < count:
-                    time.sleep(interval)          # the refresh period of a live view
+                # the refresh period of a live view, cut short by Ctrl-C
+                while (not count or shown < count) and not stop.wait(interval):
                     live.update(render_snapshot(snapshot.take(p, views, hold_warn)))
                     shown += 1
-        except KeyboardInterrupt:
-            pass                                  # Ctrl-C ends a live view cleanly
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
