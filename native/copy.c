@@ -73,54 +73,6 @@ static void stream_sse2(uint8_t *dst, const uint8_t *src, uint64_t n)
 
 typedef void (*stream_fn)(uint8_t *, const uint8_t *, uint64_t);
 
-/* rewrites 64-byte lines in place with streaming stores: the cached (dirty)
- * copy is read and streamed to memory, which drops the line from the caches;
- * p 64-aligned, n a multiple of 64 (internal) */
-__attribute__((target("avx512f"))) static void restream_avx512(uint8_t *p, uint64_t n)
-{
-	for (uint64_t i = 0; i < n; i += 64)
-		_mm512_stream_si512((void *)(p + i), _mm512_load_si512((const void *)(p + i)));
-}
-
-/* (the whole line is loaded before any of it is streamed: the first streaming
- * store drops the line from the cache, and a later load would fetch it again) */
-__attribute__((target("avx2"))) static void restream_avx2(uint8_t *p, uint64_t n)
-{
-	for (uint64_t i = 0; i < n; i += 64) {
-		__m256i a = _mm256_load_si256((const __m256i *)(p + i));
-		__m256i b = _mm256_load_si256((const __m256i *)(p + i + 32));
-		_mm256_stream_si256((__m256i *)(p + i), a);
-		_mm256_stream_si256((__m256i *)(p + i + 32), b);
-	}
-}
-
-static void restream_sse2(uint8_t *p, uint64_t n)
-{
-	for (uint64_t i = 0; i < n; i += 64) {
-		__m128i a = _mm_load_si128((const __m128i *)(p + i));
-		__m128i b = _mm_load_si128((const __m128i *)(p + i + 16));
-		__m128i c = _mm_load_si128((const __m128i *)(p + i + 32));
-		__m128i d = _mm_load_si128((const __m128i *)(p + i + 48));
-		_mm_stream_si128((__m128i *)(p + i), a);
-		_mm_stream_si128((__m128i *)(p + i + 16), b);
-		_mm_stream_si128((__m128i *)(p + i + 32), c);
-		_mm_stream_si128((__m128i *)(p + i + 48), d);
-	}
-}
-
-/* streams the lines of [p, p+n) back in place; the unaligned edges are left
- * to the caller (internal) */
-static void restream(uint8_t *p, uint64_t n)
-{
-	uint32_t f = tract_cpu_features();
-	if (f & TRACT_CPU_AVX512F)
-		restream_avx512(p, n);
-	else if (f & TRACT_CPU_AVX2)
-		restream_avx2(p, n);
-	else
-		restream_sse2(p, n);
-}
-
 /* picks the widest streaming routine once (internal) */
 static stream_fn stream_routine(void)
 {
@@ -148,17 +100,26 @@ static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
 	memcpy(dst + bulk, src + bulk, n - bulk);
 	_mm_sfence();
 }
-#else
-static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
-{
-	memcpy(dst, src, n);
-	__sync_synchronize();
-}
 
+/* rewrites whole 256-byte chunks in place with the streaming routine: each
+ * chunk is loaded (from the cache, where it is dirty) before any of it is
+ * streamed, which also drops its lines from the cache; p 64-aligned, n a
+ * multiple of 256 (internal) */
+static void restream(uint8_t *p, uint64_t n)
+{
+	if (n)
+		stream_routine()(p, p, n);
+}
+#else
 static void restream(uint8_t *p, uint64_t n)
 {
 	(void)p;
 	(void)n;
+}
+static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
+{
+	memcpy(dst, src, n);
+	__sync_synchronize();
 }
 #endif
 
@@ -166,11 +127,11 @@ static void restream(uint8_t *p, uint64_t n)
  * Writes back to the device the payload a zero-copy writer (plain stores) or a
  * GPU's DMA (which DDIO may leave dirty in the last-level cache) put in
  * [off, off+len), before its READY is published (internal).  In clflush mode
- * the whole lines are streamed back in place (read from the cache, written
- * with non-temporal stores, one sfence): the payload path DESIGN.md §4 and
- * PROTOCOLS.md §1.1 sanction for CPU writers, at memory speed, where a
- * serialized clflush of every line cost ~2 s per 750 MiB; the unaligned edges
- * take clflush.  clflushopt and clwb modes use their instruction, fenced.
+ * the whole 256-byte chunks are streamed back in place by the copy routine
+ * (read from the cache, written with non-temporal stores, one fence): the
+ * payload path DESIGN.md §4 and PROTOCOLS.md §1.1 sanction for CPU writers, at
+ * memory speed, where a serialized clflush of every line cost ~2 s per
+ * 750 MiB; the unaligned head and the last partial chunk take clflush.  clflushopt and clwb modes use their instruction, fenced.
  */
 void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 {
@@ -184,11 +145,10 @@ void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 	if (head > len)
 		head = len;
 	tract_flush_lines(TRACT_FLUSH_CLFLUSH, p, head);
-	uint64_t bulk = (len - head) & ~(uint64_t)63;
+	uint64_t bulk = (len - head) & ~(uint64_t)255;
 	restream(p + head, bulk);
 	tract_flush_lines(TRACT_FLUSH_CLFLUSH, p + head + bulk, len - head - bulk);
-	_mm_sfence();             /* the streaming stores drain before anything later */
-	__sync_synchronize();
+	__sync_synchronize();     /* mfence: the streaming stores drain before anything later */
 }
 
 /* Copies with the core's copy routine between two private buffers (benchmarks). */
