@@ -381,13 +381,9 @@ class Pool:
 
     def invalidate_slots(self, slots) -> None:
         """Evicts this host's cached lines of SLOTS (one C call): zero-copy readers
-        call it before loading blocks that another host may have rewritten."""
-        arr = np.ascontiguousarray(slots, dtype=np.uint32)
-        rc = lib.tract_invalidate_slots(self._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr))
-                                        if arr.size else ffi.NULL, arr.size)
-        if rc == lib.TRACT_E_RANGE:
-            raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
-        raise_for(rc, self.path)
+        with no payload tags call it before loading blocks another host may have
+        rewritten (`acquire_payload` with no tags)."""
+        self.acquire_payload(slots)
 
     def checksum_slots(self, slots) -> np.ndarray:
         """CRC-32C of each slot's whole payload, in place (one C call): what a
