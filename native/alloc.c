@@ -153,6 +153,7 @@ static int release_locked(tract_region *r, uint32_t *slots, uint32_t n)
 static void zero_slots(tract_region *r, const uint32_t *slots, uint32_t n)
 {
 	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	tract_payload_forget(r, slots, n);
 	for (uint32_t i = 0; i < n; i++) {
 		if (slots[i] >= r->hdr.slot_count)
 			continue;
@@ -212,6 +213,8 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 	}
 	pop_local(r, n, out);
 	pthread_mutex_unlock(&r->local->alloc_mu);
+	/* its writer's lines may stay in this node's caches: no longer EVICTED */
+	tract_payload_forget(r, out, n);
 	return TRACT_OK;
 }
 

@@ -135,6 +135,7 @@ static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
  */
 void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 {
+	tract_payload_forget_range(r, off, len);   /* clwb keeps the lines here */
 	if (r->sim || r->flush_mode != TRACT_FLUSH_CLFLUSH || tract_payload_strict()) {
 		r->ops->flush(r, off, len);
 		r->ops->fence(r);
@@ -170,6 +171,7 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
 	if (r->flags & TRACT_ATTACH_READONLY)
 		return TRACT_E_INVAL;
 	uint8_t *dst = r->base + dst_off;
+	tract_payload_forget_range(r, dst_off, len);   /* its partial lines stay cached */
 	if (r->sim) {
 		/* streaming stores bypass the cache and drop any cached copy of
 		 * the lines they write: the simulated cache lets go of the range

@@ -1434,6 +1434,23 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 	return TRACT_OK;
 }
 
+/* true if slot still holds the READY payload of that tag: one lock-free
+ * observe of the tag's bucket.  Under a pin the bucket's state, slot and
+ * epoch do not change, and a dead payload's tag never comes back, so a
+ * bucket that is mid-update elsewhere can only make a live payload look
+ * live (internal) */
+int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot)
+{
+	uint64_t b = (uint32_t)tag;
+	if (!b || b > n_buckets(r))
+		return 0;                 /* names no bucket: no payload of ours */
+	b -= 1;
+	struct tract_bucket bk;
+	tract_observe_line(r, tract_sec(r, TRACT_SEC_BUCKETS)->offset + b * TRACT_LINE, &bk);
+	return bk.state == TRACT_BUCKET_READY && bk.slot == (uint64_t)slot + 1 &&
+	       payload_tag(b, &bk) == tag;
+}
+
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns)
 {

@@ -186,6 +186,9 @@ enum tract_site {
 	SITE_MGR_OBSERVE_ADOPT,         /* manager start: invalidate the lock table to adopt */
 	SITE_PAYLOAD_EVICT,             /* payload read: evict a slot the ledger does not vouch for */
 	SITE_INDEX_CLAIM_EPOCH,         /* claim: a new epoch for the bucket (a new payload tag) */
+	SITE_PAYLOAD_SWEEP_EVICT,       /* payload sweep: evict a dead payload's slot */
+	SITE_PAYLOAD_SWEEP_LIVE,        /* payload sweep: spare a slot whose payload lives */
+	SITE_PAYLOAD_FORGET,            /* slot write: the ledger stops vouching for the slot */
 	SITE_COUNT
 };
 
@@ -266,6 +269,14 @@ static inline uint64_t *tract_ledger(const tract_region *r)
 {
 	return (uint64_t *)((uint8_t *)r->local + r->local->ledger_off);
 }
+
+/* the ledger forgets slots this node is about to write (payload.c) (internal) */
+void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n);
+void tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len);
+
+/* true if slot still holds the READY payload of that tag, by a lock-free
+ * observe of its bucket (index.c) (internal) */
+int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot);
 
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);

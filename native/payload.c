@@ -27,7 +27,22 @@
  * serialized clflush is about dirty data reaching the device before a
  * release is seen, which a reader's clean lines never need (§1.1).
  */
+#include <stdlib.h>
+
 #include "internal.h"
+
+/* ledger values no tag can take (a tag's low half is a bucket + 1 < 2^32 - 1):
+ * EVICTED vouches for every payload -- this node's caches hold no line of the
+ * slot (a sweep evicted it after its payload died, and no reader or writer
+ * of this node touched it since); EVICTING marks a sweep at work and, like 0,
+ * vouches for nothing */
+#define LEDGER_EVICTED TRACT_LEDGER_EVICTED
+#define LEDGER_EVICTING 0xFFFFFFFFull
+
+static int ledger_sentinel(uint64_t v)
+{
+	return (uint32_t)v == UINT32_MAX;
+}
 
 /* region offset of slot s's payload (internal) */
 static uint64_t slot_offset(const tract_region *r, uint32_t s)
@@ -58,26 +73,32 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 {
 	if (!r || (!slots && n))
 		return TRACT_E_INVAL;
-	for (uint32_t i = 0; i < n; i++)
+	for (uint32_t i = 0; i < n; i++) {
 		if (slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
+		if (tags && ledger_sentinel(tags[i]))
+			return TRACT_E_INVAL;   /* not a tag a lookup returns */
+	}
 	uint64_t *ledger = payload_ledger(r);
 	uint32_t count = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t tag = tags ? tags[i] : 0;
-		if (tag && ledger && __atomic_load_n(&ledger[slots[i]], __ATOMIC_ACQUIRE) == tag)
-			continue;      /* this node can hold only lines of this very payload */
+		uint64_t held = ledger ? __atomic_load_n(&ledger[slots[i]], __ATOMIC_SEQ_CST) : 0;
+		/* this node can hold only lines of this very payload, or none at all */
+		if ((tag && held == tag) || held == LEDGER_EVICTED)
+			continue;
 		if (TRACT_KEEP(SITE_PAYLOAD_EVICT))
 			tract_evict_clean(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
 		count++;
 	}
 	if (count)
 		r->ops->fence(r);     /* the evictions complete before any later load */
-	/* only now may another process of the node skip its own eviction */
+	/* only now may another process of the node skip its own eviction; a
+	 * slot the ledger called EVICTED stops being so before its first load */
 	for (uint32_t i = 0; ledger && i < n; i++) {
 		uint64_t tag = tags ? tags[i] : 0;
 		if (__atomic_load_n(&ledger[slots[i]], __ATOMIC_RELAXED) != tag)
-			__atomic_store_n(&ledger[slots[i]], tag, __ATOMIC_RELEASE);
+			__atomic_store_n(&ledger[slots[i]], tag, __ATOMIC_SEQ_CST);
 	}
 	if (evicted)
 		*evicted = count;
@@ -91,4 +112,116 @@ uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot)
 	if (!ledger || slot >= r->hdr.slot_count)
 		return 0;
 	return __atomic_load_n(&ledger[slot], __ATOMIC_ACQUIRE);
+}
+
+/* Forgets what the ledger vouches for of n slots this node is about to write
+ * (internal): a writer's lines may stay in this node's caches (clwb, the
+ * partial lines of a streamed copy, a zero-copy writer's stores), so no slot
+ * it writes may stay EVICTED, and a sweep that raced the write must fail
+ * (sweep below). */
+void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	uint64_t *ledger = payload_ledger(r);
+	for (uint32_t i = 0; ledger && i < n && TRACT_KEEP(SITE_PAYLOAD_FORGET); i++)
+		if (slots[i] < r->hdr.slot_count)
+			__atomic_store_n(&ledger[slots[i]], 0, __ATOMIC_SEQ_CST);
+}
+
+/* as tract_payload_forget, for the slots a region range [off, off + len)
+ * overlaps (internal) */
+void tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len)
+{
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	uint64_t *ledger = payload_ledger(r);
+	if (!ledger || !len || !r->hdr.slot_stride || off + len <= data->offset)
+		return;
+	uint64_t lo = off > data->offset ? (off - data->offset) / r->hdr.slot_stride : 0;
+	uint64_t hi = (off + len - 1 - data->offset) / r->hdr.slot_stride;
+	for (uint64_t s = lo; s <= hi && s < r->hdr.slot_count && TRACT_KEEP(SITE_PAYLOAD_FORGET); s++)
+		__atomic_store_n(&ledger[s], 0, __ATOMIC_SEQ_CST);
+}
+
+/* true if no payload can be live in slot s: not claimed from the pool, or in
+ * this node's free list; `line` caches the last bitmap line observed (internal) */
+static int slot_free(tract_region *r, uint32_t s, uint64_t *line_off, uint8_t line[TRACT_LINE])
+{
+	const uint8_t *local = r->local ? (const uint8_t *)r->local + r->local->free_bits_off : NULL;
+	if (local && (__atomic_load_n(&local[s / 8], __ATOMIC_ACQUIRE) & (1u << (s % 8))))
+		return 1;
+	uint64_t off = tract_sec(r, TRACT_SEC_BITMAP)->offset + (uint64_t)(s / 512) * TRACT_LINE;
+	if (*line_off != off + 1) {
+		tract_observe_line(r, off, line);
+		*line_off = off + 1;
+	}
+	uint32_t b = s % 512;
+	return !(line[b / 8] & (1u << (b % 8)));
+}
+
+/*
+ * Evicts, off the request path, the slots whose payload this node read and
+ * that has since died (or that no payload holds), so the first read of the
+ * slot's next payload here evicts nothing: the node agent calls this every
+ * heartbeat (docs/PROTOCOLS.md §1.1).  Visits up to max_slots slots from
+ * *cursor (advanced, wrapping), evicts at most max_bytes of them; *swept
+ * (may be NULL) gets how many became EVICTED.
+ *
+ * Per slot: mark it EVICTING (a CAS from the value read), *then* decide it is
+ * dead, evict, fence, and CAS EVICTING -> EVICTED.  Any reader or writer of
+ * the node that comes in between stores to the entry, so the last CAS fails.
+ * Deciding after the mark is what makes a stale decision harmless: a payload
+ * that was dead then never lives again (tags are unique), and a slot found
+ * free after the mark was not yet handed to a writer of this node (the
+ * allocator forgets a slot's entry after taking it from the free list).
+ */
+int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, uint64_t max_bytes,
+			uint32_t *swept)
+{
+	if (!r || !cursor)
+		return TRACT_E_INVAL;
+	if (swept)
+		*swept = 0;
+	uint64_t *ledger = payload_ledger(r);
+	uint64_t count = r->hdr.slot_count;
+	if (!ledger || !count || !r->hdr.block_bytes)
+		return TRACT_OK;
+	uint64_t room = max_bytes / r->hdr.block_bytes;
+	uint32_t *marked = malloc((room < max_slots ? room : max_slots) * sizeof(uint32_t) + 4);
+	if (!marked)
+		return TRACT_E_NOMEM;
+	uint32_t s = *cursor < count ? *cursor : 0, n = 0;
+	uint64_t line_off = 0;
+	uint8_t line[TRACT_LINE];
+	for (uint32_t k = 0; k < max_slots && k < count && n < room; k++, s = (s + 1) % count) {
+		uint64_t v = __atomic_load_n(&ledger[s], __ATOMIC_SEQ_CST);
+		if (ledger_sentinel(v))
+			continue;
+		if (!__atomic_compare_exchange_n(&ledger[s], &v, LEDGER_EVICTING, 0,
+						 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+			continue;                       /* somebody is using it */
+		int dead = slot_free(r, s, &line_off, line) ||
+			   (v && (!TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) || !tract_index_tag_live(r, v, s)));
+		if (!dead) {
+			uint64_t mark = LEDGER_EVICTING;   /* put back what it vouched for */
+			__atomic_compare_exchange_n(&ledger[s], &mark, v, 0, __ATOMIC_SEQ_CST,
+						    __ATOMIC_SEQ_CST);
+			continue;
+		}
+		marked[n++] = s;
+	}
+	*cursor = s;
+	for (uint32_t i = 0; i < n; i++)
+		if (TRACT_KEEP(SITE_PAYLOAD_SWEEP_EVICT))
+			tract_evict_clean(r, slot_offset(r, marked[i]), r->hdr.block_bytes);
+	if (n)
+		r->ops->fence(r);
+	uint32_t done = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t mark = LEDGER_EVICTING;
+		done += __atomic_compare_exchange_n(&ledger[marked[i]], &mark, LEDGER_EVICTED, 0,
+						    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+	}
+	free(marked);
+	if (swept)
+		*swept = done;
+	return TRACT_OK;
 }

@@ -288,7 +288,18 @@ int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
 int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t *tags,
 			  uint32_t n, uint32_t *evicted);
 
-/* The payload tag the node's ledger holds for a slot (0: none or unknown). */
+/* Evicts, off the request path, slots whose payload this node may cache and
+ * that has died (or that are free), so the first read of their next payload
+ * evicts nothing: visits up to max_slots from *cursor (advanced), evicts at
+ * most max_bytes; *swept (may be NULL) gets how many were evicted.  The node
+ * agent calls it every heartbeat. */
+int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, uint64_t max_bytes,
+			uint32_t *swept);
+
+/* The payload tag the node's ledger holds for a slot (0: none or unknown;
+ * TRACT_LEDGER_EVICTED: no line of the slot is cached on this node). */
+#define TRACT_LEDGER_EVICTED 0xFFFFFFFFFFFFFFFFull
+
 uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);
 
 /* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */

@@ -45,6 +45,7 @@ def main() -> None:
         "index_put_variant": lambda **kw: index_put_variant(pool, **kw),
         "index_read_variant": lambda **kw: index_read_variant(pool, **kw),
         "index_evict_all": lambda: pool.index.evict(pool.slot_count),
+        "sweep_payload": lambda: sweep_payload(pool),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -199,11 +200,19 @@ def index_put_variant(pool, chain: list, variant: int) -> list:
     return slots
 
 
-def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False) -> dict:
+def sweep_payload(pool) -> int:
+    """One payload sweep over every slot of the pool (what the agent does a
+    slice of each heartbeat); returns how many slots became EVICTED."""
+    return pool.sweep_payload(0, pool.slot_count, 1 << 40)[1]
+
+
+def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False,
+                       sweep_while_pinned: bool = False) -> dict:
     """Looks a chain up and checks every byte of each hit against the variant,
     by a copy (index.read) or in place (views, then the bytes as this process's
     loads see them: `checksum_slots`); returns the slots and how many of them
-    the payload ledger made it evict."""
+    the payload ledger made it evict.  sweep_while_pinned: the payload sweep
+    runs between the views and the loads (it must spare these live payloads)."""
     import numpy as np
     keys = _chain_keys(pool, *chain)
     nbytes = pool.info.block_bytes
@@ -213,6 +222,13 @@ def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False)
         before = pool.sim_stats()["evictions"] if pool.accessors == "sim" else None
         if zero_copy:
             evicted = pool.acquire_payload(res.slots, res.tags)
+            swept = None
+            if sweep_while_pinned:
+                from tract_cli.core.native import lib
+                pool.sweep_payload(0, pool.slot_count, 1 << 40)
+                # the read slots the sweep evicted all the same
+                swept = sum(lib.tract_payload_ledger(pool._r(), int(s)) != int(t)
+                            for s, t in zip(res.slots, res.tags))
             seen = pool.checksum_slots(res.slots)
             for i, k in enumerate(keys):
                 want = _variant_payload(k.tobytes(), nbytes, variant)
@@ -220,14 +236,14 @@ def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False)
                 assert int(seen[i]) == lib.tract_crc32c(ffi.from_buffer(want), nbytes), \
                     f"block {i} (slot {res.slots[i]}) holds stale bytes in place"
         else:
-            evicted = None
+            evicted = swept = None
             out = np.empty((res.hits, nbytes), np.uint8)
             pool.index.read(res, out)      # verifies the checksums: a stale line fails
             for i, k in enumerate(keys):
                 assert np.array_equal(out[i], _variant_payload(k.tobytes(), nbytes, variant)), \
                     f"block {i} (slot {res.slots[i]}) read back stale bytes"
         after = pool.sim_stats()["evictions"] if before is not None else None
-        return {"slots": res.slots.tolist(), "evicted": evicted,
+        return {"slots": res.slots.tolist(), "evicted": evicted, "swept": swept,
                 "sim_evictions": None if after is None else after - before}
     finally:
         pool.index.unpin(res)

@@ -7,7 +7,10 @@ The simulator's private cache stands for the reader host's caches: payload
 loads go through it (copies, `checksum_slots`), so a missing eviction shows
 as stale bytes.  tests/mutation.py removes the eviction
 (SITE_PAYLOAD_EVICT) and the claim's new epoch (SITE_INDEX_CLAIM_EPOCH) and
-checks these tests fail."""
+checks these tests fail; and for the sweep that evicts dead payloads off
+the request path, its eviction (SITE_PAYLOAD_SWEEP_EVICT), its sparing of
+live payloads (SITE_PAYLOAD_SWEEP_LIVE) and the writer's forgetting of a
+slot it takes (SITE_PAYLOAD_FORGET)."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +115,89 @@ def test_a_handoff_carries_the_payload_tags_of_its_blocks(region_path):
             evicted = dec.acquire_payload(rec.slots, rec.tags)
             assert evicted == (len(keys) if round_ == 0 else 0)
             dec.handoffs.ack(ticket)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "in-place"])
+def test_a_swept_slot_is_read_afresh_without_an_eviction(region, zero_copy):
+    """Host 2 reads chain A; host 1 evicts A and writes B into the same
+    slots; host 2's sweep (the agent's, off the request path) finds A dead
+    and evicts: reading B then evicts nothing and sees B, not A."""
+    with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
+        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
+        reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
+        writer.call("index_evict_all")
+        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
+        assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+        assert reader.call("sweep_payload") >= len(slots_a)
+        got = reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=zero_copy)
+        if zero_copy:
+            assert got["evicted"] == 0, "a swept slot was evicted again on the request path"
+
+
+def test_the_sweep_spares_a_payload_that_is_being_read(region):
+    """The sweep runs while host 2 holds views of A (pinned, live): it must
+    leave A's slots alone, since host 2 goes on loading A's lines; had it
+    marked them EVICTED, host 2 would read B (written later into the same
+    slots) from those stale lines without evicting them."""
+    with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
+        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
+        got = reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=True,
+                          sweep_while_pinned=True)
+        assert got["swept"] == 0, f"the sweep evicted {got['swept']} slots of live payloads"
+        writer.call("index_evict_all")
+        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
+        assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+        reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=True)
+
+
+def test_a_slot_taken_by_a_writer_of_the_node_is_no_longer_evicted(region_path):
+    """Plain mode, one process: a free slot the sweep evicted is EVICTED in
+    the node's ledger; once a writer of the node takes it, it is not (the
+    writer's lines may stay in the node's caches: clwb, partial lines)."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    from tract_cli.core.native import lib
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
+        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
+        kv = np.zeros((len(keys), p.info.block_bytes), np.uint8)
+        p.index.put(keys, kv)
+        hit = p.index.lookup(keys)
+        slots = hit.slots.tolist()
+        p.index.unpin(hit)
+        p.index.evict(p.slot_count)                   # the slots go back to node 1's list
+        assert p.sweep_payload(0, p.slot_count, 1 << 40)[1] == p.slot_count
+        assert all(lib.tract_payload_ledger(p._r(), s) == lib.TRACT_LEDGER_EVICTED
+                   for s in range(p.slot_count))
+        p.index.put(keys, kv)
+        hit = p.index.lookup(keys)
+        again = hit.slots.tolist()
+        p.index.unpin(hit)
+        assert set(again) & set(slots), "no slot was reused: the test checks nothing"
+        stale = [s for s in again if lib.tract_payload_ledger(p._r(), s) == lib.TRACT_LEDGER_EVICTED]
+        assert not stale, f"slots {stale} were written by this node and are still EVICTED"
+
+
+def test_the_agent_sweeps_so_a_first_handoff_read_evicts_nothing(region_path):
+    """Plain mode, real agents: the decode node's agent sweeps the free slots
+    of a fresh region off the request path, so the first read of a handoff's
+    blocks there evicts nothing (bounded wait, then the assertion)."""
+    import time
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    from tract_cli.core.native import lib
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    with RunningAgent(region_path, 0, manager=True), RunningAgent(region_path, 2, manager=False), \
+            Pool.attach(region_path, node=1) as pre, Pool.attach(region_path, node=2) as dec:
+        deadline = time.monotonic() + 60
+        while not all(lib.tract_payload_ledger(dec._r(), s) == lib.TRACT_LEDGER_EVICTED
+                      for s in range(dec.slot_count)):
+            assert time.monotonic() < deadline, "node 2's agent did not sweep its free slots in 60 s"
+            time.sleep(0.05)
+        keys = block_hashes(np.arange(80, dtype=np.int32), root=pool_root(pre.info))
+        pre.index.put(keys, np.ones((len(keys), pre.info.block_bytes), np.uint8))
+        ticket = pre.handoffs.publish("r0", keys, len(keys) * 16)
+        rec = dec.handoffs.open(ticket)
+        assert dec.acquire_payload(rec.slots, rec.tags) == 0
+        assert dec.acquire_payload(rec.slots, rec.tags) == 0
+        dec.handoffs.ack(ticket)

@@ -379,6 +379,16 @@ class Pool:
         raise_for(rc, self.path)
         return int(out[0])
 
+    def sweep_payload(self, cursor: int, max_slots: int, max_bytes: int) -> tuple[int, int]:
+        """Evicts, off the request path, slots whose payload this node may cache
+        and that has died since (or that are free), so that the first read of
+        their next payload here evicts nothing (one C call; the node agent's
+        heartbeat).  Visits up to MAX_SLOTS slots from CURSOR and evicts at
+        most MAX_BYTES; returns (the next cursor, slots evicted)."""
+        cur, out = ffi.new("uint32_t *", cursor), ffi.new("uint32_t *")
+        raise_for(lib.tract_payload_sweep(self._r(), cur, max_slots, max_bytes, out), self.path)
+        return int(cur[0]), int(out[0])
+
     def invalidate_slots(self, slots) -> None:
         """Evicts this host's cached lines of SLOTS (one C call): zero-copy readers
         with no payload tags call it before loading blocks another host may have
