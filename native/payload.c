@@ -85,7 +85,7 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 		uint64_t tag = tags ? tags[i] : 0;
 		uint64_t held = ledger ? __atomic_load_n(&ledger[slots[i]], __ATOMIC_SEQ_CST) : 0;
 		/* this node can hold only lines of this very payload, or none at all */
-		if ((tag && held == tag) || held == LEDGER_EVICTED)
+		if ((tag && held == tag) || (held == LEDGER_EVICTED && !tract_payload_strict()))
 			continue;
 		if (TRACT_KEEP(SITE_PAYLOAD_EVICT))
 			tract_evict_clean(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
@@ -182,7 +182,11 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 		*swept = 0;
 	uint64_t *ledger = payload_ledger(r);
 	uint64_t count = r->hdr.slot_count;
-	if (!ledger || !count || !r->hdr.block_bytes)
+	if (!ledger || !count || !r->hdr.block_bytes || tract_payload_strict())
+		return TRACT_OK;
+	/* hardware prefetchers stay inside a 4 KiB page: a slot that shares a
+	 * page with its neighbour could get lines from the neighbour's reads */
+	if ((slot_offset(r, 0) | r->hdr.slot_stride) & 4095)
 		return TRACT_OK;
 	uint64_t room = max_bytes / r->hdr.block_bytes;
 	uint32_t *marked = malloc((room < max_slots ? room : max_slots) * sizeof(uint32_t) + 4);

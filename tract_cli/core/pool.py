@@ -39,6 +39,10 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
 
 
+# the ledger's mark for a slot no line of which this node caches (payload.c)
+LEDGER_EVICTED = lib.TRACT_LEDGER_EVICTED
+
+
 class Pool:
     """A mapped, verified TraCT region, attached as one node.
 
@@ -388,6 +392,14 @@ class Pool:
         cur, out = ffi.new("uint32_t *", cursor), ffi.new("uint32_t *")
         raise_for(lib.tract_payload_sweep(self._r(), cur, max_slots, max_bytes, out), self.path)
         return int(cur[0]), int(out[0])
+
+    def payload_ledger(self, slot: int) -> int:
+        """The payload tag this node's ledger holds for SLOT: 0 (unknown),
+        LEDGER_EVICTED (no line of it cached here), or a lookup's tag."""
+        if not 0 <= slot < self.slot_count:
+            raise UsageError(f"slot {slot} is outside the pool (0..{self.slot_count - 1})",
+                             "use slot ids the index returned")
+        return int(lib.tract_payload_ledger(self._r(), slot))
 
     def invalidate_slots(self, slots) -> None:
         """Evicts this host's cached lines of SLOTS (one C call): zero-copy readers
