@@ -185,10 +185,13 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
     extra_agents, cluster = [], None
     try:
         agent = ensure_agent(path, 0, manager=True, idle_exit=IDLE_EXIT_S)
+        # the worker nodes' agents, as `tract serve-*` starts them in a deployment
+        # (their recovery, and the payload sweep that takes the eviction of a
+        # payload new to the decode node off the request path)
+        extra_agents = [ensure_agent(path, 1, idle_exit=IDLE_EXIT_S),
+                        ensure_agent(path, 2, idle_exit=IDLE_EXIT_S)]
         if real_compute:
             from tract_cli.bench import real
-            extra_agents = [ensure_agent(path, 1, idle_exit=IDLE_EXIT_S),
-                            ensure_agent(path, 2, idle_exit=IDLE_EXIT_S)]
             cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
         for tr in transports:
             if real_compute and tr not in real.KV_MODES:
