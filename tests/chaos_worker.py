@@ -29,7 +29,7 @@ from index_check import payload_for  # noqa: E402
 from procs_child import _chain_keys  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
 from tract_cli.core.handoff import Ticket  # noqa: E402
-from tract_cli.core.index import ChecksumMismatch  # noqa: E402
+from tract_cli.core.errors import ChecksumMismatch  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 
 CHAINS = 24

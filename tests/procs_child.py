@@ -214,6 +214,7 @@ def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False,
     the payload ledger made it evict.  sweep_while_pinned: the payload sweep
     runs between the views and the loads (it must spare these live payloads)."""
     import numpy as np
+    from tract_cli.core.native import ffi, lib
     keys = _chain_keys(pool, *chain)
     nbytes = pool.info.block_bytes
     res = pool.index.lookup(keys)
@@ -224,7 +225,6 @@ def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False,
             evicted = pool.acquire_payload(res.slots, res.tags)
             swept = None
             if sweep_while_pinned:
-                from tract_cli.core.native import lib
                 pool.sweep_payload(0, pool.slot_count, 1 << 40)
                 # the read slots the sweep evicted all the same
                 swept = sum(lib.tract_payload_ledger(pool._r(), int(s)) != int(t)
@@ -232,7 +232,6 @@ def index_read_variant(pool, chain: list, variant: int, zero_copy: bool = False,
             seen = pool.checksum_slots(res.slots)
             for i, k in enumerate(keys):
                 want = _variant_payload(k.tobytes(), nbytes, variant)
-                from tract_cli.core.native import lib, ffi
                 assert int(seen[i]) == lib.tract_crc32c(ffi.from_buffer(want), nbytes), \
                     f"block {i} (slot {res.slots[i]}) holds stale bytes in place"
         else:

@@ -8,7 +8,7 @@ import pytest
 
 from agents import RunningAgent
 from procs import Worker
-from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import PoolFull
 from tract_cli.core.errors import TractError
 from tract_cli.core.pool import Pool
 

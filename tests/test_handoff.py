@@ -10,7 +10,8 @@ import pytest
 from agents import RunningAgent
 from index_check import check_index
 from procs import Worker
-from tract_cli.core.handoff import HandoffError, Ticket
+from tract_cli.core.errors import HandoffError
+from tract_cli.core.handoff import Ticket
 from tract_cli.core.pool import Pool
 
 

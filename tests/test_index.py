@@ -10,9 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from agents import RunningAgent
 from index_check import check_index, payload_for
 from procs import Worker
-from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import ChecksumMismatch, PoolFull
 from tract_cli.core.hashing import block_hashes, pool_root
-from tract_cli.core.index import ChecksumMismatch
 from tract_cli.core.pool import Pool
 
 

@@ -8,7 +8,7 @@ import pytest
 from agents import RunningAgent
 from counters import counter_offset, finish_counters, start_counters
 from procs import Worker
-from tract_cli.core.locks import LockTimeout
+from tract_cli.core.errors import LockTimeout
 from tract_cli.core.pool import Pool
 
 NODES, PER_NODE = 4, 2

@@ -14,7 +14,7 @@ import pytest
 
 from servers import Server, metric, request
 from test_serve import MODEL, _cluster, _teardown, complete, prompt
-from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import PoolFull
 from tract_cli.core.pool import Pool
 
 

@@ -56,10 +56,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.agent import start_node_agent
-from tract_cli.core.allocator import PoolFull
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
-from tract_cli.core.handoff import HandoffError, Ticket
+from tract_cli.core.errors import HandoffError, PoolFull
+from tract_cli.core.handoff import Ticket
 from tract_cli.core.hashing import block_hashes, pool_root, request_keys
 from tract_cli.core.index import Lookup, as_keys
 from tract_cli.core.pool import Pool

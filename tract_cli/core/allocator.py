@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
-
-
-class PoolFull(TractError):
-    """Not enough free slots in the pool for an allocation."""
 
 
 class Allocator:
@@ -36,7 +32,7 @@ class Allocator:
         rc = lib.tract_free(self._pool._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)),
                             arr.size, int(timeout * 1e9))
         if rc == lib.TRACT_E_CORRUPT:
-            raise TractError("a freed slot was not allocated (double free?)",
+            raise CorruptRegion("a freed slot was not allocated (double free?)",
                              "free each slot exactly once")
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("a slot id is outside the pool", "free only ids alloc() returned")

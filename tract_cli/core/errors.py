@@ -2,6 +2,11 @@
 
 Every error carries one line that says what is wrong and what to do; the
 command line prints exactly that line (no traceback) and exits non-zero.
+
+Every C core code has its class here (core/native.py `raise_for` maps them),
+so a caller catches a kind of failure by type wherever it is raised -- a lock
+timeout inside `index.lookup` is a `LockTimeout` -- and no code decides
+anything by an error's text.
 """
 from __future__ import annotations
 
@@ -45,3 +50,52 @@ class NoSpaceError(TractError):
 
 class FlushModeError(TractError):
     """The CPU does not support the requested flush mode."""
+
+
+class LockTimeout(TractError):
+    """A lock was not granted within its timeout (TRACT_E_TIMEOUT)."""
+
+
+class PoolFull(TractError):
+    """Not enough free slots (or directory entries) for an allocation (TRACT_E_FULL)."""
+
+
+class NotFound(TractError):
+    """No such named object, key or record (TRACT_E_NOT_FOUND)."""
+
+
+class CorruptRegion(TractError):
+    """Region metadata fails a consistency check (TRACT_E_CORRUPT, TRACT_E_RANGE)."""
+
+
+class NoLocalSegment(TractError):
+    """The handle has no node-local segment: a read-only attach (TRACT_E_NO_LOCAL)."""
+
+
+class Superseded(TractError):
+    """Another node holds a later lock-manager claim (TRACT_E_SUPERSEDED)."""
+
+
+class OutOfMemory(TractError):
+    """A process-local allocation failed (TRACT_E_NOMEM)."""
+
+
+class SystemCallFailed(TractError):
+    """A system call failed (TRACT_E_SYS); the message carries its errno text."""
+
+
+class ChecksumMismatch(TractError):
+    """A block read back does not match the checksum recorded at put."""
+
+
+class HandoffError(TractError):
+    """A handoff record is missing, expired, or not what the ticket says."""
+
+
+class BlocksPending(HandoffError):
+    """Publishing a handoff found a block of the request not READY in the pool
+    (absent, or still PENDING under another writer)."""
+
+
+class TransferTableFull(HandoffError):
+    """The transfer table has no free record (TRACT_E_TABLE_FULL)."""

@@ -19,17 +19,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tract_cli.core.allocator import PoolFull
-from tract_cli.core.errors import TractError, UsageError
-from tract_cli.core.index import ChecksumMismatch, as_keys
+from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError, PoolFull,
+                                   TransferTableFull, UsageError)
+from tract_cli.core.index import as_keys
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
-
-
-class HandoffError(TractError):
-    """A handoff record is missing, expired, or not what the ticket says."""
 
 
 def request_key(request_id: str | bytes) -> bytes:
@@ -47,8 +43,8 @@ def retry_while_pending(publish, wait_s: float):
     while True:
         try:
             return publish()
-        except HandoffError as exc:
-            if not exc.problem.startswith("not every block") or time.monotonic() >= deadline:
+        except BlocksPending:
+            if time.monotonic() >= deadline:
                 raise
         time.sleep(0.002)      # another process finishing its write: poll, bounded
 
@@ -131,10 +127,10 @@ class Handoffs:
             0 if tail_buf is None else tail_buf.size, tail_tokens, int(ttl * 1e9), rec,
             int(timeout * 1e9))
         if rc == lib.TRACT_E_NOT_FOUND:
-            raise HandoffError("not every block of the request is in the pool",
+            raise BlocksPending("not every block of the request is in the pool",
                                "put the blocks before publishing the handoff")
         if rc == lib.TRACT_E_TABLE_FULL:
-            raise HandoffError("the transfer table is full",
+            raise TransferTableFull("the transfer table is full",
                                "acknowledge handoffs, or let expired ones be reclaimed")
         if rc == lib.TRACT_E_FULL:
             raise PoolFull("no slot for the handoff's key list: the pool is full and every "

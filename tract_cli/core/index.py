@@ -13,18 +13,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tract_cli.core.allocator import PoolFull
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
 
 PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
-
-
-class ChecksumMismatch(TractError):
-    """A block read back does not match the checksum recorded at put."""
 
 
 @dataclass
@@ -96,7 +91,7 @@ class PrefixIndex:
         rc = lib.tract_index_unpin(self._pool._r(), ffi.from_buffer(keys), len(keys),
                                    int(timeout * 1e9))
         if rc == lib.TRACT_E_CORRUPT:
-            raise TractError("a key was not pinned by this node", "unpin only what lookup pinned")
+            raise CorruptRegion("a key was not pinned by this node", "unpin only what lookup pinned")
         raise_for(rc, f"{self._pool.path} index unpin")
 
     def put(self, hashes, kv, tokens=None, checksum: bool = False, pin: bool = False,

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from tract_cli.core.errors import TractError
+from tract_cli.core.errors import LockTimeout, NoLocalSegment, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.units import format_duration
 
 LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, FIRST_STRIPE_LOCK = 0, 1, 2, 3
 DEFAULT_TIMEOUT_S = 30.0
-
-
-class LockTimeout(TractError):
-    """A lock was not granted within its timeout."""
 
 
 def lock_name(lock_id: int) -> str:
@@ -45,7 +41,7 @@ class Locks:
             raise LockTimeout(self._describe_timeout(lock_id, timeout, wait),
                               "check `tract agent` runs on the manager node and the holder is alive")
         if rc == lib.TRACT_E_NO_LOCAL:
-            raise TractError("this pool handle has no node-local segment",
+            raise NoLocalSegment("this pool handle has no node-local segment",
                              "attach without readonly to take locks")
         raise_for(rc if rc < 0 else 0, f"{self._pool.path} lock {lock_name(lock_id)}")
         return rc == lib.TRACT_RECOVERED
@@ -55,7 +51,7 @@ class Locks:
         self._check(lock_id)
         rc = lib.tract_lock_release(self._pool._r(), lock_id)
         if rc == lib.TRACT_E_NOT_HELD:
-            raise TractError(f"lock {lock_name(lock_id)} is not held by this process",
+            raise UsageError(f"lock {lock_name(lock_id)} is not held by this process",
                              "release only what you acquired")
         raise_for(rc, f"{self._pool.path} lock {lock_name(lock_id)}")
 
@@ -82,7 +78,7 @@ class Locks:
 
     def _check(self, lock_id: int) -> None:
         if not 0 <= lock_id < self.count:
-            raise TractError(f"lock id {lock_id} is outside 0..{self.count - 1}",
+            raise UsageError(f"lock id {lock_id} is outside 0..{self.count - 1}",
                              "use an allocator, directory, transfer or stripe lock id")
 
     @staticmethod

@@ -8,10 +8,19 @@ from __future__ import annotations
 import os
 
 from tract_cli.core.errors import (
+    CorruptRegion,
     FlushModeError,
     FormatMismatchError,
+    LockTimeout,
+    NoLocalSegment,
     NotFormattedError,
+    NotFound,
+    OutOfMemory,
+    PoolFull,
+    Superseded,
+    SystemCallFailed,
     TractError,
+    TransferTableFull,
     UsageError,
 )
 
@@ -65,23 +74,25 @@ _MESSAGES = {
                             "give a larger --size or a model with smaller blocks"),
     lib.TRACT_E_ALIGN: (UsageError, "{what}: size or offset is not a multiple of the alignment",
                         "round --size to the alignment (2 MiB by default)"),
-    lib.TRACT_E_RANGE: (TractError, "{what}: offset or length outside the region",
+    lib.TRACT_E_RANGE: (CorruptRegion, "{what}: offset or length outside the region",
                         "this is a bug or a corrupt region; run `tract info` on it"),
-    lib.TRACT_E_NOMEM: (TractError, "{what}: out of process memory", "free memory and retry"),
-    lib.TRACT_E_TIMEOUT: (TractError, "{what}: timed out waiting for a lock",
+    lib.TRACT_E_NOMEM: (OutOfMemory, "{what}: out of process memory", "free memory and retry"),
+    lib.TRACT_E_TIMEOUT: (LockTimeout, "{what}: timed out waiting for a lock",
                           "check that `tract agent --manager` runs and no process hangs holding it "
                           "(`tract inspect --locks`)"),
-    lib.TRACT_E_FULL: (TractError, "{what}: no room left",
+    lib.TRACT_E_FULL: (PoolFull, "{what}: no room left",
                        "free or evict entries, or use a larger region"),
-    lib.TRACT_E_NOT_FOUND: (TractError, "{what}: not found", "check the name or key"),
-    lib.TRACT_E_TABLE_FULL: (TractError, "{what}: the transfer table is full",
+    lib.TRACT_E_NOT_FOUND: (NotFound, "{what}: not found", "check the name or key"),
+    lib.TRACT_E_TABLE_FULL: (TransferTableFull, "{what}: the transfer table is full",
                              "acknowledge handoffs, or let expired ones be reclaimed"),
-    lib.TRACT_E_CORRUPT: (TractError, "{what}: region metadata is inconsistent",
+    lib.TRACT_E_CORRUPT: (CorruptRegion, "{what}: region metadata is inconsistent",
                           "run `tract inspect` on it; reformat if it persists"),
-    lib.TRACT_E_NO_LOCAL: (TractError, "{what}: this handle has no node-local segment",
+    lib.TRACT_E_NO_LOCAL: (NoLocalSegment, "{what}: this handle has no node-local segment",
                            "attach without readonly= to take locks"),
-    lib.TRACT_E_SUPERSEDED: (TractError, "{what}: another node holds a later lock-manager claim",
+    lib.TRACT_E_SUPERSEDED: (Superseded, "{what}: another node holds a later lock-manager claim",
                              "let that node manage; this agent stands by"),
+    lib.TRACT_E_NOT_HELD: (UsageError, "{what}: the lock is not held by this process",
+                           "release only what you acquired"),
     lib.TRACT_E_INVAL: (UsageError, "{what}: invalid argument", "check the parameters"),
 }
 
@@ -94,7 +105,8 @@ def raise_for(rc: int, what: str) -> None:
         raise FlushModeError(f"{what}: this CPU lacks the requested flush instruction",
                              f"choose one of: {', '.join(m for m in FLUSH_MODES if flush_mode_supported(m))}")
     if rc == lib.TRACT_E_SYS:
-        raise TractError(f"{what}: {os.strerror(ffi.errno)}", "check the device or file and retry")
+        raise SystemCallFailed(f"{what}: {os.strerror(ffi.errno)}",
+                               "check the device or file and retry")
     cls, problem, fix = _MESSAGES.get(rc, (TractError, "{what}: C core error " + str(rc),
                                            "this is a bug; please report it"))
     raise cls(problem.format(what=what), fix.format(what=what))

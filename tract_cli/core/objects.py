@@ -1,7 +1,7 @@
 """The object store: named roots in the region (the paper's cxl_shm_put/get)."""
 from __future__ import annotations
 
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
 from tract_cli.core.native import lib, ffi, raise_for
 
 
@@ -23,7 +23,7 @@ class ObjectStore:
         """Publishes NAME -> (OFFSET, SIZE bytes) in the region."""
         rc = lib.tract_obj_put(self._pool._r(), self._name(name), offset, size, int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
-            raise TractError("the object directory is full (64 names)", "delete unused names")
+            raise PoolFull("the object directory is full (64 names)", "delete unused names")
         raise_for(rc, f"object {name!r}")
 
     def get(self, name: str) -> tuple[int, int] | None:
@@ -33,7 +33,7 @@ class ObjectStore:
         if rc == lib.TRACT_E_NOT_FOUND:
             return None
         if rc == lib.TRACT_E_CORRUPT:
-            raise TractError(f"object {name!r} points outside the region (corrupt directory)",
+            raise CorruptRegion(f"object {name!r} points outside the region (corrupt directory)",
                              "run `tract check` on the region")
         raise_for(rc, f"object {name!r}")
         return off[0], size[0]

@@ -30,6 +30,7 @@ READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
 class Violation:
     check: str
     detail: str
+    bucket: int | None = None     # the index bucket it concerns, where one does
 
 
 def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
@@ -148,7 +149,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
             bi = ready[~badslot][k]
             if lib.tract_crc32c(ffi.from_buffer(buf), buf.size) != int(b["checksum"][bi]):
                 out.append(Violation("checksum", f"bucket {bi} (slot {s}): payload does not match "
-                                                 "its checksum"))
+                                                 "its checksum", bucket=int(bi)))
     stats = {"slots": n, "slots_taken": int(bits.sum()), "buckets": bs.count,
              "ready": int(len(ready)), "pending": int((state == PENDING).sum()),
              "handoffs": int((rec["state"] != 0).sum()), "checksums_verified": checked}
@@ -189,7 +190,7 @@ def repair(path: str, force: bool = False) -> dict:
                          "stop them first: repair rebuilds state they rely on (or --force)")
     with Pool.attach(path, local=False) as pool:
         violations, _ = verify(pool, data=True)
-        bad_sum = {int(v.detail.split()[1]) for v in violations if v.check == "checksum"}
+        bad_sum = {v.bucket for v in violations if v.check == "checksum"}
         info = pool.info
         rd = Sections(pool)                  # a fresh read: the one verify made is older
         n = info.slot_count

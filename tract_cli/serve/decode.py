@@ -15,7 +15,8 @@ import time
 import uuid
 
 from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import HandoffError, Ticket
+from tract_cli.core.errors import HandoffError
+from tract_cli.core.handoff import Ticket
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.httpd import ApiError, UpstreamError, field, get_json, post_json
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes

@@ -16,9 +16,8 @@ import uuid
 
 import numpy as np
 
-from tract_cli.core.allocator import PoolFull
+from tract_cli.core.errors import HandoffError, PoolFull
 from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import HandoffError
 from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
