@@ -190,8 +190,10 @@ static void push_local(tract_region *r, const uint32_t *slots, uint32_t n)
 /* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
 int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 {
-	if (!r || (!out && n) || n > r->hdr.slot_count)
+	if (!r || (!out && n))
 		return TRACT_E_INVAL;
+	if (n > r->hdr.slot_count)
+		return TRACT_E_FULL;    /* more than the whole pool: never satisfiable */
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
 	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);

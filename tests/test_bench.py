@@ -92,6 +92,19 @@ def test_several_workers_under_eviction_pressure(tmp_path):
         assert r["ttft"] > 0 and r["e2e"] >= r["ttft"] and r["t"]["queue"] >= 0
 
 
+def test_a_pool_too_small_for_one_request_is_a_one_line_error():
+    """The right outcome on a region smaller than a single request's blocks:
+    the run stops with one line naming both sizes and the fix, exit 1, no
+    traceback (it used to be "invalid argument")."""
+    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "4",
+                "--max-input-len", "4096", "--speedup", "100", "--pool-size", "4M",
+                "--transport", "tract-copy")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert "blocks cannot fit a pool of" in line and "use a larger region" in line, line
+
+
 def test_synthetic_preset_runs_and_plots(tmp_path):
     png = tmp_path / "bench.png"
     res = tract("bench", "--model", "tiny-llama", "--workload", "synthetic-c", "--requests", "12",

@@ -122,6 +122,26 @@ def test_eviction_never_takes_a_pinned_block_and_full_is_a_result(small_region):
         assert check_index(small_region)["ready"] == 0
 
 
+def test_a_put_larger_than_the_whole_pool_says_so_and_evicts_nothing(small_region):
+    """More blocks than the pool has slots can never fit: PoolFull naming both
+    sizes (not "invalid argument", not "pinned"), and the cache is left as it
+    was (nothing evicted in a hopeless attempt)."""
+    with Pool.attach(small_region, node=1) as p:
+        kept = chain(p, 41, 10)
+        p.index.put(kept, blocks_for(p, kept))
+        big = chain(p, 998, p.slot_count + 1)
+        with pytest.raises(PoolFull, match=f"{p.slot_count + 1} blocks cannot fit a pool of "
+                                           f"{p.slot_count} slots"):
+            p.index.put(big, blocks_for(p, big))
+        with pytest.raises(PoolFull, match="cannot fit"):
+            p.index.reserve(big)
+        with pytest.raises(PoolFull):
+            p.allocator.alloc(p.slot_count + 1)
+        hit = p.index.lookup(kept)
+        assert hit.hits == 10, "the hopeless put evicted cached blocks"
+        p.index.unpin(hit)
+
+
 ops = st.lists(st.tuples(st.sampled_from(["put", "lookup", "hold", "release", "evict"]),
                          st.integers(0, 7), st.integers(1, 30)), min_size=1, max_size=25)
 

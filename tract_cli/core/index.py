@@ -120,10 +120,18 @@ class PrefixIndex:
                                  (lib.TRACT_PUT_PIN if pin else 0),
                                  ffi.from_buffer(status), int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
-            raise PoolFull("the pool is full and every block in it is pinned",
-                           "unpin blocks (finish or time out handoffs) or use a larger region")
+            self._raise_full(n, "unpin blocks (finish or time out handoffs) or use a larger region")
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
+
+    def _raise_full(self, blocks: int, fix: str) -> None:
+        """PoolFull for a put of BLOCKS that found no room: a request larger
+        than the whole pool says so, rather than blaming pins."""
+        slots = self._pool.slot_count
+        if blocks > slots:
+            raise PoolFull(f"a request of {blocks} blocks cannot fit a pool of {slots} slots",
+                           "use a larger region, or shorter requests")
+        raise PoolFull("the pool is full and every block in it is pinned", fix)
 
     def reserve(self, hashes, pin: bool = False, timeout: float = 30.0):
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
@@ -141,8 +149,7 @@ class PrefixIndex:
                                        ffi.from_buffer(status), self._u32(slots),
                                        lib.TRACT_PUT_PIN if pin else 0, int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
-            raise PoolFull("the pool is full and every block in it is pinned",
-                           "unpin blocks or use a larger region")
+            self._raise_full(n, "unpin blocks or use a larger region")
         raise_for(rc, f"{self._pool.path} index reserve")
         return status, slots[:n]
 
