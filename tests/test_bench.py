@@ -96,9 +96,8 @@ def test_a_pool_too_small_for_one_request_is_a_one_line_error():
     """The right outcome on a region smaller than a single request's blocks:
     the run stops with one line naming both sizes and the fix, exit 1, no
     traceback (it used to be "invalid argument")."""
-    res = tract("bench", "--model", "tiny-llama", "--trace", TRACE, "--limit", "4",
-                "--max-input-len", "4096", "--speedup", "100", "--pool-size", "4M",
-                "--transport", "tract-copy")
+    res = tract("bench", "--model", "tiny-llama", "--input-len", "4096", "--requests", "1",
+                "--pool-size", "4M", "--transport", "tract-copy")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     line = res.stderr.strip().splitlines()[-1]
