@@ -169,9 +169,10 @@ static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
 {
 	uint32_t *fl = free_list(r);
 	uint8_t *fb = free_bits(r);
+	/* the bits are read without alloc_mu by the payload sweep (payload.c) */
 	for (uint32_t i = 0; i < n; i++) {
 		uint32_t s = fl[--r->local->free_count];
-		fb[s / 8] &= (uint8_t)~(1u << (s % 8));
+		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
 		out[i] = s;
 	}
 }
@@ -183,7 +184,7 @@ static void push_local(tract_region *r, const uint32_t *slots, uint32_t n)
 	uint8_t *fb = free_bits(r);
 	for (uint32_t i = 0; i < n; i++) {
 		fl[r->local->free_count++] = slots[i];
-		fb[slots[i] / 8] |= (uint8_t)(1u << (slots[i] % 8));
+		__atomic_fetch_or(&fb[slots[i] / 8], (uint8_t)(1u << (slots[i] % 8)), __ATOMIC_RELEASE);
 	}
 }
 

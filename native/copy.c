@@ -73,17 +73,20 @@ static void stream_sse2(uint8_t *dst, const uint8_t *src, uint64_t n)
 
 typedef void (*stream_fn)(uint8_t *, const uint8_t *, uint64_t);
 
-/* picks the widest streaming routine once (internal) */
+/* picks the widest streaming routine once; threads that race here all pick
+ * the same one, through an atomic (a plain static was a data race) (internal) */
 static stream_fn stream_routine(void)
 {
 	static stream_fn fn;
-	if (!fn) {
+	stream_fn got = __atomic_load_n(&fn, __ATOMIC_ACQUIRE);
+	if (!got) {
 		uint32_t f = tract_cpu_features();
-		fn = (f & TRACT_CPU_AVX512F) ? stream_avx512
-		   : (f & TRACT_CPU_AVX2)    ? stream_avx2
-					     : stream_sse2;
+		got = (f & TRACT_CPU_AVX512F) ? stream_avx512
+		    : (f & TRACT_CPU_AVX2)    ? stream_avx2
+					      : stream_sse2;
+		__atomic_store_n(&fn, got, __ATOMIC_RELEASE);
 	}
-	return fn;
+	return got;
 }
 
 /* copy with streaming stores for the 64-aligned bulk, memcpy for edges (internal) */

@@ -1,10 +1,13 @@
 """The non-coherence mutation test: for each flush and invalidate of the
 lock, publish and pin paths (the sites of `enum tract_site` in
 native/internal.h), a run with TRACT_MUTANT=<site> removes exactly that one;
-the protocol tests under the non-coherence simulator must catch it (fail,
-or hang and be stopped by their bounded waits).
+the protocol test that predicts its absence, under the non-coherence
+simulator, must fail.  A mutant counts as caught only when a test PREDICTED
+names for it fails (an assertion or a bounded wait's error, within the time
+limit): a hang, a setup error or another test's failure is not a catch.
 
     .venv/bin/python tests/mutation.py [--sites 1,5,9] [--timeout 120] [--json F]
+    .venv/bin/python tests/mutation.py --discover    # which tests fail, per site
 
 A baseline run without a mutant must pass first, or nothing is measured.
 """
@@ -29,6 +32,26 @@ TESTS = ["tests/test_payload_ledger.py",
          "tests/test_takeover.py::test_under_the_simulator_every_party_sees_the_new_claim"]
 
 
+_PL = "tests/test_payload_ledger.py::"
+_TAKEOVER = "tests/test_takeover.py::test_under_the_simulator_every_party_sees_the_new_claim"
+# site -> the tests whose failure its removal predicts (the argument for each
+# is docs/PROTOCOLS.md §2); sites not here are redundant by that argument
+PREDICTED = {
+    "SITE_PAYLOAD_EVICT": [_PL + "test_a_reader_never_sees_a_stale_line_of_a_reused_slot",
+                           _PL + "test_the_same_key_rewritten_in_the_same_slot_is_a_new_payload",
+                           _PL + "test_a_pinned_payload_read_again_is_not_evicted_again"],
+    "SITE_INDEX_CLAIM_EPOCH": [_PL + "test_the_same_key_rewritten_in_the_same_slot_is_a_new_payload",
+                               _PL + "test_lookup_tags_name_the_bucket_and_a_new_epoch_per_claim"],
+    "SITE_PAYLOAD_SWEEP_EVICT": [_PL + "test_a_swept_slot_is_read_afresh_without_an_eviction"],
+    "SITE_PAYLOAD_SWEEP_LIVE": [_PL + "test_the_sweep_spares_a_payload_that_is_being_read"],
+    "SITE_PAYLOAD_FORGET": [_PL + "test_a_slot_taken_by_a_writer_of_the_node_is_no_longer_evicted"],
+    "SITE_LOCK_OBSERVE_CLAIMS": [_TAKEOVER],
+    "SITE_MGR_OBSERVE_CLAIMS": [_TAKEOVER],
+    "SITE_MGR_OBSERVE_ADOPT": [_TAKEOVER],
+}
+REDUNDANT = {"SITE_LOCK_OBSERVE_SEQ", "SITE_LOCK_OBSERVE_RELEASE", "SITE_MGR_PUBLISH_GRANT"}
+
+
 def sites() -> list[tuple[int, str, str]]:
     """(number, name, comment) of every mutation site, read from the C header."""
     text = open(os.path.join(ROOT, "native", "internal.h")).read()
@@ -40,26 +63,47 @@ def sites() -> list[tuple[int, str, str]]:
     return out
 
 
-def run(site: int, timeout: float) -> dict:
+def _pytest(site: int, tests: list[str], timeout: float, stop_first: bool) -> dict:
+    """Runs TESTS with TRACT_MUTANT=SITE: outcome, the failed and errored test
+    ids, seconds, and the first error line."""
     env = {**os.environ, "TRACT_MUTANT": str(site)}
     t0 = time.monotonic()
+    args = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+            *(["-x"] if stop_first else []), *tests]
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                              *TESTS], cwd=ROOT, env=env, capture_output=True, text=True,
+        res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=timeout)
-        outcome = "passed" if res.returncode == 0 else "failed"
-        last = (res.stdout.strip().splitlines() or [""])[-1]
-        why = next((line.strip() for line in res.stdout.splitlines()
-                    if line.startswith("E ")), last)
     except subprocess.TimeoutExpired:
-        outcome, why = "hung", f"no result within {timeout:.0f} s"
-    return {"outcome": outcome, "seconds": round(time.monotonic() - t0, 1), "why": why[:200]}
+        return {"outcome": "hung", "failed": [], "errors": [],
+                "seconds": round(time.monotonic() - t0, 1),
+                "why": f"no result within {timeout:.0f} s"}
+    lines = res.stdout.splitlines()
+    failed = [ln.split()[1] for ln in lines if ln.startswith("FAILED ")]
+    errors = [ln.split()[1] for ln in lines if ln.startswith("ERROR ")]
+    why = next((ln.strip() for ln in lines if ln.startswith("E ")),
+               (lines or [""])[-1])
+    return {"outcome": "passed" if res.returncode == 0 else "failed", "failed": failed,
+            "errors": errors, "seconds": round(time.monotonic() - t0, 1), "why": why[:200]}
+
+
+def run(site: int, timeout: float, name: str | None = None) -> dict:
+    """The mutant's run: site 0 (the baseline) runs every protocol test; a
+    site runs its predicted tests, and is caught only if one of them failed."""
+    if site == 0 or name not in PREDICTED:
+        return _pytest(site, TESTS, timeout, stop_first=site != 0) | {"caught": False}
+    want = PREDICTED[name]
+    r = _pytest(site, want, timeout, stop_first=False)
+    r["caught"] = r["outcome"] == "failed" and any(
+        f == w or f.startswith(w + "[") for f in r["failed"] for w in want)
+    return r
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", default="all", help="comma-separated site numbers, or all")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
+    ap.add_argument("--discover", action="store_true",
+                    help="run every protocol test against each mutant and list what fails")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     known = sites()
@@ -71,19 +115,32 @@ def main(argv=None) -> int:
         return 2
     results = []
     for num, name, what in chosen:
-        r = run(num, a.timeout)
-        r.update(site=num, name=name, what=what, caught=r["outcome"] != "passed")
+        if a.discover:
+            r = _pytest(num, TESTS, a.timeout, stop_first=False)
+            print(f"{num:2d} {name:30s} {r['outcome']} ({r['seconds']} s): "
+                  f"{', '.join(r['failed']) or '-'}", flush=True)
+        elif name in REDUNDANT:
+            r = {"outcome": "not run", "caught": False, "failed": [], "seconds": 0,
+                 "why": "redundant by docs/PROTOCOLS.md §2"}
+            print(f"{num:2d} {name:30s} redundant (not run)", flush=True)
+        else:
+            r = run(num, a.timeout, name)
+            print(f"{num:2d} {name:30s} {'caught' if r['caught'] else 'MISSED'} ({r['outcome']}, "
+                  f"{r['seconds']} s): {r['why'][:90]}", flush=True)
+        r.update(site=num, name=name, what=what)
         results.append(r)
-        print(f"{num:2d} {name:30s} {'caught' if r['caught'] else 'MISSED'} ({r['outcome']}, "
-              f"{r['seconds']} s): {r['why'][:90]}", flush=True)
+    if a.discover:
+        return 0
     caught = sum(r["caught"] for r in results)
-    summary = {"sites": len(results), "caught": caught, "baseline_s": base["seconds"],
-               "results": results}
-    print(f"caught {caught} of {len(results)} mutants")
+    expected = sum(r["name"] not in REDUNDANT for r in results)
+    summary = {"sites": len(results), "caught": caught, "expected": expected,
+               "baseline_s": base["seconds"], "results": results}
+    print(f"caught {caught} of {expected} mutants that a test predicts "
+          f"({len(results) - expected} redundant)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
-    return 0 if caught == len(results) else 1
+    return 0 if caught == expected else 1
 
 
 if __name__ == "__main__":

@@ -11,17 +11,14 @@ import sys
 
 import pytest
 
+import sanitizers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = 300
 
 
 def libasan() -> str | None:
-    try:
-        path = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
-                              text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return path if os.path.isabs(path) and os.path.exists(path) else None
+    return sanitizers.runtime("asan")
 
 
 # a fixed seed (the same cases every run) and a fresh one (printed: a failure
