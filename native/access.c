@@ -1,5 +1,5 @@
 /*
- * access.c -- the access discipline for shared metadata (DESIGN.md §4).
+ * access.c -- the access discipline for shared metadata (docs/PROTOCOLS.md §1).
  *
  * publish = store -> flush the line -> fence
  * observe = invalidate the line -> fence -> load

@@ -1,5 +1,5 @@
 /*
- * alloc.c -- the slot allocator (DESIGN.md §6, docs/PROTOCOLS.md §5).
+ * alloc.c -- the slot allocator (docs/ARCHITECTURE.md §8, docs/PROTOCOLS.md §5).
  *
  * Ground truth is the region: bitmap bit i = slot i taken from the pool,
  * owners[i] = claiming node + 1.  A node claims slots in batches under the

@@ -1,5 +1,5 @@
 /*
- * copy.c -- KV payload copies (DESIGN.md §4).
+ * copy.c -- KV payload copies (docs/ARCHITECTURE.md §6, docs/PROTOCOLS.md §1.1).
  *
  * Payload is not published line by line: above the non-temporal threshold
  * it is written with streaming stores (which bypass this host's caches) and
@@ -132,7 +132,7 @@ static void copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n)
  * [off, off+len), before its READY is published (internal).  In clflush mode
  * the whole 256-byte chunks are streamed back in place by the copy routine
  * (read from the cache, written with non-temporal stores, one fence): the
- * payload path DESIGN.md §4 and PROTOCOLS.md §1.1 sanction for CPU writers, at
+ * payload path ARCHITECTURE.md §6 and PROTOCOLS.md §1.1 sanction for CPU writers, at
  * memory speed, where a serialized clflush of every line cost ~2 s per
  * 750 MiB; the unaligned head and the last partial chunk take clflush.  clflushopt and clwb modes use their instruction, fenced.
  */

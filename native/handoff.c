@@ -1,5 +1,5 @@
 /*
- * handoff.c -- prefill -> decode handoff records (DESIGN.md §8,
+ * handoff.c -- prefill -> decode handoff records (docs/ARCHITECTURE.md §10,
  * docs/PROTOCOLS.md §10).
  *
  * The control message carries only (record index, request id).  The record

@@ -1,5 +1,5 @@
 /*
- * index.c -- the prefix index (DESIGN.md §7, docs/PROTOCOLS.md §8).
+ * index.c -- the prefix index (docs/ARCHITECTURE.md §9, docs/PROTOCOLS.md §9).
  *
  * A fixed open-addressing table of cache-line buckets, split into stripes of
  * contiguous buckets; a key's stripe and home bucket come from its bits and

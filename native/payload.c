@@ -1,6 +1,6 @@
 /*
  * payload.c -- making KV payload that other hosts wrote safe to load
- * (DESIGN.md §4; the argument is docs/PROTOCOLS.md §1.1).
+ * (docs/ARCHITECTURE.md §6; the argument is docs/PROTOCOLS.md §1.1).
  *
  * A reader must never load a stale line of a reused slot: a line this host
  * cached while the slot held an earlier block.  Evicting the whole slot

@@ -1,5 +1,5 @@
 /*
- * sim.c -- the non-coherence simulator (DESIGN.md §4).
+ * sim.c -- the non-coherence simulator (docs/PROTOCOLS.md §2).
  *
  * A private, set-associative write-back cache per process sits between the
  * accessors and the mapping.  Loads hit cached lines, stale or not, until

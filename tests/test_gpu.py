@@ -15,7 +15,7 @@ def test_runs_of_consecutive_slots():
     assert _runs(np.array([], np.uint32)) == []
 
 
-@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of DESIGN.md §10)")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of docs/ARCHITECTURE.md §12)")
 def test_gpu_put_and_load_through_registered_mapping(region_path):
     import torch
 

@@ -1,4 +1,4 @@
-"""Prefix-index and handoff figures for one request (DESIGN.md §7, §8):
+"""Prefix-index and handoff figures for one request (docs/PROTOCOLS.md §9, §10):
 hashing, put and read bandwidth against memcpy of the same bytes in the same
 run, lookup+pin, copying and zero-copy handoff and their metadata share."""
 from __future__ import annotations

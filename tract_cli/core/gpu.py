@@ -1,4 +1,4 @@
-"""The GPU path (DESIGN.md §10): KV moves by DMA between GPU memory and pool slots.
+"""The GPU path (docs/ARCHITECTURE.md §12): KV moves by DMA between GPU memory and pool slots.
 
 The whole mapping is registered once with `cudaHostRegister`, so slot views
 are page-locked host tensors and `copy_(..., non_blocking=True)` on a stream

@@ -1,4 +1,4 @@
-"""Prefill -> decode handoffs through the pool (DESIGN.md §8).
+"""Prefill -> decode handoffs through the pool (docs/PROTOCOLS.md §10).
 
 The prefill side publishes a record naming the request's blocks (pinned until
 the decode side acknowledges, or the record expires and a node agent

@@ -1,4 +1,4 @@
-"""Chained block hashes: the prefix index's keys (DESIGN.md §7).
+"""Chained block hashes: the prefix index's keys (docs/PROTOCOLS.md §8).
 
 h_i = H(h_{i-1}, tokens_i, extra) over full blocks of `block_tokens` tokens,
 computed in C over a whole prompt in one call.  Equal prefixes give equal

@@ -272,7 +272,7 @@ class Pool:
     # ---- the access discipline (metadata) ----
 
     def store_u64(self, off: int, value: int) -> None:
-        """Plain store; stays in this host's cache until flushed (DESIGN §4)."""
+        """Plain store; stays in this host's cache until flushed (docs/PROTOCOLS.md §1)."""
         raise_for(lib.tract_store_u64(self._r(), off, value), f"{self.path} @{off:#x}")
 
     def load_u64(self, off: int) -> int:

@@ -1,5 +1,5 @@
 """`tract check`: verify every invariant of a region; `--repair` rebuilds what
-can be rebuilt (DESIGN.md §9).
+can be rebuilt (docs/PROTOCOLS.md §11).
 
 Verification reads the region like `tract inspect` (no writes, no locks).
 Repair is offline: it refuses while any process maps the region (unless

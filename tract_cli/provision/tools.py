@@ -1,8 +1,10 @@
 """Running cxl / ndctl / daxctl and turning their failures into one-line errors.
 
 The tools speak JSON on stdout; their errors are lines on stderr.  Every
-failure seen on emulated devices (shared/notes/qemu-cxl.md) is translated
-into its cause and fix; anything else is reported with the tool's own words.
+failure seen in QEMU guests with an emulated CXL Type-3 device (pmem regions
+on kernel 6.1, ram regions on kernel 6.12; listed in docs/PROVISIONING.md) is
+translated into its cause and fix; anything else is reported with the tool's
+own words.
 """
 from __future__ import annotations
 
