@@ -2,7 +2,7 @@
  * format.h -- on-media structures of the sections (internal).
  *
  * Every structure here is a whole number of 64-byte lines and every line
- * has exactly one writer at a time (the rule of docs/FORMAT.md §2).  The
+ * has exactly one writer at a time (the rule of docs/FORMAT.md §1).  The
  * all-zero state of every section is its initial state, so formatting a
  * section is zeroing it.  Links between entries are index + 1 (0 = none).
  */

@@ -8,8 +8,9 @@ view must report `is_pinned()`).  Blocks move as runs of consecutive slots
 a few runs): one copy per run, not per block.
 
 Writing into the pool is a zero-copy put: reserve the slots, DMA into them,
-synchronize the stream, commit.  The DMA writes reach memory, not the CPU
-cache, so nothing needs flushing; the commit publishes them.
+synchronize the stream, commit.  The commit writes the slots back before it
+publishes them: with Intel DDIO a device's DMA may leave lines dirty in the
+last-level cache (docs/PROTOCOLS.md §1.1).
 """
 from __future__ import annotations
 
