@@ -175,7 +175,7 @@ const struct tract_ops *tract_plain_ops(int flush_mode)
 /* ---- public accessors ---- */
 
 /* checks handle, bounds and (for u64) alignment (internal) */
-static int check(const tract_region *r, uint64_t off, uint64_t n, int u64)
+static int check(tract_region *r, uint64_t off, uint64_t n, int u64)
 {
 	if (!r)
 		return TRACT_E_INVAL;
@@ -183,6 +183,10 @@ static int check(const tract_region *r, uint64_t off, uint64_t n, int u64)
 		return TRACT_E_RANGE;
 	if (u64 && (off & 7))
 		return TRACT_E_ALIGN;
+	/* a load or store of payload slots outside tract_payload_acquire (an
+	 * object kept in a slot, a handoff's key list): the node's ledger stops
+	 * vouching for them before their lines can enter the caches (payload.c) */
+	tract_payload_forget_range(r, off, n);
 	return TRACT_OK;
 }
 

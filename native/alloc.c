@@ -194,7 +194,7 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 	if (!r || (!out && n))
 		return TRACT_E_INVAL;
 	if (n > r->hdr.slot_count)
-		return TRACT_E_FULL;    /* more than the whole pool: never satisfiable */
+		return TRACT_E_TOO_LARGE;   /* never satisfiable, whatever is evicted */
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
 	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);

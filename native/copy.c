@@ -22,7 +22,8 @@ __attribute__((target("avx512f"))) static void stream_avx512(uint8_t *dst, const
 							     uint64_t n)
 {
 	for (uint64_t i = 0; i < n; i += 256) {
-		__builtin_prefetch(src + i + 1024);
+		if (i + 1024 < n)   /* never a line past the source: the next slot's */
+			__builtin_prefetch(src + i + 1024);
 		__m512i a = _mm512_loadu_si512((const void *)(src + i));
 		__m512i b = _mm512_loadu_si512((const void *)(src + i + 64));
 		__m512i c = _mm512_loadu_si512((const void *)(src + i + 128));
@@ -39,7 +40,8 @@ __attribute__((target("avx2"))) static void stream_avx2(uint8_t *dst, const uint
 							uint64_t n)
 {
 	for (uint64_t i = 0; i < n; i += 256) {
-		__builtin_prefetch(src + i + 1024);
+		if (i + 1024 < n)   /* never a line past the source: the next slot's */
+			__builtin_prefetch(src + i + 1024);
 		for (int k = 0; k < 256; k += 128) {
 			__m256i a = _mm256_loadu_si256((const __m256i *)(src + i + k));
 			__m256i b = _mm256_loadu_si256((const __m256i *)(src + i + k + 32));
@@ -57,7 +59,8 @@ __attribute__((target("avx2"))) static void stream_avx2(uint8_t *dst, const uint
 static void stream_sse2(uint8_t *dst, const uint8_t *src, uint64_t n)
 {
 	for (uint64_t i = 0; i < n; i += 256) {
-		__builtin_prefetch(src + i + 1024);
+		if (i + 1024 < n)   /* never a line past the source: the next slot's */
+			__builtin_prefetch(src + i + 1024);
 		for (int k = 0; k < 256; k += 64) {
 			__m128i a = _mm_loadu_si128((const __m128i *)(src + i + k));
 			__m128i b = _mm_loadu_si128((const __m128i *)(src + i + k + 16));
@@ -223,6 +226,8 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 		return TRACT_E_INVAL;
 	if (!tract_in_bounds(r, src_off, len))
 		return TRACT_E_RANGE;
+	/* the node's ledger stops vouching for the slots this loads (payload.c) */
+	int announced = tract_payload_forget_range(r, src_off, len);
 	if (invalidate) {
 		/* a reused slot may still sit in this host's cache: evict it first
 		 * (clean lines: weakly ordered eviction and one fence, payload.c) */
@@ -230,6 +235,13 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 		r->ops->fence(r);
 	}
 	load_payload(r, dst, src_off, len);
+	if (invalidate && !announced) {
+		/* no ledger to tell (an offline or read-only handle: `tract check`
+		 * on a live node): leave none of these lines behind, so a slot the
+		 * node's sweep calls EVICTED stays so */
+		tract_evict_clean(r, src_off, len);
+		r->ops->fence(r);
+	}
 	return TRACT_OK;
 }
 

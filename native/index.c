@@ -1213,8 +1213,8 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 		uint32_t cursor = (uint32_t)getpid();
 		for (int attempt = 0;; attempt++) {
 			rc = tract_alloc(r, want, slots, timeout_ns);
-			if (rc != TRACT_E_FULL || want > r->hdr.slot_count)
-				break;   /* (more than the whole pool: evicting would not help) */
+			if (rc != TRACT_E_FULL)
+				break;   /* (TRACT_E_TOO_LARGE: evicting would not help) */
 			uint32_t evicted = 0;
 			int rc2 = evict(r, want, &cursor, &evicted, timeout_ns);
 			if (rc2 < 0) {

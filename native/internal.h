@@ -272,7 +272,7 @@ static inline uint64_t *tract_ledger(const tract_region *r)
 
 /* the ledger forgets slots this node is about to write (payload.c) (internal) */
 void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n);
-void tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len);
+int tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len);
 
 /* true if slot still holds the READY payload of that tag, by a lock-free
  * observe of its bucket (index.c) (internal) */

@@ -39,6 +39,9 @@
 #define LEDGER_EVICTED TRACT_LEDGER_EVICTED
 #define LEDGER_EVICTING 0xFFFFFFFFull
 
+/* what a reader of an EVICTED slot still evicts at each end of it */
+#define EDGE_BYTES 4096ull
+
 static int ledger_sentinel(uint64_t v)
 {
 	return (uint32_t)v == UINT32_MAX;
@@ -80,18 +83,33 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 			return TRACT_E_INVAL;   /* not a tag a lookup returns */
 	}
 	uint64_t *ledger = payload_ledger(r);
-	uint32_t count = 0;
+	uint32_t count = 0, edges = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t tag = tags ? tags[i] : 0;
 		uint64_t held = ledger ? __atomic_load_n(&ledger[slots[i]], __ATOMIC_SEQ_CST) : 0;
-		/* this node can hold only lines of this very payload, or none at all */
-		if ((tag && held == tag) || (held == LEDGER_EVICTED && !tract_payload_strict()))
+		/* this node can hold only lines of this very payload */
+		if (tag && held == tag)
 			continue;
+		/* or none, but near the slot's ends: a loop or prefetcher running
+		 * past a neighbour's end (the next-page prefetcher, speculation)
+		 * can load its first or last page unannounced (PROTOCOLS.md §1.1) */
+		if (held == LEDGER_EVICTED && !tract_payload_strict()) {
+			/* (a slot of two pages or less: all of it; *evicted counts
+			 * only the slots the ledger did not vouch for) */
+			uint64_t off = slot_offset(r, slots[i]), bb = r->hdr.block_bytes;
+			uint64_t edge = bb < 2 * EDGE_BYTES ? (bb + 1) / 2 : EDGE_BYTES;
+			if (TRACT_KEEP(SITE_PAYLOAD_EVICT)) {
+				tract_evict_clean(r, off, edge);
+				tract_evict_clean(r, off + bb - edge, edge);
+			}
+			edges++;
+			continue;
+		}
 		if (TRACT_KEEP(SITE_PAYLOAD_EVICT))
 			tract_evict_clean(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
 		count++;
 	}
-	if (count)
+	if (count || edges)
 		r->ops->fence(r);     /* the evictions complete before any later load */
 	/* only now may another process of the node skip its own eviction; a
 	 * slot the ledger called EVICTED stops being so before its first load */
@@ -128,17 +146,20 @@ void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n)
 }
 
 /* as tract_payload_forget, for the slots a region range [off, off + len)
- * overlaps (internal) */
-void tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len)
+ * overlaps; 0 if this handle has no ledger to tell (internal) */
+int tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len)
 {
 	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
 	uint64_t *ledger = payload_ledger(r);
-	if (!ledger || !len || !r->hdr.slot_stride || off + len <= data->offset)
-		return;
+	if (!ledger)
+		return 0;
+	if (!len || !r->hdr.slot_stride || off + len <= data->offset)
+		return 1;
 	uint64_t lo = off > data->offset ? (off - data->offset) / r->hdr.slot_stride : 0;
 	uint64_t hi = (off + len - 1 - data->offset) / r->hdr.slot_stride;
 	for (uint64_t s = lo; s <= hi && s < r->hdr.slot_count && TRACT_KEEP(SITE_PAYLOAD_FORGET); s++)
 		__atomic_store_n(&ledger[s], 0, __ATOMIC_SEQ_CST);
+	return 1;
 }
 
 /* true if no payload can be live in slot s: not claimed from the pool, or in
@@ -183,6 +204,10 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 	uint64_t *ledger = payload_ledger(r);
 	uint64_t count = r->hdr.slot_count;
 	if (!ledger || !count || !r->hdr.block_bytes || tract_payload_strict())
+		return TRACT_OK;
+	/* flush mode none evicts nothing: this handle cannot vouch for a slot to
+	 * the node's readers that do evict (the mode is per process) */
+	if (!r->sim && r->flush_mode == TRACT_FLUSH_NONE)
 		return TRACT_OK;
 	/* hardware prefetchers stay inside a 4 KiB page: a slot that shares a
 	 * page with its neighbour could get lines from the neighbour's reads */

@@ -41,6 +41,7 @@ enum {
 	TRACT_E_CORRUPT = -18,       /* region metadata fails a consistency check */
 	TRACT_E_TABLE_FULL = -19,    /* the transfer table has no free record */
 	TRACT_E_SUPERSEDED = -20,    /* another node holds a later lock-manager claim */
+	TRACT_E_TOO_LARGE = -21,     /* more slots asked for than the whole pool has */
 	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 

@@ -17,7 +17,7 @@ import pytest
 
 from agents import RunningAgent
 from procs import Worker
-from tract_cli.core.pool import Pool
+from tract_cli.core.pool import LEDGER_EVICTED, Pool
 
 CHAIN_A = [7, 0, 70, 6]      # (prefix seed, prefix blocks, suffix seed, blocks)
 CHAIN_B = [8, 0, 80, 6]
@@ -117,11 +117,22 @@ def test_a_handoff_carries_the_payload_tags_of_its_blocks(region_path):
             dec.handoffs.ack(ticket)
 
 
+@pytest.fixture
+def paged_region(region_path):
+    """As `region`, with 16 KiB blocks (tiny-llama): a reader of an EVICTED
+    slot still evicts its first and last 4 KiB, so a slot must be larger than
+    two pages for a missing sweep eviction to show in its middle."""
+    Pool.create(region_path, 16 << 20, "tiny-llama", nodes=3, flush_mode="clflush").close()
+    with RunningAgent(region_path, 0, manager=True, simulate=True):
+        yield region_path
+
+
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "in-place"])
-def test_a_swept_slot_is_read_afresh_without_an_eviction(region, zero_copy):
+def test_a_swept_slot_is_read_afresh_without_an_eviction(paged_region, zero_copy):
     """Host 2 reads chain A; host 1 evicts A and writes B into the same
     slots; host 2's sweep (the agent's, off the request path) finds A dead
     and evicts: reading B then evicts nothing and sees B, not A."""
+    region = paged_region
     with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
         slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
         reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
@@ -134,11 +145,12 @@ def test_a_swept_slot_is_read_afresh_without_an_eviction(region, zero_copy):
             assert got["evicted"] == 0, "a swept slot was evicted again on the request path"
 
 
-def test_the_sweep_spares_a_payload_that_is_being_read(region):
+def test_the_sweep_spares_a_payload_that_is_being_read(paged_region):
     """The sweep runs while host 2 holds views of A (pinned, live): it must
     leave A's slots alone, since host 2 goes on loading A's lines; had it
     marked them EVICTED, host 2 would read B (written later into the same
     slots) from those stale lines without evicting them."""
+    region = paged_region
     with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
         slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
         got = reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=True,
@@ -157,7 +169,7 @@ def test_a_slot_taken_by_a_writer_of_the_node_is_no_longer_evicted(region_path):
     import numpy as np
     from tract_cli.core.hashing import block_hashes, pool_root
     from tract_cli.core.native import lib
-    Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2, flush_mode="clflush").close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
         keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
         kv = np.zeros((len(keys), p.info.block_bytes), np.uint8)
@@ -186,7 +198,7 @@ def test_the_agent_sweeps_so_a_first_handoff_read_evicts_nothing(region_path):
     import numpy as np
     from tract_cli.core.hashing import block_hashes, pool_root
     from tract_cli.core.native import lib
-    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
     with RunningAgent(region_path, 0, manager=True), RunningAgent(region_path, 2, manager=False), \
             Pool.attach(region_path, node=1) as pre, Pool.attach(region_path, node=2) as dec:
         deadline = time.monotonic() + 60
@@ -201,3 +213,49 @@ def test_the_agent_sweeps_so_a_first_handoff_read_evicts_nothing(region_path):
         assert dec.acquire_payload(rec.slots, rec.tags) == 0
         assert dec.acquire_payload(rec.slots, rec.tags) == 0
         dec.handoffs.ack(ticket)
+
+
+def test_what_the_node_loads_outside_acquire_is_no_longer_evicted(region_path):
+    """A handoff's key list and partial tail are loaded by the decode node
+    without a payload tag (open, copy_tail, ack: tract_copy_out); so are
+    objects kept in slots (observe/publish).  Once loaded they must leave the
+    EVICTED state, or the slot's next payload would be read from those lines
+    without an eviction (found by the cold review)."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    from tract_cli.inspect.snapshot import RECORD_DTYPE, Sections
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as pre, \
+            Pool.attach(region_path, node=2) as dec:
+        assert dec.sweep_payload(0, dec.slot_count, 1 << 40)[1] == dec.slot_count
+        nbytes = pre.info.block_bytes
+        keys = block_hashes(np.arange(48, dtype=np.int32), root=pool_root(pre.info))
+        pre.index.put(keys, np.ones((len(keys), nbytes), np.uint8))
+        tail = np.full(nbytes, 7, np.uint8)
+        ticket = pre.handoffs.publish("r", keys, len(keys) * 16 + 3, tail=tail, tail_tokens=3)
+        rec = Sections(pre)["transfer"].view(RECORD_DTYPE)[ticket.record]
+        data = pre.info.section("data")
+        key_slot = (int(rec["keys_offset"]) - data.offset) // pre.info.slot_stride
+        tail_slot = int(rec["tail_slot"]) - 1
+        got = dec.handoffs.open(ticket)
+        out = np.empty(nbytes, np.uint8)
+        dec.handoffs.copy_tail(got, out)
+        assert np.array_equal(out, tail)
+        dec.handoffs.ack(ticket)
+        for what, slot in (("key list", key_slot), ("tail", tail_slot)):
+            assert dec.payload_ledger(slot) != LEDGER_EVICTED, \
+                f"the {what} slot {slot} was loaded on node 2 and is still EVICTED there"
+        # an object kept in a slot, read with observe
+        slot = int(pre.allocator.alloc(1)[0])
+        assert dec.payload_ledger(slot) == LEDGER_EVICTED
+        dec.observe(pre.slot_offset(slot), 64)
+        assert dec.payload_ledger(slot) != LEDGER_EVICTED
+
+
+def test_a_sweep_in_mode_none_vouches_for_nothing(region_path):
+    """Flush mode none evicts nothing, and the mode is per process: a sweep
+    there must not tell the node's clflush readers that a slot is EVICTED."""
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
+    with Pool.attach(region_path, node=1, flush_mode="none") as lazy:
+        assert lazy.sweep_payload(0, lazy.slot_count, 1 << 40)[1] == 0
+        assert all(lazy.payload_ledger(s) == 0 for s in range(lazy.slot_count))

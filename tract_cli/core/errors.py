@@ -60,6 +60,11 @@ class PoolFull(TractError):
     """Not enough free slots (or directory entries) for an allocation (TRACT_E_FULL)."""
 
 
+class RequestTooLarge(PoolFull):
+    """More slots asked for than the whole pool has: no eviction can make room,
+    so retrying is useless (TRACT_E_TOO_LARGE)."""
+
+
 class NotFound(TractError):
     """No such named object, key or record (TRACT_E_NOT_FOUND)."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, UsageError
+from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, RequestTooLarge, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
@@ -119,19 +119,19 @@ class PrefixIndex:
                                  (lib.TRACT_PUT_CHECKSUM if checksum else 0) |
                                  (lib.TRACT_PUT_PIN if pin else 0),
                                  ffi.from_buffer(status), int(timeout * 1e9))
-        if rc == lib.TRACT_E_FULL:
-            self._raise_full(n, "unpin blocks (finish or time out handoffs) or use a larger region")
+        self._raise_full(rc, n, "unpin blocks (finish or time out handoffs) or use a larger region")
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
 
-    def _raise_full(self, blocks: int, fix: str) -> None:
-        """PoolFull for a put of BLOCKS that found no room: a request larger
-        than the whole pool says so, rather than blaming pins."""
-        slots = self._pool.slot_count
-        if blocks > slots:
-            raise PoolFull(f"a request of {blocks} blocks cannot fit a pool of {slots} slots",
-                           "use a larger region, or shorter requests")
-        raise PoolFull("the pool is full and every block in it is pinned", fix)
+    def _raise_full(self, rc: int, blocks: int, fix: str) -> None:
+        """PoolFull for a put of BLOCKS that found no room (RequestTooLarge
+        when the blocks it had to store outnumber the whole pool's slots)."""
+        if rc == lib.TRACT_E_TOO_LARGE:
+            raise RequestTooLarge(f"a request of {blocks} blocks cannot fit a pool of "
+                                  f"{self._pool.slot_count} slots",
+                                  "use a larger region, or shorter requests")
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull("the pool is full and every block in it is pinned", fix)
 
     def reserve(self, hashes, pin: bool = False, timeout: float = 30.0):
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
@@ -148,8 +148,7 @@ class PrefixIndex:
         rc = lib.tract_index_put_begin(self._pool._r(), ffi.from_buffer(keys), n,
                                        ffi.from_buffer(status), self._u32(slots),
                                        lib.TRACT_PUT_PIN if pin else 0, int(timeout * 1e9))
-        if rc == lib.TRACT_E_FULL:
-            self._raise_full(n, "unpin blocks or use a larger region")
+        self._raise_full(rc, n, "unpin blocks or use a larger region")
         raise_for(rc, f"{self._pool.path} index reserve")
         return status, slots[:n]
 

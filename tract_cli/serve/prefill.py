@@ -16,7 +16,7 @@ import uuid
 
 import numpy as np
 
-from tract_cli.core.errors import HandoffError, PoolFull
+from tract_cli.core.errors import HandoffError, PoolFull, RequestTooLarge
 from tract_cli.core.errors import TractError
 from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PutResult
@@ -74,6 +74,11 @@ class PrefillWorker(PoolWorker):
         except ApiError:
             self.metrics.inc("prefill_failures_total")
             raise
+        except RequestTooLarge as exc:
+            # never satisfiable on this pool: not a retryable 503
+            self.metrics.inc("prefill_failures_total")
+            raise ApiError(413, f"the prompt does not fit the KV pool: {exc}",
+                           "request_too_large", param="tokens") from None
         except PoolFull as exc:
             self.metrics.inc("prefill_failures_total")
             raise ApiError(503, f"the KV pool is full: {exc}", "pool_full") from None

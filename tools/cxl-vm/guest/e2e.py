@@ -1,9 +1,18 @@
 """The TraCT parts of the emulated-CXL end-to-end test, run inside the guests.
 
-    e2e.py roundtrip DEV --out F      one host: put / lookup / read on the device
-    e2e.py setup DEV --out F          create the shared counter, mailbox and barrier
-    e2e.py node DEV --node N --part prefill|decode --params F --out F
-    e2e.py counter DEV --node N --offset OFF --iterations K    (one counter process)
+    e2e.py roundtrip DEV --out F [--shared-out F2]
+                                      one host: put / lookup / read on the device;
+                                      with --shared-out, also create the two-host
+                                      test's counter, mailbox and barrier
+    e2e.py node DEV --node N --part prefill|decode --params F --out F --record DIR
+                                      a host of the two: attach the namespace the
+                                      first guest made (provision only), the
+                                      shared counter, the handoffs, `tract check`
+
+Under the emulator every new Python process costs ~45 s of start-up, so the
+node agent and the counter processes are forked from this one, and the
+node's provisioning and check run in it through the functions `tract init
+--provision-only` and `tract check` call (their output recorded as theirs).
 
 Everything goes through the region: the two guests have no network. A's
 tickets reach B through a mailbox in the region (publish / observe, the same
@@ -16,16 +25,17 @@ host driver (../cxlvm.py) checks.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent import read_nodes, run_foreground
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import Pool
@@ -56,16 +66,35 @@ def request_tokens(r: int, block_tokens: int) -> np.ndarray:
     return tokens
 
 
-def start_agent(dev: str, node: int, manager: bool, log: str) -> subprocess.Popen | None:
-    return ensure_agent(dev, node, manager=manager, timeout=120, log_path=log)
+_FORK = multiprocessing.get_context("fork")
 
 
-def stop_agent(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+def _agent_child(dev: str, node: int, manager: bool, log: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    run_foreground(dev, node, manager)
+
+
+def start_agent(dev: str, node: int, manager: bool, log: str):
+    """The node agent (`tract agent`'s run_foreground), in a child forked from
+    this process; returns once its heartbeat shows in the node table."""
+    proc = _FORK.Process(target=_agent_child, args=(dev, node, manager, log))
+    proc.start()
+    with Pool.attach(dev, node=node, readonly=True, prefault=False) as pool:
+        def up():
+            if not proc.is_alive():
+                raise SystemExit(f"e2e: node {node}'s agent exited ({proc.exitcode}); see {log}")
+            rec = read_nodes(pool)[node]
+            return rec.agent_pid == proc.pid and rec.alive()
+        wait_until(f"node {node}'s agent to heartbeat", up)
+    return proc
+
+
+def stop_agent(proc) -> None:
+    if proc is not None and proc.is_alive():
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=60)
+        if proc.is_alive():
             proc.kill()
             raise SystemExit("the node agent did not stop within 60 s of SIGTERM")
 
@@ -90,7 +119,7 @@ def wait_until(what: str, cond, timeout: float = WAIT_S):
 
 # ---------------------------------------------------------------- one host
 
-def roundtrip(dev: str, out: str) -> None:
+def roundtrip(dev: str, out: str, shared_out: str | None = None) -> None:
     agent = start_agent(dev, 0, True, "/tmp/agent.log")
     try:
         with Pool.attach(dev, node=0) as pool:
@@ -114,6 +143,8 @@ def roundtrip(dev: str, out: str) -> None:
                       "block_bytes": nbytes, "blocks_put": int(stored), "hits": int(hit.hits),
                       "bytes_equal": same, "put_ms": round((t1 - t0) * 1e3, 2),
                       "lookup_read_ms": round((t2 - t1) * 1e3, 2), "blocks": blocks}
+            if shared_out:
+                write_json(shared_out, make_shared(pool))
     finally:
         stop_agent(agent)
     write_json(out, result)
@@ -121,27 +152,21 @@ def roundtrip(dev: str, out: str) -> None:
         raise SystemExit("e2e: the round trip did not give back what was put")
 
 
-# ---------------------------------------------------------------- two hosts: setup
+# ---------------------------------------------------------------- two hosts: the shared objects
 
-def setup(dev: str, out: str) -> None:
-    agent = start_agent(dev, 0, True, "/tmp/agent.log")
-    try:
-        with Pool.attach(dev, node=0) as pool:
-            nbytes = pool.info.block_bytes
-            offsets = {}
-            for name in (COUNTER, MAILBOX, BARRIER):
-                slot = int(pool.allocator.alloc(1)[0])
-                off = pool.slot_offset(slot)
-                pool.publish(off, bytes(nbytes))            # zeroed on the device
-                pool.objects.put(name, off, nbytes)
-                offsets[name] = off
-            result = {"uuid": pool.info.uuid, "medium": pool.medium,
-                      "counter_offset": offsets[COUNTER], "mailbox_offset": offsets[MAILBOX],
-                      "mailbox_capacity": nbytes // LINE - 1,
-                      "barrier_offset": offsets[BARRIER]}
-    finally:
-        stop_agent(agent)
-    write_json(out, result)
+def make_shared(pool: Pool) -> dict:
+    """Creates the two-host test's counter, mailbox and barrier (zeroed on the device)."""
+    nbytes = pool.info.block_bytes
+    offsets = {}
+    for name in (COUNTER, MAILBOX, BARRIER):
+        slot = int(pool.allocator.alloc(1)[0])
+        off = pool.slot_offset(slot)
+        pool.publish(off, bytes(nbytes))
+        pool.objects.put(name, off, nbytes)
+        offsets[name] = off
+    return {"uuid": pool.info.uuid, "medium": pool.medium,
+            "counter_offset": offsets[COUNTER], "mailbox_offset": offsets[MAILBOX],
+            "mailbox_capacity": nbytes // LINE - 1, "barrier_offset": offsets[BARRIER]}
 
 
 # ---------------------------------------------------------------- two hosts: the nodes
@@ -185,27 +210,35 @@ class Shared:
         return Ticket(u32(0), raw[16:32].hex(), u32(1), u32(2))
 
 
+def _counter_child(dev: str, node: int, offset: int, iterations: int, conn) -> None:
+    conn.send(counter(dev, node, offset, iterations))
+    conn.close()
+
+
 def run_counters(dev: str, node: int, offset: int, iterations: int) -> list[dict]:
-    """COUNTER_PROCESSES processes on this node, each ITERATIONS locked increments."""
-    procs = [subprocess.Popen([sys.executable, __file__, "counter", dev, "--node", str(node),
-                               "--offset", str(offset), "--iterations", str(iterations)],
-                              stdout=subprocess.PIPE, text=True)
-             for _ in range(COUNTER_PROCESSES)]
+    """COUNTER_PROCESSES processes on this node (forked), each ITERATIONS locked increments."""
+    procs = []
+    for _ in range(COUNTER_PROCESSES):
+        parent, child = _FORK.Pipe(duplex=False)
+        p = _FORK.Process(target=_counter_child, args=(dev, node, offset, iterations, child))
+        p.start()
+        child.close()
+        procs.append((p, parent))
     results = []
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
+    deadline = time.monotonic() + WAIT_S
+    for p, conn in procs:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            for q, _ in procs:
                 q.kill()
             raise SystemExit(f"e2e: a counter process did not finish within {WAIT_S:.0f} s")
-        if p.returncode != 0:
-            raise SystemExit(f"e2e: a counter process failed (exit {p.returncode})")
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+        results.append(conn.recv())
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise SystemExit(f"e2e: a counter process failed (exit {p.exitcode})")
     return results
 
 
-def counter(dev: str, node: int, offset: int, iterations: int) -> None:
+def counter(dev: str, node: int, offset: int, iterations: int) -> dict:
     """The lock issue's counter: a plain read-modify-write, correct only under the lock."""
     with Pool.attach(dev, node=node, prefault=False) as pool:
         t0 = time.perf_counter()
@@ -214,8 +247,8 @@ def counter(dev: str, node: int, offset: int, iterations: int) -> None:
             value = pool.observe_u64(offset)
             pool.publish_u64(offset, value + 1)
             pool.locks.release(COUNTER_LOCK)
-        print(json.dumps({"pid": os.getpid(), "iterations": iterations,
-                          "elapsed_s": round(time.perf_counter() - t0, 3)}))
+        return {"pid": os.getpid(), "iterations": iterations,
+                "elapsed_s": round(time.perf_counter() - t0, 3)}
 
 
 def prefill(pool: Pool, shared: Shared, requests: int) -> dict:
@@ -276,11 +309,63 @@ def decode(pool: Pool, shared: Shared, requests: int) -> dict:
             "blocks_read": blocks_read, "lookup_hits": lookup_hits}
 
 
-def node(dev: str, node_id: int, part: str, params_path: str, out: str) -> None:
+def record(folder: str, seq: int, command: str, fn) -> None:
+    """Runs FN, keeping what it prints as lib.sh `record` keeps a command's
+    output (NN_<command>.txt: "# command: ...", the output, "# rc=N"); a
+    failure ends the script with that output, as `must` does."""
+    buf = io.StringIO()
+    rc = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            fn()
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except Exception as exc:   # recorded with its message, then the script fails
+            print(f"{type(exc).__name__}: {exc}")
+            rc = 1
+    name = "".join(c if c.isalnum() else "_" for c in command.replace("/dev/", ""))
+    while "__" in name:
+        name = name.replace("__", "_")
+    with open(os.path.join(folder, f"{seq:02d}_{name[:60]}.txt"), "w") as f:
+        f.write(f"# command: {command}\n{buf.getvalue()}# rc={rc}\n")
+    print(f"$ {command}\n{buf.getvalue()}", end="")
+    if rc:
+        raise SystemExit(f"e2e: '{command}' failed with exit code {rc}")
+
+
+def provision_only(dev: str) -> None:
+    """What `tract init DEV --provision-only` runs (cli/init_cmd.py)."""
+    from tract_cli.provision.provision import provision
+    steps = provision(dev, echo=print)
+    if not steps:
+        print(f"{dev} is ready: nothing to provision")
+    print(f"{dev} is provisioned (not formatted: --provision-only)")
+
+
+def check(dev: str) -> None:
+    """What `tract check DEV` runs (cli/check_cmd.py): exit 1 on a violation."""
+    from tract_cli.inspect.check import verify
+    from tract_cli.inspect.snapshot import open_pool
+    with open_pool(dev) as p:
+        violations, stats = verify(p, data=True)
+    for v in violations:
+        print(f"{v.check}: {v.detail}")
+    print(f"{'FAILED' if violations else 'OK'}: {stats['ready']} READY blocks "
+          f"({stats['checksums_verified']} checksums verified), {stats['pending']} PENDING, "
+          f"{stats['slots_taken']}/{stats['slots']} slots taken, {stats['handoffs']} handoffs")
+    if violations:
+        raise SystemExit(1)
+
+
+def node(dev: str, node_id: int, part: str, params_path: str, out: str, folder: str) -> None:
     with open(params_path) as f:
         params = json.load(f)
     requests, iterations = int(params["requests"]), int(params["iterations"])
     peer = 1 - node_id
+    t_prov = time.perf_counter()
+    record(folder, 0, f"tract init {dev} --provision-only", lambda: provision_only(dev))
+    write_json(os.path.join(folder, "timings.json"),
+               {"provision_s": round(time.perf_counter() - t_prov, 3)})
     t0 = time.perf_counter()
     agent = start_agent(dev, node_id, node_id == 0, f"/tmp/agent-{node_id}.log")
     result: dict = {"node": node_id, "part": part, "counter_processes": COUNTER_PROCESSES}
@@ -314,35 +399,28 @@ def node(dev: str, node_id: int, part: str, params_path: str, out: str) -> None:
         stop_agent(agent)
     result["elapsed_s"] = round(time.perf_counter() - t0, 2)
     write_json(out, result)
+    record(folder, 2, f"tract check {dev}", lambda: check(dev))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("roundtrip", "setup"):
-        p = sub.add_parser(name)
-        p.add_argument("dev")
-        p.add_argument("--out", required=True)
+    p = sub.add_parser("roundtrip")
+    p.add_argument("dev")
+    p.add_argument("--out", required=True)
+    p.add_argument("--shared-out", help="also create the two-host test's objects; their offsets here")
     p = sub.add_parser("node")
     p.add_argument("dev")
     p.add_argument("--node", type=int, choices=(0, 1), required=True)
     p.add_argument("--part", choices=("prefill", "decode"), required=True)
     p.add_argument("--params", required=True)
     p.add_argument("--out", required=True)
-    p = sub.add_parser("counter")
-    p.add_argument("dev")
-    p.add_argument("--node", type=int, required=True)
-    p.add_argument("--offset", type=int, required=True)
-    p.add_argument("--iterations", type=int, required=True)
+    p.add_argument("--record", required=True, help="folder for the recorded command outputs")
     a = ap.parse_args()
     if a.cmd == "roundtrip":
-        roundtrip(a.dev, a.out)
-    elif a.cmd == "setup":
-        setup(a.dev, a.out)
-    elif a.cmd == "node":
-        node(a.dev, a.node, a.part, a.params, a.out)
+        roundtrip(a.dev, a.out, a.shared_out)
     else:
-        counter(a.dev, a.node, a.offset, a.iterations)
+        node(a.dev, a.node, a.part, a.params, a.out, a.record)
 
 
 if __name__ == "__main__":

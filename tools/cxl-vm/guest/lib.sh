@@ -38,5 +38,8 @@ must() {
     record "$@" || { rc=$?; echo "tract-vm: '$*' failed with exit code $rc"; exit $rc; }
 }
 
+# `tee_json FILE CMD...`: CMD's output on the console (and recorded), and in FILE
+tee_json() { f="$1"; shift; "$@" > "$f"; rc=$?; cat "$f"; return $rc; }
+
 now() { date +%s.%N; }
-elapsed() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$1" "$2"; }
+elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f\n", b - a }'; }
