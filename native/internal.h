@@ -270,8 +270,8 @@ static inline uint64_t *tract_ledger(const tract_region *r)
 	return (uint64_t *)((uint8_t *)r->local + r->local->ledger_off);
 }
 
-/* the ledger forgets slots this node is about to write (payload.c) (internal) */
-void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n);
+/* the ledger forgets the slots a range of this node's loads or stores
+ * touches (payload.c); 0 if the handle has no ledger (internal) */
 int tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len);
 
 /* true if slot still holds the READY payload of that tag, by a lock-free

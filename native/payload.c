@@ -133,16 +133,20 @@ uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot)
 }
 
 /* Forgets what the ledger vouches for of n slots this node is about to write
- * (internal): a writer's lines may stay in this node's caches (clwb, the
- * partial lines of a streamed copy, a zero-copy writer's stores), so no slot
- * it writes may stay EVICTED, and a sweep that raced the write must fail
- * (sweep below). */
-void tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n)
+ * or load outside tract_payload_acquire: a writer's lines may stay in this
+ * node's caches (clwb, the partial lines of a streamed copy, a zero-copy
+ * writer's stores), so no slot it writes may stay EVICTED, and a sweep that
+ * raced the write must fail (sweep below).  Also for a reader that loaded
+ * past its handoff's expiry (tract.h). */
+int tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n)
 {
+	if (!r || (!slots && n))
+		return TRACT_E_INVAL;
 	uint64_t *ledger = payload_ledger(r);
 	for (uint32_t i = 0; ledger && i < n && TRACT_KEEP(SITE_PAYLOAD_FORGET); i++)
 		if (slots[i] < r->hdr.slot_count)
 			__atomic_store_n(&ledger[slots[i]], 0, __ATOMIC_SEQ_CST);
+	return TRACT_OK;
 }
 
 /* as tract_payload_forget, for the slots a region range [off, off + len)

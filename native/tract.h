@@ -297,8 +297,15 @@ int tract_payload_acquire(tract_region *r, const uint32_t *slots, const uint64_t
 int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, uint64_t max_bytes,
 			uint32_t *swept);
 
+/* The node's ledger stops vouching for n slots (0: unknown): for a reader
+ * that may have loaded them after its pin or handoff was gone (an expired
+ * handoff acknowledged too late), whose lines could be stale for the slots'
+ * next payloads. */
+int tract_payload_forget(tract_region *r, const uint32_t *slots, uint32_t n);
+
 /* The payload tag the node's ledger holds for a slot (0: none or unknown;
- * TRACT_LEDGER_EVICTED: no line of the slot is cached on this node). */
+ * TRACT_LEDGER_EVICTED: no line of the slot is cached on this node; a sweep
+ * at work shows 0xFFFFFFFF, which vouches for nothing). */
 #define TRACT_LEDGER_EVICTED 0xFFFFFFFFFFFFFFFFull
 
 uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);

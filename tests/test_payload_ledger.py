@@ -259,3 +259,25 @@ def test_a_sweep_in_mode_none_vouches_for_nothing(region_path):
     with Pool.attach(region_path, node=1, flush_mode="none") as lazy:
         assert lazy.sweep_payload(0, lazy.slot_count, 1 << 40)[1] == 0
         assert all(lazy.payload_ledger(s) == 0 for s in range(lazy.slot_count))
+
+
+def test_a_read_that_outlived_its_handoff_is_forgotten(region_path):
+    """The decode side acknowledges after the handoff expired and was
+    reclaimed: its loads may have outlived the record, so its node's ledger
+    forgets the slots (their next payloads get evicted before any read)."""
+    import numpy as np
+    from tract_cli.core.errors import HandoffError
+    from tract_cli.core.hashing import block_hashes, pool_root
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as pre, \
+            Pool.attach(region_path, node=2) as dec:
+        keys = block_hashes(np.arange(48, dtype=np.int32), root=pool_root(pre.info))
+        pre.index.put(keys, np.ones((len(keys), pre.info.block_bytes), np.uint8))
+        ticket = pre.handoffs.publish("r", keys, len(keys) * 16, ttl=0.001)
+        rec = dec.handoffs.open(ticket)
+        dec.handoffs.views(rec)
+        assert all(dec.payload_ledger(int(s)) == int(t) for s, t in zip(rec.slots, rec.tags))
+        pre.handoffs.reclaim(now_ns=2**62)     # (or the manager's agent did already)
+        with pytest.raises(HandoffError):
+            dec.handoffs.ack(ticket, read=dec.handoffs.read_slots(rec))
+        assert all(dec.payload_ledger(int(s)) == 0 for s in rec.slots)

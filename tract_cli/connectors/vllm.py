@@ -483,10 +483,12 @@ class TractConnector(KVConnectorBase_V1):
             except TractError as exc:      # the node agent gives pins of dead processes back
                 log.error("TraCT unpin failed: %s", exc)
 
-    def _ack(self, ticket: Ticket | dict) -> bool:
+    def _ack(self, ticket: Ticket | dict, read=None) -> bool:
+        """Acknowledges a handoff; READ: the slots this worker loaded from it
+        (forgotten by the node's payload ledger if the handoff expired first)."""
         t = ticket if isinstance(ticket, Ticket) else Ticket.from_dict(ticket)
         try:
-            self.pool.handoffs.ack(t, timeout=self.timeout)
+            self.pool.handoffs.ack(t, timeout=self.timeout, read=read)
             return True
         except TractError as exc:
             log.warning("TraCT handoff %d not acknowledged: %s", t.record, exc)
@@ -590,7 +592,7 @@ class TractConnector(KVConnectorBase_V1):
         except TractError as exc:
             log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id, exc)
             valid = 0
-        if spec.ticket is not None and not self._ack(spec.ticket):
+        if spec.ticket is not None and not self._ack(spec.ticket, read=spec.slots):
             valid = 0                            # expired meanwhile: its slots may be reused
         if valid < n:
             self._load_errors.update(int(p) for p in np.unique(spec.pages[valid:]))

@@ -182,6 +182,13 @@ class Handoffs:
             return
         self._pool.copy_out(rec.tail_slot, out.reshape(-1).view(np.uint8))
 
+    @staticmethod
+    def read_slots(rec: Received) -> np.ndarray:
+        """Every slot a reader of REC loads from: its blocks' and its tail's (for `ack`)."""
+        return np.concatenate([rec.slots.astype(np.uint32),
+                               np.array([] if rec.tail_slot is None else [rec.tail_slot],
+                                        np.uint32)])
+
     def views(self, rec: Received, torch: bool = False) -> BlockTable:
         """Zero-copy views of the blocks (valid until ack), as a `BlockTable`
         (`views[i]` is block i; numpy, or torch with torch=True): the CPU
@@ -197,10 +204,15 @@ class Handoffs:
         self._pool.invalidate_slots([rec.tail_slot])
         return self._pool.slots_array()[rec.tail_slot]
 
-    def ack(self, ticket: Ticket, timeout: float = 30.0) -> None:
-        """Done with the blocks: pins and slots are released, the record freed."""
+    def ack(self, ticket: Ticket, timeout: float = 30.0, read=None) -> None:
+        """Done with the blocks: pins and slots are released, the record freed.
+        READ: the slots this node loaded from (a `Received`'s, with its tail
+        slot); if the record expired and was reclaimed meanwhile, those loads
+        may have outlived it, so the node's payload ledger forgets them."""
         rc = lib.tract_handoff_ack(self._pool._r(), ticket.record,
                                    bytes.fromhex(ticket.request_id), int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND and read is not None:
+            self._pool.forget_payload(read)
         if rc == lib.TRACT_E_NOT_FOUND:
             raise HandoffError(f"handoff record {ticket.record} is no longer published "
                                "(expired and reclaimed?)", "acknowledge before the expiry")

@@ -393,9 +393,19 @@ class Pool:
         raise_for(lib.tract_payload_sweep(self._r(), cur, max_slots, max_bytes, out), self.path)
         return int(cur[0]), int(out[0])
 
+    def forget_payload(self, slots) -> None:
+        """This node's ledger stops vouching for SLOTS (one C call): for a
+        reader that may have loaded them after its pin or handoff was gone,
+        so their next payloads are evicted before they are read here."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        raise_for(lib.tract_payload_forget(
+            self._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)) if arr.size else ffi.NULL,
+            arr.size), self.path)
+
     def payload_ledger(self, slot: int) -> int:
         """The payload tag this node's ledger holds for SLOT: 0 (unknown),
-        LEDGER_EVICTED (no line of it cached here), or a lookup's tag."""
+        LEDGER_EVICTED (no line of it cached here), 0xFFFFFFFF (a sweep at
+        work: vouches for nothing), or a lookup's tag."""
         if not 0 <= slot < self.slot_count:
             raise UsageError(f"slot {slot} is outside the pool (0..{self.slot_count - 1})",
                              "use slot ids the index returned")

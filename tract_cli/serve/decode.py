@@ -173,7 +173,7 @@ class DecodeWorker(PoolWorker):
         t0 = time.perf_counter()
         with self._inflight_lock:
             self._inflight += 1
-        ticket = None
+        ticket = rec = None
         acked = False
         table = None
         ok = False
@@ -212,7 +212,7 @@ class DecodeWorker(PoolWorker):
                 table.append(PRIVATE, nxt)
                 nxt += 1
             if mode == "copy":
-                pool.handoffs.ack(ticket)
+                pool.handoffs.ack(ticket, read=pool.handoffs.read_slots(rec))
                 acked = True
             handoff_s = time.perf_counter() - c
             m.observe("handoff_seconds", handoff_s)
@@ -242,7 +242,8 @@ class DecodeWorker(PoolWorker):
                 table.release()
             if ticket is not None and not acked:
                 try:
-                    pool.handoffs.ack(ticket)
+                    pool.handoffs.ack(ticket, read=None if rec is None
+                                      else pool.handoffs.read_slots(rec))
                 except TractError:
                     pass              # expired and reclaimed already: nothing left pinned
             if ticket is not None:
