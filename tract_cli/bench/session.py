@@ -180,6 +180,10 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
     # process is killed); the driver stays attached to the manager's node
     # meanwhile, so the manager outlives gaps between transports
     driver = Pool.attach(path, node=0, prefault=False)
+    # the worker nodes' agents run for the whole run too (their payload sweep
+    # matters to every tract transport, peers' runs between them included):
+    # the driver stays attached to those nodes, so they never idle out
+    holds = [Pool.attach(path, node=n, prefault=False) for n in (1, 2)]
     agent = None
     summaries, records, skipped, logs = [], {}, {}, {}
     extra_agents, cluster = [], None
@@ -187,9 +191,11 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
         agent = ensure_agent(path, 0, manager=True, idle_exit=IDLE_EXIT_S)
         # the worker nodes' agents, as `tract serve-*` starts them in a deployment
         # (their recovery, and the payload sweep that takes the eviction of a
-        # payload new to the decode node off the request path)
-        extra_agents = [ensure_agent(path, 1, idle_exit=IDLE_EXIT_S),
-                        ensure_agent(path, 2, idle_exit=IDLE_EXIT_S)]
+        # payload new to the decode node off the request path); not standby
+        # managers: node 0's manager lives as long as the run
+        for n in (1, 2):
+            extra_agents.append(ensure_agent(path, n, idle_exit=IDLE_EXIT_S,
+                                             takeover_after=None))
         if real_compute:
             from tract_cli.bench import real
             cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
@@ -230,6 +236,8 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
             if a is not None:
                 a.terminate()
                 a.wait(timeout=30)
+        for h in holds:
+            h.close()
         driver.close()
     # the references, measured after the run: two memcpy of each group's mean KV
     refs = {}
