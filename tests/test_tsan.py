@@ -54,3 +54,5 @@ def test_the_threaded_paths_of_the_core_have_no_data_race(tmp_path):
     assert "ThreadSanitizer" not in res.stderr, res.stderr[-8000:]
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     assert "every operation succeeded" in res.stdout
+    handoffs = int(res.stdout.split("(")[1].split()[0])
+    assert handoffs > 0, res.stdout      # the handoff paths ran too

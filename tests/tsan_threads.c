@@ -5,8 +5,9 @@
  * One process, one region handle shared by its threads, as a worker with a
  * thread pool uses it: the lock manager's thread, a watcher polling the
  * manager's state (superseded, stats: the agent's heartbeat), and worker
- * threads doing lock round trips, allocations, puts, lookups, unpins,
- * evictions and handoffs at once.  The C core promises that such a handle is
+ * threads doing lock round trips, allocations, puts, lookups, reads,
+ * unpins, handoffs (publish, open, ack), evictions and payload sweeps at
+ * once.  The C core promises that such a handle is
  * thread-safe; TSan checks the process-local memory it shares between
  * threads (the manager's flags, the local tier, the payload ledger).
  * Region memory is a device that other hosts write with plain loads and
@@ -31,6 +32,7 @@ static tract_region *region;
 static tract_manager *manager;
 static volatile int failed;      /* written once on failure; read after join */
 static int stop_watch;
+static uint32_t handoffs_done;    /* handoffs published, opened and acked */
 
 static void fail(const char *what, int rc, int t)
 {
@@ -100,6 +102,26 @@ static void *worker(void *arg)
 			return fail("tract_index_read", rc, t), free(kv), NULL;
 		if (hits && (rc = tract_index_unpin(region, keys, hits, timeout)) < 0)
 			return fail("tract_index_unpin", rc, t), free(kv), NULL;
+		/* a handoff of what is cached (publish pins, open reads, ack releases) */
+		if (hits == KEYS) {
+			uint8_t rid[16] = {(uint8_t)t, (uint8_t)round, 0x7e};
+			uint8_t got_keys[KEYS * 16];
+			uint32_t rec = 0, bc = 0, ts = 0, tt = 0, sums[KEYS], toks[KEYS];
+			uint64_t tc = 0;
+			rc = tract_handoff_publish(region, rid, keys, KEYS, KEYS * 16, kv, 100, 5,
+						   timeout, &rec, timeout);
+			if (rc == TRACT_OK) {
+				if ((rc = tract_handoff_open(region, rec, rid, got_keys, slots, sums, toks,
+							     KEYS, &bc, &tc, &ts, &tt)) < 0)
+					return fail("tract_handoff_open", rc, t), free(kv), NULL;
+				if ((rc = tract_handoff_ack(region, rec, rid, timeout)) < 0)
+					return fail("tract_handoff_ack", rc, t), free(kv), NULL;
+				__atomic_fetch_add(&handoffs_done, 1, __ATOMIC_RELAXED);
+			} else if (rc != TRACT_E_NOT_FOUND && rc != TRACT_E_FULL &&
+				   rc != TRACT_E_TABLE_FULL) {
+				return fail("tract_handoff_publish", rc, t), free(kv), NULL;
+			}
+		}
 		if (round % 10 == t) {
 			uint32_t evicted = 0, cursor = (uint32_t)t * 97, swept = 0;
 			if ((rc = tract_index_evict(region, 16, &evicted, timeout)) < 0)
@@ -162,6 +184,7 @@ int main(void)
 	free(base);
 	if (__atomic_load_n(&failed, __ATOMIC_SEQ_CST))
 		return 1;
-	printf("tsan_threads: %d threads x %d rounds, every operation succeeded\n", THREADS, ROUNDS);
+	printf("tsan_threads: %d threads x %d rounds (%u handoffs), every operation succeeded\n",
+	       THREADS, ROUNDS, handoffs_done);
 	return 0;
 }
