@@ -46,33 +46,33 @@ def recorded(out: str, role: str, needle: str) -> str:
 
 
 @needs_qemu
-def test_one_host_provisions_formats_and_uses_a_real_dax_device(tmp_path):
-    out = str(tmp_path / "one")
-    r = run_scenario(["one-host"], out, timeout=540)
-    assert r["ok"], r["problems"]
-    dax = r["device"]["dax"]
-    assert [d["name"] for d in dax] == ["dax0.0"]
-    assert dax[0]["align"] == 2 << 20 and dax[0]["mode"] == "devdax"
-    assert dax[0]["target_node"] == 1 and dax[0]["holds_tract"] is True
-    assert r["device"]["namespaces"][0]["map"] == "mem"
-    rt = r["roundtrip"]
-    assert rt["medium"] == "device-DAX dax0.0" and rt["flush_mode"] == "clflush"
-    assert rt["bytes_equal"] and rt["hits"] == rt["blocks_put"] == 64
-    # what the guest wrote is in the host's backing file (checked by cxlvm: ok above)
-    assert r["host_header"]["magic"] == "TRACTPOL"
-    init = recorded(out, "one", "tract_init")
-    assert "cxl create-region -m -d decoder0.0 -w 1 -t pmem mem0" in init
-    assert "ndctl create-namespace -m devdax -a 2M --map=mem -r region0" in init
-    assert init.rstrip().endswith("# rc=0")
-    assert "device-DAX" in recorded(out, "one", "tract_info")
-    assert recorded(out, "one", "tract_check").rstrip().endswith("# rc=0")
-
-
-@needs_qemu
-def test_two_hosts_share_one_device_without_lost_updates_or_corrupt_blocks(tmp_path):
+def test_one_device_provisioned_formatted_used_and_shared_by_two_hosts(tmp_path):
+    """One run of `cxlvm.py two-host` (each TCG guest takes minutes): its first
+    guest is the one-host scenario (guest/one.sh: provision, format, report,
+    round trip, check on a real /dev/dax0.0), checked from the host; then
+    guests A and B share the device: locked counters, handoffs, no leftovers."""
     out = str(tmp_path / "two")
     r = run_scenario(["two-host", "--requests", "8", "--iterations", "150"], out, timeout=560)
     assert r["ok"], r["problems"]
+    # the one-host part (the setup guest)
+    one = r["setup"]
+    dax = one["device"]["dax"]
+    assert [d["name"] for d in dax] == ["dax0.0"]
+    assert dax[0]["align"] == 2 << 20 and dax[0]["mode"] == "devdax"
+    assert dax[0]["target_node"] == 1 and dax[0]["holds_tract"] is True
+    assert one["device"]["namespaces"][0]["map"] == "mem"
+    rt = one["roundtrip"]
+    assert rt["medium"] == "device-DAX dax0.0" and rt["flush_mode"] == "clflush"
+    assert rt["bytes_equal"] and rt["hits"] == rt["blocks_put"] == 64
+    # what the guest wrote is in the host's backing file (checked by cxlvm: ok above)
+    assert one["host_header"]["magic"] == "TRACTPOL"
+    init = recorded(out, "setup", "tract_init")
+    assert "cxl create-region -m -d decoder0.0 -w 1 -t pmem mem0" in init
+    assert "ndctl create-namespace -m devdax -a 2M --map=mem -r region0" in init
+    assert init.rstrip().endswith("# rc=0")
+    assert "device-DAX" in recorded(out, "setup", "tract_info")
+    assert recorded(out, "setup", "tract_check").rstrip().endswith("# rc=0")
+    # the two hosts
     a, b = r["nodeA"], r["nodeB"]
     assert a["medium"] == b["medium"] == "device-DAX dax0.0"
     assert r["counter_in_file"] == r["counter_expected"] == 2 * 2 * 150
@@ -82,6 +82,9 @@ def test_two_hosts_share_one_device_without_lost_updates_or_corrupt_blocks(tmp_p
     # B found the namespace the setup guest made, from the labels: no create-namespace
     node_init = recorded(out, "nodeB", "provision_only")
     assert "cxl create-region" in node_init and "create-namespace" not in node_init
+    assert node_init.rstrip().endswith("# rc=0")
+    for role in ("nodeA", "nodeB"):
+        assert recorded(out, role, "tract_check").rstrip().endswith("# rc=0")
     for role in ("setup", "nodeA", "nodeB"):
         assert os.path.getsize(os.path.join(out, f"{role}.console")) > 0
 

@@ -38,8 +38,8 @@ must() {
     record "$@" || { rc=$?; echo "tract-vm: '$*' failed with exit code $rc"; exit $rc; }
 }
 
-# `tee_json FILE CMD...`: CMD's output on the console (and recorded), and in FILE
-tee_json() { f="$1"; shift; "$@" > "$f"; rc=$?; cat "$f"; return $rc; }
+# `must_json FILE CMD...`: as must, and CMD's output (JSON) also in FILE
+must_json() { f="$1"; shift; must "$@"; sed '1d;$d' "$file" > "$f"; }
 
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f\n", b - a }'; }
