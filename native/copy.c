@@ -226,8 +226,10 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 		return TRACT_E_INVAL;
 	if (!tract_in_bounds(r, src_off, len))
 		return TRACT_E_RANGE;
-	/* the node's ledger stops vouching for the slots this loads (payload.c) */
-	int announced = tract_payload_forget_range(r, src_off, len);
+	/* an invalidating copy is a load outside tract_payload_acquire (a key
+	 * list, a tail): the node's ledger stops vouching for what it loads;
+	 * without invalidate the caller acquired the range (payload.c) */
+	int announced = invalidate ? tract_payload_forget_range(r, src_off, len) : 1;
 	if (invalidate) {
 		/* a reused slot may still sit in this host's cache: evict it first
 		 * (clean lines: weakly ordered eviction and one fence, payload.c) */

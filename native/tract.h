@@ -275,7 +275,9 @@ void tract_fence(tract_region *r);
 /* Copies len bytes from private memory into the region (NT stores above threshold). */
 int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t len);
 
-/* Copies len bytes from the region into private memory; evicts the range first if asked. */
+/* Copies len bytes from the region into private memory; evicts the range first
+ * if asked (and the node's payload ledger forgets the slots it touches); without
+ * invalidate, the caller made the range safe with tract_payload_acquire. */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
 
 /* Evicts this host's cached lines of n block slots, so zero-copy loads from

@@ -35,8 +35,22 @@ TESTS = ["tests/test_payload_ledger.py",
 _PL = "tests/test_payload_ledger.py::"
 _TAKEOVER = "tests/test_takeover.py::test_under_the_simulator_every_party_sees_the_new_claim"
 # site -> the tests whose failure its removal predicts (the argument for each
-# is docs/PROTOCOLS.md §2); sites not here are redundant by that argument
+# is docs/PROTOCOLS.md §2; `--discover` lists what fails); REDUNDANT: removals
+# no test can catch, by the argument there; every other site must be in one
+_NONCOH = "tests/test_noncoherence.py::"
+_INDEX_SIM = "tests/test_index.py::test_prefill_and_decode_processes_share_prefixes[sim]"
+_HANDOFFS_SIM = ["tests/test_handoff.py::test_handoffs_between_processes[copying-sim]",
+                 "tests/test_handoff.py::test_handoffs_between_processes[zero-copy-sim]"]
 PREDICTED = {
+    "SITE_LOCK_PUBLISH_LOCKED": [_NONCOH + "test_another_host_sees_the_holder_of_a_lock_as_locked",
+                                 _TAKEOVER],
+    "SITE_INDEX_OBSERVE_LINE": [_INDEX_SIM],
+    "SITE_INDEX_FLUSH_SECTION": [_INDEX_SIM, *_HANDOFFS_SIM,
+                                 _NONCOH + "test_a_reused_handoff_record_is_read_afresh"],
+    "SITE_INDEX_PUBLISH_ANCHOR": [_INDEX_SIM],
+    "SITE_HANDOFF_PUBLISH_RECORD": [*_HANDOFFS_SIM,
+                                    _NONCOH + "test_a_reused_handoff_record_is_read_afresh"],
+    "SITE_HANDOFF_OBSERVE_RECORD": [_NONCOH + "test_a_reused_handoff_record_is_read_afresh"],
     "SITE_PAYLOAD_EVICT": [_PL + "test_a_reader_never_sees_a_stale_line_of_a_reused_slot",
                            _PL + "test_the_same_key_rewritten_in_the_same_slot_is_a_new_payload",
                            _PL + "test_a_pinned_payload_read_again_is_not_evicted_again"],

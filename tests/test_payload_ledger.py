@@ -281,3 +281,21 @@ def test_a_read_that_outlived_its_handoff_is_forgotten(region_path):
         with pytest.raises(HandoffError):
             dec.handoffs.ack(ticket, read=dec.handoffs.read_slots(rec))
         assert all(dec.payload_ledger(int(s)) == 0 for s in rec.slots)
+
+
+def test_a_copying_read_leaves_the_ledger_vouching_for_its_payload(region_path):
+    """index.read acquires the slots with their tags, then copies: the copy
+    itself must not make the node forget them (a re-read evicts nothing)."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    Pool.create(region_path, 16 << 20, "tiny", nodes=2, flush_mode="clflush").close()
+    with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
+        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
+        kv = np.ones((len(keys), p.info.block_bytes), np.uint8)
+        p.index.put(keys, kv)
+        hit = p.index.lookup(keys)
+        out = np.empty_like(kv)
+        p.index.read(hit, out)
+        assert [p.payload_ledger(int(s)) for s in hit.slots] == [int(t) for t in hit.tags]
+        assert p.acquire_payload(hit.slots, hit.tags) == 0
+        p.index.unpin(hit)

@@ -173,15 +173,18 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
                 fresh_reads = renewed(fresh_read)
                 fresh_copies = renewed(lambda: handoff(False))
                 fresh_zeros = renewed(lambda: handoff(True))
-                sweeper = ensure_agent(path, 2, manager=False, flush_mode=flush_mode)
-                try:
-                    swept_reads = renewed(fresh_read)
-                    swept_copies = renewed(lambda: handoff(False))
-                    swept_zeros = renewed(lambda: handoff(True))
-                finally:
-                    if sweeper is not None:
-                        sweeper.terminate()
-                        sweeper.wait(timeout=30)
+                # (flush mode none evicts nothing, so nothing is swept either)
+                swept_reads = swept_copies = swept_zeros = None
+                if flush_mode != "none":
+                    sweeper = ensure_agent(path, 2, manager=False, flush_mode=flush_mode)
+                    try:
+                        swept_reads = renewed(fresh_read)
+                        swept_copies = renewed(lambda: handoff(False))
+                        swept_zeros = renewed(lambda: handoff(True))
+                    finally:
+                        if sweeper is not None:
+                            sweeper.terminate()
+                            sweeper.wait(timeout=30)
                 ffi.release(base)
                 ffi.release(src)
                 ffi.release(dst)
@@ -201,6 +204,6 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
          "first_read_gbps": nbytes / med(fresh_reads) / 1e9,
          "first_copy_handoff_ms": med(c[0] for c in fresh_copies) * 1e3,
          "first_zero_copy_handoff_ms": med(z[0] for z in fresh_zeros) * 1e3,
-         "swept_read_gbps": nbytes / med(swept_reads) / 1e9,
-         "swept_copy_handoff_ms": med(c[0] for c in swept_copies) * 1e3,
-         "swept_zero_copy_handoff_ms": med(z[0] for z in swept_zeros) * 1e3})
+         "swept_read_gbps": swept_reads and nbytes / med(swept_reads) / 1e9,
+         "swept_copy_handoff_ms": swept_copies and med(c[0] for c in swept_copies) * 1e3,
+         "swept_zero_copy_handoff_ms": swept_zeros and med(z[0] for z in swept_zeros) * 1e3})

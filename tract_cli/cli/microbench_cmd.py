@@ -158,6 +158,10 @@ def index(
         d = r.details
         for kind, what in (("first", "not swept: every slot evicted"),
                            ("swept", "swept by the node's agent")):
+            if d[kind + "_read_gbps"] is None:
+                t.add_row(f"first reads by this node, {what}", "—",
+                          "flush mode none evicts nothing: as above")
+                continue
             t.add_row(f"first read by this node, {what}", f"{d[kind + '_read_gbps']:.1f} GB/s",
                       f"memcpy {r.read_memcpy_gbps:.1f} GB/s "
                       f"({d[kind + '_read_gbps'] / r.read_memcpy_gbps:.2f}x)")

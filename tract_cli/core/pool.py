@@ -339,7 +339,9 @@ class Pool:
         raise_for(lib.tract_copy_in(self._r(), self.slot_offset(slot), buf, len(buf)), self.path)
 
     def copy_out(self, slot: int, dst, invalidate: bool = True) -> None:
-        """Copies SLOT into a private writable buffer (invalidating stale lines first)."""
+        """Copies SLOT into a private writable buffer (invalidating stale lines
+        first; the node's payload ledger then forgets the slot).  invalidate=False
+        only after `acquire_payload` of the slot."""
         buf = ffi.from_buffer(dst, require_writable=True)
         if len(buf) > self.info.block_bytes:
             raise UsageError(f"a {len(buf)}-byte buffer is larger than a slot",
