@@ -1435,18 +1435,23 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 }
 
 /* true if slot still holds the READY payload of that tag: one lock-free
- * observe of the tag's bucket.  Under a pin the bucket's state, slot and
+ * observe of the tag's bucket (observe = 0: a plain load, a hint that may be
+ * stale either way).  Under a pin the bucket's state, slot and
  * epoch do not change, and a dead payload's tag never comes back, so a
  * bucket that is mid-update elsewhere can only make a live payload look
  * live (internal) */
-int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot)
+int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int observe)
 {
 	uint64_t b = (uint32_t)tag;
 	if (!b || b > n_buckets(r))
 		return 0;                 /* names no bucket: no payload of ours */
 	b -= 1;
 	struct tract_bucket bk;
-	tract_observe_line(r, tract_sec(r, TRACT_SEC_BUCKETS)->offset + b * TRACT_LINE, &bk);
+	uint64_t off = tract_sec(r, TRACT_SEC_BUCKETS)->offset + b * TRACT_LINE;
+	if (observe)
+		tract_observe_line(r, off, &bk);
+	else
+		r->ops->load(r, off, &bk, sizeof(bk));   /* a hint: maybe stale */
 	return bk.state == TRACT_BUCKET_READY && bk.slot == (uint64_t)slot + 1 &&
 	       payload_tag(b, &bk) == tag;
 }

@@ -275,8 +275,8 @@ static inline uint64_t *tract_ledger(const tract_region *r)
 int tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len);
 
 /* true if slot still holds the READY payload of that tag, by a lock-free
- * observe of its bucket (index.c) (internal) */
-int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot);
+ * observe of its bucket (observe = 0: a plain load, a hint) (index.c) (internal) */
+int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int observe);
 
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);

@@ -40,7 +40,7 @@
 #define LEDGER_EVICTING 0xFFFFFFFFull
 
 /* what a reader of an EVICTED slot still evicts at each end of it */
-#define EDGE_BYTES 4096ull
+#define EDGE_BYTES 2048ull
 
 static int ledger_sentinel(uint64_t v)
 {
@@ -168,14 +168,18 @@ int tract_payload_forget_range(tract_region *r, uint64_t off, uint64_t len)
 
 /* true if no payload can be live in slot s: not claimed from the pool, or in
  * this node's free list; `line` caches the last bitmap line observed (internal) */
-static int slot_free(tract_region *r, uint32_t s, uint64_t *line_off, uint8_t line[TRACT_LINE])
+static int slot_free(tract_region *r, uint32_t s, uint64_t *line_off, uint8_t line[TRACT_LINE],
+		     int observe)
 {
 	const uint8_t *local = r->local ? (const uint8_t *)r->local + r->local->free_bits_off : NULL;
 	if (local && (__atomic_load_n(&local[s / 8], __ATOMIC_ACQUIRE) & (1u << (s % 8))))
 		return 1;
 	uint64_t off = tract_sec(r, TRACT_SEC_BITMAP)->offset + (uint64_t)(s / 512) * TRACT_LINE;
 	if (*line_off != off + 1) {
-		tract_observe_line(r, off, line);
+		if (observe)
+			tract_observe_line(r, off, line);
+		else
+			r->ops->load(r, off, line, TRACT_LINE);   /* a hint: maybe stale */
 		*line_off = off + 1;
 	}
 	uint32_t b = s % 512;
@@ -222,17 +226,28 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 	if (!marked)
 		return TRACT_E_NOMEM;
 	uint32_t s = *cursor < count ? *cursor : 0, n = 0;
-	uint64_t line_off = 0;
-	uint8_t line[TRACT_LINE];
+	uint64_t line_off = 0, hint_off = 0;
+	uint8_t line[TRACT_LINE], hint[TRACT_LINE];
 	for (uint32_t k = 0; k < max_slots && k < count && n < room; k++, s = (s + 1) % count) {
 		uint64_t v = __atomic_load_n(&ledger[s], __ATOMIC_SEQ_CST);
 		if (ledger_sentinel(v))
 			continue;
+		/* a first look, unmarked and with plain loads (no flush that would
+		 * disturb the lines a lock holder is writing): a live payload (being
+		 * read, most likely) is left alone, not marked EVICTING under its
+		 * reader's feet (a reader that found EVICTING would evict the whole
+		 * slot).  Only a hint: the decision that counts comes after the mark */
+		if (!slot_free(r, s, &hint_off, hint, 0) &&
+		    (!v || (TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) && tract_index_tag_live(r, v, s, 0))))
+			continue;
 		if (!__atomic_compare_exchange_n(&ledger[s], &v, LEDGER_EVICTING, 0,
 						 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
 			continue;                       /* somebody is using it */
-		int dead = slot_free(r, s, &line_off, line) ||
-			   (v && (!TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) || !tract_index_tag_live(r, v, s)));
+		/* the decision that counts: after the mark, observed */
+		line_off = 0;
+		int dead = slot_free(r, s, &line_off, line, 1) ||
+			   (v && (!TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) ||
+				  !tract_index_tag_live(r, v, s, 1)));
 		if (!dead) {
 			uint64_t mark = LEDGER_EVICTING;   /* put back what it vouched for */
 			__atomic_compare_exchange_n(&ledger[s], &mark, v, 0, __ATOMIC_SEQ_CST,
