@@ -24,6 +24,28 @@ CHAIN_B = [8, 0, 80, 6]
 ONE = [9, 0, 90, 1]
 
 
+def _put_blocks(p, n: int, fill: int = 0):
+    """Puts N blocks of FILL bytes under the chain of tokens 0..N-1 (plain
+    mode, one process); returns (keys, kv)."""
+    import numpy as np
+    from tract_cli.core.hashing import block_hashes, pool_root
+    keys = block_hashes(np.arange(n, dtype=np.int32), root=pool_root(p.info))
+    kv = np.full((len(keys), p.info.block_bytes), fill, np.uint8)
+    p.index.put(keys, kv)
+    return keys, kv
+
+
+def _reuse_slots(writer, reader, zero_copy: bool) -> list:
+    """Host 2 reads chain A (its cache keeps A's lines); host 1 evicts A and
+    writes chain B, which takes A's slots again; returns A's slots."""
+    slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
+    reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
+    writer.call("index_evict_all")
+    slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
+    assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+    return slots_a
+
+
 @pytest.fixture
 def region(region_path):
     Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
@@ -36,11 +58,7 @@ def test_a_reader_never_sees_a_stale_line_of_a_reused_slot(region, zero_copy):
     """Host 2 reads chain A (its cache keeps A's lines); host 1 evicts A and
     writes chain B into the same slots: host 2 must read B, not A."""
     with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
-        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
-        reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
-        writer.call("index_evict_all")
-        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
-        assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+        _reuse_slots(writer, reader, zero_copy)
         reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=zero_copy)
 
 
@@ -74,13 +92,9 @@ def test_a_pinned_payload_read_again_is_not_evicted_again(region):
 
 def test_lookup_tags_name_the_bucket_and_a_new_epoch_per_claim(region_path):
     """Plain mode, one process: a re-put of an evicted key gets another tag."""
-    import numpy as np
-    from tract_cli.core.hashing import block_hashes, pool_root
     Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
-        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
-        kv = np.zeros((len(keys), p.info.block_bytes), np.uint8)
-        p.index.put(keys, kv)
+        keys, kv = _put_blocks(p, 32)
         hit = p.index.lookup(keys)
         tags1 = hit.tags.copy()
         p.index.unpin(hit)
@@ -134,11 +148,7 @@ def test_a_swept_slot_is_read_afresh_without_an_eviction(paged_region, zero_copy
     and evicts: reading B then evicts nothing and sees B, not A."""
     region = paged_region
     with Worker(region, 1, True) as writer, Worker(region, 2, True) as reader:
-        slots_a = writer.call("index_put_variant", chain=CHAIN_A, variant=1)
-        reader.call("index_read_variant", chain=CHAIN_A, variant=1, zero_copy=zero_copy)
-        writer.call("index_evict_all")
-        slots_b = writer.call("index_put_variant", chain=CHAIN_B, variant=2)
-        assert set(slots_a) & set(slots_b), "no slot was reused: the test checks nothing"
+        slots_a = _reuse_slots(writer, reader, zero_copy)
         assert reader.call("sweep_payload") >= len(slots_a)
         got = reader.call("index_read_variant", chain=CHAIN_B, variant=2, zero_copy=zero_copy)
         if zero_copy:
@@ -166,14 +176,10 @@ def test_a_slot_taken_by_a_writer_of_the_node_is_no_longer_evicted(region_path):
     """Plain mode, one process: a free slot the sweep evicted is EVICTED in
     the node's ledger; once a writer of the node takes it, it is not (the
     writer's lines may stay in the node's caches: clwb, partial lines)."""
-    import numpy as np
-    from tract_cli.core.hashing import block_hashes, pool_root
     from tract_cli.core.native import lib
     Pool.create(region_path, 16 << 20, "tiny", nodes=2, flush_mode="clflush").close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
-        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
-        kv = np.zeros((len(keys), p.info.block_bytes), np.uint8)
-        p.index.put(keys, kv)
+        keys, kv = _put_blocks(p, 32)
         hit = p.index.lookup(keys)
         slots = hit.slots.tolist()
         p.index.unpin(hit)
@@ -287,12 +293,9 @@ def test_a_copying_read_leaves_the_ledger_vouching_for_its_payload(region_path):
     """index.read acquires the slots with their tags, then copies: the copy
     itself must not make the node forget them (a re-read evicts nothing)."""
     import numpy as np
-    from tract_cli.core.hashing import block_hashes, pool_root
     Pool.create(region_path, 16 << 20, "tiny", nodes=2, flush_mode="clflush").close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
-        keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
-        kv = np.ones((len(keys), p.info.block_bytes), np.uint8)
-        p.index.put(keys, kv)
+        keys, kv = _put_blocks(p, 32, fill=1)
         hit = p.index.lookup(keys)
         out = np.empty_like(kv)
         p.index.read(hit, out)
