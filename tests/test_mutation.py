@@ -19,6 +19,7 @@ def test_each_removed_flush_or_invalidate_is_caught_by_the_simulator_tests():
     chosen = [s for s in mutation.sites() if s[1] in FAST]
     assert len(chosen) == len(FAST), "a site was renamed: update FAST"
     assert FAST <= set(mutation.PREDICTED), "every fast site names the tests that catch it"
+    mutation._classified()
     base = mutation.run(0, timeout=300)
     assert base["outcome"] == "passed", base
     for num, name, _ in chosen:
