@@ -194,7 +194,8 @@ static int slot_free(tract_region *r, uint32_t s, uint64_t *line_off, uint8_t li
  * *cursor (advanced, wrapping), evicts at most max_bytes of them; *swept
  * (may be NULL) gets how many became EVICTED.
  *
- * Per slot: mark it EVICTING (a CAS from the value read), *then* decide it is
+ * Per slot: mark it EVICTING (a CAS from the value read; a batch of marks
+ * first), *then* decide it is
  * dead, evict, fence, and CAS EVICTING -> EVICTED.  Any reader or writer of
  * the node that comes in between stores to the entry, so the last CAS fails.
  * Deciding after the mark is what makes a stale decision harmless: a payload
@@ -222,13 +223,19 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 	if ((slot_offset(r, 0) | r->hdr.slot_stride) & 4095)
 		return TRACT_OK;
 	uint64_t room = max_bytes / r->hdr.block_bytes;
-	uint32_t *marked = malloc((room < max_slots ? room : max_slots) * sizeof(uint32_t) + 4);
-	if (!marked)
+	uint64_t cap = room < max_slots ? room : max_slots;
+	uint32_t *marked = malloc(cap * sizeof(uint32_t) + 4);
+	uint64_t *was = malloc(cap * sizeof(uint64_t) + 8);
+	if (!marked || !was) {
+		free(marked);
+		free(was);
 		return TRACT_E_NOMEM;
+	}
 	uint32_t s = *cursor < count ? *cursor : 0, n = 0;
 	uint64_t line_off = 0, hint_off = 0;
 	uint8_t line[TRACT_LINE], hint[TRACT_LINE];
-	for (uint32_t k = 0; k < max_slots && k < count && n < room; k++, s = (s + 1) % count) {
+	/* 1. mark the candidates */
+	for (uint32_t k = 0; k < max_slots && k < count && n < cap; k++, s = (s + 1) % count) {
 		uint64_t v = __atomic_load_n(&ledger[s], __ATOMIC_SEQ_CST);
 		if (ledger_sentinel(v))
 			continue;
@@ -243,19 +250,26 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 		if (!__atomic_compare_exchange_n(&ledger[s], &v, LEDGER_EVICTING, 0,
 						 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
 			continue;                       /* somebody is using it */
-		/* the decision that counts: after the mark, observed */
-		line_off = 0;
-		int dead = slot_free(r, s, &line_off, line, 1) ||
-			   (v && (!TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) ||
-				  !tract_index_tag_live(r, v, s, 1)));
-		if (!dead) {
-			uint64_t mark = LEDGER_EVICTING;   /* put back what it vouched for */
-			__atomic_compare_exchange_n(&ledger[s], &mark, v, 0, __ATOMIC_SEQ_CST,
-						    __ATOMIC_SEQ_CST);
+		marked[n] = s;
+		was[n++] = v;
+	}
+	/* 2. the decision that counts, after every mark, observed (each bitmap
+	 * line once); what is not dead gets back what it vouched for */
+	uint32_t dead = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t m = marked[i];
+		uint64_t v = was[i];
+		if (slot_free(r, m, &line_off, line, 1) ||
+		    (v && (!TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) || !tract_index_tag_live(r, v, m, 1)))) {
+			marked[dead++] = m;
 			continue;
 		}
-		marked[n++] = s;
+		uint64_t mark = LEDGER_EVICTING;
+		__atomic_compare_exchange_n(&ledger[m], &mark, v, 0, __ATOMIC_SEQ_CST,
+					    __ATOMIC_SEQ_CST);
 	}
+	free(was);
+	n = dead;
 	*cursor = s;
 	for (uint32_t i = 0; i < n; i++)
 		if (TRACT_KEEP(SITE_PAYLOAD_SWEEP_EVICT))
