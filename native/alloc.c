@@ -9,6 +9,18 @@
  * to tell its own slots from others': a slot claimed by another node goes
  * back to the region, batched, so claims stay exact and a dead node's slots
  * can be recovered precisely.
+ *
+ * Recovery (docs/PROTOCOLS.md §5.1).  Every change of the region's allocator
+ * state (a claim, a release) runs under lock 0 and alloc_mu, and records an
+ * intent in the local segment before it writes anything: the slots (in the
+ * free list, past its end), and the header's claim or release count before
+ * it.  The header is written first, so that count tells whether the region
+ * was touched.  Whoever next holds lock 0 after a holder that died inside --
+ * the node's agent, or its next process to take the lock, which keeps the
+ * dead holder's grant so nobody else enters first -- finishes the change from
+ * the intent, or drops it if the region was not touched.  A death elsewhere
+ * under alloc_mu can only tear the free list against its bits, which the next
+ * holder of alloc_mu rebuilds from the list.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +42,26 @@ static uint8_t *free_bits(const tract_region *r)
 	return (uint8_t *)r->local + r->local->free_bits_off;
 }
 
+enum { INTENT_NONE, INTENT_CLAIM, INTENT_RELEASE };
+
+/* u32 comparison for qsort (internal) */
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* a sorted copy of n slots, or NULL (internal) */
+static uint32_t *sorted_copy(const uint32_t *slots, uint32_t n)
+{
+	uint32_t *c = malloc(((size_t)n + 1) * sizeof(*c));
+	if (c) {
+		memcpy(c, slots, (size_t)n * sizeof(*c));
+		qsort(c, n, sizeof(*c), cmp_u32);
+	}
+	return c;
+}
+
 /* sets owners[slot] for a sorted list of slots, a line at a time (internal) */
 static void set_owners(tract_region *r, const uint32_t *slots, uint32_t n, uint8_t value)
 {
@@ -44,37 +76,269 @@ static void set_owners(tract_region *r, const uint32_t *slots, uint32_t n, uint8
 	}
 }
 
-/* reads, updates and writes back the allocator header (internal) */
-static void update_header(tract_region *r, int64_t used_delta, uint64_t hint, int claim)
+/* sets (value 1) or clears the bitmap bits of a sorted list of slots, a line
+ * at a time (write 0: only counts); returns how many were set (internal) */
+static uint32_t set_bits(tract_region *r, const uint32_t *slots, uint32_t n, int value, int write)
 {
-	uint64_t off = tract_sec(r, TRACT_SEC_ALLOC)->offset;
-	struct tract_alloc_header h;
-	tract_observe_line(r, off, (uint8_t *)&h);
-	h.used_slots = (uint64_t)((int64_t)h.used_slots + used_delta);
-	if (claim) {
-		h.next_hint = hint;
-		h.claims++;
-	} else {
-		h.releases++;
+	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+	uint8_t line[TRACT_LINE];
+	uint32_t were = 0;
+	for (uint32_t i = 0; i < n;) {
+		uint64_t lo = (uint64_t)slots[i] & ~511ULL;
+		tract_observe_line(r, bm + lo / 8, line);
+		for (; i < n && ((uint64_t)slots[i] & ~511ULL) == lo; i++) {
+			uint32_t b = (uint32_t)(slots[i] - lo);
+			uint8_t bit = (uint8_t)(1u << (b % 8));
+			were += (line[b / 8] & bit) != 0;
+			line[b / 8] = value ? (uint8_t)(line[b / 8] | bit) : (uint8_t)(line[b / 8] & ~bit);
+		}
+		if (write)
+			tract_write_line(r, bm + lo / 8, line);
 	}
-	tract_write_line(r, off, (const uint8_t *)&h);
+	return were;
 }
 
-/* claims up to want free slots under the allocator lock onto the node's
- * free list (inside the critical section: a slot is never between the two
- * when a process dies) (internal; alloc_mu held) */
-static void push_local(tract_region *r, const uint32_t *slots, uint32_t n);
+/* the allocator header, observed (internal) */
+static void read_header(tract_region *r, struct tract_alloc_header *h)
+{
+	tract_observe_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (uint8_t *)h);
+}
 
-static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
-		 uint64_t timeout_ns)
+/* writes the allocator header back and fences (internal) */
+static void write_header(tract_region *r, const struct tract_alloc_header *h)
+{
+	tract_write_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (const uint8_t *)h);
+	r->ops->fence(r);
+}
+
+/* records the allocator's intent before it changes the region (internal; both locks held) */
+static void intent_begin(tract_region *r, uint32_t op, uint64_t base, uint32_t n, uint64_t count)
+{
+	struct tract_local_hdr *l = r->local;
+	l->intent_base = base;
+	l->intent_n = n;
+	l->intent_count = count;
+	__atomic_store_n(&l->intent_op, op, __ATOMIC_RELEASE);   /* after its fields */
+}
+
+/* the change is whole: nothing is left to finish (internal) */
+static void intent_end(tract_region *r)
+{
+	__atomic_store_n(&r->local->intent_op, INTENT_NONE, __ATOMIC_RELEASE);
+}
+
+/* pops n slots from the node's free list into out (NULL: they stay where
+ * they were, past the list's end) (internal) */
+static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
+{
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	/* the bits are read without alloc_mu by the payload sweep (payload.c);
+	 * the count moves before the bit, so a death between leaves a bit set
+	 * past the end, which repair_local recognises */
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t at = r->local->free_count - 1;
+		uint32_t s = fl[at];
+		__atomic_store_n(&r->local->free_count, at, __ATOMIC_RELEASE);
+		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
+		if (out)
+			out[i] = s;
+	}
+}
+
+/* pushes slots onto the node's free list (internal) */
+static void push_local(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t at = r->local->free_count;
+		fl[at] = slots[i];
+		__atomic_store_n(&r->local->free_count, at + 1, __ATOMIC_RELEASE);  /* after the entry */
+		__atomic_fetch_or(&fb[slots[i] / 8], (uint8_t)(1u << (slots[i] % 8)), __ATOMIC_RELEASE);
+	}
+}
+
+/* puts the n slots staged at position base (the list's end) on the list:
+ * their bits, then the count, so a death between leaves them unlisted and
+ * the intent still open (internal) */
+static void push_staged(tract_region *r, uint64_t base, uint32_t n)
+{
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t s = fl[base + i];
+		__atomic_fetch_or(&fb[s / 8], (uint8_t)(1u << (s % 8)), __ATOMIC_RELEASE);
+	}
+	__atomic_store_n(&r->local->free_count, base + n, __ATOMIC_RELEASE);
+}
+
+/* makes the free list whole again after a process died holding alloc_mu
+ * (internal; alloc_mu held).  Entries and count are written in that order,
+ * so the list is exact; a death inside pop_local leaves the popped slot's bit
+ * set just past the end: it goes back on the list (its caller never got it).
+ * Then the bits are rebuilt from the list, except an intent's slots, which
+ * are lock 0's repair's to place. */
+static void repair_local(tract_region *r)
+{
+	struct tract_local_hdr *l = r->local;
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	uint64_t slots = r->hdr.slot_count;
+	uint64_t fc = l->free_count;
+	if (fc > slots)
+		fc = slots;                   /* cannot be: the list holds distinct slots */
+	uint8_t *in = calloc((slots + 7) / 8 + 1, 1);
+	if (!in)
+		return;                       /* the bits stay as they are: at worst a leak */
+	uint64_t kept = 0;
+	for (uint64_t i = 0; i < fc; i++) {
+		uint32_t s = fl[i];
+		if (s < slots && !(in[s / 8] & (1u << (s % 8)))) {
+			in[s / 8] |= (uint8_t)(1u << (s % 8));
+			fl[kept++] = s;         /* drops what no list can hold: out of range, twice */
+		}
+	}
+	fc = kept;
+	uint32_t op = __atomic_load_n(&l->intent_op, __ATOMIC_ACQUIRE);
+	int in_intent = op != INTENT_NONE && fc >= l->intent_base;
+	if (fc < slots && !in_intent) {
+		uint32_t s = fl[fc];
+		if (s < slots && (fb[s / 8] & (1u << (s % 8))) && !(in[s / 8] & (1u << (s % 8)))) {
+			in[s / 8] |= (uint8_t)(1u << (s % 8));
+			fc++;                   /* popped, and never handed out */
+		}
+	}
+	__atomic_store_n(&l->free_count, fc, __ATOMIC_RELEASE);
+	for (uint64_t i = 0; i < (slots + 7) / 8; i++)
+		if (fb[i] != in[i])
+			__atomic_store_n(&fb[i], in[i], __ATOMIC_RELEASE);
+	free(in);
+}
+
+/* takes alloc_mu, repairing the free list if its last holder died (internal) */
+static int lock_alloc_mu(tract_region *r, uint64_t timeout_ns)
+{
+	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	if (rc == TRACT_RECOVERED) {
+		repair_local(r);
+		rc = TRACT_OK;
+	}
+	return rc;
+}
+
+/* finishes (or, if the region was not touched, drops) the change a holder of
+ * lock 0 died inside, from its intent (internal; alloc_mu and lock 0 held,
+ * the lock inherited from the dead holder: nobody has entered since) */
+static void repair_intent(tract_region *r)
+{
+	struct tract_local_hdr *l = r->local;
+	uint32_t op = __atomic_load_n(&l->intent_op, __ATOMIC_ACQUIRE);
+	if (op == INTENT_NONE)
+		return;
+	uint64_t slots = r->hdr.slot_count;
+	uint64_t base = l->intent_base;
+	uint32_t n = l->intent_n;
+	uint32_t *fl = free_list(r);
+	uint32_t *sorted = NULL;
+	struct tract_alloc_header h;
+	read_header(r, &h);
+	int touched = (op == INTENT_CLAIM ? h.claims : h.releases) != l->intent_count;
+	if (base > slots || n > slots - base || (op != INTENT_CLAIM && op != INTENT_RELEASE))
+		goto done;                    /* not an intent this code wrote */
+	for (uint32_t i = 0; i < n; i++)
+		if (fl[base + i] >= slots)
+			goto done;
+	if (op == INTENT_CLAIM) {
+		if (!touched || l->free_count == base + n)
+			goto done;          /* nothing claimed yet, or all of it on the list */
+		/* the header counted them: finish the claim.  A slot another node
+		 * holds now (it cannot: the dead holder's grant never passed on)
+		 * is left to it and uncounted; a repeat (a repairer that died while
+		 * rewriting the entries) is listed once */
+		if (!(sorted = sorted_copy(fl + base, n)))
+			goto done;      /* out of memory: the next holder of lock 0 tries again */
+		uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+		uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+		uint32_t kept = 0, lost = 0;
+		for (uint32_t i = 0; i < n; i++) {
+			uint32_t s = sorted[i];
+			if (i && s == sorted[i - 1])
+				continue;
+			uint8_t o[TRACT_LINE], b[TRACT_LINE];
+			tract_observe_line(r, owners + ((uint64_t)s & ~63ULL), o);
+			tract_observe_line(r, bm + ((uint64_t)s & ~511ULL) / 8, b);
+			if (((b[(s % 512) / 8] >> (s % 8)) & 1) && o[s % 64] != r->node_id + 1) {
+				lost++;
+				continue;
+			}
+			sorted[kept++] = s;
+		}
+		if (lost) {
+			h.used_slots -= lost;
+			write_header(r, &h);
+		}
+		set_owners(r, sorted, kept, (uint8_t)(r->node_id + 1));
+		r->ops->fence(r);
+		set_bits(r, sorted, kept, 1, 1);
+		r->ops->fence(r);
+		if (kept < n) {
+			memcpy(fl + base, sorted, (size_t)kept * sizeof(*fl));
+			l->intent_n = kept;
+		}
+		push_staged(r, base, kept);
+	} else {
+		/* a release: its slots were the caller's to give back; finish it */
+		uint8_t *fb = free_bits(r);
+		for (uint32_t i = 0; i < n; i++) {
+			uint32_t s = fl[base + i];
+			__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
+		}
+		if (l->free_count > base)
+			__atomic_store_n(&l->free_count, base, __ATOMIC_RELEASE);
+		if (!(sorted = sorted_copy(fl + base, n)))
+			goto done;
+		if (!touched) {
+			h.used_slots -= set_bits(r, sorted, n, 0, 0);
+			h.releases++;
+			write_header(r, &h);
+		}
+		set_owners(r, sorted, n, 0);
+		set_bits(r, sorted, n, 0, 1);
+		r->ops->fence(r);
+	}
+done:
+	free(sorted);
+	intent_end(r);
+}
+
+/* takes lock 0 (alloc_mu held), finishing first what a dead holder left (internal) */
+static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 {
 	int rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
+	if (rc == TRACT_RECOVERED) {
+		repair_intent(r);
+		rc = TRACT_OK;
+	}
+	return rc;
+}
+
+/* claims up to want free slots from the region onto the node's free list;
+ * *got gets how many (internal; alloc_mu held) */
+static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout_ns)
+{
+	int rc = lock_alloc(r, timeout_ns);
 	if (rc < 0)
 		return rc;
 	uint64_t slots = r->hdr.slot_count;
 	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
 	struct tract_alloc_header h;
-	tract_observe_line(r, tract_sec(r, TRACT_SEC_ALLOC)->offset, (uint8_t *)&h);
+	read_header(r, &h);
+	/* staged past the list's end: the list and these are distinct slots */
+	uint64_t base = r->local->free_count;
+	uint32_t *staged = free_list(r) + base;
+	if (want > slots - base)
+		want = (uint32_t)(slots - base);
 	uint64_t lines = (slots + 511) / 512;
 	uint64_t start = (h.next_hint < slots ? h.next_hint : 0) / 512;
 	uint32_t n = 0;
@@ -82,71 +346,69 @@ static int claim(tract_region *r, uint32_t want, uint32_t *out, uint32_t *got,
 	for (uint64_t k = 0; k < lines && n < want; k++) {
 		uint64_t li = (start + k) % lines;
 		tract_observe_line(r, bm + li * TRACT_LINE, line);
-		int dirty = 0;
 		for (uint32_t b = 0; b < 512 && n < want; b++) {
 			uint64_t s = li * 512 + b;
 			if (s >= slots)
 				break;
-			if (!(line[b / 8] & (1u << (b % 8)))) {
-				line[b / 8] |= (uint8_t)(1u << (b % 8));
-				out[n++] = (uint32_t)s;
-				dirty = 1;
-			}
+			if (!(line[b / 8] & (1u << (b % 8))))
+				staged[n++] = (uint32_t)s;
 		}
-		if (dirty)
-			tract_write_line(r, bm + li * TRACT_LINE, line);
 	}
-	if (n) {
-		uint32_t last = out[n - 1];
-		/* out is ascending except across the wrap: sort for set_owners */
-		for (uint32_t i = 1; i < n; i++)
-			for (uint32_t j = i; j > 0 && out[j - 1] > out[j]; j--) {
-				uint32_t t = out[j];
-				out[j] = out[j - 1];
-				out[j - 1] = t;
-			}
-		set_owners(r, out, n, (uint8_t)(r->node_id + 1));
-		update_header(r, n, (uint64_t)last + 1, 1);
+	uint32_t *sorted = n ? sorted_copy(staged, n) : NULL;
+	if (n && !sorted)
+		rc = TRACT_E_NOMEM;
+	if (sorted) {
+		intent_begin(r, INTENT_CLAIM, base, n, h.claims);
+		tract_maybe_die(TRACT_DIE_CLAIM_STAGED);
+		h.used_slots += n;
+		h.next_hint = (uint64_t)staged[n - 1] + 1;
+		h.claims++;
+		write_header(r, &h);
+		tract_maybe_die(TRACT_DIE_CLAIM_HEADER);
+		/* owners before bits: a bit is never set with another's owner */
+		set_owners(r, sorted, n, (uint8_t)(r->node_id + 1));
 		r->ops->fence(r);
-		push_local(r, out, n);          /* ours now, even if short */
+		set_bits(r, sorted, n, 1, 1);
+		r->ops->fence(r);
+		tract_maybe_die(TRACT_DIE_CLAIM_BITMAP);
+		push_staged(r, base, n);        /* ours now, even if short */
+		tract_maybe_die(TRACT_DIE_CLAIM_PUSHED);
+		intent_end(r);
+		free(sorted);
 	}
 	tract_lock_release(r, LOCK_ALLOC);
-	*got = n;
-	return TRACT_OK;
+	*got = rc == TRACT_OK ? n : 0;
+	return rc;
 }
 
-/* u32 comparison for qsort (internal) */
-static int cmp_u32(const void *a, const void *b)
-{
-	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-	return x < y ? -1 : x > y;
-}
-
-/* returns slots (sorted in place) to the pool; the caller holds the
- * allocator lock (internal) */
-static int release_locked(tract_region *r, uint32_t *slots, uint32_t n)
+/* returns the n slots at position base of the free list (pop: its last n
+ * entries, popped here; else staged past its end) to the region (internal;
+ * alloc_mu and lock 0 held) */
+static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop)
 {
 	if (!n)
 		return TRACT_OK;
-	qsort(slots, n, sizeof(*slots), cmp_u32);
-	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
-	uint8_t line[TRACT_LINE];
-	uint32_t cleared = 0;
-	for (uint32_t i = 0; i < n;) {
-		uint64_t lo = (uint64_t)slots[i] & ~511ULL;
-		tract_observe_line(r, bm + lo / 8, line);
-		for (; i < n && ((uint64_t)slots[i] & ~511ULL) == lo; i++) {
-			uint32_t b = (uint32_t)(slots[i] - lo);
-			if (line[b / 8] & (1u << (b % 8)))
-				cleared++;
-			line[b / 8] &= (uint8_t)~(1u << (b % 8));
-		}
-		tract_write_line(r, bm + lo / 8, line);
-	}
-	set_owners(r, slots, n, 0);
-	update_header(r, -(int64_t)cleared, 0, 0);
+	uint32_t *sorted = sorted_copy(free_list(r) + base, n);
+	if (!sorted)
+		return TRACT_E_NOMEM;
+	struct tract_alloc_header h;
+	read_header(r, &h);
+	intent_begin(r, INTENT_RELEASE, base, n, h.releases);
+	if (pop)
+		pop_local(r, n, NULL);
+	tract_maybe_die(TRACT_DIE_RELEASE_POPPED);
+	uint32_t were = set_bits(r, sorted, n, 0, 0);
+	h.used_slots -= were;
+	h.releases++;
+	write_header(r, &h);
+	tract_maybe_die(TRACT_DIE_RELEASE_HEADER);
+	set_owners(r, sorted, n, 0);
+	tract_maybe_die(TRACT_DIE_RELEASE_OWNERS);
+	set_bits(r, sorted, n, 0, 1);
 	r->ops->fence(r);
-	return cleared == n ? TRACT_OK : TRACT_E_CORRUPT;
+	intent_end(r);
+	free(sorted);
+	return were == n ? TRACT_OK : TRACT_E_CORRUPT;
 }
 
 /* clears the payloads of slots and writes them back to the device (internal) */
@@ -164,30 +426,6 @@ static void zero_slots(tract_region *r, const uint32_t *slots, uint32_t n)
 	__sync_synchronize();
 }
 
-/* pops n slots from the node's free list into out (internal) */
-static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
-{
-	uint32_t *fl = free_list(r);
-	uint8_t *fb = free_bits(r);
-	/* the bits are read without alloc_mu by the payload sweep (payload.c) */
-	for (uint32_t i = 0; i < n; i++) {
-		uint32_t s = fl[--r->local->free_count];
-		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
-		out[i] = s;
-	}
-}
-
-/* pushes slots onto the node's free list (internal) */
-static void push_local(tract_region *r, const uint32_t *slots, uint32_t n)
-{
-	uint32_t *fl = free_list(r);
-	uint8_t *fb = free_bits(r);
-	for (uint32_t i = 0; i < n; i++) {
-		fl[r->local->free_count++] = slots[i];
-		__atomic_fetch_or(&fb[slots[i] / 8], (uint8_t)(1u << (slots[i] % 8)), __ATOMIC_RELEASE);
-	}
-}
-
 /* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
 int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 {
@@ -197,17 +435,15 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 		return TRACT_E_TOO_LARGE;   /* never satisfiable, whatever is evicted */
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	int rc = lock_alloc_mu(r, timeout_ns);
 	if (rc < 0)
 		return rc;
 	if (r->local->free_count < n) {
 		uint32_t need = n - (uint32_t)r->local->free_count;
-		uint32_t want = need > BATCH ? need : BATCH;
-		uint32_t *tmp = malloc((size_t)want * sizeof(uint32_t));
 		uint32_t got = 0;
-		rc = tmp ? claim(r, want, tmp, &got, timeout_ns) : TRACT_E_NOMEM;
-		free(tmp);
-		if (rc == TRACT_OK && got < need)
+		rc = claim(r, need > BATCH ? need : BATCH, &got, timeout_ns);
+		/* (the free list, not got: a repair inside claim may have listed more) */
+		if (rc == TRACT_OK && r->local->free_count < n)
 			rc = TRACT_E_FULL;
 		if (rc < 0) {
 			pthread_mutex_unlock(&r->local->alloc_mu);
@@ -241,7 +477,7 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 		if (slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
 	uint32_t *foreign = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	uint32_t *own = malloc(((size_t)n + HIGH_WATER + 1) * sizeof(uint32_t));
+	uint32_t *own = malloc(((size_t)n + 1) * sizeof(uint32_t));
 	if (!foreign || !own) {
 		free(foreign);
 		free(own);
@@ -252,7 +488,7 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 	 * caller's, before any lock */
 	if (r->hdr.flags & TRACT_HDR_ZERO_ON_FREE)
 		zero_slots(r, slots, n);
-	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	int rc = lock_alloc_mu(r, timeout_ns);
 	if (rc < 0)
 		goto out;
 	/* classify by the owner map (read only: no lock, no shared write),
@@ -293,17 +529,22 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 		uint64_t after = r->local->free_count + no;
 		uint32_t excess = after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
 		int global = nf || excess;
-		if (global && (rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL)) < 0) {
+		if (global && (rc = lock_alloc(r, timeout_ns)) < 0) {
 			pthread_mutex_unlock(&r->local->alloc_mu);
 			goto out;
 		}
 		if (note)
 			note(r, arg);
 		push_local(r, own, no);
-		rc = release_locked(r, foreign, nf);
+		if (nf) {
+			/* staged past the list's end for the intent (distinct slots:
+			 * others' slots are on no list of ours) */
+			uint64_t base = r->local->free_count;
+			memcpy(free_list(r) + base, foreign, (size_t)nf * sizeof(uint32_t));
+			rc = release_locked(r, base, nf, 0);
+		}
 		if (excess) {
-			pop_local(r, excess, own);
-			int rc2 = release_locked(r, own, excess);
+			int rc2 = release_locked(r, r->local->free_count - excess, excess, 1);
 			if (rc == TRACT_OK)
 				rc = rc2;
 		}
@@ -330,22 +571,37 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 		return TRACT_E_INVAL;
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
+	int rc = lock_alloc_mu(r, timeout_ns);
 	if (rc < 0)
 		return rc;
-	uint32_t k = (uint32_t)r->local->free_count;
-	uint32_t *buf = malloc(((size_t)k + 1) * sizeof(uint32_t));
-	if (!buf) {
-		pthread_mutex_unlock(&r->local->alloc_mu);
-		return TRACT_E_NOMEM;
-	}
-	rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
-	if (rc >= 0) {           /* TRACT_RECOVERED too: acquired, from a dead holder */
-		pop_local(r, k, buf);        /* under both locks: never in flight */
-		rc = release_locked(r, buf, k);
+	rc = lock_alloc(r, timeout_ns);
+	if (rc == TRACT_OK) {
+		/* under both locks: never in flight */
+		rc = release_locked(r, 0, (uint32_t)r->local->free_count, 1);
 		tract_lock_release(r, LOCK_ALLOC);
 	}
-	free(buf);
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return rc;
+}
+
+/*
+ * Recovery of lock 0 for the node's agent (recover.c's dispatch): if a dead
+ * process of this node holds it, takes it (alloc_mu first, the order every
+ * holder of lock 0 keeps) and finishes what the holder left.  A live process
+ * holding alloc_mu is left alone: it inherits lock 0 itself if it needs it,
+ * and otherwise the next heartbeat tries again.  *withdrawn / return value:
+ * as tract_lock_take_dead (internal).
+ */
+int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
+{
+	*withdrawn = 0;
+	if (lock_alloc_mu(r, 0) < 0)
+		return TRACT_OK;
+	int rc = tract_lock_take_dead(r, id, withdrawn);
+	if (rc == TRACT_RECOVERED) {
+		repair_intent(r);
+		tract_lock_release(r, id);
+	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	return rc;
 }
@@ -357,7 +613,7 @@ int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, u
 		return TRACT_E_INVAL;
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	int rc = tract_robust_lock(&r->local->alloc_mu, 1000000000ULL);
+	int rc = lock_alloc_mu((tract_region *)r, 1000000000ULL);
 	if (rc < 0)
 		return rc;
 	uint64_t n = r->local->free_count;

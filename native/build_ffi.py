@@ -13,7 +13,7 @@ from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
 SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "handoff.c", "hash.c", "index.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
-           "objdir.c", "payload.c", "region.c", "sim.c"]
+           "objdir.c", "payload.c", "region.c", "recover.c", "sim.c", "util.c"]
 
 
 def read_cdef() -> str:

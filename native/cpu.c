@@ -33,6 +33,9 @@ static uint64_t xgetbv0(void)
 
 /* the mutation site removed in this process (tests/mutation.py); 0 = none */
 int tract_mutant;
+/* the point where this process kills itself (tests); 0 = none */
+int tract_die_point;
+long tract_die_skip;
 extern int tract_strict_payload;
 
 /* env flag set to a non-empty value other than "0" (internal) */
@@ -77,6 +80,13 @@ static void detect(void)
 	const char *mu = getenv("TRACT_MUTANT");
 	if (mu && *mu)
 		tract_mutant = atoi(mu);
+	/* TRACT_DIE_AT=point[:passes]: SIGKILL at a named point (tests) */
+	const char *die = getenv("TRACT_DIE_AT");
+	if (die && *die) {
+		char *end;
+		tract_die_point = (int)strtol(die, &end, 10);
+		tract_die_skip = *end == ':' ? strtol(end + 1, NULL, 10) : 0;
+	}
 
 	const char *t = getenv("TRACT_MOVNT_THRESHOLD");
 	if (t && *t)

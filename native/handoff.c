@@ -385,10 +385,27 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 /* Reclaims records past their expiry at now_ns that were never
  * acknowledged; *count gets how many.  (A release a dead process left half
  * done is finished by its own node's agent: tract_handoff_recover.) */
+static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+			 uint64_t timeout_ns);
+static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
+
+/* one reclaim at a time in a process: a reclaim resumes the records its
+ * process left RECLAIMING, which two threads must not both resume */
+static pthread_mutex_t reclaim_mu = PTHREAD_MUTEX_INITIALIZER;
+
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
 {
 	if (!r || !count)
 		return TRACT_E_INVAL;
+	pthread_mutex_lock(&reclaim_mu);
+	int rc = reclaim(r, now_ns, count, timeout_ns);
+	pthread_mutex_unlock(&reclaim_mu);
+	return rc;
+}
+
+/* tract_handoff_reclaim, reclaim_mu held (internal) */
+static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
+{
 	*count = 0;
 	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
 	int rc = TRACT_OK;
@@ -398,6 +415,15 @@ int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uin
 		observe_records(r, base, k, t);     /* cheap scan without the lock */
 		for (uint32_t j = 0; j < k; j++) {
 			uint32_t i = base + j;
+			if (t[j].state == REC_RECLAIMING && t[j].releaser_node == r->node_id + 1 &&
+			    t[j].releaser_pid == (uint32_t)getpid()) {
+				/* one of ours that timed out on a busy lock: resume it */
+				int got = resume_record(r, i, &t[j], timeout_ns);
+				if (got == TRACT_E_TIMEOUT)
+					return got;
+				*count += got > 0;
+				continue;
+			}
 			if (t[j].state != REC_PUBLISHED || t[j].expiry_ns > now_ns)
 				continue;
 			/* the scan's copy may be stale: only the same request, still
@@ -426,6 +452,15 @@ static int recover_record(tract_region *r, uint32_t rec, const struct tract_tran
 	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
 	    t->releaser_node != r->node_id + 1 || !tract_pid_dead(t->releaser_pid))
 		return 0;
+	return resume_record(r, rec, t, timeout_ns);
+}
+
+/* finishes the release of record rec that the scan saw (t) half done by a
+ * process of this node (dead, or this one), taking it over under the lock if
+ * nobody did meanwhile: 1 if it did, 0 if not, or an error (internal) */
+static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+			 uint64_t timeout_ns)
+{
 	/* take it over, under the lock, if nobody did meanwhile */
 	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
 	if (rc < 0)

@@ -5,6 +5,7 @@
 #define TRACT_INTERNAL_H
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 
 #include "format.h"
@@ -37,7 +38,7 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 3
+#define TRACT_LOCAL_VERSION 4
 
 /*
  * The per-process journal in the node-local segment (journal.c): what each
@@ -89,6 +90,14 @@ struct tract_local_hdr {
 	uint64_t free_bits_off; /* 1 bit per slot: in this node's free list */
 	uint64_t journal_off;   /* TRACT_JOURNAL_PROCS struct tract_journal_proc */
 	uint64_t ledger_off;    /* u64 per slot: the payload ledger (payload.c) */
+	/* the allocator's intent (alloc.c): a change of the region's allocator
+	 * state under lock 0, recorded before it starts and cleared when it has
+	 * ended, so that whoever inherits lock 0 from a holder that died inside
+	 * finishes it exactly; its slots sit in the free list at intent_base */
+	uint32_t intent_op;     /* 0 none, 1 claim, 2 release */
+	uint32_t intent_n;      /* its slots */
+	uint64_t intent_base;   /* their position in the free list */
+	uint64_t intent_count;  /* the header's claims (releases) before it */
 	pthread_mutex_t agent_mu __attribute__((aligned(64)));
 	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
@@ -115,9 +124,6 @@ static inline const struct tract_section *tract_sec(const tract_region *r, uint3
 {
 	return &r->hdr.sections[kind - 1];
 }
-
-/* locks a robust mutex within timeout_ns, recovering a dead owner (internal) */
-int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns);
 
 /* the local mutex record of a lock (internal) */
 static inline struct tract_local_mutex *tract_local_lock(const tract_region *r, uint32_t id)
@@ -196,6 +202,16 @@ enum tract_site {
 extern int tract_mutant;
 #define TRACT_KEEP(site) ((site) == SITE_NONE || tract_mutant != (site))
 
+/* the death point of this process (tests; enum tract_die_point in tract.h) */
+extern int tract_die_point;
+extern long tract_die_skip;
+static inline void tract_maybe_die(int point)
+{
+	if (__builtin_expect(tract_die_point == point, 0) &&
+	    __atomic_fetch_sub(&tract_die_skip, 1, __ATOMIC_RELAXED) <= 0)
+		raise(SIGKILL);
+}
+
 /* invalidates, fences and loads one line (site: see enum tract_site) (internal) */
 static inline void tract_observe_line_at(tract_region *r, uint64_t off, void *dst, int site)
 {
@@ -252,8 +268,19 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns);
 
-/* whether pid (of this host) is gone (internal) */
-int tract_pid_dead(uint32_t pid);
+/* takes lock id from a dead holder of this node: TRACT_RECOVERED (held now,
+ * its grant kept: repair, then release), or withdraws its request (lock.c) (internal) */
+int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn);
+
+/* recovery of lock 0: alloc_mu, then the lock, then the allocator's repair (alloc.c) (internal) */
+int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn);
+
+
+/* the journal's dead entries, for recovery (journal.c) (internal) */
+struct tract_journal_proc *tract_journal_next_dead(tract_region *r, uint32_t *cursor);
+struct tract_journal_key *tract_journal_first(struct tract_journal_proc *p, uint32_t *pos);
+void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos);
+int tract_journal_retire(struct tract_journal_proc *p);
 
 /* the per-process journal (journal.c) (internal) */
 void tract_journal_open(tract_region *r);
@@ -281,14 +308,20 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);
 
-/* CLOCK_REALTIME in ns (internal) */
+/* util.c: used by every part, owned by none (internal) */
+/* CLOCK_REALTIME in ns */
 uint64_t tract_now_ns(void);
-
-/* CLOCK_MONOTONIC in ns (internal) */
+/* CLOCK_MONOTONIC in ns */
 uint64_t tract_mono_ns(void);
-
-/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
+/* waits politely: spins first, then yields, then sleeps up to max_ns */
 void tract_backoff(uint32_t *round, uint64_t max_sleep_ns);
+/* TRACT_E_SYS with errno set to a pthread return code */
+int tract_sys_error(int pthread_rc);
+/* locks a robust mutex within timeout_ns, recovering a dead owner
+ * (TRACT_RECOVERED: taken, and its last owner died holding it) */
+int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns);
+/* whether pid (of this host) is gone */
+int tract_pid_dead(uint32_t pid);
 
 /* true if [off, off+n) lies inside the region (internal) */
 static inline int tract_in_bounds(const tract_region *r, uint64_t off, uint64_t n)

@@ -15,13 +15,12 @@
  * journaled after they are taken and forgotten before they are given back,
  * and a handoff's pins are forgotten before its record is published.  So
  * recovery may leave something behind (a leak, for `tract check --repair`),
- * but never releases what another process holds.  Recovery frees a claim's
+ * but never releases what another process holds.  The journal only records:
+ * recover.c reads the dead processes' entries and gives their holdings back.  Recovery frees a claim's
  * slot only when it finds the bucket still PENDING and owned by the dead
  * pid: a bucket that turned READY keeps its slot, and a missing bucket's
  * slot is left alone (it may have been freed and reused since).
  */
-#include <errno.h>
-#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -229,83 +228,51 @@ void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int
 	pthread_mutex_unlock(&r->journal_mu);
 }
 
-/* whether pid (of this host) is gone (internal) */
-int tract_pid_dead(uint32_t pid)
+/* The next journal entry of this node, from *cursor on, whose process is
+ * dead (NULL: none left); *cursor moves past it.  Recovery (recover.c)
+ * reads its keys with tract_journal_first, gives each back, erases it with
+ * tract_journal_erase, and frees the entry with tract_journal_retire
+ * (internal). */
+struct tract_journal_proc *tract_journal_next_dead(tract_region *r, uint32_t *cursor)
 {
-	return pid && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+	if (!r->local || !r->local->journal_off)
+		return NULL;
+	struct tract_journal_proc *p = procs(r);
+	for (; *cursor < TRACT_JOURNAL_PROCS; (*cursor)++) {
+		uint32_t pid = __atomic_load_n(&p[*cursor].pid, __ATOMIC_ACQUIRE);
+		if (tract_pid_dead(pid))
+			return &p[(*cursor)++];
+	}
+	return NULL;
 }
 
-/*
- * Gives back what the node's dead processes held in the index: their pins
- * (per key, as journaled) and their PENDING claims (bucket buried, slot
- * freed when the bucket is still theirs).  out[0] processes recovered,
- * out[1] pins released, out[2] claims dropped, out[3] slots freed,
- * out[4] journal entries that had overflowed (recovered only in part).
- * The node agent calls it every heartbeat; it needs no lock of its own
- * (only one agent runs per node, and a dead process writes nothing).
- */
-int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
+/* the first key the entry still journals (NULL: none) (internal) */
+struct tract_journal_key *tract_journal_first(struct tract_journal_proc *p, uint32_t *pos)
 {
-	if (!r || !out)
-		return TRACT_E_INVAL;
-	memset(out, 0, 5 * sizeof(*out));
-	if (!r->local || !r->local->journal_off)
-		return TRACT_E_NO_LOCAL;
-	struct tract_journal_proc *p = procs(r);
-	int rc = TRACT_OK;
-	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
-		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
-		if (!tract_pid_dead(pid))
-			continue;
-		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP && p[e].used; i++) {
-			struct tract_journal_key *k = &p[e].keys[i];
-			if (!k->used)
-				continue;
-			if (k->kind == 1) {
-				/* a bare slot: forgotten before anything else could own it */
-				uint32_t slot = k->claim - 1;
-				if (k->claim && slot < r->hdr.slot_count) {
-					int rc2 = tract_free(r, &slot, 1, timeout_ns);
-					if (rc2 == TRACT_E_TIMEOUT)
-						return rc2;
-					out[3] += rc2 == TRACT_OK;
-				}
-				erase(&p[e], i);
-				i--;
-				continue;
-			}
-			if (k->pins) {
-				uint32_t released = 0;
-				int rc2 = tract_index_release_pins(r, k->key, k->pins, &released,
-								   timeout_ns);
-				if (rc2 == TRACT_E_TIMEOUT)
-					return rc2;     /* try again next heartbeat, entry intact */
-				out[1] += released;
-				k->pins = 0;    /* given back: never twice, even if the claim waits */
-			}
-			if (k->claim) {
-				uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;
-				int freed = 0;
-				int rc2 = tract_index_drop_claim(r, k->key, pid, slot, &freed,
-								 timeout_ns);
-				if (rc2 == TRACT_E_TIMEOUT)
-					return rc2;     /* the pins are done; the claim next time */
-				out[2] += rc2 == TRACT_OK;
-				out[3] += freed;
-			}
-			k->pins = 0;
-			k->claim = 0;
-			erase(&p[e], i);
-			i--;            /* a key shifted back into position i */
+	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP && p->used; i++)
+		if (p->keys[i].used) {
+			*pos = i;
+			return &p->keys[i];
 		}
-		if (p[e].overflow)
-			out[4]++;
-		p[e].overflow = 0;
-		p[e].used = 0;
-		out[0]++;
-		__atomic_store_n(&p[e].pid, 0, __ATOMIC_RELEASE);
-	}
-	return rc;
+	return NULL;
+}
+
+/* forgets the key at pos of a dead process's entry (internal) */
+void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos)
+{
+	erase(p, pos);
+}
+
+/* frees a dead process's entry once everything it journaled is given back;
+ * returns whether its journal had overflowed (internal) */
+int tract_journal_retire(struct tract_journal_proc *p)
+{
+	int overflowed = p->overflow != 0;
+	p->overflow = 0;
+	p->used = 0;
+	memset(p->keys, 0, sizeof(p->keys));
+	__atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
+	return overflowed;
 }
 
 /* Journal entries in use and keys journaled, for inspection. */

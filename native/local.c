@@ -1,7 +1,7 @@
 /*
  * local.c -- the node-local segment: robust process-shared mutexes (the
  * local tier of the two-tier lock), the agent mutex, and the node's slot
- * free list.  Also small time and back-off helpers.
+ * free list.  (Clocks, back-off and the robust lock itself: util.c.)
  */
 #include <errno.h>
 #include <sched.h>
@@ -9,44 +9,6 @@
 #include <time.h>
 
 #include "internal.h"
-
-/* CLOCK_REALTIME in ns (internal) */
-uint64_t tract_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-/* CLOCK_MONOTONIC in ns (internal) */
-uint64_t tract_mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
-void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
-{
-	uint32_t n = (*round)++;
-	if (n < 64) {
-#if defined(__x86_64__)
-		for (int i = 0; i < 32; i++)
-			__asm__ volatile("pause");
-#endif
-		return;
-	}
-	if (n < 128) {
-		sched_yield();
-		return;
-	}
-	uint64_t ns = 1000ULL << (n - 128 < 10 ? n - 128 : 10);
-	if (ns > max_sleep_ns)
-		ns = max_sleep_ns;
-	struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
-	nanosleep(&ts, NULL);
-}
 
 /* rounds v up to 64 (internal) */
 static uint64_t up64(uint64_t v)
@@ -65,26 +27,18 @@ uint64_t tract_local_size(const tract_region *r)
 	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size() + up64(n * 8);
 }
 
-/* TRACT_E_SYS for a pthread return code: pthread calls return their error
- * instead of setting errno, and callers report strerror(errno) (internal) */
-static int sys_error(int pthread_rc)
-{
-	errno = pthread_rc;
-	return TRACT_E_SYS;
-}
-
 /* initializes one robust, process-shared mutex (internal) */
 static int init_mutex(pthread_mutex_t *mu)
 {
 	pthread_mutexattr_t a;
 	int rc = pthread_mutexattr_init(&a);
 	if (rc)
-		return sys_error(rc);
+		return tract_sys_error(rc);
 	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
 	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
 	rc = pthread_mutex_init(mu, &a);
 	pthread_mutexattr_destroy(&a);
-	return rc ? sys_error(rc) : TRACT_OK;
+	return rc ? tract_sys_error(rc) : TRACT_OK;
 }
 
 /* Initializes a fresh, zeroed local segment for this region and the handle's node. */
@@ -132,29 +86,6 @@ int tract_bind_local(tract_region *r, void *mem, uint64_t size)
 	r->local = h;
 	tract_journal_open(r);
 	return TRACT_OK;
-}
-
-/* locks a robust mutex, making it consistent if its owner died (internal) */
-int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
-{
-	int rc = pthread_mutex_trylock(mu);
-	if (rc == EBUSY && timeout_ns) {
-		struct timespec ts;
-		clock_gettime(CLOCK_REALTIME, &ts);
-		uint64_t end = (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec + timeout_ns;
-		ts.tv_sec = (time_t)(end / 1000000000ULL);
-		ts.tv_nsec = (long)(end % 1000000000ULL);
-		rc = pthread_mutex_timedlock(mu, &ts);
-	}
-	if (rc == 0)
-		return TRACT_OK;
-	if (rc == EOWNERDEAD) {
-		pthread_mutex_consistent(mu);
-		return TRACT_RECOVERED;
-	}
-	if (rc == EBUSY || rc == ETIMEDOUT)
-		return TRACT_E_TIMEOUT;
-	return sys_error(rc);   /* e.g. EINVAL: the segment's mutex is not a mutex */
 }
 
 /* Tries to take the node's agent mutex: 0 taken, TRACT_E_TIMEOUT if another agent holds it. */

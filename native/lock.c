@@ -12,8 +12,6 @@
  * only the manager writes line 0, so every line has one writer and no atomic
  * instruction touches the region.
  */
-#include <errno.h>
-#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -54,6 +52,20 @@ static void describe_wait(tract_region *r, uint32_t id, uint32_t stage, struct t
 	}
 }
 
+/* whether this node's slot (mine, just observed) holds the current
+ * manager's grant of lock id: LOCKED, and the manager line of the current
+ * token grants this node that request (a manager that took over since
+ * re-grants it under its own token) (internal) */
+static int holds_current_grant(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine)
+{
+	if (mine->state != TRACT_LOCK_LOCKED)
+		return 0;
+	struct tract_lock_manager_line m;
+	tract_observe_line(r, tract_lock_line(r, id, 0), &m);
+	return m.granted_node == r->node_id + 1 && m.granted_req == mine->request_seq &&
+	       tract_current_token(r, NULL, SITE_NONE) == m.token;
+}
+
 /*
  * Requests global lock lock_id without waiting for the grant: takes the
  * local mutex, then publishes WAITING with a fresh request sequence; the
@@ -86,6 +98,13 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
+	if (q->recovered && holds_current_grant(r, lock_id, &mine)) {
+		/* the previous owner died holding the lock: keep its request, so the
+		 * grant passes to this process without the lock ever being free --
+		 * no other node enters before this one has repaired what it left */
+		q->req = mine.request_seq;
+		return TRACT_OK;
+	}
 	q->req = mine.request_seq + 1;
 	publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_LOCK_PUBLISH_WAITING);
 	return TRACT_OK;
@@ -188,44 +207,50 @@ int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired
 	return TRACT_OK;
 }
 
-/* Releases the grants and requests of this node's dead processes: for every
- * lock whose slot names a pid that no longer exists, take the robust local
- * mutex (EOWNERDEAD makes it consistent), publish IDLE, unlock.  A mutex
- * held by a live process is left alone.  *count gets the locks recovered. */
-int tract_lock_recover(tract_region *r, uint32_t *count)
+/*
+ * Takes lock id from a dead process of this node, if its slot names one
+ * (recover.c runs this for every lock, every heartbeat):
+ *   TRACT_RECOVERED  the dead process held the current grant: the caller now
+ *                    holds the lock (the grant kept, never free in between),
+ *                    repairs what the dead holder left, and calls
+ *                    tract_lock_release;
+ *   TRACT_OK, *withdrawn = 1  it only requested (or held a grant that is no
+ *                    longer current): its request is withdrawn (IDLE);
+ *   TRACT_OK, *withdrawn = 0  nothing to do: idle, alive, or the local mutex
+ *                    is held by a live process (which inherits it itself).
+ * The lock knows nothing of what it protects: the repair is the caller's
+ * (internal).
+ */
+int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn)
 {
-	if (!r || !count || (r->flags & TRACT_ATTACH_READONLY))
-		return TRACT_E_INVAL;
-	if (!r->local)
-		return TRACT_E_NO_LOCAL;
-	*count = 0;
-	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
-		struct tract_lock_node_slot mine;
-		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
-		if (mine.state == TRACT_LOCK_IDLE || mine.pid == 0)
-			continue;
-		if (kill((pid_t)mine.pid, 0) == 0 || errno != ESRCH)
-			continue;                     /* alive (or not ours to judge) */
-		struct tract_local_mutex *lm = tract_local_lock(r, id);
-		int rc = tract_robust_lock(&lm->mu, 0);
-		if (rc < 0)
-			continue;                     /* a live process holds it now */
-		/* re-check under the mutex: a live successor may have taken over */
-		tract_observe_line(r, tract_lock_line(r, id, 1 + r->node_id), &mine);
-		if (mine.state != TRACT_LOCK_IDLE && kill((pid_t)mine.pid, 0) != 0 && errno == ESRCH) {
-			/* it died holding the lock (the current manager's grant of its
-			 * request): what it left half done is repaired before anyone
-			 * else enters */
-			struct tract_lock_manager_line m;
-			tract_observe_line(r, tract_lock_line(r, id, 0), &m);
-			if (mine.state == TRACT_LOCK_LOCKED && m.granted_node == r->node_id + 1 &&
-			    m.granted_req == mine.request_seq && m.token == mine.grant_token &&
-			    tract_current_token(r, NULL, SITE_NONE) == m.token)
-				tract_index_repair_stripe(r, id, r->node_id);
-			publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_NONE);
-			(*count)++;
-		}
+	*withdrawn = 0;
+	struct tract_lock_node_slot mine;
+	uint64_t slot_off = tract_lock_line(r, id, 1 + r->node_id);
+	tract_observe_line(r, slot_off, &mine);
+	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid))
+		return TRACT_OK;              /* idle, alive, or not ours to judge */
+	struct tract_local_mutex *lm = tract_local_lock(r, id);
+	if (tract_robust_lock(&lm->mu, 0) < 0)
+		return TRACT_OK;              /* a live process holds it now */
+	/* re-check under the mutex: a live successor may have taken over */
+	tract_observe_line(r, slot_off, &mine);
+	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid)) {
 		pthread_mutex_unlock(&lm->mu);
+		return TRACT_OK;
 	}
+	if (holds_current_grant(r, id, &mine)) {
+		/* adopt the grant under this process's pid: if it dies repairing,
+		 * the next recovery finds it dead and starts over */
+		struct tract_lock_manager_line m;
+		tract_observe_line(r, tract_lock_line(r, id, 0), &m);
+		publish_slot(r, id, TRACT_LOCK_LOCKED, mine.request_seq, m.token, SITE_NONE);
+		pthread_mutex_lock(&r->held_mu);
+		r->held[id] = 1;
+		pthread_mutex_unlock(&r->held_mu);
+		return TRACT_RECOVERED;
+	}
+	publish_slot(r, id, TRACT_LOCK_IDLE, mine.request_seq, 0, SITE_NONE);
+	pthread_mutex_unlock(&lm->mu);
+	*withdrawn = 1;
 	return TRACT_OK;
 }

@@ -335,9 +335,56 @@ int tract_agent_lock(tract_region *r);
 /* Releases the node's agent mutex. */
 int tract_agent_unlock(tract_region *r);
 
-/* Gives back what the node's dead processes held in the index (their
- * journaled pins and PENDING claims): out[0] processes, out[1] pins,
- * out[2] claims, out[3] slots freed, out[4] partial (overflowed) journals. */
+/*
+ * Death points, for tests: TRACT_DIE_AT=<point>[:<passes>] in the environment
+ * (read once, at CPU detection) makes the process SIGKILL itself the
+ * (passes + 1)-th time it reaches that point, so a test can kill a process
+ * exactly inside a critical section and check what recovery makes of it.
+ */
+enum tract_die_point {
+	TRACT_DIE_NONE = 0,
+	TRACT_DIE_CLAIM_STAGED = 1,    /* claim: intent recorded, nothing in the region yet */
+	TRACT_DIE_CLAIM_HEADER = 2,    /* claim: allocator header counted the slots */
+	TRACT_DIE_CLAIM_BITMAP = 3,    /* claim: owners and bitmap written, free list not yet */
+	TRACT_DIE_CLAIM_PUSHED = 4,    /* claim: on the free list, intent not yet cleared */
+	TRACT_DIE_RELEASE_POPPED = 5,  /* release: off the free list, region untouched */
+	TRACT_DIE_RELEASE_HEADER = 6,  /* release: header uncounted them, owners and bits not */
+	TRACT_DIE_RELEASE_OWNERS = 7,  /* release: owners cleared, bitmap not yet */
+	TRACT_DIE_COUNT = 8
+};
+
+/* ---- recovery of what this node's dead processes left (recover.c) ---- */
+
+/* what one pass of tract_recover gave back */
+struct tract_recovery {
+	uint32_t locks;            /* locks of dead processes taken over or withdrawn */
+	uint32_t handoffs;         /* half-done handoff releases finished */
+	uint64_t processes;        /* dead processes whose journals were given back */
+	uint64_t pins;             /* pins released */
+	uint64_t claims;           /* PENDING claims dropped */
+	uint64_t slots;            /* slots freed */
+	uint64_t partial;          /* journals that had overflowed (the rest: tract check --repair) */
+	uint32_t orphans_buried;   /* PENDING buckets of writers no journal remembers */
+	uint32_t orphans_skipped;  /* stripes busy: those orphans wait for the next pass */
+	int32_t journal_rc;        /* each step's result (TRACT_E_TIMEOUT: a lock was busy, */
+	int32_t orphan_rc;         /*   the next pass resumes it) */
+	int32_t handoff_rc;
+	int32_t reserved;
+};
+
+enum {
+	TRACT_RECOVER_ORPHANS = 1  /* also bury orphaned claims (a scan of the node's stripes) */
+};
+
+/* One pass of the node's recovery, in its documented order: dead processes'
+ * locks (each repaired by its owner), their journals, orphaned claims (with
+ * TRACT_RECOVER_ORPHANS), half-done handoff releases.  The agent calls it
+ * every heartbeat. */
+int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, uint64_t timeout_ns);
+
+/* Step 2 alone: gives back what the node's dead processes journaled (pins,
+ * PENDING claims, bare slots): out[0] processes, out[1] pins, out[2] claims,
+ * out[3] slots freed, out[4] partial (overflowed) journals. */
 int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
@@ -371,7 +418,8 @@ int tract_lock_acquire(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 /* Releases global lock lock_id: publish IDLE, then unlock the local mutex. */
 int tract_lock_release(tract_region *r, uint32_t lock_id);
 
-/* Releases grants and requests of this node's dead processes; *count gets how many. */
+/* Step 1 of recovery alone: takes over (and repairs) or withdraws the locks
+ * of this node's dead processes; *count gets how many. */
 int tract_lock_recover(tract_region *r, uint32_t *count);
 
 /* Per-lock acquisition count and total wait of this node (local statistics). */

@@ -3,7 +3,10 @@ share a region while a killer SIGKILLs one of them at a random moment, many
 times, and starts a replacement each time. Node agents are killed too (about
 one kill in six), the lock manager's among them: an agent comes back at once
 or after a few more kills, so a standby on another node takes the manager
-over, or the node's new agent resumes it. Afterwards (every worker stopped,
+over, or the node's new agent resumes it. About a third of the workers are
+started to kill themselves inside the allocator's critical sections (at a
+random pass of a random TRACT_DIE_AT point), which a random moment almost
+never hits. Afterwards (every worker stopped,
 every agent back, recovery and handoff expiry given a bounded time):
 
 - exactly one lock manager runs;
@@ -36,6 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from tract_cli.core.agent import current_manager, ensure_agent, read_nodes  # noqa: E402
+from tract_cli.core.native import lib  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 from tract_cli.core.region import remove_region  # noqa: E402
 from tract_cli.inspect import check, snapshot  # noqa: E402
@@ -44,6 +48,7 @@ NODES = 4                        # agents on 0 (manager at first) .. 3
 LAYOUT = [("prefill", 1), ("prefill", 2), ("decode", 2), ("decode", 3)]
 SETTLE_S = 30.0                  # bound on recovery and expiry after the workers stop
 AGENT_KILL_P = 1 / 6             # share of the kills that hit a node agent
+DIE_INSIDE_P = 1 / 3             # share of the workers started to die inside the allocator
 TAKEOVER_AFTER_S = 0.5
 
 
@@ -66,6 +71,8 @@ class Chaos:
         self.errors: list[str] = []
         self.kills = 0
         self.started = 0
+        self.armed: list[bool] = [False] * len(LAYOUT)   # started to die inside the allocator
+        self.allocator_deaths = 0
 
     # ---- agents
 
@@ -118,10 +125,18 @@ class Chaos:
         else:
             args.update(tickets=os.path.join(self.dir, "tickets-*.jsonl"),
                         index=decoders.index(i), of=len(decoders))
+        env = dict(os.environ)
+        # some workers kill themselves at a random pass of a random point
+        # inside the allocator's critical sections (TRACT_DIE_AT): the kills
+        # a random moment almost never hits
+        self.armed[i] = bool(self.rng.random() < DIE_INSIDE_P)
+        if self.armed[i]:
+            point = int(self.rng.integers(1, lib.TRACT_DIE_COUNT))
+            env["TRACT_DIE_AT"] = f"{point}:{int(self.rng.integers(0, 30))}"
         p = subprocess.Popen([sys.executable, os.path.join(HERE, "chaos_worker.py"),
                               json.dumps(args)], stdout=subprocess.PIPE,
                              stderr=open(os.path.join(self.dir, f"worker{i}.err"), "wb"),
-                             stdin=subprocess.DEVNULL, text=True)
+                             stdin=subprocess.DEVNULL, text=True, env=env)
         self.sel.register(p.stdout, selectors.EVENT_READ, i)
         self.workers[i] = p
         self.started += 1
@@ -161,7 +176,9 @@ class Chaos:
             return
         i = int(self.rng.integers(len(self.workers)))
         p = self.workers[i]
-        if p.poll() is not None:       # it died on its own: a bug, not chaos
+        if p.poll() is not None and self.died_inside(i):
+            self.allocator_deaths += 1
+        elif p.poll() is not None:     # it died on its own: a bug, not chaos
             err = open(os.path.join(self.dir, f"worker{i}.err")).read()
             self.errors.append(f"worker {i} ({LAYOUT[i][0]}) exited by itself with "
                                f"{p.returncode}: {err.strip()[-600:]}")
@@ -176,6 +193,10 @@ class Chaos:
         self.kills += 1
         self.start(i)
 
+    def died_inside(self, i: int) -> bool:
+        """Whether worker I killed itself at its death point, as armed to."""
+        return self.armed[i] and self.workers[i].returncode == -9
+
     def stop_workers(self) -> None:
         for p in self.workers:
             if p.poll() is None:
@@ -189,9 +210,11 @@ class Chaos:
                 p.wait(timeout=30)
                 self.errors.append(f"worker {i} did not stop within 60 s of SIGTERM")
         self.drain(0.2)
-        for p in self.workers:
-            if p.returncode not in (0, -15):
-                err = open(os.path.join(self.dir, f"worker{self.workers.index(p)}.err")).read()
+        for i, p in enumerate(self.workers):
+            if self.died_inside(i):
+                self.allocator_deaths += 1
+            elif p.returncode not in (0, -15):
+                err = open(os.path.join(self.dir, f"worker{i}.err")).read()
                 self.errors.append(f"a worker exited with {p.returncode}: {err.strip()[-600:]}")
 
     # ---- the run
@@ -212,6 +235,7 @@ class Chaos:
         violations, _ = self.verify()
         leaked = self.leaked_slots()
         return {"kills": self.kills, "agent_kills": self.agent_kills,
+                "allocator_deaths": self.allocator_deaths,
                 "manager_kills": self.manager_kills, "managers": managers,
                 "workers_started": self.started,
                 "seconds": round(time.monotonic() - t0, 1), "events": self.events,
@@ -243,6 +267,9 @@ class Chaos:
                      "handoffs": len(snap["handoffs"]["in_flight"])}
             if not any(state.values()) or time.monotonic() > end:
                 return {**state, "pinned_blocks_by_node": by_node,
+                        "records": [{k: r[k] for k in ("record", "state", "owner_node",
+                                                        "owner_pid", "expires_in_s")}
+                                    for r in snap["handoffs"]["in_flight"]],
                         "clean": not any(state.values())}
             time.sleep(0.1)            # polling the region, bounded by SETTLE_S
 

@@ -25,10 +25,11 @@ class Worker:
     """A child process attached to POOL as NODE; `call(op, **args)` runs one command."""
 
     def __init__(self, pool_path: str, node: int, simulate: bool = False,
-                 flush_mode: str | None = None, sim_evict_prob: float = 0.0, sim_seed: int = 0):
+                 flush_mode: str | None = None, sim_evict_prob: float = 0.0, sim_seed: int = 0,
+                 env: dict | None = None):
         args = {"pool": pool_path, "node": node, "simulate": simulate, "flush_mode": flush_mode,
                 "sim_evict_prob": sim_evict_prob, "sim_seed": sim_seed}
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__))] + env.get("PYTHONPATH", "").split(os.pathsep))
         self.proc = subprocess.Popen(

@@ -1,7 +1,8 @@
 """The chaos test, bounded for CI (tests/chaos.py has the long version):
 prefill and decode processes on three emulated nodes, one of them -- or a
 node agent, the lock manager's included -- SIGKILLed at a random moment again
-and again. Afterwards one manager runs, nothing is left over and nothing read
+and again, and some of them killing themselves inside the allocator.
+Afterwards one manager runs, nothing is left over and nothing read
 was wrong (see tests/chaos.py for the list)."""
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
         r = chaos.run(kills)
     finally:
         chaos.close()
-    summary = {k: r[k] for k in ("kills", "agent_kills", "manager_kills", "managers", "events",
+    summary = {k: r[k] for k in ("kills", "agent_kills", "allocator_deaths", "manager_kills",
+                                 "managers", "events",
                                  "settled", "check_violations", "leaked_slots", "bad_blocks",
                                  "errors")}
     assert r["kills"] == kills
     assert r["agent_kills"] > 0, summary
+    assert r["allocator_deaths"] > 0, summary
     assert r["managers"]["running"] == [r["managers"]["current"]], summary
     assert r["errors"] == [], summary
     assert r["bad_blocks"] == 0, summary

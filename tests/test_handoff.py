@@ -78,6 +78,27 @@ def test_expired_handoffs_are_reclaimed(region):
     check_index(region)
 
 
+def test_a_reclaim_that_timed_out_on_a_busy_lock_is_resumed_by_the_next(region):
+    """Reclaiming frees the record's slots, which are another node's: that
+    needs the allocator lock. A reclaim that times out waiting for it leaves
+    the record RECLAIMING, in its own name; the next reclaim of the same
+    process resumes it (it used to stay RECLAIMING for good, with its slots)."""
+    from tract_cli.core.errors import LockTimeout
+    with RunningAgent(region, 0, manager=True):
+        with Worker(region, 1) as prefill, Worker(region, 3) as holder, \
+                Pool.attach(region, node=2) as p:
+            prefill.call("handoff_publish", chain=[7, 0, 8, 5], request="a", ttl=3600)
+            later = time.time_ns() + 3601 * 10**9
+            holder.call("lock_acquire", lock_id=0)
+            with pytest.raises(LockTimeout):
+                p.handoffs.reclaim(now_ns=later, timeout=0.5)
+            assert pins_and_records(region)[1] == 1, "the record waits, RECLAIMING"
+            holder.call("lock_release", lock_id=0)
+            assert p.handoffs.reclaim(now_ns=later) == 1
+            assert pins_and_records(region) == (0, 0)
+    check_index(region)
+
+
 def test_the_agent_reclaims_a_handoff_whose_decode_side_died(region):
     with RunningAgent(region, 0, manager=True):
         with Worker(region, 1) as prefill:

@@ -145,13 +145,38 @@ class Recovered:
         return text
 
 
-def bury_orphan_claims(pool: Pool, timeout: float = 1.0) -> tuple[int, int]:
-    """Buries this node's PENDING claims whose writer died with no journal
-    left to say so (a restarted host); returns (buried, stripes skipped busy)."""
-    buried, skipped = ffi.new("uint32_t *"), ffi.new("uint32_t *")
-    raise_for(lib.tract_bury_orphan_claims(pool._r(), int(timeout * 1e9), buried, skipped),
-              "orphaned writes")
-    return int(buried[0]), int(skipped[0])
+@dataclass
+class NodeRecovery:
+    """What one pass of the node's recovery (native/recover.c) did."""
+
+    locks: int = 0            # locks of dead processes taken over (repaired) or withdrawn
+    dead: Recovered = None    # what their journals gave back
+    orphans: int = 0          # unfinished writes no journal remembers, dropped
+    orphans_pending: bool = False   # a stripe was busy: the orphan scan is not done
+    handoffs: int = 0         # half-done handoff releases finished
+    errors: tuple = ()        # (step, TractError) of steps that failed (a timeout: retried)
+
+
+def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecovery:
+    """One pass of the node's recovery, in its documented order: the locks of
+    dead processes, their journals, orphaned writes (when ORPHANS), half-done
+    handoff releases; one call into the core."""
+    rep = ffi.new("struct tract_recovery *")
+    flags = lib.TRACT_RECOVER_ORPHANS if orphans else 0
+    raise_for(lib.tract_recover(pool._r(), flags, rep, int(timeout * 1e9)), "node recovery")
+    errors = []
+    for step, rc in (("recovery of dead processes", rep.journal_rc),
+                     ("orphaned writes", rep.orphan_rc), ("handoff recovery", rep.handoff_rc)):
+        if rc < 0 and rc != lib.TRACT_E_TIMEOUT:      # a busy lock: the next pass resumes
+            try:
+                raise_for(rc, step)
+            except TractError as err:
+                errors.append((step, err))
+    dead = (Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
+                      int(rep.partial)) if rep.journal_rc == 0 else Recovered())
+    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
+                        orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
+                        handoffs=int(rep.handoffs), errors=tuple(errors))
 
 
 def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
@@ -380,37 +405,19 @@ class Agent:
                 except TractError as err:
                     print(f"tract agent: node {self.node}: takeover: {err}", file=sys.stderr,
                           flush=True)
-            # locks held or requested by this node's dead processes: released
-            count = ffi.new("uint32_t *")
-            if lib.tract_lock_recover(self.pool._r(), count) == 0 and count[0]:
-                self.recovered_locks += count[0]
-                print(f"tract agent: node {self.node}: released {count[0]} lock(s) of dead "
-                      "processes", file=sys.stderr, flush=True)
-            # then what they held in the index (their stripe locks are free now)
+            # what this node's dead processes left: locks, journals, orphaned
+            # writes (a restarted host's; a walk of the whole index, so seldom),
+            # half-done handoff releases -- one pass, one call (native/recover.c)
+            orphans = time.monotonic() - last_sweep >= ORPHAN_SWEEP_S
             try:
-                got = recover_dead_processes(self.pool)
+                got = recover_node(self.pool, orphans)
             except TractError as err:
                 print(f"tract agent: node {self.node}: recovery: {err}", file=sys.stderr,
                       flush=True)
             else:
-                if got.processes:
-                    self.recovered_processes += got.processes
-                    print(f"tract agent: node {self.node}: {got.describe()}", file=sys.stderr,
-                          flush=True)
-            # unfinished writes no journal remembers (a restarted host's)
-            if time.monotonic() - last_sweep >= ORPHAN_SWEEP_S:
-                try:
-                    buried, skipped = bury_orphan_claims(self.pool)
-                except TractError as err:
-                    print(f"tract agent: node {self.node}: orphaned writes: {err}",
-                          file=sys.stderr, flush=True)
-                else:
-                    last_sweep = time.monotonic() if not skipped else last_sweep
-                    if buried:
-                        print(f"tract agent: node {self.node}: dropped {buried} unfinished "
-                              "write(s) of processes no journal remembers (their keys are "
-                              "writable again; `tract check --repair` returns their slots)",
-                              file=sys.stderr, flush=True)
+                self._report(got)
+                if orphans and not got.orphans_pending:
+                    last_sweep = time.monotonic()
             # slots whose payload died, evicted now so their next first read is free
             # (under the simulator this process's cache is its own: nothing to serve)
             if self.pool.accessors != "sim":
@@ -422,16 +429,6 @@ class Agent:
                           file=sys.stderr, flush=True)
                 else:
                     self.swept_slots += swept
-            # handoffs whose acknowledgement or reclaim a dead process left half done
-            try:
-                finished = self.pool.handoffs.recover()
-            except TractError as err:
-                print(f"tract agent: node {self.node}: handoff recovery: {err}",
-                      file=sys.stderr, flush=True)
-            else:
-                if finished:
-                    print(f"tract agent: node {self.node}: finished {finished} handoff "
-                          "release(s) of dead processes", file=sys.stderr, flush=True)
             now = time.monotonic()
             if self.managing and now - last_reclaim >= RECLAIM_S:
                 # expired handoffs (a decode side that died): pins and slots back
@@ -441,6 +438,24 @@ class Agent:
                 except TractError as err:
                     print(f"tract agent: node {self.node}: reclaim: {err}", file=sys.stderr,
                           flush=True)
+
+    def _report(self, got: NodeRecovery) -> None:
+        """Says on stderr what a recovery pass gave back."""
+        def say(text: str) -> None:
+            print(f"tract agent: node {self.node}: {text}", file=sys.stderr, flush=True)
+        if got.locks:
+            self.recovered_locks += got.locks
+            say(f"took back {got.locks} lock(s) of dead processes")
+        if got.dead.processes:
+            self.recovered_processes += got.dead.processes
+            say(got.dead.describe())
+        if got.orphans:
+            say(f"dropped {got.orphans} unfinished write(s) of processes no journal remembers "
+                "(their keys are writable again; `tract check --repair` returns their slots)")
+        if got.handoffs:
+            say(f"finished {got.handoffs} handoff release(s) of dead processes")
+        for step, err in got.errors:
+            say(f"{step}: {err}")
 
     def manager_stats(self) -> dict:
         """Scans, grants, releases, idle sleeps of the manager thread."""

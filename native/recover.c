@@ -1,0 +1,172 @@
+/*
+ * recover.c -- the node's recovery, the whole procedure in one place
+ * (docs/PROTOCOLS.md §7).  The node's agent calls tract_recover once per
+ * heartbeat; it gives back what this node's dead processes left, in an order
+ * where each step relies on the ones before it:
+ *
+ *   1. locks     every lock a dead process of the node held or requested:
+ *                a request is withdrawn; a held lock is taken over with its
+ *                grant (nobody else enters in between) and handed to the
+ *                repair of what it protects (the table below), then released;
+ *   2. journals  the pins, PENDING claims and bare slots each dead process
+ *                journaled (their stripe and allocator locks are free or
+ *                repaired after step 1);
+ *   3. orphans   (when asked) PENDING buckets of the node whose writer is dead
+ *                and in no journal: a restarted host's, an overflowed journal's;
+ *   4. handoffs  releases (acknowledge, reclaim) a dead process left half done,
+ *                resumed from the progress their records show.
+ *
+ * The parts below it know only their own state: lock.c takes a dead holder's
+ * lock and knows nothing of what it protects; the journal is a passive table;
+ * alloc.c, index.c and handoff.c each repair their own state.  A step that
+ * times out on a busy lock leaves its work for the next heartbeat.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+/* takes lock id from a dead holder of this node and repairs what it protects
+ * (tract_lock_take_dead's results) (internal) */
+typedef int (*lock_recovery)(tract_region *r, uint32_t id, int *withdrawn);
+
+/* the object directory and the transfer table: each critical section
+ * publishes one line (an entry, a record), whole or not at all, so a dead
+ * holder leaves nothing to repair; a record's release it left half done is
+ * step 4's (internal) */
+static int take_one_line_lock(tract_region *r, uint32_t id, int *withdrawn)
+{
+	int rc = tract_lock_take_dead(r, id, withdrawn);
+	if (rc == TRACT_RECOVERED)
+		tract_lock_release(r, id);
+	return rc;
+}
+
+/* an index stripe: a pin count the holder was changing is put right (internal) */
+static int take_stripe_lock(tract_region *r, uint32_t id, int *withdrawn)
+{
+	int rc = tract_lock_take_dead(r, id, withdrawn);
+	if (rc == TRACT_RECOVERED) {
+		tract_index_repair_stripe(r, id, r->node_id);
+		tract_lock_release(r, id);
+	}
+	return rc;
+}
+
+/* who repairs each fixed lock; every higher lock is an index stripe */
+static const lock_recovery fixed_locks[TRACT_FIXED_LOCKS] = {
+	[0] = tract_alloc_recover_lock,   /* allocator: finishes the claim or release */
+	[1] = take_one_line_lock,         /* object directory */
+	[2] = take_one_line_lock,         /* transfer table */
+};
+
+/* Takes back the locks of this node's dead processes (step 1); *count gets
+ * how many were taken over or withdrawn. */
+int tract_lock_recover(tract_region *r, uint32_t *count)
+{
+	if (!r || !count || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	*count = 0;
+	for (uint32_t id = 0; id < r->hdr.lock_count; id++) {
+		lock_recovery recover = id < TRACT_FIXED_LOCKS ? fixed_locks[id] : take_stripe_lock;
+		int withdrawn = 0;
+		int rc = recover(r, id, &withdrawn);
+		if (rc == TRACT_RECOVERED || withdrawn)
+			(*count)++;
+	}
+	return TRACT_OK;
+}
+
+/* gives back one journaled key of a dead process pid; TRACT_E_TIMEOUT leaves
+ * what is not done yet in the key for the next heartbeat (internal) */
+static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid, uint64_t *out,
+		     uint64_t timeout_ns)
+{
+	if (k->kind == 1) {
+		/* a bare slot: forgotten before anything else could own it */
+		uint32_t slot = k->claim - 1;
+		if (k->claim && slot < r->hdr.slot_count) {
+			int rc = tract_free(r, &slot, 1, timeout_ns);
+			if (rc == TRACT_E_TIMEOUT)
+				return rc;
+			out[3] += rc == TRACT_OK;
+		}
+		return TRACT_OK;
+	}
+	if (k->pins) {
+		uint32_t released = 0;
+		int rc = tract_index_release_pins(r, k->key, k->pins, &released, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT)
+			return rc;
+		out[1] += released;
+		k->pins = 0;            /* given back: never twice, even if the claim waits */
+	}
+	if (k->claim) {
+		uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;
+		int freed = 0;
+		int rc = tract_index_drop_claim(r, k->key, pid, slot, &freed, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT)
+			return rc;      /* the pins are done; the claim next time */
+		out[2] += rc == TRACT_OK;
+		out[3] += freed;
+	}
+	return TRACT_OK;
+}
+
+/*
+ * Gives back what the node's dead processes journaled (step 2): their pins
+ * (per key), their PENDING claims (bucket buried, slot freed when the bucket
+ * is still theirs) and their bare slots.  out[0] processes recovered, out[1]
+ * pins released, out[2] claims dropped, out[3] slots freed, out[4] journals
+ * that had overflowed (recovered only in part).  Needs no lock of its own:
+ * only one agent runs per node, and a dead process writes nothing.
+ */
+int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
+{
+	if (!r || !out)
+		return TRACT_E_INVAL;
+	memset(out, 0, 5 * sizeof(*out));
+	if (!r->local || !r->local->journal_off)
+		return TRACT_E_NO_LOCAL;
+	uint32_t cursor = 0;
+	struct tract_journal_proc *p;
+	while ((p = tract_journal_next_dead(r, &cursor))) {
+		uint32_t pid = p->pid, pos;
+		struct tract_journal_key *k;
+		while ((k = tract_journal_first(p, &pos))) {
+			int rc = give_back(r, k, pid, out, timeout_ns);
+			if (rc == TRACT_E_TIMEOUT)
+				return rc;      /* the entry keeps the rest */
+			tract_journal_erase(p, pos);
+		}
+		out[4] += (uint64_t)tract_journal_retire(p);
+		out[0]++;
+	}
+	return TRACT_OK;
+}
+
+/* One pass of the node's recovery, steps 1 to 4 (see the top of this file). */
+int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, uint64_t timeout_ns)
+{
+	if (!r || !out || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	memset(out, 0, sizeof(*out));
+	int rc = tract_lock_recover(r, &out->locks);
+	if (rc < 0)
+		return rc;
+	uint64_t dead[5];
+	out->journal_rc = tract_recover_dead(r, dead, timeout_ns);
+	out->processes = dead[0];
+	out->pins = dead[1];
+	out->claims = dead[2];
+	out->slots = dead[3];
+	out->partial = dead[4];
+	if (flags & TRACT_RECOVER_ORPHANS)
+		out->orphan_rc = tract_bury_orphan_claims(r, timeout_ns, &out->orphans_buried,
+							  &out->orphans_skipped);
+	out->handoff_rc = tract_handoff_recover(r, &out->handoffs, timeout_ns);
+	return TRACT_OK;
+}

@@ -1,0 +1,86 @@
+/*
+ * util.c -- what every part of the core uses and none owns: clocks, polite
+ * back-off, the robust process-shared mutex lock, pthread error codes, and
+ * whether a pid of this host is gone.  It calls nothing else of the core.
+ */
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+
+#include "internal.h"
+
+/* CLOCK_REALTIME in ns (internal) */
+uint64_t tract_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* CLOCK_MONOTONIC in ns (internal) */
+uint64_t tract_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
+void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
+{
+	uint32_t n = (*round)++;
+	if (n < 64) {
+#if defined(__x86_64__)
+		for (int i = 0; i < 32; i++)
+			__asm__ volatile("pause");
+#endif
+		return;
+	}
+	if (n < 128) {
+		sched_yield();
+		return;
+	}
+	uint64_t ns = 1000ULL << (n - 128 < 10 ? n - 128 : 10);
+	if (ns > max_sleep_ns)
+		ns = max_sleep_ns;
+	struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
+	nanosleep(&ts, NULL);
+}
+
+/* TRACT_E_SYS for a pthread return code: pthread calls return their error
+ * instead of setting errno, and callers report strerror(errno) (internal) */
+int tract_sys_error(int pthread_rc)
+{
+	errno = pthread_rc;
+	return TRACT_E_SYS;
+}
+
+/* locks a robust mutex, making it consistent if its owner died (internal) */
+int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
+{
+	int rc = pthread_mutex_trylock(mu);
+	if (rc == EBUSY && timeout_ns) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		uint64_t end = (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec + timeout_ns;
+		ts.tv_sec = (time_t)(end / 1000000000ULL);
+		ts.tv_nsec = (long)(end % 1000000000ULL);
+		rc = pthread_mutex_timedlock(mu, &ts);
+	}
+	if (rc == 0)
+		return TRACT_OK;
+	if (rc == EOWNERDEAD) {
+		pthread_mutex_consistent(mu);
+		return TRACT_RECOVERED;
+	}
+	if (rc == EBUSY || rc == ETIMEDOUT)
+		return TRACT_E_TIMEOUT;
+	return tract_sys_error(rc);   /* e.g. EINVAL: the segment's mutex is not a mutex */
+}
+
+/* whether pid (of this host) is gone (internal) */
+int tract_pid_dead(uint32_t pid)
+{
+	return pid && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+}

@@ -1,0 +1,148 @@
+"""Online recovery of a process killed inside the allocator (native/alloc.c,
+docs/PROTOCOLS.md §5.1): a claim or a release of slots runs under the
+allocator lock (0) and records an intent first; a process SIGKILLed at each
+point inside it (TRACT_DIE_AT) leaves work that whoever next holds lock 0 --
+the node's agent, or the node's next process to need the lock -- finishes or
+drops. Afterwards nothing leaks and `tract check` finds the allocator
+consistent, with no offline repair. Real processes on emulated nodes, plain
+mode and the non-coherence simulator."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from agents import RunningAgent
+from conftest import remove_region
+from procs import Worker
+from tract_cli.core.agent import recover_node
+from tract_cli.core.native import lib
+from tract_cli.core.pool import Pool
+from tract_cli.inspect import check
+
+CLAIM = ["CLAIM_STAGED", "CLAIM_HEADER", "CLAIM_BITMAP", "CLAIM_PUSHED"]
+RELEASE = ["RELEASE_POPPED", "RELEASE_HEADER", "RELEASE_OWNERS"]
+
+
+@pytest.fixture
+def region():
+    path = f"/dev/shm/tract-test-allocrec-{uuid.uuid4().hex[:8]}.pool"
+    Pool.create(path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
+    agent = RunningAgent(path, 0, manager=True)
+    yield path
+    agent.stop()
+    remove_region(path)
+
+
+def dying(path: str, node: int, point: str, simulate: bool) -> Worker:
+    """A process of NODE that SIGKILLs itself at the allocator's POINT."""
+    return Worker(path, node, simulate,
+                  env={"TRACT_DIE_AT": str(getattr(lib, f"TRACT_DIE_{point}"))})
+
+
+def dies_during(worker: Worker, op: str, **args) -> None:
+    """Sends OP and waits (bounded) for the worker to kill itself inside it."""
+    worker.send(op, **args)
+    assert worker.proc.wait(timeout=60) == -9, f"the worker did not die inside {op}"
+    worker.close()
+
+
+def taken_slots(path: str) -> set:
+    """Slots the region's bitmap says are taken from the pool."""
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        sec = p.info.section("bitmap")
+        bits = np.unpackbits(np.frombuffer(p.observe(sec.offset, sec.length), np.uint8),
+                             bitorder="little")[:p.info.slot_count]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def free_lists(path: str, nodes=(1, 2)) -> set:
+    out = set()
+    for n in nodes:
+        with Pool.attach(path, node=n, prefault=False) as p:
+            listed = p.allocator.local_free().tolist()
+        assert len(listed) == len(set(listed)), f"node {n}'s free list lists a slot twice"
+        out |= set(listed)
+    return out
+
+
+def allocator_violations(path: str) -> list:
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        violations, _ = check.verify(p, data=False)
+    return [f"{v.check}: {v.detail}" for v in violations]
+
+
+def recover(path: str, node: int, who: str) -> None:
+    """What recovers the dead process's lock 0: the node's agent (one pass of
+    its recovery), or the node's next process (a drain takes lock 0)."""
+    if who == "agent":
+        with Pool.attach(path, node=node) as p:
+            got = recover_node(p, orphans=False, timeout=30)
+        assert got.locks == 1 and not got.errors, got
+    else:
+        with Worker(path, node) as successor:
+            successor.call("drain")
+
+
+def lock_0_is_free(path: str, node: int) -> None:
+    with Worker(path, node) as w:
+        w.call("lock_acquire", lock_id=0, timeout=10.0)
+        w.call("lock_release", lock_id=0)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+@pytest.mark.parametrize("point", CLAIM)
+def test_a_process_killed_inside_a_claim_leaks_no_slot(region, point, who, simulate):
+    """The claim of a node's first batch, killed at each point: the batch ends
+    either on the node's free list (claimed) or back in the pool."""
+    dies_during(dying(region, 1, point, simulate), "alloc", n=3)
+    recover(region, 1, who)
+    assert allocator_violations(region) == []
+    assert taken_slots(region) == free_lists(region), "a slot leaked"
+    if who == "agent" and point in ("CLAIM_BITMAP", "CLAIM_PUSHED"):
+        assert len(free_lists(region)) == 64, "the claimed batch is the node's now"
+    lock_0_is_free(region, 1)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+@pytest.mark.parametrize("point", RELEASE)
+def test_a_process_killed_inside_a_release_leaks_no_slot(region, point, who, simulate):
+    """A release killed at each point is finished: node 2 frees node 1's slots
+    (they go back to the pool), or node 1 drains its free list."""
+    with Worker(region, 1, simulate) as owner:
+        slots = owner.call("alloc", n=5)
+        if point == "RELEASE_POPPED":
+            owner.call("free", slots=slots)           # all 64 on node 1's list
+    if point == "RELEASE_POPPED":
+        dies_during(dying(region, 1, point, simulate), "drain")
+        recover(region, 1, who)
+    else:
+        dies_during(dying(region, 2, point, simulate), "free", slots=slots)
+        recover(region, 2, who)
+    assert allocator_violations(region) == []
+    taken = taken_slots(region)
+    assert taken == free_lists(region), "a slot leaked"
+    assert not taken & set(slots), "the freed slots went back to the pool"
+    lock_0_is_free(region, 1)
+
+
+def test_a_process_killed_inside_a_claim_does_not_block_the_node(region):
+    """The node's next allocation after a death inside a claim takes lock 0
+    from the dead holder and goes on: no agent needed, nothing lost."""
+    dies_during(dying(region, 1, "CLAIM_BITMAP", False), "alloc", n=3)
+    with Worker(region, 1) as successor:
+        got = successor.call("alloc", n=100)          # more than the batch: takes lock 0
+        assert len(set(got)) == 100
+        successor.call("free", slots=got)
+    assert allocator_violations(region) == []
+    assert taken_slots(region) == free_lists(region)
+
+
+def test_a_death_point_passes_count(region):
+    """TRACT_DIE_AT=<point>:<passes> dies only on the (passes + 1)-th pass."""
+    w = Worker(region, 2, env={"TRACT_DIE_AT": f"{lib.TRACT_DIE_CLAIM_HEADER}:1"})
+    w.call("alloc", n=64)                              # the first claim passes
+    dies_during(w, "alloc", n=64)                      # the second dies
