@@ -32,7 +32,6 @@ def asan_build(tmp_path_factory):
     shutil.copytree(os.path.join(ROOT, "native"), src / "native")
     shutil.copytree(os.path.join(ROOT, "tract_cli"), src / "tract_cli",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__", "_native.c"))
-    shutil.copytree(os.path.join(ROOT, "profiles"), src / "profiles")
     for f in ("setup.py", "pyproject.toml"):
         shutil.copy(os.path.join(ROOT, f), src / f)
     env = {**os.environ, "TRACT_ASAN": "1", "TRACT_WERROR": "1"}

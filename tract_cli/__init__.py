@@ -1,4 +1,5 @@
 """TraCT: a CXL shared-memory KV cache for disaggregated LLM serving."""
+# the one place the version is written: pyproject.toml reads it from here
 __version__ = "0.1.0"
 
 

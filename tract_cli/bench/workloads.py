@@ -163,7 +163,7 @@ def trace(path: str, limit: int | None = None, speedup: float = 1.0, vocab: int 
 
 
 def load_preset(name: str) -> dict:
-    """A named synthetic workload from profiles/workloads/NAME.toml."""
+    """A named synthetic workload from tract_cli/profiles/workloads/NAME.toml."""
     from tract_cli.core.geometry import named_profile
     data = named_profile("workloads", name, "workload preset")
     allowed = {"isl_mean", "osl_mean", "prefix_ratio", "num_prefix_prompts", "qps", "isl_std",

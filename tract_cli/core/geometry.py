@@ -1,4 +1,4 @@
-"""KV block geometry and model profiles (profiles/models/*.toml).
+"""KV block geometry and model profiles (tract_cli/profiles/models/*.toml).
 
 A block slot's payload is layer-major: [layer][K|V][token][kv_head][head_dim],
 so one layer of one block is one contiguous range (docs/FORMAT.md §5).
@@ -22,6 +22,10 @@ DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
 _DTYPE_ALIASES = {"float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
                   "float32": "f32", "fp32": "f32", "float": "f32", "float8": "fp8",
                   "fp8_e4m3": "fp8"}
+
+# the shipped profiles, KIND/NAME.toml: package data, so they lie beside the code
+# in a checkout, an editable install and a wheel alike
+PROFILES_DIR = pathlib.Path(__file__).resolve().parents[1] / "profiles"
 
 
 @dataclass(frozen=True)
@@ -101,18 +105,9 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
-def _profiles_dir() -> pathlib.Path:
-    """profiles/ shipped inside the package (wheel), or at the checkout root (editable)."""
-    package = pathlib.Path(__file__).resolve().parents[1]
-    for candidate in (package / "profiles", package.parent / "profiles"):
-        if (candidate / "models").is_dir():
-            return candidate
-    raise UsageError("the TraCT profiles directory is missing", "reinstall with `pip install .`")
-
-
 def model_names() -> list[str]:
     """Names of the model profiles shipped with TraCT."""
-    return sorted(p.stem for p in (_profiles_dir() / "models").glob("*.toml"))
+    return sorted(p.stem for p in (PROFILES_DIR / "models").glob("*.toml"))
 
 
 def _parse_model(path: pathlib.Path) -> ModelProfile:
@@ -178,7 +173,7 @@ def load_model(name_or_path: str) -> ModelProfile:
                              "give a shipped name or an existing .toml")
         return _parse_model(path)
     key = name_or_path.lower()
-    for candidate in (_profiles_dir() / "models").glob("*.toml"):
+    for candidate in (PROFILES_DIR / "models").glob("*.toml"):
         profile = _parse_model(candidate)
         if key == profile.name or key in (a.lower() for a in profile.aliases):
             return profile
@@ -200,17 +195,17 @@ class DeviceProfile:
 
 
 def named_profile(kind: str, name: str, what: str) -> dict:
-    """The TOML data of profiles/KIND/NAME.toml; an unknown NAME is a UsageError
+    """The TOML data of tract_cli/profiles/KIND/NAME.toml; an unknown NAME is a UsageError
     listing the WHAT profiles there are."""
-    path = _profiles_dir() / kind / f"{name}.toml"
+    path = PROFILES_DIR / kind / f"{name}.toml"
     if not path.is_file():
-        names = sorted(p.stem for p in (_profiles_dir() / kind).glob("*.toml"))
+        names = sorted(p.stem for p in (PROFILES_DIR / kind).glob("*.toml"))
         raise UsageError(f"unknown {what} {name!r}", f"use one of {', '.join(names)}")
     return tomllib.loads(path.read_text())
 
 
 def load_device(name: str) -> DeviceProfile:
-    """Loads a shipped device profile (profiles/devices/NAME.toml)."""
+    """Loads a shipped device profile (tract_cli/profiles/devices/NAME.toml)."""
     data = named_profile("devices", name, "device profile")
     return DeviceProfile(name=data["name"], kind=data["kind"], description=data["description"],
                          latency_ns=float(data["latency_ns"]),
