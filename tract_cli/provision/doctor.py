@@ -133,6 +133,8 @@ def check_memlock(size: int | None) -> Check:
 
 
 def check_kernel(target) -> Check:
+    # read by hand: psutil has nothing for kernel modules (nor does the
+    # standard library); one name per line, the first field
     try:
         with open("/proc/modules") as f:
             loaded = {line.split()[0] for line in f}
