@@ -113,3 +113,19 @@ def test_parse_cpu_list(text, cpus):
 def test_parse_cpu_list_rejects_garbage():
     with pytest.raises(UsageError):
         topology.parse_cpu_list("3-1")
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="an x86-64 check")
+def test_the_cpu_shown_is_py_cpuinfos_and_the_verdict_the_c_cores(monkeypatch):
+    """The flags shown come from py-cpuinfo; the verdict from the C core's own
+    CPUID check, and where they disagree the detail says which one counts."""
+    from tract_cli.core.native import cpu_features
+    from tract_cli.provision import cpu
+    monkeypatch.setattr(cpu, "cpu_info", lambda: {"brand_raw": "Test CPU 9000", "flags": ["fpu"]})
+    row = doctor.check_flush(None)
+    assert row.detail.startswith("Test CPU 9000 has no flush instruction")
+    assert "clflush" in cpu_features() and row.status == "PASS"
+    assert "TraCT's own CPUID check finds clflush" in row.detail
+    monkeypatch.setattr(cpu, "cpu_info", lambda: {})        # py-cpuinfo could not tell
+    row = doctor.check_flush(None)
+    assert row.status == "PASS" and "has clflush" in row.detail and "CPUID" not in row.detail

@@ -135,6 +135,7 @@ def test_bf16_checkpoint_and_tied_embeddings(engine, tmp_path):
 @pytest.mark.parametrize("damage,needle", [
     (lambda b: b[:5], "shorter than"),
     (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "header length"),
+    (lambda b: struct.pack("<Q", 4096) + b[8:], "header length exceeds the file"),
     (lambda b: b[:8] + b"]" + b[9:], "not JSON"),
     (lambda b: b[:-4], "do not match"),
 ])

@@ -198,5 +198,5 @@ def test_a_metrics_scrape_does_not_hold_up_the_serving_path(engine, region_path)
         assert not scrape.is_alive()
         w.pool.handoffs.ack(Ticket.from_dict(served["ticket"]))
         del w.pool.slots_in_use
-        assert f"tract_pool_slots_used {w.pool.slots_in_use():g}" in w.metrics.render()
+        assert metric(w.metrics.render(), "pool_slots_used") == w.pool.slots_in_use()
         w.close()

@@ -258,15 +258,9 @@ def _log_tail(path: str) -> str:
 
 def _check_it_fits(transport: str, kv_bytes: int) -> None:
     """Refuses a workload whose KV the peer's store would hold in memory all at once."""
+    from tract_cli.core.medium import mem_available
     from tract_cli.core.units import format_size
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return
+    avail = mem_available()
     if avail is not None and kv_bytes > avail // 2:
         raise TractError(f"{transport} keeps every request's KV in its server ({format_size(kv_bytes)} "
                          f"for this workload, {format_size(avail)} of memory available)",

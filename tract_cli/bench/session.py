@@ -263,4 +263,6 @@ def _empty_cache(p: Pool) -> None:
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} CPUs"
+    """The CPU a report was measured on, e.g. "Intel(R) Xeon(R) Processor, 16 CPUs"."""
+    from tract_cli.provision.cpu import model_name
+    return f"{model_name()}, {os.cpu_count()} CPUs"

@@ -14,6 +14,8 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
+import psutil
+
 from tract_cli.core.errors import NoSpaceError, TractError, UsageError
 from tract_cli.core.units import format_size
 
@@ -121,21 +123,19 @@ MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
 
 def filesystem_type(path: str) -> str:
-    """Type of the file system holding PATH, from /proc/mounts (longest mount prefix)."""
+    """Type of the file system holding PATH: that of the longest mount point
+    above it, of all mounts (psutil; tmpfs and hugetlbfs are not "physical")."""
     target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     best, fstype = "", "unknown"
     try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt = fields[1].replace("\\040", " ")
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, fields[2]
+        mounts = psutil.disk_partitions(all=True)
     except OSError:
-        pass
+        return fstype
+    for part in mounts:
+        mnt = part.mountpoint
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, fstype = mnt, part.fstype
     return fstype
 
 
@@ -186,15 +186,12 @@ def free_bytes(path: str) -> int:
 
 
 def mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    """Bytes of memory available to new allocations (the kernel's MemAvailable,
+    by psutil), None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return psutil.virtual_memory().available
+    except (OSError, RuntimeError):
+        return None
 
 
 def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | None = None,
@@ -249,17 +246,18 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
 
 
 def processes_using(path: str) -> list[int]:
-    """Pids (other than this one) that have PATH mapped, from /proc/*/maps."""
+    """Pids (other than this one) that have PATH mapped (psutil's memory maps).
+
+    A process that exits meanwhile is skipped by process_iter; one that is
+    not ours to read (AccessDenied, or a zombie) gets no maps and is skipped
+    too: only what can be seen is reported, as `fuser` does.  (psutil reads
+    /proc/<pid>/smaps, some 100 ms for all processes of a small host; only a
+    reformat of an existing target pays it.)"""
     real = os.path.realpath(path)
     me = os.getpid()
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                if any(line.rstrip("\n").endswith(" " + real) for line in f):
-                    pids.append(int(entry))
-        except OSError:
-            continue      # gone, or not ours to read
+    for proc in psutil.process_iter(["memory_maps"], ad_value=None):
+        maps = proc.info["memory_maps"]
+        if proc.pid != me and maps and any(m.path == real for m in maps):
+            pids.append(proc.pid)
     return sorted(pids)

@@ -16,9 +16,10 @@ from tract_cli.core import medium
 from tract_cli.core.errors import TractError
 from tract_cli.core.native import cpu_features, flush_mode_supported
 from tract_cli.core.units import format_size
-from tract_cli.provision import tools, topology
+from tract_cli.provision import cpu, tools, topology
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
+FLUSH_INSTRUCTIONS = ("clflush", "clflushopt", "clwb")
 MODULES = ("cxl_acpi", "cxl_pci", "cxl_mem", "cxl_pmem", "device_dax", "dax_pmem", "kmem")
 
 
@@ -50,23 +51,31 @@ def _target_info(target: str | None):
 
 
 def check_flush(info) -> Check:
-    feats = sorted(f for f in ("clflush", "clflushopt", "clwb") if f in cpu_features())
-    if "x86_64" not in cpu_features():
-        return Check("cpu flush", WARN, f"{platform.machine()}: no x86 flush instructions; "
-                     "only flush mode none works", "use a coherent single-host region")
+    # the verdict is the C core's (what its accessors will use); the CPU's
+    # name and flags shown are py-cpuinfo's, and a disagreement is shown
+    native = cpu_features()
+    usable = [f for f in FLUSH_INSTRUCTIONS if f in native]
+    described = cpu.flags()
+    shown = [f for f in FLUSH_INSTRUCTIONS if f in described] if described else usable
+    has = f"{cpu.model_name()} has {', '.join(shown) or 'no flush instruction'}"
+    if shown != usable:
+        has += f" (TraCT's own CPUID check finds {', '.join(usable) or 'none'}: that is what it uses)"
+    if "x86_64" not in native:
+        return Check("cpu flush", WARN, f"{cpu.model_name()} ({platform.machine()}): no x86 "
+                     "flush instructions; only flush mode none works",
+                     "use a coherent single-host region")
     if info is not None:
         ok = flush_mode_supported(info.flush_mode)
         return Check("cpu flush", PASS if ok else FAIL,
-                     f"region flush mode {info.flush_mode}; CPU has {', '.join(feats)}",
+                     f"region flush mode {info.flush_mode}; {has}",
                      None if ok else "reformat with a supported --flush-mode or override "
                      "TRACT_FLUSH_MODE per process")
-    return Check("cpu flush", PASS if "clflush" in feats else FAIL,
-                 f"CPU has {', '.join(feats) or 'no flush instruction'}",
-                 None if "clflush" in feats else "this CPU cannot publish to a shared device")
+    return Check("cpu flush", PASS if "clflush" in usable else FAIL, has,
+                 None if "clflush" in usable else "this CPU cannot publish to a shared device")
 
 
 def check_hypervisor() -> Check:
-    if "hypervisor" in cpu_features():
+    if "hypervisor" in (cpu.flags() or cpu_features()):
         return Check("virtualization", INFO, "running under a hypervisor",
                      "volatile (ram) CXL regions need the guest started with -cpu max,-hypervisor")
     return Check("virtualization", PASS, "bare metal")
@@ -133,6 +142,8 @@ def check_memlock(size: int | None) -> Check:
 
 
 def check_kernel(target) -> Check:
+    # read by hand: psutil has nothing for kernel modules (nor does the
+    # standard library); one name per line, the first field
     try:
         with open("/proc/modules") as f:
             loaded = {line.split()[0] for line in f}

@@ -1,30 +1,43 @@
-"""Reading (and, for tests and exports, writing) `.safetensors` files.
+"""Reading (and, for tests and exports, writing) `.safetensors` files, with
+the `safetensors` library.
 
-The format is small enough to read without the `safetensors` package: an
-8-byte little-endian header length, a JSON header naming each tensor's dtype,
-shape and byte range, then the raw data.  Everything read from the file is
-checked (header length, ranges inside the data, sizes matching shapes)
-before a byte of it is used.
+The library checks everything read from the file (header length and JSON,
+dtypes, byte ranges inside the data and matching the shapes) before a byte
+of it is used; what is added here is turning its errors into ours: one line
+that says what is wrong with which file, and what to do.
 """
 from __future__ import annotations
 
-import json
-import mmap
 import pathlib
-import struct
 
-import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from tract_cli.core.errors import UsageError
 
-# safetensors dtype -> (numpy dtype of the raw elements, torch dtype name)
-_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"),
-           "BF16": (np.uint16, "bfloat16"), "F64": (np.float64, "float64"),
-           "I64": (np.int64, "int64"), "I32": (np.int32, "int32")}
-_MAX_HEADER = 100 << 20
+# what the model reads as float32; the rest (FP8 without its scales, bool,
+# complex, packed FP4) would be read wrongly, so it is refused
+_DTYPES = {"F32", "F16", "BF16", "F64", "I64", "I32"}
+_PREFIX = "Error while deserializing header: "    # wording of safetensors >= 0.6
+# the library's wording of a damaged file -> ours (the first match wins);
+# anything else is passed on in the library's words
+_REWORDED = (("header too small", "shorter than its 8-byte header length"),
+             ("header too large", "header length exceeds the 100 MB limit"),
+             ("invalid header length", "header length exceeds the file"),
+             ("invalid JSON in header: ", "header is not JSON the format accepts: "),
+             ("invalid UTF-8 in header", "header is not JSON (not UTF-8)"),
+             ("incomplete metadata", "tensor bytes do not match the shapes and the data size"),
+             ("invalid shape, data type, or offset",
+              "tensor bytes do not match the shapes and the data size"),
+             ("invalid offset", "tensor bytes do not match the shapes and the data size"))
 
 
-def _bad(path, what: str) -> UsageError:
+def _bad(path, exc: Exception) -> UsageError:
+    what = str(exc).removeprefix(_PREFIX).splitlines()[0] if str(exc) else type(exc).__name__
+    for theirs, ours in _REWORDED:
+        if what.startswith(theirs):
+            what = ours + what[len(theirs):] if ours.endswith(": ") else ours
+            break
     return UsageError(f"{path} is not a valid safetensors file: {what}",
                       "re-export the checkpoint (safetensors format)")
 
@@ -33,67 +46,32 @@ def read_safetensors(path: pathlib.Path) -> dict:
     """Returns {name: float32 torch tensor} for every tensor in PATH."""
     import torch
     try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise UsageError(f"cannot open {path}: {exc.strerror}", "check the checkpoint path") from None
-    with f:
-        size = pathlib.Path(path).stat().st_size
-        if size < 8:
-            raise _bad(path, "shorter than its 8-byte header length")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            (hlen,) = struct.unpack_from("<Q", mm, 0)
-            if hlen > min(_MAX_HEADER, size - 8):
-                raise _bad(path, f"header length {hlen} exceeds the file")
-            try:
-                header = json.loads(bytes(mm[8:8 + hlen]))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                raise _bad(path, "header is not JSON") from None
-            if not isinstance(header, dict):
-                raise _bad(path, "header is not a JSON object")
-            data_start, data_len = 8 + hlen, size - 8 - hlen
+        # opened here first for the OS's own words (the library's repeat the path)
+        open(path, "rb").close()
+        with safe_open(str(path), framework="pt") as f:
             out = {}
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                try:
-                    dtype, shape, (begin, end) = meta["dtype"], list(meta["shape"]), meta["data_offsets"]
-                    shape = [int(d) for d in shape]
-                    begin, end = int(begin), int(end)
-                except (KeyError, TypeError, ValueError):
-                    raise _bad(path, f"tensor {name!r} has a malformed entry") from None
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
                 if dtype not in _DTYPES:
-                    raise _bad(path, f"tensor {name!r} has unsupported dtype {dtype}")
-                np_dtype, torch_name = _DTYPES[dtype]
-                count = int(np.prod(shape)) if shape else 1
-                if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len or \
-                        end - begin != count * np.dtype(np_dtype).itemsize:
-                    raise _bad(path, f"tensor {name!r}: bytes {begin}..{end} do not match "
-                                     f"shape {shape} inside {data_len} data bytes")
-                raw = np.frombuffer(mm, dtype=np_dtype, count=count, offset=data_start + begin).copy()
-                t = torch.from_numpy(raw)
-                if torch_name == "bfloat16":
-                    t = t.view(torch.bfloat16)
-                out[name] = t.reshape(shape).to(torch.float32)
+                    raise UsageError(f"{path} is not a valid safetensors file: tensor {name!r} "
+                                     f"has unsupported dtype {dtype}",
+                                     "re-export the checkpoint in F32, F16 or BF16")
+                # copy=True: the library's tensors are views of a private
+                # mapping of the file, which a later rewrite of it (a
+                # truncation) would turn into SIGBUS; weights own their memory
+                out[name] = f.get_tensor(name).to(torch.float32, copy=True)
             return out
+    except OSError as exc:
+        raise UsageError(f"cannot open {path}: {exc.strerror or exc}",
+                         "check the checkpoint path") from None
+    except SafetensorError as exc:
+        raise _bad(path, exc) from None
 
 
 def write_safetensors(path: pathlib.Path, tensors: dict, dtype: str = "F32") -> None:
     """Writes {name: torch tensor} as one safetensors file (F32, F16 or BF16)."""
     import torch
     torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        raw = t.detach().to(torch_dtype).contiguous()
-        raw = raw.view(torch.int16) if torch_dtype == torch.bfloat16 else raw
-        data = raw.numpy().tobytes()
-        header[name] = {"dtype": dtype, "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
+    # copy=True: save_file refuses tensors that share memory (tied weights, views)
+    save_file({name: t.detach().to(torch_dtype, copy=True).contiguous()
+               for name, t in tensors.items()}, str(path))

@@ -17,7 +17,7 @@ from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import pool_root
 from tract_cli.core.pool import Pool
 from tract_cli.serve.engine import Engine
-from tract_cli.serve.metrics import Metrics
+from tract_cli.serve.metrics import CONTENT_TYPE, Metrics
 
 # a handoff's key list holds 32 bytes per block in one slot (FORMAT.md)
 HANDOFF_ENTRY_BYTES = 32
@@ -99,7 +99,7 @@ class PoolWorker:
                 "max_context": self.max_context}
 
     def metrics_text(self):
-        return ("text/plain; version=0.0.4", self.metrics.render())
+        return (CONTENT_TYPE, self.metrics.render())
 
     def close(self) -> None:
         self.slots = None
