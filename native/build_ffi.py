@@ -2,9 +2,9 @@
 
 `pip install .` runs this through setuptools' `cffi_modules`, producing
 `tract_cli._native`; importing the package never compiles anything.  The
-cdef is read from native/tract.h (the block between CDEF-BEGIN and
-CDEF-END), so the declarations cffi sees and the header the C sources
-include cannot drift apart.
+cdef is read from native/tract.h and native/format.h (the blocks between
+CDEF-BEGIN and CDEF-END), so the declarations cffi sees and the headers the
+C sources include cannot drift apart.
 """
 import os
 import pathlib
@@ -13,15 +13,22 @@ from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
 SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "handoff.c", "hash.c", "index.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
-           "objdir.c", "payload.c", "region.c", "recover.c", "sim.c", "util.c"]
+           "objdir.c", "payload.c", "region.c", "recover.c", "sim.c", "util.c", "audit.c"]
 
 
 def read_cdef() -> str:
-    """Returns the cffi-parsable part of tract.h."""
-    text = (NATIVE / "tract.h").read_text()
-    start = text.index("/* CDEF-BEGIN */") + len("/* CDEF-BEGIN */")
-    end = text.index("/* CDEF-END */")
-    return text[start:end]
+    """Returns the cffi-parsable parts of format.h (on-media constants) and
+    tract.h (the API): the blocks between a CDEF-BEGIN and a CDEF-END."""
+    blocks = []
+    for name in ("format.h", "tract.h"):
+        text = (NATIVE / name).read_text()
+        at = 0
+        while (start := text.find("/* CDEF-BEGIN", at)) >= 0:
+            start = text.index("*/", start) + 2
+            end = text.index("/* CDEF-END */", start)
+            blocks.append(text[start:end])
+            at = end
+    return "\n".join(blocks)
 
 
 def asan() -> bool:
@@ -44,7 +51,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(read_cdef())
 ffibuilder.set_source(
     "tract_cli._native",
-    '#include "tract.h"\n',
+    '#include "format.h"\n#include "tract.h"\n',
     # setuptools wants paths relative to the project root (the build's cwd)
     sources=[f"native/{name}" for name in SOURCES],
     include_dirs=["native"],

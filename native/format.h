@@ -88,12 +88,14 @@ struct tract_bucket {
 	uint64_t last_access_ns;
 };
 
+/* CDEF-BEGIN (the bucket states, for Python too: native/build_ffi.py) */
 enum {
 	TRACT_BUCKET_EMPTY = 0,
 	TRACT_BUCKET_PENDING = 1,
 	TRACT_BUCKET_READY = 2,
 	TRACT_BUCKET_TOMBSTONE = 3
 };
+/* CDEF-END */
 
 /* LRU anchor, one per index stripe: written under the stripe's lock. */
 struct tract_lru_anchor {

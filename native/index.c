@@ -58,31 +58,8 @@ struct stripe_ctx {
 	int recovered;        /* a process of this node died inside: lines may be dirty here */
 };
 
-/* geometry of the index (internal) */
-static uint64_t n_buckets(const tract_region *r)
-{
-	return tract_sec(r, TRACT_SEC_BUCKETS)->count;
-}
-
-static uint64_t stripe_size(const tract_region *r)
-{
-	return n_buckets(r) / r->hdr.index_stripes;
-}
-
-/* the stripe and home bucket of a key (internal) */
-static uint32_t key_stripe(const tract_region *r, const uint8_t *key)
-{
-	uint64_t hi;
-	memcpy(&hi, key + 8, 8);
-	return (uint32_t)((hi >> 40) & (r->hdr.index_stripes - 1));
-}
-
-static uint64_t key_home(const tract_region *r, const uint8_t *key)
-{
-	uint64_t lo;
-	memcpy(&lo, key, 8);
-	return lo & (stripe_size(r) - 1);
-}
+/* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
+ * tract_key_home (internal.h), shared with audit.c */
 
 /* region offset of bucket b (internal) */
 static uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
@@ -224,7 +201,7 @@ static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 	c->r = r;
 	c->set = set;
 	c->stripe = stripe;
-	c->size = stripe_size(r);
+	c->size = tract_index_stripe_size(r);
 	c->first = (uint64_t)stripe * c->size;
 	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
 	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
@@ -356,7 +333,7 @@ static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bu
 static void probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
 		  struct tract_bucket *out)
 {
-	uint64_t home = key_home(c->r, key);
+	uint64_t home = tract_key_home(c->r, key);
 	*found = *free_b = UINT64_MAX;
 	for (uint64_t i = 0; i < c->size; i++) {
 		uint64_t b = c->first + ((home + i) & (c->size - 1));
@@ -577,7 +554,7 @@ static struct keyref *group(const tract_region *r, const uint8_t *keys, uint32_t
 	if (!refs)
 		return NULL;
 	for (uint32_t i = 0; i < n; i++) {
-		refs[i].stripe = key_stripe(r, keys + (uint64_t)i * 16);
+		refs[i].stripe = tract_key_stripe(r, keys + (uint64_t)i * 16);
 		refs[i].idx = i;
 	}
 	qsort(refs, n, sizeof(*refs), cmp_keyref);
@@ -593,7 +570,7 @@ static void prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const stru
 	uint32_t np = 0;
 	for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
 		const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-		uint64_t home = c->first + key_home(c->r, key);
+		uint64_t home = c->first + tract_key_home(c->r, key);
 		pre[np++] = bucket_off(c, home);
 		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
 	}
@@ -811,7 +788,7 @@ int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, u
 static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
 		     struct stripe_ctx *c)
 {
-	return stripe_enter(r, key_stripe(r, key), timeout_ns, c, NULL);
+	return stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
 }
 
 /* gives back up to count of this node's pins on key (a dead process's) (internal) */
@@ -1403,17 +1380,17 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 {
 	if (!r || ((!keys || !slots || !tags) && n))
 		return TRACT_E_INVAL;
-	uint64_t size = stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
 	/* the home buckets of all keys: one batch of evictions, one fence */
 	for (uint32_t i = 0; i < n; i++) {
 		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t home = (uint64_t)key_stripe(r, key) * size + key_home(r, key);
+		uint64_t home = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
 		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
 	}
 	r->ops->fence(r);
 	for (uint32_t i = 0; i < n; i++) {
 		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t first = (uint64_t)key_stripe(r, key) * size, home = key_home(r, key);
+		uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
 		tags[i] = 0;
 		for (uint64_t k = 0; k < size; k++) {
 			uint64_t b = first + ((home + k) & (size - 1));
@@ -1443,7 +1420,7 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int observe)
 {
 	uint64_t b = (uint32_t)tag;
-	if (!b || b > n_buckets(r))
+	if (!b || b > tract_index_buckets(r))
 		return 0;                 /* names no bucket: no payload of ours */
 	b -= 1;
 	struct tract_bucket bk;

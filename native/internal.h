@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "format.h"
 #include "tract.h"
@@ -281,6 +282,34 @@ struct tract_journal_proc *tract_journal_next_dead(tract_region *r, uint32_t *cu
 struct tract_journal_key *tract_journal_first(struct tract_journal_proc *p, uint32_t *pos);
 void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos);
 int tract_journal_retire(struct tract_journal_proc *p);
+
+/* the index's geometry and its key rule, which every reader of the index
+ * shares (index.c, audit.c): a key belongs to the stripe its high word's
+ * bits 40.. name, and probes from its home (its low word, modulo the
+ * stripe's size) onwards, wrapping inside the stripe (internal) */
+static inline uint64_t tract_index_buckets(const tract_region *r)
+{
+	return tract_sec(r, TRACT_SEC_BUCKETS)->count;
+}
+
+static inline uint64_t tract_index_stripe_size(const tract_region *r)
+{
+	return tract_index_buckets(r) / r->hdr.index_stripes;
+}
+
+static inline uint32_t tract_key_stripe(const tract_region *r, const uint8_t *key)
+{
+	uint64_t hi;
+	memcpy(&hi, key + 8, 8);
+	return (uint32_t)((hi >> 40) & (r->hdr.index_stripes - 1));
+}
+
+static inline uint64_t tract_key_home(const tract_region *r, const uint8_t *key)
+{
+	uint64_t lo;
+	memcpy(&lo, key, 8);
+	return lo & (tract_index_stripe_size(r) - 1);
+}
 
 /* the per-process journal (journal.c) (internal) */
 void tract_journal_open(tract_region *r);

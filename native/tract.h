@@ -571,6 +571,23 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);
 
+/* ---- the index as `tract check` audits it (audit.c) ---- */
+
+/* what a bucket's own key rule says of it */
+enum tract_audit {
+	TRACT_AUDIT_OK = 0,            /* live, and reachable from its key's home */
+	TRACT_AUDIT_NOT_LIVE = 1,      /* EMPTY or TOMBSTONE: nothing to reach */
+	TRACT_AUDIT_OTHER_STRIPE = 2,  /* live, but its key belongs to another stripe */
+	TRACT_AUDIT_CHAIN_BROKEN = 3   /* live, but an EMPTY bucket lies between home and it */
+};
+
+/* Audits every bucket of the index (n = its bucket count): reach[i] gets
+ * TRACT_AUDIT_* for bucket i, home[i] its key's home bucket (live buckets of
+ * the right stripe), broken[i] the EMPTY bucket that breaks its probe chain.
+ * Reads only, without locks. */
+int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t *broken,
+		      uint64_t n);
+
 /* CDEF-END */
 
 #endif

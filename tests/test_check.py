@@ -104,3 +104,28 @@ def test_a_lock_token_above_every_manager_claim_is_reported_and_repair_clears_it
     assert any("lock 1: node 1 holds it under token 7.2" in d for d in details), out
     res = tract("check", used_region, "--repair", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["remaining_violations"] == [], res.stdout
+
+
+def test_a_key_out_of_its_probe_chain_or_stripe_is_found_by_the_cores_audit(used_region):
+    """The key rule (stripe, home, linear probing) is decided by the core
+    (native/audit.c), not re-implemented here: a READY bucket moved one place
+    on, with an EMPTY left where it was, is unreachable from its home; one
+    moved into another stripe is in the wrong stripe."""
+    off, ready, raw = ready_buckets(used_region)
+    states = raw[:, 16:20].copy().view("<u4").reshape(-1)
+    n = len(states)
+    per = n // 4
+    # a READY bucket followed by an EMPTY one in the same stripe
+    i = next(int(b) for b in ready if (b + 1) % per and states[b + 1] == 0)
+    # an EMPTY bucket of another stripe
+    j = next(int(b) for b in np.flatnonzero(states == 0) if b // per != i // per and b != i + 1)
+    k = next(int(b) for b in ready if b != i)
+    with Pool.attach(used_region, local=False) as p:
+        p.publish(off + (i + 1) * 64, raw[i].tobytes())       # moved on ...
+        p.publish(off + i * 64, bytes(64))                    # ... leaving an EMPTY behind
+        p.publish(off + j * 64, raw[k].tobytes())             # a copy in another stripe
+    rc, out = check_json(used_region)
+    details = [v["detail"] for v in out["violations"]]
+    assert rc != 0
+    assert f"bucket {i + 1}: probe chain broken at {i}" in details, details
+    assert f"bucket {j}: key belongs to another stripe" in details, details

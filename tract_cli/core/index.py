@@ -51,6 +51,17 @@ class PutResult:
         return as_keys(hashes)[ok]
 
 
+@dataclass
+class Audit:
+    """Per bucket (`Index.audit`): `reach` a TRACT_AUDIT_* code, `home` its
+    key's home bucket (live buckets of the right stripe), `broken` the EMPTY
+    bucket that breaks its probe chain."""
+
+    reach: np.ndarray
+    home: np.ndarray
+    broken: np.ndarray
+
+
 def as_keys(hashes) -> np.ndarray:
     """(n, 16) contiguous uint8 keys from block hashes ((n, 16) or (n, 32))."""
     arr = np.ascontiguousarray(hashes, dtype=np.uint8)
@@ -248,3 +259,31 @@ class PrefixIndex:
         out = ffi.new("uint32_t *")
         raise_for(lib.tract_index_evict(self._pool._r(), count, out, int(timeout * 1e9)), "evict")
         return out[0]
+
+    def audit(self) -> "Audit":
+        """What each bucket's own key rule (stripe, home, probing) says of it,
+        decided by the core that writes the index, without locks (`tract
+        check`)."""
+        n = self._pool.info.section("buckets").count
+        a = Audit(np.zeros(n, np.uint8), np.zeros(n, np.uint64), np.zeros(n, np.uint64))
+        u64 = lambda x: ffi.cast("uint64_t *", ffi.from_buffer(x, require_writable=True))  # noqa: E731
+        raise_for(lib.tract_index_audit(self._pool._r(), ffi.from_buffer(a.reach, require_writable=True),
+                                        u64(a.home), u64(a.broken), n), "index audit")
+        return a
+
+    def checksum_mismatches(self, slots: np.ndarray, checksums: np.ndarray) -> np.ndarray:
+        """Indices i whose slot's payload does not match CHECKSUMS[i] (CRC-32C),
+        each read through the core with its lines evicted first (`tract check`;
+        offline, one block at a time to bound memory)."""
+        info = self._pool.info
+        data = info.section("data")
+        buf = np.empty(info.block_bytes, np.uint8)
+        dst = ffi.from_buffer(buf, require_writable=True)
+        bad = []
+        for i, s in enumerate(np.asarray(slots, dtype=np.int64)):
+            raise_for(lib.tract_copy_out(self._pool._r(), dst, data.offset + int(s) * info.slot_stride,
+                                         buf.size, 1), "checksum read")
+            if lib.tract_crc32c(ffi.from_buffer(buf), buf.size) != int(checksums[i]):
+                bad.append(i)
+        return np.array(bad, dtype=np.int64)
+

@@ -17,13 +17,15 @@ import numpy as np
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
-from tract_cli.core.native import ffi, lib
+from tract_cli.core.native import lib
 from tract_cli.core.pool import Pool
 from tract_cli.core.agent import current_manager, read_nodes, token_text
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
                                         SLOT_DTYPE, Sections)
 
-READY, PENDING, TOMB, EMPTY = 2, 1, 3, 0
+# the bucket states, as the core defines them (native/format.h)
+READY, PENDING, TOMB, EMPTY = (lib.TRACT_BUCKET_READY, lib.TRACT_BUCKET_PENDING,
+                               lib.TRACT_BUCKET_TOMBSTONE, lib.TRACT_BUCKET_EMPTY)
 
 
 @dataclass(frozen=True)
@@ -79,21 +81,14 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
         _, kc = np.unique(lk.view("V16").reshape(-1), return_counts=True)
         if (kc > 1).any():
             out.append(Violation("index", f"{int((kc > 1).sum())} keys are stored more than once"))
-    # probe chains: every live bucket reachable from its home without an EMPTY
-    lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
-    hi = np.ascontiguousarray(raw[:, 8:16]).view("<u8").reshape(-1)
-    home = (lo & np.uint64(per - 1)).astype(np.int64)
-    for i in np.flatnonzero(live):
-        s = i // per
-        if int((hi[i] >> np.uint64(40)) & np.uint64(stripes - 1)) != s:
-            out.append(Violation("index", f"bucket {i}: key belongs to another stripe"))
-            continue
-        j = int(home[i])
-        while s * per + j != i:
-            if state[s * per + j] == EMPTY:
-                out.append(Violation("index", f"bucket {i}: probe chain broken at {s * per + j}"))
-                break
-            j = (j + 1) & (per - 1)
+    # probe chains: every live bucket reachable from its home without an
+    # EMPTY -- decided by the core, which owns the key rule (stripe, home,
+    # probing); this file only reports
+    audit = pool.index.audit()
+    for i in np.flatnonzero(audit.reach == lib.TRACT_AUDIT_OTHER_STRIPE)[:20]:
+        out.append(Violation("index", f"bucket {i}: key belongs to another stripe"))
+    for i in np.flatnonzero(audit.reach == lib.TRACT_AUDIT_CHAIN_BROKEN)[:20]:
+        out.append(Violation("index", f"bucket {i}: probe chain broken at {int(audit.broken[i])}"))
     # LRU lists
     anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
     for s in range(stripes):
@@ -138,18 +133,14 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     # payload checksums
     checked = 0
     if data:
-        flags = b["flags"][ready][~badslot]
-        for k, s in enumerate(ok_slots):
-            if not flags[k] & 1:
-                continue
-            off = data_sec.offset + int(s) * info.slot_stride
-            buf = np.empty(info.block_bytes, np.uint8)
-            lib.tract_copy_out(pool._r(), ffi.from_buffer(buf, require_writable=True), off, buf.size, 1)
-            checked += 1
-            bi = ready[~badslot][k]
-            if lib.tract_crc32c(ffi.from_buffer(buf), buf.size) != int(b["checksum"][bi]):
-                out.append(Violation("checksum", f"bucket {bi} (slot {s}): payload does not match "
-                                                 "its checksum", bucket=int(bi)))
+        summed = (b["flags"][ready][~badslot] & 1) != 0
+        buckets = ready[~badslot][summed]
+        slots_summed = ok_slots[summed]
+        checked = len(slots_summed)
+        for k in pool.index.checksum_mismatches(slots_summed, b["checksum"][buckets]):
+            bi, s = int(buckets[k]), int(slots_summed[k])
+            out.append(Violation("checksum", f"bucket {bi} (slot {s}): payload does not match "
+                                             "its checksum", bucket=bi))
     stats = {"slots": n, "slots_taken": int(bits.sum()), "buckets": bs.count,
              "ready": int(len(ready)), "pending": int((state == PENDING).sum()),
              "handoffs": int((rec["state"] != 0).sum()), "checksums_verified": checked}
@@ -198,14 +189,14 @@ def repair(path: str, force: bool = False) -> dict:
         stripes, per = info.index_stripes, bs.count // info.index_stripes
         b = rd["buckets"].view(BUCKET_DTYPE).copy()
         raw = rd["buckets"].reshape(bs.count, 64)
+        audit = pool.index.audit()         # the key rule is the core's (native/audit.c)
         keep, seen_keys, seen_slots = [], set(), set()
         for i in np.flatnonzero(b["state"] == READY):
             slot = int(b["slot"][i]) - 1
             key = raw[i, :16].tobytes()
-            hi = int.from_bytes(key[8:], "little")
             if not 0 <= slot < n or slot in seen_slots or key in seen_keys or i in bad_sum:
                 continue
-            if (hi >> 40) & (stripes - 1) != i // per:
+            if audit.reach[i] == lib.TRACT_AUDIT_OTHER_STRIPE:
                 continue
             seen_keys.add(key)
             seen_slots.add(slot)
@@ -219,8 +210,9 @@ def repair(path: str, force: bool = False) -> dict:
             members.sort(key=lambda i: int(b["last_access_ns"][i]))   # oldest first
             placed = []
             for i in members:
-                home = int.from_bytes(raw[i, :8].tobytes(), "little") & (per - 1)
-                j = home
+                # from its home, the next free bucket (linear probing inside
+                # the stripe, FORMAT.md §5: the one rule a rebuild must follow)
+                j = int(audit.home[i]) - s * per
                 while new["state"][s * per + j] != EMPTY:
                     j = (j + 1) & (per - 1)
                 e = b[i].copy()
