@@ -24,7 +24,8 @@ def main() -> None:
         "load_u64_times": lambda off, times: [pool.load_u64(off) for _ in range(times)][-1],
         "ping_pong": lambda **kw: ping_pong(pool, **kw),
         "counter_loop": lambda **kw: counter_loop(pool, **kw),
-        "lock_acquire": lambda lock_id, timeout=30.0: pool.locks.acquire(lock_id, timeout),
+        # wait: the lock timeout (a call's timeout= bounds the reply)
+        "lock_acquire": lambda lock_id, wait=30.0: pool.locks.acquire(lock_id, wait),
         "lock_release": lambda lock_id: pool.locks.release(lock_id),
         "lock_stats": lambda lock_id: list(pool.locks.stats(lock_id)),
         "alloc": lambda n: pool.allocator.alloc(n).tolist(),

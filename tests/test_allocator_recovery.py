@@ -87,7 +87,7 @@ def recover(path: str, node: int, who: str) -> None:
 
 def lock_0_is_free(path: str, node: int) -> None:
     with Worker(path, node) as w:
-        w.call("lock_acquire", lock_id=0, timeout=10.0)
+        w.call("lock_acquire", lock_id=0, wait=10.0)
         w.call("lock_release", lock_id=0)
 
 

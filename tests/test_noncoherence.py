@@ -40,6 +40,20 @@ def test_another_host_sees_the_holder_of_a_lock_as_locked(region):
         assert observer.call("observe_u64", off=off) & 0xFFFFFFFF == IDLE
 
 
+def test_a_lock_passes_between_hosts_within_a_bound(region):
+    """Requests, grants and releases cross hosts within a few seconds under
+    the simulator: each acquire waits at most 5 s (not the minute a production
+    acquire allows), so a request, grant or release that is not published, or
+    a line that is not observed again while polling, fails here with a lock
+    timeout instead of leaving the protocol waiting (the mutation test's lock
+    sites)."""
+    with Worker(region, 1, True) as a, Worker(region, 2, True) as b:
+        for _ in range(3):
+            for w in (a, b):
+                w.call("lock_acquire", lock_id=LOCK, wait=5.0)
+                w.call("lock_release", lock_id=LOCK)
+
+
 def test_a_reused_handoff_record_is_read_afresh(region):
     """Decode host A read record R for one request (it stays in A's cache);
     host B acknowledges it, R is reused for the next request: A opening the
