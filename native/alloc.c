@@ -312,15 +312,26 @@ done:
 	intent_end(r);
 }
 
-/* takes lock 0 (alloc_mu held), finishing first what a dead holder left (internal) */
+/* takes lock 0 (alloc_mu held), finishing first what a dead holder left
+ * (internal).  Only a holder that inherits the dead holder's grant repairs:
+ * then nobody entered since.  An intent still open without that (the dead
+ * holder's grant passed on, e.g. across a manager takeover that did not keep
+ * it) may have been overtaken by other nodes' changes: it is dropped, and
+ * what it had done stays, at worst a leak for `tract check --repair`. */
 static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 {
-	int rc = tract_lock_acquire(r, LOCK_ALLOC, timeout_ns, NULL);
-	if (rc == TRACT_RECOVERED) {
+	struct tract_lock_req q;
+	int rc = tract_lock_request(r, LOCK_ALLOC, timeout_ns, &q, NULL);
+	if (rc < 0)
+		return rc;
+	rc = tract_lock_await(r, LOCK_ALLOC, &q, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	if (q.inherited)
 		repair_intent(r);
-		rc = TRACT_OK;
-	}
-	return rc;
+	else if (__atomic_load_n(&r->local->intent_op, __ATOMIC_ACQUIRE) != INTENT_NONE)
+		intent_end(r);
+	return TRACT_OK;
 }
 
 /* claims up to want free slots from the region onto the node's free list;

@@ -151,6 +151,7 @@ struct tract_lock_req {
 	uint64_t req;           /* the request sequence published as WAITING */
 	uint64_t start;         /* CLOCK_MONOTONIC of the request */
 	int recovered;          /* the local mutex's previous owner died */
+	int inherited;          /* ... holding the current grant, which this request keeps */
 };
 
 /* lock request / await / cancel: tract_lock_acquire in two steps, so a holder

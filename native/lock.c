@@ -92,6 +92,7 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		return rc;
 	}
 	q->recovered = rc == TRACT_RECOVERED;
+	q->inherited = 0;
 
 	/* request: a fresh sequence number, so a stale grant is never mistaken
 	 * for this one; the previous holder on this node wrote the line last */
@@ -103,6 +104,7 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		 * grant passes to this process without the lock ever being free --
 		 * no other node enters before this one has repaired what it left */
 		q->req = mine.request_seq;
+		q->inherited = 1;
 		return TRACT_OK;
 	}
 	q->req = mine.request_seq + 1;
