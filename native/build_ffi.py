@@ -12,7 +12,7 @@ import pathlib
 from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "handoff.c", "hash.c", "index.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
+SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "crc.c", "handoff.c", "hash.c", "index.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
            "objdir.c", "payload.c", "region.c", "recover.c", "sim.c", "util.c", "audit.c"]
 
 

@@ -57,6 +57,8 @@ static void detect(void)
 			f |= TRACT_CPU_CLFLUSH;
 		if (c & (1u << 31))
 			f |= TRACT_CPU_HYPERVISOR;
+		if (c & (1u << 20))
+			f |= TRACT_CPU_SSE42;
 		int osxsave = (c >> 27) & 1;
 		uint64_t xcr0 = osxsave ? xgetbv0() : 0;
 		if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
@@ -73,6 +75,8 @@ static void detect(void)
 #endif
 	if (env_flag("TRACT_NO_AVX512"))
 		f &= ~(uint32_t)TRACT_CPU_AVX512F;
+	if (env_flag("TRACT_NO_SSE42"))
+		f &= ~(uint32_t)TRACT_CPU_SSE42;
 	if (env_flag("TRACT_NO_AVX2"))
 		f &= ~(uint32_t)(TRACT_CPU_AVX2 | TRACT_CPU_AVX512F);
 	features = f;

@@ -1119,33 +1119,6 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 	return rc;
 }
 
-/* CRC-32C of a payload (hardware instruction where available) (internal) */
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(const uint8_t *p, uint64_t n)
-{
-	uint64_t c = 0xFFFFFFFFu;
-	for (; n >= 8; n -= 8, p += 8) {
-		uint64_t v;
-		memcpy(&v, p, 8);
-		c = __builtin_ia32_crc32di(c, v);
-	}
-	uint32_t c32 = (uint32_t)c;
-	for (; n; n--, p++)
-		c32 = __builtin_ia32_crc32qi(c32, *p);
-	return c32 ^ 0xFFFFFFFFu;
-}
-#endif
-
-/* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
-uint32_t tract_crc32c(const void *buf, uint64_t len)
-{
-#if defined(__x86_64__)
-	if (__builtin_cpu_supports("sse4.2"))
-		return crc32c_hw(buf, len);
-#endif
-	return tract_crc_bitwise(0x82F63B78u, buf, len);   /* no SSE4.2: slow but right */
-}
-
 /* unpins the keys a pinning put found READY (status 1) (internal) */
 static void unpin_ready(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			uint64_t timeout_ns)

@@ -40,3 +40,21 @@ def test_cpu_features_on_x86():
     feats = cpu_features()
     assert "x86_64" in feats          # the core detected the machine it runs on
     assert "clflush" in feats         # every x86-64 CPU has clflush
+
+
+def test_crc32c_is_the_castagnoli_check_value_with_and_without_the_instruction():
+    """One CPU detection path (native/cpu.c): TRACT_NO_SSE42 turns the crc32
+    instruction off like the other feature overrides, and both paths give
+    CRC-32C's standard check value for "123456789"."""
+    import os
+    import subprocess
+    import sys
+    code = ("from tract_cli.core.native import lib, cpu_features; "
+            "print(int('sse4_2' in cpu_features()), lib.tract_crc32c(b'123456789', 9))")
+    for env, want_hw in (({}, None), ({"TRACT_NO_SSE42": "1"}, 0)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, **env}, timeout=60, check=True)
+        hw, crc = map(int, out.stdout.split())
+        assert crc == 0xE3069283
+        if want_hw is not None:
+            assert hw == want_hw
