@@ -245,6 +245,37 @@ def reserve_file(path: str, size: int, progress: Callable[[int, int], None] | No
     return created
 
 
+def size_file(path: str, size: int, gid: int | None = None) -> bool:
+    """Creates or resizes PATH to SIZE and reserves nothing: a sparse file whose
+    pages appear where they are first written (no free-space check).
+
+    What a measurement of format alone wants (`format_region(sparse=True)`):
+    a region that is used needs `reserve_file`, so a full tmpfs is reported
+    at init, not hit mid-run.  Modes and GID as for `reserve_file`; returns
+    True if the file was created by this call.
+    """
+    existing = os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise TractError(f"{path}: cannot create it: {exc.strerror}",
+                         "check the directory and its permissions") from None
+    created = not existing
+    try:
+        if created or gid is not None:
+            from tract_cli.core.ownership import apply_sharing
+            apply_sharing(fd, gid)
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        if created:
+            os.unlink(path)
+        raise TractError(f"{path}: cannot size it to {format_size(size)}: {exc.strerror}",
+                         "check the file system") from None
+    finally:
+        os.close(fd)
+    return created
+
+
 def processes_using(path: str) -> list[int]:
     """Pids (other than this one) that have PATH mapped (psutil's memory maps).
 

@@ -142,10 +142,16 @@ def describe_existing(kind: str, info: RegionInfo | None, target: medium.Target)
 
 def format_region(path: str, size: int | None, opts: FormatOptions, force: bool = False,
                   progress: Callable[[int, int], None] | None = None,
-                  timings: dict | None = None, group: str | None = None) -> RegionInfo:
+                  timings: dict | None = None, group: str | None = None,
+                  sparse: bool = False) -> RegionInfo:
     """Creates (for files) and formats a region at PATH; returns its header.
 
     A new region file is 0600; GROUP shares it (0660, that group).
+
+    SPARSE leaves a region file's pages unreserved (`medium.size_file`: they
+    appear where written, so formatting touches the metadata pages only):
+    for measuring format alone (`tract microbench format`), never for a
+    region that will be used.
 
     TIMINGS, if given, receives reserve_s (file page reservation, grows with
     size) and format_s (metadata only, does not).
@@ -195,7 +201,8 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
         from tract_cli.core.ownership import group_id
         gid = group_id(group)
     if target.kind != "devdax":
-        created = medium.reserve_file(path, size, progress, gid=gid)
+        created = medium.size_file(path, size, gid=gid) if sparse else \
+            medium.reserve_file(path, size, progress, gid=gid)
     timings["reserve_s"] = time.perf_counter() - t0
     try:
         fd = os.open(path, os.O_RDWR)
