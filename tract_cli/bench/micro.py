@@ -6,7 +6,6 @@ round, and as the median over rounds.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import statistics
 import tempfile
@@ -20,14 +19,33 @@ from cffi import FFI
 from tract_cli.core import medium
 from tract_cli.core.errors import NoSpaceError
 from tract_cli.core.geometry import load_model
-from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.pool import Pool
-from tract_cli.core.region import FormatOptions, _params, format_region, remove_region
+from tract_cli.core.region import FormatOptions, format_region, remove_region
 from tract_cli.core.units import format_size
 
+# the reference the core's copies are measured against: glibc memcpy, through
+# an FFI of its own (the core's C library plays no part in it)
 _libc_ffi = FFI()
 _libc_ffi.cdef("void *memcpy(void *dst, const void *src, size_t n);")
 _libc = _libc_ffi.dlopen(None)
+
+
+def c_pointer(buf, writable: bool = False):
+    """A `char *` to BUF (a C-contiguous buffer: numpy array, a pool's slot view)
+    for `memcpy`; pointer arithmetic in bytes.  `release` it when done: it holds
+    BUF's buffer, and a pool does not close while its views are held."""
+    return _libc_ffi.from_buffer(buf, require_writable=writable)
+
+
+def release(*pointers) -> None:
+    """Lets go of the buffers `c_pointer` took."""
+    for p in pointers:
+        _libc_ffi.release(p)
+
+
+def memcpy(dst, src, n: int) -> None:
+    """glibc memcpy of N bytes between `c_pointer`s: the reference copy."""
+    _libc.memcpy(dst, src, n)
 
 
 @contextmanager
@@ -42,7 +60,9 @@ def temp_region_path(directory: str = "/dev/shm"):
         remove_region(path)
 
 
-def _need_space(path: str, size: int) -> None:
+def need_space(path: str, size: int) -> None:
+    """Raises NoSpaceError unless PATH's file system has SIZE bytes free (a
+    temporary region's room, checked before anything is written)."""
     free = medium.free_bytes(path)
     if free < size:
         raise NoSpaceError(f"the benchmark needs {format_size(size)} in "
@@ -69,39 +89,49 @@ def bench_copy(model: str = "llama-3-8b", region_size: int = 1 << 30, rounds: in
     profile = load_model(model)
     block = profile.geometry.block_bytes
     with temp_region_path(directory) as path:
-        _need_space(path, region_size)
+        need_space(path, region_size)
         with Pool.create(path, region_size, profile, nodes=1, flush_mode="none", progress=None) as pool:
             n = min(pool.slot_count, 256)
             mode = pool.flush_mode
             rng = np.random.default_rng(1)
             src = rng.integers(0, 255, size=block, dtype=np.uint8)
             dst = np.empty(block, dtype=np.uint8)
-            csrc, cdst = ffi.from_buffer(src), ffi.from_buffer(dst, require_writable=True)
-            base = ffi.from_buffer(pool._mm)
-            offsets = [pool.slot_offset(i) for i in range(n)]
-            r = pool._r()
+            slots = range(n)
+            # memcpy's targets: the slots' zero-copy views, the bytes the core copies
+            views = [pool.slot_bytes(i) for i in slots]
+            csrc, cdst = c_pointer(src), c_pointer(dst, writable=True)
+            cslots = [c_pointer(v, writable=True) for v in views]
+            # one process, nothing another host wrote: the copies out need no
+            # eviction, and are measured without one (invalidate=False)
+            pool.acquire_payload(list(slots))
 
             def run(kind: str) -> float:
                 t0 = time.perf_counter()
-                for off in offsets:
-                    if kind == "memcpy_in":
-                        _libc.memcpy(base + off, csrc, block)
-                    elif kind == "memcpy_out":
-                        _libc.memcpy(cdst, base + off, block)
-                    elif kind == "tract_in":
-                        lib.tract_copy_in(r, off, csrc, block)
-                    elif kind == "tract_out":
-                        lib.tract_copy_out(r, cdst, off, block, 0)
+                if kind == "memcpy_in":
+                    for p in cslots:
+                        memcpy(p, csrc, block)
+                elif kind == "memcpy_out":
+                    for p in cslots:
+                        memcpy(cdst, p, block)
+                elif kind == "tract_in":
+                    for i in slots:
+                        pool.copy_in(i, src)
+                elif kind == "tract_out":
+                    for i in slots:
+                        pool.copy_out(i, dst, invalidate=False)
                 return n * block / (time.perf_counter() - t0) / 1e9
 
             kinds = ("memcpy_in", "tract_in", "memcpy_out", "tract_out")
             samples = {k: [] for k in kinds}
-            for k in kinds:          # warm-up round
-                run(k)
-            for _ in range(rounds):
-                for k in kinds:
-                    samples[k].append(run(k))
-            ffi.release(base)
+            try:
+                for k in kinds:          # warm-up round
+                    run(k)
+                for _ in range(rounds):
+                    for k in kinds:
+                        samples[k].append(run(k))
+            finally:
+                release(csrc, cdst, *cslots)
+                del views, cslots       # the pool closes only once no view of it is left
     return CopyResult(block, rounds, n, {k: statistics.median(v) for k, v in samples.items()},
                       {k: max(v) for k, v in samples.items()}, mode)
 
@@ -121,7 +151,7 @@ def bench_attach(region_size: int = 8 << 30, model: str = "llama-3-8b",
     """Attach time with and without pre-fault, and what a first request pays without it."""
     profile = load_model(model)
     with temp_region_path(directory) as path:
-        _need_space(path, region_size)
+        need_space(path, region_size)
         format_region(path, region_size, FormatOptions(model=profile, max_nodes=2, flush_mode="none"))
         src = np.ones(profile.geometry.block_bytes, dtype=np.uint8)
 
@@ -160,22 +190,9 @@ def bench_format(region_size: int, model: str = "llama-3-8b",
     """Time of the C core's format on a sparse file: it writes metadata only."""
     profile = load_model(model)
     opts = FormatOptions(model=profile, max_nodes=4, flush_mode="clflush")
+    timings: dict = {}
     with temp_region_path(directory) as path:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, region_size)   # sparse: pages appear only where written
-            mm = mmap.mmap(fd, region_size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        base = ffi.from_buffer(mm)
-        params = _params(region_size, medium.FILE_ALIGNMENT, opts, "clflush")
-        t0 = time.perf_counter()
-        raise_for(lib.tract_format(base, params), path)
-        elapsed = time.perf_counter() - t0
-        hdr = ffi.new("struct tract_header *")
-        raise_for(lib.tract_verify_header(base, region_size, hdr), path)
-        meta = hdr.sections[hdr.section_count - 1].offset
-        slots = hdr.slot_count
-        ffi.release(base)
-        mm.close()
-    return FormatResult(region_size, meta, slots, elapsed, opts.flush_mode)
+        # sparse: pages appear only where written; format_s times the C core's format alone
+        info = format_region(path, region_size, opts, timings=timings, sparse=True)
+    return FormatResult(region_size, info.metadata_bytes, info.slot_count, timings["format_s"],
+                        info.flush_mode)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.bench import peers, prefix_sim, runner
-from tract_cli.bench.micro import _need_space, temp_region_path
+from tract_cli.bench.micro import need_space, temp_region_path
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
 from tract_cli.core.agent import IDLE_EXIT_S, ensure_agent
@@ -94,7 +94,7 @@ def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         size = pool_size or max(region_size_for(reqs, profile, prefill_workers, decode_workers,
                                                 uniq, medium.free_bytes(path))
                                 for _, reqs, _, uniq in keyed)
-        _need_space(path, size)
+        need_space(path, size)
         Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
                     progress=reserve_progress).close()
         res = _run_on(path, keyed, profile, transports, compute, prefill_workers,
