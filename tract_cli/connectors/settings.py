@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, fields
 
 from tract_cli.core.errors import UsageError
-from tract_cli.core.native import FLUSH_MODES
+from tract_cli.core.cpu import FLUSH_MODES
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 

@@ -2,7 +2,7 @@
 
 Only what is shown comes from here (model name, flags).  Whether a flush
 mode may be used is decided by the C core (`native/cpu.c`, through
-`core.native.cpu_features`/`flush_mode_supported`): the same CPUID bits its
+`core.cpu.cpu_features`/`flush_mode_supported`): the same CPUID bits its
 accessors are built on, checked where they are used.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
-from tract_cli.core.native import cpu_features, flush_mode_supported
+from tract_cli.core.cpu import cpu_features, flush_mode_supported
 from tract_cli.core.units import format_size
 from tract_cli.provision import cpu, tools, topology
 
