@@ -212,6 +212,11 @@ class Pool:
         return self._region is None
 
     def _r(self):
+        """The C region handle, for core's own wrappers (locks, allocator, index,
+        handoffs, agent) to pass to `lib`; raises once the pool is closed.
+
+        Private to core: the layers above call the Pool's public methods, which
+        batch a C call per operation (tests/test_layering.py holds them to it)."""
         if self._region is None:
             raise TractError(f"{self.path}: the pool is closed", "attach again")
         return self._region
