@@ -20,6 +20,22 @@ if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
 
 PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
+# `reserve`'s status of a key this call claimed (its slot is the caller's to
+# write, then `commit`); its other statuses are PUT_STATUS's
+RESERVE_CLAIMED = 4
+
+# a bucket's state in the buckets section (native/format.h, FORMAT.md): what
+# `tract check` and `tract inspect` read there
+BUCKET_EMPTY = lib.TRACT_BUCKET_EMPTY
+BUCKET_PENDING = lib.TRACT_BUCKET_PENDING
+BUCKET_READY = lib.TRACT_BUCKET_READY
+BUCKET_TOMBSTONE = lib.TRACT_BUCKET_TOMBSTONE
+
+# `Audit.reach` per bucket (native/tract.h): what the key rule says of it
+AUDIT_OK = lib.TRACT_AUDIT_OK                      # live, reachable from its key's home
+AUDIT_NOT_LIVE = lib.TRACT_AUDIT_NOT_LIVE          # EMPTY or TOMBSTONE: nothing to reach
+AUDIT_OTHER_STRIPE = lib.TRACT_AUDIT_OTHER_STRIPE  # live, but its key is another stripe's
+AUDIT_CHAIN_BROKEN = lib.TRACT_AUDIT_CHAIN_BROKEN  # live, an EMPTY bucket between home and it
 
 
 @dataclass
@@ -53,7 +69,7 @@ class PutResult:
 
 @dataclass
 class Audit:
-    """Per bucket (`Index.audit`): `reach` a TRACT_AUDIT_* code, `home` its
+    """Per bucket (`Index.audit`): `reach` an AUDIT_* code, `home` its
     key's home bucket (live buckets of the right stripe), `broken` the EMPTY
     bucket that breaks its probe chain."""
 
@@ -148,7 +164,7 @@ class PrefixIndex:
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
 
         Returns (status, slots); write block i into `pool.slot_array(slots[i])`
-        for every i with status[i] == 4 (claimed), then call commit().  With
+        for every i with status[i] == RESERVE_CLAIMED, then call commit().  With
         PIN, keys already READY are pinned now (commit with pin=True pins the
         claimed ones); unpin `PutResult.pinned(keys)` after the handoff.
         """
