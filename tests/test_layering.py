@@ -32,15 +32,8 @@ BINDINGS = ("tract_cli.core.native", "tract_cli._native")
 # ones core defines are added from its source (core_private_names)
 KNOWN_PRIVATE = {"_r", "_mm", "_base", "_lib", "_region", "_local"}
 
-# (file, rule, name) -> why it is allowed for now.  Only what could not be
-# fixed here: inspect/check.py is being rewritten on another branch and may
-# not be edited on this one.
-ALLOWED = {
-    ("tract_cli/inspect/check.py", "binding import", "tract_cli.core.native"):
-        "check.py takes the bucket states (lib.TRACT_BUCKET_*) and the audit codes "
-        "(lib.TRACT_AUDIT_*) from lib; core/index.py exports them as BUCKET_* and "
-        "AUDIT_*, for its rewrite to import instead",
-}
+# (file, rule, name) -> why it is allowed for now: nothing is, today
+ALLOWED: dict = {}
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ import numpy as np
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
-from tract_cli.core.native import lib
+from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
+                                  BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
 from tract_cli.core.pool import Pool
 from tract_cli.core.agent import current_manager, read_nodes, token_text
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
                                         SLOT_DTYPE, Sections)
 
 # the bucket states, as the core defines them (native/format.h)
-READY, PENDING, TOMB, EMPTY = (lib.TRACT_BUCKET_READY, lib.TRACT_BUCKET_PENDING,
-                               lib.TRACT_BUCKET_TOMBSTONE, lib.TRACT_BUCKET_EMPTY)
+READY, PENDING, TOMB, EMPTY = BUCKET_READY, BUCKET_PENDING, BUCKET_TOMBSTONE, BUCKET_EMPTY
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     # EMPTY -- decided by the core, which owns the key rule (stripe, home,
     # probing); this file only reports
     audit = pool.index.audit()
-    for i in np.flatnonzero(audit.reach == lib.TRACT_AUDIT_OTHER_STRIPE)[:20]:
+    for i in np.flatnonzero(audit.reach == AUDIT_OTHER_STRIPE)[:20]:
         out.append(Violation("index", f"bucket {i}: key belongs to another stripe"))
-    for i in np.flatnonzero(audit.reach == lib.TRACT_AUDIT_CHAIN_BROKEN)[:20]:
+    for i in np.flatnonzero(audit.reach == AUDIT_CHAIN_BROKEN)[:20]:
         out.append(Violation("index", f"bucket {i}: probe chain broken at {int(audit.broken[i])}"))
     # LRU lists
     anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
@@ -196,7 +196,7 @@ def repair(path: str, force: bool = False) -> dict:
             key = raw[i, :16].tobytes()
             if not 0 <= slot < n or slot in seen_slots or key in seen_keys or i in bad_sum:
                 continue
-            if audit.reach[i] == lib.TRACT_AUDIT_OTHER_STRIPE:
+            if audit.reach[i] == AUDIT_OTHER_STRIPE:
                 continue
             seen_keys.add(key)
             seen_slots.add(slot)
