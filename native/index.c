@@ -943,7 +943,13 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 }
 
 /* status codes of tract_index_put, per key */
-enum { PUT_STORED = 0, PUT_WAS_READY = 1, PUT_WAS_PENDING = 2, PUT_NO_ROOM = 3, PUT_CLAIMED = 4 };
+enum {   /* enum tract_put_status (tract.h), by short names */
+	PUT_STORED = TRACT_PUT_STORED,
+	PUT_WAS_READY = TRACT_PUT_WAS_READY,
+	PUT_WAS_PENDING = TRACT_PUT_WAS_PENDING,
+	PUT_NO_ROOM = TRACT_PUT_NO_ROOM,
+	PUT_CLAIMED = TRACT_PUT_CLAIMED
+};
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
 /* evicts the least recent unpinned READY entry of the entered stripe to free a

@@ -521,8 +521,18 @@ enum {
  * payload line (a zero-copy writer's plain stores) before any READY */
 enum { TRACT_COMMIT_STREAMED = 4 };
 
-/* Claims PENDING buckets for absent keys and allocates their slots (status 4 =
- * claimed); with TRACT_PUT_PIN, keys already READY (status 1) are pinned by this node. */
+/* a put's status per key */
+enum tract_put_status {
+	TRACT_PUT_STORED = 0,        /* stored by this call */
+	TRACT_PUT_WAS_READY = 1,     /* READY already (pinned with TRACT_PUT_PIN) */
+	TRACT_PUT_WAS_PENDING = 2,   /* another writer holds it PENDING */
+	TRACT_PUT_NO_ROOM = 3,       /* no slot or bucket for it */
+	TRACT_PUT_CLAIMED = 4        /* put_begin: claimed PENDING for this writer, slot allocated */
+};
+
+/* Claims PENDING buckets for absent keys and allocates their slots (status
+ * TRACT_PUT_CLAIMED); with TRACT_PUT_PIN, keys already READY
+ * (TRACT_PUT_WAS_READY) are pinned by this node. */
 int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			  uint32_t *slots, int flags, uint64_t timeout_ns);
 

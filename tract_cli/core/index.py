@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
 # `reserve`'s status of a key this call claimed (its slot is the caller's to
-# write, then `commit`); its other statuses are PUT_STATUS's
-RESERVE_CLAIMED = 4
+# write, then `commit`); its other statuses are PUT_STATUS's (native/tract.h)
+RESERVE_CLAIMED = lib.TRACT_PUT_CLAIMED
+RESERVE_WAS_READY = lib.TRACT_PUT_WAS_READY
 
 # a bucket's state in the buckets section (native/format.h, FORMAT.md): what
 # `tract check` and `tract inspect` read there
