@@ -133,17 +133,17 @@ static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
 {
 	uint32_t *fl = free_list(r);
 	uint8_t *fb = free_bits(r);
-	/* the bits are read without alloc_mu by the payload sweep (payload.c);
-	 * the count moves before the bit, so a death between leaves a bit set
-	 * past the end, which repair_local recognises */
+	uint64_t end = r->local->free_count;
+	/* the bits first (the payload sweep reads them without alloc_mu,
+	 * payload.c), the count once after: a death in between leaves the list
+	 * whole, and repair_local gives the bits back */
 	for (uint32_t i = 0; i < n; i++) {
-		uint64_t at = r->local->free_count - 1;
-		uint32_t s = fl[at];
-		__atomic_store_n(&r->local->free_count, at, __ATOMIC_RELEASE);
+		uint32_t s = fl[end - 1 - i];
 		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
 		if (out)
 			out[i] = s;
 	}
+	__atomic_store_n(&r->local->free_count, end - n, __ATOMIC_RELEASE);
 }
 
 /* pushes slots onto the node's free list (internal) */
@@ -174,11 +174,11 @@ static void push_staged(tract_region *r, uint64_t base, uint32_t n)
 }
 
 /* makes the free list whole again after a process died holding alloc_mu
- * (internal; alloc_mu held).  Entries and count are written in that order,
- * so the list is exact; a death inside pop_local leaves the popped slot's bit
- * set just past the end: it goes back on the list (its caller never got it).
- * Then the bits are rebuilt from the list, except an intent's slots, which
- * are lock 0's repair's to place. */
+ * (internal; alloc_mu held).  A push writes the entry before the count, a
+ * pop clears the bits before it moves the count: the list itself is exact
+ * (a death inside a pop leaves its slots listed), and only its membership
+ * bits are rebuilt from it.  An intent's staged slots are past the list's
+ * end: their bits are lock 0's repair's to set. */
 static void repair_local(tract_region *r)
 {
 	struct tract_local_hdr *l = r->local;
@@ -199,32 +199,36 @@ static void repair_local(tract_region *r)
 			fl[kept++] = s;         /* drops what no list can hold: out of range, twice */
 		}
 	}
-	fc = kept;
-	uint32_t op = __atomic_load_n(&l->intent_op, __ATOMIC_ACQUIRE);
-	int in_intent = op != INTENT_NONE && fc >= l->intent_base;
-	if (fc < slots && !in_intent) {
-		uint32_t s = fl[fc];
-		if (s < slots && (fb[s / 8] & (1u << (s % 8))) && !(in[s / 8] & (1u << (s % 8)))) {
-			in[s / 8] |= (uint8_t)(1u << (s % 8));
-			fc++;                   /* popped, and never handed out */
-		}
-	}
-	__atomic_store_n(&l->free_count, fc, __ATOMIC_RELEASE);
+	__atomic_store_n(&l->free_count, kept, __ATOMIC_RELEASE);
 	for (uint64_t i = 0; i < (slots + 7) / 8; i++)
 		if (fb[i] != in[i])
 			__atomic_store_n(&fb[i], in[i], __ATOMIC_RELEASE);
 	free(in);
 }
 
-/* takes alloc_mu, repairing the free list if its last holder died (internal) */
+static int lock_alloc(tract_region *r, uint64_t timeout_ns);
+
+/* takes alloc_mu, repairing the free list if its last holder died, and
+ * settling an intent it left open before anything can move the list over the
+ * intent's staged slots: lock 0, inherited from the dead holder with its grant,
+ * repairs it.  TRACT_RECOVERED: taken, and an intent settled (internal) */
 static int lock_alloc_mu(tract_region *r, uint64_t timeout_ns)
 {
 	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
-	if (rc == TRACT_RECOVERED) {
+	if (rc < 0)
+		return rc;
+	if (rc == TRACT_RECOVERED)
 		repair_local(r);
-		rc = TRACT_OK;
+	if (__atomic_load_n(&r->local->intent_op, __ATOMIC_ACQUIRE) != INTENT_NONE) {
+		rc = lock_alloc(r, timeout_ns);    /* settles the intent (see there) */
+		if (rc < 0) {
+			pthread_mutex_unlock(&r->local->alloc_mu);
+			return rc;                 /* the list stays untouched until it can */
+		}
+		tract_lock_release(r, LOCK_ALLOC);
+		return TRACT_RECOVERED;            /* (taken, and a dead holder's intent settled) */
 	}
-	return rc;
+	return TRACT_OK;
 }
 
 /* finishes (or, if the region was not touched, drops) the change a holder of
@@ -274,10 +278,10 @@ static void repair_intent(tract_region *r)
 			}
 			sorted[kept++] = s;
 		}
-		if (lost) {
-			h.used_slots -= lost;
-			write_header(r, &h);
-		}
+		/* (lost ones stay counted in the header: tract check reports it;
+		 * every step here is then a rewrite of the same values, so a
+		 * repairer that dies repairing is repaired by the next one) */
+		(void)lost;
 		set_owners(r, sorted, kept, (uint8_t)(r->node_id + 1));
 		r->ops->fence(r);
 		set_bits(r, sorted, kept, 1, 1);
@@ -399,6 +403,8 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop)
 {
 	if (!n)
 		return TRACT_OK;
+	if (pop ? base + n != r->local->free_count : base != r->local->free_count)
+		return TRACT_E_CORRUPT;     /* not the list's end: a bug, never a wrap */
 	uint32_t *sorted = sorted_copy(free_list(r) + base, n);
 	if (!sorted)
 		return TRACT_E_NOMEM;
@@ -536,10 +542,11 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 			foreign[nf++] = s;             /* nf <= i: compacts in place */
 	}
 	if (rc == TRACT_OK) {
-		/* the free list stays bounded: the excess goes back to the region too */
+		/* the free list stays bounded: the excess goes back to the region too
+		 * (decided before taking lock 0, counted again after: nothing moves
+		 * the list meanwhile, alloc_mu is ours and no intent is open) */
 		uint64_t after = r->local->free_count + no;
-		uint32_t excess = after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
-		int global = nf || excess;
+		int global = nf || after > HIGH_WATER;
 		if (global && (rc = lock_alloc(r, timeout_ns)) < 0) {
 			pthread_mutex_unlock(&r->local->alloc_mu);
 			goto out;
@@ -547,6 +554,8 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 		if (note)
 			note(r, arg);
 		push_local(r, own, no);
+		after = r->local->free_count;
+		uint32_t excess = global && after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
 		if (nf) {
 			/* staged past the list's end for the intent (distinct slots:
 			 * others' slots are on no list of ours) */
@@ -606,8 +615,14 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
 {
 	*withdrawn = 0;
-	if (lock_alloc_mu(r, 0) < 0)
+	int settled = lock_alloc_mu(r, 0);
+	if (settled < 0)
 		return TRACT_OK;
+	if (settled == TRACT_RECOVERED) {
+		/* taking alloc_mu settled a dead holder's intent, lock 0 and all */
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		return TRACT_RECOVERED;
+	}
 	int rc = tract_lock_take_dead(r, id, withdrawn);
 	if (rc == TRACT_RECOVERED) {
 		repair_intent(r);

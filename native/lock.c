@@ -52,18 +52,29 @@ static void describe_wait(tract_region *r, uint32_t id, uint32_t stage, struct t
 	}
 }
 
-/* whether this node's slot (mine, just observed) holds the current
- * manager's grant of lock id: LOCKED, and the manager line of the current
- * token grants this node that request (a manager that took over since
- * re-grants it under its own token) (internal) */
-static int holds_current_grant(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine)
+/* what the manager line says of this node's slot (mine, just observed):
+ * GRANT_HELD, the current manager's line grants this node that request (a
+ * manager that took over since re-grants a LOCKED slot under its own token);
+ * GRANT_UNDECIDED, the line is not the current manager's yet (a takeover in
+ * progress, which will adopt a LOCKED slot); GRANT_NOT_HELD (internal) */
+enum { GRANT_NOT_HELD, GRANT_HELD, GRANT_UNDECIDED };
+
+static int grant_state(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine)
 {
-	if (mine->state != TRACT_LOCK_LOCKED)
-		return 0;
 	struct tract_lock_manager_line m;
 	tract_observe_line(r, tract_lock_line(r, id, 0), &m);
-	return m.granted_node == r->node_id + 1 && m.granted_req == mine->request_seq &&
-	       tract_current_token(r, NULL, SITE_NONE) == m.token;
+	if (tract_current_token(r, NULL, SITE_NONE) != m.token)
+		return GRANT_UNDECIDED;
+	return m.granted_node == r->node_id + 1 && m.granted_req == mine->request_seq ?
+	       GRANT_HELD : GRANT_NOT_HELD;
+}
+
+/* whether this node's slot names a dead process holding the lock: LOCKED by
+ * a pid of this host that is gone, with a grant held or undecided (internal) */
+static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine)
+{
+	return mine->state == TRACT_LOCK_LOCKED && tract_pid_dead(mine->pid) &&
+	       grant_state(r, id, mine) != GRANT_NOT_HELD;
 }
 
 /*
@@ -99,8 +110,10 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
-	if (q->recovered && holds_current_grant(r, lock_id, &mine)) {
-		/* the previous owner died holding the lock: keep its request, so the
+	if (held_by_dead(r, lock_id, &mine)) {
+		/* a process of this node died holding the lock (whether or not this
+		 * lock of the mutex saw it die: the agent may have made the mutex
+		 * consistent and left the slot for later): keep its request, so the
 		 * grant passes to this process without the lock ever being free --
 		 * no other node enters before this one has repaired what it left */
 		q->req = mine.request_seq;
@@ -117,6 +130,17 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
  * this is released by the manager when it sees IDLE, so nothing leaks (internal). */
 void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q)
 {
+	struct tract_lock_node_slot mine;
+	if (q->inherited) {
+		/* a dead holder's request this process kept but never entered: the
+		 * slot stays the dead holder's (LOCKED), for whoever takes the lock
+		 * next to keep it and repair, instead of freeing the lock unrepaired */
+		tract_observe_line(r, tract_lock_line(r, lock_id, 1 + r->node_id), &mine);
+		if (mine.pid != (uint32_t)getpid()) {
+			pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
+			return;
+		}
+	}
 	publish_slot(r, lock_id, TRACT_LOCK_IDLE, q->req, 0, SITE_NONE);
 	pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
 }
@@ -231,16 +255,21 @@ int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn)
 	tract_observe_line(r, slot_off, &mine);
 	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid))
 		return TRACT_OK;              /* idle, alive, or not ours to judge */
+	if (mine.state == TRACT_LOCK_LOCKED && grant_state(r, id, &mine) == GRANT_UNDECIDED)
+		return TRACT_OK;              /* a takeover in progress: next heartbeat */
 	struct tract_local_mutex *lm = tract_local_lock(r, id);
 	if (tract_robust_lock(&lm->mu, 0) < 0)
 		return TRACT_OK;              /* a live process holds it now */
 	/* re-check under the mutex: a live successor may have taken over */
 	tract_observe_line(r, slot_off, &mine);
-	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid)) {
+	int grant = mine.state == TRACT_LOCK_LOCKED ? grant_state(r, id, &mine) : GRANT_NOT_HELD;
+	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid) || grant == GRANT_UNDECIDED) {
+		/* (undecided: the slot stays LOCKED for whoever takes the lock next,
+		 * which keeps its request, held_by_dead) */
 		pthread_mutex_unlock(&lm->mu);
 		return TRACT_OK;
 	}
-	if (holds_current_grant(r, id, &mine)) {
+	if (grant == GRANT_HELD) {
 		/* adopt the grant under this process's pid: if it dies repairing,
 		 * the next recovery finds it dead and starts over */
 		struct tract_lock_manager_line m;

@@ -128,9 +128,16 @@ class Chaos:
         env = dict(os.environ)
         # some workers kill themselves at a random pass of a random point
         # inside the allocator's critical sections (TRACT_DIE_AT): the kills
-        # a random moment almost never hits
-        self.armed[i] = bool(self.rng.random() < DIE_INSIDE_P)
-        if self.armed[i]:
+        # a random moment almost never hits. The first prefill and the first
+        # decode worker always do, early (a claim, a release of another
+        # node's slots), so every run has some
+        first = self.started < len(LAYOUT) and i in (0, 2)
+        self.armed[i] = first or bool(self.rng.random() < DIE_INSIDE_P)
+        if first:
+            point = (lib.TRACT_DIE_CLAIM_HEADER if role == "prefill" else
+                     lib.TRACT_DIE_RELEASE_HEADER)
+            env["TRACT_DIE_AT"] = f"{point}:{int(self.rng.integers(0, 3))}"
+        elif self.armed[i]:
             point = int(self.rng.integers(1, lib.TRACT_DIE_COUNT))
             env["TRACT_DIE_AT"] = f"{point}:{int(self.rng.integers(0, 30))}"
         p = subprocess.Popen([sys.executable, os.path.join(HERE, "chaos_worker.py"),

@@ -85,6 +85,14 @@ def recover(path: str, node: int, who: str) -> None:
             successor.call("drain")
 
 
+def agent_pass(path: str, node: int):
+    """One pass of the node agent's recovery."""
+    with Pool.attach(path, node=node) as p:
+        got = recover_node(p, orphans=False, timeout=30)
+    assert not got.errors, got
+    return got
+
+
 def lock_0_is_free(path: str, node: int) -> None:
     with Worker(path, node) as w:
         w.call("lock_acquire", lock_id=0, wait=10.0)
@@ -146,3 +154,45 @@ def test_a_death_point_passes_count(region):
     w = Worker(region, 2, env={"TRACT_DIE_AT": f"{lib.TRACT_DIE_CLAIM_HEADER}:1"})
     w.call("alloc", n=64)                              # the first claim passes
     dies_during(w, "alloc", n=64)                      # the second dies
+
+
+def test_after_a_death_inside_a_claim_the_next_allocation_settles_it_first(region):
+    """A claim's staged slots sit past the end of the node's free list: the
+    node's next process to take alloc_mu settles the open intent (taking lock
+    0 from the dead holder) before it pops from the list, so what it pops is
+    never listed again (a cold review's repro: it was)."""
+    with Worker(region, 1) as a:
+        a.call("alloc", n=60)                          # claims 64, the list keeps 4
+        dies_during(dying(region, 1, "CLAIM_HEADER", False), "alloc", n=10)
+        with Worker(region, 1) as p:
+            got = p.call("alloc", n=3)                 # from the list
+            p.call("alloc", n=100)
+            assert not set(p.call("local_free")) & set(got), "a held slot is listed again"
+    assert allocator_violations(region) == []
+
+
+def test_a_free_after_a_death_inside_a_claim_does_not_overwrite_its_slots(region):
+    """A free that pushes onto the list after a death inside a claim settles
+    the claim first: the push cannot land on the staged slots."""
+    with Worker(region, 1) as a:
+        held = a.call("alloc", n=60)
+        dies_during(dying(region, 1, "CLAIM_HEADER", False), "alloc", n=10)
+        a.call("free", slots=held[:8])                 # settles it: nothing left to the agent
+        assert agent_pass(region, 1).locks == 0
+        assert allocator_violations(region) == []
+        assert taken_slots(region) == free_lists(region, nodes=(1,)) | set(held[8:])
+
+
+def test_a_slot_reallocated_after_a_death_inside_a_drain_stays_its_holders(region):
+    """A drain's slots are staged where the list's next push lands: after a
+    death inside the drain, the next free settles it first, so a slot freed
+    and taken again is not released to the pool under its holder."""
+    with Worker(region, 1) as a:
+        held = a.call("alloc", n=5)
+        dies_during(dying(region, 1, "RELEASE_POPPED", False), "drain")
+        a.call("free", slots=[held[0]])
+        assert a.call("alloc", n=1) == [held[0]]
+        assert agent_pass(region, 1).locks == 0
+        with Worker(region, 2) as b:
+            assert held[0] not in b.call("alloc", n=64), "a held slot went to another node"
+    assert allocator_violations(region) == []

@@ -117,9 +117,9 @@ def test_a_key_out_of_its_probe_chain_or_stripe_is_found_by_the_cores_audit(used
     per = n // 4
     # a READY bucket followed by an EMPTY one in the same stripe
     i = next(int(b) for b in ready if (b + 1) % per and states[b + 1] == 0)
-    # an EMPTY bucket of another stripe
-    j = next(int(b) for b in np.flatnonzero(states == 0) if b // per != i // per and b != i + 1)
+    # a copy of another READY bucket, k, into an EMPTY bucket of another stripe than k's
     k = next(int(b) for b in ready if b != i)
+    j = next(int(b) for b in np.flatnonzero(states == 0) if b // per != k // per and b != i + 1)
     with Pool.attach(used_region, local=False) as p:
         p.publish(off + (i + 1) * 64, raw[i].tobytes())       # moved on ...
         p.publish(off + i * 64, bytes(64))                    # ... leaving an EMPTY behind

@@ -35,7 +35,7 @@ def test_a_known_state_is_reported_exactly(region):
     with RunningAgent(region, 0, manager=True) as agent, \
             Worker(region, 1) as prefill, Worker(region, 2) as holder, Worker(region, 3) as waiter:
         holder.call("lock_acquire", lock_id=1)                     # the object directory
-        waiter.send("lock_acquire", lock_id=1, timeout=60)
+        waiter.send("lock_acquire", lock_id=1, wait=60)
         prefill.call("index_put_chains", chains=[[1, 0, 2, 10]])
         prefill.call("index_lookup_verify", chains=[[1, 0, 2, 10]], hold=True)   # 10 pins
         prefill.call("handoff_publish", chain=[3, 0, 4, 6], request="r1")     # 6 more

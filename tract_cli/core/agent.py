@@ -172,8 +172,9 @@ def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecover
                 raise_for(rc, step)
             except TractError as err:
                 errors.append((step, err))
-    dead = (Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
-                      int(rep.partial)) if rep.journal_rc == 0 else Recovered())
+    # (a step that timed out reports what it did before the busy lock)
+    dead = Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
+                     int(rep.partial))
     return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
                         orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
                         handoffs=int(rep.handoffs), errors=tuple(errors))

@@ -47,12 +47,15 @@ def child_env(extra: dict | None = None, base: dict | None = None) -> dict:
     safe-path mode on (so the child's own Python children keep it), this
     package's location first on PYTHONPATH unless it is a site directory of
     the interpreter (where the child looks anyway: put on PYTHONPATH it would
-    go before the standard library), and EXTRA."""
+    go before the standard library), without a test's death point, and EXTRA."""
     env = dict(os.environ if base is None else base)
     if os.path.realpath(PACKAGE_ROOT) not in _site_dirs():
         rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                 if p and p != PACKAGE_ROOT]
         env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *rest])
     env["PYTHONSAFEPATH"] = "1"
+    # a test's death point (TRACT_DIE_AT, native/tract.h) is for the process
+    # it armed, never for the agents and workers that process starts
+    env.pop("TRACT_DIE_AT", None)
     env.update(extra or {})
     return env
