@@ -1,8 +1,14 @@
 """The two-tier lock as a Python object: `with pool.locks.hold(lock_id): ...`.
 
-Lock ids: 0 allocator, 1 object directory, 2 transfer table, 3 + s index
-stripe s.  Every wait is bounded: a timeout raises LockTimeout naming the
-lock, the node and pid holding it and for how long.
+Every wait is bounded: a timeout raises LockTimeout naming the lock, the
+node and pid holding it and for how long.
+
+This module is the one Python definition of the lock ids (docs/FORMAT.md
+§4): the fixed locks -- 0 allocator, 1 object directory, 2 transfer table
+-- then one lock per index stripe, `FIRST_STRIPE_LOCK + s`.  Their count is
+the core's `TRACT_FIXED_LOCKS` (tract.h); the ids of the fixed locks are
+private to the C files that take them (LOCK_ALLOC in alloc.c, LOCK_OBJDIR in
+objdir.c, LOCK_TRANSFER in handoff.c), so they are written here once.
 """
 from __future__ import annotations
 
@@ -12,14 +18,30 @@ from tract_cli.core.errors import LockTimeout, NoLocalSegment, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.units import format_duration
 
-LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, FIRST_STRIPE_LOCK = 0, 1, 2, 3
+LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER = 0, 1, 2
+FIXED_LOCK_NAMES = ("allocator", "object directory", "transfer table")   # by lock id
+FIRST_STRIPE_LOCK = lib.TRACT_FIXED_LOCKS
+if len(FIXED_LOCK_NAMES) != FIRST_STRIPE_LOCK:
+    raise RuntimeError(f"the core has {lib.TRACT_FIXED_LOCKS} fixed locks, "
+                       f"tract_cli.core.locks names {len(FIXED_LOCK_NAMES)}")
 DEFAULT_TIMEOUT_S = 30.0
+
+
+def stripe_lock(stripe: int) -> int:
+    """The lock id of index stripe STRIPE."""
+    return FIRST_STRIPE_LOCK + stripe
+
+
+def lock_count(stripes: int) -> int:
+    """How many locks a region with STRIPES index stripes has."""
+    return FIRST_STRIPE_LOCK + stripes
 
 
 def lock_name(lock_id: int) -> str:
     """Human name of a lock id."""
-    fixed = {0: "allocator", 1: "object directory", 2: "transfer table"}
-    return fixed.get(lock_id, f"index stripe {lock_id - FIRST_STRIPE_LOCK}")
+    if 0 <= lock_id < FIRST_STRIPE_LOCK:
+        return FIXED_LOCK_NAMES[lock_id]
+    return f"index stripe {lock_id - FIRST_STRIPE_LOCK}"
 
 
 class Locks:
