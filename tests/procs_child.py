@@ -6,6 +6,7 @@ import sys
 import time
 import traceback
 
+from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.pool import Pool
 
@@ -167,7 +168,7 @@ def index_reserve_chain(pool, chain: list) -> dict:
     """Reserves a chain's absent keys (PENDING, slots allocated) and stops there,
     as a writer that dies before it publishes."""
     status, slots = pool.index.reserve(_chain_keys(pool, *chain))
-    claimed = status == 4
+    claimed = status == PUT_CLAIMED
     return {"claimed": int(claimed.sum()), "slots": slots[claimed].tolist()}
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from tract_cli.core.errors import TractError
+from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.native import ffi
-
-CLAIMED = 4
 
 
 def cuda_available() -> bool:
@@ -90,7 +89,7 @@ class CudaPool:
     def put(self, keys, src) -> np.ndarray:
         """Zero-copy put from GPU memory: reserve, DMA, commit; returns the status."""
         status, slots = self.pool.index.reserve(keys)
-        claimed = np.flatnonzero(status == CLAIMED)
+        claimed = np.flatnonzero(status == PUT_CLAIMED)
         try:
             if len(claimed):
                 import torch

@@ -19,7 +19,11 @@ from tract_cli.core.native import ffi, lib, raise_for
 if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
 
-PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
+# The per-key status that put and reserve return: the values of index.c's
+# private enum (PUT_STORED .. PUT_CLAIMED), which tract.h does not export --
+# this is their one Python definition.  PUT_STATUS names them, by value.
+PUT_STORED, PUT_WAS_READY, PUT_WAS_PENDING, PUT_NO_ROOM, PUT_CLAIMED = range(5)
+PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room", "claimed")
 
 
 @dataclass
@@ -46,8 +50,7 @@ class PutResult:
     def pinned(self, hashes) -> np.ndarray:
         """The keys of HASHES a pinning put pinned: those it stored and those
         already READY (unpin them once the handoff holds its own pins)."""
-        ok = (self.status == PUT_STATUS.index("stored")) | \
-            (self.status == PUT_STATUS.index("already_ready"))
+        ok = (self.status == PUT_STORED) | (self.status == PUT_WAS_READY)
         return as_keys(hashes)[ok]
 
 
@@ -137,7 +140,7 @@ class PrefixIndex:
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
 
         Returns (status, slots); write block i into `pool.slot_array(slots[i])`
-        for every i with status[i] == 4 (claimed), then call commit().  With
+        for every i with status[i] == PUT_CLAIMED, then call commit().  With
         PIN, keys already READY are pinned now (commit with pin=True pins the
         claimed ones); unpin `PutResult.pinned(keys)` after the handoff.
         """
