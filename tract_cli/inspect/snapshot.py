@@ -15,8 +15,9 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.agent import current_manager, on_this_host, pid_alive, read_nodes, token_text
+from tract_cli.core.agent import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.locks import lock_name
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 
 SCHEMA_VERSION = 1
