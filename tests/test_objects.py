@@ -10,6 +10,9 @@ from procs import Worker
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.pool import Pool
 
+OBJDIR_ENTRY = struct.Struct("<40sQQII")       # one object-directory entry (FORMAT.md §4.3)
+OBJDIR_FIELDS = ("name", "offset", "size", "seq", "flags")
+
 
 @pytest.fixture
 def region(region_path):
@@ -46,7 +49,7 @@ def test_names_and_ranges_are_validated(region):
 def test_a_corrupt_entry_is_reported_not_followed(region):
     with Pool.attach(region, node=1) as p:
         off = p.info.section("objdir").offset
-        entry = b"evil".ljust(40, b"\0") + struct.pack("<QQII", 1 << 60, 64, 1, 0)
+        entry = OBJDIR_ENTRY.pack(b"evil", 1 << 60, 64, 1, 0)
         p.publish(off, entry)
         with pytest.raises(TractError, match="points outside the region"):
             p.objects.get("evil")

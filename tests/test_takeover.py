@@ -27,8 +27,10 @@ from tract_cli.core.pool import Pool
 
 NODES = 4
 LOCK = LOCK_OBJDIR     # the lock these tests contend for: any one would do
-MGR_LINE = struct.Struct("<IIQQQQ")      # granted_node, last_node, grant_seq, grant_ns, req, token
-SLOT_LINE = struct.Struct("<IIQQQQ")     # state, pid, epoch, request_seq, since_ns, grant_token
+MGR_LINE = struct.Struct("<IIQQQQ")
+MGR_FIELDS = ("granted_node", "last_node", "grant_seq", "grant_ns", "granted_req", "token")
+SLOT_LINE = struct.Struct("<IIQQQQ")
+SLOT_FIELDS = ("state", "pid", "epoch", "request_seq", "since_ns", "grant_token")
 IDLE, WAITING, LOCKED = 0, 1, 2
 
 

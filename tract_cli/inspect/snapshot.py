@@ -42,6 +42,8 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
                          ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
                          ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
                          ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
+ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
+                        ("releases", "<u8"), ("pad", "V32")])
 
 
 def _age(now: int, ns: int) -> float | None:
@@ -189,7 +191,7 @@ def alloc_view(rd: Sections) -> dict:
     n = info.slot_count
     bits = np.unpackbits(rd["bitmap"], bitorder="little")[:n].astype(bool)
     owners = rd["owners"][:n]
-    hdr = rd["alloc"][:32].view("<u8")
+    hdr = rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]
     b = rd["buckets"].view(BUCKET_DTYPE)
     ready_slots = b["slot"][(b["state"] == 2) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
     in_use = np.zeros(n, bool)
@@ -212,10 +214,10 @@ def alloc_view(rd: Sections) -> dict:
     runs = edges[1::2] - edges[0::2] if len(edges) else np.zeros(0, np.int64)
     return {"slots": n, "taken": int(bits.sum()), "free": int(free.sum()),
             "in_use": int(in_use.sum()), "claimed_not_in_use": int((bits & ~in_use).sum()),
-            "by_node": per_node, "header_used_slots": int(hdr[0]),
-            "batches_claimed": int(hdr[2]), "batches_released": int(hdr[3]),
+            "by_node": per_node, "header_used_slots": int(hdr["used_slots"]),
+            "batches_claimed": int(hdr["claims"]), "batches_released": int(hdr["releases"]),
             "free_runs": int(len(runs)), "largest_free_run": int(runs.max()) if len(runs) else 0,
-            "consistent": int(hdr[0]) == int(bits.sum()) and bool((bits == (owners > 0)).all())}
+            "consistent": int(hdr["used_slots"]) == int(bits.sum()) and bool((bits == (owners > 0)).all())}
 
 
 def handoffs_view(rd: Sections, now: int) -> dict:
