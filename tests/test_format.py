@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from format_reader import read_header
+from format_reader import CRC_OFFSET, read_header
 from tract_cli.core.errors import (AlreadyFormattedError, FormatMismatchError,
                                    GeometryMismatchError, NotFormattedError, UsageError)
 from tract_cli.core.geometry import Geometry, load_model
@@ -112,8 +112,8 @@ def _patch(path: str, offset: int, data: bytes, fix_crc: bool) -> None:
         if fix_crc:
             f.seek(0)
             page = f.read(4096)
-            f.seek(0xFF8)
-            f.write(struct.pack("<I", zlib.crc32(page[:0xFF8])))
+            f.seek(CRC_OFFSET)
+            f.write(struct.pack("<I", zlib.crc32(page[:CRC_OFFSET])))
 
 
 def test_attach_rejects_an_unknown_version(region_path):
