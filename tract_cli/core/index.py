@@ -200,9 +200,10 @@ class PrefixIndex:
         if n == 0:
             return
         if type(out).__module__.startswith("torch"):
+            import torch         # only when given a tensor: torch is a heavy import
             if out.device.type != "cpu":
                 raise UsageError("read copies into host memory", "pass a CPU tensor")
-            out = out.view(-1).view(dtype=__import__("torch").uint8).numpy()
+            out = out.view(-1).view(dtype=torch.uint8).numpy()
         dst = out.reshape(n, -1)
         if not dst.flags.c_contiguous or not dst.flags.writeable:
             raise UsageError("the output buffer must be writable and C-contiguous", "np.empty(...)")
