@@ -90,6 +90,19 @@ def test_json_follows_the_documented_schema(region):
     assert "index" in only and "alloc" in only and "locks" not in only
 
 
+def test_durations_render_in_readable_units():
+    """No '7.1e-05 s' in a table: every duration goes through format_duration."""
+    from rich.console import Console
+    from tract_cli.inspect import render
+    lock = {"id": LOCK, "name": "object directory", "holder_node": 0, "holder_pid": 1,
+            "held_s": 7.1e-05, "waiting": [{"node": 2, "waited_s": 125.0}], "grants": 3,
+            "flags": []}
+    console = Console(record=True, width=200)
+    console.print(render.locks_table({"locks": [lock], "lock_count": 11}))
+    text = console.export_text()
+    assert "71 µs" in text and "2 min 5 s" in text and "e-05" not in text, text
+
+
 def test_live_view_renders_and_stops_after_count(region):
     res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "inspect", region, "--watch",
                           "--interval", "0.05", "--count", "3"], capture_output=True, text=True,

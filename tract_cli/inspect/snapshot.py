@@ -19,6 +19,7 @@ from tract_cli.core.agent import current_manager, on_this_host, read_nodes, toke
 from tract_cli.core.locks import lock_name
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
+from tract_cli.core.units import format_duration
 
 SCHEMA_VERSION = 1
 LOCK_STATES = {0: "IDLE", 1: "WAITING", 2: "LOCKED"}
@@ -137,7 +138,7 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
             if here and pid and not pid_alive(pid):
                 row["flags"].append(f"holder pid {pid} is dead")
             if row["held_s"] is not None and row["held_s"] > hold_warn_s:
-                row["flags"].append(f"held longer than {hold_warn_s:g} s")
+                row["flags"].append(f"held longer than {format_duration(hold_warn_s)}")
         if row["grants"] or row["waiting"] or row["holder_node"] is not None:
             out.append(row)
     return {"locks": out, "lock_count": info.lock_count}
