@@ -71,6 +71,9 @@ def test_a_lock_held_elsewhere_times_out_naming_the_holder(region):
             with Pool.attach(region, node=1) as p:
                 with p.locks.hold(LOCK_ALLOCATOR, timeout=30):
                     pass
+                mine = p.locks.stats(LOCK_ALLOCATOR)
+                assert mine.acquired >= 1 and mine.wait_s >= 0
+                assert p.locks.totals().acquired >= mine.acquired
 
 
 def test_without_a_manager_acquire_times_out_with_a_hint(region):

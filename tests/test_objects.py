@@ -8,6 +8,7 @@ import pytest
 from agents import RunningAgent
 from procs import Worker
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.objects import ObjectRef
 from tract_cli.core.pool import Pool
 
 OBJDIR_ENTRY = struct.Struct("<40sQQII")       # one object-directory entry (FORMAT.md §4.3)
@@ -44,6 +45,7 @@ def test_names_and_ranges_are_validated(region):
                 p.objects.put("one-too-many", 0, 1)
             assert p.objects.delete("n3")
             p.objects.put("one-too-many", 0, 1)
+            assert p.objects.get("one-too-many") == ObjectRef(offset=0, size=1)
 
 
 def test_a_corrupt_entry_is_reported_not_followed(region):

@@ -13,6 +13,7 @@ objdir.c, LOCK_TRANSFER in handoff.c), so they are written here once.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from tract_cli.core.errors import LockTimeout, NoLocalSegment, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
@@ -25,6 +26,13 @@ if len(FIXED_LOCK_NAMES) != FIRST_STRIPE_LOCK:
     raise RuntimeError(f"the core has {lib.TRACT_FIXED_LOCKS} fixed locks, "
                        f"tract_cli.core.locks names {len(FIXED_LOCK_NAMES)}")
 DEFAULT_TIMEOUT_S = 30.0
+
+
+class LockStats(NamedTuple):
+    """A node's local lock statistics (a tuple: `acquired, wait_s = ...` works)."""
+
+    acquired: int           # acquisitions by this node
+    wait_s: float           # seconds they spent acquiring
 
 
 def stripe_lock(stripe: int) -> int:
@@ -86,17 +94,17 @@ class Locks:
         finally:
             self.release(lock_id)
 
-    def stats(self, lock_id: int) -> tuple[int, float]:
-        """(acquisitions by this node, total seconds spent acquiring)."""
+    def stats(self, lock_id: int) -> LockStats:
+        """This node's acquisitions of LOCK_ID and the seconds they spent acquiring."""
         self._check(lock_id)
         acquired, wait = ffi.new("uint64_t *"), ffi.new("uint64_t *")
         raise_for(lib.tract_lock_stats(self._pool._r(), lock_id, acquired, wait), "lock stats")
-        return acquired[0], wait[0] / 1e9
+        return LockStats(acquired[0], wait[0] / 1e9)
 
-    def totals(self) -> tuple[int, float]:
-        """(acquisitions, seconds spent acquiring) by this node over every lock."""
+    def totals(self) -> LockStats:
+        """This node's acquisitions and seconds spent acquiring, over every lock."""
         stats = [self.stats(i) for i in range(self.count)]
-        return sum(a for a, _ in stats), sum(w for _, w in stats)
+        return LockStats(sum(s.acquired for s in stats), sum(s.wait_s for s in stats))
 
     def _check(self, lock_id: int) -> None:
         if not 0 <= lock_id < self.count:
