@@ -10,6 +10,8 @@ Where the layout comes from:
   compiles a small cffi probe against those headers, once per session.  Its
   declarations name the fields the headers declare and end in `...;`, so the
   offsets and sizes are the compiler's, not cffi's own arithmetic.
+The state values the mirrors decode (lock slot and bucket states) are
+checked against format.h's enums the same way.
 """
 from __future__ import annotations
 
@@ -73,11 +75,19 @@ def _struct_bodies(text: str) -> dict[str, str]:
             for m in re.finditer(r"^struct (tract_\w+) \{(.*?)^\}", text, flags=re.S | re.M)}
 
 
+def _enum_names(text: str) -> list[str]:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return [name for body in re.findall(r"\benum\s*\{(.*?)\}", text, flags=re.S)
+            for name in re.findall(r"\b(TRACT_\w+)\s*=", body)]
+
+
 def _probe_cdef() -> str:
     """Partial declarations (`...;`) of the probed structs: their scalar and
     array fields, as the headers spell them (other members are left to the
-    compiler: pthread mutexes, nested arrays)."""
-    out = []
+    compiler: pthread mutexes, nested arrays); format.h's enum constants,
+    their values the compiler's too."""
+    enums = _enum_names((NATIVE / "format.h").read_text())
+    out = [f"#define {name} ..." for name in enums]
     for header, wanted in PROBED.items():
         bodies = _struct_bodies((NATIVE / header).read_text())
         for name in wanted or bodies:
@@ -88,7 +98,8 @@ def _probe_cdef() -> str:
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    """The compiler's layout of the structs cffi does not see (an ffi object)."""
+    """The compiled probe (its ffi and lib): the compiler's layout of the
+    structs cffi does not see, and the values of format.h's enums."""
     cffi = pytest.importorskip("cffi")
     if not (NATIVE / "format.h").exists():
         pytest.skip("needs the C sources (native/) of a checkout")
@@ -104,7 +115,7 @@ def probe(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("_tract_layout_probe", so)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.ffi
+    return mod
 
 
 def _c_ffi(name: str, probe):
@@ -113,7 +124,7 @@ def _c_ffi(name: str, probe):
         ffi.typeof(f"struct {name}")
         return ffi
     except ffi.error:
-        return probe
+        return probe.ffi
 
 
 def _c_layout(name: str, probe) -> tuple[int, dict[str, tuple[int, int, str]]]:
@@ -200,15 +211,29 @@ def test_the_independent_readers_header_offsets():
 def test_the_node_local_header_offsets_that_tests_poke(probe):
     """test_lock corrupts a lock's local mutex through the segment header's
     locks_off (offset 56) and 64-byte mutex records."""
-    assert probe.offsetof("struct tract_local_hdr", "locks_off") == 56
-    assert probe.sizeof("struct tract_local_mutex") == 64
+    assert probe.ffi.offsetof("struct tract_local_hdr", "locks_off") == 56
+    assert probe.ffi.sizeof("struct tract_local_mutex") == 64
+
+
+def test_state_names_match_format_h(probe):
+    """The state values the mirrors decode are format.h's enums."""
+    lib = probe.lib
+    assert snapshot.LOCK_STATES == {lib.TRACT_LOCK_IDLE: "IDLE", lib.TRACT_LOCK_WAITING: "WAITING",
+                                    lib.TRACT_LOCK_LOCKED: "LOCKED"}
+    assert (test_takeover.IDLE, test_takeover.WAITING, test_takeover.LOCKED) == \
+        (lib.TRACT_LOCK_IDLE, lib.TRACT_LOCK_WAITING, lib.TRACT_LOCK_LOCKED)
+    buckets = (lib.TRACT_BUCKET_EMPTY, lib.TRACT_BUCKET_PENDING, lib.TRACT_BUCKET_READY,
+               lib.TRACT_BUCKET_TOMBSTONE)
+    assert [snapshot.BUCKET_STATES.index(n) for n in ("EMPTY", "PENDING", "READY",
+                                                      "TOMBSTONE")] == list(buckets)
+    assert (index_check.EMPTY, index_check.PENDING, index_check.READY, index_check.TOMB) == buckets
 
 
 def test_the_probe_sees_every_struct_of_format_h(probe):
     names = _struct_bodies((NATIVE / "format.h").read_text())
     assert len(names) >= 8
     for name in names:
-        assert probe.sizeof(f"struct {name}") % 64 == 0, f"struct {name} is not whole lines"
+        assert probe.ffi.sizeof(f"struct {name}") % 64 == 0, f"struct {name} is not whole lines"
 
 
 def test_a_moved_field_is_caught(probe):
