@@ -33,6 +33,7 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from format_reader import CRC_OFFSET  # noqa: E402
 from tract_cli.core.agent import Agent, recover_dead_processes  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
@@ -78,7 +79,7 @@ def regions_of(path: str) -> dict:
 
 
 def with_crc(page: bytearray) -> None:
-    struct.pack_into("<I", page, 0xFF8, zlib.crc32(bytes(page[:0xFF8])))
+    struct.pack_into("<I", page, CRC_OFFSET, zlib.crc32(bytes(page[:CRC_OFFSET])))
 
 
 def corrupt(buf: bytearray, areas: dict, rng) -> str:

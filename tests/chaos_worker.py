@@ -29,6 +29,7 @@ from index_check import payload_for  # noqa: E402
 from procs_child import _chain_keys  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
 from tract_cli.core.handoff import Ticket  # noqa: E402
+from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
 from tract_cli.core.errors import ChecksumMismatch  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 
@@ -63,7 +64,7 @@ def prefill(pool: Pool, rng, tickets_path: str) -> None:
             kv = blocks_for(pool, keys)
             if n % 2:
                 status, slots = pool.index.reserve(keys, pin=True)
-                for i in np.flatnonzero(status == 4):
+                for i in np.flatnonzero(status == PUT_CLAIMED):
                     pool.slot_bytes(int(slots[i]))[:] = kv[i]
                 put = pool.index.commit(keys, status, slots, pin=True)
             else:

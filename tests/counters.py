@@ -1,5 +1,5 @@
 """The shared-counter workload of the lock tests: worker processes increment
-a counter in the region with a plain read-modify-write, under lock 1 or not;
+a counter in the region with a plain read-modify-write, under the object-directory lock (LOCK_OBJDIR) or not;
 the total says whether any update was lost."""
 from __future__ import annotations
 

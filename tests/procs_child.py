@@ -6,6 +6,8 @@ import sys
 import time
 import traceback
 
+from tract_cli.core.index import PUT_CLAIMED
+from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.pool import Pool
 
 
@@ -64,14 +66,14 @@ def main() -> None:
 
 
 def counter_loop(pool: Pool, off: int, iterations: int, use_lock: bool) -> int:
-    """Plain, non-atomic read-modify-write of a shared counter, under lock 1 or not."""
+    """Plain, non-atomic read-modify-write of a shared counter, under the object-directory lock or not."""
     for _ in range(iterations):
         if use_lock:
-            pool.locks.acquire(1, timeout=60)
+            pool.locks.acquire(LOCK_OBJDIR, timeout=60)
         value = pool.observe_u64(off)
         pool.publish_u64(off, value + 1)
         if use_lock:
-            pool.locks.release(1)
+            pool.locks.release(LOCK_OBJDIR)
     return iterations
 
 
@@ -167,7 +169,7 @@ def index_reserve_chain(pool, chain: list) -> dict:
     """Reserves a chain's absent keys (PENDING, slots allocated) and stops there,
     as a writer that dies before it publishes."""
     status, slots = pool.index.reserve(_chain_keys(pool, *chain))
-    claimed = status == 4
+    claimed = status == PUT_CLAIMED
     return {"claimed": int(claimed.sum()), "slots": slots[claimed].tolist()}
 
 

@@ -17,6 +17,7 @@ from agents import RunningAgent
 from conftest import remove_region
 from procs import Worker
 from tract_cli.core.agent import recover_node
+from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.native import lib
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import check
@@ -95,8 +96,8 @@ def agent_pass(path: str, node: int):
 
 def lock_0_is_free(path: str, node: int) -> None:
     with Worker(path, node) as w:
-        w.call("lock_acquire", lock_id=0, wait=10.0)
-        w.call("lock_release", lock_id=0)
+        w.call("lock_acquire", lock_id=LOCK_ALLOCATOR, wait=10.0)
+        w.call("lock_release", lock_id=LOCK_ALLOCATOR)
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import stat
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def test_parse_cpu_list_rejects_garbage():
         topology.parse_cpu_list("3-1")
 
 
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="an x86-64 check")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 check")
 def test_the_cpu_shown_is_py_cpuinfos_and_the_verdict_the_c_cores(monkeypatch):
     """The flags shown come from py-cpuinfo; the verdict from the C core's own
     CPUID check, and where they disagree the detail says which one counts."""

@@ -6,10 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from format_reader import read_header
+from format_reader import CRC_OFFSET, read_header
 from tract_cli.core.errors import (AlreadyFormattedError, FormatMismatchError,
                                    GeometryMismatchError, NotFormattedError, UsageError)
 from tract_cli.core.geometry import Geometry, load_model
+from tract_cli.core.locks import lock_count
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import FormatOptions, format_region
 
@@ -26,7 +27,7 @@ def test_round_trip_header_fields(region_path):
         assert info.flush_mode == "clflush"
         assert info.hash_scheme == "vllm"
         assert info.index_stripes == 16
-        assert info.lock_count == 3 + 16
+        assert info.lock_count == lock_count(16)
         assert info.section("transfer").count == 100
         assert info.model_name == "llama-3-8b"
         assert info.model_fingerprint == load_model("llama-3-8b").fingerprint().hex()
@@ -111,8 +112,8 @@ def _patch(path: str, offset: int, data: bytes, fix_crc: bool) -> None:
         if fix_crc:
             f.seek(0)
             page = f.read(4096)
-            f.seek(0xFF8)
-            f.write(struct.pack("<I", zlib.crc32(page[:0xFF8])))
+            f.seek(CRC_OFFSET)
+            f.write(struct.pack("<I", zlib.crc32(page[:CRC_OFFSET])))
 
 
 def test_attach_rejects_an_unknown_version(region_path):

@@ -12,6 +12,7 @@ from index_check import check_index
 from procs import Worker
 from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
+from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.pool import Pool
 
 
@@ -89,11 +90,11 @@ def test_a_reclaim_that_timed_out_on_a_busy_lock_is_resumed_by_the_next(region):
                 Pool.attach(region, node=2) as p:
             prefill.call("handoff_publish", chain=[7, 0, 8, 5], request="a", ttl=3600)
             later = time.time_ns() + 3601 * 10**9
-            holder.call("lock_acquire", lock_id=0)
+            holder.call("lock_acquire", lock_id=LOCK_ALLOCATOR)
             with pytest.raises(LockTimeout):
                 p.handoffs.reclaim(now_ns=later, timeout=0.5)
             assert pins_and_records(region)[1] == 1, "the record waits, RECLAIMING"
-            holder.call("lock_release", lock_id=0)
+            holder.call("lock_release", lock_id=LOCK_ALLOCATOR)
             assert p.handoffs.reclaim(now_ns=later) == 1
             assert pins_and_records(region) == (0, 0)
     check_index(region)

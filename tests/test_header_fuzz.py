@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from format_reader import CRC_OFFSET
 from tract_cli.core.geometry import load_model
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.region import FormatOptions, format_region
@@ -28,7 +29,7 @@ def with_crc(page: bytearray) -> bytearray:
     import struct
     import zlib
     page = bytearray(page)
-    struct.pack_into("<I", page, 0xFF8, zlib.crc32(bytes(page[:0xFF8])))
+    struct.pack_into("<I", page, CRC_OFFSET, zlib.crc32(bytes(page[:CRC_OFFSET])))
     return page
 
 

@@ -12,6 +12,7 @@ from index_check import check_index, payload_for
 from procs import Worker
 from tract_cli.core.errors import ChecksumMismatch, PoolFull
 from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.pool import Pool
 
 
@@ -232,7 +233,7 @@ def test_zero_copy_put_writes_straight_into_slots(small_region):
     with Pool.attach(small_region, node=1) as p:
         keys = chain(p, 51, 5)
         status, slots = p.index.reserve(keys)
-        assert (status == 4).all()
+        assert (status == PUT_CLAIMED).all()
         for i, s in enumerate(slots):
             p.slot_bytes(int(s))[:] = payload_for(keys[i].tobytes(), p.info.block_bytes)
         assert p.index.commit(keys, status, slots).count("stored") == 5

@@ -14,8 +14,11 @@ import pytest
 
 from agents import RunningAgent
 from procs import Worker
+from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import snapshot
+
+LOCK = LOCK_OBJDIR      # the lock the tests hold: the object directory's
 
 
 def inspect_json(path: str, *views: str) -> dict:
@@ -34,15 +37,15 @@ def region(region_path):
 def test_a_known_state_is_reported_exactly(region):
     with RunningAgent(region, 0, manager=True) as agent, \
             Worker(region, 1) as prefill, Worker(region, 2) as holder, Worker(region, 3) as waiter:
-        holder.call("lock_acquire", lock_id=1)                     # the object directory
-        waiter.send("lock_acquire", lock_id=1, wait=60)
+        holder.call("lock_acquire", lock_id=LOCK)
+        waiter.send("lock_acquire", lock_id=LOCK, wait=60)
         prefill.call("index_put_chains", chains=[[1, 0, 2, 10]])
         prefill.call("index_lookup_verify", chains=[[1, 0, 2, 10]], hold=True)   # 10 pins
         prefill.call("handoff_publish", chain=[3, 0, 4, 6], request="r1")     # 6 more
         snap = inspect_json(region)
         locks = {l["id"]: l for l in snap["locks"]["locks"]}
-        assert locks[1]["holder_node"] == 2 and locks[1]["holder_pid"] == holder.proc.pid
-        assert [w["node"] for w in locks[1]["waiting"]] == [3]
+        assert locks[LOCK]["holder_node"] == 2 and locks[LOCK]["holder_pid"] == holder.proc.pid
+        assert [w["node"] for w in locks[LOCK]["waiting"]] == [3]
         ix = snap["index"]
         assert ix["states"]["READY"] == 16 and ix["states"]["PENDING"] == 0
         assert ix["pinned_blocks"] == 16 and ix["pins_total"] == 16
@@ -56,21 +59,21 @@ def test_a_known_state_is_reported_exactly(region):
         assert al["by_node"]["1"]["in_use"] == 18
         (mgr,) = [n for n in snap["nodes"]["nodes"] if n["manager"]]
         assert mgr["node"] == 0 and mgr["agent_pid"] == agent.proc.pid and mgr["live"]
-        holder.call("lock_release", lock_id=1)
+        holder.call("lock_release", lock_id=LOCK)
         assert waiter.recv("lock_acquire", timeout=60) is False
-        waiter.call("lock_release", lock_id=1)
+        waiter.call("lock_release", lock_id=LOCK)
         locks = {l["id"]: l for l in inspect_json(region, "--locks")["locks"]["locks"]}
-        assert locks[1]["holder_node"] is None and locks[1]["grants"] == 2
+        assert locks[LOCK]["holder_node"] is None and locks[LOCK]["grants"] == 2
 
 
 def test_a_dead_holder_is_flagged(region):
     with RunningAgent(region, 0, manager=True):
         w = Worker(region, 2)
-        w.call("lock_acquire", lock_id=1)
+        w.call("lock_acquire", lock_id=LOCK)
         pid = w.proc.pid
         w.kill()
         w.close()
-        (lock,) = [l for l in inspect_json(region, "--locks")["locks"]["locks"] if l["id"] == 1]
+        (lock,) = [l for l in inspect_json(region, "--locks")["locks"]["locks"] if l["id"] == LOCK]
         assert f"holder pid {pid} is dead" in lock["flags"]
 
 
@@ -85,6 +88,19 @@ def test_json_follows_the_documented_schema(region):
                                   "occupancy_map"}
     only = inspect_json(region, "--index", "--alloc")
     assert "index" in only and "alloc" in only and "locks" not in only
+
+
+def test_durations_render_in_readable_units():
+    """No '7.1e-05 s' in a table: every duration goes through format_duration."""
+    from rich.console import Console
+    from tract_cli.inspect import render
+    lock = {"id": LOCK, "name": "object directory", "holder_node": 0, "holder_pid": 1,
+            "held_s": 7.1e-05, "waiting": [{"node": 2, "waited_s": 125.0}], "grants": 3,
+            "flags": []}
+    console = Console(record=True, width=200)
+    console.print(render.locks_table({"locks": [lock], "lock_count": 11}))
+    text = console.export_text()
+    assert "71 µs" in text and "2 min 5 s" in text and "e-05" not in text, text
 
 
 def test_live_view_renders_and_stops_after_count(region):

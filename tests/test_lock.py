@@ -3,12 +3,15 @@ incremented with a plain read-modify-write stay exact under the lock (plain
 mode and under the non-coherence simulator) and lose updates without it."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from agents import RunningAgent
 from counters import counter_offset, finish_counters, start_counters
 from procs import Worker
 from tract_cli.core.errors import LockTimeout
+from tract_cli.core.locks import (LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, lock_count,
+                                  lock_name, stripe_lock)
 from tract_cli.core.pool import Pool
 
 NODES, PER_NODE = 4, 2
@@ -50,7 +53,7 @@ def test_every_node_gets_the_lock(region):
                 w.send("counter_loop", off=off, iterations=200, use_lock=True)
             for w in workers:
                 w.recv("counter_loop", timeout=300)
-            counts = [w.call("lock_stats", lock_id=1)[0] for w in workers]
+            counts = [w.call("lock_stats", lock_id=LOCK_OBJDIR)[0] for w in workers]
         finally:
             for w in workers:
                 w.close()
@@ -60,53 +63,96 @@ def test_every_node_gets_the_lock(region):
 def test_a_lock_held_elsewhere_times_out_naming_the_holder(region):
     with RunningAgent(region, 0, manager=True):
         with Worker(region, 2) as holder:
-            holder.call("lock_acquire", lock_id=0)
+            holder.call("lock_acquire", lock_id=LOCK_ALLOCATOR)
             with Pool.attach(region, node=1) as p:
                 with pytest.raises(LockTimeout, match=r"allocator .* held by node 2 pid \d+"):
-                    p.locks.acquire(0, timeout=0.3)
-            holder.call("lock_release", lock_id=0)
+                    p.locks.acquire(LOCK_ALLOCATOR, timeout=0.3)
+            holder.call("lock_release", lock_id=LOCK_ALLOCATOR)
             with Pool.attach(region, node=1) as p:
-                with p.locks.hold(0, timeout=30):
+                with p.locks.hold(LOCK_ALLOCATOR, timeout=30):
                     pass
+                mine = p.locks.stats(LOCK_ALLOCATOR)
+                assert mine.acquired >= 1 and mine.wait_s >= 0
+                assert p.locks.totals().acquired >= mine.acquired
 
 
 def test_without_a_manager_acquire_times_out_with_a_hint(region):
     with Pool.attach(region, node=1) as p:
         with pytest.raises(LockTimeout, match="no grant was issued .*manager"):
-            p.locks.acquire(3, timeout=0.2)
+            p.locks.acquire(stripe_lock(0), timeout=0.2)
         # the withdrawn request left the slot IDLE: a manager started now grants at once
         with RunningAgent(region, 0, manager=True):
-            with p.locks.hold(3, timeout=30):
+            with p.locks.hold(stripe_lock(0), timeout=30):
                 pass
+
+
+def test_lock_ids_are_the_documented_ones(region):
+    """docs/FORMAT.md §4: 0 allocator, 1 object directory, 2 transfer table,
+    then 3 + s for index stripe s; the region has one lock per stripe more."""
+    assert (LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, stripe_lock(0)) == (0, 1, 2, 3)
+    assert [lock_name(i) for i in range(4)] == ["allocator", "object directory",
+                                                "transfer table", "index stripe 0"]
+    with Pool.attach(region, readonly=True, prefault=False) as p:
+        assert p.locks.count == lock_count(p.info.index_stripes)
+        assert lock_name(p.locks.count - 1) == f"index stripe {p.info.index_stripes - 1}"
+
+
+def test_the_core_takes_the_locks_python_names(region):
+    """The fixed lock ids are private #defines of the C files that take them:
+    while another process holds the lock Python names for a structure, the
+    core's operation on that structure waits for it."""
+    with Pool.attach(region, readonly=True, prefault=False) as p:
+        stripes = p.info.index_stripes
+    keys = np.zeros((2, 16), np.uint8)
+    keys[0, 0] = 1                    # in stripe 0: published in a handoff
+    keys[1, 13] = stripes - 1         # bytes 8-15, bits 40 and up, pick the stripe
+    with RunningAgent(region, 0, manager=True), Worker(region, 2) as holder, \
+            Pool.attach(region, node=1) as p:
+        block = np.zeros((1, p.info.block_bytes), np.uint8)
+        steps = [  # (the lock, what makes the operation need it, the operation)
+            (LOCK_ALLOCATOR, p.allocator.drain,        # no slot in the node's free list
+             lambda: p.allocator.alloc(1, timeout=0.3)),
+            (LOCK_OBJDIR, None, lambda: p.objects.put("x", 0, 0, timeout=0.3)),
+            (LOCK_TRANSFER, lambda: p.index.put(keys[:1], block),
+             lambda: p.handoffs.publish("r", keys[:1], 1, timeout=0.3)),
+            (stripe_lock(stripes - 1), None, lambda: p.index.put(keys[1:], block, timeout=0.3))]
+        for lock, prepare, operation in steps:
+            if prepare is not None:
+                prepare()
+            holder.call("lock_acquire", lock_id=lock)
+            with pytest.raises(LockTimeout):
+                operation()
+            holder.call("lock_release", lock_id=lock)
+            operation()                # and goes through once it is free
 
 
 def test_release_without_acquire_is_an_error(region):
     from tract_cli.core.errors import TractError
     with Pool.attach(region, node=1) as p:
         with pytest.raises(TractError, match="not held"):
-            p.locks.release(0)
+            p.locks.release(LOCK_ALLOCATOR)
 
 
 def test_a_dead_holders_lock_is_recovered_by_the_next_process_of_its_node(region):
     with RunningAgent(region, 0, manager=True):
         dead = Worker(region, 2)
-        dead.call("lock_acquire", lock_id=1)
+        dead.call("lock_acquire", lock_id=LOCK_OBJDIR)
         dead.kill()
         dead.close()
         with Worker(region, 2) as successor:                 # same node: EOWNERDEAD
-            assert successor.call("lock_acquire", lock_id=1, timeout=30) is True
-            successor.call("lock_release", lock_id=1)
+            assert successor.call("lock_acquire", lock_id=LOCK_OBJDIR, timeout=30) is True
+            successor.call("lock_release", lock_id=LOCK_OBJDIR)
 
 
 def test_the_nodes_agent_releases_a_dead_holders_lock(region):
     with RunningAgent(region, 0, manager=True), RunningAgent(region, 2, manager=False):
         dead = Worker(region, 2)
-        dead.call("lock_acquire", lock_id=1)
+        dead.call("lock_acquire", lock_id=LOCK_OBJDIR)
         dead.kill()
         dead.close()
         # no process of node 2 ever asks again: the agent of node 2 releases it
         with Pool.attach(region, node=1) as p:
-            with p.locks.hold(1, timeout=30):
+            with p.locks.hold(LOCK_OBJDIR, timeout=30):
                 pass
 
 
@@ -122,13 +168,14 @@ def test_a_broken_local_mutex_is_reported_with_its_own_error(region_path):
     from tract_cli.core.local import local_path
     from tract_cli.core.native import ffi
     Pool.create(region_path, 8 << 20, "tiny", nodes=2).close()
+    lock = stripe_lock(2)
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
         path = local_path(p.info.uuid, 1)
         with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
             locks_off = struct.unpack_from("<Q", mm, 56)[0]   # struct tract_local_hdr
-            mutex = locks_off + 5 * 64                          # lock 5's record
+            mutex = locks_off + lock * 64                       # the lock's record
             struct.pack_into("<i", mm, mutex + 16, 0x7F)        # pthread_mutex_t.__kind
         ffi.errno = 0
         with pytest.raises(TractError) as exc:
-            p.locks.acquire(5, timeout=1.0)
+            p.locks.acquire(lock, timeout=1.0)
         assert os.strerror(errno.EINVAL) in str(exc.value)

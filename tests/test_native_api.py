@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import platform
 import re
 
 import pytest
@@ -35,7 +36,7 @@ def test_crc32_matches_zlib():
     assert lib.tract_crc32(data, len(data)) == zlib.crc32(data)
 
 
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="an x86-64 check")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 check")
 def test_cpu_features_on_x86():
     feats = cpu_features()
     assert "x86_64" in feats          # the core detected the machine it runs on

@@ -8,7 +8,11 @@ import pytest
 from agents import RunningAgent
 from procs import Worker
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.objects import ObjectRef
 from tract_cli.core.pool import Pool
+
+OBJDIR_ENTRY = struct.Struct("<40sQQII")       # one object-directory entry (FORMAT.md §4.3)
+OBJDIR_FIELDS = ("name", "offset", "size", "seq", "flags")
 
 
 @pytest.fixture
@@ -41,12 +45,13 @@ def test_names_and_ranges_are_validated(region):
                 p.objects.put("one-too-many", 0, 1)
             assert p.objects.delete("n3")
             p.objects.put("one-too-many", 0, 1)
+            assert p.objects.get("one-too-many") == ObjectRef(offset=0, size=1)
 
 
 def test_a_corrupt_entry_is_reported_not_followed(region):
     with Pool.attach(region, node=1) as p:
         off = p.info.section("objdir").offset
-        entry = b"evil".ljust(40, b"\0") + struct.pack("<QQII", 1 << 60, 64, 1, 0)
+        entry = OBJDIR_ENTRY.pack(b"evil", 1 << 60, 64, 1, 0)
         p.publish(off, entry)
         with pytest.raises(TractError, match="points outside the region"):
             p.objects.get("evil")

@@ -5,7 +5,7 @@ import pytest
 
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model, model_names
-from tract_cli.core.units import format_size, parse_size
+from tract_cli.core.units import format_duration, format_size, parse_size
 
 
 @pytest.mark.parametrize("name,per_token,per_block", [
@@ -58,3 +58,14 @@ def test_format_size():
     assert format_size(2 << 20) == "2 MiB"
     assert format_size(504 << 14) == "7.88 MiB"
     assert format_size(10) == "10 B"
+
+
+@pytest.mark.parametrize("seconds,text", [
+    (0, "0 s"), (8.5e-7, "850 ns"), (7.1e-05, "71 µs"), (0.0012, "1.2 ms"),
+    (0.00123456, "1.23 ms"), (0.99996, "1 s"), (3.4, "3.4 s"), (59.94, "59.9 s"),
+    (59.96, "1 min"), (125, "2 min 5 s"), (3599.6, "1 h"), (3725, "1 h 2 min"),
+    (2 * 86400 + 4 * 3600, "2 d 4 h"), (-2.5, "-2.5 s"), (float("inf"), "∞"),
+])
+def test_format_duration(seconds, text):
+    """Three figures under a minute, never an exponent; whole units above."""
+    assert format_duration(seconds) == text

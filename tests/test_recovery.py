@@ -18,6 +18,7 @@ from conftest import remove_region
 from index_check import check_index
 from procs import Worker
 from tract_cli.core.agent import recover_dead_processes
+from tract_cli.core.locks import LOCK_ALLOCATOR, stripe_lock
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import snapshot
@@ -240,7 +241,8 @@ def test_a_holder_killed_inside_a_pin_update_leaves_counts_that_are_repaired(reg
     between leaves the count ahead. Whoever recovers the dead holder's stripe
     lock -- the node's agent, or the node's next process to take the lock --
     repairs the stripe before anyone else enters it."""
-    stripe, lock_id = 1, 3 + 1
+    stripe = 1
+    lock_id = stripe_lock(stripe)
     holder = Worker(region, 2)
     holder.call("lock_acquire", lock_id=lock_id)
     _tear_pins(region, stripe, 2)
@@ -266,10 +268,10 @@ def test_draining_the_free_list_after_the_allocator_holder_died(region):
         first.call("free", slots=slots)                 # in node 1's free list now
         assert set(slots) <= set(first.call("local_free"))   # with the rest of its batch
     holder = Worker(region, 1)
-    holder.call("lock_acquire", lock_id=0)
+    holder.call("lock_acquire", lock_id=LOCK_ALLOCATOR)
     killed(holder)
     with Worker(region, 1) as successor:
         successor.call("drain")
         assert successor.call("local_free") == []
-        successor.call("lock_acquire", lock_id=0, timeout=5.0)   # released: free again
-        successor.call("lock_release", lock_id=0)
+        successor.call("lock_acquire", lock_id=LOCK_ALLOCATOR, timeout=5.0)   # released: free again
+        successor.call("lock_release", lock_id=LOCK_ALLOCATOR)

@@ -21,12 +21,16 @@ from agents import RunningAgent
 from counters import finish_counters, start_counters
 from tract_cli.core.agent import NODE_ALIVE, NODE_LINE, current_manager, read_nodes
 from tract_cli.core.errors import LockTimeout
+from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
 
 NODES = 4
-MGR_LINE = struct.Struct("<IIQQQQ")      # granted_node, last_node, grant_seq, grant_ns, req, token
-SLOT_LINE = struct.Struct("<IIQQQQ")     # state, pid, epoch, request_seq, since_ns, grant_token
+LOCK = LOCK_OBJDIR     # the lock these tests contend for: any one would do
+MGR_LINE = struct.Struct("<IIQQQQ")
+MGR_FIELDS = ("granted_node", "last_node", "grant_seq", "grant_ns", "granted_req", "token")
+SLOT_LINE = struct.Struct("<IIQQQQ")
+SLOT_FIELDS = ("state", "pid", "epoch", "request_seq", "since_ns", "grant_token")
 IDLE, WAITING, LOCKED = 0, 1, 2
 
 
@@ -128,8 +132,8 @@ def test_a_restarted_agent_resumes_its_nodes_manager(region, tmp_path):
     with RunningAgent(region, 0, manager=False):
         wait_for("node 0's new agent resuming the manager", lambda: manager_node(region) == 0)
         with Pool.attach(region, node=2) as p:
-            p.locks.acquire(1, timeout=30)
-            p.locks.release(1)
+            p.locks.acquire(LOCK, timeout=30)
+            p.locks.release(LOCK)
 
 
 def test_two_managers_started_at_once_end_as_one(region, tmp_path):
@@ -188,16 +192,16 @@ def test_a_grant_of_a_superseded_manager_is_never_entered(region, simulate):
             Pool.attach(region, node=2, simulate=simulate) as p:
         old = claim(admin, 0, 1)
         new = claim(admin, 1, 2)
-        forge_grant(admin, 1, 2, 1, old)           # node 2's next request, old token
+        forge_grant(admin, LOCK, 2, 1, old)        # node 2's next request, old token
         with pytest.raises(LockTimeout):
-            p.locks.acquire(1, timeout=0.3)
-        state, _, _, req, _, _ = read_line(admin, 1, 3)
+            p.locks.acquire(LOCK, timeout=0.3)
+        state, _, _, req, _, _ = read_line(admin, LOCK, 3)
         assert state == IDLE and req == 1           # it withdrew; it never entered
-        forge_grant(admin, 1, 2, 2, new)            # the current manager's grant of request 2
-        p.locks.acquire(1, timeout=5)
-        state, _, _, req, _, token = read_line(admin, 1, 3)
+        forge_grant(admin, LOCK, 2, 2, new)         # the current manager's grant of request 2
+        p.locks.acquire(LOCK, timeout=5)
+        state, _, _, req, _, token = read_line(admin, LOCK, 3)
         assert (state, req, token) == (LOCKED, 2, new)
-        p.locks.release(1)
+        p.locks.release(LOCK)
 
 
 def test_a_new_manager_adopts_the_holder_from_the_locked_slots(region):
@@ -206,20 +210,20 @@ def test_a_new_manager_adopts_the_holder_from_the_locked_slots(region):
         # node 2 entered under the last manager; node 3 is a leftover of an older
         # one that will withdraw; line 0 was overwritten by a stale grant to 3
         for node, token in ((2, t_old), (3, t_older)):
-            admin.publish(lock_line(admin, 1, 1 + node),
+            admin.publish(lock_line(admin, LOCK, 1 + node),
                           SLOT_LINE.pack(LOCKED, os.getpid(), 1, 5, time.time_ns(), token)
                           .ljust(64, b"\0"))
-        forge_grant(admin, 1, 3, 5, t_older)
+        forge_grant(admin, LOCK, 3, 5, t_older)
         mine = claim(admin, 1, 3)
         out = ffi.new("tract_manager **")
         assert lib.tract_manager_start(admin._r(), 1000000, out) == 0
         try:
             line = wait_for("the adopted grant", lambda: (lambda l: l if l[5] == mine else None)(
-                read_line(admin, 1, 0)))
+                read_line(admin, LOCK, 0)))
             assert line[0] == 2 + 1 and line[4] == 5      # node 2 keeps the lock
             # a stale write to line 0 is repaired by the next scan
-            forge_grant(admin, 1, 3, 5, t_older)
-            wait_for("line 0 repaired", lambda: read_line(admin, 1, 0)[5] == mine)
+            forge_grant(admin, LOCK, 3, 5, t_older)
+            wait_for("line 0 repaired", lambda: read_line(admin, LOCK, 0)[5] == mine)
             # a later claim supersedes this manager at its next scan
             claim(admin, 0, 4)
             by = ffi.new("uint64_t *")
@@ -260,9 +264,9 @@ def test_under_the_simulator_every_party_sees_the_new_claim(region):
         old_token = claim(old_host, 0, 1)
         assert lib.tract_manager_start(old_host._r(), 1000000, out_old) == 0
         try:
-            p.locks.acquire(1, timeout=10)               # p caches the claims
-            p.locks.release(1)
-            holder.locks.acquire(1, timeout=10)          # node 3 holds lock 1 under 1.0
+            p.locks.acquire(LOCK, timeout=10)            # p caches the claims
+            p.locks.release(LOCK)
+            holder.locks.acquire(LOCK, timeout=10)       # node 3 holds LOCK under 1.0
             new_token = claim(new_host, 1, 2)
             by = ffi.new("uint64_t *")
             wait_for("the old manager stopping",
@@ -270,19 +274,19 @@ def test_under_the_simulator_every_party_sees_the_new_claim(region):
         finally:
             lib.tract_manager_stop(out_old[0])
         # a grant of node 2's next request under the old token: never entered
-        req = read_line(old_host, 1, 3)[3] + 1
-        forge_grant(old_host, 1, 2, req, old_token)
+        req = read_line(old_host, LOCK, 3)[3] + 1
+        forge_grant(old_host, LOCK, 2, req, old_token)
         with pytest.raises(LockTimeout):
-            p.locks.acquire(1, timeout=0.3)
+            p.locks.acquire(LOCK, timeout=0.3)
         assert lib.tract_manager_start(new_host._r(), 1000000, out_new) == 0
         try:
             line = wait_for("the adopted grant", lambda: (lambda l: l if l[5] == new_token
-                                                          else None)(read_line(old_host, 1, 0)),
+                                                          else None)(read_line(old_host, LOCK, 0)),
                             timeout=10)
             assert line[0] == 3 + 1, "the new manager did not adopt node 3's hold"
-            holder.locks.release(1)
-            p.locks.acquire(1, timeout=10)               # under the new token
-            assert read_line(old_host, 1, 3)[5] == new_token
-            p.locks.release(1)
+            holder.locks.release(LOCK)
+            p.locks.acquire(LOCK, timeout=10)            # under the new token
+            assert read_line(old_host, LOCK, 3)[5] == new_token
+            p.locks.release(LOCK)
         finally:
             lib.tract_manager_stop(out_new[0])

@@ -16,6 +16,7 @@ import urllib.request
 from tests.servers import request
 from tract_cli.core.agent import read_nodes
 from tract_cli.core.errors import TractError
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import remove_region
 
@@ -93,7 +94,7 @@ def stop_stack(st: dict) -> None:
             continue
     deadline = time.monotonic() + 30
     for pid in pids:
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        while time.monotonic() < deadline and pid_alive(pid):
             time.sleep(0.05)      # waiting for another process to exit, bounded
     remove_region(pool)
 

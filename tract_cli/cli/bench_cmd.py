@@ -164,11 +164,11 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
                 "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right")
-    ms = lambda v: "—" if v is None else f"{v * 1e3:.1f} ms"
+    dur = lambda v: "—" if v is None else format_duration(v)
     for s in res["summaries"]:
-        table.add_row(str(s["input_len"]), s["config"], ms(s["ttft_mean_s"]), ms(s["ttft_p50_s"]),
-                      ms(s["ttft_p90_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_s"]),
-                      ms(s["decode_s"]),
+        table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
+                      dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
+                      dur(s["prefill_s"]), dur(s["decode_s"]),
                       "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < s["requests"]:
@@ -178,8 +178,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     render.stdout.print(table)
     for kind, fig in res["memcpy"].items():
         render.stdout.print(f"TraCT KV {kind[:-1]}: {fig['bytes'] / 2**20:.1f} MiB in "
-                            f"{fig['tract_ms']:.1f} ms; memcpy of the same bytes "
-                            f"{fig['memcpy_ms']:.2f} ms ({fig['ratio']:.1f}x)")
+                            f"{format_duration(fig['tract_ms'] / 1e3)}; memcpy of the same bytes "
+                            f"{format_duration(fig['memcpy_ms'] / 1e3)} ({fig['ratio']:.1f}x)")
     if json_file:
         try:
             with open(json_file, "w") as f:

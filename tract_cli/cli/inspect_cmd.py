@@ -10,6 +10,7 @@ from rich.live import Live
 
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
+from tract_cli.core.units import format_duration
 from tract_cli.inspect import snapshot
 from tract_cli.inspect.render import render as render_snapshot
 
@@ -52,8 +53,8 @@ def inspect(
         handler = lambda signum, frame: stop.set()
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            print(f"tract inspect: watching {pool} every {interval:g} s; Ctrl-C to stop",
-                  file=sys.stderr, flush=True)
+            print(f"tract inspect: watching {pool} every {format_duration(interval)}; "
+                  "Ctrl-C to stop", file=sys.stderr, flush=True)
             with Live(render_snapshot(snapshot.take(p, views, hold_warn)),
                       console=render.stdout, refresh_per_second=4, transient=False) as live:
                 shown = 1

@@ -115,10 +115,10 @@ def lock(
                       f"{c['fairness']:.2f}")
         render.stdout.print(t)
         render.stdout.print(
-            f"uncontended acquire+release: {r.uncontended_us:.1f} µs (median); "
-            f"alloc 375 slots: {r.alloc_375_cold_us:.0f} µs claiming from the region, "
-            f"{r.alloc_375_warm_us:.0f} µs from the node's free list; free 375: "
-            f"{r.free_375_us:.0f} µs")
+            f"uncontended acquire+release: {format_duration(r.uncontended_us / 1e6)} (median); "
+            f"alloc 375 slots: {format_duration(r.alloc_375_cold_us / 1e6)} claiming from the "
+            f"region, {format_duration(r.alloc_375_warm_us / 1e6)} from the node's free list; "
+            f"free 375: {format_duration(r.free_375_us / 1e6)}")
 
 
 @app.command("index")
@@ -143,17 +143,19 @@ def index(
         t.add_column("figure")
         t.add_column("value", justify="right")
         t.add_column("reference (same run)", justify="right")
-        t.add_row("block hashes", f"{r.hash_us:.1f} µs", "")
+        t.add_row("block hashes", format_duration(r.hash_us / 1e6), "")
         t.add_row("put (claim, allocate, NT copy, publish)", f"{r.put_gbps:.1f} GB/s",
                   f"memcpy {r.put_memcpy_gbps:.1f} GB/s ({r.put_gbps / r.put_memcpy_gbps:.2f}x)")
-        t.add_row("lookup + pin + unpin", f"{r.lookup_pin_us:.0f} µs",
-                  f"lookup + pin alone {r.details['lookup_pin_only_us']:.0f} µs")
+        t.add_row("lookup + pin + unpin", format_duration(r.lookup_pin_us / 1e6),
+                  f"lookup + pin alone {format_duration(r.details['lookup_pin_only_us'] / 1e6)}")
         t.add_row("read into a private buffer", f"{r.read_gbps:.1f} GB/s",
                   f"memcpy {r.read_memcpy_gbps:.1f} GB/s ({r.read_gbps / r.read_memcpy_gbps:.2f}x)")
-        t.add_row("copying handoff (publish, open, copy, ack)", f"{r.copy_handoff_ms:.2f} ms",
-                  f"metadata {r.copy_handoff_metadata_ms:.2f} ms "
+        t.add_row("copying handoff (publish, open, copy, ack)",
+                  format_duration(r.copy_handoff_ms / 1e3),
+                  f"metadata {format_duration(r.copy_handoff_metadata_ms / 1e3)} "
                   f"({100 * r.copy_handoff_metadata_ms / r.copy_handoff_ms:.0f}%)")
-        t.add_row("zero-copy handoff (publish, open, views, ack)", f"{r.zero_copy_handoff_ms:.2f} ms",
+        t.add_row("zero-copy handoff (publish, open, views, ack)",
+                  format_duration(r.zero_copy_handoff_ms / 1e3),
                   "metadata only")
         d = r.details
         for kind, what in (("first", "not swept: every slot evicted"),
@@ -165,9 +167,10 @@ def index(
             t.add_row(f"first read by this node, {what}", f"{d[kind + '_read_gbps']:.1f} GB/s",
                       f"memcpy {r.read_memcpy_gbps:.1f} GB/s "
                       f"({d[kind + '_read_gbps'] / r.read_memcpy_gbps:.2f}x)")
-            t.add_row(f"first copying handoff, {what}", f"{d[kind + '_copy_handoff_ms']:.2f} ms", "")
+            t.add_row(f"first copying handoff, {what}",
+                      format_duration(d[kind + '_copy_handoff_ms'] / 1e3), "")
             t.add_row(f"first zero-copy handoff, {what}",
-                      f"{d[kind + '_zero_copy_handoff_ms']:.2f} ms", "")
+                      format_duration(d[kind + '_zero_copy_handoff_ms'] / 1e3), "")
         render.stdout.print(t)
         render.stdout.print("Rows above the \"first\" ones read payloads this node read "
                             "before (prefix hits, a re-read): its payload ledger spares their "
@@ -188,8 +191,9 @@ def inspect_(
         render.print_json({**r.__dict__, "slowdown": r.slowdown})
         return
     render.stdout.print(
-        f"flush mode {r.flush_mode}: snapshot of every view, {r.buckets} buckets ({r.ready} READY): {r.snapshot_ms:.1f} ms "
-        f"(median of 10)\nlookup+unpin of a 375-block chain: {r.workload_ops_s:.0f}/s alone, "
+        f"flush mode {r.flush_mode}: snapshot of every view, {r.buckets} buckets ({r.ready} "
+        f"READY): {format_duration(r.snapshot_ms / 1e3)} (median of 10)\n"
+        f"lookup+unpin of a 375-block chain: {r.workload_ops_s:.0f}/s alone, "
         f"{r.workload_ops_s_watched:.0f}/s while `tract inspect --watch --interval {r.interval_s:g}` runs "
         f"({100 * (r.slowdown - 1):+.1f}% time per op); emulated /dev/shm region, 2 cores")
 

@@ -61,7 +61,7 @@ from tract_cli.core.geometry import normalize_dtype
 from tract_cli.core.errors import HandoffError, PoolFull
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.hashing import block_hashes, pool_root, request_keys
-from tract_cli.core.index import Lookup, as_keys
+from tract_cli.core.index import PUT_CLAIMED, Lookup, as_keys
 from tract_cli.core.pool import Pool
 
 if TYPE_CHECKING:
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 # a child of vLLM's logger: our lines appear in its log, in its format
 log = logging.getLogger("vllm.tract")
 
-CLAIMED = 4                      # reserve()'s status of a key this call claimed
 # TRACT_CONNECTOR_TIMINGS=1: one INFO line per load and per save with its time
 # (what `tract bench --engine vllm` reads); otherwise those lines are DEBUG
 TIMINGS = logging.INFO if os.environ.get("TRACT_CONNECTOR_TIMINGS") == "1" else logging.DEBUG
@@ -551,7 +550,7 @@ class TractConnector(KVConnectorBase_V1):
         except TractError as exc:
             log.warning("TraCT reserve failed, %d blocks not saved: %s", len(keys), exc)
             return None
-        mine = np.flatnonzero(status == CLAIMED)
+        mine = np.flatnonzero(status == PUT_CLAIMED)
         if not mine.size:
             return _SavePlan(keys, status, slots, tokens, mine, None, None)
         index = self._page_map.gather_index(pages[mine], subs[mine])

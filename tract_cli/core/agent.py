@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
@@ -59,16 +60,6 @@ def hostname() -> str:
 def on_this_host(rec: "NodeRecord") -> bool:
     """Whether REC was written by an agent of this host (as the node table keeps it)."""
     return rec.hostname == hostname().encode()[:23].decode(errors="replace")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether PID names a live (not zombie) process on this machine."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from tract_cli.core.errors import TractError
-from tract_cli.core.index import RESERVE_CLAIMED
+from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.native import ffi
 
 
@@ -89,7 +89,7 @@ class CudaPool:
     def put(self, keys, src) -> np.ndarray:
         """Zero-copy put from GPU memory: reserve, DMA, commit; returns the status."""
         status, slots = self.pool.index.reserve(keys)
-        claimed = np.flatnonzero(status == RESERVE_CLAIMED)
+        claimed = np.flatnonzero(status == PUT_CLAIMED)
         try:
             if len(claimed):
                 import torch

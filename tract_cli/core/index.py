@@ -19,11 +19,12 @@ from tract_cli.core.native import ffi, lib, raise_for
 if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
 
-PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room")
-# `reserve`'s status of a key this call claimed (its slot is the caller's to
-# write, then `commit`); its other statuses are PUT_STATUS's (native/tract.h)
-RESERVE_CLAIMED = lib.TRACT_PUT_CLAIMED
-RESERVE_WAS_READY = lib.TRACT_PUT_WAS_READY
+# the per-key status that put and reserve return (enum tract_put_status,
+# native/tract.h); PUT_STATUS names them, by value
+PUT_STORED, PUT_WAS_READY, PUT_WAS_PENDING, PUT_NO_ROOM, PUT_CLAIMED = (
+    lib.TRACT_PUT_STORED, lib.TRACT_PUT_WAS_READY, lib.TRACT_PUT_WAS_PENDING,
+    lib.TRACT_PUT_NO_ROOM, lib.TRACT_PUT_CLAIMED)
+PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room", "claimed")
 
 # a bucket's state in the buckets section (native/format.h, FORMAT.md): what
 # `tract check` and `tract inspect` read there
@@ -63,8 +64,7 @@ class PutResult:
     def pinned(self, hashes) -> np.ndarray:
         """The keys of HASHES a pinning put pinned: those it stored and those
         already READY (unpin them once the handoff holds its own pins)."""
-        ok = (self.status == PUT_STATUS.index("stored")) | \
-            (self.status == PUT_STATUS.index("already_ready"))
+        ok = (self.status == PUT_STORED) | (self.status == PUT_WAS_READY)
         return as_keys(hashes)[ok]
 
 
@@ -165,7 +165,7 @@ class PrefixIndex:
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
 
         Returns (status, slots); write block i into `pool.slot_array(slots[i])`
-        for every i with status[i] == RESERVE_CLAIMED, then call commit().  With
+        for every i with status[i] == PUT_CLAIMED, then call commit().  With
         PIN, keys already READY are pinned now (commit with pin=True pins the
         claimed ones); unpin `PutResult.pinned(keys)` after the handoff.
         """
@@ -225,9 +225,10 @@ class PrefixIndex:
         if n == 0:
             return
         if type(out).__module__.startswith("torch"):
+            import torch         # only when given a tensor: torch is a heavy import
             if out.device.type != "cpu":
                 raise UsageError("read copies into host memory", "pass a CPU tensor")
-            out = out.view(-1).view(dtype=__import__("torch").uint8).numpy()
+            out = out.view(-1).view(dtype=torch.uint8).numpy()
         dst = out.reshape(n, -1)
         if not dst.flags.c_contiguous or not dst.flags.writeable:
             raise UsageError("the output buffer must be writable and C-contiguous", "np.empty(...)")

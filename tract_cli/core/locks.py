@@ -1,25 +1,55 @@
 """The two-tier lock as a Python object: `with pool.locks.hold(lock_id): ...`.
 
-Lock ids: 0 allocator, 1 object directory, 2 transfer table, 3 + s index
-stripe s.  Every wait is bounded: a timeout raises LockTimeout naming the
-lock, the node and pid holding it and for how long.
+Every wait is bounded: a timeout raises LockTimeout naming the lock, the
+node and pid holding it and for how long.
+
+This module is the one Python definition of the lock ids (docs/FORMAT.md
+§4): the fixed locks -- 0 allocator, 1 object directory, 2 transfer table
+-- then one lock per index stripe, `FIRST_STRIPE_LOCK + s`.  Their count is
+the core's `TRACT_FIXED_LOCKS` (tract.h); the ids of the fixed locks are
+private to the C files that take them (LOCK_ALLOC in alloc.c, LOCK_OBJDIR in
+objdir.c, LOCK_TRANSFER in handoff.c), so they are written here once.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from tract_cli.core.errors import LockTimeout, NoLocalSegment, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.units import format_duration
 
-LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, FIRST_STRIPE_LOCK = 0, 1, 2, 3
+LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER = 0, 1, 2
+FIXED_LOCK_NAMES = ("allocator", "object directory", "transfer table")   # by lock id
+FIRST_STRIPE_LOCK = lib.TRACT_FIXED_LOCKS
+if len(FIXED_LOCK_NAMES) != FIRST_STRIPE_LOCK:
+    raise RuntimeError(f"the core has {lib.TRACT_FIXED_LOCKS} fixed locks, "
+                       f"tract_cli.core.locks names {len(FIXED_LOCK_NAMES)}")
 DEFAULT_TIMEOUT_S = 30.0
+
+
+class LockStats(NamedTuple):
+    """A node's local lock statistics (a tuple: `acquired, wait_s = ...` works)."""
+
+    acquired: int           # acquisitions by this node
+    wait_s: float           # seconds they spent acquiring
+
+
+def stripe_lock(stripe: int) -> int:
+    """The lock id of index stripe STRIPE."""
+    return FIRST_STRIPE_LOCK + stripe
+
+
+def lock_count(stripes: int) -> int:
+    """How many locks a region with STRIPES index stripes has."""
+    return FIRST_STRIPE_LOCK + stripes
 
 
 def lock_name(lock_id: int) -> str:
     """Human name of a lock id."""
-    fixed = {0: "allocator", 1: "object directory", 2: "transfer table"}
-    return fixed.get(lock_id, f"index stripe {lock_id - FIRST_STRIPE_LOCK}")
+    if 0 <= lock_id < FIRST_STRIPE_LOCK:
+        return FIXED_LOCK_NAMES[lock_id]
+    return f"index stripe {lock_id - FIRST_STRIPE_LOCK}"
 
 
 class Locks:
@@ -64,17 +94,17 @@ class Locks:
         finally:
             self.release(lock_id)
 
-    def stats(self, lock_id: int) -> tuple[int, float]:
-        """(acquisitions by this node, total seconds spent acquiring)."""
+    def stats(self, lock_id: int) -> LockStats:
+        """This node's acquisitions of LOCK_ID and the seconds they spent acquiring."""
         self._check(lock_id)
         acquired, wait = ffi.new("uint64_t *"), ffi.new("uint64_t *")
         raise_for(lib.tract_lock_stats(self._pool._r(), lock_id, acquired, wait), "lock stats")
-        return acquired[0], wait[0] / 1e9
+        return LockStats(acquired[0], wait[0] / 1e9)
 
-    def totals(self) -> tuple[int, float]:
-        """(acquisitions, seconds spent acquiring) by this node over every lock."""
+    def totals(self) -> LockStats:
+        """This node's acquisitions and seconds spent acquiring, over every lock."""
         stats = [self.stats(i) for i in range(self.count)]
-        return sum(a for a, _ in stats), sum(w for _, w in stats)
+        return LockStats(sum(s.acquired for s in stats), sum(s.wait_s for s in stats))
 
     def _check(self, lock_id: int) -> None:
         if not 0 <= lock_id < self.count:

@@ -1,8 +1,17 @@
 """The object store: named roots in the region (the paper's cxl_shm_put/get)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
 from tract_cli.core.native import lib, ffi, raise_for
+
+
+class ObjectRef(NamedTuple):
+    """Where a named object lives (a tuple: `offset, size = ...` works)."""
+
+    offset: int             # region offset
+    size: int               # bytes
 
 
 class ObjectStore:
@@ -26,8 +35,8 @@ class ObjectStore:
             raise PoolFull("the object directory is full (64 names)", "delete unused names")
         raise_for(rc, f"object {name!r}")
 
-    def get(self, name: str) -> tuple[int, int] | None:
-        """(offset, size) of NAME, or None if absent."""
+    def get(self, name: str) -> ObjectRef | None:
+        """Where NAME lives, or None if absent."""
         off, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
         rc = lib.tract_obj_get(self._pool._r(), self._name(name), off, size)
         if rc == lib.TRACT_E_NOT_FOUND:
@@ -36,7 +45,7 @@ class ObjectStore:
             raise CorruptRegion(f"object {name!r} points outside the region (corrupt directory)",
                              "run `tract check` on the region")
         raise_for(rc, f"object {name!r}")
-        return off[0], size[0]
+        return ObjectRef(off[0], size[0])
 
     def delete(self, name: str, timeout: float = 30.0) -> bool:
         """Removes NAME; returns False if it was absent."""

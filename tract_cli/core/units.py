@@ -1,6 +1,7 @@
 """Sizes and durations with units, parsed and printed the way users write them."""
 from __future__ import annotations
 
+import math
 import re
 
 from tract_cli.core.errors import UsageError
@@ -38,8 +39,32 @@ def format_size(n: int) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    """Formats a duration with a unit that keeps 3 significant figures."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+    """A duration the way people read one: '850 ns', '71 µs', '1.23 ms', '3.42 s'
+    (3 significant figures under a minute), '2 min 5 s', '3 h 12 min', '2 d 4 h'
+    (whole units above); a negative one (a deadline already past) with a '-'."""
+    if math.isnan(seconds):
+        return "? s"
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    if math.isinf(seconds):
+        return "∞"
+    if seconds == 0:
+        return "0 s"
+    if seconds < 59.95:               # what 3 figures would still print in seconds
+        for unit, scale in (("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+            value = float(f"{seconds / scale:.3g}")
+            if value < 1000 or unit == "s":
+                return f"{value:g} {unit}"
+    whole = round(seconds)
+    if whole < 3600:
+        return _two_units(whole, 60, "min", "s")
+    minutes = round(seconds / 60)
+    if minutes < 24 * 60:
+        return _two_units(minutes, 60, "h", "min")
+    return _two_units(round(seconds / 3600), 24, "d", "h")
+
+
+def _two_units(count: int, per: int, big: str, small: str) -> str:
+    """COUNT small units as '<n> BIG[ <m> SMALL]' (PER small units to a big one)."""
+    hi, lo = divmod(count, per)
+    return f"{hi} {big}" + (f" {lo} {small}" if lo else "")

@@ -5,9 +5,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from tract_cli.core.units import format_duration
 
-def _s(v, unit: str = "s") -> str:
-    return "-" if v is None else f"{v:.3g} {unit}"
+
+def _s(seconds: float | None) -> str:
+    """A duration cell ('-' when the snapshot has none)."""
+    return "-" if seconds is None else format_duration(seconds)
 
 
 def nodes_table(v: dict) -> Table:
@@ -92,7 +95,7 @@ RENDER = {"nodes": nodes_table, "locks": locks_table, "index": index_table,
 
 def render(snap: dict) -> Group:
     parts = [Text(f"{snap['region']} ({snap['medium']}, model {snap['model']}) — snapshot "
-                  f"{snap['snapshot_ms']:.1f} ms", style="bold")]
+                  f"{format_duration(snap['snapshot_ms'] / 1e3)}", style="bold")]
     for name, fn in RENDER.items():
         if name in snap:
             parts.append(fn(snap[name]))

@@ -15,9 +15,11 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.agent import current_manager, on_this_host, pid_alive, read_nodes, token_text
+from tract_cli.core.agent import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.locks import lock_name
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
+from tract_cli.core.units import format_duration
 
 SCHEMA_VERSION = 1
 LOCK_STATES = {0: "IDLE", 1: "WAITING", 2: "LOCKED"}
@@ -41,6 +43,8 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
                          ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
                          ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
                          ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
+ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
+                        ("releases", "<u8"), ("pad", "V32")])
 
 
 def _age(now: int, ns: int) -> float | None:
@@ -134,7 +138,7 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
             if here and pid and not pid_alive(pid):
                 row["flags"].append(f"holder pid {pid} is dead")
             if row["held_s"] is not None and row["held_s"] > hold_warn_s:
-                row["flags"].append(f"held longer than {hold_warn_s:g} s")
+                row["flags"].append(f"held longer than {format_duration(hold_warn_s)}")
         if row["grants"] or row["waiting"] or row["holder_node"] is not None:
             out.append(row)
     return {"locks": out, "lock_count": info.lock_count}
@@ -188,7 +192,7 @@ def alloc_view(rd: Sections) -> dict:
     n = info.slot_count
     bits = np.unpackbits(rd["bitmap"], bitorder="little")[:n].astype(bool)
     owners = rd["owners"][:n]
-    hdr = rd["alloc"][:32].view("<u8")
+    hdr = rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]
     b = rd["buckets"].view(BUCKET_DTYPE)
     ready_slots = b["slot"][(b["state"] == 2) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
     in_use = np.zeros(n, bool)
@@ -211,10 +215,10 @@ def alloc_view(rd: Sections) -> dict:
     runs = edges[1::2] - edges[0::2] if len(edges) else np.zeros(0, np.int64)
     return {"slots": n, "taken": int(bits.sum()), "free": int(free.sum()),
             "in_use": int(in_use.sum()), "claimed_not_in_use": int((bits & ~in_use).sum()),
-            "by_node": per_node, "header_used_slots": int(hdr[0]),
-            "batches_claimed": int(hdr[2]), "batches_released": int(hdr[3]),
+            "by_node": per_node, "header_used_slots": int(hdr["used_slots"]),
+            "batches_claimed": int(hdr["claims"]), "batches_released": int(hdr["releases"]),
             "free_runs": int(len(runs)), "largest_free_run": int(runs.max()) if len(runs) else 0,
-            "consistent": int(hdr[0]) == int(bits.sum()) and bool((bits == (owners > 0)).all())}
+            "consistent": int(hdr["used_slots"]) == int(bits.sum()) and bool((bits == (owners > 0)).all())}
 
 
 def handoffs_view(rd: Sections, now: int) -> dict:

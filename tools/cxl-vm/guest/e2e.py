@@ -38,12 +38,13 @@ import numpy as np
 from tract_cli.core.agent import read_nodes, run_foreground
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import snapshot
 
 COUNTER, MAILBOX, BARRIER = "e2e-counter", "e2e-mailbox", "e2e-barrier"
 LINE = 64
-COUNTER_LOCK = 1                # the lock the lock issue's counter test uses
+COUNTER_LOCK = LOCK_OBJDIR      # the lock the lock tests' counter uses
 COUNTER_PROCESSES = 2           # per node
 WAIT_S = 300.0                  # TCG guests are slow; a hang still fails
 
