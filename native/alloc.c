@@ -231,10 +231,38 @@ static int lock_alloc_mu(tract_region *r, uint64_t timeout_ns)
 	return TRACT_OK;
 }
 
-/* finishes (or, if the region was not touched, drops) the change a holder of
- * lock 0 died inside, from its intent (internal; alloc_mu and lock 0 held,
- * the lock inherited from the dead holder: nobody has entered since) */
-static void repair_intent(tract_region *r)
+/* the bitmap's population, observed a line at a time (internal; lock 0 held) */
+static uint64_t count_taken(tract_region *r)
+{
+	uint64_t slots = r->hdr.slot_count, bm = tract_sec(r, TRACT_SEC_BITMAP)->offset, n = 0;
+	uint8_t line[TRACT_LINE];
+	for (uint64_t lo = 0; lo < slots; lo += 512) {
+		tract_observe_line(r, bm + lo / 8, line);
+		for (uint32_t b = 0; b < 512 && lo + b < slots; b++)
+			n += (line[b / 8] >> (b % 8)) & 1;
+	}
+	return n;
+}
+
+/*
+ * Settles the change a holder of lock 0 died inside, from its intent
+ * (internal; alloc_mu and lock 0 held, inherited says whether with the dead
+ * holder's grant).  Every step rewrites what the region and the list say, so
+ * a repairer that dies repairing is repaired by the next one:
+ *  - a claim keeps exactly the staged slots whose bit the dead holder set (a
+ *    set bit with this node's owner byte: no other node claims a taken slot,
+ *    and this node's other claims list what they take): listed now; a staged
+ *    slot whose bit it never set gets its owner byte back to 0 if it was
+ *    this node's, and stays free;
+ *  - a release, with the grant (nobody entered since), is finished: its slots
+ *    were the caller's to give back; without it (the grant passed on, so
+ *    other nodes may have claimed what it had cleared) only this node's own
+ *    slots still taken are listed again, one whose owner byte it had cleared
+ *    is given back, and another node's stay as they are (at worst a leak, for
+ *    `tract check --repair`, never a slot twice);
+ *  - the header's used count is then recounted from the bitmap.
+ */
+static void repair_intent(tract_region *r, int inherited)
 {
 	struct tract_local_hdr *l = r->local;
 	uint32_t op = __atomic_load_n(&l->intent_op, __ATOMIC_ACQUIRE);
@@ -244,84 +272,74 @@ static void repair_intent(tract_region *r)
 	uint64_t base = l->intent_base;
 	uint32_t n = l->intent_n;
 	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
 	uint32_t *sorted = NULL;
-	struct tract_alloc_header h;
-	read_header(r, &h);
-	int touched = (op == INTENT_CLAIM ? h.claims : h.releases) != l->intent_count;
+	uint8_t me = (uint8_t)(r->node_id + 1);
 	if (base > slots || n > slots - base || (op != INTENT_CLAIM && op != INTENT_RELEASE))
 		goto done;                    /* not an intent this code wrote */
 	for (uint32_t i = 0; i < n; i++)
 		if (fl[base + i] >= slots)
 			goto done;
-	if (op == INTENT_CLAIM) {
-		if (!touched || l->free_count == base + n)
-			goto done;          /* nothing claimed yet, or all of it on the list */
-		/* the header counted them: finish the claim.  A slot another node
-		 * holds now (it cannot: the dead holder's grant never passed on)
-		 * is left to it and uncounted; a repeat (a repairer that died while
-		 * rewriting the entries) is listed once */
-		if (!(sorted = sorted_copy(fl + base, n)))
-			goto done;      /* out of memory: the next holder of lock 0 tries again */
+	if (op == INTENT_CLAIM && l->free_count == base + n)
+		goto done;                    /* listed already: the claim was whole */
+	/* the staged slots are past the list's end (a release's pop, done or not,
+	 * is undone here: they are unlisted until decided) */
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t s = fl[base + i];
+		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
+	}
+	__atomic_store_n(&l->free_count, base, __ATOMIC_RELEASE);
+	if (!(sorted = sorted_copy(fl + base, n)))
+		goto done;      /* out of memory: at worst a leak */
+	uint32_t m = 0;                   /* distinct (a repairer that died rewriting) */
+	for (uint32_t i = 0; i < n; i++)
+		if (!i || sorted[i] != sorted[i - 1])
+			sorted[m++] = sorted[i];
+	if (op == INTENT_RELEASE && inherited) {
+		set_owners(r, sorted, m, 0);
+		set_bits(r, sorted, m, 0, 1);
+		r->ops->fence(r);
+	} else {
 		uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
 		uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
-		uint32_t kept = 0, lost = 0;
-		for (uint32_t i = 0; i < n; i++) {
+		uint32_t keep = 0, unown = 0;
+		uint32_t *clear = malloc(((size_t)m + 1) * sizeof(*clear));
+		for (uint32_t i = 0; i < m; i++) {
 			uint32_t s = sorted[i];
-			if (i && s == sorted[i - 1])
-				continue;
 			uint8_t o[TRACT_LINE], b[TRACT_LINE];
 			tract_observe_line(r, owners + ((uint64_t)s & ~63ULL), o);
 			tract_observe_line(r, bm + ((uint64_t)s & ~511ULL) / 8, b);
-			if (((b[(s % 512) / 8] >> (s % 8)) & 1) && o[s % 64] != r->node_id + 1) {
-				lost++;
-				continue;
-			}
-			sorted[kept++] = s;
+			int set = (b[(s % 512) / 8] >> (s % 8)) & 1;
+			if (set && o[s % 64] == me)
+				fl[base + keep++] = s;      /* ours, taken, on no list: list it */
+			else if (!set && o[s % 64] == me && clear)
+				clear[unown++] = s;         /* never taken: not ours either */
+			else if (set && !o[s % 64] && op == INTENT_RELEASE && clear)
+				clear[unown++] = s;         /* its release got past the owner byte:
+							 * taken still, so nobody else's */
 		}
-		/* (lost ones stay counted in the header: tract check reports it;
-		 * every step here is then a rewrite of the same values, so a
-		 * repairer that dies repairing is repaired by the next one) */
-		(void)lost;
-		set_owners(r, sorted, kept, (uint8_t)(r->node_id + 1));
-		r->ops->fence(r);
-		set_bits(r, sorted, kept, 1, 1);
-		r->ops->fence(r);
-		if (kept < n) {
-			memcpy(fl + base, sorted, (size_t)kept * sizeof(*fl));
-			l->intent_n = kept;
+		if (unown) {
+			set_owners(r, clear, unown, 0);
+			r->ops->fence(r);
+			set_bits(r, clear, unown, 0, 1);   /* (clear ones stay clear) */
+			r->ops->fence(r);
 		}
-		push_staged(r, base, kept);
-	} else {
-		/* a release: its slots were the caller's to give back; finish it */
-		uint8_t *fb = free_bits(r);
-		for (uint32_t i = 0; i < n; i++) {
-			uint32_t s = fl[base + i];
-			__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
-		}
-		if (l->free_count > base)
-			__atomic_store_n(&l->free_count, base, __ATOMIC_RELEASE);
-		if (!(sorted = sorted_copy(fl + base, n)))
-			goto done;
-		if (!touched) {
-			h.used_slots -= set_bits(r, sorted, n, 0, 0);
-			h.releases++;
-			write_header(r, &h);
-		}
-		set_owners(r, sorted, n, 0);
-		set_bits(r, sorted, n, 0, 1);
-		r->ops->fence(r);
+		free(clear);
+		push_staged(r, base, keep);
 	}
+	struct tract_alloc_header h;
+	read_header(r, &h);
+	h.used_slots = count_taken(r);
+	write_header(r, &h);
 done:
 	free(sorted);
 	intent_end(r);
 }
 
-/* takes lock 0 (alloc_mu held), finishing first what a dead holder left
- * (internal).  Only a holder that inherits the dead holder's grant repairs:
- * then nobody entered since.  An intent still open without that (the dead
- * holder's grant passed on, e.g. across a manager takeover that did not keep
- * it) may have been overtaken by other nodes' changes: it is dropped, and
- * what it had done stays, at worst a leak for `tract check --repair`. */
+/* takes lock 0 (alloc_mu held), settling first what a dead holder left
+ * (internal): with its grant kept, nobody entered since; without it (the
+ * grant passed on, e.g. across a manager takeover) repair_intent keeps to
+ * what stays true whatever other nodes did meanwhile. */
 static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 {
 	struct tract_lock_req q;
@@ -331,10 +349,7 @@ static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 	rc = tract_lock_await(r, LOCK_ALLOC, &q, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
-	if (q.inherited)
-		repair_intent(r);
-	else if (__atomic_load_n(&r->local->intent_op, __ATOMIC_ACQUIRE) != INTENT_NONE)
-		intent_end(r);
+	repair_intent(r, q.inherited);
 	return TRACT_OK;
 }
 
@@ -625,7 +640,7 @@ int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
 	}
 	int rc = tract_lock_take_dead(r, id, withdrawn);
 	if (rc == TRACT_RECOVERED) {
-		repair_intent(r);
+		repair_intent(r, 1);
 		tract_lock_release(r, id);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);

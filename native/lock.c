@@ -70,10 +70,13 @@ static int grant_state(tract_region *r, uint32_t id, const struct tract_lock_nod
 }
 
 /* whether this node's slot names a dead process holding the lock: LOCKED by
- * a pid of this host that is gone, with a grant held or undecided (internal) */
-static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine)
+ * a pid of this host that is gone (owner_died: the local mutex said so), with
+ * a grant held or undecided (internal) */
+static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine,
+			int owner_died)
 {
-	return mine->state == TRACT_LOCK_LOCKED && tract_pid_dead(mine->pid) &&
+	return mine->state == TRACT_LOCK_LOCKED && mine->pid != (uint32_t)getpid() &&
+	       (owner_died || tract_pid_dead(mine->pid)) &&
 	       grant_state(r, id, mine) != GRANT_NOT_HELD;
 }
 
@@ -110,7 +113,7 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
-	if (held_by_dead(r, lock_id, &mine)) {
+	if (held_by_dead(r, lock_id, &mine, q->recovered)) {
 		/* a process of this node died holding the lock (whether or not this
 		 * lock of the mutex saw it die: the agent may have made the mutex
 		 * consistent and left the slot for later): keep its request, so the

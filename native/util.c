@@ -4,9 +4,13 @@
  * whether a pid of this host is gone.  It calls nothing else of the core.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdio.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -79,8 +83,24 @@ int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
 	return tract_sys_error(rc);   /* e.g. EINVAL: the segment's mutex is not a mutex */
 }
 
-/* whether pid (of this host) is gone (internal) */
+/* whether pid (of this host) is gone: no such process, or a zombie (it has
+ * exited and holds nothing; its parent just has not reaped it yet) (internal) */
 int tract_pid_dead(uint32_t pid)
 {
-	return pid && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+	if (!pid)
+		return 0;
+	if (kill((pid_t)pid, 0) < 0)
+		return errno == ESRCH;
+	char path[32], buf[512];
+	snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errno == ENOENT;          /* reaped meanwhile */
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	const char *end = strrchr(buf, ')');   /* the name may hold spaces and ')' */
+	return end && end[1] == ' ' && end[2] == 'Z';
 }

@@ -197,3 +197,26 @@ def test_a_slot_reallocated_after_a_death_inside_a_drain_stays_its_holders(regio
         with Worker(region, 2) as b:
             assert held[0] not in b.call("alloc", n=64), "a held slot went to another node"
     assert allocator_violations(region) == []
+
+
+def test_a_holder_that_died_but_is_not_reaped_yet_counts_as_dead(region):
+    """A process that died inside a claim and that its parent has not reaped
+    (a zombie: it holds nothing any more) is recovered by the agent at once,
+    not once the parent gets round to it."""
+    import time
+    w = dying(region, 1, "CLAIM_BITMAP", False)
+    w.send("alloc", n=3)
+    deadline = time.monotonic() + 60
+    while True:                      # polling a process the test does not reap
+        with open(f"/proc/{w.proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        assert time.monotonic() < deadline, "the worker did not die inside the claim"
+        time.sleep(0.01)
+    try:
+        assert agent_pass(region, 1).locks == 1
+        assert allocator_violations(region) == []
+        assert taken_slots(region) == free_lists(region)
+    finally:
+        w.proc.wait(timeout=30)
+        w.close()
