@@ -4,9 +4,12 @@ clear error (not a hang), SIGTERM drains in-flight requests and releases
 everything."""
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import signal
 import socket
+import time
 import urllib.request
 
 import numpy as np
@@ -151,6 +154,80 @@ def test_pool_full_of_pinned_blocks_is_a_clear_error(small):
         pool.allocator.drain()
         pool.close()
     complete(small, prompt=prompt(5, 100), max_tokens=2)
+
+
+def test_a_body_larger_than_the_limit_is_413_before_it_is_read(small):
+    """Told by Content-Length, the worker answers at once (and closes the
+    connection) instead of reading the body."""
+    from tract_cli.serve.app import MAX_BODY
+    host, port = small.decode.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n{" % (MAX_BODY + 1))
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    _error(413, json.loads(body), 413, "larger than")
+
+
+def test_a_client_that_leaves_mid_stream_releases_its_handoff(small):
+    """Zero copy pins the prompt's blocks until generation ends: a client that
+    closes its connection after the first event ends generation there (it does
+    not run to max_tokens) and the handoff is acknowledged at once."""
+    req = urllib.request.Request(small.decode.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": prompt(12, 40), "max_tokens": 4000,
+                                                  "temperature": 0, "stream": True,
+                                                  "kv_mode": "zero-copy"}).encode())
+    resp = urllib.request.urlopen(req, timeout=120)
+    assert resp.readline().startswith(b"data: ")
+    resp.close()
+    deadline = time.monotonic() + 60
+    while not any("stream cut after" in line for line in small.decode.lines):
+        assert time.monotonic() < deadline, small.decode.lines[-5:]
+        time.sleep(0.05)
+    cut = next(line for line in small.decode.lines if "stream cut after" in line)
+    assert int(re.search(r"cut after (\d+) tok", cut).group(1)) < 4000
+    _, text = request(small.decode.url + "/metrics")
+    assert metric(text, "requests_in_flight") == 0
+    from tract_cli.inspect.snapshot import take
+    with Pool.attach(small.path, node=3, readonly=True, prefault=False) as pool:
+        snap = take(pool)
+    assert snap["index"]["pinned_blocks"] == 0
+    assert snap["handoffs"]["in_flight"] == []
+
+
+def test_a_second_sigterm_stops_at_once_and_still_releases_everything(small):
+    """The first signal drains, the second stops without waiting: the stream
+    is cut, but its handoff is acknowledged and the region unmapped only once
+    no thread runs a step of it (never under one: no crash), exit code 0."""
+    dec = Server("serve-decode", "--pool", small.path, "--node", "3", "--prefill", small.prefill.url)
+    try:
+        req = urllib.request.Request(dec.url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": prompt(13, 40), "max_tokens": 4000,
+                                                      "temperature": 0, "stream": True,
+                                                      "kv_mode": "zero-copy"}).encode())
+        resp = urllib.request.urlopen(req, timeout=120)
+        assert resp.readline().startswith(b"data: ")
+        dec.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        dec.proc.send_signal(signal.SIGTERM)
+        try:
+            rest = resp.read()
+        except http.client.IncompleteRead as exc:    # cut: the chunked body never ended
+            rest = exc.partial
+        resp.close()
+        assert b"data: [DONE]" not in rest
+        assert dec.proc.wait(timeout=60) == 0, dec.lines[-10:]
+    finally:
+        dec.stop()
+    assert any("stopped" in line for line in dec.lines)
+    from tract_cli.inspect.snapshot import take
+    with Pool.attach(small.path, node=3, readonly=True, prefault=False) as pool:
+        snap = take(pool)
+    assert snap["index"]["pinned_blocks"] == 0
+    assert snap["handoffs"]["in_flight"] == []
 
 
 def test_sigterm_finishes_in_flight_stream_and_releases_everything(small):

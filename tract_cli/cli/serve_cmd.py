@@ -29,6 +29,9 @@ _ENGINE = typer.Option("reference", "--engine", help="reference (TraCT's own eng
                                                      "connector; docs/VLLM.md).")
 _VLLM_ARG = typer.Option(None, "--vllm-arg", help="An extra argument for vLLM's server "
                                                   "(repeatable), e.g. --vllm-arg=--max-model-len=4096.")
+_LOG_LEVEL = typer.Option("info", "--log-level",
+                          help="With --engine reference: debug, info (an access line per request "
+                               "and a line per prefill or completion), warning or error.")
 _AGENT = typer.Option(True, "--agent/--no-agent",
                       help="Start this node's agent if none runs (it stops by itself once the "
                            "node has had no process for 30 s).")
@@ -53,18 +56,34 @@ def _check_port(port: int) -> None:
         raise UsageError(f"port {port} is out of range", "use 1..65535 (0 picks a free one)")
 
 
-def _serve(worker, host: str, port: int, name: str) -> None:
-    from tract_cli.serve.httpd import JsonServer
+def _serve(worker, host: str, port: int, name: str, log_level: str) -> None:
+    """The worker's FastAPI app on uvicorn until SIGTERM/SIGINT; the worker is
+    closed (handoffs acknowledged, region unmapped) however this ends."""
     try:
-        server = JsonServer((host, port), worker.routes(), name)
-    except OSError as exc:
+        from tract_cli.serve import app
+        app.configure_logging(name, log_level)
+        asgi = app.make_app(worker.routes(), f"tract {name}")
+        try:
+            sock = app.listen(host, port)
+        except OSError as exc:
+            raise TractError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                             "pick another --port or stop what uses it") from None
+    except BaseException:
         worker.close()
-        raise TractError(f"cannot listen on {host}:{port}: {exc.strerror}",
-                         "pick another --port or stop what uses it") from None
-    addr = f"http://{server.server_address[0]}:{server.server_address[1]}"
-    print(f"tract {name}: node {worker.node} pid {os.getpid()} model {worker.engine.profile.name} "
-          f"pool {worker.pool.path}: listening on {addr}", file=sys.stderr, flush=True)
-    server.serve_until_signal(worker.close)
+        raise
+
+    def announce():
+        print(f"tract {name}: node {worker.node} pid {os.getpid()} model "
+              f"{worker.engine.profile.name} pool {worker.pool.path}: listening on "
+              f"{app.url_of(sock)}", file=sys.stderr, flush=True)
+    app.serve(asgi, sock, worker.close, announce)
+
+
+def _check_log_level(level: str) -> None:
+    from tract_cli.serve.app import LOG_LEVELS
+    if level not in LOG_LEVELS:
+        raise UsageError(f"--log-level {level!r} is not one of {', '.join(LOG_LEVELS)}",
+                         "pass --log-level info, for example")
 
 
 def _is_vllm(engine_name: str) -> bool:
@@ -131,12 +150,14 @@ def serve_prefill(
     simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
     cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
     engine_name: str = _ENGINE, vllm_args: Optional[List[str]] = _VLLM_ARG,
+    log_level: str = _LOG_LEVEL,
 ) -> None:
     """Prefill worker: computes prompts, writes KV to the pool, returns handoffs."""
     from tract_cli.serve.prefill import PrefillWorker
     if ttl <= 0:
         raise UsageError("--handoff-ttl must be positive", "pass seconds, e.g. 30")
     _check_port(port)
+    _check_log_level(log_level)
     if _is_vllm(engine_name):
         _serve_vllm("serve-prefill", pool, node, host, port, model_dir, vllm_args,
                     {"handoff_ttl_s": ttl, "simulate": simulate, "start_agent": agent}
@@ -146,7 +167,7 @@ def serve_prefill(
     engine = _engine(model_dir, profile, seed, threads)
     worker = PrefillWorker(pool, node, engine, simulate=simulate, flush_mode=flush_mode,
                            start_agent=agent, handoff_ttl_s=ttl)
-    _serve(worker, host, port, "serve-prefill")
+    _serve(worker, host, port, "serve-prefill", log_level)
 
 
 def serve_decode(
@@ -159,6 +180,7 @@ def serve_decode(
     simulate: bool = _SIM, flush_mode: Optional[str] = _FLUSH, numa_node: Optional[int] = _NUMA,
     cpus: Optional[str] = _CPUS, threads: Optional[int] = _THREADS, agent: bool = _AGENT,
     engine_name: str = _ENGINE, vllm_args: Optional[List[str]] = _VLLM_ARG,
+    log_level: str = _LOG_LEVEL,
     engine_port: int = typer.Option(0, "--engine-port", help="With --engine vllm: the port of the "
                                                            "decode vLLM behind the front door "
                                                            "(0: a free one)."),
@@ -166,6 +188,7 @@ def serve_decode(
     """Decode worker and front door: OpenAI /v1/completions, /health, /metrics."""
     from tract_cli.serve.decode import DecodeWorker, MODES
     _check_port(port)
+    _check_log_level(log_level)
     if _is_vllm(engine_name):
         _check_port(engine_port)
         for url in prefill:
@@ -188,7 +211,7 @@ def serve_decode(
     engine = _engine(model_dir, profile, seed, threads)
     worker = DecodeWorker(pool, node, engine, prefill, kv_mode=kv_mode, simulate=simulate,
                           flush_mode=flush_mode, start_agent=agent)
-    _serve(worker, host, port, "serve-decode")
+    _serve(worker, host, port, "serve-decode", log_level)
 
 
 def generate(

@@ -10,6 +10,7 @@ acknowledges the handoff, so no pin outlives a request.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
 from tract_cli.serve.engine import Sampling
-from tract_cli.serve.httpd import ApiError, UpstreamError, field, get_json, post_json
+from tract_cli.serve.api import ApiError, Peers, UpstreamError, field
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.prefill import MODES
 from tract_cli.serve.worker import PoolWorker, cache_salt
@@ -26,6 +27,8 @@ from tract_cli.serve.worker import PoolWorker, cache_salt
 PREFILL_TIMEOUT_S = 300.0
 HEALTH_PROBE_S = 2.0          # a prefill worker that does not answer /health in this is down
 MAX_TOKENS_DEFAULT = 16
+
+log = logging.getLogger("tract.serve.decode")
 
 
 class DecodeWorker(PoolWorker):
@@ -38,6 +41,7 @@ class DecodeWorker(PoolWorker):
             raise TractError(f"unknown KV mode {kv_mode!r}", f"use one of {', '.join(MODES)}")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.kv_mode = kv_mode
+        self.peers = Peers()
         self._rr = itertools.count()
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -71,7 +75,7 @@ class DecodeWorker(PoolWorker):
         reachable, down = [], []
         for url in self.prefill_urls:
             try:
-                got = get_json(url + "/health", HEALTH_PROBE_S)
+                got = self.peers.get_json(url + "/health", HEALTH_PROBE_S)
             except UpstreamError as exc:
                 down.append(str(exc))
                 continue
@@ -84,6 +88,10 @@ class DecodeWorker(PoolWorker):
         out["prefill"] = self.prefill_urls
         out["prefill_reachable"] = reachable
         return out
+
+    def close(self) -> None:
+        self.peers.close()
+        super().close()
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.engine.profile.name, "object": "model",
@@ -156,10 +164,11 @@ class DecodeWorker(PoolWorker):
         for i in range(len(self.prefill_urls)):
             url = self.prefill_urls[(start + i) % len(self.prefill_urls)]
             try:
-                return post_json(url + "/prefill", body, PREFILL_TIMEOUT_S)
+                return self.peers.post_json(url + "/prefill", body, PREFILL_TIMEOUT_S)
             except UpstreamError as exc:
                 if exc.status != 503 or exc.body is not None:   # the worker answered: relay
-                    err = (exc.body or {}).get("error", {})
+                    err = (exc.body or {}).get("error")
+                    err = err if isinstance(err, dict) else {}
                     raise ApiError(exc.status if 400 <= exc.status < 600 else 502,
                                    f"prefill worker: {err.get('message', str(exc))}",
                                    err.get("type", "upstream_error")) from None
@@ -279,14 +288,14 @@ class DecodeWorker(PoolWorker):
             ids.append(tok)
             text += delta
             finish = fin or finish
+        log.info("%s: %d+%d tok, %d hit blocks, ttft %.1f ms, %s", cid[:17], len(tokens), len(ids),
+                 meta["hit_blocks"], 1e3 * meta["ttft_s"], meta["kv_mode"])
         return {"id": cid, "object": "text_completion", "created": int(time.time()),
                 "model": self.engine.profile.name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(ids),
                           "total_tokens": len(tokens) + len(ids)},
-                "tract": {**meta, "token_ids": ids},
-                "_log": f"{cid[:17]} {len(tokens)}+{len(ids)} tok, {meta['hit_blocks']} hit blocks, "
-                        f"ttft {1e3 * meta['ttft_s']:.1f} ms, {meta['kv_mode']}"}
+                "tract": {**meta, "token_ids": ids}}
 
     def _sse(self, cid, meta, gen, stop):
         created, model = int(time.time()), self.engine.profile.name
@@ -298,10 +307,13 @@ class DecodeWorker(PoolWorker):
                 yield {"id": cid, "object": "text_completion", "created": created, "model": model,
                        "choices": [{"index": 0, "text": delta, "logprobs": None,
                                     "finish_reason": None}]}
+        except GeneratorExit:
+            log.info("%s: stream cut after %d tok (the client went away)", cid[:17], len(ids))
+            raise
         finally:
             gen.close()              # a client that went away: the handoff is acknowledged now
+        log.info("%s: stream %d tok, %d hit blocks, ttft %.1f ms, %s", cid[:17], len(ids),
+                 meta["hit_blocks"], 1e3 * meta["ttft_s"], meta["kv_mode"])
         yield {"id": cid, "object": "text_completion", "created": created, "model": model,
                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}],
                "tract": {**meta, "token_ids": ids}}
-        yield {"_log": f"{cid[:17]} stream {len(ids)} tok, ttft {1e3 * meta['ttft_s']:.1f} ms, "
-                       f"{meta['kv_mode']}"}

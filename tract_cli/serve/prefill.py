@@ -11,6 +11,7 @@ first token), so a full hit reuses all blocks but the last one.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -21,7 +22,7 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PutResult
 from tract_cli.serve.engine import Sampling
-from tract_cli.serve.httpd import ApiError, field
+from tract_cli.serve.api import ApiError, field
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.worker import PoolWorker, cache_salt
 
@@ -29,6 +30,8 @@ MODES = ("copy", "zero-copy")
 CLAIMED = 4                     # index.reserve status: slot claimed for this writer
 ALREADY_READY = 1               # index.reserve status: READY already (pinned with pin=True)
 PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
+
+log = logging.getLogger("tract.serve.prefill")
 
 
 class PrefillWorker(PoolWorker):
@@ -174,11 +177,11 @@ class PrefillWorker(PoolWorker):
                             ("handoffs_published_total", 1)):
             m.inc(name, value)
         m.observe("prefill_seconds", t["total"])
+        log.info("prefill rid=%s: %d tok, %d hit blocks, %s, %.1f ms", rid[:12], len(tokens), h,
+                 mode, 1e3 * t["total"])
         return {"request_id": rid, "ticket": ticket.to_dict(), "first_token": first,
                 "prompt_tokens": len(tokens), "hit_blocks": h, "computed_tokens": len(tokens) - h * bt,
-                "mode": mode, "timings": t,
-                "_log": f"rid={rid[:12]} {len(tokens)} tok, {h} hit blocks, {mode}, "
-                        f"{1e3 * t['total']:.1f} ms"}
+                "mode": mode, "timings": t}
 
     def _publish(self, rid, keys, token_count, tail, tail_tokens, wait_s: float):
         """Publishes the handoff.  Blocks another request still holds PENDING

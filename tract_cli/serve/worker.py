@@ -1,8 +1,10 @@
 """What prefill and decode workers share: the attached pool, the node agent,
 the pool lock, the common metrics.
 
-A worker is one process on one (emulated) node.  Its HTTP threads share one
-attached `Pool` and call into it concurrently, with no Python lock: the C
+A worker is one process on one (emulated) node.  Its requests are served on
+the HTTP stack's thread pool (serve/app.py: handlers block, the event loop
+must not) and share one attached `Pool`, calling into it concurrently with
+no Python lock: the C
 core is thread-safe (the two-tier lock orders processes and nodes, and a
 process's threads too -- its local tier is a mutex; the handle's held-lock
 table, journal, simulator cache and the node's claimed-slot free list each
@@ -16,6 +18,7 @@ from tract_cli.core.agent import start_node_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import pool_root
 from tract_cli.core.pool import Pool
+from tract_cli.serve.api import ApiError, field
 from tract_cli.serve.engine import Engine
 from tract_cli.serve.metrics import CONTENT_TYPE, Metrics
 
@@ -26,7 +29,6 @@ MAX_SALT_BYTES = 256
 
 def cache_salt(body: dict) -> str | None:
     """The request's `cache_salt` (vLLM's name): None, or 1..256 bytes."""
-    from tract_cli.serve.httpd import ApiError, field
     salt = field(body, "cache_salt", str)
     if salt is not None and not 1 <= len(salt.encode()) <= MAX_SALT_BYTES:
         raise ApiError(400, f"cache_salt must be 1 to {MAX_SALT_BYTES} bytes", param="cache_salt")
