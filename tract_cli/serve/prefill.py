@@ -20,15 +20,13 @@ import numpy as np
 from tract_cli.core.errors import HandoffError, PoolFull, RequestTooLarge
 from tract_cli.core.errors import TractError
 from tract_cli.core.hashing import request_keys
-from tract_cli.core.index import PutResult
+from tract_cli.core.index import PUT_CLAIMED, PUT_WAS_READY, PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.api import ApiError, field
 from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.worker import PoolWorker, cache_salt
 
 MODES = ("copy", "zero-copy")
-CLAIMED = 4                     # index.reserve status: slot claimed for this writer
-ALREADY_READY = 1               # index.reserve status: READY already (pinned with pin=True)
 PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
 
 log = logging.getLogger("tract.serve.prefill")
@@ -120,7 +118,7 @@ class PrefillWorker(PoolWorker):
             else:
                 pool.acquire_payload(hit.slots, hit.tags)
                 status, slots = pool.index.reserve(keys[h:], pin=True)
-                ready_pins = keys[h:][status == ALREADY_READY]
+                ready_pins = keys[h:][status == PUT_WAS_READY]
             t["lookup_load"] = time.perf_counter() - c
             m.observe("kv_load_seconds", t["lookup_load"])
             # the block table: hits, the new full blocks, the tail
@@ -130,7 +128,7 @@ class PrefillWorker(PoolWorker):
                 table.extend(POOL, hit.slots)
                 # claimed blocks are computed into their pool slots; the few another
                 # writer holds go to private scratch blocks
-                claimed = status == CLAIMED
+                claimed = status == PUT_CLAIMED
                 table.extend(np.where(claimed, POOL, PRIVATE),
                              np.where(claimed, slots, np.arange(h, full)))
                 if len(tokens) % bt:
