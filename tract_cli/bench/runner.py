@@ -43,6 +43,7 @@ import numpy as np
 
 from tract_cli.bench.workloads import Request, arrivals
 from tract_cli.core.errors import TractError
+from tract_cli.core.index import PUT_CLAIMED
 
 TRANSPORTS = ("tract-copy", "tract-zero-copy", "tcp")
 PENDING_WAIT_S = 10.0          # a block another worker is writing must be READY by then
@@ -170,7 +171,7 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         if transport == "tract-zero-copy":
             # computed straight into the slots: the compute's own stores (the
             # keys, and in full the blocks the decode side checks)
-            for i in np.flatnonzero(status == 4):
+            for i in np.flatnonzero(status == PUT_CLAIMED):
                 pos = hits + int(i)
                 dst = pool.slot_bytes(int(slots[i]))
                 if pos in (0, n - 1):
@@ -192,7 +193,7 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         if transport == "tcp":
             wrote = sorted({0, n - 1}) if n else []
         else:
-            done = (status == 4) if transport == "tract-zero-copy" else \
+            done = (status == PUT_CLAIMED) if transport == "tract-zero-copy" else \
                 (put.status == PUT_STATUS.index("stored"))
             wrote = [i for i in sorted({0, n - 1}) if n and i >= hits and done[i - hits]]
         out = {"rid": rid, "keys": keys.tobytes(), "t": t, "hits": hits, "blocks": n,
