@@ -37,6 +37,19 @@ def tiny_pool(region_path):
         pool.close()
 
 
+@pytest.fixture
+def managed_region(region_path):
+    """An 8 MiB region of the tiny model (4 nodes, 4 index stripes) with node
+    0's agent running the lock manager (stopped afterwards)."""
+    from agents import RunningAgent
+    from tract_cli.core.pool import Pool
+
+    Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
+    agent = RunningAgent(region_path, 0, manager=True)
+    yield region_path
+    agent.stop()
+
+
 # real vLLM (tests/test_vllm*.py): what every module can share is made once a session
 
 @pytest.fixture(scope="session")

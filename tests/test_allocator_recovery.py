@@ -8,13 +8,10 @@ consistent, with no offline repair. Real processes on emulated nodes, plain
 mode and the non-coherence simulator."""
 from __future__ import annotations
 
-import uuid
 
 import numpy as np
 import pytest
 
-from agents import RunningAgent
-from conftest import remove_region
 from procs import Worker
 from tract_cli.core.agent import recover_node
 from tract_cli.core.locks import LOCK_ALLOCATOR
@@ -27,13 +24,8 @@ RELEASE = ["RELEASE_POPPED", "RELEASE_HEADER", "RELEASE_OWNERS"]
 
 
 @pytest.fixture
-def region():
-    path = f"/dev/shm/tract-test-allocrec-{uuid.uuid4().hex[:8]}.pool"
-    Pool.create(path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
-    agent = RunningAgent(path, 0, manager=True)
-    yield path
-    agent.stop()
-    remove_region(path)
+def region(managed_region):
+    return managed_region
 
 
 def dying(path: str, node: int, point: str, simulate: bool) -> Worker:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from agents import RunningAgent
-from conftest import remove_region
 from index_check import check_index
 from procs import Worker
 from tract_cli.core.agent import recover_dead_processes
@@ -27,13 +25,8 @@ CHAIN = [0, 0, 11, 12]          # prefix_seed, prefix_blocks, suffix_seed, block
 
 
 @pytest.fixture
-def region():
-    path = f"/dev/shm/tract-test-recovery-{uuid.uuid4().hex[:8]}.pool"
-    Pool.create(path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
-    agent = RunningAgent(path, 0, manager=True)
-    yield path
-    agent.stop()
-    remove_region(path)
+def region(managed_region):
+    return managed_region
 
 
 def pins_of(path: str) -> dict:
