@@ -12,15 +12,13 @@
  *
  * Recovery (docs/PROTOCOLS.md §5.1).  Every change of the region's allocator
  * state (a claim, a release) runs under lock 0 and alloc_mu, and records an
- * intent in the local segment before it writes anything: the slots (in the
- * free list, past its end), and the header's claim or release count before
- * it.  The header is written first, so that count tells whether the region
- * was touched.  Whoever next holds lock 0 after a holder that died inside --
- * the node's agent, or its next process to take the lock, which keeps the
- * dead holder's grant so nobody else enters first -- finishes the change from
- * the intent, or drops it if the region was not touched.  A death elsewhere
- * under alloc_mu can only tear the free list against its bits, which the next
- * holder of alloc_mu rebuilds from the list.
+ * intent in the local segment before it writes anything: the operation and
+ * its slots (in the free list, past its end).  Whoever next takes alloc_mu
+ * after a holder that died inside settles the intent first, taking lock 0
+ * from the dead holder (its grant kept, so nobody else enters in between;
+ * the node's agent does the same every heartbeat): repair_intent.  A death
+ * elsewhere under alloc_mu can only tear the free list against its bits,
+ * which the next holder of alloc_mu rebuilds from the list.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -112,12 +110,11 @@ static void write_header(tract_region *r, const struct tract_alloc_header *h)
 }
 
 /* records the allocator's intent before it changes the region (internal; both locks held) */
-static void intent_begin(tract_region *r, uint32_t op, uint64_t base, uint32_t n, uint64_t count)
+static void intent_begin(tract_region *r, uint32_t op, uint64_t base, uint32_t n)
 {
 	struct tract_local_hdr *l = r->local;
 	l->intent_base = base;
 	l->intent_n = n;
-	l->intent_count = count;
 	__atomic_store_n(&l->intent_op, op, __ATOMIC_RELEASE);   /* after its fields */
 }
 
@@ -388,7 +385,7 @@ static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout
 	if (n && !sorted)
 		rc = TRACT_E_NOMEM;
 	if (sorted) {
-		intent_begin(r, INTENT_CLAIM, base, n, h.claims);
+		intent_begin(r, INTENT_CLAIM, base, n);
 		tract_maybe_die(TRACT_DIE_CLAIM_STAGED);
 		h.used_slots += n;
 		h.next_hint = (uint64_t)staged[n - 1] + 1;
@@ -425,7 +422,7 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop)
 		return TRACT_E_NOMEM;
 	struct tract_alloc_header h;
 	read_header(r, &h);
-	intent_begin(r, INTENT_RELEASE, base, n, h.releases);
+	intent_begin(r, INTENT_RELEASE, base, n);
 	if (pop)
 		pop_local(r, n, NULL);
 	tract_maybe_die(TRACT_DIE_RELEASE_POPPED);

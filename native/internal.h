@@ -98,7 +98,6 @@ struct tract_local_hdr {
 	uint32_t intent_op;     /* 0 none, 1 claim, 2 release */
 	uint32_t intent_n;      /* its slots */
 	uint64_t intent_base;   /* their position in the free list */
-	uint64_t intent_count;  /* the header's claims (releases) before it */
 	pthread_mutex_t agent_mu __attribute__((aligned(64)));
 	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
