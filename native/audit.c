@@ -32,10 +32,16 @@ int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t 
 	}
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
 		uint64_t first = (uint64_t)s * size;
-		for (uint64_t j = 0; j < size; j++) {
-			tract_observe_line(r, off + (first + j) * sizeof(struct tract_bucket), &stripe[j]);
-			state[j] = (uint8_t)(stripe[j].state <= TRACT_BUCKET_TOMBSTONE ? stripe[j].state : 0xFF);
+		/* the stripe's buckets in one observe (one fence, not one a bucket) */
+		int rc = tract_observe(r, off + first * sizeof(struct tract_bucket), stripe,
+				       size * sizeof(struct tract_bucket));
+		if (rc < 0) {
+			free(state);
+			free(stripe);
+			return rc;
 		}
+		for (uint64_t j = 0; j < size; j++)
+			state[j] = (uint8_t)(stripe[j].state <= TRACT_BUCKET_TOMBSTONE ? stripe[j].state : 0xFF);
 		for (uint64_t j = 0; j < size; j++) {
 			uint64_t i = first + j;
 			home[i] = broken[i] = 0;
