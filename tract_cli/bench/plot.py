@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tract_cli.bench import runner
+from tract_cli.bench import stats
 from tract_cli.core.errors import UsageError
 
 
@@ -35,7 +35,7 @@ def plot_results(res, path: str, title: str) -> None:
     names = [s["transport"] + (f"\n{s['group']}" if s.get("group") is not None else "")
              for s in res.summaries]
     bottom = np.zeros(len(names))
-    for stage in runner.STAGES:
+    for stage in stats.STAGES:
         vals = np.array([(s["stages_s"][stage] or {"mean": 0.0})["mean"] * 1e3
                          for s in res.summaries])
         if vals.any():

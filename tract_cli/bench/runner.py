@@ -33,7 +33,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue as queue_mod
 import socket
-import statistics
 import struct
 import threading
 import time
@@ -48,8 +47,6 @@ from tract_cli.core.index import PUT_CLAIMED
 TRANSPORTS = ("tract-copy", "tract-zero-copy", "tcp")
 PENDING_WAIT_S = 10.0          # a block another worker is writing must be READY by then
 WORKER_TIMEOUT_S = int(__import__("os").environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
-STAGES = ("queue", "hash", "lookup", "kv_load", "compute", "kv_write", "handoff_publish",
-          "handoff_open", "kv_read", "first_token", "ack")
 
 
 PATTERN_BYTES = 4093           # a prime: the stand-in differs block to block
@@ -329,13 +326,6 @@ class TransportResult:
         return [r["t"][name] for r in self.records if name in r["t"]]
 
 
-def handoff_s(rec: dict) -> float:
-    """Moving the KV from prefill to decode: writing it to the pool (or sending),
-    the handoff record, reading it out (or receiving)."""
-    t = rec["t"]
-    return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open", "kv_read"))
-
-
 def _lock_totals(path: str, nodes) -> tuple[float, int]:
     from tract_cli.core.pool import Pool
     wait, count = 0.0, 0
@@ -464,68 +454,3 @@ def _stop(procs) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=30)
-
-
-def memcpy_reference(nbytes: int, rounds: int = 3) -> float:
-    """Seconds for two copies of NBYTES (private -> buffer -> private), best of rounds."""
-    a = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
-    b, c = np.empty_like(a), np.empty_like(a)
-    np.copyto(b, a)
-    np.copyto(c, b)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        np.copyto(c, b)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _pct(v, q) -> float:
-    return float(np.percentile(v, q)) if len(v) else 0.0
-
-
-# transports with no prefix cache: a hit rate would be a figure of nothing
-NO_CACHE = ("tcp",)
-
-
-def summarize(r: TransportResult, block_bytes: int, block_tokens: int) -> dict:
-    """Per transport: TTFT, handoff and stage statistics (a stage no request
-    went through is None, not 0), hit rate (None without a prefix cache), KV
-    bytes moved and their rate (zero-copy: 0 bytes, rate None: nothing moves)."""
-    ttft = [x["ttft"] for x in r.records]
-    e2e = [x["e2e"] for x in r.records]
-    hand = [handoff_s(x) for x in r.records]
-    blocks = sum(x["blocks"] for x in r.records)
-    hits = sum(x["hits"] for x in r.records)
-    tokens = sum(x["tokens"] for x in r.records)
-    cache = r.transport.startswith("tract-")
-    if r.transport == "tract-zero-copy":
-        moved = 0                       # computed in place, attended in place
-    elif r.transport == "tract-copy":
-        # written: the blocks the request computed; read: every block
-        moved = sum((x["blocks"] - x["hits"] + x["blocks"]) * block_bytes for x in r.records)
-    else:
-        moved = blocks * block_bytes    # sent once
-    move_s = sum(x["t"].get("kv_write", 0.0) + x["t"].get("kv_read", 0.0) for x in r.records)
-    modelled = [x["modelled_compute"] for x in r.records if "modelled_compute" in x]
-
-    def stats(v):
-        if not v:
-            return None
-        return {"mean": statistics.fmean(v), "p50": _pct(v, 50), "p90": _pct(v, 90),
-                "p99": _pct(v, 99)}
-    return {"transport": r.transport, "requests": len(r.records),
-            "verified": bool(r.records) and all(x["ok"] for x in r.records),
-            "ttft_s": stats(ttft), "e2e_s": stats(e2e), "handoff_s": stats(hand),
-            "stages_s": {k: stats(r.stage(k)) for k in STAGES},
-            "modelled_compute_s": statistics.fmean(modelled) if modelled else None,
-            "hit_rate_blocks": (hits / blocks if blocks else 0.0) if cache else None,
-            "hit_rate_tokens": (hits * block_tokens / tokens if tokens else 0.0) if cache else None,
-            "throughput_rps": len(r.records) / r.wall_s if r.wall_s else 0.0,
-            "output_tokens_per_s": sum(x["output_len"] for x in r.records) / r.wall_s if r.wall_s else 0.0,
-            "kv_bytes_moved": moved,
-            "kv_gbps": moved / move_s / 1e9 if moved and move_s else None,
-            "lock_wait_s": r.lock_wait_s if r.lock_acquisitions else None,
-            "lock_acquisitions": r.lock_acquisitions,
-            "wall_s": r.wall_s}

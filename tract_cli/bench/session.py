@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tract_cli.bench import peers, prefix_sim, runner
+from tract_cli.bench import peers, prefix_sim, runner, stats
 from tract_cli.bench.micro import need_space, temp_region_path
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
@@ -221,7 +221,7 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
                 else:
                     res = runner.run_transport(path, tr, reqs, compute, prefill_workers,
                                                decode_workers, progress=tick)
-                s = runner.summarize(res, g.block_bytes, g.block_tokens)
+                s = stats.summarize(res, g.block_bytes, g.block_tokens)
                 s["group"] = label
                 summaries.append(s)
                 for rec in res.records:
@@ -243,7 +243,7 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
     refs = {}
     for label, reqs, _, _ in keyed:
         kv = int(np.mean([len(r.tokens) // g.block_tokens for r in reqs]) * g.block_bytes)
-        refs[label] = (kv, runner.memcpy_reference(kv))
+        refs[label] = (kv, stats.memcpy_reference(kv))
     for s in summaries:
         s["kv_bytes_mean"], s["memcpy_2x_s"] = refs[s["group"]]
     kv_mean, memcpy_2x = refs[keyed[-1][0]]

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tract_cli.bench import peers, runner, session, vllm_bench, workloads
+from tract_cli.bench import peers, runner, session, stats, vllm_bench, workloads
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
@@ -284,7 +284,7 @@ def _render(res, described, profile, compute_text, pw, dw):
     if sweep:
         st.add_column("input")
     st.add_column("transport")
-    stages = [k for k in runner.STAGES if any(s["stages_s"][k] for s in res.summaries)]
+    stages = [k for k in stats.STAGES if any(s["stages_s"][k] for s in res.summaries)]
     for k in stages:
         st.add_column(k, justify="right", no_wrap=True)
     st.add_column("modelled compute", justify="right", no_wrap=True)

@@ -1,0 +1,89 @@
+"""`tract bench`'s figures from the records of a run: the stages a record
+times, a request's KV handoff, the per-transport summary (TTFT, handoff and
+stage statistics, hit rate, bytes moved and their rate, lock wait) and the
+memcpy reference the handoff is compared with.
+
+A record is what a decode side reports per request (runner.py's workers, the
+peers' receivers, the serving path's answers): `t` maps a stage (STAGES) to
+its seconds, a stage the transport does not have is absent; with `ttft`,
+`e2e`, `blocks`, `hits`, `tokens`, `output_len`, `ok` and, for modelled
+compute, `modelled_compute`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+STAGES = ("queue", "hash", "lookup", "kv_load", "compute", "kv_write", "handoff_publish",
+          "handoff_open", "kv_read", "first_token", "ack")
+
+
+def handoff_s(rec: dict) -> float:
+    """Moving the KV from prefill to decode: writing it to the pool (or sending),
+    the handoff record, reading it out (or receiving)."""
+    t = rec["t"]
+    return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open", "kv_read"))
+
+
+def memcpy_reference(nbytes: int, rounds: int = 3) -> float:
+    """Seconds for two copies of NBYTES (private -> buffer -> private), best of rounds."""
+    a = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
+    b, c = np.empty_like(a), np.empty_like(a)
+    np.copyto(b, a)
+    np.copyto(c, b)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        np.copyto(c, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pct(v, q) -> float:
+    return float(np.percentile(v, q)) if len(v) else 0.0
+
+
+def _stats(v):
+    if not v:
+        return None
+    return {"mean": statistics.fmean(v), "p50": pct(v, 50), "p90": pct(v, 90), "p99": pct(v, 99)}
+
+
+def summarize(r, block_bytes: int, block_tokens: int) -> dict:
+    """Per transport (R: its run's TransportResult): TTFT, handoff and stage
+    statistics (a stage no request went through is None, not 0), hit rate (None
+    without a prefix cache: tcp and the peers), KV bytes moved and their rate
+    (zero-copy: 0 bytes, rate None: nothing moves)."""
+    ttft = [x["ttft"] for x in r.records]
+    e2e = [x["e2e"] for x in r.records]
+    hand = [handoff_s(x) for x in r.records]
+    blocks = sum(x["blocks"] for x in r.records)
+    hits = sum(x["hits"] for x in r.records)
+    tokens = sum(x["tokens"] for x in r.records)
+    cache = r.transport.startswith("tract-")
+    if r.transport == "tract-zero-copy":
+        moved = 0                       # computed in place, attended in place
+    elif r.transport == "tract-copy":
+        # written: the blocks the request computed; read: every block
+        moved = sum((x["blocks"] - x["hits"] + x["blocks"]) * block_bytes for x in r.records)
+    else:
+        moved = blocks * block_bytes    # sent once
+    move_s = sum(x["t"].get("kv_write", 0.0) + x["t"].get("kv_read", 0.0) for x in r.records)
+    modelled = [x["modelled_compute"] for x in r.records if "modelled_compute" in x]
+    return {"transport": r.transport, "requests": len(r.records),
+            "verified": bool(r.records) and all(x["ok"] for x in r.records),
+            "ttft_s": _stats(ttft), "e2e_s": _stats(e2e), "handoff_s": _stats(hand),
+            "stages_s": {k: _stats(r.stage(k)) for k in STAGES},
+            "modelled_compute_s": statistics.fmean(modelled) if modelled else None,
+            "hit_rate_blocks": (hits / blocks if blocks else 0.0) if cache else None,
+            "hit_rate_tokens": (hits * block_tokens / tokens if tokens else 0.0) if cache else None,
+            "throughput_rps": len(r.records) / r.wall_s if r.wall_s else 0.0,
+            "output_tokens_per_s": sum(x["output_len"] for x in r.records) / r.wall_s if r.wall_s else 0.0,
+            "kv_bytes_moved": moved,
+            "kv_gbps": moved / move_s / 1e9 if moved and move_s else None,
+            "lock_wait_s": r.lock_wait_s if r.lock_acquisitions else None,
+            "lock_acquisitions": r.lock_acquisitions,
+            "wall_s": r.wall_s}
