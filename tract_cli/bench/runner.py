@@ -2,11 +2,10 @@
 emulated nodes, issued at their arrival times, the KV moved by a transport
 under test, timed per stage.
 
-Transports: `tract-copy` (private -> pool -> private, as a GPU does by DMA),
-`tract-zero-copy` (prefill computes into pool slots, decode reads them in
-place: the handoff moves metadata only), `tcp` (the KV over loopback
-sockets: the network path stand-in).  Peers (NIXL, Mooncake, LMCache) run
-through `bench.peers` in their own environments.
+The worker loops here are the same for every transport: what differs
+(`tract-copy`, `tract-zero-copy`, `tcp`) is a prefill side and a decode side
+in `bench.transports`.  Peers (NIXL, Mooncake, LMCache) run through
+`bench.peers` in their own environments.
 
 What is timed is the KV path, never the harness:
 
@@ -32,20 +31,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_mod
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tract_cli.bench import transports
 from tract_cli.bench.workloads import Request, arrivals
 from tract_cli.core.errors import TractError
-from tract_cli.core.index import PUT_CLAIMED
 
-TRANSPORTS = ("tract-copy", "tract-zero-copy", "tcp")
-PENDING_WAIT_S = 10.0          # a block another worker is writing must be READY by then
 WORKER_TIMEOUT_S = int(__import__("os").environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
 
 
@@ -123,7 +118,6 @@ def _prefill(path, node, index, transport, ctl, to_decode, decode_ports, compute
 
 def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, compute, max_tokens):
     from tract_cli.core.hashing import block_hashes, pool_root
-    from tract_cli.core.index import PUT_STATUS
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info, g = pool.info, pool.info.geometry
@@ -131,10 +125,8 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
     root = pool_root(info)
     # the stand-in KV of the longest request, made before the clock starts
     kv_all = stand_in(max_tokens // bt, bb, bt * bpt)
-    socks = [socket.create_connection(("127.0.0.1", p)) for p in decode_ports] \
-        if transport == "tcp" else []
-    for sock in socks:                                   # say who we are to each decode worker
-        sock.sendall(struct.pack("<I", index))
+    side = transports.prefill_side(transport, pool)
+    side.connect(index, decode_ports)
     ctl.send("ready")                                    # the driver's clock starts after this
     while (msg := ctl.recv()) is not None:
         start = time.monotonic()
@@ -146,18 +138,9 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         t["hash"] = time.perf_counter() - c
         n = len(keys)
         tail_bytes = (len(tokens) - n * bt) * bpt
-        hits = 0
-        hit = None
-        if transport != "tcp":
-            c = time.perf_counter()
-            hit = pool.index.lookup(keys)
-            t["lookup"] = time.perf_counter() - c
-            hits = hit.hits
+        hits = side.lookup(keys, t)
         miss = keys[hits:]
-        if transport == "tract-zero-copy":
-            c = time.perf_counter()
-            status, slots = pool.index.reserve(miss, pin=True)
-            t["kv_write"] = time.perf_counter() - c
+        side.reserve(miss, t)
         # compute: exactly the model (the tokens it computes at the profile's
         # rate), slept until its deadline; the KV it produces exists already
         c0 = time.monotonic()
@@ -165,56 +148,19 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         stamp(kv_all, keys, bb, rid, tail_bytes)
         kv = kv_all[:n * bb].reshape(n, bb) if n else kv_all[:0].reshape(0, bb)
         tail = kv_all[n * bb:n * bb + tail_bytes]
-        if transport == "tract-zero-copy":
-            # computed straight into the slots: the compute's own stores (the
-            # keys, and in full the blocks the decode side checks)
-            for i in np.flatnonzero(status == PUT_CLAIMED):
-                pos = hits + int(i)
-                dst = pool.slot_bytes(int(slots[i]))
-                if pos in (0, n - 1):
-                    dst[:] = kv[pos]
-                else:
-                    dst[:16] = kv[pos, :16]
+        side.compute_into(kv, hits)
         sleep_until(c0 + modelled)
         t["compute"] = time.monotonic() - c0
-        if transport == "tract-copy":
-            c = time.perf_counter()
-            put = pool.index.put(miss, kv[hits:], pin=True)   # pinned until the handoff pins them
-            t["kv_write"] = time.perf_counter() - c
-        elif transport == "tract-zero-copy":
-            c = time.perf_counter()
-            put = pool.index.commit(miss, status, slots, pin=True)
-            t["kv_write"] += time.perf_counter() - c
+        stored = side.write(miss, kv[hits:], t)
         # the checked blocks (first, last) this request wrote: the decode side
         # checks their bytes in full, the others' keys only
-        if transport == "tcp":
-            wrote = sorted({0, n - 1}) if n else []
-        else:
-            done = (status == PUT_CLAIMED) if transport == "tract-zero-copy" else \
-                (put.status == PUT_STATUS.index("stored"))
-            wrote = [i for i in sorted({0, n - 1}) if n and i >= hits and done[i - hits]]
+        wrote = [i for i in sorted({0, n - 1}) if n and i >= hits and stored[i - hits]]
         out = {"rid": rid, "keys": keys.tobytes(), "t": t, "hits": hits, "blocks": n,
                "tokens": len(tokens), "arrival": msg["arrival"], "output_len": msg["output_len"],
                "prefill": msg["prefill"], "modelled_compute": modelled, "wrote": wrote}
-        if transport == "tcp":
-            # tell the decode side first, so it is receiving while we send
-            # (the transfer is timed there, from its first byte to its last)
-            out["ticket"] = {"blocks": n, "tail_bytes": tail_bytes}
-            to_decode[dec].put(out)
-            if n * bb + tail_bytes:
-                socks[dec].sendall(memoryview(kv_all[:n * bb + tail_bytes]))
-            continue
-        if put.count("no_room"):
-            raise TractError(f"{put.count('no_room')} blocks found no free index bucket",
-                             "the index is too full: use a larger region (more buckets)")
-        c = time.perf_counter()
-        out["ticket"] = pool.handoffs.publish(rid, keys, len(tokens), tail=tail,
-                                              tail_tokens=len(tokens) - n * bt,
-                                              wait_s=PENDING_WAIT_S).to_dict()
-        t["handoff_publish"] = time.perf_counter() - c
-        pool.index.unpin(hit)
-        pool.index.unpin(put.pinned(miss))
-        to_decode[dec].put(out)
+        side.publish(out, keys, len(tokens), tail, len(tokens) - n * bt, t)
+        side.deliver(out, to_decode[dec], dec, kv_all[:n * bb + tail_bytes])
+    side.close()
     pool.close()
 
 
@@ -229,7 +175,6 @@ def _decode(path, node, index, transport, inbox, results, ready, prefill_count, 
 
 def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_count, compute,
                  max_tokens):
-    from tract_cli.core.handoff import Ticket
     from tract_cli.core.pool import Pool
     pool = Pool.attach(path, node=node)
     info = pool.info
@@ -237,59 +182,14 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
     # the private KV buffer (blocks, then the tail), faulted in now, not inside a timed copy
     out = np.empty(max_tokens // bt * bb + bt * info.bytes_per_token, np.uint8)
     out.fill(0)             # np.zeros would leave the pages to fault in inside the first read
-    conns = []
-    if transport == "tcp":
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(prefill_count)
-        ready.put((index, srv.getsockname()[1]))
-        for _ in range(prefill_count):
-            conns.append(srv.accept()[0])
-    else:
-        ready.put((index, 0))
-    who = {}
-    for c in conns:                    # connections arrive in any order: each names its sender
-        raw = b""
-        while len(raw) < 4:
-            chunk = c.recv(4 - len(raw))
-            if not chunk:
-                raise TractError("a prefill worker closed its connection", "check the workers")
-            raw += chunk
-        who[struct.unpack("<I", raw)[0]] = c
+    side = transports.decode_side(transport, pool)
+    ready.put((index, side.listen(prefill_count)))
+    side.accept(prefill_count)
     while (msg := inbox.get()) is not None:
         t = msg["t"]
         keys = np.frombuffer(msg["keys"], np.uint8).reshape(-1, 16)
         n, hits = msg["blocks"], msg["hits"]
-        blocks = out[:n * bb].reshape(n, bb) if n else out[:0].reshape(0, bb)
-        if transport == "tcp":
-            conn = who[msg["prefill"]]
-            tail = out[n * bb:n * bb + msg["ticket"]["tail_bytes"]]
-            buf = memoryview(out[:n * bb + tail.size])
-            c = time.perf_counter()
-            got = 0
-            while got < buf.nbytes:
-                k = conn.recv_into(buf[got:], buf.nbytes - got)
-                if not k:
-                    raise TractError("a prefill worker closed its connection mid-transfer",
-                                     "its error is printed above")
-                got += k
-            t["kv_read"] = time.perf_counter() - c
-        else:
-            ticket = Ticket.from_dict(msg["ticket"])
-            c = time.perf_counter()
-            rec = pool.handoffs.open(ticket)
-            t["handoff_open"] = time.perf_counter() - c
-            tail = out[n * bb:n * bb + rec.tail_tokens * info.bytes_per_token]
-            c = time.perf_counter()
-            if transport == "tract-copy":
-                pool.handoffs.copy_blocks(rec, blocks, verify=False)
-            else:
-                views = pool.handoffs.views(rec)
-                blocks = [views[i].view(np.uint8) if i in (0, n - 1) else None
-                          for i in range(n)]
-                del views
-            pool.handoffs.copy_tail(rec, tail)
-            t["kv_read"] = time.perf_counter() - c
+        blocks, tail = side.read(msg, out, t)
         # decode is modelled as continuous batching: the request joins the running
         # batch, its first token one step after its KV is in, one token a step
         # after that; the worker is free for the next handoff at once
@@ -299,16 +199,14 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
         ok = all(block_ok(blocks[i], i, keys[i], bb, i in msg["wrote"]) for i in {0, n - 1}
                  if n) and \
             tail_ok(tail, n, bb, msg["rid"])
-        if transport != "tcp":
-            del blocks
-            c = time.perf_counter()
-            pool.handoffs.ack(ticket)
-            t["ack"] = time.perf_counter() - c
+        del blocks                          # no view of a slot outlives its handoff
+        side.ack(t)
         ttft = first_token_at - msg["arrival"]
         results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": hits, "blocks": n,
                      "tokens": msg["tokens"], "output_len": msg["output_len"], "ttft": ttft,
                      "e2e": ttft + max(msg["output_len"] - 1, 0) * compute.decode_s_per_token,
                      "prefill": msg["prefill"], "modelled_compute": msg["modelled_compute"]})
+    side.close()
     pool.close()
 
 

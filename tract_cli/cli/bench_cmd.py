@@ -11,13 +11,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tract_cli.bench import peers, runner, session, stats, vllm_bench, workloads
+from tract_cli.bench.transports import TRANSPORTS
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
-ALL_TRANSPORTS = list(runner.TRANSPORTS) + list(peers.PEERS)
+ALL_TRANSPORTS = list(TRANSPORTS) + list(peers.PEERS)
 # the paper's static experiment (Fig. 5): input lengths of --engine vllm by default
 DEFAULT_VLLM_LENGTHS = (1500, 3000, 4500, 6000)
 
@@ -46,7 +47,7 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     model: Optional[str] = typer.Option(None, "--model", help="Model profile (KV geometry; "
                                         "default llama-3-8b, with --compute real tiny-llama)."),
-    transports: List[str] = typer.Option(list(runner.TRANSPORTS), "--transport",
+    transports: List[str] = typer.Option(list(TRANSPORTS), "--transport",
                                          help=f"{' | '.join(ALL_TRANSPORTS)} (repeatable)."),
     device: str = typer.Option("a6000", "--device", help="Device profile for modelled compute."),
     compute_mode: str = typer.Option("modelled", "--compute", help="modelled (device profile) or "
