@@ -25,7 +25,6 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 
 from tract_cli.core.errors import TractError
 
@@ -121,9 +120,8 @@ def install(transport: str, log=sys.stderr) -> None:
 
 def run(transport: str, requests, geometry, compute, progress=None):
     """Runs the requests through TRANSPORT's peer: one sender (prefill) and one
-    receiver (decode) process; returns a runner.TransportResult."""
-    from tract_cli.bench import runner
-    from tract_cli.bench.workloads import arrivals
+    receiver (decode) process; returns a driver.TransportResult."""
+    from tract_cli.bench.driver import drive
     from tract_cli.core.hashing import block_hashes
     env_name, script, extra_env, relay = PEERS[transport]
     py = str(python_of(env_name))
@@ -137,25 +135,24 @@ def run(transport: str, requests, geometry, compute, progress=None):
         _check_it_fits(transport, sum(len(r.tokens) for r in requests) * bpt)
     env = {**os.environ, **extra_env}
     procs = []
-    res = runner.TransportResult(transport)
     # the peers' own logging (NIXL, UCX, Mooncake's glog, LMCache) goes to a
     # file, not over the report: its path is in the report and in any error
-    res.log_path = log_path(transport)
-    log = open(res.log_path, "w")
+    logged = log_path(transport)
+    log = open(logged, "w")
     try:
         geo = ["--block-bytes", str(bb), "--block-tokens", str(bt)]
         recv = subprocess.Popen([py, "-I", adapter, "receiver", "--capacity", str(capacity),
                                  "--slots", str(RECV_SLOTS), *geo], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         procs.append(recv)
-        hello = _read_line(recv, "receiver", res.log_path)
+        hello = _read_line(recv, "receiver", logged)
         send = subprocess.Popen([py, "-I", adapter, "sender", "--capacity", str(capacity), *geo],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                 text=True, env=env)
         procs.append(send)
         send.stdin.write(json.dumps(hello) + "\n")
         send.stdin.flush()
-        _read_line(send, "sender", res.log_path)
+        _read_line(send, "sender", logged)
         write_lock = threading.Lock()
 
         def to_receiver(obj):
@@ -171,39 +168,15 @@ def run(transport: str, requests, geometry, compute, progress=None):
                     except (OSError, ValueError):
                         return
             threading.Thread(target=relay_loop, daemon=True).start()
+        # a request waits for one of the receiver's slots to be free
         free = threading.Semaphore(RECV_SLOTS)
         slots_free = list(range(RECV_SLOTS))
         lock = threading.Lock()
-        done = threading.Event()
-        failure = []
+        stop = threading.Event()
 
-        def collect():
-            try:
-                for line in recv.stdout:          # bounded: the driver kills a silent peer
-                    rec = json.loads(line)
-                    with lock:
-                        slots_free.append(rec.pop("slot"))
-                    free.release()
-                    res.records.append(rec)
-                    if progress:
-                        progress()
-                    if len(res.records) == len(requests):
-                        return
-                failure.append(TractError("the receiver peer process exited early"
-                                          + _log_tail(res.log_path),
-                                          f"its log: {res.log_path}; reinstall the peer with "
-                                          "--install-peers"))
-            except ValueError:
-                failure.append(TractError("the receiver peer printed something that is not JSON",
-                                          f"its log: {res.log_path}"))
-            finally:
-                done.set()
-        collector = threading.Thread(target=collect, daemon=True)
-        t0 = time.monotonic()
-        collector.start()
-        for _, req, arrival in arrivals(requests, t0, done):
-            if not free.acquire(timeout=PEER_TIMEOUT_S) or done.is_set():
-                break
+        def dispatch(seq, req, arrival):
+            if not free.acquire(timeout=PEER_TIMEOUT_S) or stop.is_set():
+                return False
             with lock:
                 slot = slots_free.pop()
             keys = block_hashes(req.tokens, block_tokens=bt)
@@ -217,13 +190,26 @@ def run(transport: str, requests, geometry, compute, progress=None):
             to_receiver({**common, "decode_s": compute.decode_s_per_token})
             send.stdin.write(json.dumps(common) + "\n")
             send.stdin.flush()
-        collector.join(timeout=PEER_TIMEOUT_S)
-        res.wall_s = time.monotonic() - t0
-        if failure:
-            raise failure[0]
-        if len(res.records) != len(requests):
-            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished"
-                             + _log_tail(res.log_path), f"see the peers' log {res.log_path}")
+
+        def receive():
+            line = recv.stdout.readline()         # bounded: the driver kills a silent peer
+            if not line:
+                raise TractError("the receiver peer process exited early" + _log_tail(logged),
+                                 f"its log: {logged}; reinstall the peer with --install-peers")
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise TractError("the receiver peer printed something that is not JSON",
+                                 f"its log: {logged}") from None
+            with lock:
+                slots_free.append(rec.pop("slot"))
+            free.release()
+            return rec
+
+        res = drive(transport, requests, dispatch, receive, progress, stop=stop,
+                    join_timeout=PEER_TIMEOUT_S, why=lambda: _log_tail(logged),
+                    hint=f"see the peers' log {logged}")
+        res.log_path = logged
     finally:
         for p in procs:
             try:

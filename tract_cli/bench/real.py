@@ -13,7 +13,7 @@ prompt (computed after the transport's run, outside every timed stage).
 from __future__ import annotations
 
 import json
-import threading
+import queue
 import time
 import urllib.error
 import urllib.request
@@ -21,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tract_cli.bench import runner
-from tract_cli.bench.workloads import arrivals
+from tract_cli.bench.driver import TransportResult, drive
 from tract_cli.core.errors import TractError
 from tract_cli.serve.launch import WorkerProcess
 
@@ -61,7 +60,7 @@ class RealCluster:
         self.workers.append(w)
         return w
 
-    def verify(self, res: runner.TransportResult, requests, vocab: int) -> None:
+    def verify(self, res: TransportResult, requests, vocab: int) -> None:
         """Marks each record verified when its tokens equal those of the same
         engine in this process (greedy, the workers' weights seed 0)."""
         from tract_cli.serve.engine import Engine, Sampling
@@ -101,43 +100,41 @@ def _post(url: str, body: dict) -> dict:
 
 
 def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, block_tokens: int,
-                  progress=None) -> runner.TransportResult:
-    res = runner.TransportResult(transport)
+                  progress=None) -> TransportResult:
     mode = KV_MODES[transport]
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-    failed = threading.Event()
+    done = queue.Queue()                  # each request's record, or what it failed with
 
     def one(seq, req, arrival):
         try:
             body = {"prompt": engine_tokens(req.tokens, vocab), "max_tokens": req.output_len,
                     "temperature": 0, "kv_mode": mode}
             out = _post(cluster.decodes[seq % len(cluster.decodes)].url + "/v1/completions", body)
-            done = time.monotonic()
+            finished = time.monotonic()
             tr, pt = out["tract"], out["tract"]["prefill_timings"]
             t = {"hash": pt.get("hash", 0.0), "lookup": pt.get("lookup_load", 0.0),
                  "compute": pt.get("compute", 0.0), "kv_write": pt.get("kv_write", 0.0),
                  "handoff_publish": pt.get("handoff_publish", 0.0), "kv_read": tr["handoff_s"],
                  "queue": max(tr["prefill_s"] - pt.get("total", 0.0), 0.0)}
-            rec = {"rid": req.rid, "t": t, "ok": False, "token_ids": tr["token_ids"],
-                   "hits": tr["hit_blocks"], "blocks": len(req.tokens) // block_tokens,
-                   "tokens": len(req.tokens), "output_len": len(tr["token_ids"]),
-                   "ttft": tr["ttft_s"], "e2e": done - arrival, "prefill": 0}
-            with lock:
-                res.records.append(rec)
-            if progress:
-                progress()
+            done.put({"rid": req.rid, "t": t, "ok": False, "token_ids": tr["token_ids"],
+                      "hits": tr["hit_blocks"], "blocks": len(req.tokens) // block_tokens,
+                      "tokens": len(req.tokens), "output_len": len(tr["token_ids"]),
+                      "ttft": tr["ttft_s"], "e2e": finished - arrival, "prefill": 0})
         except BaseException as exc:          # reported by the driver, once
-            errors.append(exc)
-            failed.set()
+            done.put(exc)
 
-    t0 = time.monotonic()
+    def receive():
+        got = done.get()        # bounded: every request answers within REQUEST_TIMEOUT_S
+        if isinstance(got, TractError):
+            raise got
+        if isinstance(got, BaseException):
+            raise TractError(f"{transport}: {got}")
+        return got
+
+    # each request is an HTTP call on a thread of its own; leaving the pool
+    # waits for those in flight, also after a failure
     with ThreadPoolExecutor(max_workers=64) as pool:
-        for seq, req, arrival in arrivals(requests, t0, failed):
+        def dispatch(seq, req, arrival):
             pool.submit(one, seq, req, arrival)
-    res.wall_s = time.monotonic() - t0
-    if errors:
-        err = errors[0]
-        raise err if isinstance(err, TractError) else TractError(f"{transport}: {err}")
+        res = drive(transport, requests, dispatch, receive, progress)
     cluster.verify(res, requests, vocab)          # after the clock: not timed
     return res

@@ -4,8 +4,9 @@ under test, timed per stage.
 
 The worker loops here are the same for every transport: what differs
 (`tract-copy`, `tract-zero-copy`, `tcp`) is a prefill side and a decode side
-in `bench.transports`.  Peers (NIXL, Mooncake, LMCache) run through
-`bench.peers` in their own environments.
+in `bench.transports`; the requests' clock, dispatch and collection are
+`bench.driver`'s, shared with the peers (NIXL, Mooncake, LMCache: `bench.peers`,
+in their own environments) and real compute (`bench.real`).
 
 What is timed is the KV path, never the harness:
 
@@ -33,12 +34,13 @@ import multiprocessing as mp
 import queue as queue_mod
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from tract_cli.bench import transports
-from tract_cli.bench.workloads import Request, arrivals
+from tract_cli.bench.driver import TransportResult, drive
+from tract_cli.bench.workloads import Request
 from tract_cli.core.errors import TractError
 
 WORKER_TIMEOUT_S = int(__import__("os").environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
@@ -210,20 +212,6 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
     pool.close()
 
 
-@dataclass
-class TransportResult:
-    transport: str
-    records: list = field(default_factory=list)
-    wall_s: float = 0.0
-    lock_wait_s: float = 0.0
-    lock_acquisitions: int = 0
-    log_path: str | None = None       # where a peer's own processes logged
-
-    def stage(self, name: str) -> list[float]:
-        """The stage's times of the requests that went through it."""
-        return [r["t"][name] for r in self.records if name in r["t"]]
-
-
 def _lock_totals(path: str, nodes) -> tuple[float, int]:
     from tract_cli.core.pool import Pool
     wait, count = 0.0, 0
@@ -273,61 +261,43 @@ def run_transport(path: str, transport: str, requests: list[Request], compute: C
             _stop(prefills + decoders)
             raise TractError(f"{transport}: a prefill worker did not start", "check the workers")
     lock_before = _lock_totals(path, {prefill_node, decode_node})
-    res = TransportResult(transport)
     outstanding = [0] * prefill_workers
     lock = threading.Lock()
-    done = threading.Event()
-    failure: list[BaseException] = []
 
-    def collect():
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
+    def dispatch(seq, req, arrival):
+        with lock:
+            w = min(range(prefill_workers), key=lambda i: (outstanding[i], (seq + i) % prefill_workers))
+            outstanding[w] += 1
         try:
-            while len(res.records) < len(requests):
-                try:
-                    rec = results.get(timeout=0.5)
-                except queue_mod.Empty:
-                    dead = [p for p in prefills + decoders if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise TractError(f"{transport}: a worker process died (exit code "
-                                         f"{dead[0].exitcode})", "its error is printed above")
-                    if time.monotonic() > deadline:
-                        raise TractError(f"{transport}: no request finished within "
-                                         f"{WORKER_TIMEOUT_S} s", "check the workers")
-                    continue
-                if "error" in rec:
-                    raise TractError(f"{transport}: {rec['error']}")
-                deadline = time.monotonic() + WORKER_TIMEOUT_S
-                with lock:
-                    outstanding[rec["prefill"]] -= 1
-                res.records.append(rec)
-                if progress:
-                    progress()
-        except TractError as exc:
-            failure.append(exc)
-        finally:
-            done.set()
+            ctls[w].send({"rid": req.rid, "tokens": req.tokens.tobytes(),
+                          "arrival": arrival, "output_len": req.output_len,
+                          "prefill": w, "decode": seq % decode_workers})
+        except OSError:                           # the worker died: receive() says why
+            return False
 
-    collector = threading.Thread(target=collect, daemon=True)
-    t0 = time.monotonic()
-    collector.start()
-    try:
-        for seq, req, arrival in arrivals(requests, t0, done):
-            with lock:
-                w = min(range(prefill_workers), key=lambda i: (outstanding[i], (seq + i) % prefill_workers))
-                outstanding[w] += 1
+    def receive():
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while True:
             try:
-                ctls[w].send({"rid": req.rid, "tokens": req.tokens.tobytes(),
-                              "arrival": arrival, "output_len": req.output_len,
-                              "prefill": w, "decode": seq % decode_workers})
-            except OSError:                           # the worker died: collect() says why
-                break
-        collector.join()                   # bounded: collect() gives up after its deadline
-        res.wall_s = time.monotonic() - t0
-        if failure:
-            raise failure[0]
-        if len(res.records) != len(requests):
-            raise TractError(f"{transport}: {len(res.records)} of {len(requests)} requests finished",
-                             "check the workers")
+                rec = results.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p for p in prefills + decoders if p.exitcode not in (None, 0)]
+                if dead:
+                    raise TractError(f"{transport}: a worker process died (exit code "
+                                     f"{dead[0].exitcode})", "its error is printed above")
+                if time.monotonic() > deadline:
+                    raise TractError(f"{transport}: no request finished within "
+                                     f"{WORKER_TIMEOUT_S} s", "check the workers")
+                continue
+            if "error" in rec:
+                raise TractError(f"{transport}: {rec['error']}")
+            with lock:
+                outstanding[rec["prefill"]] -= 1
+            return rec
+
+    try:
+        # bounded: receive() gives up after its deadline
+        res = drive(transport, requests, dispatch, receive, progress)
     finally:
         for c in ctls:
             try:
