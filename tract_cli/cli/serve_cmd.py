@@ -127,13 +127,15 @@ def _serve_vllm(name: str, pool: str, node: int, host: str, port: int, model_dir
             server.proc.wait()
             raise TractError(f"vLLM exited with code {server.proc.returncode}",
                              f"see its log {log_path}")
+        from tract_cli.serve.app import configure_logging
         from tract_cli.serve.vllm_proxy import serve
         prefill_urls, door_port = front_door
-        door_port = door_port or _free_port(host)
-        print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} pool "
-              f"{pool} (vLLM at {server.url}): listening on http://{host}:{door_port}",
-              file=sys.stderr, flush=True)
-        serve(prefill_urls, server.url, host, door_port)
+        configure_logging(name, "warning")      # the front door logs its warnings only
+
+        def announce(url):
+            print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} pool "
+                  f"{pool} (vLLM at {server.url}): listening on {url}", file=sys.stderr, flush=True)
+        serve(prefill_urls, server.url, host, door_port, announce)
     except KeyboardInterrupt:
         pass
     finally:

@@ -309,11 +309,13 @@ def _signals(server: uvicorn.Server):
             signal.signal(sig, handler)
 
 
-def serve(app, sock: socket.socket, cleanup, announce=None) -> None:
+def serve(app, sock: socket.socket, cleanup, announce=None, lifespan: bool = False) -> None:
     """Serves APP on SOCK until SIGTERM/SIGINT, then runs CLEANUP.  ANNOUNCE
-    (say where it listens) is called once a signal would stop it cleanly."""
-    config = uvicorn.Config(app, log_config=None, lifespan="off", ws="none",
-                            timeout_graceful_shutdown=None)
+    (say where it listens) is called once a signal would stop it cleanly.
+    LIFESPAN: run the app's startup and shutdown events (the vLLM front door
+    closes its HTTP client there); the workers' apps have none."""
+    config = uvicorn.Config(app, log_config=None, lifespan="on" if lifespan else "off",
+                            ws="none", timeout_graceful_shutdown=None)
     server = _Server(config)
     with _signals(server):                  # kept through the cleanup: a signal cannot cut it
         try:

@@ -13,6 +13,9 @@ A prefill failure is not the user's error: the decode instance then computes
 the prompt itself (its answer is the same).  `/health` is ready only when
 both the decode instance and a prefill instance answer theirs, and says
 which one it waits for otherwise.  Prefill instances are used round-robin.
+It is served as the workers are (serve/app.py: `listen`, `serve`, their
+signal handling and logging); its HTTP client is closed at the server's
+shutdown.
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
 # (Request) as objects
@@ -136,7 +139,17 @@ def make_app(prefill_urls: list[str], decode_url: str):
     return app
 
 
-def serve(prefill_urls: list[str], decode_url: str, host: str, port: int) -> None:
-    """Runs the front door until SIGINT/SIGTERM."""
-    import uvicorn
-    uvicorn.run(make_app(prefill_urls, decode_url), host=host, port=port, log_level="warning")
+def serve(prefill_urls: list[str], decode_url: str, host: str, port: int, announce=None) -> None:
+    """Runs the front door on HOST:PORT (0: a free port) until SIGINT/SIGTERM, on
+    the workers' server (serve/app.py: the first signal drains in-flight
+    requests, a second stops without waiting).  ANNOUNCE(url) is called once
+    it listens."""
+    from tract_cli.core.errors import TractError
+    from tract_cli.serve import app as http
+    try:
+        sock = http.listen(host, port)
+    except OSError as exc:
+        raise TractError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                         "pick another --port or stop what uses it") from None
+    http.serve(make_app(prefill_urls, decode_url), sock, cleanup=lambda: None,
+               announce=announce and (lambda: announce(http.url_of(sock))), lifespan=True)
