@@ -42,10 +42,9 @@ import time
 import numpy as np
 
 from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import Ticket
+from tract_cli.core.handoff import PENDING_WAIT_S, Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_STATUS
 
-PENDING_WAIT_S = 10.0          # a block another worker is writing must be READY by then
 _STORED = PUT_STATUS.index("stored")
 
 

@@ -36,6 +36,12 @@ def request_key(request_id: str | bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
+# how long a publisher waits for a block another writer of the same key still
+# holds PENDING (it is finishing its write) before the handoff fails: the
+# serving path's and the benchmark's one value
+PENDING_WAIT_S = 10.0
+
+
 def retry_while_pending(publish, wait_s: float):
     """Calls PUBLISH until it stops failing for "not every block" (a block
     another writer still holds PENDING) or WAIT_S has passed (then it raises)."""

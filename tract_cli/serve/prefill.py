@@ -20,6 +20,7 @@ import numpy as np
 from tract_cli.core.errors import HandoffError, PoolFull, RequestTooLarge
 from tract_cli.core.errors import TractError
 from tract_cli.core.hashing import request_keys
+from tract_cli.core.handoff import PENDING_WAIT_S
 from tract_cli.core.index import PUT_CLAIMED, PUT_WAS_READY, PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.api import ApiError, field
@@ -27,7 +28,6 @@ from tract_cli.serve.kvcache import POOL, PRIVATE, as_bytes
 from tract_cli.serve.worker import PoolWorker, cache_salt
 
 MODES = ("copy", "zero-copy")
-PENDING_WAIT_S = 10.0           # a block another worker is writing must be READY by then
 
 log = logging.getLogger("tract.serve.prefill")
 
