@@ -19,8 +19,8 @@ import numpy as np
 
 from tract_cli.core.errors import HandoffError, PoolFull, RequestTooLarge
 from tract_cli.core.errors import TractError
-from tract_cli.core.hashing import request_keys
 from tract_cli.core.handoff import PENDING_WAIT_S
+from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PUT_CLAIMED, PUT_WAS_READY, PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.api import ApiError, field
