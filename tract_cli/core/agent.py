@@ -1,43 +1,43 @@
 """The node agent: the duties of a node that outlive any worker.
 
 One agent per node (held by the node's agent mutex in its local segment):
-it heartbeats in the node table, runs the lock manager on the manager node
-(an agent refuses to start a manager while another node's manager heartbeat
-is fresh), stands by to take the manager over when that heartbeat has been
-stale for `takeover_after` seconds (fenced by the claim tokens of
-native/manager.c, docs/PROTOCOLS.md §4), releases the lock grants and
-requests of its node's dead processes and what they held in the index,
-finishes their handoff releases, and reclaims expired handoffs (on the
-manager node).  Workers and benchmarks start one with `ensure_agent` when
-none runs; such an agent (`idle_exit_s`) stops by itself once its node has
-had no attached process for that long (and, on the manager node, no other
-node has a live agent), an agent started by hand runs until stopped; every
-agent stops at once when its region file is removed (docs/PROTOCOLS.md §7).
-The process entry point is `python -m tract_cli.core.agent_main`, which
-`tract agent` shares (`run_foreground`).
+it heartbeats in the node table (`core/nodes.py`), runs the lock manager on
+the manager node (an agent refuses to start a manager while another node's
+manager heartbeat is fresh), stands by to take the manager over when that
+heartbeat has been stale for `takeover_after` seconds (fenced by the claim
+tokens of native/manager.c, docs/PROTOCOLS.md §4), runs its node's recovery
+of dead processes every heartbeat (`core/recovery.py`), sweeps dead payloads,
+and reclaims expired handoffs (on the manager node).  An agent started with
+`idle_exit_s` (by a worker, `core/agent_launch.py`) stops by itself once its
+node has had no attached process for that long (and, on the manager node, no
+other node has a live agent), an agent started by hand runs until stopped;
+every agent stops at once when its region file is removed
+(docs/PROTOCOLS.md §7).
+
+`run_foreground` runs one in this process until a signal: what `tract agent`
+and `python -m tract_cli.core.agent_main` do.
 """
 from __future__ import annotations
 
 import os
-import socket
-import struct
-import subprocess
+import signal
+import stat
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
+                                  NODE_LEFT, current_manager, encode_node_line, on_this_host,
+                                  read_nodes, token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
+from tract_cli.core.recovery import NodeRecovery, recover_node
 
-NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
-NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
-STALE_S = 2.0
 # the payload sweep of every heartbeat (docs/PROTOCOLS.md §1.1): slots visited,
 # bytes evicted at most (~40 ms of clflushopt at this machine's 25 GB/s: it
 # keeps up with a node reading 10 GB/s of payloads new to it)
@@ -46,141 +46,6 @@ PAYLOAD_SWEEP_BYTES = 1 << 30
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
-# how long an agent that a worker started waits with no process on its node
-# before it stops (TRACT_AGENT_IDLE_EXIT_S overrides it, e.g. in tests)
-IDLE_EXIT_S = float(os.environ.get("TRACT_AGENT_IDLE_EXIT_S") or 30.0)
-
-
-def hostname() -> str:
-    """The name recorded in the node table; TRACT_HOSTNAME lets emulated
-    nodes on one machine stand for separate hosts (failure tests)."""
-    return os.environ.get("TRACT_HOSTNAME") or socket.gethostname()
-
-
-def on_this_host(rec: "NodeRecord") -> bool:
-    """Whether REC was written by an agent of this host (as the node table keeps it)."""
-    return rec.hostname == hostname().encode()[:23].decode(errors="replace")
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """Line 0 of one node-table entry, decoded."""
-
-    node: int
-    state: int
-    agent_pid: int
-    epoch: int
-    heartbeat_ns: int
-    manager: bool
-    manager_heartbeat_ns: int
-    hostname: str
-    manager_epoch: int = 0
-    standby: bool = False
-    autostop: bool = False      # started by a worker: stops when its node is idle
-
-    @property
-    def token(self) -> int:
-        """The node's lock-manager claim as a fencing token (0: never claimed)."""
-        return (self.manager_epoch << 32) | self.node if self.manager_epoch else 0
-
-    def heartbeat_age(self, now_ns: int | None = None) -> float:
-        """Seconds since the last heartbeat (inf if never)."""
-        if not self.heartbeat_ns:
-            return float("inf")
-        return max(0, (now_ns or time.time_ns()) - self.heartbeat_ns) / 1e9
-
-    def alive(self, stale_s: float = STALE_S) -> bool:
-        return self.state == NODE_ALIVE and self.heartbeat_age() < stale_s
-
-
-def read_nodes(pool: Pool) -> list[NodeRecord]:
-    """The node table as this host observes it now."""
-    sec = pool.info.section("nodes")
-    raw = pool.observe(sec.offset, sec.length)
-    out = []
-    for n in range(sec.count):
-        f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
-        out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
-                              f[7].rstrip(b"\0").decode(errors="replace"), f[5],
-                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP)))
-    return out
-
-
-def token_text(token: int) -> str:
-    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
-    return f"{token >> 32}.{token & 0xFFFFFFFF}"
-
-
-def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
-    """The node holding the largest claim: the current lock manager, alive or not."""
-    best = max(nodes, key=lambda r: r.token, default=None)
-    return best if best is not None and best.token else None
-
-
-@dataclass
-class Recovered:
-    """What one recovery pass gave back from the node's dead processes."""
-
-    processes: int = 0
-    pins: int = 0
-    claims: int = 0
-    slots: int = 0
-    partial: int = 0      # journals that had overflowed: the rest needs `tract check --repair`
-
-    def describe(self) -> str:
-        text = (f"recovered {self.processes} dead process(es): {self.pins} pin(s) released, "
-                f"{self.claims} unfinished write(s) dropped, {self.slots} slot(s) freed")
-        if self.partial:
-            text += (f"; {self.partial} journal(s) had overflowed: run `tract check --repair` "
-                     "offline for the rest")
-        return text
-
-
-@dataclass
-class NodeRecovery:
-    """What one pass of the node's recovery (native/recover.c) did."""
-
-    locks: int = 0            # locks of dead processes taken over (repaired) or withdrawn
-    dead: Recovered = None    # what their journals gave back
-    orphans: int = 0          # unfinished writes no journal remembers, dropped
-    orphans_pending: bool = False   # a stripe was busy: the orphan scan is not done
-    handoffs: int = 0         # half-done handoff releases finished
-    errors: tuple = ()        # (step, TractError) of steps that failed (a timeout: retried)
-
-
-def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecovery:
-    """One pass of the node's recovery, in its documented order: the locks of
-    dead processes, their journals, orphaned writes (when ORPHANS), half-done
-    handoff releases; one call into the core."""
-    rep = ffi.new("struct tract_recovery *")
-    flags = lib.TRACT_RECOVER_ORPHANS if orphans else 0
-    raise_for(lib.tract_recover(pool._r(), flags, rep, int(timeout * 1e9)), "node recovery")
-    errors = []
-    for step, rc in (("recovery of dead processes", rep.journal_rc),
-                     ("orphaned writes", rep.orphan_rc), ("handoff recovery", rep.handoff_rc)):
-        if rc < 0 and rc != lib.TRACT_E_TIMEOUT:      # a busy lock: the next pass resumes
-            try:
-                raise_for(rc, step)
-            except TractError as err:
-                errors.append((step, err))
-    # (a step that timed out reports what it did before the busy lock)
-    dead = Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
-                     int(rep.partial))
-    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
-                        orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
-                        handoffs=int(rep.handoffs), errors=tuple(errors))
-
-
-def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
-    """Gives back what this node's dead processes held in the index: their
-    journaled pins and unfinished (PENDING) writes with their slots."""
-    out = ffi.new("uint64_t[5]")
-    rc = lib.tract_recover_dead(pool._r(), out, int(timeout * 1e9))
-    if rc == lib.TRACT_E_TIMEOUT:
-        return Recovered()           # a stripe lock was busy: the next heartbeat retries
-    raise_for(rc, "recovery of dead processes")
-    return Recovered(*(int(v) for v in out))
-
 
 class Agent:
     """A running node agent (foreground: `tract agent`)."""
@@ -267,8 +132,8 @@ class Agent:
         if state == NODE_ALIVE:
             flags |= FLAG_MANAGER if self.managing else 0
             flags |= FLAG_STANDBY if self.takeover_after_s is not None else 0
-        line = NODE_LINE.pack(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
-                              now if self.managing else 0, hostname().encode()[:23])
+        line = encode_node_line(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
+                                now if self.managing else 0)
         self.pool.publish(sec.offset + self.node * sec.entry_size, line)
 
     def _take_over(self, why: str) -> bool:
@@ -488,7 +353,6 @@ class Agent:
             self.pool.close()
         if gone:
             # the region is gone: nothing can attach to this node's segment again
-            from tract_cli.core.local import local_path
             try:
                 os.unlink(local_path(uuid, self.node))
             except OSError:
@@ -497,7 +361,6 @@ class Agent:
 
 def _file_identity(path: str) -> tuple[int, int] | None:
     """(device, inode) of a region file, None for a device or a missing path."""
-    import stat
     try:
         st = os.stat(path)
     except OSError:
@@ -529,7 +392,6 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
     by itself (IDLE_EXIT seconds with no process on its node, or its region
     removed); logs to stderr.  `tract agent` and `python -m
     tract_cli.core.agent_main` (what `ensure_agent` starts) both run this."""
-    import signal
     check_options(heartbeat_ms, TAKEOVER_AFTER_S if takeover_after is None else takeover_after,
                   idle_exit)
     stop = threading.Event()
@@ -552,83 +414,3 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
         extra = f" ({stats['grants']} grants in {stats['scans']} scans)" if stats else ""
         why = f": {a.exit_reason}" if a.exit_reason else ""
         print(f"tract agent: node {node}: stopped{why}{extra}", file=sys.stderr, flush=True)
-
-
-def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
-                 log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
-                 idle_exit: float | None = None, **attach) -> subprocess.Popen | None:
-    """Starts an agent process for NODE unless one is alive; returns the process started.
-
-    IDLE_EXIT (seconds): the agent stops by itself once the node has had no
-    attached process for that long (what workers pass: `IDLE_EXIT_S`); None:
-    it runs until stopped.  The process is `python -m tract_cli.core.agent_main`
-    with this copy of the package (`spawn`): never a checkout's that happens to
-    be the working directory.  Waits (bounded) until the new agent's
-    heartbeat shows in the node table.
-    """
-    from tract_cli.core.spawn import child_env, module_command
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        rec = read_nodes(pool)[node]
-        # a fresh heartbeat of an agent seen dead on this host does not count
-        if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
-            return None
-    cmd = module_command("tract_cli.core.agent_main", "--pool", pool_path, "--node", str(node))
-    if manager:
-        cmd.append("--manager")
-    if takeover_after is None:
-        cmd.append("--no-takeover")
-    elif takeover_after != TAKEOVER_AFTER_S:
-        cmd += ["--takeover-after", str(takeover_after)]
-    if attach.get("simulate"):
-        cmd.append("--simulate")
-    if attach.get("flush_mode"):
-        cmd += ["--flush-mode", attach["flush_mode"]]
-    if idle_exit is not None:
-        cmd += ["--exit-when-idle", f"{idle_exit:g}"]
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, env=child_env())
-    finally:
-        if log is not subprocess.DEVNULL:
-            log.close()
-    deadline = time.monotonic() + timeout
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        while time.monotonic() < deadline:
-            rec = read_nodes(pool)[node]
-            if rec.agent_pid == proc.pid and rec.alive():
-                return proc
-            if proc.poll() is not None:
-                raise TractError(f"the agent for node {node} exited with code {proc.returncode}",
-                                 f"run `tract agent --pool {pool_path} --node {node}` to see why"
-                                 + (f" (its log: {log_path})" if log_path else ""))
-            time.sleep(0.02)   # polling a heartbeat another process writes
-    proc.kill()
-    raise TractError(f"the agent for node {node} did not heartbeat within {timeout:.0f} s",
-                     "check the machine's load and the agent's log")
-
-
-def start_node_agent(pool_path: str, node: int, **attach):
-    """Starts this node's agent if none runs; it runs the lock manager when no
-    node has a live one.  The agent is its own process (its own session): it
-    outlives the worker for IDLE_EXIT_S, then stops by itself once no process
-    is attached to its node (a manager: and no other node's agent is alive)."""
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        nodes = read_nodes(pool)
-    if not 0 <= node < len(nodes):
-        raise UsageError(f"node {node} is outside this region's nodes 0..{len(nodes) - 1}",
-                         "pick a node in range")
-    manager = not any(n.manager and n.alive() for n in nodes)
-    try:
-        return ensure_agent(pool_path, node, manager=manager, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        if not manager:
-            raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
-    # another node's worker started the manager meanwhile: be a plain agent.
-    # (Two agents starting in the same instant can both pass the check: the
-    # election is the faults issue's manager takeover; start the manager's
-    # agent first, as docs/SERVING.md says, to avoid the window.)
-    try:
-        return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
