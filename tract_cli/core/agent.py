@@ -15,10 +15,13 @@ every agent stops at once when its region file is removed
 (docs/PROTOCOLS.md §7).
 
 `run_foreground` runs one in this process until a signal: what `tract agent`
-and `python -m tract_cli.core.agent_main` do.
+and `python -m tract_cli.core.agent_main` do.  The agent logs to the
+`tract.agent` logger; `log_to_stderr` shows it as `tract agent: node N: ...`
+lines, as the agent's own process does.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -46,6 +49,29 @@ PAYLOAD_SWEEP_BYTES = 1 << 30
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
+
+# what the agent says (started, stopped, manager taken over or given up, what
+# recovery gave back, failed steps); nothing is shown unless the process shows
+# it (`log_to_stderr`): a library user of `Agent` sees only warnings and errors,
+# through Python's last-resort handler, until it configures logging itself
+log = logging.getLogger("tract.agent")
+_STDERR_HANDLER = "tract-agent-stderr"
+
+
+def log_to_stderr() -> None:
+    """Shows the agent's log on stderr from INFO up, one line a message, as
+    `tract agent: node N: ...` (users and tests grep these lines); for a
+    process that runs an agent (`run_foreground`).  Once per process: a
+    second call changes nothing."""
+    if any(h.get_name() == _STDERR_HANDLER for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_STDERR_HANDLER)
+    handler.setFormatter(logging.Formatter("tract agent: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False      # the lines are this handler's: never twice through the root's
+
 
 class Agent:
     """A running node agent (foreground: `tract agent`)."""
@@ -114,8 +140,8 @@ class Agent:
             self._publish(NODE_ALIVE)
             if self.manager and not self._take_over("started with --manager"):
                 # another node claimed it at the same moment: it manages, this one stands by
-                print(f"tract agent: node {self.node}: another node claimed the lock manager at "
-                      "the same moment; standing by", file=sys.stderr, flush=True)
+                self._log(logging.WARNING, "another node claimed the lock manager at the same "
+                          "moment; standing by")
             self._thread = threading.Thread(target=self._heartbeat, name="tract-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -155,9 +181,8 @@ class Agent:
         raise_for(rc, "lock manager")
         self._manager = out[0]
         self._publish(NODE_ALIVE)          # the manager flag and heartbeat
-        print(f"tract agent: node {self.node}: lock manager running, token "
-              f"{token_text(self.manager_epoch << 32 | self.node)} ({why})", file=sys.stderr,
-              flush=True)
+        self._log(logging.INFO, "lock manager running, token %s (%s)",
+                  token_text(self.manager_epoch << 32 | self.node), why)
         return True
 
     def _check_superseded(self) -> None:
@@ -169,9 +194,8 @@ class Agent:
         self._manager = None
         self._watch = None
         self._publish(NODE_ALIVE)
-        print(f"tract agent: node {self.node}: lock manager superseded by node "
-              f"{int(by[0]) & 0xFFFFFFFF} (token {token_text(int(by[0]))}); standing by",
-              file=sys.stderr, flush=True)
+        self._log(logging.WARNING, "lock manager superseded by node %d (token %s); standing by",
+                  int(by[0]) & 0xFFFFFFFF, token_text(int(by[0])))
 
     def _maybe_take_over(self) -> None:
         """Takes the manager over once its heartbeat has not moved for
@@ -206,9 +230,9 @@ class Agent:
         if on_this_host(cur) and pid_alive(cur.agent_pid):
             if not self._said_alive:
                 self._said_alive = True
-                print(f"tract agent: node {self.node}: the lock manager's heartbeat (node "
-                      f"{cur.node}, pid {cur.agent_pid}) is stale but the process is alive on "
-                      "this host: not taking over", file=sys.stderr, flush=True)
+                self._log(logging.WARNING, "the lock manager's heartbeat (node %d, pid %d) is "
+                          "stale but the process is alive on this host: not taking over",
+                          cur.node, cur.agent_pid)
             return
         why = f"node {cur.node}'s manager heartbeat stale for {still:.1f} s"
         self._take_over(why)
@@ -260,8 +284,7 @@ class Agent:
                 try:
                     self._maybe_take_over()
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: takeover: {err}", file=sys.stderr,
-                          flush=True)
+                    self._log(logging.ERROR, "takeover: %s", err)
             # what this node's dead processes left: locks, journals, orphaned
             # writes (a restarted host's; a walk of the whole index, so seldom),
             # half-done handoff releases -- one pass, one call (native/recover.c)
@@ -269,8 +292,7 @@ class Agent:
             try:
                 got = recover_node(self.pool, orphans)
             except TractError as err:
-                print(f"tract agent: node {self.node}: recovery: {err}", file=sys.stderr,
-                      flush=True)
+                self._log(logging.ERROR, "recovery: %s", err)
             else:
                 self._report(got)
                 if orphans and not got.orphans_pending:
@@ -282,8 +304,7 @@ class Agent:
                     self._sweep_cursor, swept = self.pool.sweep_payload(
                         self._sweep_cursor, PAYLOAD_SWEEP_SLOTS, PAYLOAD_SWEEP_BYTES)
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: payload sweep: {err}",
-                          file=sys.stderr, flush=True)
+                    self._log(logging.ERROR, "payload sweep: %s", err)
                 else:
                     self.swept_slots += swept
             now = time.monotonic()
@@ -293,26 +314,29 @@ class Agent:
                 try:
                     self.reclaimed += self.pool.handoffs.reclaim(timeout=RECLAIM_S)
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: reclaim: {err}", file=sys.stderr,
-                          flush=True)
+                    self._log(logging.ERROR, "reclaim: %s", err)
 
     def _report(self, got: NodeRecovery) -> None:
-        """Says on stderr what a recovery pass gave back."""
-        def say(text: str) -> None:
-            print(f"tract agent: node {self.node}: {text}", file=sys.stderr, flush=True)
+        """Logs what a recovery pass gave back (a warning: processes died)."""
         if got.locks:
             self.recovered_locks += got.locks
-            say(f"took back {got.locks} lock(s) of dead processes")
+            self._log(logging.WARNING, "took back %d lock(s) of dead processes", got.locks)
         if got.dead.processes:
             self.recovered_processes += got.dead.processes
-            say(got.dead.describe())
+            self._log(logging.WARNING, "%s", got.dead.describe())
         if got.orphans:
-            say(f"dropped {got.orphans} unfinished write(s) of processes no journal remembers "
-                "(their keys are writable again; `tract check --repair` returns their slots)")
+            self._log(logging.WARNING, "dropped %d unfinished write(s) of processes no journal "
+                      "remembers (their keys are writable again; `tract check --repair` returns "
+                      "their slots)", got.orphans)
         if got.handoffs:
-            say(f"finished {got.handoffs} handoff release(s) of dead processes")
+            self._log(logging.WARNING, "finished %d handoff release(s) of dead processes",
+                      got.handoffs)
         for step, err in got.errors:
-            say(f"{step}: {err}")
+            self._log(logging.ERROR, "%s: %s", step, err)
+
+    def _log(self, level: int, msg: str, *args) -> None:
+        """One line of this agent's log: `node N: MSG % ARGS`."""
+        log.log(level, "node %d: " + msg, self.node, *args)
 
     def manager_stats(self) -> dict:
         """Scans, grants, releases, idle sleeps of the manager thread."""
@@ -390,8 +414,9 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
                    idle_exit: float | None = None) -> None:
     """Runs a node agent in this process until SIGTERM/SIGINT, or until it stops
     by itself (IDLE_EXIT seconds with no process on its node, or its region
-    removed); logs to stderr.  `tract agent` and `python -m
+    removed); logs to stderr (`log_to_stderr`).  `tract agent` and `python -m
     tract_cli.core.agent_main` (what `ensure_agent` starts) both run this."""
+    log_to_stderr()
     check_options(heartbeat_ms, TAKEOVER_AFTER_S if takeover_after is None else takeover_after,
                   idle_exit)
     stop = threading.Event()
@@ -404,8 +429,7 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
                                              else "")
     life = (f", stops after {idle_exit:g} s with no process on the node" if idle_exit is not None
             else ", runs until stopped")
-    print(f"tract agent: node {node} pid {os.getpid()} epoch {a.epoch}{role}{life}: running",
-          file=sys.stderr, flush=True)
+    log.info("node %d pid %d epoch %d%s%s: running", node, os.getpid(), a.epoch, role, life)
     try:
         a.wait(stop)
     finally:
@@ -413,4 +437,6 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
         a.stop()
         extra = f" ({stats['grants']} grants in {stats['scans']} scans)" if stats else ""
         why = f": {a.exit_reason}" if a.exit_reason else ""
-        print(f"tract agent: node {node}: stopped{why}{extra}", file=sys.stderr, flush=True)
+        log.info("node %d: stopped%s%s", node, why, extra)
+
+
