@@ -4,7 +4,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent_launch import ensure_agent
 
 
 class RunningAgent:

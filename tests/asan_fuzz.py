@@ -34,10 +34,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from format_reader import CRC_OFFSET  # noqa: E402
-from tract_cli.core.agent import Agent, recover_dead_processes  # noqa: E402
+from tract_cli.core.agent import Agent  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
+from tract_cli.core.recovery import recover_dead_processes  # noqa: E402
 from tract_cli.inspect import check  # noqa: E402
 
 T = 0.2          # lock timeouts: a corrupted lock table must not stall the run

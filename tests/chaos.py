@@ -38,8 +38,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tract_cli.core.agent import current_manager, ensure_agent, read_nodes  # noqa: E402
+from tract_cli.core.agent_launch import ensure_agent  # noqa: E402
 from tract_cli.core.native import lib  # noqa: E402
+from tract_cli.core.nodes import current_manager, read_nodes  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 from tract_cli.core.region import remove_region  # noqa: E402
 from tract_cli.inspect import check, snapshot  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from agents import RunningAgent
-from tract_cli.core.agent import NODE_ALIVE, NODE_LEFT, read_nodes
+from tract_cli.core.nodes import NODE_ALIVE, NODE_LEFT, read_nodes
 from tract_cli.core.pool import Pool
 
 

@@ -17,8 +17,9 @@ import pytest
 
 from servers import Server, request
 from tract_cli.core import spawn
-from tract_cli.core.agent import ensure_agent, read_nodes
+from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.local import local_path
+from tract_cli.core.nodes import read_nodes
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import remove_region

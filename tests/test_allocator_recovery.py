@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from procs import Worker
-from tract_cli.core.agent import recover_node
 from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.native import lib
 from tract_cli.core.pool import Pool
+from tract_cli.core.recovery import recover_node
 from tract_cli.inspect import check
 
 CLAIM = ["CLAIM_STAGED", "CLAIM_HEADER", "CLAIM_BITMAP", "CLAIM_PUSHED"]

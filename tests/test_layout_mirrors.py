@@ -28,13 +28,13 @@ import format_reader
 import index_check
 import test_objects
 import test_takeover
-from tract_cli.core import agent
+from tract_cli.core import nodes
 from tract_cli.core.native import ffi
 from tract_cli.inspect import snapshot
 
 NATIVE = pathlib.Path(__file__).resolve().parents[1] / "native"
 
-# the node table's line 0, as agent.read_nodes unpacks it
+# the node table's line 0, as nodes.read_nodes unpacks it
 NODE_LINE_FIELDS = ("state", "agent_pid", "epoch", "heartbeat_ns", "flags", "manager_epoch",
                     "manager_heartbeat_ns", "hostname")
 
@@ -47,7 +47,7 @@ MIRRORS = [
     ("inspect.snapshot.MGR_DTYPE", snapshot.MGR_DTYPE, "tract_lock_manager_line", None, True),
     ("inspect.snapshot.RECORD_DTYPE", snapshot.RECORD_DTYPE, "tract_transfer_record", None, True),
     ("inspect.snapshot.ALLOC_DTYPE", snapshot.ALLOC_DTYPE, "tract_alloc_header", None, True),
-    ("core.agent.NODE_LINE", agent.NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
+    ("core.nodes.NODE_LINE", nodes.NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
     ("tests/format_reader.HEADER", format_reader.HEADER, "tract_header",
      format_reader.HEADER_FIELDS, False),
     ("tests/format_reader.SECTION", format_reader.SECTION, "tract_section",

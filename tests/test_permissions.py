@@ -54,7 +54,7 @@ def region(region_path):
 
 def wait_for_heartbeat(path: str, node: int, proc) -> None:
     """Waits (bounded) for PROC's heartbeat as NODE's agent."""
-    from tract_cli.core.agent import read_nodes
+    from tract_cli.core.nodes import read_nodes
     from tract_cli.core.pool import Pool
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -15,10 +15,10 @@ import pytest
 from agents import RunningAgent
 from index_check import check_index
 from procs import Worker
-from tract_cli.core.agent import recover_dead_processes
 from tract_cli.core.locks import LOCK_ALLOCATOR, stripe_lock
 from tract_cli.core.native import ffi, lib
 from tract_cli.core.pool import Pool
+from tract_cli.core.recovery import recover_dead_processes
 from tract_cli.inspect import snapshot
 
 CHAIN = [0, 0, 11, 12]          # prefix_seed, prefix_blocks, suffix_seed, blocks

@@ -19,10 +19,10 @@ import pytest
 
 from agents import RunningAgent
 from counters import finish_counters, start_counters
-from tract_cli.core.agent import NODE_ALIVE, NODE_LINE, current_manager, read_nodes
 from tract_cli.core.errors import LockTimeout
 from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.native import ffi, lib
+from tract_cli.core.nodes import NODE_ALIVE, NODE_LINE, current_manager, read_nodes
 from tract_cli.core.pool import Pool
 
 NODES = 4

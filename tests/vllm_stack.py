@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 from tests.servers import request
-from tract_cli.core.agent import read_nodes
+from tract_cli.core.nodes import read_nodes
 from tract_cli.core.errors import TractError
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool

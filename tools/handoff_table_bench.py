@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import remove_region
 

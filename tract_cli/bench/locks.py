@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tract_cli.bench.micro import temp_region_path
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.pool import Pool
 
 

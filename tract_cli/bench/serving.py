@@ -19,7 +19,7 @@ import urllib.request
 import numpy as np
 
 from tract_cli.bench.micro import temp_region_path
-from tract_cli.core.agent import ensure_agent
+from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.pool import Pool
 from tract_cli.serve.engine import Engine, Sampling
 from tract_cli.serve.launch import WorkerProcess

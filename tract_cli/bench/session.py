@@ -13,7 +13,7 @@ from tract_cli.bench import peers, prefix_sim, runner, stats
 from tract_cli.bench.micro import need_space, temp_region_path
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
-from tract_cli.core.agent import IDLE_EXIT_S, ensure_agent
+from tract_cli.core.agent_launch import IDLE_EXIT_S, ensure_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import ModelProfile
 from tract_cli.core.hashing import block_hashes

@@ -55,7 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
-from tract_cli.core.agent import start_node_agent
+from tract_cli.core.agent_launch import start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
 from tract_cli.core.errors import HandoffError, PoolFull

@@ -1,43 +1,46 @@
 """The node agent: the duties of a node that outlive any worker.
 
 One agent per node (held by the node's agent mutex in its local segment):
-it heartbeats in the node table, runs the lock manager on the manager node
-(an agent refuses to start a manager while another node's manager heartbeat
-is fresh), stands by to take the manager over when that heartbeat has been
-stale for `takeover_after` seconds (fenced by the claim tokens of
-native/manager.c, docs/PROTOCOLS.md §4), releases the lock grants and
-requests of its node's dead processes and what they held in the index,
-finishes their handoff releases, and reclaims expired handoffs (on the
-manager node).  Workers and benchmarks start one with `ensure_agent` when
-none runs; such an agent (`idle_exit_s`) stops by itself once its node has
-had no attached process for that long (and, on the manager node, no other
-node has a live agent), an agent started by hand runs until stopped; every
-agent stops at once when its region file is removed (docs/PROTOCOLS.md §7).
-The process entry point is `python -m tract_cli.core.agent_main`, which
-`tract agent` shares (`run_foreground`).
+it heartbeats in the node table (`core/nodes.py`), runs the lock manager on
+the manager node (an agent refuses to start a manager while another node's
+manager heartbeat is fresh), stands by to take the manager over when that
+heartbeat has been stale for `takeover_after` seconds (fenced by the claim
+tokens of native/manager.c, docs/PROTOCOLS.md §4), runs its node's recovery
+of dead processes every heartbeat (`core/recovery.py`), sweeps dead payloads,
+and reclaims expired handoffs (on the manager node).  An agent started with
+`idle_exit_s` (by a worker, `core/agent_launch.py`) stops by itself once its
+node has had no attached process for that long (and, on the manager node, no
+other node has a live agent), an agent started by hand runs until stopped;
+every agent stops at once when its region file is removed
+(docs/PROTOCOLS.md §7).
+
+`run_foreground` runs one in this process until a signal: what `tract agent`
+and `python -m tract_cli.core.agent_main` do.  The agent logs to the
+`tract.agent` logger; `log_to_stderr` shows it as `tract agent: node N: ...`
+lines, as the agent's own process does.
 """
 from __future__ import annotations
 
+import logging
 import os
-import socket
-import struct
-import subprocess
+import signal
+import stat
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
+                                  NODE_LEFT, current_manager, encode_node_line, on_this_host,
+                                  read_nodes, token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
+from tract_cli.core.recovery import NodeRecovery, recover_node
 
-NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
-NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
-STALE_S = 2.0
 # the payload sweep of every heartbeat (docs/PROTOCOLS.md §1.1): slots visited,
 # bytes evicted at most (~40 ms of clflushopt at this machine's 25 GB/s: it
 # keeps up with a node reading 10 GB/s of payloads new to it)
@@ -46,140 +49,28 @@ PAYLOAD_SWEEP_BYTES = 1 << 30
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
-# how long an agent that a worker started waits with no process on its node
-# before it stops (TRACT_AGENT_IDLE_EXIT_S overrides it, e.g. in tests)
-IDLE_EXIT_S = float(os.environ.get("TRACT_AGENT_IDLE_EXIT_S") or 30.0)
+
+# what the agent says (started, stopped, manager taken over or given up, what
+# recovery gave back, failed steps); nothing is shown unless the process shows
+# it (`log_to_stderr`): a library user of `Agent` sees only warnings and errors,
+# through Python's last-resort handler, until it configures logging itself
+log = logging.getLogger("tract.agent")
+_STDERR_HANDLER = "tract-agent-stderr"
 
 
-def hostname() -> str:
-    """The name recorded in the node table; TRACT_HOSTNAME lets emulated
-    nodes on one machine stand for separate hosts (failure tests)."""
-    return os.environ.get("TRACT_HOSTNAME") or socket.gethostname()
-
-
-def on_this_host(rec: "NodeRecord") -> bool:
-    """Whether REC was written by an agent of this host (as the node table keeps it)."""
-    return rec.hostname == hostname().encode()[:23].decode(errors="replace")
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """Line 0 of one node-table entry, decoded."""
-
-    node: int
-    state: int
-    agent_pid: int
-    epoch: int
-    heartbeat_ns: int
-    manager: bool
-    manager_heartbeat_ns: int
-    hostname: str
-    manager_epoch: int = 0
-    standby: bool = False
-    autostop: bool = False      # started by a worker: stops when its node is idle
-
-    @property
-    def token(self) -> int:
-        """The node's lock-manager claim as a fencing token (0: never claimed)."""
-        return (self.manager_epoch << 32) | self.node if self.manager_epoch else 0
-
-    def heartbeat_age(self, now_ns: int | None = None) -> float:
-        """Seconds since the last heartbeat (inf if never)."""
-        if not self.heartbeat_ns:
-            return float("inf")
-        return max(0, (now_ns or time.time_ns()) - self.heartbeat_ns) / 1e9
-
-    def alive(self, stale_s: float = STALE_S) -> bool:
-        return self.state == NODE_ALIVE and self.heartbeat_age() < stale_s
-
-
-def read_nodes(pool: Pool) -> list[NodeRecord]:
-    """The node table as this host observes it now."""
-    sec = pool.info.section("nodes")
-    raw = pool.observe(sec.offset, sec.length)
-    out = []
-    for n in range(sec.count):
-        f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
-        out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
-                              f[7].rstrip(b"\0").decode(errors="replace"), f[5],
-                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP)))
-    return out
-
-
-def token_text(token: int) -> str:
-    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
-    return f"{token >> 32}.{token & 0xFFFFFFFF}"
-
-
-def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
-    """The node holding the largest claim: the current lock manager, alive or not."""
-    best = max(nodes, key=lambda r: r.token, default=None)
-    return best if best is not None and best.token else None
-
-
-@dataclass
-class Recovered:
-    """What one recovery pass gave back from the node's dead processes."""
-
-    processes: int = 0
-    pins: int = 0
-    claims: int = 0
-    slots: int = 0
-    partial: int = 0      # journals that had overflowed: the rest needs `tract check --repair`
-
-    def describe(self) -> str:
-        text = (f"recovered {self.processes} dead process(es): {self.pins} pin(s) released, "
-                f"{self.claims} unfinished write(s) dropped, {self.slots} slot(s) freed")
-        if self.partial:
-            text += (f"; {self.partial} journal(s) had overflowed: run `tract check --repair` "
-                     "offline for the rest")
-        return text
-
-
-@dataclass
-class NodeRecovery:
-    """What one pass of the node's recovery (native/recover.c) did."""
-
-    locks: int = 0            # locks of dead processes taken over (repaired) or withdrawn
-    dead: Recovered = None    # what their journals gave back
-    orphans: int = 0          # unfinished writes no journal remembers, dropped
-    orphans_pending: bool = False   # a stripe was busy: the orphan scan is not done
-    handoffs: int = 0         # half-done handoff releases finished
-    errors: tuple = ()        # (step, TractError) of steps that failed (a timeout: retried)
-
-
-def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecovery:
-    """One pass of the node's recovery, in its documented order: the locks of
-    dead processes, their journals, orphaned writes (when ORPHANS), half-done
-    handoff releases; one call into the core."""
-    rep = ffi.new("struct tract_recovery *")
-    flags = lib.TRACT_RECOVER_ORPHANS if orphans else 0
-    raise_for(lib.tract_recover(pool._r(), flags, rep, int(timeout * 1e9)), "node recovery")
-    errors = []
-    for step, rc in (("recovery of dead processes", rep.journal_rc),
-                     ("orphaned writes", rep.orphan_rc), ("handoff recovery", rep.handoff_rc)):
-        if rc < 0 and rc != lib.TRACT_E_TIMEOUT:      # a busy lock: the next pass resumes
-            try:
-                raise_for(rc, step)
-            except TractError as err:
-                errors.append((step, err))
-    # (a step that timed out reports what it did before the busy lock)
-    dead = Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
-                     int(rep.partial))
-    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
-                        orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
-                        handoffs=int(rep.handoffs), errors=tuple(errors))
-
-
-def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
-    """Gives back what this node's dead processes held in the index: their
-    journaled pins and unfinished (PENDING) writes with their slots."""
-    out = ffi.new("uint64_t[5]")
-    rc = lib.tract_recover_dead(pool._r(), out, int(timeout * 1e9))
-    if rc == lib.TRACT_E_TIMEOUT:
-        return Recovered()           # a stripe lock was busy: the next heartbeat retries
-    raise_for(rc, "recovery of dead processes")
-    return Recovered(*(int(v) for v in out))
+def log_to_stderr() -> None:
+    """Shows the agent's log on stderr from INFO up, one line a message, as
+    `tract agent: node N: ...` (users and tests grep these lines); for a
+    process that runs an agent (`run_foreground`).  Once per process: a
+    second call changes nothing."""
+    if any(h.get_name() == _STDERR_HANDLER for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_STDERR_HANDLER)
+    handler.setFormatter(logging.Formatter("tract agent: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False      # the lines are this handler's: never twice through the root's
 
 
 class Agent:
@@ -249,8 +140,8 @@ class Agent:
             self._publish(NODE_ALIVE)
             if self.manager and not self._take_over("started with --manager"):
                 # another node claimed it at the same moment: it manages, this one stands by
-                print(f"tract agent: node {self.node}: another node claimed the lock manager at "
-                      "the same moment; standing by", file=sys.stderr, flush=True)
+                self._log(logging.WARNING, "another node claimed the lock manager at the same "
+                          "moment; standing by")
             self._thread = threading.Thread(target=self._heartbeat, name="tract-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -267,8 +158,8 @@ class Agent:
         if state == NODE_ALIVE:
             flags |= FLAG_MANAGER if self.managing else 0
             flags |= FLAG_STANDBY if self.takeover_after_s is not None else 0
-        line = NODE_LINE.pack(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
-                              now if self.managing else 0, hostname().encode()[:23])
+        line = encode_node_line(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
+                                now if self.managing else 0)
         self.pool.publish(sec.offset + self.node * sec.entry_size, line)
 
     def _take_over(self, why: str) -> bool:
@@ -290,9 +181,8 @@ class Agent:
         raise_for(rc, "lock manager")
         self._manager = out[0]
         self._publish(NODE_ALIVE)          # the manager flag and heartbeat
-        print(f"tract agent: node {self.node}: lock manager running, token "
-              f"{token_text(self.manager_epoch << 32 | self.node)} ({why})", file=sys.stderr,
-              flush=True)
+        self._log(logging.INFO, "lock manager running, token %s (%s)",
+                  token_text(self.manager_epoch << 32 | self.node), why)
         return True
 
     def _check_superseded(self) -> None:
@@ -304,9 +194,8 @@ class Agent:
         self._manager = None
         self._watch = None
         self._publish(NODE_ALIVE)
-        print(f"tract agent: node {self.node}: lock manager superseded by node "
-              f"{int(by[0]) & 0xFFFFFFFF} (token {token_text(int(by[0]))}); standing by",
-              file=sys.stderr, flush=True)
+        self._log(logging.WARNING, "lock manager superseded by node %d (token %s); standing by",
+                  int(by[0]) & 0xFFFFFFFF, token_text(int(by[0])))
 
     def _maybe_take_over(self) -> None:
         """Takes the manager over once its heartbeat has not moved for
@@ -341,9 +230,9 @@ class Agent:
         if on_this_host(cur) and pid_alive(cur.agent_pid):
             if not self._said_alive:
                 self._said_alive = True
-                print(f"tract agent: node {self.node}: the lock manager's heartbeat (node "
-                      f"{cur.node}, pid {cur.agent_pid}) is stale but the process is alive on "
-                      "this host: not taking over", file=sys.stderr, flush=True)
+                self._log(logging.WARNING, "the lock manager's heartbeat (node %d, pid %d) is "
+                          "stale but the process is alive on this host: not taking over",
+                          cur.node, cur.agent_pid)
             return
         why = f"node {cur.node}'s manager heartbeat stale for {still:.1f} s"
         self._take_over(why)
@@ -395,8 +284,7 @@ class Agent:
                 try:
                     self._maybe_take_over()
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: takeover: {err}", file=sys.stderr,
-                          flush=True)
+                    self._log(logging.ERROR, "takeover: %s", err)
             # what this node's dead processes left: locks, journals, orphaned
             # writes (a restarted host's; a walk of the whole index, so seldom),
             # half-done handoff releases -- one pass, one call (native/recover.c)
@@ -404,8 +292,7 @@ class Agent:
             try:
                 got = recover_node(self.pool, orphans)
             except TractError as err:
-                print(f"tract agent: node {self.node}: recovery: {err}", file=sys.stderr,
-                      flush=True)
+                self._log(logging.ERROR, "recovery: %s", err)
             else:
                 self._report(got)
                 if orphans and not got.orphans_pending:
@@ -417,8 +304,7 @@ class Agent:
                     self._sweep_cursor, swept = self.pool.sweep_payload(
                         self._sweep_cursor, PAYLOAD_SWEEP_SLOTS, PAYLOAD_SWEEP_BYTES)
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: payload sweep: {err}",
-                          file=sys.stderr, flush=True)
+                    self._log(logging.ERROR, "payload sweep: %s", err)
                 else:
                     self.swept_slots += swept
             now = time.monotonic()
@@ -428,26 +314,29 @@ class Agent:
                 try:
                     self.reclaimed += self.pool.handoffs.reclaim(timeout=RECLAIM_S)
                 except TractError as err:
-                    print(f"tract agent: node {self.node}: reclaim: {err}", file=sys.stderr,
-                          flush=True)
+                    self._log(logging.ERROR, "reclaim: %s", err)
 
     def _report(self, got: NodeRecovery) -> None:
-        """Says on stderr what a recovery pass gave back."""
-        def say(text: str) -> None:
-            print(f"tract agent: node {self.node}: {text}", file=sys.stderr, flush=True)
+        """Logs what a recovery pass gave back (a warning: processes died)."""
         if got.locks:
             self.recovered_locks += got.locks
-            say(f"took back {got.locks} lock(s) of dead processes")
+            self._log(logging.WARNING, "took back %d lock(s) of dead processes", got.locks)
         if got.dead.processes:
             self.recovered_processes += got.dead.processes
-            say(got.dead.describe())
+            self._log(logging.WARNING, "%s", got.dead.describe())
         if got.orphans:
-            say(f"dropped {got.orphans} unfinished write(s) of processes no journal remembers "
-                "(their keys are writable again; `tract check --repair` returns their slots)")
+            self._log(logging.WARNING, "dropped %d unfinished write(s) of processes no journal "
+                      "remembers (their keys are writable again; `tract check --repair` returns "
+                      "their slots)", got.orphans)
         if got.handoffs:
-            say(f"finished {got.handoffs} handoff release(s) of dead processes")
+            self._log(logging.WARNING, "finished %d handoff release(s) of dead processes",
+                      got.handoffs)
         for step, err in got.errors:
-            say(f"{step}: {err}")
+            self._log(logging.ERROR, "%s: %s", step, err)
+
+    def _log(self, level: int, msg: str, *args) -> None:
+        """One line of this agent's log: `node N: MSG % ARGS`."""
+        log.log(level, "node %d: " + msg, self.node, *args)
 
     def manager_stats(self) -> dict:
         """Scans, grants, releases, idle sleeps of the manager thread."""
@@ -488,7 +377,6 @@ class Agent:
             self.pool.close()
         if gone:
             # the region is gone: nothing can attach to this node's segment again
-            from tract_cli.core.local import local_path
             try:
                 os.unlink(local_path(uuid, self.node))
             except OSError:
@@ -497,7 +385,6 @@ class Agent:
 
 def _file_identity(path: str) -> tuple[int, int] | None:
     """(device, inode) of a region file, None for a device or a missing path."""
-    import stat
     try:
         st = os.stat(path)
     except OSError:
@@ -527,9 +414,9 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
                    idle_exit: float | None = None) -> None:
     """Runs a node agent in this process until SIGTERM/SIGINT, or until it stops
     by itself (IDLE_EXIT seconds with no process on its node, or its region
-    removed); logs to stderr.  `tract agent` and `python -m
+    removed); logs to stderr (`log_to_stderr`).  `tract agent` and `python -m
     tract_cli.core.agent_main` (what `ensure_agent` starts) both run this."""
-    import signal
+    log_to_stderr()
     check_options(heartbeat_ms, TAKEOVER_AFTER_S if takeover_after is None else takeover_after,
                   idle_exit)
     stop = threading.Event()
@@ -542,8 +429,7 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
                                              else "")
     life = (f", stops after {idle_exit:g} s with no process on the node" if idle_exit is not None
             else ", runs until stopped")
-    print(f"tract agent: node {node} pid {os.getpid()} epoch {a.epoch}{role}{life}: running",
-          file=sys.stderr, flush=True)
+    log.info("node %d pid %d epoch %d%s%s: running", node, os.getpid(), a.epoch, role, life)
     try:
         a.wait(stop)
     finally:
@@ -551,84 +437,6 @@ def run_foreground(pool_path: str, node: int, manager: bool = False, *,
         a.stop()
         extra = f" ({stats['grants']} grants in {stats['scans']} scans)" if stats else ""
         why = f": {a.exit_reason}" if a.exit_reason else ""
-        print(f"tract agent: node {node}: stopped{why}{extra}", file=sys.stderr, flush=True)
+        log.info("node %d: stopped%s%s", node, why, extra)
 
 
-def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
-                 log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
-                 idle_exit: float | None = None, **attach) -> subprocess.Popen | None:
-    """Starts an agent process for NODE unless one is alive; returns the process started.
-
-    IDLE_EXIT (seconds): the agent stops by itself once the node has had no
-    attached process for that long (what workers pass: `IDLE_EXIT_S`); None:
-    it runs until stopped.  The process is `python -m tract_cli.core.agent_main`
-    with this copy of the package (`spawn`): never a checkout's that happens to
-    be the working directory.  Waits (bounded) until the new agent's
-    heartbeat shows in the node table.
-    """
-    from tract_cli.core.spawn import child_env, module_command
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        rec = read_nodes(pool)[node]
-        # a fresh heartbeat of an agent seen dead on this host does not count
-        if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
-            return None
-    cmd = module_command("tract_cli.core.agent_main", "--pool", pool_path, "--node", str(node))
-    if manager:
-        cmd.append("--manager")
-    if takeover_after is None:
-        cmd.append("--no-takeover")
-    elif takeover_after != TAKEOVER_AFTER_S:
-        cmd += ["--takeover-after", str(takeover_after)]
-    if attach.get("simulate"):
-        cmd.append("--simulate")
-    if attach.get("flush_mode"):
-        cmd += ["--flush-mode", attach["flush_mode"]]
-    if idle_exit is not None:
-        cmd += ["--exit-when-idle", f"{idle_exit:g}"]
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, env=child_env())
-    finally:
-        if log is not subprocess.DEVNULL:
-            log.close()
-    deadline = time.monotonic() + timeout
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        while time.monotonic() < deadline:
-            rec = read_nodes(pool)[node]
-            if rec.agent_pid == proc.pid and rec.alive():
-                return proc
-            if proc.poll() is not None:
-                raise TractError(f"the agent for node {node} exited with code {proc.returncode}",
-                                 f"run `tract agent --pool {pool_path} --node {node}` to see why"
-                                 + (f" (its log: {log_path})" if log_path else ""))
-            time.sleep(0.02)   # polling a heartbeat another process writes
-    proc.kill()
-    raise TractError(f"the agent for node {node} did not heartbeat within {timeout:.0f} s",
-                     "check the machine's load and the agent's log")
-
-
-def start_node_agent(pool_path: str, node: int, **attach):
-    """Starts this node's agent if none runs; it runs the lock manager when no
-    node has a live one.  The agent is its own process (its own session): it
-    outlives the worker for IDLE_EXIT_S, then stops by itself once no process
-    is attached to its node (a manager: and no other node's agent is alive)."""
-    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
-        nodes = read_nodes(pool)
-    if not 0 <= node < len(nodes):
-        raise UsageError(f"node {node} is outside this region's nodes 0..{len(nodes) - 1}",
-                         "pick a node in range")
-    manager = not any(n.manager and n.alive() for n in nodes)
-    try:
-        return ensure_agent(pool_path, node, manager=manager, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        if not manager:
-            raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
-    # another node's worker started the manager meanwhile: be a plain agent.
-    # (Two agents starting in the same instant can both pass the check: the
-    # election is the faults issue's manager takeover; start the manager's
-    # agent first, as docs/SERVING.md says, to avoid the window.)
-    try:
-        return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
-    except TractError as exc:
-        raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None

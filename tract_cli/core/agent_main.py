@@ -1,9 +1,11 @@
 """The node agent as a process: `python -m tract_cli.core.agent_main --pool P --node N ...`.
 
-What `ensure_agent` starts (workers, benchmarks): the core's own entry point,
-so the core never calls up into the command line.  `tract agent` runs the
-same `agent.run_foreground` with the same options (and adds CPU pinning).
-Errors are one line on stderr, exit code 1 (2 for bad options).
+What `ensure_agent` (`core/agent_launch.py`) starts for workers and
+benchmarks: the core's own entry point, so the core never calls up into the
+command line.  `tract agent` runs the same `agent.run_foreground` with the
+same options (and adds CPU pinning).  The agent's log is on stderr
+(`agent.log_to_stderr`), errors as one line `tract agent: error: ...`, exit
+code 1 (2 for bad options).
 """
 from __future__ import annotations
 
@@ -55,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
     args = p.parse_args(argv)
     leave_parent_pinning()
-    from tract_cli.core.agent import run_foreground
+    from tract_cli.core.agent import log, log_to_stderr, run_foreground
+    log_to_stderr()
     try:
         run_foreground(args.pool, args.node, args.manager, simulate=args.simulate,
                        flush_mode=args.flush_mode, heartbeat_ms=args.heartbeat_ms,
                        takeover_after=None if args.no_takeover else args.takeover_after,
                        idle_exit=args.exit_when_idle)
     except TractError as err:
-        print(f"tract agent: error: {err}", file=sys.stderr, flush=True)
+        log.error("error: %s", err)
         return err.exit_code
     except KeyboardInterrupt:
         return 130

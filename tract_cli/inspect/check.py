@@ -19,8 +19,8 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
                                   BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
+from tract_cli.core.nodes import current_manager, read_nodes, token_text
 from tract_cli.core.pool import Pool
-from tract_cli.core.agent import current_manager, read_nodes, token_text
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
                                         SLOT_DTYPE, Sections)
 

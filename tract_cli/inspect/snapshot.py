@@ -15,8 +15,8 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.agent import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.locks import lock_name
+from tract_cli.core.nodes import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.units import format_duration

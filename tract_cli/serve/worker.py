@@ -14,7 +14,7 @@ slowest (a lock wait, a block copy) and let a `/metrics` scrape stall them.
 """
 from __future__ import annotations
 
-from tract_cli.core.agent import start_node_agent
+from tract_cli.core.agent_launch import start_node_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import pool_root
 from tract_cli.core.pool import Pool

@@ -35,10 +35,11 @@ import time
 
 import numpy as np
 
-from tract_cli.core.agent import read_nodes, run_foreground
+from tract_cli.core.agent import run_foreground
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.locks import LOCK_OBJDIR
+from tract_cli.core.nodes import read_nodes
 from tract_cli.core.pool import Pool
 from tract_cli.inspect import snapshot
 

@@ -1,0 +1,105 @@
+"""Starting a node's agent from a worker or a benchmark, when none runs.
+
+`ensure_agent` starts `python -m tract_cli.core.agent_main` (`core/spawn.py`:
+with this very copy of the package, never a checkout that happens to be the
+working directory) as a process of its own session unless the node's entry
+in the node table shows a live agent, and waits (bounded) for its first
+heartbeat; `start_node_agent` is what workers call: the agent it starts runs
+the lock manager when no node has a live one, and stops by itself once the
+node has been idle for `IDLE_EXIT_S` (docs/PROTOCOLS.md §7).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from tract_cli.core.agent import TAKEOVER_AFTER_S
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.nodes import on_this_host, read_nodes
+from tract_cli.core.pids import pid_alive
+from tract_cli.core.pool import Pool
+from tract_cli.core.spawn import child_env, module_command
+
+# how long an agent that a worker started waits with no process on its node
+# before it stops (TRACT_AGENT_IDLE_EXIT_S overrides it, e.g. in tests)
+IDLE_EXIT_S = float(os.environ.get("TRACT_AGENT_IDLE_EXIT_S") or 30.0)
+
+
+def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
+                 log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
+                 idle_exit: float | None = None, **attach) -> subprocess.Popen | None:
+    """Starts an agent process for NODE unless one is alive; returns the process started.
+
+    IDLE_EXIT (seconds): the agent stops by itself once the node has had no
+    attached process for that long (what workers pass: `IDLE_EXIT_S`); None:
+    it runs until stopped.  The process is `python -m tract_cli.core.agent_main`
+    with this copy of the package (`spawn`): never a checkout's that happens to
+    be the working directory.  Waits (bounded) until the new agent's
+    heartbeat shows in the node table.
+    """
+    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
+        rec = read_nodes(pool)[node]
+        # a fresh heartbeat of an agent seen dead on this host does not count
+        if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
+            return None
+    cmd = module_command("tract_cli.core.agent_main", "--pool", pool_path, "--node", str(node))
+    if manager:
+        cmd.append("--manager")
+    if takeover_after is None:
+        cmd.append("--no-takeover")
+    elif takeover_after != TAKEOVER_AFTER_S:
+        cmd += ["--takeover-after", str(takeover_after)]
+    if attach.get("simulate"):
+        cmd.append("--simulate")
+    if attach.get("flush_mode"):
+        cmd += ["--flush-mode", attach["flush_mode"]]
+    if idle_exit is not None:
+        cmd += ["--exit-when-idle", f"{idle_exit:g}"]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env=child_env())
+    finally:
+        if log is not subprocess.DEVNULL:
+            log.close()
+    deadline = time.monotonic() + timeout
+    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
+        while time.monotonic() < deadline:
+            rec = read_nodes(pool)[node]
+            if rec.agent_pid == proc.pid and rec.alive():
+                return proc
+            if proc.poll() is not None:
+                raise TractError(f"the agent for node {node} exited with code {proc.returncode}",
+                                 f"run `tract agent --pool {pool_path} --node {node}` to see why"
+                                 + (f" (its log: {log_path})" if log_path else ""))
+            time.sleep(0.02)   # polling a heartbeat another process writes
+    proc.kill()
+    raise TractError(f"the agent for node {node} did not heartbeat within {timeout:.0f} s",
+                     "check the machine's load and the agent's log")
+
+
+def start_node_agent(pool_path: str, node: int, **attach):
+    """Starts this node's agent if none runs; it runs the lock manager when no
+    node has a live one.  The agent is its own process (its own session): it
+    outlives the worker for IDLE_EXIT_S, then stops by itself once no process
+    is attached to its node (a manager: and no other node's agent is alive)."""
+    with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
+        nodes = read_nodes(pool)
+    if not 0 <= node < len(nodes):
+        raise UsageError(f"node {node} is outside this region's nodes 0..{len(nodes) - 1}",
+                         "pick a node in range")
+    manager = not any(n.manager and n.alive() for n in nodes)
+    try:
+        return ensure_agent(pool_path, node, manager=manager, idle_exit=IDLE_EXIT_S, **attach)
+    except TractError as exc:
+        if not manager:
+            raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
+    # another node's worker started the manager meanwhile: be a plain agent.
+    # (Two agents starting in the same instant can both pass the check: the
+    # election is the faults issue's manager takeover; start the manager's
+    # agent first, as docs/SERVING.md says, to avoid the window.)
+    try:
+        return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
+    except TractError as exc:
+        raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None

@@ -1,0 +1,100 @@
+"""The region's node table: line 0 of each node's entry, decoded.
+
+Each node's agent publishes its entry every heartbeat (state, pid, epoch,
+heartbeat, manager flag and claim, hostname; docs/FORMAT.md §4.2); anyone
+reads the table lock-free (`read_nodes`): the agent itself, `ensure_agent`,
+`tract inspect`, `tract check`.  The claim a node holds is a fencing token
+(`epoch.node`, docs/PROTOCOLS.md §4); the largest one names the current lock
+manager (`current_manager`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tract_cli.core.pool import Pool
+
+NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
+NODE_ALIVE, NODE_LEFT = 1, 2
+FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
+STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
+_HOSTNAME_MAX = 23           # bytes of the host's name kept in the entry (NUL-terminated)
+
+
+def hostname() -> str:
+    """The name recorded in the node table; TRACT_HOSTNAME lets emulated
+    nodes on one machine stand for separate hosts (failure tests)."""
+    return os.environ.get("TRACT_HOSTNAME") or socket.gethostname()
+
+
+def on_this_host(rec: "NodeRecord") -> bool:
+    """Whether REC was written by an agent of this host (as the node table keeps it)."""
+    return rec.hostname == hostname().encode()[:_HOSTNAME_MAX].decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """Line 0 of one node-table entry, decoded."""
+
+    node: int
+    state: int
+    agent_pid: int
+    epoch: int
+    heartbeat_ns: int
+    manager: bool
+    manager_heartbeat_ns: int
+    hostname: str
+    manager_epoch: int = 0
+    standby: bool = False
+    autostop: bool = False      # started by a worker: stops when its node is idle
+
+    @property
+    def token(self) -> int:
+        """The node's lock-manager claim as a fencing token (0: never claimed)."""
+        return (self.manager_epoch << 32) | self.node if self.manager_epoch else 0
+
+    def heartbeat_age(self, now_ns: int | None = None) -> float:
+        """Seconds since the last heartbeat (inf if never)."""
+        if not self.heartbeat_ns:
+            return float("inf")
+        return max(0, (now_ns or time.time_ns()) - self.heartbeat_ns) / 1e9
+
+    def alive(self, stale_s: float = STALE_S) -> bool:
+        return self.state == NODE_ALIVE and self.heartbeat_age() < stale_s
+
+
+def read_nodes(pool: Pool) -> list[NodeRecord]:
+    """The node table as this host observes it now."""
+    sec = pool.info.section("nodes")
+    raw = pool.observe(sec.offset, sec.length)
+    out = []
+    for n in range(sec.count):
+        f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
+        out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
+                              f[7].rstrip(b"\0").decode(errors="replace"), f[5],
+                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP)))
+    return out
+
+
+def encode_node_line(state: int, agent_pid: int, epoch: int, heartbeat_ns: int, flags: int,
+                     manager_epoch: int, manager_heartbeat_ns: int) -> bytes:
+    """Line 0 of a node entry, with this host's name, as `read_nodes` decodes it
+    (what the node's agent publishes)."""
+    return NODE_LINE.pack(state, agent_pid, epoch, heartbeat_ns, flags, manager_epoch,
+                          manager_heartbeat_ns, hostname().encode()[:_HOSTNAME_MAX])
+
+
+def token_text(token: int) -> str:
+    """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
+    return f"{token >> 32}.{token & 0xFFFFFFFF}"
+
+
+def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
+    """The node holding the largest claim: the current lock manager, alive or not."""
+    best = max(nodes, key=lambda r: r.token, default=None)
+    return best if best is not None and best.token else None

@@ -1,0 +1,82 @@
+"""Recovery of a node's dead processes, one call into the core.
+
+What a process that died left on its node -- the lock grants and requests it
+held, its journaled pins and unfinished (PENDING) writes, orphaned claims no
+journal remembers, half-done handoff releases -- is given back by
+`tract_recover` (native/recover.c), in the order docs/PROTOCOLS.md §7 gives.
+The node agent calls `recover_node` every heartbeat; these are the Python
+wrappers and what they report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tract_cli.core.errors import TractError
+from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.pool import Pool
+
+
+@dataclass
+class Recovered:
+    """What one recovery pass gave back from the node's dead processes."""
+
+    processes: int = 0
+    pins: int = 0
+    claims: int = 0
+    slots: int = 0
+    partial: int = 0      # journals that had overflowed: the rest needs `tract check --repair`
+
+    def describe(self) -> str:
+        text = (f"recovered {self.processes} dead process(es): {self.pins} pin(s) released, "
+                f"{self.claims} unfinished write(s) dropped, {self.slots} slot(s) freed")
+        if self.partial:
+            text += (f"; {self.partial} journal(s) had overflowed: run `tract check --repair` "
+                     "offline for the rest")
+        return text
+
+
+@dataclass
+class NodeRecovery:
+    """What one pass of the node's recovery (native/recover.c) did."""
+
+    locks: int = 0            # locks of dead processes taken over (repaired) or withdrawn
+    dead: Recovered = None    # what their journals gave back
+    orphans: int = 0          # unfinished writes no journal remembers, dropped
+    orphans_pending: bool = False   # a stripe was busy: the orphan scan is not done
+    handoffs: int = 0         # half-done handoff releases finished
+    errors: tuple = ()        # (step, TractError) of steps that failed (a timeout: retried)
+
+
+def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecovery:
+    """One pass of the node's recovery, in its documented order: the locks of
+    dead processes, their journals, orphaned writes (when ORPHANS), half-done
+    handoff releases; one call into the core."""
+    rep = ffi.new("struct tract_recovery *")
+    flags = lib.TRACT_RECOVER_ORPHANS if orphans else 0
+    raise_for(lib.tract_recover(pool._r(), flags, rep, int(timeout * 1e9)), "node recovery")
+    errors = []
+    for step, rc in (("recovery of dead processes", rep.journal_rc),
+                     ("orphaned writes", rep.orphan_rc), ("handoff recovery", rep.handoff_rc)):
+        if rc < 0 and rc != lib.TRACT_E_TIMEOUT:      # a busy lock: the next pass resumes
+            try:
+                raise_for(rc, step)
+            except TractError as err:
+                errors.append((step, err))
+    # (a step that timed out reports what it did before the busy lock)
+    dead = Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
+                     int(rep.partial))
+    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
+                        orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
+                        handoffs=int(rep.handoffs), errors=tuple(errors))
+
+
+def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
+    """Gives back what this node's dead processes held in the index: their
+    journaled pins and unfinished (PENDING) writes with their slots (the
+    journal step of `recover_node` alone)."""
+    out = ffi.new("uint64_t[5]")
+    rc = lib.tract_recover_dead(pool._r(), out, int(timeout * 1e9))
+    if rc == lib.TRACT_E_TIMEOUT:
+        return Recovered()           # a stripe lock was busy: the next heartbeat retries
+    raise_for(rc, "recovery of dead processes")
+    return Recovered(*(int(v) for v in out))
