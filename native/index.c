@@ -26,274 +26,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "index_internal.h"
 
 #define NONE 0u
-
-/*
- * The lines one stripe section has observed: under the stripe lock nobody
- * else writes them, so after the first observe they are read with plain
- * loads, and the lines written are flushed once, all together, before the
- * lock is released (one fence instead of one per line).
- */
-#define SET_CAP 1024
-
-struct line_set {
-	uint64_t off[SET_CAP];     /* line offset + 1, 0 = free */
-	uint8_t dirty[SET_CAP];
-	uint16_t used[SET_CAP];    /* occupied positions, to reset cheaply */
-	uint32_t n_used;
-};
-
-struct stripe_ctx {
-	tract_region *r;
-	struct line_set *set;
-	uint32_t stripe;
-	uint64_t first;       /* first bucket index of the stripe */
-	uint64_t size;        /* buckets in the stripe (power of two) */
-	uint64_t bucket_off;  /* region offset of bucket 0 */
-	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
-	struct tract_lru_anchor lru;
-	int lru_dirty;
-	int recovered;        /* a process of this node died inside: lines may be dirty here */
-};
-
-/* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
- * tract_key_home (internal.h), shared with audit.c */
-
-/* region offset of bucket b (internal) */
-static uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
-{
-	return c->bucket_off + b * TRACT_LINE;
-}
-
-/* region offset of the u16 pin count of bucket b for node n (internal) */
-static uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
-{
-	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
-	return s->offset + (uint64_t)node * s->entry_size + b * 2;
-}
-
-/* position of a line in the set, or where it would go; -1 when full (internal) */
-static int set_slot(struct line_set *s, uint64_t off)
-{
-	uint64_t h = (off / TRACT_LINE) * 0x9E3779B97F4A7C15ULL;
-	for (uint32_t i = 0; i < 64; i++) {
-		uint32_t p = (uint32_t)((h >> 40) + i) & (SET_CAP - 1);
-		if (s->off[p] == off + 1 || s->off[p] == 0)
-			return (int)p;
-	}
-	return -1;
-}
-
-/* reads a line: observed the first time, plain loads after (internal) */
-static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
-{
-	int p = c->set ? set_slot(c->set, off) : -1;
-	if (p >= 0 && c->set->off[p] == off + 1) {
-		c->r->ops->load(c->r, off, dst, TRACT_LINE);
-		return;
-	}
-	/* the line cannot be dirty here: its writers hold this stripe's lock, and
-	 * the previous holder flushed it (clflushopt, internal.h) -- unless that
-	 * holder was a process of this node that died inside (clflush then) */
-	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE)) {
-		if (c->recovered)
-			c->r->ops->invalidate(c->r, off, TRACT_LINE);
-		else
-			tract_evict_clean(c->r, off, TRACT_LINE);
-	}
-	c->r->ops->fence(c->r);
-	c->r->ops->load(c->r, off, dst, TRACT_LINE);
-	if (p >= 0 && c->set->n_used < SET_CAP) {
-		c->set->off[p] = off + 1;
-		c->set->dirty[p] = 0;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-	}
-}
-
-/* writes a whole line; flushed when the section ends (internal) */
-static void line_put(struct stripe_ctx *c, uint64_t off, const void *src)
-{
-	int p = c->set ? set_slot(c->set, off) : -1;
-	if (p < 0 || (c->set->off[p] != off + 1 && c->set->n_used >= SET_CAP)) {
-		tract_write_line_at(c->r, off, src, SITE_INDEX_FLUSH_SECTION);   /* no deferral */
-		return;
-	}
-	c->r->ops->store(c->r, off, src, TRACT_LINE);
-	if (c->set->off[p] != off + 1) {
-		c->set->off[p] = off + 1;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-	}
-	c->set->dirty[p] = 1;
-}
-
-/* invalidates many lines with one fence and records them as observed (internal) */
-static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
-{
-	if (!c->set)
-		return;
-	uint32_t fresh = 0;
-	for (uint32_t i = 0; i < k; i++) {
-		int p = set_slot(c->set, offs[i]);
-		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
-			continue;
-		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as line_get */
-			if (c->recovered)
-				c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
-			else
-				tract_evict_clean(c->r, offs[i], TRACT_LINE);
-		}
-		c->set->off[p] = offs[i] + 1;
-		c->set->dirty[p] = 0;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-		fresh++;
-	}
-	if (fresh) {
-		c->r->ops->fence(c->r);
-		/* start every miss now, in parallel: the probes that follow load
-		 * these lines one by one, each a trip to the device otherwise.
-		 * A prefetch after the fence is an early load of the observe: the
-		 * lines are written only under the stripe lock this caller holds */
-		for (uint32_t i = 0; !c->r->sim && i < k; i++)
-			__builtin_prefetch(c->r->base + offs[i]);
-	}
-}
-
-/* flushes the section's written lines and empties the set (internal) */
-static void set_flush(struct stripe_ctx *c)
-{
-	if (!c->set)
-		return;
-	for (uint32_t i = 0; i < c->set->n_used; i++) {
-		uint16_t p = c->set->used[i];
-		if (c->set->dirty[p] && TRACT_KEEP(SITE_INDEX_FLUSH_SECTION))
-			c->r->ops->flush(c->r, c->set->off[p] - 1, TRACT_LINE);
-		c->set->off[p] = 0;
-		c->set->dirty[p] = 0;
-	}
-	c->set->n_used = 0;
-}
-
-/* locks a stripe and loads its LRU anchor (internal) */
-static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
-			struct line_set *set);
-static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node);
-
-static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c,
-			struct line_set *set)
-{
-	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
-	if (rc < 0)
-		return rc;
-	stripe_init(r, stripe, c, set);
-	if (rc == TRACT_RECOVERED) {
-		c->recovered = 1;
-		repair_pins(c, r->node_id);   /* this node's last holder died inside */
-	}
-	return TRACT_OK;
-}
-
-/* fills the context of a stripe whose lock the caller holds (internal) */
-static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
-			struct line_set *set)
-{
-	c->r = r;
-	c->set = set;
-	c->stripe = stripe;
-	c->size = tract_index_stripe_size(r);
-	c->first = (uint64_t)stripe * c->size;
-	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
-	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
-	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
-	c->lru_dirty = 0;
-	c->recovered = 0;
-}
-
-/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
-static void stripe_leave(struct stripe_ctx *c)
-{
-	if (c->lru_dirty)
-		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
-	set_flush(c);
-	c->r->ops->fence(c->r);
-	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
-}
-
-/*
- * A pipelined walk over stripes in ascending order: entering one stripe
- * requests the lock of the next one the caller will enter, so the lock
- * manager grants it while the caller works on this one, and a request of
- * 16 stripes waits for about one grant instead of 16.  Holding a stripe
- * lock while requesting one of a higher stripe is deadlock-free: every
- * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
- */
-struct stripe_walk {
-	tract_region *r;
-	struct line_set *set;
-	uint64_t timeout_ns;
-	struct tract_lock_req q;    /* the next stripe's request, if pending */
-	uint32_t pending;           /* 1 + the stripe requested, 0 none */
-};
-
-static void walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
-		      uint64_t timeout_ns)
-{
-	w->r = r;
-	w->set = set;
-	w->timeout_ns = timeout_ns;
-	w->pending = 0;
-}
-
-/* withdraws the pending request, if any; one that recovered the local mutex
- * of a process that died inside the stripe enters instead, to repair what it
- * left (its LOCKED slot is gone: nobody else would) (internal) */
-static void walk_end(struct stripe_walk *w)
-{
-	uint32_t s = w->pending - 1;
-	if (w->pending && w->q.recovered) {
-		struct stripe_ctx c;
-		w->pending = 0;
-		w->q.start = tract_mono_ns();   /* a full timeout for the repair's own wait */
-		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
-			stripe_init(w->r, s, &c, NULL);
-			c.recovered = 1;
-			repair_pins(&c, w->r->node_id);
-			stripe_leave(&c);
-		}
-		return;
-	}
-	if (w->pending)
-		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + s, &w->q);
-	w->pending = 0;
-}
-
-/* enters stripe s (its request pending or made now), then requests stripe
- * next (UINT32_MAX: none; it must be higher than s) (internal) */
-static int walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c)
-{
-	tract_region *r = w->r;
-	if (w->pending && w->pending != s + 1)
-		walk_end(w);                /* the caller skipped it after all */
-	int rc;
-	if (!w->pending &&
-	    (rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q, NULL)) < 0)
-		return rc;
-	w->pending = 0;
-	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
-		return rc;
-	stripe_init(r, s, c, w->set);
-	if (rc == TRACT_RECOVERED) {
-		c->recovered = 1;
-		repair_pins(c, r->node_id);   /* this node's last holder died inside */
-	}
-	/* the local tier only tried (timeout 0): a process of this node holding
-	 * or requesting the next stripe is not waited for while this one is held */
-	if (next != UINT32_MAX && next > s &&
-	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, 0, &w->q, NULL) == TRACT_OK)
-		w->pending = next + 1;
-	return TRACT_OK;
-}
 
 /* whether bucket b belongs to the entered stripe: LRU links and anchors are
  * read from the region, written by other hosts, and checked before use (internal) */
@@ -315,14 +50,14 @@ static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *o
 		memset(out, 0, sizeof(*out));
 		return;
 	}
-	line_get(c, bucket_off(c, b), out);
+	tract_line_get(c, bucket_off(c, b), out);
 }
 
 /* stores bucket b; never outside the stripe (internal) */
 static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
 {
 	if (in_stripe(c, b))
-		line_put(c, bucket_off(c, b), in);
+		tract_line_put(c, bucket_off(c, b), in);
 }
 
 /*
@@ -425,7 +160,7 @@ static uint16_t pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
 	uint64_t off = pin_off(c->r, node, b);
 	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 	uint16_t v;
-	line_get(c, line, buf);
+	tract_line_get(c, line, buf);
 	memcpy(&v, buf + (off - line), 2);
 	return v;
 }
@@ -445,7 +180,7 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
 	/* the node's count first, the total right after: a holder killed in
 	 * between leaves the node's count ahead (repair_pins undoes a pin and
 	 * completes an unpin from that) */
-	line_put(c, line, buf);
+	tract_line_put(c, line, buf);
 	k->pins = (uint32_t)((int64_t)k->pins + delta);
 	store_bucket(c, b, k);
 	return TRACT_OK;
@@ -460,7 +195,7 @@ static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uin
  * completed).  Either way the node's count moves back by the difference and
  * the total is set to the sum.  Returns the buckets fixed (internal).
  */
-static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node)
+uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node)
 {
 	tract_region *r = c->r;
 	uint32_t fixed = 0;
@@ -480,7 +215,7 @@ static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node)
 			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 			uint16_t v = (uint16_t)(mine - back);
 			memcpy(buf + (off - line), &v, 2);
-			line_put(c, line, buf);
+			tract_line_put(c, line, buf);
 			sum -= back;
 		}
 		bk.pins = (uint32_t)sum;
@@ -497,9 +232,9 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
 		return 0;
 	struct stripe_ctx c;
-	stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
+	tract_stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
 	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
-	uint32_t fixed = repair_pins(&c, node);
+	uint32_t fixed = tract_repair_pins(&c, node);
 	r->ops->fence(r);
 	return fixed;
 }
@@ -534,49 +269,6 @@ static void bury(struct stripe_ctx *c, uint64_t b)
 	}
 }
 
-/* sorts key indices by stripe, then by descending index (tail first) (internal) */
-struct keyref {
-	uint32_t stripe;
-	uint32_t idx;
-};
-
-static int cmp_keyref(const void *a, const void *b)
-{
-	const struct keyref *x = a, *y = b;
-	if (x->stripe != y->stripe)
-		return x->stripe < y->stripe ? -1 : 1;
-	return x->idx > y->idx ? -1 : x->idx < y->idx;
-}
-
-static struct keyref *group(const tract_region *r, const uint8_t *keys, uint32_t n)
-{
-	struct keyref *refs = malloc(((size_t)n + 1) * sizeof(*refs));
-	if (!refs)
-		return NULL;
-	for (uint32_t i = 0; i < n; i++) {
-		refs[i].stripe = tract_key_stripe(r, keys + (uint64_t)i * 16);
-		refs[i].idx = i;
-	}
-	qsort(refs, n, sizeof(*refs), cmp_keyref);
-	return refs;
-}
-
-/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
- * lines for them with a single fence (internal) */
-static void prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
-			   uint32_t i, uint32_t j, uint32_t node)
-{
-	uint64_t pre[2 * 64];
-	uint32_t np = 0;
-	for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
-		const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-		uint64_t home = c->first + tract_key_home(c->r, key);
-		pre[np++] = bucket_off(c, home);
-		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
-	}
-	lines_prefetch(c, pre, np);
-}
-
 /* checks a handle can use the index (internal) */
 static int index_usable(const tract_region *r)
 {
@@ -603,7 +295,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return rc;
 	if ((!keys && n) || !hits)
 		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
+	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
 	uint32_t *todo = malloc(((size_t)n + 1) * sizeof(uint32_t));
 	if (!refs || !pinned || !todo) {
@@ -615,17 +307,17 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	struct stripe_walk walk;
-	walk_init(&walk, r, set, timeout_ns);
+	tract_walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
 		struct stripe_ctx c;
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		if ((rc = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
+		if ((rc = tract_walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
 			break;
 		/* refs[i..j) are this stripe's keys, tail first */
-		prefetch_group(&c, keys, refs, i, j, r->node_id);
+		tract_prefetch_group(&c, keys, refs, i, j, r->node_id);
 		for (uint32_t k = i; k < j; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
@@ -655,10 +347,10 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			if (tags)
 				tags[idx] = payload_tag(b, &bk);
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 		i = j;
 	}
-	walk_end(&walk);
+	tract_walk_end(&walk);
 	/* unpin what was pinned past the first miss (or everything on error) */
 	uint32_t keep = rc == TRACT_OK ? limit : 0;
 	/* the groups holding such a pin, entered in a pipelined walk */
@@ -679,7 +371,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		while (j < n && refs[j].stripe == s)
 			j++;
 		struct stripe_ctx c;
-		int rc2 = walk_enter(&walk, s, t + 1 < nt ? refs[todo[t + 1]].stripe : UINT32_MAX, &c);
+		int rc2 = tract_walk_enter(&walk, s, t + 1 < nt ? refs[todo[t + 1]].stripe : UINT32_MAX, &c);
 		if (rc2 < 0) {
 			rc = rc2;   /* pins stay until the agent's recovery */
 			break;
@@ -695,9 +387,9 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
 				store_bucket(&c, b, &bk);
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 	}
-	walk_end(&walk);
+	tract_walk_end(&walk);
 	*hits = keep;
 	free(todo);
 	free(refs);
@@ -723,12 +415,12 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 		return rc;
 	if (node >= r->hdr.max_nodes)
 		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
+	struct keyref *refs = tract_group_keys(r, keys, n);
 	if (!refs && n)
 		return TRACT_E_NOMEM;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	struct stripe_walk walk;
-	walk_init(&walk, r, set, timeout_ns);
+	tract_walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
 	uint32_t g = 0;
 	for (uint32_t i = 0; i < n; g++) {
@@ -740,14 +432,14 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 			continue;
 		}
 		struct stripe_ctx c;
-		int rc2 = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
+		int rc2 = tract_walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
 		}
 		if (mark)
 			mark(r, arg, g + 1);
-		prefetch_group(&c, keys, refs, i, j, node);
+		tract_prefetch_group(&c, keys, refs, i, j, node);
 		for (uint32_t k = i; k < j; k++) {
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
@@ -760,10 +452,10 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 			else
 				store_bucket(&c, b, &bk);
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 		i = j;
 	}
-	walk_end(&walk);
+	tract_walk_end(&walk);
 	free(refs);
 	free(set);
 	return rc;
@@ -788,7 +480,7 @@ int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, u
 static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
 		     struct stripe_ctx *c)
 {
-	return stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
+	return tract_stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
 }
 
 /* gives back up to count of this node's pins on key (a dead process's) (internal) */
@@ -814,7 +506,7 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 		}
 		rc = TRACT_OK;
 	}
-	stripe_leave(&c);
+	tract_stripe_leave(&c);
 	return rc;
 }
 
@@ -835,7 +527,7 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 		   bk.owner_node == r->node_id;
 	if (ours)
 		bury(&c, b);
-	stripe_leave(&c);
+	tract_stripe_leave(&c);
 	if (!ours)
 		return TRACT_E_NOT_FOUND;
 	if (slot < r->hdr.slot_count) {
@@ -869,7 +561,7 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 	*buried = *skipped = 0;
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
 		struct stripe_ctx c;
-		int rc = stripe_enter(r, s, timeout_ns, &c, NULL);
+		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
 		if (rc == TRACT_E_TIMEOUT) {
 			(*skipped)++;
 			continue;
@@ -885,7 +577,7 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 			bury(&c, b);
 			(*buried)++;
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 	}
 	return TRACT_OK;
 }
@@ -910,7 +602,7 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 		for (uint32_t t = 0; t < stripes && got < want; t++) {
 			uint32_t s = (*cursor + t) % stripes;
 			struct stripe_ctx c;
-			if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 				break;
 			uint32_t cur = c.lru.tail, here = 0;
 			/* bounded by the stripe's size: a corrupt list may cycle */
@@ -930,7 +622,7 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 				c.lru.evictions++;
 				bury(&c, b);
 			}
-			stripe_leave(&c);
+			tract_stripe_leave(&c);
 		}
 	}
 	*cursor = (*cursor + 1) % stripes;
@@ -991,7 +683,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		uint32_t s = refs[i].stripe, j = i;
 		while (j < n && refs[j].stripe == s)
 			j++;
-		int rc = stripe_enter(r, s, timeout_ns, &c, set);
+		int rc = tract_stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc < 0) {
 			free(set);
 			free(freed);
@@ -1040,7 +732,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			status[idx] = PUT_CLAIMED;
 			tract_journal_claims(r, key, 1, &status[idx], PUT_CLAIMED, NULL, 0);
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 		/* the allocator lock, with no stripe lock held; a failure (the lock
 		 * timed out) leaks the evicted blocks' slots until `tract check
 		 * --repair`, and is reported: the put is abandoned with it */
@@ -1071,7 +763,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			continue;
 		}
 		struct stripe_ctx c;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
+		int rc2 = tract_stripe_enter(r, s, timeout_ns, &c, set);
 		if (rc2 < 0) {
 			rc = rc2;
 			i = j;
@@ -1118,7 +810,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 					     NULL, 1);
 			status[idx] = PUT_STORED;
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 		i = j;
 	}
 	free(set);
@@ -1150,7 +842,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 		return rc;
 	if ((!keys && n) || !status || (!slots && n))
 		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
+	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint32_t *mine = calloc((size_t)n + 1, sizeof(uint32_t));
 	if (!refs || !mine) {
 		free(refs);
@@ -1221,7 +913,7 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	for (uint32_t i = 0; i < n; i++)
 		if (status[i] == PUT_CLAIMED && slots[i] >= r->hdr.slot_count)
 			return TRACT_E_RANGE;
-	struct keyref *refs = group(r, keys, n);
+	struct keyref *refs = tract_group_keys(r, keys, n);
 	if (!refs)
 		return TRACT_E_NOMEM;
 	uint32_t *freed = NULL;

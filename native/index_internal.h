@@ -1,0 +1,127 @@
+/*
+ * index_internal.h -- what the files of the prefix index share (internal).
+ *
+ * The index is one table in several files, each with one job:
+ *   index_stripe.c   a stripe section: the stripe lock entered and left, the
+ *                    lines the section observed and wrote, the pipelined
+ *                    walk over stripes, a request's keys grouped by stripe;
+ *   index.c          the operations (lookup, read, payload tags, eviction).
+ * Nothing here is seen outside them: the rest of the core calls the index
+ * through tract.h and internal.h.
+ */
+#ifndef TRACT_INDEX_INTERNAL_H
+#define TRACT_INDEX_INTERNAL_H
+
+#include "internal.h"
+
+/*
+ * The lines one stripe section has observed: under the stripe lock nobody
+ * else writes them, so after the first observe they are read with plain
+ * loads, and the lines written are flushed once, all together, before the
+ * lock is released (one fence instead of one per line).
+ */
+#define SET_CAP 1024
+
+struct line_set {
+	uint64_t off[SET_CAP];     /* line offset + 1, 0 = free */
+	uint8_t dirty[SET_CAP];
+	uint16_t used[SET_CAP];    /* occupied positions, to reset cheaply */
+	uint32_t n_used;
+};
+
+struct stripe_ctx {
+	tract_region *r;
+	struct line_set *set;
+	uint32_t stripe;
+	uint64_t first;       /* first bucket index of the stripe */
+	uint64_t size;        /* buckets in the stripe (power of two) */
+	uint64_t bucket_off;  /* region offset of bucket 0 */
+	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
+	struct tract_lru_anchor lru;
+	int lru_dirty;
+	int recovered;        /* a process of this node died inside: lines may be dirty here */
+};
+
+/* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
+ * tract_key_home (internal.h), shared with audit.c */
+
+/* region offset of bucket b (internal) */
+static inline uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
+{
+	return c->bucket_off + b * TRACT_LINE;
+}
+
+/* region offset of the u16 pin count of bucket b for node n (internal) */
+static inline uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
+{
+	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
+	return s->offset + (uint64_t)node * s->entry_size + b * 2;
+}
+
+/* ---- a stripe section (index_stripe.c) ---- */
+
+/* reads a line: observed the first time, plain loads after (internal) */
+void tract_line_get(struct stripe_ctx *c, uint64_t off, void *dst);
+
+/* writes a whole line; flushed when the section ends (internal) */
+void tract_line_put(struct stripe_ctx *c, uint64_t off, const void *src);
+
+/* fills the context of a stripe whose lock the caller holds (internal) */
+void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
+		       struct line_set *set);
+
+/* locks a stripe and loads its LRU anchor (internal) */
+int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
+		       struct stripe_ctx *c, struct line_set *set);
+
+/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
+void tract_stripe_leave(struct stripe_ctx *c);
+
+/*
+ * A pipelined walk over stripes in ascending order: entering one stripe
+ * requests the lock of the next one the caller will enter, so the lock
+ * manager grants it while the caller works on this one, and a request of
+ * 16 stripes waits for about one grant instead of 16.  Holding a stripe
+ * lock while requesting one of a higher stripe is deadlock-free: every
+ * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
+ */
+struct stripe_walk {
+	tract_region *r;
+	struct line_set *set;
+	uint64_t timeout_ns;
+	struct tract_lock_req q;    /* the next stripe's request, if pending */
+	uint32_t pending;           /* 1 + the stripe requested, 0 none */
+};
+
+/* a walk with nothing requested yet (internal) */
+void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
+		     uint64_t timeout_ns);
+
+/* enters stripe s, then requests stripe next (UINT32_MAX: none) (internal) */
+int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c);
+
+/* withdraws the walk's pending request, if any (internal) */
+void tract_walk_end(struct stripe_walk *w);
+
+/* a key of a request: its stripe and its index in the request (internal) */
+struct keyref {
+	uint32_t stripe;
+	uint32_t idx;
+};
+
+/* the request's keys as refs sorted by stripe, tail first within a stripe;
+ * NULL when out of memory (internal) */
+struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint32_t n);
+
+/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
+ * lines for them with a single fence (internal) */
+void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
+			  uint32_t i, uint32_t j, uint32_t node);
+
+/* ---- pins (index.c) ---- */
+
+/* reconciles the pin counts of an entered stripe whose previous holder, a
+ * process of node, died inside it; returns the buckets fixed (internal) */
+uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node);
+
+#endif
