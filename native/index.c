@@ -14,144 +14,12 @@
  * at least 32 buckets, so a pin line never covers two stripes).  Every line
  * is observed before it is modified and written back whole; one fence
  * before the lock is released.
- *
- * LRU per stripe: a doubly linked list through the buckets (index + 1
- * links), head = most recent.  A request's keys are touched tail first, so
- * its head block ends up the most recent: under pressure a chain loses its
- * tail before its head.  Evicted buckets become TOMBSTONE, or EMPTY when
- * the next bucket of the probe sequence is EMPTY (and preceding tombstones
- * with them), which keeps probe chains short under churn.
  */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "index_internal.h"
-
-#define NONE 0u
-
-/* whether bucket b belongs to the entered stripe: LRU links and anchors are
- * read from the region, written by other hosts, and checked before use (internal) */
-static int in_stripe(const struct stripe_ctx *c, uint64_t b)
-{
-	return b >= c->first && b - c->first < c->size;
-}
-
-/* whether a bucket's slot field names a slot of the region (internal) */
-static int slot_ok(const struct stripe_ctx *c, const struct tract_bucket *k)
-{
-	return k->slot && k->slot - 1 < c->r->hdr.slot_count;
-}
-
-/* loads bucket b; a b outside the stripe (a corrupt link) reads as EMPTY (internal) */
-static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
-{
-	if (!in_stripe(c, b)) {
-		memset(out, 0, sizeof(*out));
-		return;
-	}
-	tract_line_get(c, bucket_off(c, b), out);
-}
-
-/* stores bucket b; never outside the stripe (internal) */
-static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
-{
-	if (in_stripe(c, b))
-		tract_line_put(c, bucket_off(c, b), in);
-}
-
-/*
- * Probes for key: returns the bucket holding it (state PENDING or READY) in
- * *found, or UINT64_MAX; *free_b gets the first reusable bucket on the path
- * (TOMBSTONE or EMPTY), UINT64_MAX if the stripe is full (internal).
- */
-static void probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
-		  struct tract_bucket *out)
-{
-	uint64_t home = tract_key_home(c->r, key);
-	*found = *free_b = UINT64_MAX;
-	for (uint64_t i = 0; i < c->size; i++) {
-		uint64_t b = c->first + ((home + i) & (c->size - 1));
-		struct tract_bucket k;
-		load_bucket(c, b, &k);
-		if (k.state == TRACT_BUCKET_EMPTY) {
-			if (*free_b == UINT64_MAX)
-				*free_b = b;
-			return;
-		}
-		if (k.state == TRACT_BUCKET_TOMBSTONE) {
-			if (*free_b == UINT64_MAX)
-				*free_b = b;
-			continue;
-		}
-		if (!memcmp(k.key, key, 16)) {
-			*found = b;
-			if (out)
-				*out = k;
-			return;
-		}
-	}
-}
-
-/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
-static void lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (k->lru_prev && !in_stripe(c, k->lru_prev - 1))
-		k->lru_prev = NONE;             /* a corrupt link: cut here */
-	if (k->lru_next && !in_stripe(c, k->lru_next - 1))
-		k->lru_next = NONE;
-	if (k->lru_prev) {
-		struct tract_bucket p;
-		load_bucket(c, k->lru_prev - 1, &p);
-		p.lru_next = k->lru_next;
-		store_bucket(c, k->lru_prev - 1, &p);
-	} else {
-		c->lru.head = k->lru_next;
-	}
-	if (k->lru_next) {
-		struct tract_bucket n;
-		load_bucket(c, k->lru_next - 1, &n);
-		n.lru_prev = k->lru_prev;
-		store_bucket(c, k->lru_next - 1, &n);
-	} else {
-		c->lru.tail = k->lru_prev;
-	}
-	k->lru_prev = k->lru_next = NONE;
-	c->lru.count--;
-	c->lru_dirty = 1;
-	(void)b;
-}
-
-/* links bucket b at the head (most recent); the caller stores *k (internal) */
-static void lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (c->lru.head && !in_stripe(c, c->lru.head - 1))
-		c->lru.head = c->lru.tail = NONE;   /* a corrupt anchor: restart the list */
-	k->lru_prev = NONE;
-	k->lru_next = c->lru.head;
-	if (c->lru.head) {
-		struct tract_bucket h;
-		load_bucket(c, c->lru.head - 1, &h);
-		h.lru_prev = (uint32_t)(b + 1);
-		store_bucket(c, c->lru.head - 1, &h);
-	} else {
-		c->lru.tail = (uint32_t)(b + 1);
-	}
-	c->lru.head = (uint32_t)(b + 1);
-	c->lru.count++;
-	c->lru_dirty = 1;
-}
-
-/* moves a READY bucket to the head and stamps its access time (internal) */
-static void lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (c->lru.head != b + 1) {
-		lru_unlink(c, b, k);
-		lru_push_head(c, b, k);
-	}
-	k->last_access_ns = tract_now_ns();
-	store_bucket(c, b, k);
-}
 
 /* node's pin count of bucket b; buf gets the line holding it (internal) */
 static uint16_t pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
@@ -239,35 +107,6 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 	return fixed;
 }
 
-/* turns an unlinked bucket into a tombstone or, where the probe chain ends
- * right after it, into EMPTY together with the tombstones before it (internal) */
-static void bury(struct stripe_ctx *c, uint64_t b)
-{
-	uint64_t rel = b - c->first;
-	struct tract_bucket next;
-	load_bucket(c, c->first + ((rel + 1) & (c->size - 1)), &next);
-	struct tract_bucket dead, was;
-	load_bucket(c, b, &was);
-	memset(&dead, 0, sizeof(dead));
-	dead.epoch = was.epoch;     /* kept: a later claim's tag must differ (payload.c) */
-	if (next.state != TRACT_BUCKET_EMPTY) {
-		dead.state = TRACT_BUCKET_TOMBSTONE;
-		store_bucket(c, b, &dead);
-		return;
-	}
-	store_bucket(c, b, &dead);     /* EMPTY */
-	for (uint64_t i = 1; i < c->size; i++) {
-		uint64_t p = c->first + ((rel - i) & (c->size - 1));
-		struct tract_bucket k;
-		load_bucket(c, p, &k);
-		if (k.state != TRACT_BUCKET_TOMBSTONE)
-			break;
-		uint32_t epoch = k.epoch;
-		memset(&k, 0, sizeof(k));
-		k.epoch = epoch;
-		store_bucket(c, p, &k);
-	}
-}
 
 /* checks a handle can use the index (internal) */
 static int index_usable(const tract_region *r)
@@ -324,7 +163,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				continue;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			c.lru.lookups++;
 			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_READY || !slot_ok(&c, &bk)) {
 				limit = idx;
@@ -334,7 +173,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				break;
 			/* journaled right after it is taken: a death leaves at most this one */
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
-			lru_touch(&c, b, &bk);
+			tract_lru_touch(&c, b, &bk);
 			c.lru.hits++;
 			c.lru_dirty = 1;
 			pinned[idx] = 1;
@@ -382,7 +221,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				continue;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
 			if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
 				store_bucket(&c, b, &bk);
@@ -444,7 +283,7 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, key, &b, &fb, &bk);
+			tract_probe(&c, key, &b, &fb, &bk);
 			if (journal)
 				tract_journal_pins(r, key, 1, -1);
 			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
@@ -494,7 +333,7 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 		return rc;
 	uint64_t b, fb;
 	struct tract_bucket bk;
-	probe(&c, key, &b, &fb, &bk);
+	tract_probe(&c, key, &b, &fb, &bk);
 	rc = TRACT_E_NOT_FOUND;
 	if (b != UINT64_MAX) {
 		uint8_t buf[TRACT_LINE];
@@ -522,11 +361,11 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 		return rc;
 	uint64_t b, fb;
 	struct tract_bucket bk;
-	probe(&c, key, &b, &fb, &bk);
+	tract_probe(&c, key, &b, &fb, &bk);
 	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
 		   bk.owner_node == r->node_id;
 	if (ours)
-		bury(&c, b);
+		tract_bury(&c, b);
 	tract_stripe_leave(&c);
 	if (!ours)
 		return TRACT_E_NOT_FOUND;
@@ -574,7 +413,7 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
 			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
 				continue;
-			bury(&c, b);
+			tract_bury(&c, b);
 			(*buried)++;
 		}
 		tract_stripe_leave(&c);
@@ -616,11 +455,11 @@ static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evi
 				cur = bk.lru_prev;
 				if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(&c, &bk))
 					continue;     /* pinned blocks are never evicted */
-				lru_unlink(&c, b, &bk);
+				tract_lru_unlink(&c, b, &bk);
 				slots[got++] = bk.slot - 1;
 				here++;
 				c.lru.evictions++;
-				bury(&c, b);
+				tract_bury(&c, b);
 			}
 			tract_stripe_leave(&c);
 		}
@@ -644,28 +483,6 @@ enum {   /* enum tract_put_status (tract.h), by short names */
 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
-/* evicts the least recent unpinned READY entry of the entered stripe to free a
- * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
-static int evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed)
-{
-	uint32_t cur = c->lru.tail;
-	for (uint64_t steps = 0; cur && steps < c->size; steps++) {
-		uint64_t b = cur - 1;
-		if (!in_stripe(c, b))
-			break;                  /* a corrupt link */
-		struct tract_bucket bk;
-		load_bucket(c, b, &bk);
-		cur = bk.lru_prev;
-		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
-			continue;
-		lru_unlink(c, b, &bk);
-		freed[(*nfreed)++] = bk.slot - 1;
-		c->lru.evictions++;
-		bury(c, b);
-		return 1;
-	}
-	return 0;
-}
 
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
 		     uint8_t *status, int pin_ready, uint64_t timeout_ns)
@@ -694,11 +511,11 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			const uint8_t *key = keys + (uint64_t)idx * 16;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, key, &b, &fb, &bk);
+			tract_probe(&c, key, &b, &fb, &bk);
 			/* every bucket of the stripe holds a block: evict this stripe's
 			 * least recent unpinned one to make room for the key */
-			if (b == UINT64_MAX && fb == UINT64_MAX && evict_in_stripe(&c, freed, &nfreed))
-				probe(&c, key, &b, &fb, &bk);
+			if (b == UINT64_MAX && fb == UINT64_MAX && tract_evict_in_stripe(&c, freed, &nfreed))
+				tract_probe(&c, key, &b, &fb, &bk);
 			if (b != UINT64_MAX) {
 				status[idx] = bk.state == TRACT_BUCKET_READY ? PUT_WAS_READY : PUT_WAS_PENDING;
 				/* a pinning put pins what is already there too: the caller's
@@ -775,13 +592,13 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 				continue;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_PENDING) {
 				rc = TRACT_E_CORRUPT;       /* our claim vanished */
 				continue;
 			}
 			if (!publish) {
-				bury(&c, b);
+				tract_bury(&c, b);
 				tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx],
 						     PUT_CLAIMED, NULL, 1);
 				continue;
@@ -794,7 +611,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 				bk.flags |= 1;
 			}
 			bk.last_access_ns = tract_now_ns();
-			lru_push_head(&c, b, &bk);
+			tract_lru_push_head(&c, b, &bk);
 			/* publish pinned (2): READY and pinned by this node in one store,
 			 * so the block cannot be evicted before the caller's handoff pins it */
 			int pinned_now = publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;

@@ -5,6 +5,8 @@
  *   index_stripe.c   a stripe section: the stripe lock entered and left, the
  *                    lines the section observed and wrote, the pipelined
  *                    walk over stripes, a request's keys grouped by stripe;
+ *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
+ *                    list, burial, LRU eviction;
  *   index.c          the operations (lookup, read, payload tags, eviction).
  * Nothing here is seen outside them: the rest of the core calls the index
  * through tract.h and internal.h.
@@ -117,6 +119,60 @@ struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint
  * lines for them with a single fence (internal) */
 void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
 			  uint32_t i, uint32_t j, uint32_t node);
+
+/* ---- the buckets of an entered stripe (index_bucket.c; the accessors here) ---- */
+
+/* whether bucket b belongs to the entered stripe: LRU links and anchors are
+ * read from the region, written by other hosts, and checked before use (internal) */
+static inline int in_stripe(const struct stripe_ctx *c, uint64_t b)
+{
+	return b >= c->first && b - c->first < c->size;
+}
+
+/* whether a bucket's slot field names a slot of the region (internal) */
+static inline int slot_ok(const struct stripe_ctx *c, const struct tract_bucket *k)
+{
+	return k->slot && k->slot - 1 < c->r->hdr.slot_count;
+}
+
+/* loads bucket b; a b outside the stripe (a corrupt link) reads as EMPTY (internal) */
+static inline void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
+{
+	if (!in_stripe(c, b)) {
+		memset(out, 0, sizeof(*out));
+		return;
+	}
+	tract_line_get(c, bucket_off(c, b), out);
+}
+
+/* stores bucket b; never outside the stripe (internal) */
+static inline void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
+{
+	if (in_stripe(c, b))
+		tract_line_put(c, bucket_off(c, b), in);
+}
+
+/* probes for key: the bucket holding it (PENDING or READY) in *found, else
+ * UINT64_MAX; the first reusable bucket on the path in *free_b (internal) */
+void tract_probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
+		 struct tract_bucket *out);
+
+/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
+void tract_lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* links bucket b at the head (most recent); the caller stores *k (internal) */
+void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* moves a READY bucket to the head and stamps its access time (internal) */
+void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* turns an unlinked bucket into a tombstone, or EMPTY where its probe chain
+ * ends (internal) */
+void tract_bury(struct stripe_ctx *c, uint64_t b);
+
+/* evicts the least recent unpinned READY entry of the entered stripe to free a
+ * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
+int tract_evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed);
 
 /* ---- pins (index.c) ---- */
 
