@@ -21,101 +21,6 @@
 
 #include "index_internal.h"
 
-/* node's pin count of bucket b; buf gets the line holding it (internal) */
-static uint16_t pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
-			  uint8_t buf[TRACT_LINE])
-{
-	uint64_t off = pin_off(c->r, node, b);
-	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-	uint16_t v;
-	tract_line_get(c, line, buf);
-	memcpy(&v, buf + (off - line), 2);
-	return v;
-}
-
-/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
-static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node, int delta)
-{
-	uint64_t off = pin_off(c->r, node, b);
-	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-	uint8_t buf[TRACT_LINE];
-	uint16_t v = pin_count(c, node, b, buf);
-	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
-	    (delta < 0 && k->pins == 0))
-		return TRACT_E_CORRUPT;
-	v = (uint16_t)(v + delta);
-	memcpy(buf + (off - line), &v, 2);
-	/* the node's count first, the total right after: a holder killed in
-	 * between leaves the node's count ahead (repair_pins undoes a pin and
-	 * completes an unpin from that) */
-	tract_line_put(c, line, buf);
-	k->pins = (uint32_t)((int64_t)k->pins + delta);
-	store_bucket(c, b, k);
-	return TRACT_OK;
-}
-
-/*
- * Reconciles the pin counts of an entered stripe whose previous holder, a
- * process of `node`, died inside it.  pin_add writes the node's count, then
- * the bucket total, so the only torn state is the node's count ahead of the
- * total by the death's one operation: a pin it was taking (not journaled
- * yet: undone) or one it was giving back (already forgotten by the journal:
- * completed).  Either way the node's count moves back by the difference and
- * the total is set to the sum.  Returns the buckets fixed (internal).
- */
-uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node)
-{
-	tract_region *r = c->r;
-	uint32_t fixed = 0;
-	for (uint64_t b = c->first; b < c->first + c->size; b++) {
-		struct tract_bucket bk;
-		load_bucket(c, b, &bk);
-		uint8_t buf[TRACT_LINE];
-		uint64_t sum = 0;
-		for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
-			sum += pin_count(c, n, b, buf);
-		if (sum == bk.pins)
-			continue;
-		if (sum > bk.pins && node < r->hdr.max_nodes) {
-			uint16_t mine = pin_count(c, node, b, buf);
-			uint64_t back = sum - bk.pins < mine ? sum - bk.pins : mine;
-			uint64_t off = pin_off(r, node, b);
-			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-			uint16_t v = (uint16_t)(mine - back);
-			memcpy(buf + (off - line), &v, 2);
-			tract_line_put(c, line, buf);
-			sum -= back;
-		}
-		bk.pins = (uint32_t)sum;
-		store_bucket(c, b, &bk);
-		fixed++;
-	}
-	return fixed;
-}
-
-/* repairs stripe lock lock_id, which this node holds for a holder that died
- * inside it (lock.c's recovery); returns the buckets fixed (internal) */
-uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node)
-{
-	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
-		return 0;
-	struct stripe_ctx c;
-	tract_stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
-	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
-	uint32_t fixed = tract_repair_pins(&c, node);
-	r->ops->fence(r);
-	return fixed;
-}
-
-
-/* checks a handle can use the index (internal) */
-static int index_usable(const tract_region *r)
-{
-	if (!r || (r->flags & TRACT_ATTACH_READONLY))
-		return TRACT_E_INVAL;
-	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
-}
-
 /* the tag of the payload a READY bucket publishes: the bucket and its epoch,
  * which every claim bumps, so it names one write of the slot (payload.c);
  * 0 (unknown: always evicted) past 2^32 - 1 buckets (internal) */
@@ -169,7 +74,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				limit = idx;
 				continue;
 			}
-			if ((rc = pin_add(&c, b, &bk, r->node_id, +1)) < 0)
+			if ((rc = tract_pin_add(&c, b, &bk, r->node_id, +1)) < 0)
 				break;
 			/* journaled right after it is taken: a death leaves at most this one */
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
@@ -223,7 +128,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			struct tract_bucket bk;
 			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
-			if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
+			if (b != UINT64_MAX && tract_pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
 				store_bucket(&c, b, &bk);
 		}
 		tract_stripe_leave(&c);
@@ -235,190 +140,6 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	free(pinned);
 	free(set);
 	return rc;
-}
-
-/*
- * Unpins keys on behalf of node, stripe group by stripe group in ascending
- * stripe order.  With `journal`, each pin leaves this process's journal right
- * before it is given back.  With `mark`, the first `done` groups are skipped
- * and mark(arg, g + 1) records the progress before group g's pins are given
- * back: a crash between the two leaves pins behind but never gives one back
- * twice (a handoff's release) (internal).
- */
-static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-		      int journal, uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-		      void *arg, uint64_t timeout_ns)
-{
-	int rc = index_usable(r);
-	if (rc)
-		return rc;
-	if (node >= r->hdr.max_nodes)
-		return TRACT_E_INVAL;
-	struct keyref *refs = tract_group_keys(r, keys, n);
-	if (!refs && n)
-		return TRACT_E_NOMEM;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	struct stripe_walk walk;
-	tract_walk_init(&walk, r, set, timeout_ns);
-	rc = TRACT_OK;
-	uint32_t g = 0;
-	for (uint32_t i = 0; i < n; g++) {
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if (g < done) {
-			i = j;
-			continue;
-		}
-		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
-		if (rc2 < 0) {
-			rc = rc2;
-			break;
-		}
-		if (mark)
-			mark(r, arg, g + 1);
-		tract_prefetch_group(&c, keys, refs, i, j, node);
-		for (uint32_t k = i; k < j; k++) {
-			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-			uint64_t b, fb;
-			struct tract_bucket bk;
-			tract_probe(&c, key, &b, &fb, &bk);
-			if (journal)
-				tract_journal_pins(r, key, 1, -1);
-			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
-				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
-			else
-				store_bucket(&c, b, &bk);
-		}
-		tract_stripe_leave(&c);
-		i = j;
-	}
-	tract_walk_end(&walk);
-	free(refs);
-	free(set);
-	return rc;
-}
-
-/* Unpins keys this node pinned with tract_index_lookup. */
-int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
-{
-	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, 0, NULL, NULL, timeout_ns);
-}
-
-/* unpins keys for node resuming after `done` stripe groups, recording each
- * group's progress with mark before it is given back (internal) */
-int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-			     void *arg, uint64_t timeout_ns)
-{
-	return unpin_impl(r, keys, n, node, 0, done, mark, arg, timeout_ns);
-}
-
-/* the stripe of one key, entered (internal) */
-static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
-		     struct stripe_ctx *c)
-{
-	return tract_stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
-}
-
-/* gives back up to count of this node's pins on key (a dead process's) (internal) */
-int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
-			     uint32_t *released, uint64_t timeout_ns)
-{
-	*released = 0;
-	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
-	if (rc < 0)
-		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	tract_probe(&c, key, &b, &fb, &bk);
-	rc = TRACT_E_NOT_FOUND;
-	if (b != UINT64_MAX) {
-		uint8_t buf[TRACT_LINE];
-		uint16_t v = pin_count(&c, r->node_id, b, buf);
-		uint32_t take = count < v ? count : v;
-		if (take && pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
-			store_bucket(&c, b, &bk);
-			*released = take;
-		}
-		rc = TRACT_OK;
-	}
-	tract_stripe_leave(&c);
-	return rc;
-}
-
-/* drops a dead process's PENDING claim on key: the bucket is buried and the
- * slot freed only when the bucket is still PENDING and pid's (internal) */
-int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
-			   int *freed, uint64_t timeout_ns)
-{
-	*freed = 0;
-	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
-	if (rc < 0)
-		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	tract_probe(&c, key, &b, &fb, &bk);
-	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
-		   bk.owner_node == r->node_id;
-	if (ours)
-		tract_bury(&c, b);
-	tract_stripe_leave(&c);
-	if (!ours)
-		return TRACT_E_NOT_FOUND;
-	if (slot < r->hdr.slot_count) {
-		/* the dead writer's plain stores may still be dirty in this host's
-		 * caches (the agent runs on its host): written back now, they cannot
-		 * land later on the slot's next block */
-		tract_write_back_payload(r, tract_sec(r, TRACT_SEC_DATA)->offset +
-					    (uint64_t)slot * r->hdr.slot_stride, r->hdr.block_bytes);
-		if (tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
-			*freed = 1;
-	}
-	return TRACT_OK;
-}
-
-/*
- * Buries this node's PENDING buckets whose writer is dead and named in no
- * journal entry: the journal that would have dropped the claim is gone (the
- * host restarted and its node-local segment with it) or overflowed.  The
- * key becomes writable again.  The slot is not freed: a PENDING bucket does
- * not name it, so it comes back with `tract check --repair`.  A writer the
- * journal still names is left to tract_recover_dead, which frees its slot
- * too.  A stripe whose lock stays busy for timeout_ns is skipped.
- */
-int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
-			     uint32_t *skipped)
-{
-	if (!r || !buried || !skipped || (r->flags & TRACT_ATTACH_READONLY))
-		return TRACT_E_INVAL;
-	if (!r->local)
-		return TRACT_E_NO_LOCAL;
-	*buried = *skipped = 0;
-	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
-		struct stripe_ctx c;
-		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
-		if (rc == TRACT_E_TIMEOUT) {
-			(*skipped)++;
-			continue;
-		}
-		if (rc < 0)
-			return rc;
-		for (uint64_t b = c.first; b < c.first + c.size; b++) {
-			struct tract_bucket bk;
-			load_bucket(&c, b, &bk);
-			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
-			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
-				continue;
-			tract_bury(&c, b);
-			(*buried)++;
-		}
-		tract_stripe_leave(&c);
-	}
-	return TRACT_OK;
 }
 
 /* evicts up to want unpinned READY entries, LRU first, spread over the
@@ -521,7 +242,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 				/* a pinning put pins what is already there too: the caller's
 				 * handoff needs every block, its own and the others' */
 				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
-					if (pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK) {
+					if (tract_pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK) {
 						store_bucket(&c, b, &bk);
 						tract_journal_pins(r, key, 1, +1);
 					} else
@@ -614,7 +335,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			tract_lru_push_head(&c, b, &bk);
 			/* publish pinned (2): READY and pinned by this node in one store,
 			 * so the block cannot be evicted before the caller's handoff pins it */
-			int pinned_now = publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;
+			int pinned_now = publish == 2 && tract_pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;
 			if (publish == 2 && !pinned_now)
 				rc = TRACT_E_CORRUPT;
 			store_bucket(&c, b, &bk);

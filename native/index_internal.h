@@ -7,6 +7,10 @@
  *                    walk over stripes, a request's keys grouped by stripe;
  *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
  *                    list, burial, LRU eviction;
+ *   index_pin.c      pin counts, their repair after a death inside a stripe,
+ *                    unpinning;
+ *   index_recover.c  what recovery calls: a dead process's pins and claims
+ *                    given back, orphaned claims buried;
  *   index.c          the operations (lookup, read, payload tags, eviction).
  * Nothing here is seen outside them: the rest of the core calls the index
  * through tract.h and internal.h.
@@ -58,6 +62,14 @@ static inline uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
 {
 	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
 	return s->offset + (uint64_t)node * s->entry_size + b * 2;
+}
+
+/* checks a handle can use the index (internal) */
+static inline int index_usable(const tract_region *r)
+{
+	if (!r || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
 }
 
 /* ---- a stripe section (index_stripe.c) ---- */
@@ -174,7 +186,15 @@ void tract_bury(struct stripe_ctx *c, uint64_t b);
  * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
 int tract_evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed);
 
-/* ---- pins (index.c) ---- */
+/* ---- pins (index_pin.c) ---- */
+
+/* node's pin count of bucket b; buf gets the line holding it (internal) */
+uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
+			 uint8_t buf[TRACT_LINE]);
+
+/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
+int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node,
+		  int delta);
 
 /* reconciles the pin counts of an entered stripe whose previous holder, a
  * process of node, died inside it; returns the buckets fixed (internal) */

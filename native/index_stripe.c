@@ -78,7 +78,7 @@ static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t 
 		int p = set_slot(c->set, offs[i]);
 		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
 			continue;
-		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as line_get */
+		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as tract_line_get */
 			if (c->recovered)
 				c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
 			else
