@@ -11,7 +11,8 @@
  *                    unpinning;
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
- *   index.c          the operations (lookup, read, payload tags, eviction).
+ *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
+ *   index.c          the other operations: lookup, read, payload tags, eviction.
  * Nothing here is seen outside them: the rest of the core calls the index
  * through tract.h and internal.h.
  */
@@ -199,5 +200,12 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint
 /* reconciles the pin counts of an entered stripe whose previous holder, a
  * process of node, died inside it; returns the buckets fixed (internal) */
 uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node);
+
+/* ---- the operations (index.c) ---- */
+
+/* evicts up to want unpinned READY entries, LRU first, spread over the
+ * stripes from *cursor on; their slots are freed (internal) */
+int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
+		       uint64_t timeout_ns);
 
 #endif
