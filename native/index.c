@@ -34,6 +34,19 @@ static uint64_t payload_tag(uint64_t b, const struct tract_bucket *bk)
 	return b + 1 < UINT32_MAX ? ((uint64_t)bk->epoch << 32) | (b + 1) : 0;
 }
 
+/* the pins a lookup gives back: those it took at or past key `keep` (internal) */
+struct pinned_past {
+	const uint8_t *pinned;      /* per key: 1 if the lookup pinned it */
+	uint32_t keep;
+};
+
+/* whether the lookup gives back its pin on key idx (arg: struct pinned_past) (internal) */
+static int gives_back(const void *arg, uint32_t idx)
+{
+	const struct pinned_past *p = arg;
+	return idx >= p->keep && p->pinned[idx];
+}
+
 /* Finds, pins and touches the longest run of leading READY keys. */
 int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
 		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,
@@ -46,11 +59,9 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return TRACT_E_INVAL;
 	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
-	uint32_t *todo = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	if (!refs || !pinned || !todo) {
+	if (!refs || !pinned) {
 		free(refs);
 		free(pinned);
-		free(todo);
 		return TRACT_E_NOMEM;
 	}
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
@@ -58,16 +69,15 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	struct stripe_walk walk;
 	tract_walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
-	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, NULL, NULL);
+	while (rc == TRACT_OK && tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if ((rc = tract_walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
+		if ((rc = tract_walk_enter(&walk, g.stripe, g.next, &c)) < 0)
 			break;
-		/* refs[i..j) are this stripe's keys, tail first */
-		tract_prefetch_group(&c, keys, refs, i, j, r->node_id);
-		for (uint32_t k = i; k < j; k++) {
+		/* refs[first..end) are this stripe's keys, tail first */
+		tract_prefetch_group(&c, keys, refs, g.first, g.end, r->node_id);
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
 				continue;
@@ -97,35 +107,21 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				tags[idx] = payload_tag(b, &bk);
 		}
 		tract_stripe_leave(&c);
-		i = j;
 	}
 	tract_walk_end(&walk);
 	/* unpin what was pinned past the first miss (or everything on error) */
 	uint32_t keep = rc == TRACT_OK ? limit : 0;
 	/* the groups holding such a pin, entered in a pipelined walk */
-	uint32_t nt = 0;
-	for (uint32_t i = 0; i < n;) {
-		uint32_t s = refs[i].stripe, j = i;
-		int any = 0;
-		while (j < n && refs[j].stripe == s) {
-			any |= refs[j].idx >= keep && pinned[refs[j].idx];
-			j++;
-		}
-		if (any)
-			todo[nt++] = i;
-		i = j;
-	}
-	for (uint32_t t = 0; t < nt; t++) {
-		uint32_t i = todo[t], s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
+	struct pinned_past past = { pinned, keep };
+	tract_groups_init(&g, refs, n, gives_back, &past);
+	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, s, t + 1 < nt ? refs[todo[t + 1]].stripe : UINT32_MAX, &c);
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
 			rc = rc2;   /* pins stay until the agent's recovery */
 			break;
 		}
-		for (uint32_t k = i; k < j; k++) {
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx < keep || !pinned[idx])
 				continue;
@@ -140,7 +136,6 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	}
 	tract_walk_end(&walk);
 	*hits = keep;
-	free(todo);
 	free(refs);
 	free(pinned);
 	free(set);

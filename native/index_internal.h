@@ -128,6 +128,39 @@ struct keyref {
  * NULL when out of memory (internal) */
 struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint32_t n);
 
+/*
+ * A request's keys one stripe group at a time, in ascending stripe order
+ * (refs from tract_group_keys): a group is refs[first..end), the keys of
+ * one stripe, tail first.  With `select`, only the groups where it holds
+ * for some key are visited.  `next` is the stripe of the group that will
+ * follow (UINT32_MAX: none), for a walk that requests its lock ahead.
+ *
+ *	struct stripe_groups g;
+ *	tract_groups_init(&g, refs, n, NULL, NULL);
+ *	while (tract_groups_next(&g))
+ *		... enter g.stripe, requesting g.next; visit refs[g.first..g.end) ...
+ * (internal)
+ */
+struct stripe_groups {
+	const struct keyref *refs;
+	uint32_t n;
+	int (*select)(const void *arg, uint32_t idx);   /* wants key idx's group; NULL: all */
+	const void *arg;
+	uint32_t stripe;        /* the current group's stripe */
+	uint32_t first, end;    /* its keys: refs[first..end) */
+	uint32_t ordinal;       /* the groups before it, visited or not */
+	uint32_t next;          /* the stripe of the next group visited, UINT32_MAX: none */
+	uint32_t passed;        /* groups scanned so far */
+};
+
+/* starts the groups of refs[0..n); select (NULL: every group) is given arg
+ * and a key's index (internal) */
+void tract_groups_init(struct stripe_groups *g, const struct keyref *refs, uint32_t n,
+		       int (*select)(const void *arg, uint32_t idx), const void *arg);
+
+/* moves to the next group visited: 1, or 0 when there is none (internal) */
+int tract_groups_next(struct stripe_groups *g);
+
 /* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
  * lines for them with a single fence (internal) */
 void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,

@@ -107,25 +107,21 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 	struct stripe_walk walk;
 	tract_walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
-	uint32_t g = 0;
-	for (uint32_t i = 0; i < n; g++) {
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if (g < done) {
-			i = j;
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, NULL, NULL);
+	while (tract_groups_next(&g)) {
+		if (g.ordinal < done)
 			continue;
-		}
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
 		}
 		if (mark)
-			mark(r, arg, g + 1);
-		tract_prefetch_group(&c, keys, refs, i, j, node);
-		for (uint32_t k = i; k < j; k++) {
+			mark(r, arg, g.ordinal + 1);
+		tract_prefetch_group(&c, keys, refs, g.first, g.end, node);
+		for (uint32_t k = g.first; k < g.end; k++) {
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
 			struct tract_bucket bk;
@@ -138,7 +134,6 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 				store_bucket(&c, b, &bk);
 		}
 		tract_stripe_leave(&c);
-		i = j;
 	}
 	tract_walk_end(&walk);
 	free(refs);

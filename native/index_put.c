@@ -22,7 +22,6 @@ enum {   /* enum tract_put_status (tract.h), by short names */
 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
-
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
 		     uint8_t *status, int pin_ready, uint64_t timeout_ns)
 {
@@ -33,19 +32,18 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		return TRACT_E_NOMEM;
 	}
 	int err = TRACT_OK;
-	for (uint32_t i = 0; i < n;) {
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, NULL, NULL);
+	while (tract_groups_next(&g)) {
 		uint32_t nfreed = 0;
 		struct stripe_ctx c;
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		int rc = tract_stripe_enter(r, s, timeout_ns, &c, set);
+		int rc = tract_stripe_enter(r, g.stripe, timeout_ns, &c, set);
 		if (rc < 0) {
 			free(set);
 			free(freed);
 			return rc;
 		}
-		for (uint32_t k = i; k < j; k++) {
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			const uint8_t *key = keys + (uint64_t)idx * 16;
 			uint64_t b, fb;
@@ -94,12 +92,16 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		 * --repair`, and is reported: the put is abandoned with it */
 		if (nfreed && (rc = tract_free(r, freed, nfreed, timeout_ns)) < 0 && !err)
 			err = rc;
-		nfreed = 0;
-		i = j;
 	}
 	free(set);
 	free(freed);
 	return err;
+}
+
+/* whether key idx is claimed (arg: the put's status array) (internal) */
+static int claimed(const void *status, uint32_t idx)
+{
+	return ((const uint8_t *)status)[idx] == PUT_CLAIMED;
 }
 
 /* publishes (READY) or abandons claimed keys, inserting into LRU tail first (internal) */
@@ -109,23 +111,17 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 {
 	int rc = TRACT_OK;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	for (uint32_t i = 0; i < n;) {
-		uint32_t s = refs[i].stripe, j = i;
-		int any = 0;
-		while (j < n && refs[j].stripe == s)
-			any |= status[refs[j++].idx] == PUT_CLAIMED;
-		if (!any) {
-			i = j;
-			continue;
-		}
+	/* the stripes with a claim of this put, one at a time */
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, claimed, status);
+	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_stripe_enter(r, s, timeout_ns, &c, set);
+		int rc2 = tract_stripe_enter(r, g.stripe, timeout_ns, &c, set);
 		if (rc2 < 0) {
 			rc = rc2;
-			i = j;
 			continue;
 		}
-		for (uint32_t k = i; k < j; k++) {
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (status[idx] != PUT_CLAIMED)
 				continue;
@@ -167,7 +163,6 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			status[idx] = PUT_STORED;
 		}
 		tract_stripe_leave(&c);
-		i = j;
 	}
 	free(set);
 	return rc;

@@ -240,6 +240,65 @@ struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint
 	return refs;
 }
 
+/* starts the groups of refs[0..n); select (NULL: every group) is given arg
+ * and a key's index (internal) */
+void tract_groups_init(struct stripe_groups *g, const struct keyref *refs, uint32_t n,
+		       int (*select)(const void *arg, uint32_t idx), const void *arg)
+{
+	g->refs = refs;
+	g->n = n;
+	g->select = select;
+	g->arg = arg;
+	g->stripe = g->next = UINT32_MAX;
+	g->first = g->end = 0;
+	g->ordinal = g->passed = 0;
+}
+
+/* the end of the group that starts at refs[at] (internal) */
+static uint32_t group_end(const struct stripe_groups *g, uint32_t at)
+{
+	uint32_t j = at;
+	while (j < g->n && g->refs[j].stripe == g->refs[at].stripe)
+		j++;
+	return j;
+}
+
+/* whether the caller wants the group refs[at..end) (internal) */
+static int group_wanted(const struct stripe_groups *g, uint32_t at, uint32_t end)
+{
+	if (!g->select)
+		return 1;
+	for (uint32_t k = at; k < end; k++)
+		if (g->select(g->arg, g->refs[k].idx))
+			return 1;
+	return 0;
+}
+
+/* moves to the next group visited: 1, or 0 when there is none (internal) */
+int tract_groups_next(struct stripe_groups *g)
+{
+	while (g->end < g->n) {
+		uint32_t at = g->end;
+		g->end = group_end(g, at);
+		g->passed++;
+		if (!group_wanted(g, at, g->end))
+			continue;
+		g->first = at;
+		g->stripe = g->refs[at].stripe;
+		g->ordinal = g->passed - 1;
+		g->next = UINT32_MAX;
+		for (uint32_t j = g->end, e; j < g->n; j = e) {
+			e = group_end(g, j);
+			if (group_wanted(g, j, e)) {
+				g->next = g->refs[j].stripe;
+				break;
+			}
+		}
+		return 1;
+	}
+	return 0;
+}
+
 /* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
  * lines for them with a single fence (internal) */
 void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
