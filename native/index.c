@@ -164,24 +164,7 @@ int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_
 			struct stripe_ctx c;
 			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 				break;
-			uint32_t cur = c.lru.tail, here = 0;
-			/* bounded by the stripe's size: a corrupt list may cycle */
-			for (uint64_t steps = 0; cur && got < want && here < per && steps < c.size;
-			     steps++) {
-				uint64_t b = cur - 1;
-				if (!in_stripe(&c, b))
-					break;
-				struct tract_bucket bk;
-				load_bucket(&c, b, &bk);
-				cur = bk.lru_prev;
-				if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(&c, &bk))
-					continue;     /* pinned blocks are never evicted */
-				tract_lru_unlink(&c, b, &bk);
-				slots[got++] = bk.slot - 1;
-				here++;
-				c.lru.evictions++;
-				tract_bury(&c, b);
-			}
+			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got);
 			tract_stripe_leave(&c);
 		}
 	}

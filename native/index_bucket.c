@@ -141,12 +141,14 @@ void tract_bury(struct stripe_ctx *c, uint64_t b)
 	}
 }
 
-/* evicts the least recent unpinned READY entry of the entered stripe to free a
- * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
-int tract_evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed)
+/* evicts up to max of the entered stripe's READY entries with no pins, least
+ * recent first: each is unlinked and buried, its slot put in slots[] for the
+ * caller to free once it has left the stripe; returns how many (internal) */
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots)
 {
-	uint32_t cur = c->lru.tail;
-	for (uint64_t steps = 0; cur && steps < c->size; steps++) {
+	uint32_t cur = c->lru.tail, got = 0;
+	/* bounded by the stripe's size: a corrupt list may cycle */
+	for (uint64_t steps = 0; cur && got < max && steps < c->size; steps++) {
 		uint64_t b = cur - 1;
 		if (!in_stripe(c, b))
 			break;                  /* a corrupt link */
@@ -154,12 +156,11 @@ int tract_evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfree
 		load_bucket(c, b, &bk);
 		cur = bk.lru_prev;
 		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
-			continue;
+			continue;     /* pinned blocks are never evicted */
 		tract_lru_unlink(c, b, &bk);
-		freed[(*nfreed)++] = bk.slot - 1;
+		slots[got++] = bk.slot - 1;
 		c->lru.evictions++;
 		tract_bury(c, b);
-		return 1;
 	}
-	return 0;
+	return got;
 }

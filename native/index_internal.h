@@ -216,9 +216,10 @@ void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
  * ends (internal) */
 void tract_bury(struct stripe_ctx *c, uint64_t b);
 
-/* evicts the least recent unpinned READY entry of the entered stripe to free a
- * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
-int tract_evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed);
+/* evicts up to max of the entered stripe's unpinned READY entries, least
+ * recent first; their slots go to slots[], for the caller to free after
+ * the stripe lock; returns how many (internal) */
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots);
 
 /* ---- pins (index_pin.c) ---- */
 

@@ -50,9 +50,12 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			struct tract_bucket bk;
 			tract_probe(&c, key, &b, &fb, &bk);
 			/* every bucket of the stripe holds a block: evict this stripe's
-			 * least recent unpinned one to make room for the key */
-			if (b == UINT64_MAX && fb == UINT64_MAX && tract_evict_in_stripe(&c, freed, &nfreed))
+			 * least recent unpinned one to make room for the key (its slot
+			 * freed after the stripe lock) */
+			if (b == UINT64_MAX && fb == UINT64_MAX && tract_evict_lru(&c, 1, freed + nfreed)) {
+				nfreed++;
 				tract_probe(&c, key, &b, &fb, &bk);
+			}
 			if (b != UINT64_MAX) {
 				status[idx] = bk.state == TRACT_BUCKET_READY ? PUT_WAS_READY : PUT_WAS_PENDING;
 				/* a pinning put pins what is already there too: the caller's
