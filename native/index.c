@@ -142,41 +142,6 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	return rc;
 }
 
-/* evicts up to want unpinned READY entries, LRU first, spread over the
- * stripes: each round takes at most ceil(want / stripes) from each stripe,
- * starting at *cursor, until want are taken or a round finds nothing.
- * (Taking all of them from one stripe drained sparse stripes while others
- * filled every bucket of theirs.)  Their slots are freed (internal) */
-int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
-		       uint64_t timeout_ns)
-{
-	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
-	if (!slots)
-		return TRACT_E_NOMEM;
-	uint32_t got = 0, stripes = r->hdr.index_stripes;
-	int rc = TRACT_OK;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	uint32_t per = (want + stripes - 1) / stripes;
-	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
-		before = got;
-		for (uint32_t t = 0; t < stripes && got < want; t++) {
-			uint32_t s = (*cursor + t) % stripes;
-			struct stripe_ctx c;
-			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
-				break;
-			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got);
-			tract_stripe_leave(&c);
-		}
-	}
-	*cursor = (*cursor + 1) % stripes;
-	if (got)
-		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
-	free(slots);
-	free(set);
-	*evicted = got;
-	return rc;
-}
-
 /* Copies n blocks out of slots into dst + i * dst_stride, evicting first what
  * the payload ledger does not vouch for (tags from the lookup; NULL: every
  * slot); with checksums (non-NULL, 0 = none recorded) verifies each,
@@ -271,6 +236,41 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
 		r->ops->load(r, off, &bk, sizeof(bk));   /* a hint: maybe stale */
 	return bk.state == TRACT_BUCKET_READY && bk.slot == (uint64_t)slot + 1 &&
 	       payload_tag(b, &bk) == tag;
+}
+
+/* evicts up to want unpinned READY entries, LRU first, spread over the
+ * stripes: each round takes at most ceil(want / stripes) from each stripe,
+ * starting at *cursor, until want are taken or a round finds nothing.
+ * (Taking all of them from one stripe drained sparse stripes while others
+ * filled every bucket of theirs.)  Their slots are freed (internal) */
+int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
+		       uint64_t timeout_ns)
+{
+	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
+	if (!slots)
+		return TRACT_E_NOMEM;
+	uint32_t got = 0, stripes = r->hdr.index_stripes;
+	int rc = TRACT_OK;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	uint32_t per = (want + stripes - 1) / stripes;
+	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
+		before = got;
+		for (uint32_t t = 0; t < stripes && got < want; t++) {
+			uint32_t s = (*cursor + t) % stripes;
+			struct stripe_ctx c;
+			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+				break;
+			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got);
+			tract_stripe_leave(&c);
+		}
+	}
+	*cursor = (*cursor + 1) % stripes;
+	if (got)
+		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
+	free(slots);
+	free(set);
+	*evicted = got;
+	return rc;
 }
 
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */

@@ -9,9 +9,9 @@
  *                    list, burial, LRU eviction;
  *   index_pin.c      pin counts, their repair after a death inside a stripe,
  *                    unpinning;
+ *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
- *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index.c          the other operations: lookup, read, payload tags, eviction.
  * Nothing here is seen outside them: the rest of the core calls the index
  * through tract.h and internal.h.
@@ -36,6 +36,8 @@ struct line_set {
 	uint32_t n_used;
 };
 
+/* a stripe entered (its lock held): where its parts lie, its LRU anchor as
+ * the section has it, and the lines the section observed (internal) */
 struct stripe_ctx {
 	tract_region *r;
 	struct line_set *set;

@@ -18,8 +18,9 @@
  *
  * The parts below it know only their own state: lock.c takes a dead holder's
  * lock and knows nothing of what it protects; the journal is a passive table;
- * alloc.c, index.c and handoff.c each repair their own state.  A step that
- * times out on a busy lock leaves its work for the next heartbeat.
+ * alloc.c, the index (index_recover.c) and handoff.c each repair their own
+ * state.  A step that times out on a busy lock leaves its work for the next
+ * heartbeat.
  */
 #include <string.h>
 
