@@ -55,9 +55,9 @@ static int take_stripe_lock(tract_region *r, uint32_t id, int *withdrawn)
 
 /* who repairs each fixed lock; every higher lock is an index stripe */
 static const lock_recovery fixed_locks[TRACT_FIXED_LOCKS] = {
-	[0] = tract_alloc_recover_lock,   /* allocator: finishes the claim or release */
-	[1] = take_one_line_lock,         /* object directory */
-	[2] = take_one_line_lock,         /* transfer table */
+	[TRACT_LOCK_ALLOCATOR] = tract_alloc_recover_lock,  /* finishes the claim or release */
+	[TRACT_LOCK_OBJDIR] = take_one_line_lock,
+	[TRACT_LOCK_TRANSFER] = take_one_line_lock,
 };
 
 /* Takes back the locks of this node's dead processes (step 1); *count gets
