@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from tract_cli.core.agent import current_manager, on_this_host, read_nodes, token_text
+from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
 from tract_cli.core.locks import lock_name
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
@@ -24,7 +25,8 @@ from tract_cli.core.units import format_duration
 SCHEMA_VERSION = 1
 LOCK_STATES = {0: "IDLE", 1: "WAITING", 2: "LOCKED"}
 BUCKET_STATES = ("EMPTY", "PENDING", "READY", "TOMBSTONE")
-RECORD_STATES = {1: "PUBLISHED", 2: "ACKED", 3: "RECLAIMING"}
+RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
+                 RECORD_RECLAIMING: "RECLAIMING"}
 VIEWS = ("nodes", "locks", "index", "alloc", "handoffs")
 
 BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("tokens", "<u4"),
@@ -199,7 +201,7 @@ def alloc_view(rd: Sections) -> dict:
     in_use[ready_slots] = True
     rec = rd["transfer"].view(RECORD_DTYPE)
     data = info.section("data")
-    for r in rec[rec["state"] != 0]:
+    for r in rec[rec["state"] != RECORD_FREE]:
         off = int(r["keys_offset"])
         if data.offset <= off < data.offset + data.length:
             in_use[(off - data.offset) // info.slot_stride] = True
@@ -224,7 +226,7 @@ def alloc_view(rd: Sections) -> dict:
 def handoffs_view(rd: Sections, now: int) -> dict:
     rec = rd["transfer"].view(RECORD_DTYPE)
     out = []
-    for i in np.flatnonzero(rec["state"] != 0):
+    for i in np.flatnonzero(rec["state"] != RECORD_FREE):
         r = rec[i]
         st = int(r["state"])
         out.append({"record": int(i), "state": RECORD_STATES.get(st, f"changing({st})"),
