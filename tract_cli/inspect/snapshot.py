@@ -17,6 +17,7 @@ import numpy as np
 
 from tract_cli.core.agent import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
+from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE
 from tract_cli.core.locks import lock_name
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
@@ -155,8 +156,8 @@ def index_view(rd: Sections, now: int) -> dict:
     per = bs.count // stripes
     state = b["state"]
     counts = {name: int((state == i).sum()) for i, name in enumerate(BUCKET_STATES)}
-    counts["changing"] = int((state > 3).sum())
-    live = (state == 1) | (state == 2)
+    counts["changing"] = int((state > BUCKET_TOMBSTONE).sum())
+    live = (state == BUCKET_PENDING) | (state == BUCKET_READY)
     # probe length: distance from the key's home bucket inside its stripe
     raw = rd["buckets"].reshape(bs.count, 64)
     lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
@@ -181,7 +182,7 @@ def index_view(rd: Sections, now: int) -> dict:
         "load_factor": round(float(live.sum()) / bs.count, 6),
         "probe_length_histogram": hist.tolist()[:32],
         "max_probe_length": int(dist[live].max()) if live.any() else 0,
-        "pinned_blocks": int((b["pins"][state == 2] > 0).sum()),
+        "pinned_blocks": int((b["pins"][state == BUCKET_READY] > 0).sum()),
         "pins_total": int(pins.sum()), "pinned_by_node": pinned_by_node,
         "counters": {k: int(anchors[k].sum()) for k in ("hits", "inserts", "evictions", "lookups")},
         "lru": oldest, "occupancy_map": occupancy,
@@ -196,7 +197,7 @@ def alloc_view(rd: Sections) -> dict:
     owners = rd["owners"][:n]
     hdr = rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]
     b = rd["buckets"].view(BUCKET_DTYPE)
-    ready_slots = b["slot"][(b["state"] == 2) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
+    ready_slots = b["slot"][(b["state"] == BUCKET_READY) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
     in_use = np.zeros(n, bool)
     in_use[ready_slots] = True
     rec = rd["transfer"].view(RECORD_DTYPE)
