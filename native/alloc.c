@@ -27,7 +27,6 @@
 
 #define BATCH 64
 #define HIGH_WATER (8 * BATCH)
-#define LOCK_ALLOC 0
 
 /* the node's free list and its membership bits (internal) */
 static uint32_t *free_list(const tract_region *r)
@@ -222,7 +221,7 @@ static int lock_alloc_mu(tract_region *r, uint64_t timeout_ns)
 			pthread_mutex_unlock(&r->local->alloc_mu);
 			return rc;                 /* the list stays untouched until it can */
 		}
-		tract_lock_release(r, LOCK_ALLOC);
+		tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 		return TRACT_RECOVERED;            /* (taken, and a dead holder's intent settled) */
 	}
 	return TRACT_OK;
@@ -340,10 +339,10 @@ done:
 static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 {
 	struct tract_lock_req q;
-	int rc = tract_lock_request(r, LOCK_ALLOC, timeout_ns, &q, NULL);
+	int rc = tract_lock_request(r, TRACT_LOCK_ALLOCATOR, timeout_ns, &q, NULL);
 	if (rc < 0)
 		return rc;
-	rc = tract_lock_await(r, LOCK_ALLOC, &q, timeout_ns, NULL);
+	rc = tract_lock_await(r, TRACT_LOCK_ALLOCATOR, &q, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	repair_intent(r, q.inherited);
@@ -403,7 +402,7 @@ static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout
 		intent_end(r);
 		free(sorted);
 	}
-	tract_lock_release(r, LOCK_ALLOC);
+	tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 	*got = rc == TRACT_OK ? n : 0;
 	return rc;
 }
@@ -581,7 +580,7 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 				rc = rc2;
 		}
 		if (global)
-			tract_lock_release(r, LOCK_ALLOC);
+			tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 out:
@@ -610,7 +609,7 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 	if (rc == TRACT_OK) {
 		/* under both locks: never in flight */
 		rc = release_locked(r, 0, (uint32_t)r->local->free_count, 1);
-		tract_lock_release(r, LOCK_ALLOC);
+		tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	return rc;

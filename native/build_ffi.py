@@ -12,8 +12,10 @@ import pathlib
 from cffi import FFI
 
 NATIVE = pathlib.Path(__file__).resolve().parent
-SOURCES = ["access.c", "alloc.c", "copy.c", "cpu.c", "crc.c", "handoff.c", "hash.c", "index.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
-           "objdir.c", "payload.c", "region.c", "recover.c", "sim.c", "util.c", "audit.c"]
+SOURCES = ["access.c", "alloc.c", "audit.c", "copy.c", "cpu.c", "crc.c", "handoff.c", "hash.c",
+           "index.c", "index_bucket.c", "index_pin.c", "index_put.c", "index_recover.c",
+           "index_stripe.c", "journal.c", "layout.c", "local.c", "lock.c", "manager.c",
+           "objdir.c", "payload.c", "recover.c", "region.c", "sim.c", "util.c"]
 
 
 def read_cdef() -> str:

@@ -111,7 +111,7 @@ struct tract_lru_anchor {
 
 /* handoff record: written under the transfer-table lock. */
 struct tract_transfer_record {
-	uint32_t state;        /* 0 = free, 1 = published, 2 = acknowledged */
+	uint32_t state;        /* TRACT_TRANSFER_* */
 	uint32_t owner_node;   /* node + 1 of the prefill side */
 	uint32_t owner_pid;
 	uint32_t block_count;
@@ -130,6 +130,15 @@ struct tract_transfer_record {
 	uint32_t slots_freed;      /* 1 once the key-list and tail slots are (being) freed */
 	uint8_t reserved[40];
 };
+
+/* CDEF-BEGIN (the transfer record states, for Python too: native/build_ffi.py) */
+enum {
+	TRACT_TRANSFER_FREE = 0,
+	TRACT_TRANSFER_PUBLISHED = 1,   /* its blocks pinned for the decode side */
+	TRACT_TRANSFER_ACKED = 2,       /* acknowledged: its releaser gives them back */
+	TRACT_TRANSFER_RECLAIMING = 3   /* expired: its releaser gives them back */
+};
+/* CDEF-END */
 
 static_assert(sizeof(struct tract_header) == TRACT_HEADER_SIZE, "header size");
 static_assert(sizeof(struct tract_section) == 32, "section entry size");

@@ -16,9 +16,13 @@
 
 #include "internal.h"
 
-#define LOCK_TRANSFER 2
-
-enum { REC_FREE = 0, REC_PUBLISHED = 1, REC_ACKED = 2, REC_RECLAIMING = 3 };
+/* the transfer record states (format.h), by short names */
+enum {
+	REC_FREE = TRACT_TRANSFER_FREE,
+	REC_PUBLISHED = TRACT_TRANSFER_PUBLISHED,
+	REC_ACKED = TRACT_TRANSFER_ACKED,
+	REC_RECLAIMING = TRACT_TRANSFER_RECLAIMING
+};
 
 /* one entry of a handoff's key list (32 bytes) */
 struct handoff_entry {
@@ -177,7 +181,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto release;
 	/* 3. the record, under the transfer lock; the pins become the record's
 	 * (forgotten by this process's journal before the record can exist) */
-	if ((rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL)) < 0)
+	if ((rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
 	tract_journal_pins(r, keys, n, -1);
 	tract_journal_slots(r, extra, nextra, 1);
@@ -201,7 +205,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		r->handoff_next = i + 1;      /* next fit: the following record is likely free */
 		*rec = i;
 	}
-	tract_lock_release(r, LOCK_TRANSFER);
+	tract_lock_release(r, TRACT_LOCK_TRANSFER);
 	if (rc == TRACT_OK)
 		goto out;
 release:
@@ -333,7 +337,7 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 		      uint32_t to, uint64_t expired_at, struct tract_transfer_record *out,
 		      uint64_t timeout_ns)
 {
-	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
+	int rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	struct tract_transfer_record t;
@@ -360,7 +364,7 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 		publish_record(r, rec, &t);
 		rc = TRACT_OK;
 	}
-	tract_lock_release(r, LOCK_TRANSFER);
+	tract_lock_release(r, TRACT_LOCK_TRANSFER);
 	return rc;
 }
 
@@ -462,7 +466,7 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 			 uint64_t timeout_ns)
 {
 	/* take it over, under the lock, if nobody did meanwhile */
-	int rc = tract_lock_acquire(r, LOCK_TRANSFER, timeout_ns, NULL);
+	int rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	struct tract_transfer_record now;
@@ -473,7 +477,7 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 		now.releaser_pid = (uint32_t)getpid();
 		publish_record(r, rec, &now);
 	}
-	tract_lock_release(r, LOCK_TRANSFER);
+	tract_lock_release(r, TRACT_LOCK_TRANSFER);
 	if (!mine)
 		return 0;
 	rc = release_resources(r, rec, &now, timeout_ns);

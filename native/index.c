@@ -1,5 +1,6 @@
 /*
- * index.c -- the prefix index (docs/ARCHITECTURE.md §9, docs/PROTOCOLS.md §9).
+ * index.c -- the prefix index (docs/ARCHITECTURE.md §9, docs/PROTOCOLS.md §9):
+ * lookup, read, payload tags and eviction; puts are index_put.c's.
  *
  * A fixed open-addressing table of cache-line buckets, split into stripes of
  * contiguous buckets; a key's stripe and home bucket come from its bits and
@@ -15,575 +16,15 @@
  * is observed before it is modified and written back whole; one fence
  * before the lock is released.
  *
- * LRU per stripe: a doubly linked list through the buckets (index + 1
- * links), head = most recent.  A request's keys are touched tail first, so
- * its head block ends up the most recent: under pressure a chain loses its
- * tail before its head.  Evicted buckets become TOMBSTONE, or EMPTY when
- * the next bucket of the probe sequence is EMPTY (and preceding tombstones
- * with them), which keeps probe chains short under churn.
+ * The index's other files, one job each, share index_internal.h:
+ * index_stripe.c (a stripe section, the walk over stripes), index_bucket.c
+ * (probing, the LRU list, burial), index_pin.c (pins), index_put.c (puts),
+ * index_recover.c (what recovery calls).
  */
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "internal.h"
-
-#define NONE 0u
-
-/*
- * The lines one stripe section has observed: under the stripe lock nobody
- * else writes them, so after the first observe they are read with plain
- * loads, and the lines written are flushed once, all together, before the
- * lock is released (one fence instead of one per line).
- */
-#define SET_CAP 1024
-
-struct line_set {
-	uint64_t off[SET_CAP];     /* line offset + 1, 0 = free */
-	uint8_t dirty[SET_CAP];
-	uint16_t used[SET_CAP];    /* occupied positions, to reset cheaply */
-	uint32_t n_used;
-};
-
-struct stripe_ctx {
-	tract_region *r;
-	struct line_set *set;
-	uint32_t stripe;
-	uint64_t first;       /* first bucket index of the stripe */
-	uint64_t size;        /* buckets in the stripe (power of two) */
-	uint64_t bucket_off;  /* region offset of bucket 0 */
-	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
-	struct tract_lru_anchor lru;
-	int lru_dirty;
-	int recovered;        /* a process of this node died inside: lines may be dirty here */
-};
-
-/* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
- * tract_key_home (internal.h), shared with audit.c */
-
-/* region offset of bucket b (internal) */
-static uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
-{
-	return c->bucket_off + b * TRACT_LINE;
-}
-
-/* region offset of the u16 pin count of bucket b for node n (internal) */
-static uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
-{
-	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
-	return s->offset + (uint64_t)node * s->entry_size + b * 2;
-}
-
-/* position of a line in the set, or where it would go; -1 when full (internal) */
-static int set_slot(struct line_set *s, uint64_t off)
-{
-	uint64_t h = (off / TRACT_LINE) * 0x9E3779B97F4A7C15ULL;
-	for (uint32_t i = 0; i < 64; i++) {
-		uint32_t p = (uint32_t)((h >> 40) + i) & (SET_CAP - 1);
-		if (s->off[p] == off + 1 || s->off[p] == 0)
-			return (int)p;
-	}
-	return -1;
-}
-
-/* reads a line: observed the first time, plain loads after (internal) */
-static void line_get(struct stripe_ctx *c, uint64_t off, void *dst)
-{
-	int p = c->set ? set_slot(c->set, off) : -1;
-	if (p >= 0 && c->set->off[p] == off + 1) {
-		c->r->ops->load(c->r, off, dst, TRACT_LINE);
-		return;
-	}
-	/* the line cannot be dirty here: its writers hold this stripe's lock, and
-	 * the previous holder flushed it (clflushopt, internal.h) -- unless that
-	 * holder was a process of this node that died inside (clflush then) */
-	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE)) {
-		if (c->recovered)
-			c->r->ops->invalidate(c->r, off, TRACT_LINE);
-		else
-			tract_evict_clean(c->r, off, TRACT_LINE);
-	}
-	c->r->ops->fence(c->r);
-	c->r->ops->load(c->r, off, dst, TRACT_LINE);
-	if (p >= 0 && c->set->n_used < SET_CAP) {
-		c->set->off[p] = off + 1;
-		c->set->dirty[p] = 0;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-	}
-}
-
-/* writes a whole line; flushed when the section ends (internal) */
-static void line_put(struct stripe_ctx *c, uint64_t off, const void *src)
-{
-	int p = c->set ? set_slot(c->set, off) : -1;
-	if (p < 0 || (c->set->off[p] != off + 1 && c->set->n_used >= SET_CAP)) {
-		tract_write_line_at(c->r, off, src, SITE_INDEX_FLUSH_SECTION);   /* no deferral */
-		return;
-	}
-	c->r->ops->store(c->r, off, src, TRACT_LINE);
-	if (c->set->off[p] != off + 1) {
-		c->set->off[p] = off + 1;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-	}
-	c->set->dirty[p] = 1;
-}
-
-/* invalidates many lines with one fence and records them as observed (internal) */
-static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
-{
-	if (!c->set)
-		return;
-	uint32_t fresh = 0;
-	for (uint32_t i = 0; i < k; i++) {
-		int p = set_slot(c->set, offs[i]);
-		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
-			continue;
-		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as line_get */
-			if (c->recovered)
-				c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
-			else
-				tract_evict_clean(c->r, offs[i], TRACT_LINE);
-		}
-		c->set->off[p] = offs[i] + 1;
-		c->set->dirty[p] = 0;
-		c->set->used[c->set->n_used++] = (uint16_t)p;
-		fresh++;
-	}
-	if (fresh) {
-		c->r->ops->fence(c->r);
-		/* start every miss now, in parallel: the probes that follow load
-		 * these lines one by one, each a trip to the device otherwise.
-		 * A prefetch after the fence is an early load of the observe: the
-		 * lines are written only under the stripe lock this caller holds */
-		for (uint32_t i = 0; !c->r->sim && i < k; i++)
-			__builtin_prefetch(c->r->base + offs[i]);
-	}
-}
-
-/* flushes the section's written lines and empties the set (internal) */
-static void set_flush(struct stripe_ctx *c)
-{
-	if (!c->set)
-		return;
-	for (uint32_t i = 0; i < c->set->n_used; i++) {
-		uint16_t p = c->set->used[i];
-		if (c->set->dirty[p] && TRACT_KEEP(SITE_INDEX_FLUSH_SECTION))
-			c->r->ops->flush(c->r, c->set->off[p] - 1, TRACT_LINE);
-		c->set->off[p] = 0;
-		c->set->dirty[p] = 0;
-	}
-	c->set->n_used = 0;
-}
-
-/* locks a stripe and loads its LRU anchor (internal) */
-static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
-			struct line_set *set);
-static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node);
-
-static int stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns, struct stripe_ctx *c,
-			struct line_set *set)
-{
-	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
-	if (rc < 0)
-		return rc;
-	stripe_init(r, stripe, c, set);
-	if (rc == TRACT_RECOVERED) {
-		c->recovered = 1;
-		repair_pins(c, r->node_id);   /* this node's last holder died inside */
-	}
-	return TRACT_OK;
-}
-
-/* fills the context of a stripe whose lock the caller holds (internal) */
-static void stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
-			struct line_set *set)
-{
-	c->r = r;
-	c->set = set;
-	c->stripe = stripe;
-	c->size = tract_index_stripe_size(r);
-	c->first = (uint64_t)stripe * c->size;
-	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
-	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
-	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
-	c->lru_dirty = 0;
-	c->recovered = 0;
-}
-
-/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
-static void stripe_leave(struct stripe_ctx *c)
-{
-	if (c->lru_dirty)
-		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
-	set_flush(c);
-	c->r->ops->fence(c->r);
-	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
-}
-
-/*
- * A pipelined walk over stripes in ascending order: entering one stripe
- * requests the lock of the next one the caller will enter, so the lock
- * manager grants it while the caller works on this one, and a request of
- * 16 stripes waits for about one grant instead of 16.  Holding a stripe
- * lock while requesting one of a higher stripe is deadlock-free: every
- * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
- */
-struct stripe_walk {
-	tract_region *r;
-	struct line_set *set;
-	uint64_t timeout_ns;
-	struct tract_lock_req q;    /* the next stripe's request, if pending */
-	uint32_t pending;           /* 1 + the stripe requested, 0 none */
-};
-
-static void walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
-		      uint64_t timeout_ns)
-{
-	w->r = r;
-	w->set = set;
-	w->timeout_ns = timeout_ns;
-	w->pending = 0;
-}
-
-/* withdraws the pending request, if any; one that recovered the local mutex
- * of a process that died inside the stripe enters instead, to repair what it
- * left (its LOCKED slot is gone: nobody else would) (internal) */
-static void walk_end(struct stripe_walk *w)
-{
-	uint32_t s = w->pending - 1;
-	if (w->pending && w->q.recovered) {
-		struct stripe_ctx c;
-		w->pending = 0;
-		w->q.start = tract_mono_ns();   /* a full timeout for the repair's own wait */
-		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
-			stripe_init(w->r, s, &c, NULL);
-			c.recovered = 1;
-			repair_pins(&c, w->r->node_id);
-			stripe_leave(&c);
-		}
-		return;
-	}
-	if (w->pending)
-		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + s, &w->q);
-	w->pending = 0;
-}
-
-/* enters stripe s (its request pending or made now), then requests stripe
- * next (UINT32_MAX: none; it must be higher than s) (internal) */
-static int walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c)
-{
-	tract_region *r = w->r;
-	if (w->pending && w->pending != s + 1)
-		walk_end(w);                /* the caller skipped it after all */
-	int rc;
-	if (!w->pending &&
-	    (rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q, NULL)) < 0)
-		return rc;
-	w->pending = 0;
-	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
-		return rc;
-	stripe_init(r, s, c, w->set);
-	if (rc == TRACT_RECOVERED) {
-		c->recovered = 1;
-		repair_pins(c, r->node_id);   /* this node's last holder died inside */
-	}
-	/* the local tier only tried (timeout 0): a process of this node holding
-	 * or requesting the next stripe is not waited for while this one is held */
-	if (next != UINT32_MAX && next > s &&
-	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, 0, &w->q, NULL) == TRACT_OK)
-		w->pending = next + 1;
-	return TRACT_OK;
-}
-
-/* whether bucket b belongs to the entered stripe: LRU links and anchors are
- * read from the region, written by other hosts, and checked before use (internal) */
-static int in_stripe(const struct stripe_ctx *c, uint64_t b)
-{
-	return b >= c->first && b - c->first < c->size;
-}
-
-/* whether a bucket's slot field names a slot of the region (internal) */
-static int slot_ok(const struct stripe_ctx *c, const struct tract_bucket *k)
-{
-	return k->slot && k->slot - 1 < c->r->hdr.slot_count;
-}
-
-/* loads bucket b; a b outside the stripe (a corrupt link) reads as EMPTY (internal) */
-static void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
-{
-	if (!in_stripe(c, b)) {
-		memset(out, 0, sizeof(*out));
-		return;
-	}
-	line_get(c, bucket_off(c, b), out);
-}
-
-/* stores bucket b; never outside the stripe (internal) */
-static void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
-{
-	if (in_stripe(c, b))
-		line_put(c, bucket_off(c, b), in);
-}
-
-/*
- * Probes for key: returns the bucket holding it (state PENDING or READY) in
- * *found, or UINT64_MAX; *free_b gets the first reusable bucket on the path
- * (TOMBSTONE or EMPTY), UINT64_MAX if the stripe is full (internal).
- */
-static void probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
-		  struct tract_bucket *out)
-{
-	uint64_t home = tract_key_home(c->r, key);
-	*found = *free_b = UINT64_MAX;
-	for (uint64_t i = 0; i < c->size; i++) {
-		uint64_t b = c->first + ((home + i) & (c->size - 1));
-		struct tract_bucket k;
-		load_bucket(c, b, &k);
-		if (k.state == TRACT_BUCKET_EMPTY) {
-			if (*free_b == UINT64_MAX)
-				*free_b = b;
-			return;
-		}
-		if (k.state == TRACT_BUCKET_TOMBSTONE) {
-			if (*free_b == UINT64_MAX)
-				*free_b = b;
-			continue;
-		}
-		if (!memcmp(k.key, key, 16)) {
-			*found = b;
-			if (out)
-				*out = k;
-			return;
-		}
-	}
-}
-
-/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
-static void lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (k->lru_prev && !in_stripe(c, k->lru_prev - 1))
-		k->lru_prev = NONE;             /* a corrupt link: cut here */
-	if (k->lru_next && !in_stripe(c, k->lru_next - 1))
-		k->lru_next = NONE;
-	if (k->lru_prev) {
-		struct tract_bucket p;
-		load_bucket(c, k->lru_prev - 1, &p);
-		p.lru_next = k->lru_next;
-		store_bucket(c, k->lru_prev - 1, &p);
-	} else {
-		c->lru.head = k->lru_next;
-	}
-	if (k->lru_next) {
-		struct tract_bucket n;
-		load_bucket(c, k->lru_next - 1, &n);
-		n.lru_prev = k->lru_prev;
-		store_bucket(c, k->lru_next - 1, &n);
-	} else {
-		c->lru.tail = k->lru_prev;
-	}
-	k->lru_prev = k->lru_next = NONE;
-	c->lru.count--;
-	c->lru_dirty = 1;
-	(void)b;
-}
-
-/* links bucket b at the head (most recent); the caller stores *k (internal) */
-static void lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (c->lru.head && !in_stripe(c, c->lru.head - 1))
-		c->lru.head = c->lru.tail = NONE;   /* a corrupt anchor: restart the list */
-	k->lru_prev = NONE;
-	k->lru_next = c->lru.head;
-	if (c->lru.head) {
-		struct tract_bucket h;
-		load_bucket(c, c->lru.head - 1, &h);
-		h.lru_prev = (uint32_t)(b + 1);
-		store_bucket(c, c->lru.head - 1, &h);
-	} else {
-		c->lru.tail = (uint32_t)(b + 1);
-	}
-	c->lru.head = (uint32_t)(b + 1);
-	c->lru.count++;
-	c->lru_dirty = 1;
-}
-
-/* moves a READY bucket to the head and stamps its access time (internal) */
-static void lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
-{
-	if (c->lru.head != b + 1) {
-		lru_unlink(c, b, k);
-		lru_push_head(c, b, k);
-	}
-	k->last_access_ns = tract_now_ns();
-	store_bucket(c, b, k);
-}
-
-/* node's pin count of bucket b; buf gets the line holding it (internal) */
-static uint16_t pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
-			  uint8_t buf[TRACT_LINE])
-{
-	uint64_t off = pin_off(c->r, node, b);
-	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-	uint16_t v;
-	line_get(c, line, buf);
-	memcpy(&v, buf + (off - line), 2);
-	return v;
-}
-
-/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
-static int pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node, int delta)
-{
-	uint64_t off = pin_off(c->r, node, b);
-	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-	uint8_t buf[TRACT_LINE];
-	uint16_t v = pin_count(c, node, b, buf);
-	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
-	    (delta < 0 && k->pins == 0))
-		return TRACT_E_CORRUPT;
-	v = (uint16_t)(v + delta);
-	memcpy(buf + (off - line), &v, 2);
-	/* the node's count first, the total right after: a holder killed in
-	 * between leaves the node's count ahead (repair_pins undoes a pin and
-	 * completes an unpin from that) */
-	line_put(c, line, buf);
-	k->pins = (uint32_t)((int64_t)k->pins + delta);
-	store_bucket(c, b, k);
-	return TRACT_OK;
-}
-
-/*
- * Reconciles the pin counts of an entered stripe whose previous holder, a
- * process of `node`, died inside it.  pin_add writes the node's count, then
- * the bucket total, so the only torn state is the node's count ahead of the
- * total by the death's one operation: a pin it was taking (not journaled
- * yet: undone) or one it was giving back (already forgotten by the journal:
- * completed).  Either way the node's count moves back by the difference and
- * the total is set to the sum.  Returns the buckets fixed (internal).
- */
-static uint32_t repair_pins(struct stripe_ctx *c, uint32_t node)
-{
-	tract_region *r = c->r;
-	uint32_t fixed = 0;
-	for (uint64_t b = c->first; b < c->first + c->size; b++) {
-		struct tract_bucket bk;
-		load_bucket(c, b, &bk);
-		uint8_t buf[TRACT_LINE];
-		uint64_t sum = 0;
-		for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
-			sum += pin_count(c, n, b, buf);
-		if (sum == bk.pins)
-			continue;
-		if (sum > bk.pins && node < r->hdr.max_nodes) {
-			uint16_t mine = pin_count(c, node, b, buf);
-			uint64_t back = sum - bk.pins < mine ? sum - bk.pins : mine;
-			uint64_t off = pin_off(r, node, b);
-			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-			uint16_t v = (uint16_t)(mine - back);
-			memcpy(buf + (off - line), &v, 2);
-			line_put(c, line, buf);
-			sum -= back;
-		}
-		bk.pins = (uint32_t)sum;
-		store_bucket(c, b, &bk);
-		fixed++;
-	}
-	return fixed;
-}
-
-/* repairs stripe lock lock_id, which this node holds for a holder that died
- * inside it (lock.c's recovery); returns the buckets fixed (internal) */
-uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node)
-{
-	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
-		return 0;
-	struct stripe_ctx c;
-	stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
-	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
-	uint32_t fixed = repair_pins(&c, node);
-	r->ops->fence(r);
-	return fixed;
-}
-
-/* turns an unlinked bucket into a tombstone or, where the probe chain ends
- * right after it, into EMPTY together with the tombstones before it (internal) */
-static void bury(struct stripe_ctx *c, uint64_t b)
-{
-	uint64_t rel = b - c->first;
-	struct tract_bucket next;
-	load_bucket(c, c->first + ((rel + 1) & (c->size - 1)), &next);
-	struct tract_bucket dead, was;
-	load_bucket(c, b, &was);
-	memset(&dead, 0, sizeof(dead));
-	dead.epoch = was.epoch;     /* kept: a later claim's tag must differ (payload.c) */
-	if (next.state != TRACT_BUCKET_EMPTY) {
-		dead.state = TRACT_BUCKET_TOMBSTONE;
-		store_bucket(c, b, &dead);
-		return;
-	}
-	store_bucket(c, b, &dead);     /* EMPTY */
-	for (uint64_t i = 1; i < c->size; i++) {
-		uint64_t p = c->first + ((rel - i) & (c->size - 1));
-		struct tract_bucket k;
-		load_bucket(c, p, &k);
-		if (k.state != TRACT_BUCKET_TOMBSTONE)
-			break;
-		uint32_t epoch = k.epoch;
-		memset(&k, 0, sizeof(k));
-		k.epoch = epoch;
-		store_bucket(c, p, &k);
-	}
-}
-
-/* sorts key indices by stripe, then by descending index (tail first) (internal) */
-struct keyref {
-	uint32_t stripe;
-	uint32_t idx;
-};
-
-static int cmp_keyref(const void *a, const void *b)
-{
-	const struct keyref *x = a, *y = b;
-	if (x->stripe != y->stripe)
-		return x->stripe < y->stripe ? -1 : 1;
-	return x->idx > y->idx ? -1 : x->idx < y->idx;
-}
-
-static struct keyref *group(const tract_region *r, const uint8_t *keys, uint32_t n)
-{
-	struct keyref *refs = malloc(((size_t)n + 1) * sizeof(*refs));
-	if (!refs)
-		return NULL;
-	for (uint32_t i = 0; i < n; i++) {
-		refs[i].stripe = tract_key_stripe(r, keys + (uint64_t)i * 16);
-		refs[i].idx = i;
-	}
-	qsort(refs, n, sizeof(*refs), cmp_keyref);
-	return refs;
-}
-
-/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
- * lines for them with a single fence (internal) */
-static void prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
-			   uint32_t i, uint32_t j, uint32_t node)
-{
-	uint64_t pre[2 * 64];
-	uint32_t np = 0;
-	for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
-		const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-		uint64_t home = c->first + tract_key_home(c->r, key);
-		pre[np++] = bucket_off(c, home);
-		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
-	}
-	lines_prefetch(c, pre, np);
-}
-
-/* checks a handle can use the index (internal) */
-static int index_usable(const tract_region *r)
-{
-	if (!r || (r->flags & TRACT_ATTACH_READONLY))
-		return TRACT_E_INVAL;
-	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
-}
+#include "index_internal.h"
 
 /* the tag of the payload a READY bucket publishes: the bucket and its epoch,
  * which every claim bumps, so it names one write of the slot (payload.c);
@@ -591,6 +32,19 @@ static int index_usable(const tract_region *r)
 static uint64_t payload_tag(uint64_t b, const struct tract_bucket *bk)
 {
 	return b + 1 < UINT32_MAX ? ((uint64_t)bk->epoch << 32) | (b + 1) : 0;
+}
+
+/* the pins a lookup gives back: those it took at or past key `keep` (internal) */
+struct pinned_past {
+	const uint8_t *pinned;      /* per key: 1 if the lookup pinned it */
+	uint32_t keep;
+};
+
+/* whether the lookup gives back its pin on key idx (arg: struct pinned_past) (internal) */
+static int gives_back(const void *arg, uint32_t idx)
+{
+	const struct pinned_past *p = arg;
+	return idx >= p->keep && p->pinned[idx];
 }
 
 /* Finds, pins and touches the longest run of leading READY keys. */
@@ -603,46 +57,43 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return rc;
 	if ((!keys && n) || !hits)
 		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
+	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
-	uint32_t *todo = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	if (!refs || !pinned || !todo) {
+	if (!refs || !pinned) {
 		free(refs);
 		free(pinned);
-		free(todo);
 		return TRACT_E_NOMEM;
 	}
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	struct stripe_walk walk;
-	walk_init(&walk, r, set, timeout_ns);
+	tract_walk_init(&walk, r, set, timeout_ns);
 	rc = TRACT_OK;
-	for (uint32_t i = 0; i < n && rc == TRACT_OK;) {
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, NULL, NULL);
+	while (rc == TRACT_OK && tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if ((rc = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c)) < 0)
+		if ((rc = tract_walk_enter(&walk, g.stripe, g.next, &c)) < 0)
 			break;
-		/* refs[i..j) are this stripe's keys, tail first */
-		prefetch_group(&c, keys, refs, i, j, r->node_id);
-		for (uint32_t k = i; k < j; k++) {
+		/* refs[first..end) are this stripe's keys, tail first */
+		tract_prefetch_group(&c, keys, refs, g.first, g.end, r->node_id);
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
 				continue;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			c.lru.lookups++;
 			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_READY || !slot_ok(&c, &bk)) {
 				limit = idx;
 				continue;
 			}
-			if ((rc = pin_add(&c, b, &bk, r->node_id, +1)) < 0)
+			if ((rc = tract_pin_add(&c, b, &bk, r->node_id, +1)) < 0)
 				break;
 			/* journaled right after it is taken: a death leaves at most this one */
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
-			lru_touch(&c, b, &bk);
+			tract_lru_touch(&c, b, &bk);
 			c.lru.hits++;
 			c.lru_dirty = 1;
 			pinned[idx] = 1;
@@ -655,664 +106,39 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			if (tags)
 				tags[idx] = payload_tag(b, &bk);
 		}
-		stripe_leave(&c);
-		i = j;
+		tract_stripe_leave(&c);
 	}
-	walk_end(&walk);
+	tract_walk_end(&walk);
 	/* unpin what was pinned past the first miss (or everything on error) */
 	uint32_t keep = rc == TRACT_OK ? limit : 0;
 	/* the groups holding such a pin, entered in a pipelined walk */
-	uint32_t nt = 0;
-	for (uint32_t i = 0; i < n;) {
-		uint32_t s = refs[i].stripe, j = i;
-		int any = 0;
-		while (j < n && refs[j].stripe == s) {
-			any |= refs[j].idx >= keep && pinned[refs[j].idx];
-			j++;
-		}
-		if (any)
-			todo[nt++] = i;
-		i = j;
-	}
-	for (uint32_t t = 0; t < nt; t++) {
-		uint32_t i = todo[t], s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
+	struct pinned_past past = { pinned, keep };
+	tract_groups_init(&g, refs, n, gives_back, &past);
+	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = walk_enter(&walk, s, t + 1 < nt ? refs[todo[t + 1]].stripe : UINT32_MAX, &c);
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
 			rc = rc2;   /* pins stay until the agent's recovery */
 			break;
 		}
-		for (uint32_t k = i; k < j; k++) {
+		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx < keep || !pinned[idx])
 				continue;
 			uint64_t b, fb;
 			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
+			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
-			if (b != UINT64_MAX && pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
+			if (b != UINT64_MAX && tract_pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
 				store_bucket(&c, b, &bk);
 		}
-		stripe_leave(&c);
+		tract_stripe_leave(&c);
 	}
-	walk_end(&walk);
+	tract_walk_end(&walk);
 	*hits = keep;
-	free(todo);
 	free(refs);
 	free(pinned);
 	free(set);
-	return rc;
-}
-
-/*
- * Unpins keys on behalf of node, stripe group by stripe group in ascending
- * stripe order.  With `journal`, each pin leaves this process's journal right
- * before it is given back.  With `mark`, the first `done` groups are skipped
- * and mark(arg, g + 1) records the progress before group g's pins are given
- * back: a crash between the two leaves pins behind but never gives one back
- * twice (a handoff's release) (internal).
- */
-static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-		      int journal, uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-		      void *arg, uint64_t timeout_ns)
-{
-	int rc = index_usable(r);
-	if (rc)
-		return rc;
-	if (node >= r->hdr.max_nodes)
-		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
-	if (!refs && n)
-		return TRACT_E_NOMEM;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	struct stripe_walk walk;
-	walk_init(&walk, r, set, timeout_ns);
-	rc = TRACT_OK;
-	uint32_t g = 0;
-	for (uint32_t i = 0; i < n; g++) {
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		if (g < done) {
-			i = j;
-			continue;
-		}
-		struct stripe_ctx c;
-		int rc2 = walk_enter(&walk, s, j < n ? refs[j].stripe : UINT32_MAX, &c);
-		if (rc2 < 0) {
-			rc = rc2;
-			break;
-		}
-		if (mark)
-			mark(r, arg, g + 1);
-		prefetch_group(&c, keys, refs, i, j, node);
-		for (uint32_t k = i; k < j; k++) {
-			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
-			uint64_t b, fb;
-			struct tract_bucket bk;
-			probe(&c, key, &b, &fb, &bk);
-			if (journal)
-				tract_journal_pins(r, key, 1, -1);
-			if (b == UINT64_MAX || pin_add(&c, b, &bk, node, -1) < 0)
-				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
-			else
-				store_bucket(&c, b, &bk);
-		}
-		stripe_leave(&c);
-		i = j;
-	}
-	walk_end(&walk);
-	free(refs);
-	free(set);
-	return rc;
-}
-
-/* Unpins keys this node pinned with tract_index_lookup. */
-int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
-{
-	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, 0, NULL, NULL, timeout_ns);
-}
-
-/* unpins keys for node resuming after `done` stripe groups, recording each
- * group's progress with mark before it is given back (internal) */
-int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-			     void *arg, uint64_t timeout_ns)
-{
-	return unpin_impl(r, keys, n, node, 0, done, mark, arg, timeout_ns);
-}
-
-/* the stripe of one key, entered (internal) */
-static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
-		     struct stripe_ctx *c)
-{
-	return stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
-}
-
-/* gives back up to count of this node's pins on key (a dead process's) (internal) */
-int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
-			     uint32_t *released, uint64_t timeout_ns)
-{
-	*released = 0;
-	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
-	if (rc < 0)
-		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	probe(&c, key, &b, &fb, &bk);
-	rc = TRACT_E_NOT_FOUND;
-	if (b != UINT64_MAX) {
-		uint8_t buf[TRACT_LINE];
-		uint16_t v = pin_count(&c, r->node_id, b, buf);
-		uint32_t take = count < v ? count : v;
-		if (take && pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
-			store_bucket(&c, b, &bk);
-			*released = take;
-		}
-		rc = TRACT_OK;
-	}
-	stripe_leave(&c);
-	return rc;
-}
-
-/* drops a dead process's PENDING claim on key: the bucket is buried and the
- * slot freed only when the bucket is still PENDING and pid's (internal) */
-int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
-			   int *freed, uint64_t timeout_ns)
-{
-	*freed = 0;
-	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
-	if (rc < 0)
-		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	probe(&c, key, &b, &fb, &bk);
-	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
-		   bk.owner_node == r->node_id;
-	if (ours)
-		bury(&c, b);
-	stripe_leave(&c);
-	if (!ours)
-		return TRACT_E_NOT_FOUND;
-	if (slot < r->hdr.slot_count) {
-		/* the dead writer's plain stores may still be dirty in this host's
-		 * caches (the agent runs on its host): written back now, they cannot
-		 * land later on the slot's next block */
-		tract_write_back_payload(r, tract_sec(r, TRACT_SEC_DATA)->offset +
-					    (uint64_t)slot * r->hdr.slot_stride, r->hdr.block_bytes);
-		if (tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
-			*freed = 1;
-	}
-	return TRACT_OK;
-}
-
-/*
- * Buries this node's PENDING buckets whose writer is dead and named in no
- * journal entry: the journal that would have dropped the claim is gone (the
- * host restarted and its node-local segment with it) or overflowed.  The
- * key becomes writable again.  The slot is not freed: a PENDING bucket does
- * not name it, so it comes back with `tract check --repair`.  A writer the
- * journal still names is left to tract_recover_dead, which frees its slot
- * too.  A stripe whose lock stays busy for timeout_ns is skipped.
- */
-int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
-			     uint32_t *skipped)
-{
-	if (!r || !buried || !skipped || (r->flags & TRACT_ATTACH_READONLY))
-		return TRACT_E_INVAL;
-	if (!r->local)
-		return TRACT_E_NO_LOCAL;
-	*buried = *skipped = 0;
-	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
-		struct stripe_ctx c;
-		int rc = stripe_enter(r, s, timeout_ns, &c, NULL);
-		if (rc == TRACT_E_TIMEOUT) {
-			(*skipped)++;
-			continue;
-		}
-		if (rc < 0)
-			return rc;
-		for (uint64_t b = c.first; b < c.first + c.size; b++) {
-			struct tract_bucket bk;
-			load_bucket(&c, b, &bk);
-			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
-			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
-				continue;
-			bury(&c, b);
-			(*buried)++;
-		}
-		stripe_leave(&c);
-	}
-	return TRACT_OK;
-}
-
-/* evicts up to want unpinned READY entries, LRU first, spread over the
- * stripes: each round takes at most ceil(want / stripes) from each stripe,
- * starting at *cursor, until want are taken or a round finds nothing.
- * (Taking all of them from one stripe drained sparse stripes while others
- * filled every bucket of theirs.)  Their slots are freed (internal) */
-static int evict(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
-		 uint64_t timeout_ns)
-{
-	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
-	if (!slots)
-		return TRACT_E_NOMEM;
-	uint32_t got = 0, stripes = r->hdr.index_stripes;
-	int rc = TRACT_OK;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	uint32_t per = (want + stripes - 1) / stripes;
-	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
-		before = got;
-		for (uint32_t t = 0; t < stripes && got < want; t++) {
-			uint32_t s = (*cursor + t) % stripes;
-			struct stripe_ctx c;
-			if ((rc = stripe_enter(r, s, timeout_ns, &c, set)) < 0)
-				break;
-			uint32_t cur = c.lru.tail, here = 0;
-			/* bounded by the stripe's size: a corrupt list may cycle */
-			for (uint64_t steps = 0; cur && got < want && here < per && steps < c.size;
-			     steps++) {
-				uint64_t b = cur - 1;
-				if (!in_stripe(&c, b))
-					break;
-				struct tract_bucket bk;
-				load_bucket(&c, b, &bk);
-				cur = bk.lru_prev;
-				if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(&c, &bk))
-					continue;     /* pinned blocks are never evicted */
-				lru_unlink(&c, b, &bk);
-				slots[got++] = bk.slot - 1;
-				here++;
-				c.lru.evictions++;
-				bury(&c, b);
-			}
-			stripe_leave(&c);
-		}
-	}
-	*cursor = (*cursor + 1) % stripes;
-	if (got)
-		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
-	free(slots);
-	free(set);
-	*evicted = got;
-	return rc;
-}
-
-/* status codes of tract_index_put, per key */
-enum {   /* enum tract_put_status (tract.h), by short names */
-	PUT_STORED = TRACT_PUT_STORED,
-	PUT_WAS_READY = TRACT_PUT_WAS_READY,
-	PUT_WAS_PENDING = TRACT_PUT_WAS_PENDING,
-	PUT_NO_ROOM = TRACT_PUT_NO_ROOM,
-	PUT_CLAIMED = TRACT_PUT_CLAIMED
-};
-
-/* claims PENDING buckets for absent keys; status per key (internal) */
-/* evicts the least recent unpinned READY entry of the entered stripe to free a
- * bucket; its slot goes to freed[] (freed after the stripe lock) (internal) */
-static int evict_in_stripe(struct stripe_ctx *c, uint32_t *freed, uint32_t *nfreed)
-{
-	uint32_t cur = c->lru.tail;
-	for (uint64_t steps = 0; cur && steps < c->size; steps++) {
-		uint64_t b = cur - 1;
-		if (!in_stripe(c, b))
-			break;                  /* a corrupt link */
-		struct tract_bucket bk;
-		load_bucket(c, b, &bk);
-		cur = bk.lru_prev;
-		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
-			continue;
-		lru_unlink(c, b, &bk);
-		freed[(*nfreed)++] = bk.slot - 1;
-		c->lru.evictions++;
-		bury(c, b);
-		return 1;
-	}
-	return 0;
-}
-
-static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
-		     uint8_t *status, int pin_ready, uint64_t timeout_ns)
-{
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	uint32_t *freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	if (!freed) {
-		free(set);
-		return TRACT_E_NOMEM;
-	}
-	int err = TRACT_OK;
-	for (uint32_t i = 0; i < n;) {
-		uint32_t nfreed = 0;
-		struct stripe_ctx c;
-		uint32_t s = refs[i].stripe, j = i;
-		while (j < n && refs[j].stripe == s)
-			j++;
-		int rc = stripe_enter(r, s, timeout_ns, &c, set);
-		if (rc < 0) {
-			free(set);
-			free(freed);
-			return rc;
-		}
-		for (uint32_t k = i; k < j; k++) {
-			uint32_t idx = refs[k].idx;
-			const uint8_t *key = keys + (uint64_t)idx * 16;
-			uint64_t b, fb;
-			struct tract_bucket bk;
-			probe(&c, key, &b, &fb, &bk);
-			/* every bucket of the stripe holds a block: evict this stripe's
-			 * least recent unpinned one to make room for the key */
-			if (b == UINT64_MAX && fb == UINT64_MAX && evict_in_stripe(&c, freed, &nfreed))
-				probe(&c, key, &b, &fb, &bk);
-			if (b != UINT64_MAX) {
-				status[idx] = bk.state == TRACT_BUCKET_READY ? PUT_WAS_READY : PUT_WAS_PENDING;
-				/* a pinning put pins what is already there too: the caller's
-				 * handoff needs every block, its own and the others' */
-				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
-					if (pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK) {
-						store_bucket(&c, b, &bk);
-						tract_journal_pins(r, key, 1, +1);
-					} else
-						status[idx] = PUT_WAS_PENDING;   /* pin count saturated */
-				}
-				continue;
-			}
-			if (fb == UINT64_MAX) {
-				status[idx] = PUT_NO_ROOM;
-				continue;
-			}
-			struct tract_bucket was;
-			load_bucket(&c, fb, &was);
-			memset(&bk, 0, sizeof(bk));
-			memcpy(bk.key, key, 16);
-			bk.state = TRACT_BUCKET_PENDING;
-			/* a new epoch: the payload tag of this claim is new (payload.c) */
-			bk.epoch = was.epoch;
-			if (TRACT_KEEP(SITE_INDEX_CLAIM_EPOCH) && !++bk.epoch)
-				bk.epoch = 1;
-			bk.owner_node = (uint16_t)r->node_id;
-			bk.owner_pid = (uint32_t)getpid();
-			bk.last_access_ns = tract_now_ns();
-			store_bucket(&c, fb, &bk);
-			status[idx] = PUT_CLAIMED;
-			tract_journal_claims(r, key, 1, &status[idx], PUT_CLAIMED, NULL, 0);
-		}
-		stripe_leave(&c);
-		/* the allocator lock, with no stripe lock held; a failure (the lock
-		 * timed out) leaks the evicted blocks' slots until `tract check
-		 * --repair`, and is reported: the put is abandoned with it */
-		if (nfreed && (rc = tract_free(r, freed, nfreed, timeout_ns)) < 0 && !err)
-			err = rc;
-		nfreed = 0;
-		i = j;
-	}
-	free(set);
-	free(freed);
-	return err;
-}
-
-/* publishes (READY) or abandons claimed keys, inserting into LRU tail first (internal) */
-static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
-		      uint8_t *status, const uint32_t *slots, const uint32_t *tokens,
-		      const uint32_t *checksums, int publish, uint64_t timeout_ns)
-{
-	int rc = TRACT_OK;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	for (uint32_t i = 0; i < n;) {
-		uint32_t s = refs[i].stripe, j = i;
-		int any = 0;
-		while (j < n && refs[j].stripe == s)
-			any |= status[refs[j++].idx] == PUT_CLAIMED;
-		if (!any) {
-			i = j;
-			continue;
-		}
-		struct stripe_ctx c;
-		int rc2 = stripe_enter(r, s, timeout_ns, &c, set);
-		if (rc2 < 0) {
-			rc = rc2;
-			i = j;
-			continue;
-		}
-		for (uint32_t k = i; k < j; k++) {
-			uint32_t idx = refs[k].idx;
-			if (status[idx] != PUT_CLAIMED)
-				continue;
-			uint64_t b, fb;
-			struct tract_bucket bk;
-			probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
-			if (b == UINT64_MAX || bk.state != TRACT_BUCKET_PENDING) {
-				rc = TRACT_E_CORRUPT;       /* our claim vanished */
-				continue;
-			}
-			if (!publish) {
-				bury(&c, b);
-				tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx],
-						     PUT_CLAIMED, NULL, 1);
-				continue;
-			}
-			bk.state = TRACT_BUCKET_READY;
-			bk.slot = slots[idx] + 1;
-			bk.tokens = tokens ? tokens[idx] : r->hdr.block_tokens;
-			if (checksums) {
-				bk.checksum = checksums[idx];
-				bk.flags |= 1;
-			}
-			bk.last_access_ns = tract_now_ns();
-			lru_push_head(&c, b, &bk);
-			/* publish pinned (2): READY and pinned by this node in one store,
-			 * so the block cannot be evicted before the caller's handoff pins it */
-			int pinned_now = publish == 2 && pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;
-			if (publish == 2 && !pinned_now)
-				rc = TRACT_E_CORRUPT;
-			store_bucket(&c, b, &bk);
-			c.lru.inserts++;
-			/* the pin is journaled once taken, the claim forgotten once READY:
-			 * a death in between leaves a READY bucket whose claim recovery keeps */
-			if (pinned_now)
-				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
-			tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx], PUT_CLAIMED,
-					     NULL, 1);
-			status[idx] = PUT_STORED;
-		}
-		stripe_leave(&c);
-		i = j;
-	}
-	free(set);
-	return rc;
-}
-
-/* unpins the keys a pinning put found READY (status 1) (internal) */
-static void unpin_ready(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
-			uint64_t timeout_ns)
-{
-	uint8_t *ready = malloc((size_t)n * 16 + 16);
-	uint32_t k = 0;
-	for (uint32_t i = 0; ready && i < n; i++)
-		if (status[i] == PUT_WAS_READY)
-			memcpy(ready + (uint64_t)16 * k++, keys + (uint64_t)16 * i, 16);
-	if (ready && k)
-		tract_index_unpin(r, ready, k, timeout_ns);
-	free(ready);
-}
-
-/* Claims PENDING buckets for absent keys and allocates their slots (evicting
- * when full); status[i] = 4 (claimed, slots[i] valid) or a skip reason. */
-int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
-			  uint32_t *slots, int flags, uint64_t timeout_ns)
-{
-	int pin_ready = flags & TRACT_PUT_PIN;
-	int rc = index_usable(r);
-	if (rc)
-		return rc;
-	if ((!keys && n) || !status || (!slots && n))
-		return TRACT_E_INVAL;
-	struct keyref *refs = group(r, keys, n);
-	uint32_t *mine = calloc((size_t)n + 1, sizeof(uint32_t));
-	if (!refs || !mine) {
-		free(refs);
-		free(mine);
-		return TRACT_E_NOMEM;
-	}
-	memset(status, 0, n);
-	memset(slots, 0, (size_t)n * sizeof(uint32_t));
-	if ((rc = claim_all(r, keys, n, refs, status, pin_ready, timeout_ns)) < 0)
-		goto abandon;
-	uint32_t want = 0;
-	for (uint32_t i = 0; i < n; i++)
-		if (status[i] == PUT_CLAIMED)
-			mine[want++] = i;
-	if (want) {
-		uint32_t cursor = (uint32_t)getpid();
-		for (int attempt = 0;; attempt++) {
-			rc = tract_alloc(r, want, slots, timeout_ns);
-			if (rc != TRACT_E_FULL)
-				break;   /* (TRACT_E_TOO_LARGE: evicting would not help) */
-			uint32_t evicted = 0;
-			int rc2 = evict(r, want, &cursor, &evicted, timeout_ns);
-			if (rc2 < 0) {
-				rc = rc2;
-				break;
-			}
-			if (!evicted && attempt >= 1)
-				break;   /* nothing evictable: the pool is full of pinned blocks */
-		}
-		if (rc < 0)
-			goto abandon;
-		/* slots[0..want) belong to mine[0..want): spread them by key index
-		 * (mine[k] >= k, so walking down never overwrites an unread one) */
-		for (uint32_t k = want; k-- > 0;) {
-			uint32_t s = slots[k];
-			slots[k] = 0;
-			slots[mine[k]] = s;
-		}
-		tract_journal_claims(r, keys, n, status, PUT_CLAIMED, slots, 0);
-	}
-	free(refs);
-	free(mine);
-	return TRACT_OK;
-abandon:
-	finish_all(r, keys, n, refs, status, slots, NULL, NULL, 0, timeout_ns);
-	for (uint32_t i = 0; i < n; i++)
-		if (status[i] == PUT_CLAIMED)
-			status[i] = PUT_NO_ROOM;
-	if (pin_ready)            /* give back the pins claim_all took on READY keys */
-		unpin_ready(r, keys, n, status, timeout_ns);
-	free(refs);
-	free(mine);
-	return rc;
-}
-
-/* Publishes (publish=1: READY; 2: READY and pinned by this node) or abandons
- * (0: claims dropped, slots freed) the keys tract_index_put_begin claimed;
- * status turns 4 -> 0 (stored). */
-int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
-			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
-			   int publish, uint64_t timeout_ns)
-{
-	int rc = index_usable(r);
-	if (rc)
-		return rc;
-	if ((!keys && n) || !status || (!slots && n))
-		return TRACT_E_INVAL;
-	for (uint32_t i = 0; i < n; i++)
-		if (status[i] == PUT_CLAIMED && slots[i] >= r->hdr.slot_count)
-			return TRACT_E_RANGE;
-	struct keyref *refs = group(r, keys, n);
-	if (!refs)
-		return TRACT_E_NOMEM;
-	uint32_t *freed = NULL;
-	int mode = publish & ~TRACT_COMMIT_STREAMED;
-	if (!mode) {
-		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
-		uint32_t k = 0;
-		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-		for (uint32_t i = 0; freed && i < n; i++)
-			if (status[i] == PUT_CLAIMED) {
-				/* a zero-copy writer's abandoned stores may be dirty here: written
-				 * back now, they cannot land later on the slot's next block */
-				if (!(publish & TRACT_COMMIT_STREAMED))
-					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
-								    r->hdr.slot_stride, r->hdr.block_bytes);
-				freed[k++] = slots[i];
-			}
-		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
-		if (freed && k)
-			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
-		for (uint32_t i = 0; i < n; i++)
-			if (status[i] == PUT_CLAIMED)
-				status[i] = PUT_NO_ROOM;
-	} else {
-		/* a zero-copy writer's plain stores are dirty in this host's cache:
-		 * write them back to the device (the mode's flush: dirty data) before
-		 * any READY can point at them.  Streamed payloads are there already:
-		 * the streaming stores and their sfence (tract_copy_in) preceded this
-		 * commit, and the READY publication below fences again */
-		if (!(publish & TRACT_COMMIT_STREAMED) || tract_payload_strict()) {
-			const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-			for (uint32_t i = 0; i < n; i++)
-				if (status[i] == PUT_CLAIMED)
-					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
-								    r->hdr.slot_stride, r->hdr.block_bytes);
-		}
-		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
-				mode == 2 ? 2 : 1, timeout_ns);
-	}
-	free(freed);
-	free(refs);
-	return rc;
-}
-
-/*
- * Puts blocks: claims PENDING for absent keys, allocates slots (evicting LRU
- * unpinned entries when the pool is full), copies each block i from
- * src + i * src_stride with non-temporal stores, optionally checksums it,
- * then publishes READY (pinned by this node with TRACT_PUT_PIN).  status[i]:
- * 0 stored, 1 already READY, 2 already PENDING (another writer), 3 no room.
- */
-int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
-		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
-		    uint8_t *status, uint64_t timeout_ns)
-{
-	int checksum = flags & TRACT_PUT_CHECKSUM;
-	int rc = index_usable(r);
-	if (rc)
-		return rc;
-	if ((!keys && n) || !status || (n && !src) || block_len > r->hdr.block_bytes)
-		return TRACT_E_INVAL;
-	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
-	uint32_t *sums = checksum ? calloc((size_t)n + 1, sizeof(uint32_t)) : NULL;
-	if (!slots || (checksum && !sums)) {
-		free(slots);
-		free(sums);
-		return TRACT_E_NOMEM;
-	}
-	rc = tract_index_put_begin(r, keys, n, status, slots, flags & TRACT_PUT_PIN, timeout_ns);
-	int begun = rc == TRACT_OK;
-	for (uint32_t i = 0; rc == TRACT_OK && i < n; i++) {
-		if (status[i] != PUT_CLAIMED)
-			continue;
-		const uint8_t *blk = (const uint8_t *)src + (uint64_t)i * src_stride;
-		uint64_t off = tract_sec(r, TRACT_SEC_DATA)->offset +
-			       (uint64_t)slots[i] * r->hdr.slot_stride;
-		rc = tract_copy_in(r, off, blk, block_len);
-		if (sums)
-			sums[i] = tract_crc32c(blk, block_len);
-	}
-	if (rc == TRACT_OK) {
-		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums,
-					    ((flags & TRACT_PUT_PIN) ? 2 : 1) | TRACT_COMMIT_STREAMED,
-					    timeout_ns);
-	} else if (begun) {
-		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, 0, timeout_ns);
-		if (flags & TRACT_PUT_PIN)
-			unpin_ready(r, keys, n, status, timeout_ns);
-	}
-	free(slots);
-	free(sums);
 	return rc;
 }
 
@@ -1412,6 +238,41 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
 	       payload_tag(b, &bk) == tag;
 }
 
+/* evicts up to want unpinned READY entries, LRU first, spread over the
+ * stripes: each round takes at most ceil(want / stripes) from each stripe,
+ * starting at *cursor, until want are taken or a round finds nothing.
+ * (Taking all of them from one stripe drained sparse stripes while others
+ * filled every bucket of theirs.)  Their slots are freed (internal) */
+int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
+		       uint64_t timeout_ns)
+{
+	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
+	if (!slots)
+		return TRACT_E_NOMEM;
+	uint32_t got = 0, stripes = r->hdr.index_stripes;
+	int rc = TRACT_OK;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	uint32_t per = (want + stripes - 1) / stripes;
+	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
+		before = got;
+		for (uint32_t t = 0; t < stripes && got < want; t++) {
+			uint32_t s = (*cursor + t) % stripes;
+			struct stripe_ctx c;
+			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+				break;
+			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got);
+			tract_stripe_leave(&c);
+		}
+	}
+	*cursor = (*cursor + 1) % stripes;
+	if (got)
+		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
+	free(slots);
+	free(set);
+	*evicted = got;
+	return rc;
+}
+
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns)
 {
@@ -1419,5 +280,5 @@ int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_
 	if (rc)
 		return rc;
 	uint32_t cursor = 0;
-	return evict(r, want, &cursor, evicted, timeout_ns);
+	return tract_evict_spread(r, want, &cursor, evicted, timeout_ns);
 }

@@ -139,7 +139,7 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 }
 
 /* repairs the pin counts of stripe lock lock_id after its holder, a process
- * of node, died inside it; the caller holds the lock (index.c; internal) */
+ * of node, died inside it; the caller holds the lock (index_recover.c; internal) */
 uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node);
 
 /* whether a journal entry of this node names pid (journal.c; internal) */
@@ -284,7 +284,7 @@ void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos);
 int tract_journal_retire(struct tract_journal_proc *p);
 
 /* the index's geometry and its key rule, which every reader of the index
- * shares (index.c, audit.c): a key belongs to the stripe its high word's
+ * shares (index_*.c, audit.c): a key belongs to the stripe its high word's
  * bits 40.. name, and probes from its home (its low word, modulo the
  * stripe's size) onwards, wrapping inside the stripe (internal) */
 static inline uint64_t tract_index_buckets(const tract_region *r)

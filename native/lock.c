@@ -86,9 +86,9 @@ static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_no
  * grant is awaited by tract_lock_await (or the request withdrawn by
  * tract_lock_cancel) by the same thread.  A caller may request the next of
  * several locks while it still holds an earlier one, so that the manager
- * grants it while the caller works (index.c pipelines its stripes): deadlock
- * is impossible as long as every caller holding a lock requests only locks
- * of higher id (docs/PROTOCOLS.md §4) (internal).
+ * grants it while the caller works (the index's walk over its stripes,
+ * index_stripe.c): deadlock is impossible as long as every caller holding a
+ * lock requests only locks of higher id (docs/PROTOCOLS.md §4) (internal).
  */
 int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		       struct tract_lock_req *q, struct tract_lock_wait *wait)

@@ -9,7 +9,6 @@
 
 #include "internal.h"
 
-#define LOCK_OBJDIR 1
 #define NAME_MAX_LEN 39
 
 /* validates a name: 1..39 bytes (internal) */
@@ -41,7 +40,7 @@ static int find(const struct tract_objdir_entry *dir, const char *name)
 static int enter(tract_region *r, const char *name, uint64_t timeout_ns,
 		 struct tract_objdir_entry *dir, int *i)
 {
-	int rc = tract_lock_acquire(r, LOCK_OBJDIR, timeout_ns, NULL);
+	int rc = tract_lock_acquire(r, TRACT_LOCK_OBJDIR, timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
 	observe_dir(r, dir);
@@ -82,7 +81,7 @@ int tract_obj_put(tract_region *r, const char *name, uint64_t offset, uint64_t s
 		publish_entry(r, i, &e);
 		rc = TRACT_OK;
 	}
-	tract_lock_release(r, LOCK_OBJDIR);
+	tract_lock_release(r, TRACT_LOCK_OBJDIR);
 	return rc;
 }
 
@@ -121,6 +120,6 @@ int tract_obj_delete(tract_region *r, const char *name, uint64_t timeout_ns)
 		publish_entry(r, i, &e);
 		rc = TRACT_OK;
 	}
-	tract_lock_release(r, LOCK_OBJDIR);
+	tract_lock_release(r, TRACT_LOCK_OBJDIR);
 	return rc;
 }

@@ -11,7 +11,7 @@
  * node's processes as they share its caches) holds, per slot, the tag of
  * the payload whose lines this node's caches may hold.  A tag names one
  * write of a slot: the index bucket that published it and that bucket's
- * epoch, which every claim of the bucket bumps (index.c), so a tag never
+ * epoch, which every claim of the bucket bumps (index_put.c), so a tag never
  * names two payloads.  0 is "unknown" and vouches for nothing.
  *
  * Invariant: ledger[s] == T != 0 and s holds payload T  =>  every line of s

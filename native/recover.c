@@ -18,8 +18,9 @@
  *
  * The parts below it know only their own state: lock.c takes a dead holder's
  * lock and knows nothing of what it protects; the journal is a passive table;
- * alloc.c, index.c and handoff.c each repair their own state.  A step that
- * times out on a busy lock leaves its work for the next heartbeat.
+ * alloc.c, the index (index_recover.c) and handoff.c each repair their own
+ * state.  A step that times out on a busy lock leaves its work for the next
+ * heartbeat.
  */
 #include <string.h>
 
@@ -54,9 +55,9 @@ static int take_stripe_lock(tract_region *r, uint32_t id, int *withdrawn)
 
 /* who repairs each fixed lock; every higher lock is an index stripe */
 static const lock_recovery fixed_locks[TRACT_FIXED_LOCKS] = {
-	[0] = tract_alloc_recover_lock,   /* allocator: finishes the claim or release */
-	[1] = take_one_line_lock,         /* object directory */
-	[2] = take_one_line_lock,         /* transfer table */
+	[TRACT_LOCK_ALLOCATOR] = tract_alloc_recover_lock,  /* finishes the claim or release */
+	[TRACT_LOCK_OBJDIR] = take_one_line_lock,
+	[TRACT_LOCK_TRANSFER] = take_one_line_lock,
 };
 
 /* Takes back the locks of this node's dead processes (step 1); *count gets

@@ -58,6 +58,13 @@ enum {
 	TRACT_FIXED_LOCKS = 3        /* allocator, object directory, transfer table */
 };
 
+/* the ids of the fixed locks; index stripe s has lock TRACT_FIXED_LOCKS + s */
+enum {
+	TRACT_LOCK_ALLOCATOR = 0,    /* the allocator: bitmap, owner map, header (alloc.c) */
+	TRACT_LOCK_OBJDIR = 1,       /* the object directory (objdir.c) */
+	TRACT_LOCK_TRANSFER = 2      /* the transfer table of the handoffs (handoff.c) */
+};
+
 /* section kinds of the layout table */
 enum {
 	TRACT_SEC_LOCKS = 1,       /* per lock: manager line + one line per node */

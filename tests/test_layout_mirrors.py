@@ -10,8 +10,8 @@ Where the layout comes from:
   compiles a small cffi probe against those headers, once per session.  Its
   declarations name the fields the headers declare and end in `...;`, so the
   offsets and sizes are the compiler's, not cffi's own arithmetic.
-The state values the mirrors decode (lock slot and bucket states) are
-checked against format.h's enums the same way.
+The state values the mirrors decode (lock slot, bucket and transfer record
+states) are checked against format.h's enums the same way.
 """
 from __future__ import annotations
 
@@ -227,6 +227,10 @@ def test_state_names_match_format_h(probe):
     assert [snapshot.BUCKET_STATES.index(n) for n in ("EMPTY", "PENDING", "READY",
                                                       "TOMBSTONE")] == list(buckets)
     assert (index_check.EMPTY, index_check.PENDING, index_check.READY, index_check.TOMB) == buckets
+    assert snapshot.RECORD_STATES == {lib.TRACT_TRANSFER_PUBLISHED: "PUBLISHED",
+                                      lib.TRACT_TRANSFER_ACKED: "ACKED",
+                                      lib.TRACT_TRANSFER_RECLAIMING: "RECLAIMING"}
+    assert lib.TRACT_TRANSFER_FREE == 0      # all-zero is every section's initial state
 
 
 def test_the_probe_sees_every_struct_of_format_h(probe):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tract_cli.bench.micro import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
+from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.pool import Pool
 
 
@@ -30,8 +31,8 @@ def _contend(path: str, node: int, flush_mode: str, start_at: float, seconds: fl
             pass
         end = start_at + seconds
         while time.time() < end:
-            pool.locks.acquire(0, timeout=30)
-            pool.locks.release(0)
+            pool.locks.acquire(LOCK_ALLOCATOR, timeout=30)
+            pool.locks.release(LOCK_ALLOCATOR)
             count += 1
         q.put((node, count))
 
@@ -46,8 +47,8 @@ def bench_locks(flush_mode: str = "clflush", nodes=(1, 2, 4), seconds: float = 2
                 samples = []
                 for _ in range(iterations):
                     t0 = time.perf_counter()
-                    pool.locks.acquire(0)
-                    pool.locks.release(0)
+                    pool.locks.acquire(LOCK_ALLOCATOR)
+                    pool.locks.release(LOCK_ALLOCATOR)
                     samples.append(time.perf_counter() - t0)
                 uncontended = statistics.median(samples) * 1e6
 

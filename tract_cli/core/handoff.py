@@ -55,6 +55,12 @@ def retry_while_pending(publish, wait_s: float):
         time.sleep(0.002)      # another process finishing its write: poll, bounded
 
 
+# the states of a transfer record (native/format.h), for readers of the table
+RECORD_FREE = lib.TRACT_TRANSFER_FREE
+RECORD_PUBLISHED = lib.TRACT_TRANSFER_PUBLISHED      # its blocks pinned for the decode side
+RECORD_ACKED = lib.TRACT_TRANSFER_ACKED              # acknowledged: being given back
+RECORD_RECLAIMING = lib.TRACT_TRANSFER_RECLAIMING    # expired: being given back
+
 # more blocks than any key list can hold (one slot of at most 16 MiB, 32 bytes a block)
 MAX_TICKET_BLOCKS = 1 << 19
 

@@ -3,12 +3,10 @@
 Every wait is bounded: a timeout raises LockTimeout naming the lock, the
 node and pid holding it and for how long.
 
-This module is the one Python definition of the lock ids (docs/FORMAT.md
-§4): the fixed locks -- 0 allocator, 1 object directory, 2 transfer table
--- then one lock per index stripe, `FIRST_STRIPE_LOCK + s`.  Their count is
-the core's `TRACT_FIXED_LOCKS` (tract.h); the ids of the fixed locks are
-private to the C files that take them (LOCK_ALLOC in alloc.c, LOCK_OBJDIR in
-objdir.c, LOCK_TRANSFER in handoff.c), so they are written here once.
+The lock ids (docs/FORMAT.md §4) are the core's (tract.h): the fixed locks
+-- `TRACT_LOCK_ALLOCATOR`, `TRACT_LOCK_OBJDIR`, `TRACT_LOCK_TRANSFER`, which
+the C files that take them use too -- then one lock per index stripe,
+`FIRST_STRIPE_LOCK + s` (`TRACT_FIXED_LOCKS + s`).  This module names them.
 """
 from __future__ import annotations
 
@@ -19,12 +17,16 @@ from tract_cli.core.errors import LockTimeout, NoLocalSegment, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.units import format_duration
 
-LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER = 0, 1, 2
-FIXED_LOCK_NAMES = ("allocator", "object directory", "transfer table")   # by lock id
+LOCK_ALLOCATOR = lib.TRACT_LOCK_ALLOCATOR       # the allocator: bitmap, owner map, header
+LOCK_OBJDIR = lib.TRACT_LOCK_OBJDIR             # the object directory
+LOCK_TRANSFER = lib.TRACT_LOCK_TRANSFER         # the handoffs' transfer table
 FIRST_STRIPE_LOCK = lib.TRACT_FIXED_LOCKS
-if len(FIXED_LOCK_NAMES) != FIRST_STRIPE_LOCK:
+_FIXED = {LOCK_ALLOCATOR: "allocator", LOCK_OBJDIR: "object directory",
+          LOCK_TRANSFER: "transfer table"}
+if sorted(_FIXED) != list(range(FIRST_STRIPE_LOCK)):
     raise RuntimeError(f"the core has {lib.TRACT_FIXED_LOCKS} fixed locks, "
-                       f"tract_cli.core.locks names {len(FIXED_LOCK_NAMES)}")
+                       f"tract_cli.core.locks names the ids {sorted(_FIXED)}")
+FIXED_LOCK_NAMES = tuple(_FIXED[i] for i in range(FIRST_STRIPE_LOCK))   # by lock id
 DEFAULT_TIMEOUT_S = 30.0
 
 

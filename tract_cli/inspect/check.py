@@ -16,6 +16,7 @@ import numpy as np
 
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
+from tract_cli.core.handoff import RECORD_FREE
 from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
                                   BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
@@ -116,7 +117,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     rec = rd["transfer"].view(RECORD_DTYPE)
     data_sec = info.section("data")
     handoff_slots = []
-    for r_i in np.flatnonzero(rec["state"] != 0):
+    for r_i in np.flatnonzero(rec["state"] != RECORD_FREE):
         r = rec[r_i]
         off = int(r["keys_offset"])
         if not (data_sec.offset <= off < data_sec.offset + data_sec.length) or \
@@ -143,7 +144,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
                                              "its checksum", bucket=bi))
     stats = {"slots": n, "slots_taken": int(bits.sum()), "buckets": bs.count,
              "ready": int(len(ready)), "pending": int((state == PENDING).sum()),
-             "handoffs": int((rec["state"] != 0).sum()), "checksums_verified": checked}
+             "handoffs": int((rec["state"] != RECORD_FREE).sum()), "checksums_verified": checked}
     return out, stats
 
 

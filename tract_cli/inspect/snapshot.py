@@ -15,6 +15,8 @@ import weakref
 
 import numpy as np
 
+from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
+from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE
 from tract_cli.core.locks import lock_name
 from tract_cli.core.nodes import current_manager, on_this_host, read_nodes, token_text
 from tract_cli.core.pids import pid_alive
@@ -24,7 +26,8 @@ from tract_cli.core.units import format_duration
 SCHEMA_VERSION = 1
 LOCK_STATES = {0: "IDLE", 1: "WAITING", 2: "LOCKED"}
 BUCKET_STATES = ("EMPTY", "PENDING", "READY", "TOMBSTONE")
-RECORD_STATES = {1: "PUBLISHED", 2: "ACKED", 3: "RECLAIMING"}
+RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
+                 RECORD_RECLAIMING: "RECLAIMING"}
 VIEWS = ("nodes", "locks", "index", "alloc", "handoffs")
 
 BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("tokens", "<u4"),
@@ -153,8 +156,8 @@ def index_view(rd: Sections, now: int) -> dict:
     per = bs.count // stripes
     state = b["state"]
     counts = {name: int((state == i).sum()) for i, name in enumerate(BUCKET_STATES)}
-    counts["changing"] = int((state > 3).sum())
-    live = (state == 1) | (state == 2)
+    counts["changing"] = int((state > BUCKET_TOMBSTONE).sum())
+    live = (state == BUCKET_PENDING) | (state == BUCKET_READY)
     # probe length: distance from the key's home bucket inside its stripe
     raw = rd["buckets"].reshape(bs.count, 64)
     lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
@@ -179,7 +182,7 @@ def index_view(rd: Sections, now: int) -> dict:
         "load_factor": round(float(live.sum()) / bs.count, 6),
         "probe_length_histogram": hist.tolist()[:32],
         "max_probe_length": int(dist[live].max()) if live.any() else 0,
-        "pinned_blocks": int((b["pins"][state == 2] > 0).sum()),
+        "pinned_blocks": int((b["pins"][state == BUCKET_READY] > 0).sum()),
         "pins_total": int(pins.sum()), "pinned_by_node": pinned_by_node,
         "counters": {k: int(anchors[k].sum()) for k in ("hits", "inserts", "evictions", "lookups")},
         "lru": oldest, "occupancy_map": occupancy,
@@ -194,12 +197,12 @@ def alloc_view(rd: Sections) -> dict:
     owners = rd["owners"][:n]
     hdr = rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]
     b = rd["buckets"].view(BUCKET_DTYPE)
-    ready_slots = b["slot"][(b["state"] == 2) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
+    ready_slots = b["slot"][(b["state"] == BUCKET_READY) & (b["slot"] > 0) & (b["slot"] <= n)] - 1
     in_use = np.zeros(n, bool)
     in_use[ready_slots] = True
     rec = rd["transfer"].view(RECORD_DTYPE)
     data = info.section("data")
-    for r in rec[rec["state"] != 0]:
+    for r in rec[rec["state"] != RECORD_FREE]:
         off = int(r["keys_offset"])
         if data.offset <= off < data.offset + data.length:
             in_use[(off - data.offset) // info.slot_stride] = True
@@ -224,7 +227,7 @@ def alloc_view(rd: Sections) -> dict:
 def handoffs_view(rd: Sections, now: int) -> dict:
     rec = rd["transfer"].view(RECORD_DTYPE)
     out = []
-    for i in np.flatnonzero(rec["state"] != 0):
+    for i in np.flatnonzero(rec["state"] != RECORD_FREE):
         r = rec[i]
         st = int(r["state"])
         out.append({"record": int(i), "state": RECORD_STATES.get(st, f"changing({st})"),

@@ -1,0 +1,166 @@
+/*
+ * index_bucket.c -- the buckets of an entered stripe (docs/PROTOCOLS.md §9):
+ * probing for a key, the stripe's LRU list, burial, LRU eviction.
+ *
+ * A key probes linearly from its home bucket, wrapping inside its stripe
+ * (the key rule: internal.h).  LRU per stripe: a doubly linked list through
+ * the buckets (index + 1 links), head = most recent.  A request's keys are
+ * touched tail first, so its head block ends up the most recent: under
+ * pressure a chain loses its tail before its head.  Evicted buckets become
+ * TOMBSTONE, or EMPTY when the next bucket of the probe sequence is EMPTY
+ * (and preceding tombstones with them), which keeps probe chains short
+ * under churn.  Links and anchors are read from the region, written by
+ * other hosts, so each is checked to lie in the stripe before it is used.
+ */
+#include <string.h>
+
+#include "index_internal.h"
+
+#define NONE 0u
+
+/*
+ * Probes for key: returns the bucket holding it (state PENDING or READY) in
+ * *found, or UINT64_MAX; *free_b gets the first reusable bucket on the path
+ * (TOMBSTONE or EMPTY), UINT64_MAX if the stripe is full (internal).
+ */
+void tract_probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
+		 struct tract_bucket *out)
+{
+	uint64_t home = tract_key_home(c->r, key);
+	*found = *free_b = UINT64_MAX;
+	for (uint64_t i = 0; i < c->size; i++) {
+		uint64_t b = c->first + ((home + i) & (c->size - 1));
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		if (k.state == TRACT_BUCKET_EMPTY) {
+			if (*free_b == UINT64_MAX)
+				*free_b = b;
+			return;
+		}
+		if (k.state == TRACT_BUCKET_TOMBSTONE) {
+			if (*free_b == UINT64_MAX)
+				*free_b = b;
+			continue;
+		}
+		if (!memcmp(k.key, key, 16)) {
+			*found = b;
+			if (out)
+				*out = k;
+			return;
+		}
+	}
+}
+
+/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
+void tract_lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	if (k->lru_prev && !in_stripe(c, k->lru_prev - 1))
+		k->lru_prev = NONE;             /* a corrupt link: cut here */
+	if (k->lru_next && !in_stripe(c, k->lru_next - 1))
+		k->lru_next = NONE;
+	if (k->lru_prev) {
+		struct tract_bucket p;
+		load_bucket(c, k->lru_prev - 1, &p);
+		p.lru_next = k->lru_next;
+		store_bucket(c, k->lru_prev - 1, &p);
+	} else {
+		c->lru.head = k->lru_next;
+	}
+	if (k->lru_next) {
+		struct tract_bucket n;
+		load_bucket(c, k->lru_next - 1, &n);
+		n.lru_prev = k->lru_prev;
+		store_bucket(c, k->lru_next - 1, &n);
+	} else {
+		c->lru.tail = k->lru_prev;
+	}
+	k->lru_prev = k->lru_next = NONE;
+	c->lru.count--;
+	c->lru_dirty = 1;
+	(void)b;
+}
+
+/* links bucket b at the head (most recent); the caller stores *k (internal) */
+void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	if (c->lru.head && !in_stripe(c, c->lru.head - 1))
+		c->lru.head = c->lru.tail = NONE;   /* a corrupt anchor: restart the list */
+	k->lru_prev = NONE;
+	k->lru_next = c->lru.head;
+	if (c->lru.head) {
+		struct tract_bucket h;
+		load_bucket(c, c->lru.head - 1, &h);
+		h.lru_prev = (uint32_t)(b + 1);
+		store_bucket(c, c->lru.head - 1, &h);
+	} else {
+		c->lru.tail = (uint32_t)(b + 1);
+	}
+	c->lru.head = (uint32_t)(b + 1);
+	c->lru.count++;
+	c->lru_dirty = 1;
+}
+
+/* moves a READY bucket to the head and stamps its access time (internal) */
+void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+{
+	if (c->lru.head != b + 1) {
+		tract_lru_unlink(c, b, k);
+		tract_lru_push_head(c, b, k);
+	}
+	k->last_access_ns = tract_now_ns();
+	store_bucket(c, b, k);
+}
+
+/* turns an unlinked bucket into a tombstone or, where the probe chain ends
+ * right after it, into EMPTY together with the tombstones before it (internal) */
+void tract_bury(struct stripe_ctx *c, uint64_t b)
+{
+	uint64_t rel = b - c->first;
+	struct tract_bucket next;
+	load_bucket(c, c->first + ((rel + 1) & (c->size - 1)), &next);
+	struct tract_bucket dead, was;
+	load_bucket(c, b, &was);
+	memset(&dead, 0, sizeof(dead));
+	dead.epoch = was.epoch;     /* kept: a later claim's tag must differ (payload.c) */
+	if (next.state != TRACT_BUCKET_EMPTY) {
+		dead.state = TRACT_BUCKET_TOMBSTONE;
+		store_bucket(c, b, &dead);
+		return;
+	}
+	store_bucket(c, b, &dead);     /* EMPTY */
+	for (uint64_t i = 1; i < c->size; i++) {
+		uint64_t p = c->first + ((rel - i) & (c->size - 1));
+		struct tract_bucket k;
+		load_bucket(c, p, &k);
+		if (k.state != TRACT_BUCKET_TOMBSTONE)
+			break;
+		uint32_t epoch = k.epoch;
+		memset(&k, 0, sizeof(k));
+		k.epoch = epoch;
+		store_bucket(c, p, &k);
+	}
+}
+
+/* evicts up to max of the entered stripe's READY entries with no pins, least
+ * recent first: each is unlinked and buried, its slot put in slots[] for the
+ * caller to free once it has left the stripe; returns how many (internal) */
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots)
+{
+	uint32_t cur = c->lru.tail, got = 0;
+	/* bounded by the stripe's size: a corrupt list may cycle */
+	for (uint64_t steps = 0; cur && got < max && steps < c->size; steps++) {
+		uint64_t b = cur - 1;
+		if (!in_stripe(c, b))
+			break;                  /* a corrupt link */
+		struct tract_bucket bk;
+		load_bucket(c, b, &bk);
+		cur = bk.lru_prev;
+		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
+			continue;     /* pinned blocks are never evicted */
+		tract_lru_unlink(c, b, &bk);
+		slots[got++] = bk.slot - 1;
+		c->lru.evictions++;
+		tract_bury(c, b);
+	}
+	return got;
+}

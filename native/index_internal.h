@@ -1,0 +1,247 @@
+/*
+ * index_internal.h -- what the files of the prefix index share (internal).
+ *
+ * The index is one table in several files, each with one job:
+ *   index_stripe.c   a stripe section: the stripe lock entered and left, the
+ *                    lines the section observed and wrote, the pipelined
+ *                    walk over stripes, a request's keys grouped by stripe;
+ *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
+ *                    list, burial, LRU eviction;
+ *   index_pin.c      pin counts, their repair after a death inside a stripe,
+ *                    unpinning;
+ *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
+ *   index_recover.c  what recovery calls: a dead process's pins and claims
+ *                    given back, orphaned claims buried;
+ *   index.c          the other operations: lookup, read, payload tags, eviction.
+ * Nothing here is seen outside them: the rest of the core calls the index
+ * through tract.h and internal.h.
+ */
+#ifndef TRACT_INDEX_INTERNAL_H
+#define TRACT_INDEX_INTERNAL_H
+
+#include "internal.h"
+
+/*
+ * The lines one stripe section has observed: under the stripe lock nobody
+ * else writes them, so after the first observe they are read with plain
+ * loads, and the lines written are flushed once, all together, before the
+ * lock is released (one fence instead of one per line).
+ */
+#define SET_CAP 1024
+
+struct line_set {
+	uint64_t off[SET_CAP];     /* line offset + 1, 0 = free */
+	uint8_t dirty[SET_CAP];
+	uint16_t used[SET_CAP];    /* occupied positions, to reset cheaply */
+	uint32_t n_used;
+};
+
+/* a stripe entered (its lock held): where its parts lie, its LRU anchor as
+ * the section has it, and the lines the section observed (internal) */
+struct stripe_ctx {
+	tract_region *r;
+	struct line_set *set;
+	uint32_t stripe;
+	uint64_t first;       /* first bucket index of the stripe */
+	uint64_t size;        /* buckets in the stripe (power of two) */
+	uint64_t bucket_off;  /* region offset of bucket 0 */
+	uint64_t lru_off;     /* region offset of the stripe's LRU anchor */
+	struct tract_lru_anchor lru;
+	int lru_dirty;
+	int recovered;        /* a process of this node died inside: lines may be dirty here */
+};
+
+/* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
+ * tract_key_home (internal.h), shared with audit.c */
+
+/* region offset of bucket b (internal) */
+static inline uint64_t bucket_off(const struct stripe_ctx *c, uint64_t b)
+{
+	return c->bucket_off + b * TRACT_LINE;
+}
+
+/* region offset of the u16 pin count of bucket b for node n (internal) */
+static inline uint64_t pin_off(const tract_region *r, uint32_t node, uint64_t b)
+{
+	const struct tract_section *s = tract_sec(r, TRACT_SEC_PINS);
+	return s->offset + (uint64_t)node * s->entry_size + b * 2;
+}
+
+/* checks a handle can use the index (internal) */
+static inline int index_usable(const tract_region *r)
+{
+	if (!r || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	return r->local ? TRACT_OK : TRACT_E_NO_LOCAL;
+}
+
+/* ---- a stripe section (index_stripe.c) ---- */
+
+/* reads a line: observed the first time, plain loads after (internal) */
+void tract_line_get(struct stripe_ctx *c, uint64_t off, void *dst);
+
+/* writes a whole line; flushed when the section ends (internal) */
+void tract_line_put(struct stripe_ctx *c, uint64_t off, const void *src);
+
+/* fills the context of a stripe whose lock the caller holds (internal) */
+void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
+		       struct line_set *set);
+
+/* locks a stripe and loads its LRU anchor (internal) */
+int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
+		       struct stripe_ctx *c, struct line_set *set);
+
+/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
+void tract_stripe_leave(struct stripe_ctx *c);
+
+/*
+ * A pipelined walk over stripes in ascending order: entering one stripe
+ * requests the lock of the next one the caller will enter, so the lock
+ * manager grants it while the caller works on this one, and a request of
+ * 16 stripes waits for about one grant instead of 16.  Holding a stripe
+ * lock while requesting one of a higher stripe is deadlock-free: every
+ * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
+ */
+struct stripe_walk {
+	tract_region *r;
+	struct line_set *set;
+	uint64_t timeout_ns;
+	struct tract_lock_req q;    /* the next stripe's request, if pending */
+	uint32_t pending;           /* 1 + the stripe requested, 0 none */
+};
+
+/* a walk with nothing requested yet (internal) */
+void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
+		     uint64_t timeout_ns);
+
+/* enters stripe s, then requests stripe next (UINT32_MAX: none) (internal) */
+int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c);
+
+/* withdraws the walk's pending request, if any (internal) */
+void tract_walk_end(struct stripe_walk *w);
+
+/* a key of a request: its stripe and its index in the request (internal) */
+struct keyref {
+	uint32_t stripe;
+	uint32_t idx;
+};
+
+/* the request's keys as refs sorted by stripe, tail first within a stripe;
+ * NULL when out of memory (internal) */
+struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint32_t n);
+
+/*
+ * A request's keys one stripe group at a time, in ascending stripe order
+ * (refs from tract_group_keys): a group is refs[first..end), the keys of
+ * one stripe, tail first.  With `select`, only the groups where it holds
+ * for some key are visited.  `next` is the stripe of the group that will
+ * follow (UINT32_MAX: none), for a walk that requests its lock ahead.
+ *
+ *	struct stripe_groups g;
+ *	tract_groups_init(&g, refs, n, NULL, NULL);
+ *	while (tract_groups_next(&g))
+ *		... enter g.stripe, requesting g.next; visit refs[g.first..g.end) ...
+ * (internal)
+ */
+struct stripe_groups {
+	const struct keyref *refs;
+	uint32_t n;
+	int (*select)(const void *arg, uint32_t idx);   /* wants key idx's group; NULL: all */
+	const void *arg;
+	uint32_t stripe;        /* the current group's stripe */
+	uint32_t first, end;    /* its keys: refs[first..end) */
+	uint32_t ordinal;       /* the groups before it, visited or not */
+	uint32_t next;          /* the stripe of the next group visited, UINT32_MAX: none */
+	uint32_t passed;        /* groups scanned so far */
+};
+
+/* starts the groups of refs[0..n); select (NULL: every group) is given arg
+ * and a key's index (internal) */
+void tract_groups_init(struct stripe_groups *g, const struct keyref *refs, uint32_t n,
+		       int (*select)(const void *arg, uint32_t idx), const void *arg);
+
+/* moves to the next group visited: 1, or 0 when there is none (internal) */
+int tract_groups_next(struct stripe_groups *g);
+
+/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
+ * lines for them with a single fence (internal) */
+void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
+			  uint32_t i, uint32_t j, uint32_t node);
+
+/* ---- the buckets of an entered stripe (index_bucket.c; the accessors here) ---- */
+
+/* whether bucket b belongs to the entered stripe: LRU links and anchors are
+ * read from the region, written by other hosts, and checked before use (internal) */
+static inline int in_stripe(const struct stripe_ctx *c, uint64_t b)
+{
+	return b >= c->first && b - c->first < c->size;
+}
+
+/* whether a bucket's slot field names a slot of the region (internal) */
+static inline int slot_ok(const struct stripe_ctx *c, const struct tract_bucket *k)
+{
+	return k->slot && k->slot - 1 < c->r->hdr.slot_count;
+}
+
+/* loads bucket b; a b outside the stripe (a corrupt link) reads as EMPTY (internal) */
+static inline void load_bucket(struct stripe_ctx *c, uint64_t b, struct tract_bucket *out)
+{
+	if (!in_stripe(c, b)) {
+		memset(out, 0, sizeof(*out));
+		return;
+	}
+	tract_line_get(c, bucket_off(c, b), out);
+}
+
+/* stores bucket b; never outside the stripe (internal) */
+static inline void store_bucket(struct stripe_ctx *c, uint64_t b, const struct tract_bucket *in)
+{
+	if (in_stripe(c, b))
+		tract_line_put(c, bucket_off(c, b), in);
+}
+
+/* probes for key: the bucket holding it (PENDING or READY) in *found, else
+ * UINT64_MAX; the first reusable bucket on the path in *free_b (internal) */
+void tract_probe(struct stripe_ctx *c, const uint8_t *key, uint64_t *found, uint64_t *free_b,
+		 struct tract_bucket *out);
+
+/* unlinks bucket b (state READY, in the list) from the stripe's LRU (internal) */
+void tract_lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* links bucket b at the head (most recent); the caller stores *k (internal) */
+void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* moves a READY bucket to the head and stamps its access time (internal) */
+void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+
+/* turns an unlinked bucket into a tombstone, or EMPTY where its probe chain
+ * ends (internal) */
+void tract_bury(struct stripe_ctx *c, uint64_t b);
+
+/* evicts up to max of the entered stripe's unpinned READY entries, least
+ * recent first; their slots go to slots[], for the caller to free after
+ * the stripe lock; returns how many (internal) */
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots);
+
+/* ---- pins (index_pin.c) ---- */
+
+/* node's pin count of bucket b; buf gets the line holding it (internal) */
+uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
+			 uint8_t buf[TRACT_LINE]);
+
+/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
+int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node,
+		  int delta);
+
+/* reconciles the pin counts of an entered stripe whose previous holder, a
+ * process of node, died inside it; returns the buckets fixed (internal) */
+uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node);
+
+/* ---- the operations (index.c) ---- */
+
+/* evicts up to want unpinned READY entries, LRU first, spread over the
+ * stripes from *cursor on; their slots are freed (internal) */
+int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
+		       uint64_t timeout_ns);
+
+#endif

@@ -1,0 +1,157 @@
+/*
+ * index_pin.c -- pins of the prefix index (docs/PROTOCOLS.md §9): per node
+ * a u16 count per bucket in the pins section, their sum in the bucket, both
+ * written under the stripe's lock; the repair of the two after a holder
+ * died between them; unpinning, a lookup's and a handoff's.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "index_internal.h"
+
+/* node's pin count of bucket b; buf gets the line holding it (internal) */
+uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
+			 uint8_t buf[TRACT_LINE])
+{
+	uint64_t off = pin_off(c->r, node, b);
+	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+	uint16_t v;
+	tract_line_get(c, line, buf);
+	memcpy(&v, buf + (off - line), 2);
+	return v;
+}
+
+/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
+int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node,
+		  int delta)
+{
+	uint64_t off = pin_off(c->r, node, b);
+	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+	uint8_t buf[TRACT_LINE];
+	uint16_t v = tract_pin_count(c, node, b, buf);
+	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
+	    (delta < 0 && k->pins == 0))
+		return TRACT_E_CORRUPT;
+	v = (uint16_t)(v + delta);
+	memcpy(buf + (off - line), &v, 2);
+	/* the node's count first, the total right after: a holder killed in
+	 * between leaves the node's count ahead (tract_repair_pins undoes a pin
+	 * and completes an unpin from that) */
+	tract_line_put(c, line, buf);
+	k->pins = (uint32_t)((int64_t)k->pins + delta);
+	store_bucket(c, b, k);
+	return TRACT_OK;
+}
+
+/*
+ * Reconciles the pin counts of an entered stripe whose previous holder, a
+ * process of `node`, died inside it.  tract_pin_add writes the node's
+ * count, then the bucket total, so the only torn state is the node's count
+ * ahead of the total by the death's one operation: a pin it was taking (not
+ * journaled yet: undone) or one it was giving back (already forgotten by
+ * the journal: completed).  Either way the node's count moves back by the
+ * difference and the total is set to the sum.  Returns the buckets fixed
+ * (internal).
+ */
+uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node)
+{
+	tract_region *r = c->r;
+	uint32_t fixed = 0;
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket bk;
+		load_bucket(c, b, &bk);
+		uint8_t buf[TRACT_LINE];
+		uint64_t sum = 0;
+		for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
+			sum += tract_pin_count(c, n, b, buf);
+		if (sum == bk.pins)
+			continue;
+		if (sum > bk.pins && node < r->hdr.max_nodes) {
+			uint16_t mine = tract_pin_count(c, node, b, buf);
+			uint64_t back = sum - bk.pins < mine ? sum - bk.pins : mine;
+			uint64_t off = pin_off(r, node, b);
+			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+			uint16_t v = (uint16_t)(mine - back);
+			memcpy(buf + (off - line), &v, 2);
+			tract_line_put(c, line, buf);
+			sum -= back;
+		}
+		bk.pins = (uint32_t)sum;
+		store_bucket(c, b, &bk);
+		fixed++;
+	}
+	return fixed;
+}
+
+/*
+ * Unpins keys on behalf of node, stripe group by stripe group in ascending
+ * stripe order.  With `journal`, each pin leaves this process's journal right
+ * before it is given back.  With `mark`, the first `done` groups are skipped
+ * and mark(arg, g + 1) records the progress before group g's pins are given
+ * back: a crash between the two leaves pins behind but never gives one back
+ * twice (a handoff's release) (internal).
+ */
+static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+		      int journal, uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
+		      void *arg, uint64_t timeout_ns)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if (node >= r->hdr.max_nodes)
+		return TRACT_E_INVAL;
+	struct keyref *refs = tract_group_keys(r, keys, n);
+	if (!refs && n)
+		return TRACT_E_NOMEM;
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	struct stripe_walk walk;
+	tract_walk_init(&walk, r, set, timeout_ns);
+	rc = TRACT_OK;
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, n, NULL, NULL);
+	while (tract_groups_next(&g)) {
+		if (g.ordinal < done)
+			continue;
+		struct stripe_ctx c;
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		if (rc2 < 0) {
+			rc = rc2;
+			break;
+		}
+		if (mark)
+			mark(r, arg, g.ordinal + 1);
+		tract_prefetch_group(&c, keys, refs, g.first, g.end, node);
+		for (uint32_t k = g.first; k < g.end; k++) {
+			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
+			uint64_t b, fb;
+			struct tract_bucket bk;
+			tract_probe(&c, key, &b, &fb, &bk);
+			if (journal)
+				tract_journal_pins(r, key, 1, -1);
+			if (b == UINT64_MAX || tract_pin_add(&c, b, &bk, node, -1) < 0)
+				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
+			else
+				store_bucket(&c, b, &bk);
+		}
+		tract_stripe_leave(&c);
+	}
+	tract_walk_end(&walk);
+	free(refs);
+	free(set);
+	return rc;
+}
+
+/* Unpins keys this node pinned with tract_index_lookup. */
+int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
+{
+	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, 0, NULL, NULL, timeout_ns);
+}
+
+/* unpins keys for node resuming after `done` stripe groups, recording each
+ * group's progress with mark before it is given back (internal) */
+int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
+			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
+			     void *arg, uint64_t timeout_ns)
+{
+	return unpin_impl(r, keys, n, node, 0, done, mark, arg, timeout_ns);
+}

@@ -1,0 +1,129 @@
+/*
+ * index_recover.c -- the index's part of recovery (docs/PROTOCOLS.md §7):
+ * what lock.c's recovery and recover.c call to give back what a dead
+ * process of this node held in the index.  A stripe's pin counts are
+ * repaired after a holder died inside it; a dead process's pins are given
+ * back and its PENDING claims dropped, from its journal; claims no journal
+ * names any more are buried.
+ */
+#include "index_internal.h"
+
+/* repairs stripe lock lock_id, which this node holds for a holder that died
+ * inside it (lock.c's recovery); returns the buckets fixed (internal) */
+uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node)
+{
+	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
+		return 0;
+	struct stripe_ctx c;
+	tract_stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
+	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
+	uint32_t fixed = tract_repair_pins(&c, node);
+	r->ops->fence(r);
+	return fixed;
+}
+
+/* the stripe of one key, entered (internal) */
+static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
+		     struct stripe_ctx *c)
+{
+	return tract_stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
+}
+
+/* gives back up to count of this node's pins on key (a dead process's) (internal) */
+int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
+			     uint32_t *released, uint64_t timeout_ns)
+{
+	*released = 0;
+	struct stripe_ctx c;
+	int rc = enter_key(r, key, timeout_ns, &c);
+	if (rc < 0)
+		return rc;
+	uint64_t b, fb;
+	struct tract_bucket bk;
+	tract_probe(&c, key, &b, &fb, &bk);
+	rc = TRACT_E_NOT_FOUND;
+	if (b != UINT64_MAX) {
+		uint8_t buf[TRACT_LINE];
+		uint16_t v = tract_pin_count(&c, r->node_id, b, buf);
+		uint32_t take = count < v ? count : v;
+		if (take && tract_pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
+			store_bucket(&c, b, &bk);
+			*released = take;
+		}
+		rc = TRACT_OK;
+	}
+	tract_stripe_leave(&c);
+	return rc;
+}
+
+/* drops a dead process's PENDING claim on key: the bucket is buried and the
+ * slot freed only when the bucket is still PENDING and pid's (internal) */
+int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
+			   int *freed, uint64_t timeout_ns)
+{
+	*freed = 0;
+	struct stripe_ctx c;
+	int rc = enter_key(r, key, timeout_ns, &c);
+	if (rc < 0)
+		return rc;
+	uint64_t b, fb;
+	struct tract_bucket bk;
+	tract_probe(&c, key, &b, &fb, &bk);
+	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
+		   bk.owner_node == r->node_id;
+	if (ours)
+		tract_bury(&c, b);
+	tract_stripe_leave(&c);
+	if (!ours)
+		return TRACT_E_NOT_FOUND;
+	if (slot < r->hdr.slot_count) {
+		/* the dead writer's plain stores may still be dirty in this host's
+		 * caches (the agent runs on its host): written back now, they cannot
+		 * land later on the slot's next block */
+		tract_write_back_payload(r, tract_sec(r, TRACT_SEC_DATA)->offset +
+					    (uint64_t)slot * r->hdr.slot_stride, r->hdr.block_bytes);
+		if (tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
+			*freed = 1;
+	}
+	return TRACT_OK;
+}
+
+/*
+ * Buries this node's PENDING buckets whose writer is dead and named in no
+ * journal entry: the journal that would have dropped the claim is gone (the
+ * host restarted and its node-local segment with it) or overflowed.  The
+ * key becomes writable again.  The slot is not freed: a PENDING bucket does
+ * not name it, so it comes back with `tract check --repair`.  A writer the
+ * journal still names is left to tract_recover_dead, which frees its slot
+ * too.  A stripe whose lock stays busy for timeout_ns is skipped.
+ */
+int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
+			     uint32_t *skipped)
+{
+	if (!r || !buried || !skipped || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	*buried = *skipped = 0;
+	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		struct stripe_ctx c;
+		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
+		if (rc == TRACT_E_TIMEOUT) {
+			(*skipped)++;
+			continue;
+		}
+		if (rc < 0)
+			return rc;
+		for (uint64_t b = c.first; b < c.first + c.size; b++) {
+			struct tract_bucket bk;
+			load_bucket(&c, b, &bk);
+			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
+			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
+				continue;
+			tract_bury(&c, b);
+			(*buried)++;
+		}
+		tract_stripe_leave(&c);
+	}
+	return TRACT_OK;
+}

@@ -1,0 +1,316 @@
+/*
+ * index_stripe.c -- a stripe section of the prefix index (docs/PROTOCOLS.md §9).
+ *
+ * Under a stripe's lock its holder is the only writer of the stripe's
+ * buckets, its LRU anchor and the pin lines of its buckets, so a section
+ * observes each line once (later reads are plain loads), invalidates the
+ * lines it will probe with one fence up front, and flushes the lines it
+ * wrote all together before the lock is released: one fence each way.
+ * Stripes are entered in ascending order, one at a time; a walk requests
+ * the next stripe's lock while it holds one (index_internal.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "index_internal.h"
+
+/* position of a line in the set, or where it would go; -1 when full (internal) */
+static int set_slot(struct line_set *s, uint64_t off)
+{
+	uint64_t h = (off / TRACT_LINE) * 0x9E3779B97F4A7C15ULL;
+	for (uint32_t i = 0; i < 64; i++) {
+		uint32_t p = (uint32_t)((h >> 40) + i) & (SET_CAP - 1);
+		if (s->off[p] == off + 1 || s->off[p] == 0)
+			return (int)p;
+	}
+	return -1;
+}
+
+/* reads a line: observed the first time, plain loads after (internal) */
+void tract_line_get(struct stripe_ctx *c, uint64_t off, void *dst)
+{
+	int p = c->set ? set_slot(c->set, off) : -1;
+	if (p >= 0 && c->set->off[p] == off + 1) {
+		c->r->ops->load(c->r, off, dst, TRACT_LINE);
+		return;
+	}
+	/* the line cannot be dirty here: its writers hold this stripe's lock, and
+	 * the previous holder flushed it (clflushopt, internal.h) -- unless that
+	 * holder was a process of this node that died inside (clflush then) */
+	if (TRACT_KEEP(SITE_INDEX_OBSERVE_LINE)) {
+		if (c->recovered)
+			c->r->ops->invalidate(c->r, off, TRACT_LINE);
+		else
+			tract_evict_clean(c->r, off, TRACT_LINE);
+	}
+	c->r->ops->fence(c->r);
+	c->r->ops->load(c->r, off, dst, TRACT_LINE);
+	if (p >= 0 && c->set->n_used < SET_CAP) {
+		c->set->off[p] = off + 1;
+		c->set->dirty[p] = 0;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+	}
+}
+
+/* writes a whole line; flushed when the section ends (internal) */
+void tract_line_put(struct stripe_ctx *c, uint64_t off, const void *src)
+{
+	int p = c->set ? set_slot(c->set, off) : -1;
+	if (p < 0 || (c->set->off[p] != off + 1 && c->set->n_used >= SET_CAP)) {
+		tract_write_line_at(c->r, off, src, SITE_INDEX_FLUSH_SECTION);   /* no deferral */
+		return;
+	}
+	c->r->ops->store(c->r, off, src, TRACT_LINE);
+	if (c->set->off[p] != off + 1) {
+		c->set->off[p] = off + 1;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+	}
+	c->set->dirty[p] = 1;
+}
+
+/* invalidates many lines with one fence and records them as observed (internal) */
+static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
+{
+	if (!c->set)
+		return;
+	uint32_t fresh = 0;
+	for (uint32_t i = 0; i < k; i++) {
+		int p = set_slot(c->set, offs[i]);
+		if (p < 0 || c->set->off[p] == offs[i] + 1 || c->set->n_used >= SET_CAP)
+			continue;
+		if (TRACT_KEEP(SITE_INDEX_PREFETCH)) {           /* as tract_line_get */
+			if (c->recovered)
+				c->r->ops->invalidate(c->r, offs[i], TRACT_LINE);
+			else
+				tract_evict_clean(c->r, offs[i], TRACT_LINE);
+		}
+		c->set->off[p] = offs[i] + 1;
+		c->set->dirty[p] = 0;
+		c->set->used[c->set->n_used++] = (uint16_t)p;
+		fresh++;
+	}
+	if (fresh) {
+		c->r->ops->fence(c->r);
+		/* start every miss now, in parallel: the probes that follow load
+		 * these lines one by one, each a trip to the device otherwise.
+		 * A prefetch after the fence is an early load of the observe: the
+		 * lines are written only under the stripe lock this caller holds */
+		for (uint32_t i = 0; !c->r->sim && i < k; i++)
+			__builtin_prefetch(c->r->base + offs[i]);
+	}
+}
+
+/* flushes the section's written lines and empties the set (internal) */
+static void set_flush(struct stripe_ctx *c)
+{
+	if (!c->set)
+		return;
+	for (uint32_t i = 0; i < c->set->n_used; i++) {
+		uint16_t p = c->set->used[i];
+		if (c->set->dirty[p] && TRACT_KEEP(SITE_INDEX_FLUSH_SECTION))
+			c->r->ops->flush(c->r, c->set->off[p] - 1, TRACT_LINE);
+		c->set->off[p] = 0;
+		c->set->dirty[p] = 0;
+	}
+	c->set->n_used = 0;
+}
+
+/* fills the context of a stripe whose lock the caller holds (internal) */
+void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
+		       struct line_set *set)
+{
+	c->r = r;
+	c->set = set;
+	c->stripe = stripe;
+	c->size = tract_index_stripe_size(r);
+	c->first = (uint64_t)stripe * c->size;
+	c->bucket_off = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	c->lru_off = tract_sec(r, TRACT_SEC_LRU)->offset + (uint64_t)stripe * TRACT_LINE;
+	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
+	c->lru_dirty = 0;
+	c->recovered = 0;
+}
+
+/* locks a stripe and loads its LRU anchor (internal) */
+int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
+		       struct stripe_ctx *c, struct line_set *set)
+{
+	int rc = tract_lock_acquire(r, TRACT_FIXED_LOCKS + stripe, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	tract_stripe_init(r, stripe, c, set);
+	if (rc == TRACT_RECOVERED) {
+		c->recovered = 1;
+		tract_repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	}
+	return TRACT_OK;
+}
+
+/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
+void tract_stripe_leave(struct stripe_ctx *c)
+{
+	if (c->lru_dirty)
+		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
+	set_flush(c);
+	c->r->ops->fence(c->r);
+	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
+}
+
+/* a walk with nothing requested yet (internal) */
+void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
+		     uint64_t timeout_ns)
+{
+	w->r = r;
+	w->set = set;
+	w->timeout_ns = timeout_ns;
+	w->pending = 0;
+}
+
+/* withdraws the pending request, if any; one that recovered the local mutex
+ * of a process that died inside the stripe enters instead, to repair what it
+ * left (its LOCKED slot is gone: nobody else would) (internal) */
+void tract_walk_end(struct stripe_walk *w)
+{
+	uint32_t s = w->pending - 1;
+	if (w->pending && w->q.recovered) {
+		struct stripe_ctx c;
+		w->pending = 0;
+		w->q.start = tract_mono_ns();   /* a full timeout for the repair's own wait */
+		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
+			tract_stripe_init(w->r, s, &c, NULL);
+			c.recovered = 1;
+			tract_repair_pins(&c, w->r->node_id);
+			tract_stripe_leave(&c);
+		}
+		return;
+	}
+	if (w->pending)
+		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + s, &w->q);
+	w->pending = 0;
+}
+
+/* enters stripe s (its request pending or made now), then requests stripe
+ * next (UINT32_MAX: none; it must be higher than s) (internal) */
+int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c)
+{
+	tract_region *r = w->r;
+	if (w->pending && w->pending != s + 1)
+		tract_walk_end(w);          /* the caller skipped it after all */
+	int rc;
+	if (!w->pending &&
+	    (rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q, NULL)) < 0)
+		return rc;
+	w->pending = 0;
+	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
+		return rc;
+	tract_stripe_init(r, s, c, w->set);
+	if (rc == TRACT_RECOVERED) {
+		c->recovered = 1;
+		tract_repair_pins(c, r->node_id);   /* this node's last holder died inside */
+	}
+	/* the local tier only tried (timeout 0): a process of this node holding
+	 * or requesting the next stripe is not waited for while this one is held */
+	if (next != UINT32_MAX && next > s &&
+	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, 0, &w->q, NULL) == TRACT_OK)
+		w->pending = next + 1;
+	return TRACT_OK;
+}
+
+/* orders key refs by stripe, then by descending index (tail first) (internal) */
+static int cmp_keyref(const void *a, const void *b)
+{
+	const struct keyref *x = a, *y = b;
+	if (x->stripe != y->stripe)
+		return x->stripe < y->stripe ? -1 : 1;
+	return x->idx > y->idx ? -1 : x->idx < y->idx;
+}
+
+/* the request's keys as refs sorted by stripe, tail first within a stripe;
+ * NULL when out of memory (internal) */
+struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint32_t n)
+{
+	struct keyref *refs = malloc(((size_t)n + 1) * sizeof(*refs));
+	if (!refs)
+		return NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		refs[i].stripe = tract_key_stripe(r, keys + (uint64_t)i * 16);
+		refs[i].idx = i;
+	}
+	qsort(refs, n, sizeof(*refs), cmp_keyref);
+	return refs;
+}
+
+/* starts the groups of refs[0..n); select (NULL: every group) is given arg
+ * and a key's index (internal) */
+void tract_groups_init(struct stripe_groups *g, const struct keyref *refs, uint32_t n,
+		       int (*select)(const void *arg, uint32_t idx), const void *arg)
+{
+	g->refs = refs;
+	g->n = n;
+	g->select = select;
+	g->arg = arg;
+	g->stripe = g->next = UINT32_MAX;
+	g->first = g->end = 0;
+	g->ordinal = g->passed = 0;
+}
+
+/* the end of the group that starts at refs[at] (internal) */
+static uint32_t group_end(const struct stripe_groups *g, uint32_t at)
+{
+	uint32_t j = at;
+	while (j < g->n && g->refs[j].stripe == g->refs[at].stripe)
+		j++;
+	return j;
+}
+
+/* whether the caller wants the group refs[at..end) (internal) */
+static int group_wanted(const struct stripe_groups *g, uint32_t at, uint32_t end)
+{
+	if (!g->select)
+		return 1;
+	for (uint32_t k = at; k < end; k++)
+		if (g->select(g->arg, g->refs[k].idx))
+			return 1;
+	return 0;
+}
+
+/* moves to the next group visited: 1, or 0 when there is none (internal) */
+int tract_groups_next(struct stripe_groups *g)
+{
+	while (g->end < g->n) {
+		uint32_t at = g->end;
+		g->end = group_end(g, at);
+		g->passed++;
+		if (!group_wanted(g, at, g->end))
+			continue;
+		g->first = at;
+		g->stripe = g->refs[at].stripe;
+		g->ordinal = g->passed - 1;
+		g->next = UINT32_MAX;
+		for (uint32_t j = g->end, e; j < g->n; j = e) {
+			e = group_end(g, j);
+			if (group_wanted(g, j, e)) {
+				g->next = g->refs[j].stripe;
+				break;
+			}
+		}
+		return 1;
+	}
+	return 0;
+}
+
+/* observes the home buckets of refs[i..j) (one stripe's keys) and node's pin
+ * lines for them with a single fence (internal) */
+void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struct keyref *refs,
+			  uint32_t i, uint32_t j, uint32_t node)
+{
+	uint64_t pre[2 * 64];
+	uint32_t np = 0;
+	for (uint32_t k = i; k < j && np + 2 <= 2 * 64; k++) {
+		const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
+		uint64_t home = c->first + tract_key_home(c->r, key);
+		pre[np++] = bucket_off(c, home);
+		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
+	}
+	lines_prefetch(c, pre, np);
+}
