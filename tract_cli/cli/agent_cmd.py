@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from tract_cli.core.agent import check_options, run_foreground
+from tract_cli.core.agent import HEARTBEAT_S, TAKEOVER_AFTER_S, check_options, run_foreground
 from tract_cli.provision.topology import pin
 
 
@@ -15,9 +15,9 @@ def agent(
     manager: bool = typer.Option(False, "--manager", help="Run the region's lock manager here."),
     simulate: bool = typer.Option(False, "--simulate", help="Non-coherence simulator (tests)."),
     flush_mode: Optional[str] = typer.Option(None, "--flush-mode", help="Override the header's."),
-    heartbeat_ms: int = typer.Option(100, "--heartbeat-ms", help="Heartbeat period."),
+    heartbeat_ms: int = typer.Option(round(HEARTBEAT_S * 1000), "--heartbeat-ms", help="Heartbeat period."),
     takeover_after: float = typer.Option(
-        2.0, "--takeover-after", metavar="SECONDS",
+        TAKEOVER_AFTER_S, "--takeover-after", metavar="SECONDS",
         help="Take the lock manager over when its heartbeat has not moved for this long."),
     no_takeover: bool = typer.Option(False, "--no-takeover",
                                      help="Never take the lock manager over."),

@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from tract_cli.core.agent import (HEARTBEAT_S, TAKEOVER_AFTER_S, log, log_to_stderr,
+                                  run_foreground)
 from tract_cli.core.errors import TractError
 
 
@@ -51,13 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manager", action="store_true")
     p.add_argument("--simulate", action="store_true")
     p.add_argument("--flush-mode")
-    p.add_argument("--heartbeat-ms", type=int, default=100)
-    p.add_argument("--takeover-after", type=float, default=2.0)
+    p.add_argument("--heartbeat-ms", type=int, default=round(HEARTBEAT_S * 1000))
+    p.add_argument("--takeover-after", type=float, default=TAKEOVER_AFTER_S)
     p.add_argument("--no-takeover", action="store_true")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
     args = p.parse_args(argv)
     leave_parent_pinning()
-    from tract_cli.core.agent import log, log_to_stderr, run_foreground
     log_to_stderr()
     try:
         run_foreground(args.pool, args.node, args.manager, simulate=args.simulate,

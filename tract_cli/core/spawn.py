@@ -22,9 +22,11 @@ import tract_cli
 # for an editable install): the child looks there first
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tract_cli.__file__)))
 
-# Python 3.10 has no -P: the bootstrap drops sys.path[0] (the working
-# directory that -c puts there) before running the module
-_BOOTSTRAP = ("import runpy, sys; del sys.path[0]; sys.argv = sys.argv[1:]; "
+# Python 3.10 has no -P: the bootstrap drops sys.path[0] when it is the
+# working directory that -c puts there ('') before running the module (only
+# then: where safe-path mode is honoured it is a PYTHONPATH entry)
+_BOOTSTRAP = ("import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+              "sys.argv = sys.argv[1:]; "
               "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
 
