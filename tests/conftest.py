@@ -15,6 +15,27 @@ if os.path.isdir(_PEERS):
 
 
 from tract_cli.core.region import remove_region  # noqa: E402  (re-exported for tests)
+import background  # noqa: E402
+
+
+# long self-contained checks run beside the suite (tests/background.py): the
+# tests that assert on them run last, and whatever is still running when the
+# session ends is stopped
+
+@pytest.hookimpl(trylast=True)          # after -k/-m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    later = [item for item in items if background.checks_of(item)]
+    if later:
+        items[:] = [item for item in items if not background.checks_of(item)] + later
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    background.start(c for item in session.items for c in background.checks_of(item))
+
+
+def pytest_sessionfinish(session):
+    background.stop()
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ project on a real /dev/dax0.0 (tools/cxl-vm, docs/CXL-VM.md).
 
 The guest tests need qemu-system-x86, linux-image-amd64, ndctl, daxctl and
 busybox-static (.ci/setup installs them); without them they skip and say
-what is missing. Under TCG a guest takes minutes, so each scenario runs once.
+what is missing. Under TCG a guest takes minutes, so each scenario runs once,
+in the background while the suite goes on (tests/background.py: the guests
+share nothing with any other test), and the test that asserts on it runs last.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 
 import pytest
 
+import background
+from background import Check, uses
 from tract_cli.core.pool import Pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,14 +31,19 @@ needs_qemu = pytest.mark.skipif(bool(LACKING), reason="no emulated CXL guests on
                                 "missing " + "; ".join(LACKING))
 
 
-def run_scenario(args: list[str], out: str, timeout: float) -> dict:
-    """Runs cxlvm.py as a user would; its result.json (failing with its output)."""
-    res = subprocess.run([sys.executable, os.path.join(VM_DIR, "cxlvm.py"), *args, "--out", out,
-                          "--timeout", str(timeout)], capture_output=True, text=True,
-                         timeout=timeout + 60)
+def run_scenario(args: list[str], timeout: float) -> tuple[dict, str]:
+    """Runs cxlvm.py as a user would: its result.json (failing with its output)
+    and the directory of what it recorded."""
+    out = os.path.join(background.session_dir("tract-cxlvm-"), args[0])
+    res = background.run([sys.executable, os.path.join(VM_DIR, "cxlvm.py"), *args, "--out", out,
+                          "--timeout", str(timeout)], timeout=timeout + 60)
     assert res.returncode == 0, f"cxlvm {args[0]} failed:\n{res.stderr[-4000:]}"
     with open(os.path.join(out, "result.json")) as f:
-        return json.load(f)
+        return json.load(f), out
+
+
+TWO_HOST = Check("cxl-vm: two-host", run_scenario,
+                 ["two-host", "--requests", "8", "--iterations", "150"], 560, cost=120)
 
 
 def recorded(out: str, role: str, needle: str) -> str:
@@ -46,13 +55,13 @@ def recorded(out: str, role: str, needle: str) -> str:
 
 
 @needs_qemu
-def test_one_device_provisioned_formatted_used_and_shared_by_two_hosts(tmp_path):
+@uses(TWO_HOST)
+def test_one_device_provisioned_formatted_used_and_shared_by_two_hosts():
     """One run of `cxlvm.py two-host` (each TCG guest takes minutes): its first
     guest is the one-host scenario (guest/one.sh: provision, format, report,
     round trip, check on a real /dev/dax0.0), checked from the host; then
     guests A and B share the device: locked counters, handoffs, no leftovers."""
-    out = str(tmp_path / "two")
-    r = run_scenario(["two-host", "--requests", "8", "--iterations", "150"], out, timeout=560)
+    r, out = TWO_HOST.result()
     assert r["ok"], r["problems"]
     # the one-host part (the setup guest)
     one = r["setup"]

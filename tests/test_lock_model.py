@@ -3,63 +3,95 @@
 non-coherent memory model; a planted missing flush must fail the check) and
 tests/model/takeover.pml (manager takeover with fencing tokens: exclusion
 while a superseded manager keeps running, no starvation once the takeover is
-over; each of the three planted protocol bugs must fail)."""
+over; each of the three planted protocol bugs must fail).
+
+Each verification is minutes of one CPU that shares nothing with any other
+test: they run in the background while the suite goes on (tests/background.py)
+and these tests, run last, assert on their reports."""
 from __future__ import annotations
 
 import pathlib
 import shutil
-import subprocess
+import tempfile
 
 import pytest
+
+import background
+from background import Check, uses
 
 MODELS = pathlib.Path(__file__).resolve().parent / "model"
 pytestmark = pytest.mark.skipif(not shutil.which("spin") or not shutil.which("gcc"),
                                 reason="spin (Debian package 'spin') is not installed")
 
 
-def check(tmp_path, *, liveness: bool, defines: tuple[str, ...] = (), model: str = "lock") -> str:
-    """Generates, compiles and runs the verifier; returns its report."""
-    shutil.copy(MODELS / f"{model}.pml", tmp_path / f"{model}.pml")
-    subprocess.run(["spin", *defines, "-a", f"{model}.pml"], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=120)
-    flags = ["-DNFAIR=3"] if liveness else ["-DSAFETY"]
-    subprocess.run(["gcc", "-O2", "-DCOLLAPSE", *flags, "-o", "pan", "pan.c"], cwd=tmp_path,
-                   check=True, capture_output=True, timeout=300)
-    run = ["./pan", "-m10000000"] + (["-a", "-f"] if liveness else [])
-    res = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def step(argv, cwd, timeout) -> str:
+    res = background.run(argv, cwd=cwd, timeout=timeout)
+    if res.returncode != 0 and argv[0] != "./pan":
+        raise AssertionError(f"{' '.join(argv[:3])} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     return res.stdout
 
 
-def test_mutual_exclusion_holds(tmp_path):
-    report = check(tmp_path, liveness=False)
+def check(*, liveness: bool, defines: tuple[str, ...] = (), model: str = "lock") -> str:
+    """Generates, compiles and runs the verifier; returns its report."""
+    with tempfile.TemporaryDirectory(prefix="tract-spin-") as d:
+        shutil.copy(MODELS / f"{model}.pml", pathlib.Path(d) / f"{model}.pml")
+        step(["spin", *defines, "-a", f"{model}.pml"], d, 120)
+        flags = ["-DNFAIR=3"] if liveness else ["-DSAFETY"]
+        step(["gcc", "-O2", "-DCOLLAPSE", *flags, "-o", "pan", "pan.c"], d, 300)
+        return step(["./pan", "-m10000000"] + (["-a", "-f"] if liveness else []), d, 600)
+
+
+# seconds each took on a 2-CPU machine (the order they run in: longest first)
+EXCLUSION = Check("lock: mutual exclusion", check, liveness=False, cost=9)
+NO_STARVATION = Check("lock: no starvation", check, liveness=True, cost=14)
+GRANT_FLUSH_BUG = Check("lock: BUG_NO_GRANT_FLUSH", check, liveness=True,
+                        defines=("-DBUG_NO_GRANT_FLUSH",), cost=3)
+TAKEOVER_EXCLUSION = Check("takeover: mutual exclusion", check, liveness=False,
+                           model="takeover", cost=34)
+TAKEOVER_NO_STARVATION = Check("takeover: no starvation", check, liveness=True,
+                               model="takeover", cost=72)
+TAKEOVER_BUGS = {bug: Check(f"takeover: {bug}", check, liveness=False, defines=(f"-D{bug}",),
+                            model="takeover", cost=cost)
+                 for bug, cost in (("BUG_NO_RECHECK", 3), ("BUG_CHECK_BEFORE_LOCKED", 11),
+                                   ("BUG_NO_ADOPT", 7))}
+
+
+@uses(EXCLUSION)
+def test_mutual_exclusion_holds():
+    report = EXCLUSION.result()
     assert "errors: 0" in report, report
     assert "max search depth too small" not in report, report   # the search was complete
 
 
-def test_no_node_starves(tmp_path):
-    report = check(tmp_path, liveness=True)
+@uses(NO_STARVATION)
+def test_no_node_starves():
+    report = NO_STARVATION.result()
     assert "errors: 0" in report, report
     assert "max search depth too small" not in report, report
 
 
-def test_a_missing_grant_flush_is_caught(tmp_path):
-    report = check(tmp_path, liveness=True, defines=("-DBUG_NO_GRANT_FLUSH",))
+@uses(GRANT_FLUSH_BUG)
+def test_a_missing_grant_flush_is_caught():
+    report = GRANT_FLUSH_BUG.result()
     assert "acceptance cycle" in report and "errors: 1" in report, report
 
 
-def test_takeover_keeps_mutual_exclusion(tmp_path):
-    report = check(tmp_path, liveness=False, model="takeover")
+@uses(TAKEOVER_EXCLUSION)
+def test_takeover_keeps_mutual_exclusion():
+    report = TAKEOVER_EXCLUSION.result()
     assert "errors: 0" in report, report
     assert "max search depth too small" not in report, report
 
 
-def test_no_node_starves_across_a_takeover(tmp_path):
-    report = check(tmp_path, liveness=True, model="takeover")
+@uses(TAKEOVER_NO_STARVATION)
+def test_no_node_starves_across_a_takeover():
+    report = TAKEOVER_NO_STARVATION.result()
     assert "errors: 0" in report, report
     assert "max search depth too small" not in report, report
 
 
-@pytest.mark.parametrize("bug", ["BUG_NO_RECHECK", "BUG_CHECK_BEFORE_LOCKED", "BUG_NO_ADOPT"])
-def test_each_takeover_bug_breaks_exclusion(tmp_path, bug):
-    report = check(tmp_path, liveness=False, defines=(f"-D{bug}",), model="takeover")
+@uses(*TAKEOVER_BUGS.values())
+@pytest.mark.parametrize("bug", list(TAKEOVER_BUGS))
+def test_each_takeover_bug_breaks_exclusion(bug):
+    report = TAKEOVER_BUGS[bug].result()
     assert "assertion violated (in_cs==1)" in report and "errors: 1" in report, report

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -481,6 +482,9 @@ def main(argv=None) -> int:
     two.add_argument("--iterations", type=int, default=200,
                      help="lock-protected increments per counter process")
     args = ap.parse_args(argv)
+    # stopped by SIGTERM (a test session ending, a supervisor), the guests go
+    # too: SystemExit unwinds through run_guests' finally, which kills them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if args.cmd == "check":
             lack = missing()
