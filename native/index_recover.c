@@ -22,11 +22,17 @@ uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t n
 	return fixed;
 }
 
-/* the stripe of one key, entered (internal) */
-static int enter_key(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
-		     struct stripe_ctx *c)
+/* enters the stripe of key and finds key's bucket: *b (UINT64_MAX: none) and
+ * its contents *bk; the caller leaves the stripe when this returned >= 0 */
+static int enter_and_probe(tract_region *r, const uint8_t *key, uint64_t timeout_ns,
+			   struct stripe_ctx *c, uint64_t *b, struct tract_bucket *bk)
 {
-	return tract_stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
+	int rc = tract_stripe_enter(r, tract_key_stripe(r, key), timeout_ns, c, NULL);
+	if (rc < 0)
+		return rc;
+	uint64_t fb;
+	tract_probe(c, key, b, &fb, bk);
+	return rc;
 }
 
 /* gives back up to count of this node's pins on key (a dead process's) (internal) */
@@ -35,12 +41,11 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 {
 	*released = 0;
 	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
+	uint64_t b;
+	struct tract_bucket bk;
+	int rc = enter_and_probe(r, key, timeout_ns, &c, &b, &bk);
 	if (rc < 0)
 		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	tract_probe(&c, key, &b, &fb, &bk);
 	rc = TRACT_E_NOT_FOUND;
 	if (b != UINT64_MAX) {
 		uint8_t buf[TRACT_LINE];
@@ -63,12 +68,11 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 {
 	*freed = 0;
 	struct stripe_ctx c;
-	int rc = enter_key(r, key, timeout_ns, &c);
+	uint64_t b;
+	struct tract_bucket bk;
+	int rc = enter_and_probe(r, key, timeout_ns, &c, &b, &bk);
 	if (rc < 0)
 		return rc;
-	uint64_t b, fb;
-	struct tract_bucket bk;
-	tract_probe(&c, key, &b, &fb, &bk);
 	int ours = b != UINT64_MAX && bk.state == TRACT_BUCKET_PENDING && bk.owner_pid == pid &&
 		   bk.owner_node == r->node_id;
 	if (ours)
