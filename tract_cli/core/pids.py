@@ -10,10 +10,13 @@ can that process still act (heartbeat, release, come back)? -- so:
   entry it may not read (hidepid) is alive: it exists;
 - 0, negative and out-of-range pids (a torn read of a changing line) are dead.
 
-The C core's `tract_pid_dead` (native/util.c) asks kill(pid, 0) alone: it
-treats a zombie as alive, so it waits for the reap before it takes over what
-the process held -- the cautious answer for recovery.  Python callers only
-report, or decide whether to wait for or replace an agent.
+The C core's `tract_pid_dead` (native/util.c), what recovery asks, gives the
+same answer: kill(pid, 0) failing with ESRCH, or a zombie by /proc/<pid>/stat,
+is dead (a zombie holds nothing, so recovery need not wait for the reap);
+EPERM, or a /proc entry it may not read, is alive.  It differs on pid 0 only,
+which it calls not dead (0 there means no pid recorded, and its callers check
+for it).  Python callers only report, or decide whether to wait for or
+replace an agent.
 """
 from __future__ import annotations
 
