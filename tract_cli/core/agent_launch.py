@@ -95,10 +95,12 @@ def start_node_agent(pool_path: str, node: int, **attach):
     except TractError as exc:
         if not manager:
             raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
-    # another node's worker started the manager meanwhile: be a plain agent.
-    # (Two agents starting in the same instant can both pass the check: the
-    # election is the faults issue's manager takeover; start the manager's
-    # agent first, as docs/SERVING.md says, to avoid the window.)
+    # another node's worker started the manager meanwhile (the agent refused
+    # to start a second one): be a plain agent.  Two agents starting in the
+    # same instant can both pass that check; then both claim a fencing token
+    # (core/agent.py, native/manager.c), the later claim supersedes the
+    # earlier, whose agent stops its manager and stands by, and requesters
+    # enter only under the current token: one manager serves the region.
     try:
         return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
     except TractError as exc:
