@@ -17,7 +17,7 @@ node's provisioning and check run in it through the functions `tract init
 Everything goes through the region: the two guests have no network. A's
 tickets reach B through a mailbox in the region (publish / observe, the same
 accessors as every other shared metadata), the guests meet at barriers in the
-region, and the lock test is the lock issue's shared counter: plain
+region, and the lock test is a shared counter: plain
 read-modify-writes under the two-tier lock, from processes on both nodes.
 Every wait is bounded and fails with a message. Results are JSON files the
 host driver (../cxlvm.py) checks.
@@ -241,7 +241,7 @@ def run_counters(dev: str, node: int, offset: int, iterations: int) -> list[dict
 
 
 def counter(dev: str, node: int, offset: int, iterations: int) -> dict:
-    """The lock issue's counter: a plain read-modify-write, correct only under the lock."""
+    """The shared counter: a plain read-modify-write, correct only under the lock."""
     with Pool.attach(dev, node=node, prefault=False) as pool:
         t0 = time.perf_counter()
         for _ in range(iterations):
