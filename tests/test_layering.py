@@ -2,17 +2,27 @@
 
     cli -> provision | inspect | bench | serve | connectors -> core -> native
 
-- a face (any module of tract_cli outside tract_cli/core/) never imports the
+- a face (any module of tract_cli outside tract_cli/core/) never reaches the
   C binding (`tract_cli.core.native`, `tract_cli._native`, so neither `lib`
-  nor `ffi`), never imports a `_`-prefixed name from core, and never touches
-  a private attribute of core: `_x` on a name it imported from core, or an
-  attribute whose name core's own classes keep private (`pool._r()`,
-  `pool._mm`, `pool._base`, ...; computed from core's source, so a new one
-  counts at once);
-- core never imports a face.
+  nor `ffi`): not by an import, nor `importlib.import_module`, `__import__`
+  or `sys.modules[...]` with the name, nor an attribute chain from a name
+  bound to core (`core.native.lib`, `c.native` after `import tract_cli.core
+  as c`, `pool.lib` on a core module), nor any `x.native.lib`/`x.native.ffi`;
+- a face never makes a C binding of its own (`import cffi`, `ctypes`);
+- a face never imports a `_`-prefixed name from core and never touches a
+  private attribute of core: `_x` anywhere on a chain rooted in a name bound
+  to core (`core.region._params`, `Pool()._x`), `getattr(x, '_x')` on one,
+  or an attribute or `getattr` name that core keeps private anywhere (its
+  classes' `_x` methods, class attributes and `__slots__`, every `self._x` it
+  assigns, its modules' own `_x` functions, classes and variables:
+  `pool._r()`, `pool._mm`, `x._params`; computed from core's source, so a new
+  one counts at once);
+- core never imports a face: not by an import, a dynamic import, nor by
+  naming one in a string (`-m tract_cli.cli`, a pattern
+  `tract_cli\\.(cli|serve)`), docstrings aside.
 
 What a face needs of the core is a public method of it (docs/ARCHITECTURE.md
-§2).  ALLOWED lists, with the reason, what is not fixed yet; an entry that is
+§2).  ALLOWED lists each exception with its reason; an entry that is
 no longer needed fails too, so the list only shrinks.
 """
 from __future__ import annotations
