@@ -329,15 +329,18 @@ CASES = {
     "from importlib import import_module\nimport_module('tract_cli._native')":
         ("binding import", "tract_cli._native"),
     "__import__('tract_cli.core.native')": ("binding import", "tract_cli.core.native"),
-    "import sys\nsys.modules['tract_cli.core.native'].ffi": ("binding import", "tract_cli.core.native"),
+    "import sys\nsys.modules['tract_cli.core.native'].ffi":
+        ("binding import", "tract_cli.core.native"),
     "import sys\nsys.modules.get('tract_cli._native')": ("binding import", "tract_cli._native"),
     # the binding through a chain rooted in core
     "import tract_cli.core as c\nc.native.lib.tract_fence(None)":
         ("binding import", "tract_cli.core.native"),
     "from tract_cli import core\ncore.native.ffi": ("binding import", "tract_cli.core.native"),
     "from tract_cli.core import pool\npool.native": ("binding import", "tract_cli.core.native"),
-    "from tract_cli.core import pool\npool.lib.tract_fence()": ("binding import", "tract_cli.core.native"),
-    "from tract_cli.core import pool as p\np.ffi.new('int[1]')": ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool\npool.lib.tract_fence()":
+        ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool as p\np.ffi.new('int[1]')":
+        ("binding import", "tract_cli.core.native"),
     "def f(m):\n    return m.native.lib": ("binding import", "tract_cli.core.native"),
     # private names on a chain rooted in core, and core's module-level privates
     "import tract_cli.core.region\ntract_cli.core.region._params(None)":
