@@ -7,10 +7,15 @@
  * MurmurHash3 is implemented here from Austin Appleby's published
  * description and checked against SMHasher's verification value.
  *
- * Scheme "vllm": h_i = SHA-256(CBOR([h_{i-1}, [tokens_i...], null])), the
- * canonical CBOR of vLLM's sha256_cbor for extra_keys = None.  SHA-256 is
- * implemented here from FIPS 180-4.
+ * Scheme "vllm": h_i = SHA-256(CBOR([h_{i-1}, [tokens_i...], extra_keys])),
+ * the canonical CBOR of vLLM's sha256_cbor; extra_keys is null, or [salt] (a
+ * text string) in the first block when a cache salt is given, as vLLM does;
+ * the root is NONE_HASH = SHA-256(CBOR(seed)) (tract_vllm_root).  This file
+ * is the one CBOR encoder of the project (core/hashing.py calls these two
+ * functions and encodes nothing itself).  SHA-256 is implemented here from
+ * FIPS 180-4.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -210,7 +215,26 @@ static uint64_t cbor_head(uint8_t *p, uint8_t major, uint64_t v)
 	return 9;
 }
 
-/* Block hashes of the full blocks of a prompt; out gets n_blocks * hash_bytes. */
+/* vLLM's NONE_HASH: SHA-256 of the canonical CBOR text string SEED (len bytes
+ * of UTF-8); out gets 32 bytes. */
+int tract_vllm_root(const char *seed, uint64_t len, uint8_t *out)
+{
+	if ((!seed && len) || !out || len > (1u << 20))
+		return TRACT_E_INVAL;
+	uint8_t *buf = malloc(9 + len);
+	if (!buf)
+		return TRACT_E_NOMEM;
+	uint64_t n = cbor_head(buf, 3, len);
+	if (len)
+		memcpy(buf + n, seed, len);
+	tract_sha256(buf, n + len, out);
+	free(buf);
+	return TRACT_OK;
+}
+
+/* Block hashes of the full blocks of a prompt; out gets n_blocks * hash_bytes.
+ * For the vLLM scheme EXTRA is a cache salt (UTF-8), entering the first
+ * block's extra keys as [salt]. */
 int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		     uint32_t block_tokens, const uint8_t *root, const uint8_t *extra,
 		     uint64_t extra_len, uint8_t *out, uint64_t out_cap_blocks)
@@ -258,8 +282,6 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		return TRACT_OK;
 	}
 	if (scheme == TRACT_HASH_VLLM_SHA256_CBOR) {
-		if (extra_len)
-			return TRACT_E_INVAL;   /* extra keys: the Python encoder handles them */
 		const uint8_t *prev = root;
 		for (uint64_t b = 0; b < blocks; b++) {
 			uint64_t n = 0;
@@ -270,7 +292,14 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 			n += cbor_head(buf + n, 4, block_tokens);
 			for (uint32_t t = 0; t < block_tokens; t++)
 				n += cbor_head(buf + n, 0, (uint64_t)tokens[b * block_tokens + t]);
-			buf[n++] = 0xf6;                      /* null: no extra keys */
+			if (b == 0 && extra) {                /* [salt]: the cache salt */
+				buf[n++] = 0x81;              /* array(1) */
+				n += cbor_head(buf + n, 3, extra_len);
+				memcpy(buf + n, extra, extra_len);
+				n += extra_len;
+			} else {
+				buf[n++] = 0xf6;              /* null: no extra keys */
+			}
 			tract_sha256(buf, n, out + b * 32);
 			prev = out + b * 32;
 		}

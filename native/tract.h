@@ -494,8 +494,14 @@ void tract_murmur3_128(const void *key, uint64_t len, uint32_t seed, uint8_t *ou
 /* SHA-256 of len bytes; out gets 32 bytes. */
 void tract_sha256(const void *data, uint64_t len, uint8_t *out);
 
+/* vLLM's NONE_HASH: SHA-256 of the canonical CBOR text string SEED (len bytes
+ * of UTF-8, at most 1 MiB); out gets 32 bytes. */
+int tract_vllm_root(const char *seed, uint64_t len, uint8_t *out);
+
 /* Block hashes of the full blocks of a prompt; out gets n_blocks * hash_bytes
- * (16 for TRACT_HASH_TRACT, 32 for TRACT_HASH_VLLM_SHA256_CBOR). */
+ * (16 for TRACT_HASH_TRACT, 32 for TRACT_HASH_VLLM_SHA256_CBOR).  EXTRA is
+ * appended to each block for the tract scheme; for the vLLM scheme it is a
+ * cache salt (UTF-8) that enters the first block's extra keys as [salt]. */
 int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		     uint32_t block_tokens, const uint8_t *root, const uint8_t *extra,
 		     uint64_t extra_len, uint8_t *out, uint64_t out_cap_blocks);

@@ -2,23 +2,34 @@
 
     cli -> provision | inspect | bench | serve | connectors -> core -> native
 
-- a face (any module of tract_cli outside tract_cli/core/) never imports the
+- a face (any module of tract_cli outside tract_cli/core/) never reaches the
   C binding (`tract_cli.core.native`, `tract_cli._native`, so neither `lib`
-  nor `ffi`), never imports a `_`-prefixed name from core, and never touches
-  a private attribute of core: `_x` on a name it imported from core, or an
-  attribute whose name core's own classes keep private (`pool._r()`,
-  `pool._mm`, `pool._base`, ...; computed from core's source, so a new one
-  counts at once);
-- core never imports a face.
+  nor `ffi`): not by an import, nor `importlib.import_module`, `__import__`
+  or `sys.modules[...]` with the name, nor an attribute chain from a name
+  bound to core (`core.native.lib`, `c.native` after `import tract_cli.core
+  as c`, `pool.lib` on a core module), nor any `x.native.lib`/`x.native.ffi`;
+- a face never makes a C binding of its own (`import cffi`, `ctypes`);
+- a face never imports a `_`-prefixed name from core and never touches a
+  private attribute of core: `_x` anywhere on a chain rooted in a name bound
+  to core (`core.region._params`, `Pool()._x`), `getattr(x, '_x')` on one,
+  or an attribute or `getattr` name that core keeps private anywhere (its
+  classes' `_x` methods, class attributes and `__slots__`, every `self._x` it
+  assigns, its modules' own `_x` functions, classes and variables:
+  `pool._r()`, `pool._mm`, `x._params`; computed from core's source, so a new
+  one counts at once);
+- core never imports a face: not by an import, a dynamic import, nor by
+  naming one in a string (`-m tract_cli.cli`, a pattern
+  `tract_cli\\.(cli|serve)`), docstrings aside.
 
 What a face needs of the core is a public method of it (docs/ARCHITECTURE.md
-§2).  ALLOWED lists, with the reason, what is not fixed yet; an entry that is
+§2).  ALLOWED lists each exception with its reason; an entry that is
 no longer needed fails too, so the list only shrinks.
 """
 from __future__ import annotations
 
 import ast
 import functools
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +43,12 @@ BINDINGS = ("tract_cli.core.native", "tract_cli._native")
 # ones core defines are added from its source (core_private_names)
 KNOWN_PRIVATE = {"_r", "_mm", "_base", "_lib", "_region", "_local"}
 
-# (file, rule, name) -> why it is allowed for now: nothing is, today
-ALLOWED: dict = {}
+# (file, rule, name) -> why it is allowed
+ALLOWED: dict = {
+    ("tract_cli/bench/micro.py", "foreign binding", "cffi"):
+        "the copy benchmarks' reference is glibc memcpy itself, measured through an FFI "
+        "of its own (dlopen(None)) so that the core's C library plays no part in it",
+}
 
 
 @dataclass(frozen=True)
@@ -77,22 +92,103 @@ def _private(name: str) -> bool:
 
 
 def core_private_names(package: Path) -> set[str]:
-    """Private attribute names of core's objects: `_x` methods and class
-    attributes of its classes, and every `self._x` it assigns."""
+    """Private names of core: `_x` methods and class attributes of its
+    classes (`__slots__` entries too), every `self._x` it assigns, and its
+    modules' own `_x` functions, classes and variables (`region._params`)."""
     names = set(KNOWN_PRIVATE)
     for path in (package / "core").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for item in tree.body:
+            names.update(_defined(item))
+        for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 for item in node.body:
-                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        names.add(item.name)
-                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
-                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
-                        names.update(t.id for t in targets if isinstance(t, ast.Name))
+                    names.update(_defined(item))
+                    if isinstance(item, ast.Assign) and any(
+                            isinstance(t, ast.Name) and t.id == "__slots__" for t in item.targets):
+                        names.update(c.value for c in ast.walk(item.value)
+                                     if isinstance(c, ast.Constant) and isinstance(c.value, str))
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
                     and isinstance(node.value, ast.Name) and node.value.id == "self":
                 names.add(node.attr)
     return {n for n in names if _private(n)}
+
+
+def _defined(item: ast.stmt) -> list[str]:
+    """The names a module- or class-level statement defines."""
+    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [item.name]
+    if isinstance(item, (ast.Assign, ast.AnnAssign)):
+        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+        return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return []
+
+
+# a face's module named in a string of core: `python -m tract_cli.cli`, or a
+# pattern `tract_cli\.(cli|serve)` (a process boundary is still a call up)
+UPWARD_NAME = re.compile(r"tract_cli(?:\.|\\\.)\(?(?:\?:)?([\w|]+)")
+
+
+def _upward_name(text: str) -> str | None:
+    """The first face a string of core names (`tract_cli.cli`, `tract_cli\\.(x|serve)`)."""
+    for m in UPWARD_NAME.finditer(text):
+        face = next((f for f in m.group(1).split("|") if f in FACES), None)
+        if face:
+            return f"tract_cli.{face}"
+    return None
+# a C binding of the face's own: FFI().dlopen, ctypes.CDLL
+FOREIGN = ("cffi", "ctypes")
+
+
+def _dynamic_import(node: ast.AST) -> ast.Constant | None:
+    """The constant module name of `importlib.import_module('m')`,
+    `__import__('m')`, `sys.modules['m']` or `sys.modules.get('m')`."""
+    arg = None
+    if isinstance(node, ast.Call) and node.args:
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if name in ("import_module", "__import__"):
+            arg = node.args[0]
+        elif name == "get" and isinstance(f, ast.Attribute) and _is_sys_modules(f.value):
+            arg = node.args[0]
+    elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
+        arg = node.slice
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg
+    return None
+
+
+def _is_sys_modules(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "modules" \
+        and isinstance(node.value, ast.Name) and node.value.id == "sys"
+
+
+def _chain(node: ast.AST) -> tuple[str | None, list[str]]:
+    """The root name of an attribute chain (through calls and subscripts) and
+    the attributes after it: `core.region._params(x).y` -> ('core', ['region', '_params', 'y'])."""
+    attrs = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        else:
+            break
+    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring constants of a module and its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant):
+            out.add(id(node.body[0].value))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,16 +203,34 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
         in_core = _within(module, "tract_cli.core")
         source = path.read_text()
         tree = ast.parse(source, str(path))
-        from_core = set()       # names bound here to core modules or objects
+        bound = {}      # name bound here to a core module or object -> its dotted name
 
         def hit(node, rule, name):
             found.append(Violation(rel, node.lineno, rule, name,
                                    ast.get_source_segment(source, node) or name))
 
+        def check_imported(node, imported):
+            """The rules for the modules an import (static or dynamic) names."""
+            if in_core:
+                for name in imported:
+                    if any(_within(name, f"tract_cli.{f}") for f in FACES):
+                        hit(node, "upward import", name)
+                        return
+                return
+            for binding in BINDINGS:
+                if any(_within(name, binding) for name in imported):
+                    hit(node, "binding import", binding)
+            for lib in FOREIGN:
+                if any(_within(name, lib) for name in imported):
+                    hit(node, "foreign binding", lib)
+
+        consumed = set()    # constants already reported as a dynamic import
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 if isinstance(node, ast.Import):
                     pairs = [(a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+                    pairs = [(full if a.asname else full.split(".")[0], b)
+                             for (full, b), a in zip(pairs, node.names)]
                     imported = [a.name for a in node.names]
                 else:
                     base = _resolve(node, module, path.name == "__init__.py")
@@ -126,37 +240,58 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
                         for a in node.names:
                             if _private(a.name):
                                 hit(node, "private import", f"{base}.{a.name}")
-                if in_core:
-                    for name in imported:
-                        face = next((f for f in FACES if _within(name, f"tract_cli.{f}")), None)
-                        if face:
-                            hit(node, "upward import", name)
-                            break
-                    continue
-                for binding in BINDINGS:
-                    if any(_within(name, binding) for name in imported):
-                        hit(node, "binding import", binding)
-                for full, bound in pairs:
-                    if _within(full, "tract_cli.core") or (isinstance(node, ast.Import)
-                                                           and _within(full, "tract_cli")):
-                        from_core.add(bound)
+                check_imported(node, imported)
+                for full, name in pairs:
+                    if _within(full, "tract_cli"):
+                        bound[name] = full
+            else:
+                const = _dynamic_import(node)
+                if const is not None:
+                    consumed.add(id(const))
+                    check_imported(node, [const.value])
         if in_core:
+            docs = _docstrings(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and id(node) not in consumed and id(node) not in docs:
+                    name = _upward_name(node.value)
+                    if name:
+                        hit(node, "upward name", name)
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
-                if node.attr in ("native", "_native") and ast.unparse(node) in BINDINGS:
-                    hit(node, "binding import", ast.unparse(node))   # after `import tract_cli`
+                base, attrs = _chain(node)
+                dotted = ".".join([bound[base]] + attrs) if base in bound else None
+                if dotted in BINDINGS:
+                    hit(node, "binding import", dotted)      # core.native, tract_cli.core.native
+                    continue
+                in_binding = dotted is not None and any(_within(dotted, b) for b in BINDINGS)
+                if not in_binding and (
+                        # x.native.lib, x.native.ffi, whatever x is
+                        (node.attr in ("lib", "ffi") and isinstance(node.value, ast.Attribute)
+                         and node.value.attr in ("native", "_native"))
+                        # pool.lib, pool.native: the binding a core module imported
+                        or (node.attr in ("lib", "ffi", "native", "_native")
+                            and isinstance(node.value, ast.Name) and node.value.id in bound
+                            and _within(bound[node.value.id], "tract_cli.core"))):
+                    hit(node, "binding import", "tract_cli.core.native")
                     continue
                 if not _private(node.attr):
                     continue
                 own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-                on_core = isinstance(node.value, ast.Name) and node.value.id in from_core
+                on_core = dotted is not None and _within(dotted, "tract_cli.core") \
+                    and not any(_private(a) for a in attrs[:-1])   # reported at the first
                 if on_core or (node.attr in private and not own):
                     hit(node, "private attribute", node.attr)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1 \
-                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in private:
-                hit(node, "private attribute", node.args[1].value)
+                    and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+                base, attrs = _chain(node.args[0])
+                on_core = base in bound and _within(".".join([bound[base]] + attrs),
+                                                    "tract_cli.core")
+                if on_core or node.args[1].value in private:
+                    hit(node, "private attribute", node.args[1].value)
     return found
 
 
@@ -188,6 +323,54 @@ CASES = {
     "from tract_cli.core import medium\nmedium._materialize(0, 0, 1)":
         ("private attribute", "_materialize"),
     "def f(pool):\n    return pool._secret_of_core": ("private attribute", "_secret_of_core"),
+    # dynamic imports of the binding
+    "import importlib\nimportlib.import_module('tract_cli.core.native').lib":
+        ("binding import", "tract_cli.core.native"),
+    "from importlib import import_module\nimport_module('tract_cli._native')":
+        ("binding import", "tract_cli._native"),
+    "__import__('tract_cli.core.native')": ("binding import", "tract_cli.core.native"),
+    "import sys\nsys.modules['tract_cli.core.native'].ffi":
+        ("binding import", "tract_cli.core.native"),
+    "import sys\nsys.modules.get('tract_cli._native')": ("binding import", "tract_cli._native"),
+    # the binding through a chain rooted in core
+    "import tract_cli.core as c\nc.native.lib.tract_fence(None)":
+        ("binding import", "tract_cli.core.native"),
+    "from tract_cli import core\ncore.native.ffi": ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool\npool.native": ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool\npool.lib.tract_fence()":
+        ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool as p\np.ffi.new('int[1]')":
+        ("binding import", "tract_cli.core.native"),
+    "def f(m):\n    return m.native.lib": ("binding import", "tract_cli.core.native"),
+    # private names on a chain rooted in core, and core's module-level privates
+    "import tract_cli.core.region\ntract_cli.core.region._params(None)":
+        ("private attribute", "_params"),
+    "from tract_cli import core\ncore.region._params": ("private attribute", "_params"),
+    "from tract_cli.core.pool import Pool\nPool()._anything.x": ("private attribute", "_anything"),
+    "def f(m):\n    return m._helper_of_core()": ("private attribute", "_helper_of_core"),
+    "def f(p):\n    return p._slot_of_core": ("private attribute", "_slot_of_core"),
+    "from tract_cli.core import region\ngetattr(region, '_anything')":
+        ("private attribute", "_anything"),
+    "def f(r):\n    return getattr(r, '_helper_of_core')": ("private attribute", "_helper_of_core"),
+    # a C binding of the face's own
+    "import cffi\ncffi.FFI().dlopen(None)": ("foreign binding", "cffi"),
+    "from cffi import FFI": ("foreign binding", "cffi"),
+    "import ctypes\nctypes.CDLL(None)": ("foreign binding", "ctypes"),
+    "from ctypes.util import find_library": ("foreign binding", "ctypes"),
+    "import importlib\nimportlib.import_module('ctypes')": ("foreign binding", "ctypes"),
+}
+
+# core calling up: a face imported dynamically, or named in a string
+CORE_CASES = {
+    "import importlib\nimportlib.import_module('tract_cli.serve.worker')":
+        ("upward import", "tract_cli.serve.worker"),
+    "def f():\n    return __import__('tract_cli.cli')": ("upward import", "tract_cli.cli"),
+    "import sys\nsys.modules['tract_cli.bench']": ("upward import", "tract_cli.bench"),
+    "import sys\nCMD = [sys.executable, '-m', 'tract_cli.cli', 'agent']":
+        ("upward name", "tract_cli.cli"),
+    "CMD = f'python -m tract_cli.provision.doctor {1}'": ("upward name", "tract_cli.provision"),
+    "import re\nPAT = re.compile(r'tract_cli\\.(cli|serve)')": ("upward name", "tract_cli.cli"),
+    "PAT = r'tract_cli\\.(?:inspect)\\b'": ("upward name", "tract_cli.inspect"),
 }
 
 
@@ -204,10 +387,24 @@ def test_the_check_finds_each_kind_of_breach(tmp_path, source):
                 self._secret_of_core = 1
             def public(self):
                 return self._secret_of_core
+        class Slotted:
+            __slots__ = ("_slot_of_core",)
+        def _helper_of_core():
+            pass
     """))
     (package / "bench" / "x.py").write_text(source + "\n")
     found = [(v.file, v.rule, v.name) for v in scan(package)]
     assert found == [("tract_cli/bench/x.py", *CASES[source])], found
+
+
+@pytest.mark.parametrize("source", list(CORE_CASES), ids=range(len(CORE_CASES)))
+def test_the_check_finds_core_calling_up_by_name(tmp_path, source):
+    package = tmp_path / "tract_cli"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "spawn.py").write_text(
+        '"""Starts `python -m tract_cli.cli`: a docstring may name a face."""\n' + source + "\n")
+    found = [(v.file, v.rule, v.name) for v in scan(package)]
+    assert found == [("tract_cli/core/spawn.py", *CORE_CASES[source])], found
 
 
 def test_the_check_leaves_faces_own_privates_and_finds_core_calling_up(tmp_path):

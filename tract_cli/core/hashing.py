@@ -14,12 +14,16 @@ Schemes:
   NONE_HASH = sha256_cbor(seed), seed = PYTHONHASHSEED if set, else
   "vllm-none-hash".  A salt enters the first block's extra keys, as vLLM's
   cache_salt does.
+
+The CBOR of the vLLM scheme is encoded in one place, native/hash.c: the hot
+path (a whole prompt's chain) is there anyway, so the root (tract_vllm_root)
+and the salted first block (tract_hash_chain's EXTRA for this scheme) are
+there too, and nothing here encodes CBOR (tests/test_hashing.py checks the C
+encoding against cbor2, vLLM's own encoder).
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import struct
 
 import numpy as np
 
@@ -57,43 +61,14 @@ def as_token_array(tokens) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def _cbor(obj) -> bytes:
-    """Canonical CBOR (RFC 8949 §4.2.1) of ints, str, bytes, None, bools, tuples/lists."""
-    def head(major: int, value: int) -> bytes:
-        if value < 24:
-            return bytes([major << 5 | value])
-        for code, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
-            if value < 1 << (8 * struct.calcsize(fmt)):
-                return bytes([major << 5 | code]) + struct.pack(fmt, value)
-        raise UsageError("an integer in the extra keys exceeds 64 bits", "use smaller keys")
-
-    if obj is None:
-        return b"\xf6"
-    if obj is True or obj is False:
-        return b"\xf5" if obj else b"\xf4"
-    if isinstance(obj, int):
-        return head(0, obj) if obj >= 0 else head(1, -1 - obj)
-    if isinstance(obj, (bytes, bytearray)):
-        return head(2, len(obj)) + bytes(obj)
-    if isinstance(obj, str):
-        raw = obj.encode()
-        return head(3, len(raw)) + raw
-    if isinstance(obj, (tuple, list)):
-        return head(4, len(obj)) + b"".join(_cbor(x) for x in obj)
-    raise UsageError(f"cannot encode {type(obj).__name__} in block-hash extra keys",
-                     "use ints, strings, bytes, None or tuples of them")
-
-
-def sha256_cbor(obj) -> bytes:
-    """vLLM's sha256_cbor: SHA-256 of the canonical CBOR encoding."""
-    return hashlib.sha256(_cbor(obj)).digest()
-
-
 def vllm_root(seed: str | None = None) -> bytes:
     """vLLM's NONE_HASH: sha256_cbor(seed), seed PYTHONHASHSEED or 'vllm-none-hash'."""
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED") or VLLM_DEFAULT_SEED
-    return sha256_cbor(seed)
+    raw = seed.encode()
+    out = ffi.new("uint8_t[32]")
+    raise_for(lib.tract_vllm_root(raw, len(raw), out), "vLLM root hash")
+    return bytes(out)
 
 
 def tract_root(hash_seed: bytes = bytes(16), model_fingerprint: bytes = bytes(32),
@@ -138,14 +113,11 @@ def block_hashes(tokens, scheme: str = "tract", block_tokens: int = 16, *,
         return _chain("tract", arr, block_tokens, root or tract_root(salt=salt), extra)
     if extra:
         raise UsageError("extra bytes are for the tract scheme", "use salt= with vllm")
-    parent = root or vllm_root(vllm_seed)
-    if salt is None or arr.size < block_tokens:
-        return _chain("vllm", arr, block_tokens, parent)
-    # vLLM puts the cache salt in the extra keys of the first block only
-    salt_str = salt.decode() if isinstance(salt, bytes) else salt
-    first = sha256_cbor((parent, tuple(int(t) for t in arr[:block_tokens]), (salt_str,)))
-    rest = _chain("vllm", arr[block_tokens:], block_tokens, first)
-    return np.vstack([np.frombuffer(first, dtype=np.uint8)[None, :], rest])
+    # vLLM puts the cache salt (when not empty) in the extra keys of the first
+    # block only: the C chain does, given the salt as EXTRA
+    salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+    salt_bytes.decode()     # a text string in CBOR: it must be UTF-8
+    return _chain("vllm", arr, block_tokens, root or vllm_root(vllm_seed), salt_bytes)
 
 
 def request_keys(info, tokens, block_tokens: int, salt: bytes | str | None = None,
