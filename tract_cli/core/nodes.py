@@ -16,12 +16,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tract_cli.core.native import lib
+
 if TYPE_CHECKING:
     from tract_cli.core.pool import Pool
 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
-NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
+# the entry's state and flags (native/format.h's TRACT_NODE_*); NODE_STATES names the states
+NODE_NEVER, NODE_ALIVE, NODE_LEFT = lib.TRACT_NODE_NEVER, lib.TRACT_NODE_ALIVE, lib.TRACT_NODE_LEFT
+NODE_STATES = {NODE_NEVER: "never", NODE_ALIVE: "alive", NODE_LEFT: "left"}
+FLAG_MANAGER = lib.TRACT_NODE_F_MANAGER
+FLAG_STANDBY = lib.TRACT_NODE_F_STANDBY
+FLAG_AUTOSTOP = lib.TRACT_NODE_F_AUTOSTOP
 STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
 _HOSTNAME_MAX = 23           # bytes of the host's name kept in the entry (NUL-terminated)
 
