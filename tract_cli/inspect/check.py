@@ -21,7 +21,7 @@ from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
                                   BUCKET_F_CHECKSUM, BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
 from tract_cli.core.locks import SLOT_LOCKED
-from tract_cli.core.nodes import current_manager, read_nodes, token_text
+from tract_cli.core.nodes import current_token, token_text
 from tract_cli.core.pool import Pool
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
                                         SLOT_DTYPE, Sections)
@@ -153,8 +153,7 @@ def lock_violations(pool: Pool, rd: Sections) -> list[Violation]:
     """Tokens in the lock table that no manager claim accounts for (PROTOCOLS.md §4):
     claims only grow, so a line 0 or a LOCKED slot above the largest is corrupt."""
     info = pool.info
-    cur = current_manager(read_nodes(pool))
-    current = cur.token if cur else 0
+    current = current_token(pool)
     out = []
     stride = info.section("locks").entry_size      # a lock: its manager line, then a slot per node
     line = MGR_DTYPE.itemsize
