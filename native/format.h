@@ -38,20 +38,42 @@ struct tract_lock_node_slot {
 	uint8_t reserved[24];
 };
 
-enum { TRACT_LOCK_IDLE = 0, TRACT_LOCK_WAITING = 1, TRACT_LOCK_LOCKED = 2 };
+/* CDEF-BEGIN (the lock slot states, for Python too: native/build_ffi.py) */
+enum {
+	TRACT_LOCK_IDLE = 0,
+	TRACT_LOCK_WAITING = 1,
+	TRACT_LOCK_LOCKED = 2
+};
+/* CDEF-END */
 
 /* node table entry: line 0 written only by the node's agent. */
 struct tract_node_entry {
-	uint32_t state;        /* 0 = never attached, 1 = alive, 2 = left */
+	uint32_t state;        /* TRACT_NODE_* (0 = never attached) */
 	uint32_t agent_pid;
 	uint64_t epoch;        /* incremented every time an agent starts */
 	uint64_t heartbeat_ns; /* CLOCK_REALTIME of the last heartbeat */
-	uint32_t flags;        /* bit 0: this agent runs the lock manager */
+	uint32_t flags;        /* TRACT_NODE_F_*: bit 0 runs the lock manager, bit 1
+				* stands by to take it over, bit 2 started by a
+				* worker (stops once its node is idle; advisory) */
 	uint32_t manager_epoch; /* the node's manager claim, 0 = never claimed */
 	uint64_t manager_heartbeat_ns;
 	char hostname[24];
 	uint8_t reserved[192]; /* three lines, reserved */
 };
+
+/* CDEF-BEGIN (the node entry's states and flags, for Python too: the agent
+ * (tract_cli/core/agent.py) writes the entry, native/build_ffi.py) */
+enum {
+	TRACT_NODE_NEVER = 0,           /* never attached */
+	TRACT_NODE_ALIVE = 1,
+	TRACT_NODE_LEFT = 2
+};
+enum {
+	TRACT_NODE_F_MANAGER = 1,       /* this agent runs the lock manager */
+	TRACT_NODE_F_STANDBY = 2,       /* stands by to take the manager over */
+	TRACT_NODE_F_AUTOSTOP = 4       /* started by a worker: stops once its node is idle */
+};
+/* CDEF-END */
 
 /* object directory entry: written under the object-directory lock. */
 struct tract_objdir_entry {
@@ -84,16 +106,19 @@ struct tract_bucket {
 	uint16_t flags;
 	uint32_t owner_pid;
 	uint32_t epoch;
-	uint32_t checksum;     /* CRC-32 of the payload, valid if flags bit 0 */
+	uint32_t checksum;     /* CRC-32C of the payload, valid if TRACT_BUCKET_F_CHECKSUM */
 	uint64_t last_access_ns;
 };
 
-/* CDEF-BEGIN (the bucket states, for Python too: native/build_ffi.py) */
+/* CDEF-BEGIN (the bucket states and flags, for Python too: native/build_ffi.py) */
 enum {
 	TRACT_BUCKET_EMPTY = 0,
 	TRACT_BUCKET_PENDING = 1,
 	TRACT_BUCKET_READY = 2,
 	TRACT_BUCKET_TOMBSTONE = 3
+};
+enum {
+	TRACT_BUCKET_F_CHECKSUM = 1     /* flags: `checksum` holds the payload's CRC-32C */
 };
 /* CDEF-END */
 

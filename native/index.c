@@ -102,7 +102,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			if (tokens)
 				tokens[idx] = bk.tokens;
 			if (checksums)
-				checksums[idx] = (bk.flags & 1) ? bk.checksum : 0;
+				checksums[idx] = (bk.flags & TRACT_BUCKET_F_CHECKSUM) ? bk.checksum : 0;
 			if (tags)
 				tags[idx] = payload_tag(b, &bk);
 		}

@@ -146,7 +146,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			bk.tokens = tokens ? tokens[idx] : r->hdr.block_tokens;
 			if (checksums) {
 				bk.checksum = checksums[idx];
-				bk.flags |= 1;
+				bk.flags |= TRACT_BUCKET_F_CHECKSUM;
 			}
 			bk.last_access_ns = tract_now_ns();
 			tract_lru_push_head(&c, b, &bk);

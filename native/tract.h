@@ -440,7 +440,8 @@ typedef struct tract_manager tract_manager;
 
 /* The current manager's fencing token: the largest claim in the node table,
  * (manager_epoch << 32) | node, 0 if no node ever claimed; *node gets its
- * node, or -1.  Observes every node entry. */
+ * node, or -1.  Observes every node entry (tract_cli.core.nodes.current_token;
+ * the agent applies the same rule to a table it read, nodes.current_manager). */
 int tract_manager_current(tract_region *r, uint64_t *token, int32_t *node);
 
 /* Starts the manager thread; idle_sleep_max_ns caps its back-off when nothing

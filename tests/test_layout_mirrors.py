@@ -28,7 +28,7 @@ import format_reader
 import index_check
 import test_objects
 import test_takeover
-from tract_cli.core import nodes
+from tract_cli.core import index, locks, nodes
 from tract_cli.core.native import ffi
 from tract_cli.inspect import snapshot
 
@@ -218,19 +218,24 @@ def test_the_node_local_header_offsets_that_tests_poke(probe):
 def test_state_names_match_format_h(probe):
     """The state values the mirrors decode are format.h's enums."""
     lib = probe.lib
-    assert snapshot.LOCK_STATES == {lib.TRACT_LOCK_IDLE: "IDLE", lib.TRACT_LOCK_WAITING: "WAITING",
-                                    lib.TRACT_LOCK_LOCKED: "LOCKED"}
+    assert locks.SLOT_STATES == {lib.TRACT_LOCK_IDLE: "IDLE", lib.TRACT_LOCK_WAITING: "WAITING",
+                                 lib.TRACT_LOCK_LOCKED: "LOCKED"}
     assert (test_takeover.IDLE, test_takeover.WAITING, test_takeover.LOCKED) == \
         (lib.TRACT_LOCK_IDLE, lib.TRACT_LOCK_WAITING, lib.TRACT_LOCK_LOCKED)
     buckets = (lib.TRACT_BUCKET_EMPTY, lib.TRACT_BUCKET_PENDING, lib.TRACT_BUCKET_READY,
                lib.TRACT_BUCKET_TOMBSTONE)
-    assert [snapshot.BUCKET_STATES.index(n) for n in ("EMPTY", "PENDING", "READY",
-                                                      "TOMBSTONE")] == list(buckets)
+    assert index.BUCKET_STATES == dict(zip(buckets, ("EMPTY", "PENDING", "READY", "TOMBSTONE")))
+    assert index.BUCKET_F_CHECKSUM == lib.TRACT_BUCKET_F_CHECKSUM
     assert (index_check.EMPTY, index_check.PENDING, index_check.READY, index_check.TOMB) == buckets
     assert snapshot.RECORD_STATES == {lib.TRACT_TRANSFER_PUBLISHED: "PUBLISHED",
                                       lib.TRACT_TRANSFER_ACKED: "ACKED",
                                       lib.TRACT_TRANSFER_RECLAIMING: "RECLAIMING"}
     assert lib.TRACT_TRANSFER_FREE == 0      # all-zero is every section's initial state
+    assert nodes.NODE_STATES == {lib.TRACT_NODE_NEVER: "never", lib.TRACT_NODE_ALIVE: "alive",
+                                 lib.TRACT_NODE_LEFT: "left"}
+    assert lib.TRACT_NODE_NEVER == 0          # a zeroed node table: no node ever attached
+    assert (nodes.FLAG_MANAGER, nodes.FLAG_STANDBY, nodes.FLAG_AUTOSTOP) == \
+        (lib.TRACT_NODE_F_MANAGER, lib.TRACT_NODE_F_STANDBY, lib.TRACT_NODE_F_AUTOSTOP)
 
 
 def test_the_probe_sees_every_struct_of_format_h(probe):

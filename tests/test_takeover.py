@@ -22,7 +22,7 @@ from counters import finish_counters, start_counters
 from tract_cli.core.errors import LockTimeout
 from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.native import ffi, lib
-from tract_cli.core.nodes import NODE_ALIVE, NODE_LINE, current_manager, read_nodes
+from tract_cli.core.nodes import NODE_ALIVE, NODE_LINE, current_manager, current_token, read_nodes
 from tract_cli.core.pool import Pool
 
 NODES = 4
@@ -174,6 +174,21 @@ def claim(pool: Pool, node: int, manager_epoch: int) -> int:
                           b"test")
     pool.publish(sec.offset + node * sec.entry_size, line)
     return (manager_epoch << 32) | node
+
+
+def test_the_cores_current_manager_and_the_agents_agree(region):
+    """current_manager (the agent's rule, over a table it read) and the C core's
+    tract_manager_current (current_token) name the same claim: none, then the
+    largest epoch, then the larger node of two equal epochs."""
+    with Pool.attach(region) as p:
+        assert current_token(p) == 0 and current_manager(read_nodes(p)) is None
+        # (node, its claim, the current token after it is published)
+        for node, epoch, expected in ((2, 3, 3 << 32 | 2), (1, 5, 5 << 32 | 1),
+                                      (3, 5, 5 << 32 | 3), (0, 4, 5 << 32 | 3)):
+            claim(p, node, epoch)
+            cur = current_manager(read_nodes(p))
+            assert current_token(p) == cur.token == expected
+        assert cur.node == 3
 
 
 def forge_grant(pool: Pool, lock_id: int, node: int, req: int, token: int) -> None:

@@ -32,6 +32,10 @@ BUCKET_EMPTY = lib.TRACT_BUCKET_EMPTY
 BUCKET_PENDING = lib.TRACT_BUCKET_PENDING
 BUCKET_READY = lib.TRACT_BUCKET_READY
 BUCKET_TOMBSTONE = lib.TRACT_BUCKET_TOMBSTONE
+BUCKET_STATES = {BUCKET_EMPTY: "EMPTY", BUCKET_PENDING: "PENDING", BUCKET_READY: "READY",
+                 BUCKET_TOMBSTONE: "TOMBSTONE"}
+# a bucket's flags: its `checksum` field holds the payload's CRC-32C
+BUCKET_F_CHECKSUM = lib.TRACT_BUCKET_F_CHECKSUM
 
 # `Audit.reach` per bucket (native/tract.h): what the key rule says of it
 AUDIT_OK = lib.TRACT_AUDIT_OK                      # live, reachable from its key's home

@@ -27,6 +27,13 @@ if sorted(_FIXED) != list(range(FIRST_STRIPE_LOCK)):
     raise RuntimeError(f"the core has {lib.TRACT_FIXED_LOCKS} fixed locks, "
                        f"tract_cli.core.locks names the ids {sorted(_FIXED)}")
 FIXED_LOCK_NAMES = tuple(_FIXED[i] for i in range(FIRST_STRIPE_LOCK))   # by lock id
+
+# a node's slot of a lock in the lock table (native/format.h, FORMAT.md §4.1):
+# what `tract inspect` and `tract check` read there; SLOT_STATES names them
+SLOT_IDLE = lib.TRACT_LOCK_IDLE
+SLOT_WAITING = lib.TRACT_LOCK_WAITING
+SLOT_LOCKED = lib.TRACT_LOCK_LOCKED
+SLOT_STATES = {SLOT_IDLE: "IDLE", SLOT_WAITING: "WAITING", SLOT_LOCKED: "LOCKED"}
 DEFAULT_TIMEOUT_S = 30.0
 
 

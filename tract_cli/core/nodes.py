@@ -5,7 +5,9 @@ heartbeat, manager flag and claim, hostname; docs/FORMAT.md §4.2); anyone
 reads the table lock-free (`read_nodes`): the agent itself, `ensure_agent`,
 `tract inspect`, `tract check`.  The claim a node holds is a fencing token
 (`epoch.node`, docs/PROTOCOLS.md §4); the largest one names the current lock
-manager (`current_manager`).
+manager: `current_token` asks the C core (`tract_manager_current`, the rule
+lock.c and manager.c fence with), `current_manager` applies the same rule to
+a table already read (what the agent decides on).
 """
 from __future__ import annotations
 
@@ -16,12 +18,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tract_cli.core.native import ffi, lib, raise_for
+
 if TYPE_CHECKING:
     from tract_cli.core.pool import Pool
 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
-NODE_ALIVE, NODE_LEFT = 1, 2
-FLAG_MANAGER, FLAG_STANDBY, FLAG_AUTOSTOP = 1, 2, 4
+# the entry's state and flags (native/format.h's TRACT_NODE_*); NODE_STATES names the states
+NODE_NEVER, NODE_ALIVE, NODE_LEFT = lib.TRACT_NODE_NEVER, lib.TRACT_NODE_ALIVE, lib.TRACT_NODE_LEFT
+NODE_STATES = {NODE_NEVER: "never", NODE_ALIVE: "alive", NODE_LEFT: "left"}
+FLAG_MANAGER = lib.TRACT_NODE_F_MANAGER
+FLAG_STANDBY = lib.TRACT_NODE_F_STANDBY
+FLAG_AUTOSTOP = lib.TRACT_NODE_F_AUTOSTOP
 STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
 _HOSTNAME_MAX = 23           # bytes of the host's name kept in the entry (NUL-terminated)
 
@@ -94,7 +102,24 @@ def token_text(token: int) -> str:
     return f"{token >> 32}.{token & 0xFFFFFFFF}"
 
 
+def current_token(pool: Pool) -> int:
+    """The current lock manager's fencing token, 0 if no node ever claimed: the
+    C core's answer (`tract_manager_current`, native/manager.c), from its own
+    read of the node table -- the very rule lock.c fences requesters with."""
+    token = ffi.new("uint64_t *")
+    raise_for(lib.tract_manager_current(pool._r(), token, ffi.NULL), "current lock manager")
+    return int(token[0])
+
+
 def current_manager(nodes: list[NodeRecord]) -> NodeRecord | None:
-    """The node holding the largest claim: the current lock manager, alive or not."""
+    """The node holding the largest claim: the current lock manager, alive or not.
+
+    The rule is `tract_manager_current`'s (native/manager.c; `current_token`),
+    applied to NODES, a table the caller has already read: the C function reads
+    the table afresh and answers only (token, node), while the agent decides
+    on one observed table -- the claimant's record (its state, heartbeats,
+    host, pid) and the other standbys' ranks must come from the same read, or
+    a claim published between two reads would mix two tables.  NodeRecord.token
+    is C's token formula; tests/test_takeover.py checks that both agree."""
     best = max(nodes, key=lambda r: r.token, default=None)
     return best if best is not None and best.token else None

@@ -19,8 +19,9 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import RECORD_FREE
 from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
-                                  BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
-from tract_cli.core.nodes import current_manager, read_nodes, token_text
+                                  BUCKET_F_CHECKSUM, BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
+from tract_cli.core.locks import SLOT_LOCKED
+from tract_cli.core.nodes import current_token, token_text
 from tract_cli.core.pool import Pool
 from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
                                         SLOT_DTYPE, Sections)
@@ -58,7 +59,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     stripes, per = info.index_stripes, bs.count // info.index_stripes
     state = b["state"]
     raw = rd["buckets"].reshape(bs.count, 64)
-    for i in np.flatnonzero(state > 3)[:20]:
+    for i in np.flatnonzero(state > TOMB)[:20]:
         out.append(Violation("index", f"bucket {i}: unknown state {state[i]}"))
     pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
     total = pins.sum(axis=0)
@@ -134,7 +135,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     # payload checksums
     checked = 0
     if data:
-        summed = (b["flags"][ready][~badslot] & 1) != 0
+        summed = (b["flags"][ready][~badslot] & BUCKET_F_CHECKSUM) != 0
         buckets = ready[~badslot][summed]
         slots_summed = ok_slots[summed]
         checked = len(slots_summed)
@@ -152,20 +153,21 @@ def lock_violations(pool: Pool, rd: Sections) -> list[Violation]:
     """Tokens in the lock table that no manager claim accounts for (PROTOCOLS.md §4):
     claims only grow, so a line 0 or a LOCKED slot above the largest is corrupt."""
     info = pool.info
-    cur = current_manager(read_nodes(pool))
-    current = cur.token if cur else 0
+    current = current_token(pool)
     out = []
-    per = info.max_nodes + 1
-    raw = rd["locks"][:info.lock_count * per * 64].reshape(info.lock_count, per * 64)
-    mgr = raw[:, :64].copy().view(MGR_DTYPE).ravel()
+    stride = info.section("locks").entry_size      # a lock: its manager line, then a slot per node
+    line = MGR_DTYPE.itemsize
+    raw = rd["locks"][:info.lock_count * stride].reshape(info.lock_count, stride)
+    mgr = raw[:, :line].copy().view(MGR_DTYPE).ravel()
     for lid in np.flatnonzero(mgr["token"] > current)[:20]:
         out.append(Violation("locks", f"lock {lid}: grant token {token_text(int(mgr['token'][lid]))} "
                                       f"is above every manager claim ({token_text(current)})"))
     for lid in np.flatnonzero(mgr["granted_node"] > info.max_nodes)[:20]:
         out.append(Violation("locks", f"lock {lid}: granted to node {int(mgr['granted_node'][lid]) - 1}"
                                       f", outside 0..{info.max_nodes - 1}"))
-    slots = raw[:, 64:].copy().view(SLOT_DTYPE).reshape(info.lock_count, info.max_nodes)
-    bad = np.argwhere((slots["state"] == 2) & (slots["grant_token"] > current))
+    slots = raw[:, line:line + info.max_nodes * SLOT_DTYPE.itemsize].copy().view(SLOT_DTYPE)
+    slots = slots.reshape(info.lock_count, info.max_nodes)
+    bad = np.argwhere((slots["state"] == SLOT_LOCKED) & (slots["grant_token"] > current))
     for lid, node in bad[:20]:
         out.append(Violation("locks", f"lock {lid}: node {node} holds it under token "
                                       f"{token_text(int(slots['grant_token'][lid, node]))}, above "

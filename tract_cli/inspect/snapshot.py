@@ -9,23 +9,21 @@ The JSON schema is documented in docs/INSPECT.md.
 """
 from __future__ import annotations
 
-import socket
 import time
 import weakref
 
 import numpy as np
 
 from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
-from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE
-from tract_cli.core.locks import lock_name
-from tract_cli.core.nodes import current_manager, on_this_host, read_nodes, token_text
+from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_STATES, BUCKET_TOMBSTONE
+from tract_cli.core.locks import SLOT_STATES, SLOT_WAITING, lock_name
+from tract_cli.core.nodes import (NODE_NEVER, NODE_STATES, current_manager, on_this_host, read_nodes,
+                                  token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.units import format_duration
 
 SCHEMA_VERSION = 1
-LOCK_STATES = {0: "IDLE", 1: "WAITING", 2: "LOCKED"}
-BUCKET_STATES = ("EMPTY", "PENDING", "READY", "TOMBSTONE")
 RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
                  RECORD_RECLAIMING: "RECLAIMING"}
 VIEWS = ("nodes", "locks", "index", "alloc", "handoffs")
@@ -78,14 +76,19 @@ class Sections:
         return self._taken[name]
 
 
+def _node_state(state: int) -> str:
+    """An attached node's state by name ("unknown" for a value the core does not define)."""
+    return NODE_STATES[state] if state in NODE_STATES and state != NODE_NEVER else "unknown"
+
+
 def nodes_view(pool: Pool, now: int) -> dict:
     table = read_nodes(pool)
     rows = []
     for r in table:
-        if r.state == 0 and not r.heartbeat_ns:
+        if r.state == NODE_NEVER and not r.heartbeat_ns:
             continue
         local = on_this_host(r)
-        rows.append({"node": r.node, "state": {1: "alive", 2: "left"}.get(r.state, "unknown"),
+        rows.append({"node": r.node, "state": _node_state(r.state),
                      "agent_pid": r.agent_pid, "epoch": r.epoch, "hostname": r.hostname,
                      "heartbeat_age_s": _age(now, r.heartbeat_ns), "live": r.alive(),
                      "manager": r.manager, "standby": r.standby,
@@ -103,17 +106,17 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
     pool = rd.pool
     info = pool.info
     raw = rd["locks"]
-    per = info.max_nodes + 1
+    stride = info.section("locks").entry_size      # a lock: its manager line, then a slot per node
+    line = MGR_DTYPE.itemsize
     out = []
-    me = socket.gethostname()[:23]
     table = read_nodes(pool)
-    hosts = {r.node: r.hostname for r in table}
+    here_nodes = {r.node for r in table if on_this_host(r)}
     cur = current_manager(table)
     current = cur.token if cur else 0
     for lid in range(info.lock_count):
-        entry = raw[lid * per * 64:(lid + 1) * per * 64]
-        mgr = entry[:64].view(MGR_DTYPE)[0]
-        slots = entry[64:].view(SLOT_DTYPE)
+        entry = raw[lid * stride:(lid + 1) * stride]
+        mgr = entry[:line].view(MGR_DTYPE)[0]
+        slots = entry[line:line + info.max_nodes * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
         granted = int(mgr["granted_node"])
         granted = granted if 0 < granted <= info.max_nodes else 0
         row = {"id": lid, "name": lock_name(lid), "grants": int(mgr["grant_seq"]),
@@ -121,10 +124,10 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
                "held_s": None, "waiting": [], "flags": []}
         for n in range(info.max_nodes):
             st = int(slots[n]["state"])
-            if st not in LOCK_STATES:
+            if st not in SLOT_STATES:
                 row["flags"].append(f"node {n}: changing")
                 continue
-            if st == 1:
+            if st == SLOT_WAITING:
                 row["waiting"].append({"node": n, "pid": int(slots[n]["pid"]),
                                        "waited_s": _age(now, slots[n]["since_ns"])})
         if granted and int(mgr["token"]) != current:
@@ -137,7 +140,7 @@ def locks_view(rd: Sections, now: int, hold_warn_s: float) -> dict:
             row["held_s"] = _age(now, mgr["grant_ns"])
             # pids are checkable here on an emulated (single-host) region, or
             # when the holder node's agent runs on this host
-            here = pool.target.kind == "file" or hosts.get(granted - 1) == me
+            here = pool.target.kind == "file" or granted - 1 in here_nodes
             if here and pid and not pid_alive(pid):
                 row["flags"].append(f"holder pid {pid} is dead")
             if row["held_s"] is not None and row["held_s"] > hold_warn_s:
@@ -155,7 +158,7 @@ def index_view(rd: Sections, now: int) -> dict:
     stripes = info.index_stripes
     per = bs.count // stripes
     state = b["state"]
-    counts = {name: int((state == i).sum()) for i, name in enumerate(BUCKET_STATES)}
+    counts = {name: int((state == i).sum()) for i, name in BUCKET_STATES.items()}
     counts["changing"] = int((state > BUCKET_TOMBSTONE).sum())
     live = (state == BUCKET_PENDING) | (state == BUCKET_READY)
     # probe length: distance from the key's home bucket inside its stripe
