@@ -211,6 +211,9 @@ void tract_set_movnt_threshold(uint64_t bytes);
 
 /* ---- layout and format ---- */
 
+/* Bytes per element of a TRACT_DTYPE_*, 0 if unknown (the one table; Python reads it). */
+uint32_t tract_dtype_size(uint32_t dtype);
+
 /* Computes the layout of a region without touching memory. */
 int tract_layout_compute(const struct tract_format_params *p,
 			 struct tract_section *out, uint32_t *out_count,
