@@ -394,9 +394,9 @@ enum {
 int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, uint64_t timeout_ns);
 
 /* Step 2 alone: gives back what the node's dead processes journaled (pins,
- * PENDING claims, bare slots): out[0] processes, out[1] pins, out[2] claims,
- * out[3] slots freed, out[4] partial (overflowed) journals. */
-int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns);
+ * PENDING claims, bare slots), counted in out's processes, pins, claims,
+ * slots and partial; its other fields are left as they are. */
+int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t timeout_ns);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
  * (a restarted host, an overflowed journal): their keys become writable; their
