@@ -124,8 +124,8 @@ static void erase(struct tract_journal_proc *p, uint32_t pos)
 	p->used--;
 }
 
-/* adds dpins to a key's pins and sets (claim > 0), clears (claim == 0 with
- * clear_claim) or keeps its claim (internal, journal_mu held) */
+/* adds dpins to a key's pins and, with set_claim, sets its claim to claim
+ * (0 clears it); without set_claim keeps it (internal, journal_mu held) */
 static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpins,
 		   int set_claim, uint32_t claim)
 {
