@@ -275,25 +275,6 @@ int tract_journal_retire(struct tract_journal_proc *p)
 	return overflowed;
 }
 
-/* Journal entries in use and keys journaled, for inspection. */
-int tract_journal_stats(const tract_region *r, uint64_t *out)
-{
-	if (!r || !out)
-		return TRACT_E_INVAL;
-	memset(out, 0, 3 * sizeof(*out));
-	if (!r->local || !r->local->journal_off)
-		return TRACT_E_NO_LOCAL;
-	const struct tract_journal_proc *p = procs(r);
-	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
-		if (!__atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE))
-			continue;
-		out[0]++;
-		out[1] += p[e].used;
-		out[2] += p[e].overflow;
-	}
-	return TRACT_OK;
-}
-
 /* The pids of this node's journal entries in use: up to cap into out, *n = all. */
 int tract_journal_pids(const tract_region *r, uint32_t *out, uint32_t cap, uint32_t *n)
 {

@@ -203,10 +203,7 @@ typedef struct tract_region tract_region;
 /* Returns the TRACT_CPU_* bits of this CPU (detected once). */
 uint32_t tract_cpu_features(void);
 
-/* Returns the byte count above which block copies use non-temporal stores. */
-uint64_t tract_movnt_threshold(void);
-
-/* Sets the non-temporal threshold (tests and benchmarks); 0 restores the default. */
+/* Sets the non-temporal threshold (tests); 0 restores the default. */
 void tract_set_movnt_threshold(uint64_t bytes);
 
 /* ---- layout and format ---- */
@@ -291,10 +288,6 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
  * invalidate, the caller made the range safe with tract_payload_acquire. */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
 
-/* Evicts this host's cached lines of n block slots, so zero-copy loads from
- * them (numpy / torch views) read what other hosts wrote. */
-int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
-
 /* Makes n slots safe to load from for payloads tags[i] (from a lookup; 0 or
  * NULL: unknown): evicts only the slots whose lines this node's caches may
  * hold of another payload (the payload ledger), one fence; *evicted (may be
@@ -325,9 +318,6 @@ uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);
 
 /* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */
 int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out);
-
-/* Copies with the core's copy routine between two private buffers (benchmarks). */
-void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
 
 /* ---- node-local segment (per node, in local DRAM, e.g. /dev/shm) ---- */
 
@@ -403,9 +393,6 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
  * slots come back with `tract check --repair`.  Busy stripes are skipped. */
 int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
 			     uint32_t *skipped);
-
-/* Journal entries in use, keys journaled, overflowed operations (out[0..3)). */
-int tract_journal_stats(const tract_region *r, uint64_t *out);
 
 /* The pids of this node's journal entries in use (processes attached to the
  * node, live or dead and not yet recovered): up to cap into out, *n = all. */
