@@ -158,8 +158,9 @@ void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len)
 	__sync_synchronize();     /* mfence: the streaming stores drain before anything later */
 }
 
-/* Copies with the core's copy routine between two private buffers (benchmarks). */
-void tract_memcpy_nt(void *dst, const void *src, uint64_t len)
+/* copies with the core's copy routine: non-temporal stores above the
+ * threshold, else memcpy (internal) */
+static void memcpy_nt(void *dst, const void *src, uint64_t len)
 {
 	if (len >= tract_movnt_threshold())
 		copy_nt(dst, src, len);
@@ -215,7 +216,7 @@ static void load_payload(tract_region *r, void *dst, uint64_t off, uint64_t len)
 	if (r->sim)
 		r->ops->load(r, off, dst, len);
 	else
-		tract_memcpy_nt(dst, r->base + off, len);
+		memcpy_nt(dst, r->base + off, len);
 }
 
 /* Copies len bytes from the region into private memory; evicts the range first if
@@ -245,13 +246,6 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 		r->ops->fence(r);
 	}
 	return TRACT_OK;
-}
-
-/* Evicts the payload lines of n slots (readers with no payload tags call this
- * before loading; tagged readers call tract_payload_acquire). */
-int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n)
-{
-	return tract_payload_acquire(r, slots, NULL, n, NULL);
 }
 
 /* CRC-32C of each of n slots' whole payload, in place (zero-copy writers record

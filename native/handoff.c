@@ -386,9 +386,6 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	return rc ? rc : rc2;
 }
 
-/* Reclaims records past their expiry at now_ns that were never
- * acknowledged; *count gets how many.  (A release a dead process left half
- * done is finished by its own node's agent: tract_handoff_recover.) */
 static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
 			 uint64_t timeout_ns);
 static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
@@ -397,6 +394,9 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
  * process left RECLAIMING, which two threads must not both resume */
 static pthread_mutex_t reclaim_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* Reclaims records past their expiry at now_ns that were never
+ * acknowledged; *count gets how many.  (A release a dead process left half
+ * done is finished by its own node's agent: tract_handoff_recover.) */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
 {
 	if (!r || !count)

@@ -373,6 +373,10 @@ uint64_t *tract_sim_ledger(tract_region *r);
 /* frees simulator state (internal) */
 void tract_sim_destroy(tract_region *r);
 
+/* the byte count above which block copies use non-temporal stores (cpu.c;
+ * TRACT_MOVNT_THRESHOLD, tract_set_movnt_threshold) (internal) */
+uint64_t tract_movnt_threshold(void);
+
 /* set once at CPU detection from TRACT_STRICT_PAYLOAD (cpu.c) (internal) */
 extern int tract_strict_payload;
 int tract_payload_strict(void);

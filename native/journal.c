@@ -124,8 +124,8 @@ static void erase(struct tract_journal_proc *p, uint32_t pos)
 	p->used--;
 }
 
-/* adds dpins to a key's pins and sets (claim > 0), clears (claim == 0 with
- * clear_claim) or keeps its claim (internal, journal_mu held) */
+/* adds dpins to a key's pins and, with set_claim, sets its claim to claim
+ * (0 clears it); without set_claim keeps it (internal, journal_mu held) */
 static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpins,
 		   int set_claim, uint32_t claim)
 {
@@ -273,25 +273,6 @@ int tract_journal_retire(struct tract_journal_proc *p)
 	memset(p->keys, 0, sizeof(p->keys));
 	__atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
 	return overflowed;
-}
-
-/* Journal entries in use and keys journaled, for inspection. */
-int tract_journal_stats(const tract_region *r, uint64_t *out)
-{
-	if (!r || !out)
-		return TRACT_E_INVAL;
-	memset(out, 0, 3 * sizeof(*out));
-	if (!r->local || !r->local->journal_off)
-		return TRACT_E_NO_LOCAL;
-	const struct tract_journal_proc *p = procs(r);
-	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
-		if (!__atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE))
-			continue;
-		out[0]++;
-		out[1] += p[e].used;
-		out[2] += p[e].overflow;
-	}
-	return TRACT_OK;
 }
 
 /* The pids of this node's journal entries in use: up to cap into out, *n = all. */

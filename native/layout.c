@@ -35,8 +35,8 @@ static uint64_t next_pow2(uint64_t v)
 	return p;
 }
 
-/* bytes per element of a dtype, 0 if unknown (internal) */
-static uint32_t dtype_size(uint32_t dtype)
+/* bytes per element of a dtype, 0 if unknown (tract.h) */
+uint32_t tract_dtype_size(uint32_t dtype)
 {
 	switch (dtype) {
 	case TRACT_DTYPE_F16:
@@ -65,7 +65,7 @@ static int check_params(const struct tract_format_params *p, uint64_t *block_byt
 		return TRACT_E_INVAL;
 	if (p->hash_scheme != TRACT_HASH_TRACT && p->hash_scheme != TRACT_HASH_VLLM_SHA256_CBOR)
 		return TRACT_E_INVAL;
-	uint32_t es = dtype_size(p->dtype);
+	uint32_t es = tract_dtype_size(p->dtype);
 	if (!es || p->dtype_bytes != es)
 		return TRACT_E_INVAL;
 	if (p->block_tokens < 1 || p->block_tokens > 4096 || p->num_layers < 1 ||

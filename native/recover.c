@@ -81,8 +81,8 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 
 /* gives back one journaled key of a dead process pid; TRACT_E_TIMEOUT leaves
  * what is not done yet in the key for the next heartbeat (internal) */
-static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid, uint64_t *out,
-		     uint64_t timeout_ns)
+static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
+		     struct tract_recovery *out, uint64_t timeout_ns)
 {
 	if (k->kind == 1) {
 		/* a bare slot: forgotten before anything else could own it */
@@ -91,7 +91,7 @@ static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
 			int rc = tract_free(r, &slot, 1, timeout_ns);
 			if (rc == TRACT_E_TIMEOUT)
 				return rc;
-			out[3] += rc == TRACT_OK;
+			out->slots += rc == TRACT_OK;
 		}
 		return TRACT_OK;
 	}
@@ -100,7 +100,7 @@ static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
 		int rc = tract_index_release_pins(r, k->key, k->pins, &released, timeout_ns);
 		if (rc == TRACT_E_TIMEOUT)
 			return rc;
-		out[1] += released;
+		out->pins += released;
 		k->pins = 0;            /* given back: never twice, even if the claim waits */
 	}
 	if (k->claim) {
@@ -109,8 +109,8 @@ static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
 		int rc = tract_index_drop_claim(r, k->key, pid, slot, &freed, timeout_ns);
 		if (rc == TRACT_E_TIMEOUT)
 			return rc;      /* the pins are done; the claim next time */
-		out[2] += rc == TRACT_OK;
-		out[3] += freed;
+		out->claims += rc == TRACT_OK;
+		out->slots += (uint64_t)freed;
 	}
 	return TRACT_OK;
 }
@@ -118,16 +118,16 @@ static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
 /*
  * Gives back what the node's dead processes journaled (step 2): their pins
  * (per key), their PENDING claims (bucket buried, slot freed when the bucket
- * is still theirs) and their bare slots.  out[0] processes recovered, out[1]
- * pins released, out[2] claims dropped, out[3] slots freed, out[4] journals
- * that had overflowed (recovered only in part).  Needs no lock of its own:
+ * is still theirs) and their bare slots, counted in OUT's processes, pins,
+ * claims, slots and partial (journals that had overflowed, recovered only in
+ * part); its other fields are left as they are.  Needs no lock of its own:
  * only one agent runs per node, and a dead process writes nothing.
  */
-int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
+int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t timeout_ns)
 {
 	if (!r || !out)
 		return TRACT_E_INVAL;
-	memset(out, 0, 5 * sizeof(*out));
+	out->processes = out->pins = out->claims = out->slots = out->partial = 0;
 	if (!r->local || !r->local->journal_off)
 		return TRACT_E_NO_LOCAL;
 	uint32_t cursor = 0;
@@ -141,8 +141,8 @@ int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns)
 				return rc;      /* the entry keeps the rest */
 			tract_journal_erase(p, pos);
 		}
-		out[4] += (uint64_t)tract_journal_retire(p);
-		out[0]++;
+		out->partial += (uint64_t)tract_journal_retire(p);
+		out->processes++;
 	}
 	return TRACT_OK;
 }
@@ -158,13 +158,7 @@ int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, u
 	int rc = tract_lock_recover(r, &out->locks);
 	if (rc < 0)
 		return rc;
-	uint64_t dead[5];
-	out->journal_rc = tract_recover_dead(r, dead, timeout_ns);
-	out->processes = dead[0];
-	out->pins = dead[1];
-	out->claims = dead[2];
-	out->slots = dead[3];
-	out->partial = dead[4];
+	out->journal_rc = tract_recover_dead(r, out, timeout_ns);
 	if (flags & TRACT_RECOVER_ORPHANS)
 		out->orphan_rc = tract_bury_orphan_claims(r, timeout_ns, &out->orphans_buried,
 							  &out->orphans_skipped);

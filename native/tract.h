@@ -203,13 +203,13 @@ typedef struct tract_region tract_region;
 /* Returns the TRACT_CPU_* bits of this CPU (detected once). */
 uint32_t tract_cpu_features(void);
 
-/* Returns the byte count above which block copies use non-temporal stores. */
-uint64_t tract_movnt_threshold(void);
-
-/* Sets the non-temporal threshold (tests and benchmarks); 0 restores the default. */
+/* Sets the non-temporal threshold (tests); 0 restores the default. */
 void tract_set_movnt_threshold(uint64_t bytes);
 
 /* ---- layout and format ---- */
+
+/* Bytes per element of a TRACT_DTYPE_*, 0 if unknown (the one table; Python reads it). */
+uint32_t tract_dtype_size(uint32_t dtype);
 
 /* Computes the layout of a region without touching memory. */
 int tract_layout_compute(const struct tract_format_params *p,
@@ -288,10 +288,6 @@ int tract_copy_in(tract_region *r, uint64_t dst_off, const void *src, uint64_t l
  * invalidate, the caller made the range safe with tract_payload_acquire. */
 int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, int invalidate);
 
-/* Evicts this host's cached lines of n block slots, so zero-copy loads from
- * them (numpy / torch views) read what other hosts wrote. */
-int tract_invalidate_slots(tract_region *r, const uint32_t *slots, uint32_t n);
-
 /* Makes n slots safe to load from for payloads tags[i] (from a lookup; 0 or
  * NULL: unknown): evicts only the slots whose lines this node's caches may
  * hold of another payload (the payload ledger), one fence; *evicted (may be
@@ -322,9 +318,6 @@ uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);
 
 /* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */
 int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out);
-
-/* Copies with the core's copy routine between two private buffers (benchmarks). */
-void tract_memcpy_nt(void *dst, const void *src, uint64_t len);
 
 /* ---- node-local segment (per node, in local DRAM, e.g. /dev/shm) ---- */
 
@@ -391,18 +384,15 @@ enum {
 int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, uint64_t timeout_ns);
 
 /* Step 2 alone: gives back what the node's dead processes journaled (pins,
- * PENDING claims, bare slots): out[0] processes, out[1] pins, out[2] claims,
- * out[3] slots freed, out[4] partial (overflowed) journals. */
-int tract_recover_dead(tract_region *r, uint64_t *out, uint64_t timeout_ns);
+ * PENDING claims, bare slots), counted in out's processes, pins, claims,
+ * slots and partial; its other fields are left as they are. */
+int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t timeout_ns);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
  * (a restarted host, an overflowed journal): their keys become writable; their
  * slots come back with `tract check --repair`.  Busy stripes are skipped. */
 int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *buried,
 			     uint32_t *skipped);
-
-/* Journal entries in use, keys journaled, overflowed operations (out[0..3)). */
-int tract_journal_stats(const tract_region *r, uint64_t *out);
 
 /* The pids of this node's journal entries in use (processes attached to the
  * node, live or dead and not yet recovered): up to cap into out, *n = all. */

@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record, relayed,  # noqa: E402
+from peer_common import (fill_and_compute, main, out, receiver_buffer, record, relayed,  # noqa: E402
                          sender_buffer)  # (importing it takes stdout: before the libraries)
 from mooncake.engine import TransferEngine  # noqa: E402
 

@@ -22,7 +22,7 @@ import threading
 import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+from peer_common import (fill_and_compute, main, out, receiver_buffer, record,  # noqa: E402
                          sender_buffer)  # (importing it takes stdout: before the libraries)
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 

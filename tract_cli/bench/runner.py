@@ -31,6 +31,7 @@ Reports say "modelled compute".
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import threading
 import time
@@ -43,7 +44,7 @@ from tract_cli.bench.driver import TransportResult, drive
 from tract_cli.bench.workloads import Request
 from tract_cli.core.errors import TractError
 
-WORKER_TIMEOUT_S = int(__import__("os").environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
+WORKER_TIMEOUT_S = int(os.environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
 
 
 PATTERN_BYTES = 4093           # a prime: the stand-in differs block to block

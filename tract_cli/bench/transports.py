@@ -43,9 +43,7 @@ import numpy as np
 
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import PENDING_WAIT_S, Ticket
-from tract_cli.core.index import PUT_CLAIMED, PUT_STATUS
-
-_STORED = PUT_STATUS.index("stored")
+from tract_cli.core.index import PUT_CLAIMED, PUT_STORED
 
 
 # ---- TCP framing: a 4-byte hello naming the sender, then each request's bytes ----
@@ -151,7 +149,7 @@ class CopyPrefill(_PoolPrefill):
         t["kv_write"] = time.perf_counter() - c
         self._stored(put)
         self._miss = miss
-        return put.status == _STORED
+        return put.status == PUT_STORED
 
 
 class ZeroCopyPrefill(_PoolPrefill):

@@ -10,28 +10,14 @@ code 1 (2 for bad options).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+import psutil
 
 from tract_cli.core.agent import (HEARTBEAT_S, TAKEOVER_AFTER_S, log, log_to_stderr,
                                   run_foreground)
+from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError
-
-
-def allowed_cpus() -> set[int]:
-    """Every CPU this process may run on (its cgroup's cpuset, else all online)."""
-    try:
-        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
-            text = f.read().strip()
-        cpus = set()
-        for part in filter(None, text.split(",")):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        if cpus:
-            return cpus
-    except (OSError, ValueError):
-        pass
-    return set(range(os.cpu_count() or 1))
 
 
 def leave_parent_pinning() -> None:
@@ -40,8 +26,8 @@ def leave_parent_pinning() -> None:
     that core next to the engine's busy-polling threads answered lock requests
     after up to a second."""
     try:
-        os.sched_setaffinity(0, allowed_cpus())
-    except (OSError, AttributeError):
+        psutil.Process().cpu_affinity(sorted(allowed_cpus()))
+    except (OSError, ValueError, psutil.Error):
         pass                      # not permitted here: stay where we are
 
 

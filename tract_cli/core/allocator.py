@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
+from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
 
 
@@ -13,7 +14,7 @@ class Allocator:
     def __init__(self, pool):
         self._pool = pool
 
-    def alloc(self, n: int, timeout: float = 30.0) -> np.ndarray:
+    def alloc(self, n: int, timeout: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
         """Allocates N slots (all or nothing) and returns their ids as uint32."""
         if n < 0:
             raise UsageError(f"cannot allocate {n} slots", "ask for zero or more")
@@ -26,7 +27,7 @@ class Allocator:
         raise_for(rc, f"{self._pool.path} allocator")
         return out
 
-    def free(self, slots, timeout: float = 30.0) -> None:
+    def free(self, slots, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Frees slot ids (any node's: foreign slots go back through the region)."""
         arr = np.ascontiguousarray(slots, dtype=np.uint32)
         rc = lib.tract_free(self._pool._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)),
@@ -38,7 +39,7 @@ class Allocator:
             raise UsageError("a slot id is outside the pool", "free only ids alloc() returned")
         raise_for(rc, f"{self._pool.path} allocator")
 
-    def drain(self, timeout: float = 30.0) -> None:
+    def drain(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Returns this node's cached free slots to the region."""
         raise_for(lib.tract_alloc_drain(self._pool._r(), int(timeout * 1e9)), "allocator drain")
 

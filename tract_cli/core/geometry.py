@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import pathlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 try:
     import tomllib
@@ -16,9 +17,28 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from tract_cli.core.errors import UsageError
+from tract_cli.core.native import lib
 
-DTYPES = {"f16": (1, 2), "bf16": (2, 2), "f32": (3, 4), "fp8": (4, 1)}
-DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+
+class KVDType(NamedTuple):
+    """One KV element type: the core's code and size, and how numpy and torch view it."""
+
+    code: int       # TRACT_DTYPE_* (tract.h), recorded in the header
+    size: int       # bytes per element, the core's tract_dtype_size
+    numpy: str      # the numpy dtype of a view (bf16 as its raw uint16)
+    torch: str      # the torch dtype of a view (fp8 as its raw uint8)
+
+
+def _kv_dtype(code: int, numpy: str, torch: str) -> KVDType:
+    return KVDType(code, lib.tract_dtype_size(code), numpy, torch)
+
+
+# the one dtype table of the package, by the names profiles use
+DTYPES = {"f16": _kv_dtype(lib.TRACT_DTYPE_F16, "float16", "float16"),
+          "bf16": _kv_dtype(lib.TRACT_DTYPE_BF16, "uint16", "bfloat16"),
+          "f32": _kv_dtype(lib.TRACT_DTYPE_F32, "float32", "float32"),
+          "fp8": _kv_dtype(lib.TRACT_DTYPE_FP8, "uint8", "uint8")}
+DTYPE_NAMES = {d.code: name for name, d in DTYPES.items()}
 _DTYPE_ALIASES = {"float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
                   "float32": "f32", "fp32": "f32", "float": "f32", "float8": "fp8",
                   "fp8_e4m3": "fp8"}
@@ -48,11 +68,11 @@ class Geometry:
 
     @property
     def dtype_code(self) -> int:
-        return DTYPES[self.dtype][0]
+        return DTYPES[self.dtype].code
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPES[self.dtype][1]
+        return DTYPES[self.dtype].size
 
     @property
     def bytes_per_token(self) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError, PoolFull,
                                    TransferTableFull, UsageError)
 from tract_cli.core.index import as_keys
+from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class Handoffs:
         self._pool = pool
 
     def publish(self, request_id: str | bytes, hashes, token_count: int, tail=None,
-                tail_tokens: int = 0, ttl: float = 30.0, timeout: float = 30.0,
+                tail_tokens: int = 0, ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S,
                 wait_s: float = 0.0) -> Ticket:
         """Pins the request's cached blocks for a decode side and writes the record.
 
@@ -216,7 +217,7 @@ class Handoffs:
         self._pool.invalidate_slots([rec.tail_slot])
         return self._pool.slots_array()[rec.tail_slot]
 
-    def ack(self, ticket: Ticket, timeout: float = 30.0, read=None) -> None:
+    def ack(self, ticket: Ticket, timeout: float = DEFAULT_TIMEOUT_S, read=None) -> None:
         """Done with the blocks: pins and slots are released, the record freed.
         READ: the slots this node loaded from (a `Received`'s, with its tail
         slot); if the record expired and was reclaimed meanwhile, those loads
@@ -230,7 +231,7 @@ class Handoffs:
                                "(expired and reclaimed?)", "acknowledge before the expiry")
         raise_for(rc, f"{self._pool.path} handoff ack")
 
-    def reclaim(self, now_ns: int | None = None, timeout: float = 30.0) -> int:
+    def reclaim(self, now_ns: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
         """Reclaims expired records (the node agent calls this); returns how many."""
         out = ffi.new("uint32_t *")
         rc = lib.tract_handoff_reclaim(self._pool._r(), now_ns or time.time_ns(), out,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, RequestTooLarge, UsageError
+from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class PrefixIndex:
     def _u32(self, a: np.ndarray):
         return ffi.cast("uint32_t *", ffi.from_buffer(a))
 
-    def lookup(self, hashes, timeout: float = 30.0) -> Lookup:
+    def lookup(self, hashes, timeout: float = DEFAULT_TIMEOUT_S) -> Lookup:
         """Pins and returns the longest run of leading READY blocks."""
         keys = as_keys(hashes)
         n = len(keys)
@@ -116,7 +117,7 @@ class PrefixIndex:
         h = hits[0]
         return Lookup(keys, h, slots[:h], tokens[:h], sums[:h], tags[:h])
 
-    def unpin(self, lookup_or_hashes, timeout: float = 30.0) -> None:
+    def unpin(self, lookup_or_hashes, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Unpins the blocks of a Lookup (or keys this node pinned)."""
         keys = (lookup_or_hashes.keys[:lookup_or_hashes.hits]
                 if isinstance(lookup_or_hashes, Lookup) else as_keys(lookup_or_hashes))
@@ -127,7 +128,7 @@ class PrefixIndex:
         raise_for(rc, f"{self._pool.path} index unpin")
 
     def put(self, hashes, kv, tokens=None, checksum: bool = False, pin: bool = False,
-            timeout: float = 30.0) -> PutResult:
+            timeout: float = DEFAULT_TIMEOUT_S) -> PutResult:
         """Stores block i of KV (shape (n, ...) with block_bytes per row) under key i.
 
         Keys already READY or being written (PENDING) are skipped and reported.
@@ -165,7 +166,7 @@ class PrefixIndex:
         if rc == lib.TRACT_E_FULL:
             raise PoolFull("the pool is full and every block in it is pinned", fix)
 
-    def reserve(self, hashes, pin: bool = False, timeout: float = 30.0):
+    def reserve(self, hashes, pin: bool = False, timeout: float = DEFAULT_TIMEOUT_S):
         """Zero-copy put, step 1: claims absent keys and allocates their slots.
 
         Returns (status, slots); write block i into `pool.slot_array(slots[i])`
@@ -186,7 +187,7 @@ class PrefixIndex:
 
     def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
                pin: bool = False, tokens=None, checksums=None, streamed: bool = False,
-               timeout: float = 30.0) -> PutResult:
+               timeout: float = DEFAULT_TIMEOUT_S) -> PutResult:
         """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed;
         with PIN, published pinned by this node (as put(pin=True)).  TOKENS (per
         key; default a full block) and CHECKSUMS (per key, `Pool.checksum_slots`
@@ -276,7 +277,7 @@ class PrefixIndex:
             raise_for(rc, f"{self._pool.path} index tags")
         return out
 
-    def evict(self, count: int, timeout: float = 30.0) -> int:
+    def evict(self, count: int, timeout: float = DEFAULT_TIMEOUT_S) -> int:
         """Evicts up to COUNT unpinned blocks, least recently used first."""
         out = ffi.new("uint32_t *")
         raise_for(lib.tract_index_evict(self._pool._r(), count, out, int(timeout * 1e9)), "evict")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
+from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import lib, ffi, raise_for
 
 
@@ -28,7 +29,7 @@ class ObjectStore:
                              "shorten the name")
         return raw
 
-    def put(self, name: str, offset: int, size: int, timeout: float = 30.0) -> None:
+    def put(self, name: str, offset: int, size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Publishes NAME -> (OFFSET, SIZE bytes) in the region."""
         rc = lib.tract_obj_put(self._pool._r(), self._name(name), offset, size, int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
@@ -47,7 +48,7 @@ class ObjectStore:
         raise_for(rc, f"object {name!r}")
         return ObjectRef(off[0], size[0])
 
-    def delete(self, name: str, timeout: float = 30.0) -> bool:
+    def delete(self, name: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
         """Removes NAME; returns False if it was absent."""
         rc = lib.tract_obj_delete(self._pool._r(), self._name(name), int(timeout * 1e9))
         if rc == lib.TRACT_E_NOT_FOUND:

@@ -16,7 +16,7 @@ import numpy as np
 from tract_cli.core import medium
 from tract_cli.core.errors import (FlushModeError, GeometryMismatchError, TractError,
                                    UsageError)
-from tract_cli.core.geometry import Geometry, ModelProfile, load_model
+from tract_cli.core.geometry import DTYPES, Geometry, ModelProfile, load_model
 from tract_cli.core.header import RegionInfo, decode_header
 from tract_cli.core.native import (FLUSH_MODE_NAMES, FLUSH_MODES, ffi, flush_mode_supported,
                                    lib, raise_for)
@@ -29,8 +29,6 @@ from tract_cli.core.locks import Locks
 from tract_cli.core.objects import ObjectStore
 from tract_cli.core.region import FormatOptions, format_region
 
-_NUMPY_DTYPES = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "fp8": np.uint8}
-_TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "fp8": "uint8"}
 # set bits of each byte value: a bitmap's population count in one numpy gather
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
 
@@ -366,7 +364,7 @@ class Pool:
         bf16 has no numpy dtype: its view is uint16 holding the raw bits.
         """
         g = self.geometry
-        dtype = _NUMPY_DTYPES[g.dtype]
+        dtype = DTYPES[g.dtype].numpy
         return self.slot_bytes(slot).view(dtype).reshape(g.block_shape)
 
     def acquire_payload(self, slots, tags=None) -> int:
@@ -457,7 +455,7 @@ class Pool:
         self._r()
         if self._area_np is None:
             g = self.geometry
-            dtype = np.dtype(_NUMPY_DTYPES[g.dtype])
+            dtype = np.dtype(DTYPES[g.dtype].numpy)
             strides = self._block_strides(dtype.itemsize)
             self._area_np = np.ndarray((self.info.slot_count,) + tuple(g.block_shape), dtype,
                                        buffer=self._mm, offset=self._data_offset,
@@ -486,7 +484,7 @@ class Pool:
         elem = g.dtype_bytes
         strides = self._block_strides(elem)
         n = self.info.slot_count
-        flat = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
+        flat = torch.frombuffer(self._mm, dtype=getattr(torch, DTYPES[g.dtype].torch),
                                 count=((n - 1) * self._stride + self.info.block_bytes) // elem,
                                 offset=self._data_offset)
         return flat.as_strided([n] + list(g.block_shape), strides)
@@ -496,7 +494,7 @@ class Pool:
         torch = _torch()
         g = self.geometry
         self._r()
-        t = torch.frombuffer(self._mm, dtype=getattr(torch, _TORCH_DTYPES[g.dtype]),
+        t = torch.frombuffer(self._mm, dtype=getattr(torch, DTYPES[g.dtype].torch),
                              count=self.info.block_bytes // g.dtype_bytes,
                              offset=self.slot_offset(slot))
         return t.view(g.block_shape)

@@ -9,7 +9,7 @@ wrappers and what they report.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tract_cli.core.errors import TractError
 from tract_cli.core.native import ffi, lib, raise_for
@@ -33,6 +33,11 @@ class Recovered:
             text += (f"; {self.partial} journal(s) had overflowed: run `tract check --repair` "
                      "offline for the rest")
         return text
+
+    @classmethod
+    def from_c(cls, rep) -> Recovered:
+        """The fields of a `struct tract_recovery` of the same names."""
+        return cls(**{f.name: int(getattr(rep, f.name)) for f in fields(cls)})
 
 
 @dataclass
@@ -63,9 +68,7 @@ def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecover
             except TractError as err:
                 errors.append((step, err))
     # (a step that timed out reports what it did before the busy lock)
-    dead = Recovered(int(rep.processes), int(rep.pins), int(rep.claims), int(rep.slots),
-                     int(rep.partial))
-    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
+    return NodeRecovery(locks=int(rep.locks), dead=Recovered.from_c(rep), orphans=int(rep.orphans_buried),
                         orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
                         handoffs=int(rep.handoffs), errors=tuple(errors))
 
@@ -74,9 +77,9 @@ def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
     """Gives back what this node's dead processes held in the index: their
     journaled pins and unfinished (PENDING) writes with their slots (the
     journal step of `recover_node` alone)."""
-    out = ffi.new("uint64_t[5]")
-    rc = lib.tract_recover_dead(pool._r(), out, int(timeout * 1e9))
+    rep = ffi.new("struct tract_recovery *")
+    rc = lib.tract_recover_dead(pool._r(), rep, int(timeout * 1e9))
     if rc == lib.TRACT_E_TIMEOUT:
         return Recovered()           # a stripe lock was busy: the next heartbeat retries
     raise_for(rc, "recovery of dead processes")
-    return Recovered(*(int(v) for v in out))
+    return Recovered.from_c(rep)

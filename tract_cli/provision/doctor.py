@@ -39,7 +39,7 @@ def _target_info(target: str | None):
     info = None
     if t.kind != "missing":
         from tract_cli.core.region import probe
-        kind, info = probe(target, t) if t.kind == "file" else (None, None)
+        info = probe(target, t)[1] if t.kind == "file" else None
         if t.kind == "devdax":
             from tract_cli.core.pool import Pool
             try:

@@ -5,28 +5,11 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 from tract_cli.core import medium
+from tract_cli.core.cpu import format_cpu_list, online_cpus, parse_cpu_list
 from tract_cli.core.errors import UsageError
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                cpus.extend(range(lo, hi + 1))
-            else:
-                cpus.append(int(part))
-        except ValueError:
-            raise UsageError(f"cannot read CPU list {text!r}", "write it like 0-3,8") from None
-    return sorted(set(cpus))
 
 
 def _node_dir(node: int) -> str:
@@ -89,9 +72,10 @@ def pin(numa_node: int | None = None, cpus: str | None = None) -> list[int] | No
                              f"pin to its nearest CPU node: --numa-node {near}")
     else:
         chosen = parse_cpu_list(cpus)
-    available = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
-    bad = [c for c in chosen if c not in available]
+    online = online_cpus()
+    bad = [c for c in chosen if c not in online]
     if bad:
-        raise UsageError(f"CPUs {bad} do not exist here", f"use CPUs among 0-{(os.cpu_count() or 1) - 1}")
-    os.sched_setaffinity(0, chosen)
+        raise UsageError(f"CPUs {bad} are not online here",
+                         f"use CPUs among {format_cpu_list(online)}")
+    psutil.Process().cpu_affinity(chosen)
     return chosen

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from tract_cli.core.errors import UsageError
-from tract_cli.core.geometry import Geometry, ModelProfile, normalize_dtype
+from tract_cli.core.geometry import DTYPES, Geometry, ModelProfile, normalize_dtype
 from tract_cli.serve.checkpoint import read_safetensors
 from tract_cli.serve.tokenizer import read_json
 
-_TORCH_KV = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# the KV dtypes the reference engine computes in (of core.geometry.DTYPES; fp8 is not one)
+_ENGINE_KV = ("f32", "f16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UsageError(f"{self.num_heads} attention heads are not a multiple of "
                              f"{self.num_kv_heads} KV heads", "fix the model configuration")
-        if self.kv_dtype not in _TORCH_KV:
+        if self.kv_dtype not in _ENGINE_KV:
             raise UsageError(f"the reference engine stores KV as f32, f16 or bf16, not {self.kv_dtype}",
                              "use a profile with one of those dtypes")
 
@@ -57,7 +58,7 @@ class ModelConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return _TORCH_KV[self.kv_dtype]
+        return getattr(torch, DTYPES[self.kv_dtype].torch)
 
     @classmethod
     def from_profile(cls, profile: ModelProfile) -> "ModelConfig":
