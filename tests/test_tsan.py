@@ -2,15 +2,21 @@
 built here from this checkout with -fsanitize=thread, runs the lock
 manager's thread, a watcher of its state and four worker threads sharing one
 region handle; any data race on process memory fails the test (region memory
-is the cross-host protocol's, checked by the simulator: tests/tsan.supp)."""
+is the cross-host protocol's, checked by the simulator: tests/tsan.supp).
+The core's build and run are a minute of CPU that shares nothing with any
+other test: they run in the background while the suite goes on
+(tests/background.py), and the test that asserts on them runs last."""
 from __future__ import annotations
 
 import glob
 import os
+import pathlib
 import subprocess
 
 import pytest
 
+import background
+from background import Check, uses
 import sanitizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +28,8 @@ pytestmark = pytest.mark.skipif(sanitizers.runtime("tsan") is None,
 
 def _build(tmp_path, sources, name):
     exe = tmp_path / name
-    res = subprocess.run(["gcc", *FLAGS, "-I", os.path.join(ROOT, "native"), *sources,
-                          "-lpthread", "-o", str(exe)], capture_output=True, text=True, timeout=600)
+    res = background.run(["gcc", *FLAGS, "-I", os.path.join(ROOT, "native"), *sources,
+                          "-lpthread", "-o", str(exe)], timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return exe
 
@@ -31,7 +37,18 @@ def _build(tmp_path, sources, name):
 def _run(exe):
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66 suppressions="
            + os.path.join(ROOT, "tests", "tsan.supp")}
-    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, env=env)
+    return background.run([str(exe)], timeout=600, env=env)
+
+
+def core_under_tsan() -> subprocess.CompletedProcess:
+    """tests/tsan_threads.c with the whole core, built under ThreadSanitizer and run."""
+    sources = sorted(glob.glob(os.path.join(ROOT, "native", "*.c")))
+    exe = _build(pathlib.Path(background.session_dir("tract-tsan-")),
+                 [*sources, os.path.join(ROOT, "tests", "tsan_threads.c")], "tsan_threads")
+    return _run(exe)
+
+
+CORE = Check("tsan: the core's threaded paths", core_under_tsan, cost=20)
 
 
 def test_tsan_catches_a_race_here(tmp_path):
@@ -46,11 +63,9 @@ def test_tsan_catches_a_race_here(tmp_path):
     assert res.returncode == 66 and "data race" in res.stderr, res.stderr[-2000:]
 
 
-def test_the_threaded_paths_of_the_core_have_no_data_race(tmp_path):
-    sources = sorted(glob.glob(os.path.join(ROOT, "native", "*.c")))
-    exe = _build(tmp_path, [*sources, os.path.join(ROOT, "tests", "tsan_threads.c")],
-                 "tsan_threads")
-    res = _run(exe)
+@uses(CORE)
+def test_the_threaded_paths_of_the_core_have_no_data_race():
+    res = CORE.result()
     assert "ThreadSanitizer" not in res.stderr, res.stderr[-8000:]
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     assert "every operation succeeded" in res.stdout
