@@ -27,17 +27,21 @@ def handoff_s(rec: dict) -> float:
     return sum(t.get(k, 0.0) for k in ("kv_write", "handoff_publish", "handoff_open", "kv_read"))
 
 
-def memcpy_reference(nbytes: int, rounds: int = 3) -> float:
-    """Seconds for two copies of NBYTES (private -> buffer -> private), best of rounds."""
-    a = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
-    b, c = np.empty_like(a), np.empty_like(a)
-    np.copyto(b, a)
-    np.copyto(c, b)
+def memcpy_reference(nbytes: int, rounds: int = 3, copies: int = 2) -> float:
+    """The memcpy reference of `tract bench` (and of `--engine vllm`): seconds
+    for COPIES chained copies of NBYTES (private -> buffer -> private, numpy's
+    copyto: memcpy of contiguous bytes), the buffers faulted in first, best of
+    ROUNDS.  (`tract microbench copy` measures its own: glibc memcpy per block
+    into the pool's slots, `bench.micro.memcpy`.)"""
+    bufs = [np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)]
+    for _ in range(copies):
+        bufs.append(np.empty_like(bufs[0]))
+    copy_all = lambda: [np.copyto(dst, src) for src, dst in zip(bufs, bufs[1:])]
+    copy_all()                                   # fault them all in before timing
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
-        np.copyto(b, a)
-        np.copyto(c, b)
+        copy_all()
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -34,11 +34,12 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
+from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.serve.client import get_json, post_json, stream_events
 
 CONFIGS = ("tract", "example", "mono", "prefix")
 # the rows of a run: "prefix" gives two, a miss and the hit that follows it
@@ -54,28 +55,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str]:
     """Streams BODY; returns (monotonic time of the first token chunk, whole text)."""
-    req = urllib.request.Request(url, data=json.dumps(body | {"stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
     first, text = None, []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = chunk["choices"][0].get("text", "")
-            if first is None:
-                first = time.monotonic()
-            text.append(piece)
+    for chunk in stream_events(url, body | {"stream": True}, timeout):
+        if first is None:
+            first = time.monotonic()
+        text.append(chunk["choices"][0].get("text", ""))
     if first is None:
         raise TractError("a streamed completion returned no token", "see the server's log")
     return first, "".join(text)
@@ -239,7 +225,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     p, d = servers["prefill"], servers["decode"]
     model = _model(p)
     t0 = time.monotonic()
-    out = _post(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
+    out = post_json(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
                                                    "kv_transfer_params": {"do_remote_decode": True}})
     t1 = time.monotonic()
     params = out.get("kv_transfer_params")
@@ -257,8 +243,7 @@ _models: dict = {}
 
 def _model(server) -> str:
     if server.url not in _models:
-        with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as resp:
-            _models[server.url] = json.loads(resp.read())["data"][0]["id"]
+        _models[server.url] = get_json(server.url + "/v1/models", timeout=30)["data"][0]["id"]
     return _models[server.url]
 
 
@@ -277,24 +262,17 @@ def _connector_figures(decode_log: str, prefill_log: str) -> dict:
 
 
 def _memcpy_figures(kv: dict) -> dict:
-    """memcpy (numpy copy) of the same byte counts in this process: the reference."""
+    """memcpy of the same byte counts in this process, one copy per request
+    (`stats.memcpy_reference`): the reference."""
     out = {}
     for kind in ("loads", "saves"):
         rows = kv.get(kind) or []
         if not rows:
             continue
-        size = max(r["bytes"] for r in rows)
-        src = np.ones(size, np.uint8)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)                  # fault both in before timing
-        times = []
-        for r in rows:
-            t = time.perf_counter()
-            np.copyto(dst[:r["bytes"]], src[:r["bytes"]])
-            times.append((time.perf_counter() - t) * 1e3)
+        memcpy_ms = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         tract = sum(r["ms"] for r in rows)
-        out[kind] = {"tract_ms": tract, "memcpy_ms": sum(times),
-                     "ratio": tract / max(sum(times), 1e-9), "bytes": sum(r["bytes"] for r in rows)}
+        out[kind] = {"tract_ms": tract, "memcpy_ms": memcpy_ms,
+                     "ratio": tract / max(memcpy_ms, 1e-9), "bytes": sum(r["bytes"] for r in rows)}
     return out
 
 
