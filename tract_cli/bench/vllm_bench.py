@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -38,6 +37,7 @@ import time
 import numpy as np
 
 from tract_cli.bench.stats import memcpy_reference
+from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import get_json, post_json, stream_events
 
@@ -45,8 +45,6 @@ CONFIGS = ("tract", "example", "mono", "prefix")
 # the rows of a run: "prefix" gives two, a miss and the hit that follows it
 ROWS = ("tract", "example", "mono", "prefix-miss", "prefix-hit")
 EXAMPLE = {"kv_connector": "ExampleConnector"}
-LOAD_LINE = re.compile(r"TraCT: loaded (\d+) blocks \((\d+) bytes\) of request (\S+) in ([\d.]+) ms")
-SAVE_LINE = re.compile(r"TraCT: saved (\d+) blocks \((\d+) bytes\) in ([\d.]+) ms")
 
 
 def _port() -> int:
@@ -249,16 +247,13 @@ def _model(server) -> str:
 
 def _connector_figures(decode_log: str, prefill_log: str) -> dict:
     """The connector's own load and save timings (its INFO lines), per request."""
-    loads, saves = [], []
-    for line in open(decode_log, errors="replace"):
-        m = LOAD_LINE.search(line)
-        if m:
-            loads.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[4])})
-    for line in open(prefill_log, errors="replace"):
-        m = SAVE_LINE.search(line)
-        if m:
-            saves.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[3])})
-    return {"loads": loads[1:], "saves": saves[1:]}      # the first is the warm-up
+    rows = {"load": [], "save": []}
+    for path, kind in ((decode_log, "load"), (prefill_log, "save")):
+        for line in open(path, errors="replace"):
+            got = kvlog.parse(line)
+            if got and got[0] == kind:
+                rows[kind].append(got[1])
+    return {"loads": rows["load"][1:], "saves": rows["save"][1:]}      # the first is the warm-up
 
 
 def _memcpy_figures(kv: dict) -> dict:
