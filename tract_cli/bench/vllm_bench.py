@@ -291,26 +291,3 @@ def summarize(records: list[dict]) -> list[dict]:
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
                     "verified": all(checked) if checked else None})
     return out
-
-
-def plot(result: dict, path: str) -> None:
-    """TTFT CDF per input length, one line per configuration (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    lengths = sorted({r["input_len"] for r in result["records"]})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
-    for ax, n in zip(axes[0], lengths):
-        for config in ROWS:
-            t = sorted(r["ttft_s"] * 1e3 for r in result["records"]
-                       if r["config"] == config and r["input_len"] == n)
-            if t:
-                ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", label=config)
-        ax.set_title(f"{n} input tokens")
-        ax.set_xlabel("TTFT (ms)")
-        ax.set_ylim(0, 1.02)
-    axes[0][0].set_ylabel("CDF")
-    axes[0][0].legend()
-    fig.suptitle("vLLM (CPU) prefill/decode: TraCT vs ExampleConnector vs one vLLM")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
