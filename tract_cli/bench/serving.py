@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tract_cli.bench.micro import temp_region_path
+from tract_cli.bench.regions import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.pool import Pool
 from tract_cli.serve.client import post_json

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.bench import peers, prefix_sim, runner, stats
-from tract_cli.bench.micro import need_space, temp_region_path
+from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.bench.transports import kv_accounting
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
