@@ -27,6 +27,36 @@ def test_static_workload_is_seeded_and_shares_its_prefix():
     assert (a[0].tokens[:50] == a[1].tokens[:50]).all() and (a[0].tokens[50:] != a[1].tokens[50:]).any()
 
 
+def test_a_peer_checks_the_stand_in_the_runner_stamps(tmp_path):
+    """One stand-in KV (bench/standin.py): what the runner's side stamps passes a
+    peer's check, run as peers.py runs the adapters (python -I, peer_common by
+    path, nothing of TraCT), and a flipped byte fails it."""
+    import numpy as np
+
+    from tract_cli.bench import standin
+    bb, n, tb = 4096, 5, 1000
+    keys = np.random.default_rng(1).integers(0, 256, (n, 16), dtype=np.uint8)
+    buf = standin.stand_in(n * bb + tb)
+    standin.stamp(buf, keys, bb, "req-1", tb)
+    (tmp_path / "kv").write_bytes(buf.tobytes())
+    exp = {"rid": "req-1", "keys": keys.tobytes().hex(), "blocks": n, "block_bytes": bb,
+           "tail_bytes": tb, "slot": 0, "decode_s": 0.0, "arrival": 0.0, "tokens": 1,
+           "output_len": 1, "compute_s": 0.0}
+    bench = os.path.dirname(standin.__file__)
+    code = (f"import sys; sys.path.append({bench!r})\n"
+            "import json, numpy as np, peer_common as p\n"
+            f"buf = np.fromfile({str(tmp_path / 'kv')!r}, np.uint8)\n"
+            "exp = json.loads(sys.argv[1])\n"
+            "ok = p.record(buf, buf.size, exp, {}, every=1)['ok']\n"
+            f"buf[{bb + 20}] ^= 1\n"
+            "bad = p.record(buf, buf.size, exp, {}, every=1)['ok']\n"
+            "p.out([ok, bad, sorted(m for m in sys.modules if m.startswith('tract_cli'))])\n")
+    res = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(exp)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == [True, False, []]
+
+
 def test_bench_runs_every_transport_and_verifies_the_kv(tmp_path):
     out = tmp_path / "bench.json"
     res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "bench", "--model", "tiny",

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tract_cli.bench.micro import c_pointer, memcpy, release, temp_region_path
+from tract_cli.bench.micro import c_pointer, memcpy, release
+from tract_cli.bench.regions import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.geometry import load_model
 from tract_cli.core.hashing import block_hashes, pool_root

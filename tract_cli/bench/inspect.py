@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tract_cli.bench.micro import temp_region_path
+from tract_cli.bench.regions import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.geometry import Geometry, ModelProfile
 from tract_cli.core.hashing import block_hashes, pool_root

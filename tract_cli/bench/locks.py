@@ -8,7 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from tract_cli.bench.micro import temp_region_path
+from tract_cli.bench.regions import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.pool import Pool

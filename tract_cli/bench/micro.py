@@ -6,25 +6,23 @@ round, and as the median over rounds.
 """
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 from cffi import FFI
 
-from tract_cli.core import medium
-from tract_cli.core.errors import NoSpaceError
+from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.core.geometry import load_model
 from tract_cli.core.pool import Pool
-from tract_cli.core.region import FormatOptions, format_region, remove_region
-from tract_cli.core.units import format_size
+from tract_cli.core.region import FormatOptions, format_region
 
-# the reference the core's copies are measured against: glibc memcpy, through
-# an FFI of its own (the core's C library plays no part in it)
+# the reference the core's copies are measured against here: glibc memcpy per
+# block between raw pointers (into the pool's slot views), through an FFI of
+# its own (the core's C library plays no part in it); `tract bench`'s
+# reference is a different measurement, whole-request numpy copies between
+# private buffers (stats.memcpy_reference)
 _libc_ffi = FFI()
 _libc_ffi.cdef("void *memcpy(void *dst, const void *src, size_t n);")
 _libc = _libc_ffi.dlopen(None)
@@ -46,28 +44,6 @@ def release(*pointers) -> None:
 def memcpy(dst, src, n: int) -> None:
     """glibc memcpy of N bytes between `c_pointer`s: the reference copy."""
     _libc.memcpy(dst, src, n)
-
-
-@contextmanager
-def temp_region_path(directory: str = "/dev/shm"):
-    """A region path in DIRECTORY, removed afterwards (also on Ctrl-C)."""
-    fd, path = tempfile.mkstemp(prefix="tract-bench-", suffix=".pool", dir=directory)
-    os.close(fd)
-    os.unlink(path)
-    try:
-        yield path
-    finally:
-        remove_region(path)
-
-
-def need_space(path: str, size: int) -> None:
-    """Raises NoSpaceError unless PATH's file system has SIZE bytes free (a
-    temporary region's room, checked before anything is written)."""
-    free = medium.free_bytes(path)
-    if free < size:
-        raise NoSpaceError(f"the benchmark needs {format_size(size)} in "
-                           f"{os.path.dirname(path)}, {format_size(free)} free",
-                           "free space or pass a smaller --size")
 
 
 @dataclass

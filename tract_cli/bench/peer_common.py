@@ -1,7 +1,9 @@
 """What the peer adapters (peer_nixl.py, peer_mooncake.py, peer_lmcache.py)
-share: the protocol channel, the stand-in KV, the sender's stamp-and-compute
-step, the receiver's check and record, and the command line.  Standalone like them: numpy only,
-nothing of TraCT (they run in the peer's own virtual environment).
+share: the protocol channel, the stand-in KV's buffers, the sender's
+stamp-and-compute step, the receiver's check and record, and the command line.
+Standalone like them: numpy only, nothing of TraCT (they run in the peer's own
+virtual environment); the stand-in itself is standin.py's, which the runner
+imports too.
 
 Importing this module takes the process's stdout for the protocol and sends
 whatever the peer libraries print to stderr, so import it before them.
@@ -22,23 +24,15 @@ import numpy as np  # noqa: E402
 GEOMETRY = {"block_bytes": 0, "block_tokens": 0}
 
 
-# the stand-in KV, as runner.py makes it (this module imports nothing of TraCT):
-# a fixed function of the byte's position, each block's key stamped into its
-# first 16 bytes, the request's stamp into the tail's
-PATTERN_BYTES = 4093
-_PATTERN = ((np.arange(PATTERN_BYTES, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(7)
-            & np.uint64(0xFF)).astype(np.uint8)
-
-
-def pattern_at(offset: int, length: int) -> np.ndarray:
-    rolled = np.roll(_PATTERN, -(offset % PATTERN_BYTES))
-    return np.tile(rolled, -(-length // PATTERN_BYTES))[:length] if length else rolled[:0]
+# the stand-in KV, the runner's own (standin.py: numpy only, imported by path
+# as this module is): the sender stamps it, the receiver checks it
+from standin import block_ok, sleep_until, stamp, stand_in, tail_ok  # noqa: E402,F401
 
 
 def sender_buffer(capacity: int) -> np.ndarray:
     """The sender's buffer, the stand-in KV of the longest request in it: made
     at start, before the driver's clock (a GPU has its KV when compute ends)."""
-    return np.ascontiguousarray(pattern_at(0, capacity))
+    return stand_in(capacity)
 
 
 def receiver_buffer(nbytes: int) -> np.ndarray:
@@ -47,16 +41,6 @@ def receiver_buffer(nbytes: int) -> np.ndarray:
     buf = np.empty(nbytes, np.uint8)
     buf.fill(0)
     return buf
-
-
-def tail_stamp(rid: str) -> np.ndarray:
-    import hashlib
-    return np.frombuffer(hashlib.blake2b(rid.encode(), digest_size=16).digest(), np.uint8)
-
-
-def sleep_until(deadline: float) -> None:
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(left)
 
 
 def out(obj) -> None:
@@ -75,10 +59,7 @@ def fill_and_compute(buf: np.ndarray, req: dict) -> tuple[dict, int]:
     start = time.monotonic()
     t = {"queue": start - req["arrival"]}
     n, bb, tb = req["blocks"], req["block_bytes"], req["tail_bytes"]
-    if n:
-        buf[:n * bb].reshape(n, bb)[:, :16] = keys_of(req)
-    k = min(16, tb)
-    buf[n * bb:n * bb + k] = tail_stamp(req["rid"])[:k]
+    stamp(buf, keys_of(req), bb, req["rid"], tb)
     sleep_until(start + req["compute_s"])
     t["compute"] = time.monotonic() - start
     return t, n * bb + tb
@@ -96,15 +77,8 @@ def record(buf: np.ndarray, capacity: int, exp: dict, t: dict, every: int = 0) -
     base = exp["slot"] * capacity
     keys = keys_of(exp)
     which = sorted({0, n - 1} | set(range(0, n, every) if every else ())) if n else []
-    ok = True
-    for i in which:
-        b = buf[base + i * bb:base + (i + 1) * bb]
-        ok = ok and np.array_equal(b[:16], keys[i]) and \
-            np.array_equal(b[16:], pattern_at(i * bb + 16, bb - 16))
-    tail = buf[base + n * bb:base + n * bb + tb]
-    k = min(16, tb)
-    ok = ok and np.array_equal(tail[:k], tail_stamp(exp["rid"])[:k]) and \
-        np.array_equal(tail[k:], pattern_at(n * bb + k, tb - k))
+    ok = all(block_ok(buf[base + i * bb:base + (i + 1) * bb], i, keys[i], bb) for i in which) \
+        and tail_ok(buf[base + n * bb:base + n * bb + tb], n, bb, exp["rid"])
     return {"rid": exp["rid"], "t": t, "ok": bool(ok), "hits": 0, "blocks": n,
             "tokens": exp["tokens"], "output_len": exp["output_len"], "ttft": ttft,
             "e2e": ttft + max(exp["output_len"] - 1, 0) * exp["decode_s"], "prefill": 0,

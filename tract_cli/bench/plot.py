@@ -1,6 +1,7 @@
 """`tract bench --plot FILE.png`: the TTFT CDF per transport (one panel per
-input length of a sweep) and the mean time per stage (matplotlib, the `plot`
-extra)."""
+input length of a sweep) and the mean time per stage; with `--engine vllm`,
+the TTFT CDF per configuration, one panel per input length (matplotlib, the
+`plot` extra)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,10 +10,32 @@ from tract_cli.bench import stats
 from tract_cli.core.errors import UsageError
 
 
-def plot_results(res, path: str, title: str) -> None:
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _cdf(ax, ms, label: str, color=None):
+    """One TTFT CDF line (MS: the requests' TTFTs in milliseconds) on AX."""
+    ms = np.sort(ms)
+    line, = ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=label,
+                    drawstyle="steps-post", color=color)
+    return line
+
+
+def _save(plt, fig, path: str, dpi: int) -> None:
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_results(res, path: str, title: str) -> None:
+    plt = _pyplot()
 
     groups = list(dict.fromkeys(s.get("group") for s in res.summaries))
     fig, axes = plt.subplots(1, len(groups) + 1, figsize=(4.6 * (len(groups) + 1), 4.6),
@@ -20,12 +43,9 @@ def plot_results(res, path: str, title: str) -> None:
     colors = {}
     for ax, group in zip(axes[0], groups):
         for tr, recs in res.records.items():
-            ttft = np.sort([r["ttft"] * 1e3 for r in recs if r.get("group") == group])
-            if not len(ttft):
-                continue
-            line, = ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=tr,
-                            drawstyle="steps-post", color=colors.get(tr))
-            colors[tr] = line.get_color()
+            ttft = [r["ttft"] * 1e3 for r in recs if r.get("group") == group]
+            if ttft:
+                colors[tr] = _cdf(ax, ttft, tr, colors.get(tr)).get_color()
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_title("TTFT CDF" + (f", {group} tokens in" if group is not None else ""))
@@ -48,9 +68,26 @@ def plot_results(res, path: str, title: str) -> None:
     bars.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
-    finally:
-        plt.close(fig)
+    _save(plt, fig, path, 100)
+
+
+def plot_vllm(result: dict, path: str, rows) -> None:
+    """`--engine vllm`: TTFT CDF per input length, one line per configuration
+    (ROWS, in their order)."""
+    plt = _pyplot()
+    lengths = sorted({r["input_len"] for r in result["records"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        for config in rows:
+            t = [r["ttft_s"] * 1e3 for r in result["records"]
+                 if r["config"] == config and r["input_len"] == n]
+            if t:
+                _cdf(ax, t, config)
+        ax.set_title(f"{n} input tokens")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("CDF")
+    axes[0][0].legend()
+    fig.suptitle("vLLM (CPU) prefill/decode: TraCT vs ExampleConnector vs one vLLM")
+    fig.tight_layout()
+    _save(plt, fig, path, 110)

@@ -12,17 +12,15 @@ prompt (computed after the transport's run, outside every timed stage).
 """
 from __future__ import annotations
 
-import json
 import queue
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from tract_cli.bench.driver import TransportResult, drive
 from tract_cli.core.errors import TractError
+from tract_cli.serve.client import HttpError, post_json
 from tract_cli.serve.launch import WorkerProcess
 
 KV_MODES = {"tract-copy": "copy", "tract-zero-copy": "zero-copy"}
@@ -83,20 +81,14 @@ class RealCluster:
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            msg = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError, OSError):
-            msg = exc.reason
-        raise TractError(f"the serving path answered {exc.code}: {msg}",
+        return post_json(url, body, timeout=REQUEST_TIMEOUT_S)
+    except HttpError as exc:
+        if exc.status is None:
+            raise TractError(f"the serving path is unreachable ({exc.message})",
+                             "check the workers") from None
+        raise TractError(f"the serving path answered {exc.status}: {exc.message}",
                          "see the worker's log line above") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise TractError(f"the serving path is unreachable ({exc})", "check the workers") from None
 
 
 def run_transport(cluster: RealCluster, transport: str, requests, vocab: int, block_tokens: int,

@@ -12,8 +12,9 @@ What is timed is the KV path, never the harness:
 
 - the stand-in KV exists before the clock starts, as a GPU's KV is in its
   memory when its compute ends: each prefill worker makes one buffer of
-  stand-in blocks (`stand_in`) at start, and per request only stamps each
-  block's key into its first 16 bytes (and the request's into the tail);
+  stand-in blocks (`bench.standin`, shared with the peers) at start, and per
+  request only stamps each block's key into its first 16 bytes (and the
+  request's into the tail);
 - modelled compute is exactly the model: the worker sleeps until
   start + tokens computed / the profile's prefill rate (`Compute`), doing
   no work that competes for the CPUs (zero-copy's stores into the slots it
@@ -41,65 +42,11 @@ import numpy as np
 
 from tract_cli.bench import transports
 from tract_cli.bench.driver import TransportResult, drive
+from tract_cli.bench.standin import block_ok, sleep_until, stamp, stand_in, tail_ok
 from tract_cli.bench.workloads import Request
 from tract_cli.core.errors import TractError
 
 WORKER_TIMEOUT_S = int(os.environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))
-
-
-PATTERN_BYTES = 4093           # a prime: the stand-in differs block to block
-_PATTERN = ((np.arange(PATTERN_BYTES, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(7)
-            & np.uint64(0xFF)).astype(np.uint8)
-
-
-def pattern_at(offset: int, length: int) -> np.ndarray:
-    """The stand-in bytes at OFFSET..OFFSET+LENGTH of a request's KV (blocks,
-    then the tail), before stamps: a fixed function of the position."""
-    rolled = np.roll(_PATTERN, -(offset % PATTERN_BYTES))
-    return np.tile(rolled, -(-length // PATTERN_BYTES))[:length] if length else rolled[:0]
-
-
-def stand_in(blocks: int, block_bytes: int, tail_bytes: int = 0) -> np.ndarray:
-    """A flat buffer of BLOCKS stand-in blocks and a tail, made once (before the
-    clock): a request's KV is its first n blocks (and tail) once stamped."""
-    return np.ascontiguousarray(pattern_at(0, blocks * block_bytes + tail_bytes))
-
-
-def tail_stamp(rid: str) -> np.ndarray:
-    """The 16 bytes that mark a request's tail."""
-    import hashlib
-    return np.frombuffer(hashlib.blake2b(rid.encode(), digest_size=16).digest(), np.uint8)
-
-
-def stamp(buf: np.ndarray, keys: np.ndarray, block_bytes: int, rid: str, tail_bytes: int) -> None:
-    """Marks a request's KV in BUF (flat stand-in): each block's first 16 bytes
-    are its key, the tail's its request's stamp.  Microseconds."""
-    n = len(keys)
-    if n:
-        buf[:n * block_bytes].reshape(n, block_bytes)[:, :16] = keys
-    k = min(16, tail_bytes)
-    buf[n * block_bytes:n * block_bytes + k] = tail_stamp(rid)[:k]
-
-
-def block_ok(block: np.ndarray, i: int, key: np.ndarray, block_bytes: int, computed: bool) -> bool:
-    """Block I of a request as the decode side got it: its key in the first 16
-    bytes and, when this request computed it, the stand-in bytes in full."""
-    b = block.reshape(-1)
-    if not np.array_equal(b[:16], key):
-        return False
-    return not computed or np.array_equal(b[16:], pattern_at(i * block_bytes + 16, block_bytes - 16))
-
-
-def tail_ok(tail: np.ndarray, n: int, block_bytes: int, rid: str) -> bool:
-    k = min(16, tail.size)
-    return np.array_equal(tail[:k], tail_stamp(rid)[:k]) and \
-        np.array_equal(tail[k:], pattern_at(n * block_bytes + k, tail.size - k))
-
-
-def sleep_until(deadline: float) -> None:
-    """Sleeps until DEADLINE on the monotonic clock (modelled compute)."""
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(left)
 
 
 @dataclass(frozen=True)
@@ -127,7 +74,7 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
     bb, bt, bpt = info.block_bytes, g.block_tokens, info.bytes_per_token
     root = pool_root(info)
     # the stand-in KV of the longest request, made before the clock starts
-    kv_all = stand_in(max_tokens // bt, bb, bt * bpt)
+    kv_all = stand_in(max_tokens // bt * bb + bt * bpt)
     side = transports.prefill_side(transport, pool)
     side.connect(index, decode_ports)
     ctl.send("ready")                                    # the driver's clock starts after this

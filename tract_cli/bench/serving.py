@@ -11,27 +11,19 @@ acknowledge) and its share of the TTFT.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-import urllib.request
 
 import numpy as np
 
-from tract_cli.bench.micro import temp_region_path
+from tract_cli.bench.regions import temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.pool import Pool
+from tract_cli.serve.client import post_json
 from tract_cli.serve.engine import Engine, Sampling
 from tract_cli.serve.launch import WorkerProcess
 
 MODES = ("copy", "zero-copy")
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read())
 
 
 def bench_serving(lengths: list[int], rounds: int, profile: str = "tiny-llama",
@@ -55,7 +47,7 @@ def bench_serving(lengths: list[int], rounds: int, profile: str = "tiny-llama",
             dec = WorkerProcess("serve-decode", "--pool", path, "--node", "2", "--prefill", pre.url,
                                 "--model-profile", profile, *extra)
             workers.append(dec)
-            _post(dec.url + "/v1/completions", {"prompt": "warm up", "max_tokens": 2})
+            post_json(dec.url + "/v1/completions", {"prompt": "warm up", "max_tokens": 2})
             for n in lengths:
                 base = []
                 for _ in range(rounds):
@@ -74,7 +66,7 @@ def bench_serving(lengths: list[int], rounds: int, profile: str = "tiny-llama",
                     for _ in range(rounds):
                         tokens = [int(t) for t in rng.integers(0, 256, n)]   # cold: no hit
                         c = time.perf_counter()
-                        r = _post(dec.url + "/v1/completions",
+                        r = post_json(dec.url + "/v1/completions",
                                   {"prompt": tokens, "max_tokens": 1, "temperature": 0,
                                    "kv_mode": mode})
                         client.append(time.perf_counter() - c)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.bench import peers, prefix_sim, runner, stats
-from tract_cli.bench.micro import need_space, temp_region_path
+from tract_cli.bench.regions import need_space, temp_region_path
+from tract_cli.bench.transports import kv_accounting
 from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
 from tract_cli.core.agent_launch import IDLE_EXIT_S, ensure_agent
@@ -221,7 +222,10 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
                 else:
                     res = runner.run_transport(path, tr, reqs, compute, prefill_workers,
                                                decode_workers, progress=tick)
-                s = stats.summarize(res, g.block_bytes, g.block_tokens)
+                kv = kv_accounting(tr)
+                s = stats.summarize(res, g.block_bytes, g.block_tokens,
+                                    prefix_cache=kv.prefix_cache,
+                                    kv_bytes_moved=kv.kv_bytes_moved)
                 s["group"] = label
                 summaries.append(s)
                 for rec in res.records:

@@ -79,10 +79,18 @@ def recv_exact(conn: socket.socket, buf: memoryview) -> None:
 
 class PrefillSide:
     """What every prefill side does unless it says otherwise: no prefix cache,
-    nothing to reserve, compute's output already in private memory."""
+    nothing to reserve, compute's output already in private memory, the KV
+    sent once (so do the peers: `kv_accounting`)."""
+
+    prefix_cache = False            # whether a request's leading blocks may be hits
 
     def __init__(self, pool):
         self.pool = pool
+
+    @staticmethod
+    def kv_bytes_moved(rec: dict, block_bytes: int) -> int:
+        """The KV bytes a request's record (stats.py) moved: its blocks, sent once."""
+        return rec["blocks"] * block_bytes
 
     def connect(self, index: int, decode_ports: list[int]) -> None:
         """Setup, before the driver's clock starts."""
@@ -117,6 +125,8 @@ class PrefillSide:
 class _PoolPrefill(PrefillSide):
     """The tract transports: a prefix cache, and the KV handed off in the pool."""
 
+    prefix_cache = True
+
     def lookup(self, keys, t):
         c = time.perf_counter()
         self._hit = self.pool.index.lookup(keys)
@@ -143,6 +153,11 @@ class _PoolPrefill(PrefillSide):
 class CopyPrefill(_PoolPrefill):
     """tract-copy: private KV -> pool (one copy in)."""
 
+    @staticmethod
+    def kv_bytes_moved(rec: dict, block_bytes: int) -> int:
+        """Written: the blocks the request computed; read: every block."""
+        return (rec["blocks"] - rec["hits"] + rec["blocks"]) * block_bytes
+
     def write(self, miss, kv_miss, t):
         c = time.perf_counter()
         put = self.pool.index.put(miss, kv_miss, pin=True)   # pinned until the handoff pins them
@@ -154,6 +169,10 @@ class CopyPrefill(_PoolPrefill):
 
 class ZeroCopyPrefill(_PoolPrefill):
     """tract-zero-copy: computed straight into reserved slots, then committed."""
+
+    @staticmethod
+    def kv_bytes_moved(rec: dict, block_bytes: int) -> int:
+        return 0                    # computed in place, attended in place
 
     def reserve(self, miss, t):
         c = time.perf_counter()
@@ -324,6 +343,14 @@ SIDES = {"tract-copy": (CopyPrefill, CopyDecode),
          "tract-zero-copy": (ZeroCopyPrefill, ZeroCopyDecode),
          "tcp": (TcpPrefill, TcpDecode)}
 TRANSPORTS = tuple(SIDES)
+
+
+def kv_accounting(transport: str) -> type[PrefillSide]:
+    """Whose `prefix_cache` and `kv_bytes_moved` describe TRANSPORT's run
+    (stats.summarize): its prefill side's (real compute's tract-copy and
+    tract-zero-copy move the KV as the runner's do); a peer's sends it once, as
+    the base side."""
+    return SIDES[transport][0] if transport in SIDES else PrefillSide
 
 
 def prefill_side(transport: str, pool) -> PrefillSide:

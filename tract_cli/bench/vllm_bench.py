@@ -28,24 +28,23 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
+from tract_cli.bench.stats import memcpy_reference
+from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.serve.client import get_json, post_json, stream_events
 
 CONFIGS = ("tract", "example", "mono", "prefix")
 # the rows of a run: "prefix" gives two, a miss and the hit that follows it
 ROWS = ("tract", "example", "mono", "prefix-miss", "prefix-hit")
 EXAMPLE = {"kv_connector": "ExampleConnector"}
-LOAD_LINE = re.compile(r"TraCT: loaded (\d+) blocks \((\d+) bytes\) of request (\S+) in ([\d.]+) ms")
-SAVE_LINE = re.compile(r"TraCT: saved (\d+) blocks \((\d+) bytes\) in ([\d.]+) ms")
 
 
 def _port() -> int:
@@ -54,28 +53,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str]:
     """Streams BODY; returns (monotonic time of the first token chunk, whole text)."""
-    req = urllib.request.Request(url, data=json.dumps(body | {"stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
     first, text = None, []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            piece = chunk["choices"][0].get("text", "")
-            if first is None:
-                first = time.monotonic()
-            text.append(piece)
+    for chunk in stream_events(url, body | {"stream": True}, timeout):
+        if first is None:
+            first = time.monotonic()
+        text.append(chunk["choices"][0].get("text", ""))
     if first is None:
         raise TractError("a streamed completion returned no token", "see the server's log")
     return first, "".join(text)
@@ -239,7 +223,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     p, d = servers["prefill"], servers["decode"]
     model = _model(p)
     t0 = time.monotonic()
-    out = _post(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
+    out = post_json(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
                                                    "kv_transfer_params": {"do_remote_decode": True}})
     t1 = time.monotonic()
     params = out.get("kv_transfer_params")
@@ -257,44 +241,33 @@ _models: dict = {}
 
 def _model(server) -> str:
     if server.url not in _models:
-        with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as resp:
-            _models[server.url] = json.loads(resp.read())["data"][0]["id"]
+        _models[server.url] = get_json(server.url + "/v1/models", timeout=30)["data"][0]["id"]
     return _models[server.url]
 
 
 def _connector_figures(decode_log: str, prefill_log: str) -> dict:
     """The connector's own load and save timings (its INFO lines), per request."""
-    loads, saves = [], []
-    for line in open(decode_log, errors="replace"):
-        m = LOAD_LINE.search(line)
-        if m:
-            loads.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[4])})
-    for line in open(prefill_log, errors="replace"):
-        m = SAVE_LINE.search(line)
-        if m:
-            saves.append({"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[3])})
-    return {"loads": loads[1:], "saves": saves[1:]}      # the first is the warm-up
+    rows = {"load": [], "save": []}
+    for path, kind in ((decode_log, "load"), (prefill_log, "save")):
+        for line in open(path, errors="replace"):
+            got = kvlog.parse(line)
+            if got and got[0] == kind:
+                rows[kind].append(got[1])
+    return {"loads": rows["load"][1:], "saves": rows["save"][1:]}      # the first is the warm-up
 
 
 def _memcpy_figures(kv: dict) -> dict:
-    """memcpy (numpy copy) of the same byte counts in this process: the reference."""
+    """memcpy of the same byte counts in this process, one copy per request
+    (`stats.memcpy_reference`): the reference."""
     out = {}
     for kind in ("loads", "saves"):
         rows = kv.get(kind) or []
         if not rows:
             continue
-        size = max(r["bytes"] for r in rows)
-        src = np.ones(size, np.uint8)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)                  # fault both in before timing
-        times = []
-        for r in rows:
-            t = time.perf_counter()
-            np.copyto(dst[:r["bytes"]], src[:r["bytes"]])
-            times.append((time.perf_counter() - t) * 1e3)
+        memcpy_ms = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         tract = sum(r["ms"] for r in rows)
-        out[kind] = {"tract_ms": tract, "memcpy_ms": sum(times),
-                     "ratio": tract / max(sum(times), 1e-9), "bytes": sum(r["bytes"] for r in rows)}
+        out[kind] = {"tract_ms": tract, "memcpy_ms": memcpy_ms,
+                     "ratio": tract / max(memcpy_ms, 1e-9), "bytes": sum(r["bytes"] for r in rows)}
     return out
 
 
@@ -318,26 +291,3 @@ def summarize(records: list[dict]) -> list[dict]:
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
                     "verified": all(checked) if checked else None})
     return out
-
-
-def plot(result: dict, path: str) -> None:
-    """TTFT CDF per input length, one line per configuration (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    lengths = sorted({r["input_len"] for r in result["records"]})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
-    for ax, n in zip(axes[0], lengths):
-        for config in ROWS:
-            t = sorted(r["ttft_s"] * 1e3 for r in result["records"]
-                       if r["config"] == config and r["input_len"] == n)
-            if t:
-                ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", label=config)
-        ax.set_title(f"{n} input tokens")
-        ax.set_xlabel("TTFT (ms)")
-        ax.set_ylim(0, 1.02)
-    axes[0][0].set_ylabel("CDF")
-    axes[0][0].legend()
-    fig.suptitle("vLLM (CPU) prefill/decode: TraCT vs ExampleConnector vs one vLLM")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

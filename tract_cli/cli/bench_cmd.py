@@ -178,7 +178,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
     for kind, fig in res["memcpy"].items():
-        render.stdout.print(f"TraCT KV {kind[:-1]}: {fig['bytes'] / 2**20:.1f} MiB in "
+        render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
                             f"{format_duration(fig['tract_ms'] / 1e3)}; memcpy of the same bytes "
                             f"{format_duration(fig['memcpy_ms'] / 1e3)} ({fig['ratio']:.1f}x)")
     if json_file:
@@ -188,7 +188,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
         except OSError as exc:
             raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
     if plot:
-        vllm_bench.plot(res, plot)
+        from tract_cli.bench.plot import plot_vllm
+        plot_vllm(res, plot, vllm_bench.ROWS)
     if any(s["verified"] is False for s in res["summaries"]):
         raise typer.Exit(1)
 

@@ -55,6 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.core import kvlog
 from tract_cli.core.agent_launch import start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
@@ -596,8 +597,8 @@ class TractConnector(KVConnectorBase_V1):
         if valid < n:
             self._load_errors.update(int(p) for p in np.unique(spec.pages[valid:]))
         self._recvd.add(spec.req_id)
-        log.log(TIMINGS, "TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms", valid,
-                valid * self.pool.info.block_bytes, spec.req_id, (time.perf_counter() - t0) * 1e3)
+        log.log(TIMINGS, kvlog.LOADED, valid, valid * self.pool.info.block_bytes, spec.req_id,
+                (time.perf_counter() - t0) * 1e3)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return        # loads are asynchronous: done before the request is scheduled
@@ -644,8 +645,7 @@ class TractConnector(KVConnectorBase_V1):
                           plan.mine.size, again)
             return
         if plan.mine.size:
-            log.log(TIMINGS, "TraCT: saved %d blocks (%d bytes) in %.3f ms", plan.mine.size,
-                    plan.mine.size * self.pool.info.block_bytes,
+            log.log(TIMINGS, kvlog.SAVED, plan.mine.size, plan.mine.size * self.pool.info.block_bytes,
                     (plan.seconds + time.perf_counter() - t0) * 1e3)
 
     def _zero_partial_tails(self, plan: "_SavePlan") -> None:

@@ -9,9 +9,9 @@ the threads that serve requests).
 """
 from __future__ import annotations
 
-import socket
-
 import httpx
+
+from tract_cli.serve.client import new_client
 
 
 class ApiError(Exception):
@@ -49,23 +49,12 @@ class UpstreamError(Exception):
         self.status, self.body = status, body
 
 
-# below uvicorn's keep-alive timeout (5 s): the client drops an idle connection
-# before the server may close it, so a request never goes out on one being closed
-KEEPALIVE_EXPIRY_S = 2.0
-
-
 class Peers:
-    """JSON calls to other workers, on one pooled, thread-safe httpx client.
-
-    Its connections are TCP_NODELAY: httpx writes a request's headers and its
-    body apart, and with Nagle the body would wait for the peer's delayed ACK
-    of the headers (40 ms a call)."""
+    """JSON calls to other workers, on one pooled, thread-safe httpx client
+    (`serve.client.new_client`: TCP_NODELAY, keep-alive below uvicorn's)."""
 
     def __init__(self):
-        transport = httpx.HTTPTransport(
-            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self.client = httpx.Client(transport=transport)
+        self.client = new_client()
 
     def post_json(self, url: str, body: dict, timeout: float) -> dict:
         """POST BODY to URL, its JSON answer (UpstreamError when unreachable or not 2xx)."""

@@ -19,10 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.serve.client import is_up
 
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
@@ -72,12 +71,8 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise TractError(f"vLLM exited with code {self.proc.returncode} before it was "
                                  f"ready: {self.failure()}", f"see its log {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
+            if is_up(self.url + "/health", timeout=2):
+                return self
             time.sleep(0.5)     # polling another process's readiness, bounded
         self.stop()
         raise TractError(f"vLLM did not become ready within {timeout:.0f} s",

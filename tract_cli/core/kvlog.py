@@ -1,0 +1,33 @@
+"""The vLLM connector's timing lines (TRACT_CONNECTOR_TIMINGS=1): one per KV
+load and per save, written by `connectors/vllm.py` with these formats and read
+back by `bench/vllm_bench.py` with `parse`, so the two cannot drift apart.
+(Here because both may import core, and bench never imports connectors:
+docs/ARCHITECTURE.md §2.)
+"""
+from __future__ import annotations
+
+import re
+
+# logging's %-formats: (blocks, bytes, request id, ms) and (blocks, bytes, ms)
+LOADED = "TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms"
+SAVED = "TraCT: saved %d blocks (%d bytes) in %.3f ms"
+
+_FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)"}
+
+
+def _pattern(fmt: str) -> re.Pattern:
+    parts = re.split(r"(%d|%s|%\.3f)", fmt)
+    return re.compile("".join(_FIELDS.get(p) or re.escape(p) for p in parts))
+
+
+_LINES = {"load": _pattern(LOADED), "save": _pattern(SAVED)}
+
+
+def parse(line: str) -> tuple[str, dict] | None:
+    """("load" or "save", {"blocks", "bytes", "ms"}) of a timing line found in
+    LINE (a log line, whatever its prefix), else None."""
+    for kind, pattern in _LINES.items():
+        m = pattern.search(line)
+        if m:
+            return kind, {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[m.lastindex])}
+    return None
