@@ -132,7 +132,7 @@ void tract_set_movnt_threshold(uint64_t bytes)
 	movnt_threshold = bytes ? bytes : DEFAULT_MOVNT_THRESHOLD;
 }
 
-/* true if the running CPU supports a flush mode (internal) */
+/* 1 if the running CPU supports a flush mode (tract.h) */
 int tract_flush_mode_supported(int flush_mode)
 {
 	uint32_t f = tract_cpu_features();

@@ -393,7 +393,4 @@ void tract_write_back_payload(tract_region *r, uint64_t off, uint64_t len);
 /* the flush-line primitive of a mode, used by the simulator and copies (internal) */
 void tract_flush_lines(int flush_mode, const uint8_t *p, uint64_t n);
 
-/* true if the running CPU supports a flush mode (internal) */
-int tract_flush_mode_supported(int flush_mode);
-
 #endif

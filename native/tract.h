@@ -203,6 +203,10 @@ typedef struct tract_region tract_region;
 /* Returns the TRACT_CPU_* bits of this CPU (detected once). */
 uint32_t tract_cpu_features(void);
 
+/* 1 if this CPU can run the region accessors in flush_mode (TRACT_FLUSH_*):
+ * the one rule, which attach applies and Python asks (core/native.py) */
+int tract_flush_mode_supported(int flush_mode);
+
 /* Sets the non-temporal threshold (tests); 0 restores the default. */
 void tract_set_movnt_threshold(uint64_t bytes);
 

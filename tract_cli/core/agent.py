@@ -33,8 +33,8 @@ from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
-                                  NODE_LEFT, current_manager, encode_node_line, on_this_host,
-                                  read_nodes, token_text)
+                                  NODE_LEFT, current_manager, encode_node_line, fencing_token,
+                                  on_this_host, read_nodes, token_node, token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.recovery import NodeRecovery, recover_node
@@ -182,7 +182,7 @@ class Agent:
         self._manager = out[0]
         self._publish(NODE_ALIVE)          # the manager flag and heartbeat
         self._log(logging.INFO, "lock manager running, token %s (%s)",
-                  token_text(self.manager_epoch << 32 | self.node), why)
+                  token_text(fencing_token(self.manager_epoch, self.node)), why)
         return True
 
     def _check_superseded(self) -> None:
@@ -195,7 +195,7 @@ class Agent:
         self._watch = None
         self._publish(NODE_ALIVE)
         self._log(logging.WARNING, "lock manager superseded by node %d (token %s); standing by",
-                  int(by[0]) & 0xFFFFFFFF, token_text(int(by[0])))
+                  token_node(int(by[0])), token_text(int(by[0])))
 
     def _maybe_take_over(self) -> None:
         """Takes the manager over once its heartbeat has not moved for

@@ -50,10 +50,8 @@ def cpu_features() -> set[str]:
 
 
 def flush_mode_supported(mode: str) -> bool:
-    """True if this CPU can run the region accessors in `mode`."""
-    need = {"none": set(), "clflush": {"clflush"}, "clflushopt": {"clflushopt"},
-            "clwb": {"clwb", "clflush"}}[mode]
-    return need <= cpu_features()
+    """True if this CPU can run the region accessors in `mode` (the C core's rule)."""
+    return bool(lib.tract_flush_mode_supported(FLUSH_MODES[mode]))
 
 
 # error code -> (error class, problem, fix); "{what}" names the target

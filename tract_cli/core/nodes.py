@@ -64,7 +64,7 @@ class NodeRecord:
     @property
     def token(self) -> int:
         """The node's lock-manager claim as a fencing token (0: never claimed)."""
-        return (self.manager_epoch << 32) | self.node if self.manager_epoch else 0
+        return fencing_token(self.manager_epoch, self.node) if self.manager_epoch else 0
 
     def heartbeat_age(self, now_ns: int | None = None) -> float:
         """Seconds since the last heartbeat (inf if never)."""
@@ -97,9 +97,19 @@ def encode_node_line(state: int, agent_pid: int, epoch: int, heartbeat_ns: int, 
                           manager_heartbeat_ns, hostname().encode()[:_HOSTNAME_MAX])
 
 
+def fencing_token(epoch: int, node: int) -> int:
+    """A lock-manager claim as one comparable number: epoch, then node (manager.c)."""
+    return (epoch << 32) | node
+
+
+def token_node(token: int) -> int:
+    """The node that a fencing token names."""
+    return token & 0xFFFFFFFF
+
+
 def token_text(token: int) -> str:
     """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
-    return f"{token >> 32}.{token & 0xFFFFFFFF}"
+    return f"{token >> 32}.{token_node(token)}"
 
 
 def current_token(pool: Pool) -> int:
