@@ -239,8 +239,9 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		     uint32_t block_tokens, const uint8_t *root, const uint8_t *extra,
 		     uint64_t extra_len, uint8_t *out, uint64_t out_cap_blocks)
 {
-	if (!root || (!tokens && n_tokens) || block_tokens < 1 || block_tokens > 4096 ||
-	    (!extra && extra_len) || extra_len > 4096)
+	if (!root || (!tokens && n_tokens) || block_tokens < 1 ||
+	    block_tokens > TRACT_HASH_MAX_BLOCK_TOKENS || (!extra && extra_len) ||
+	    extra_len > TRACT_HASH_MAX_EXTRA)
 		return TRACT_E_INVAL;
 	uint64_t blocks = n_tokens / block_tokens;
 	if (blocks > out_cap_blocks || (!out && blocks))
@@ -250,7 +251,7 @@ int tract_hash_chain(uint32_t scheme, const int32_t *tokens, uint64_t n_tokens,
 		sign |= (uint32_t)tokens[i];
 	if (sign >> 31)
 		return TRACT_E_INVAL;
-	uint8_t buf[32 + 16 + 4096 * 9 + 4096 + 16];
+	uint8_t buf[32 + 16 + TRACT_HASH_MAX_BLOCK_TOKENS * 9 + TRACT_HASH_MAX_EXTRA + 16];
 	if (scheme == TRACT_HASH_TRACT && block_tokens % 4 == 0 && extra_len == 0) {
 		/* fast path: parent and tokens are whole 16-byte blocks, hashed in
 		 * place (same bytes as the general path below) */

@@ -493,6 +493,9 @@ void tract_sha256(const void *data, uint64_t len, uint8_t *out);
  * of UTF-8, at most 1 MiB); out gets 32 bytes. */
 int tract_vllm_root(const char *seed, uint64_t len, uint8_t *out);
 
+/* the bounds of tract_hash_chain's inputs (TRACT_E_INVAL past them) */
+enum { TRACT_HASH_MAX_BLOCK_TOKENS = 4096, TRACT_HASH_MAX_EXTRA = 4096 };
+
 /* Block hashes of the full blocks of a prompt; out gets n_blocks * hash_bytes
  * (16 for TRACT_HASH_TRACT, 32 for TRACT_HASH_VLLM_SHA256_CBOR).  EXTRA is
  * appended to each block for the tract scheme; for the vLLM scheme it is a

@@ -1,31 +1,46 @@
 """Long, self-contained checks that run beside the rest of the suite.
 
-The model checker's runs (tests/test_lock_model.py) and the AddressSanitizer
-fuzz (tests/test_asan_fuzz.py) are minutes of one CPU each that share nothing
-with any other test: no region, no agent, no port, no timing bound.  The rest
-of the suite keeps about one of a machine's two CPUs busy on average (its
-multi-process tests wait on one another), so these run there, in one worker
-thread started once collection is done, while the suite goes on; the tests
-that assert on them run last and collect what they produced.  The assertions
-are the tests' own, unchanged; only when a check runs moves.
+The model checker's runs (tests/test_lock_model.py), the sanitizer builds and
+runs (tests/test_asan_fuzz.py, tests/test_tsan.py) and the emulated-CXL
+guests (tests/test_cxl_vm.py) are minutes of CPU that share nothing with any
+other test: no region of another test, no agent, no port, no timing bound of
+another test.  The rest of the suite keeps about one of a machine's two CPUs
+busy on average (its multi-process tests wait on one another), so these run
+there, in one worker thread started once collection is done, while the suite
+goes on; the tests that assert on them run last and collect what they
+produced.  The assertions are the tests' own; only when a check runs moves.
 
-At most one background check runs at a time (one extra busy CPU: what the
-suite must stand anyway, "deterministic on two busy cores"), longest first.
+At most one background check runs at a time, longest first.  Most are one
+busy process (a model checker, a fuzzer, a compiler); the guests are two
+emulated vCPUs each; none has a timing bound that load could trip, so what
+they add is load, which every test must stand anyway ("deterministic on two
+busy cores").  The mutation test is NOT one of them: its mutants are
+multi-process protocol tests with lock bounds, whose outcome under extra
+load could read as a catch.
+
 Every subprocess a check starts goes through `run`, so the session's end,
-however it ends (-x, ^C, a failure), stops it: nothing outlives pytest.
+however it ends (-x, ^C, a failure), stops it: SIGINT first (a pytest child
+tears its agents down, cxlvm.py kills its guests), then SIGKILL past a grace.
+Nothing outlives pytest.  A check whose test is skipped or deselected does
+not run; with --collect-only none does.  When a test failed, the checks'
+directories (guest consoles, sanitizer builds) are kept and named.
 
 A module declares its checks as `Check`s and marks each test with the checks
-it asserts on (`@uses(CHECK, ...)`); the test calls `CHECK.result()`.  A test
-run where the plugin did not start the check (its module imported another
-way) runs it then, in the foreground.
+it asserts on: `@uses(CHECK, ...)`, or `@uses_param("name", {value: CHECK})`
+for a parametrized test (only the check of each selected parameter runs);
+the test calls `CHECK.result()`.  A test run where the plugin did not start
+the check (its module imported another way) runs it then, in the foreground.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+
+GRACE_S = 30.0          # what a stopped check's process gets to tear down before SIGKILL
 
 _lock = threading.Lock()
 _running: set[subprocess.Popen] = set()
@@ -78,17 +93,54 @@ def uses(*checks: Check):
     return mark
 
 
+def uses_param(names: str | tuple[str, ...], checks: dict):
+    """Marks a parametrized test as asserting on CHECKS[value of parameter(s) NAMES]
+    (a tuple of names keys CHECKS by the tuple of their values)."""
+    def mark(fn):
+        fn.background_param_checks = (names, checks)
+        return fn
+    return mark
+
+
 def checks_of(item) -> tuple[Check, ...]:
-    return tuple(getattr(getattr(item, "function", None), "background_checks", ()))
+    """The checks the test ITEM asserts on (for a parametrized one, its parameter's)."""
+    fn = getattr(item, "function", None)
+    found = tuple(getattr(fn, "background_checks", ()))
+    names, by = getattr(fn, "background_param_checks", (None, None))
+    params = getattr(getattr(item, "callspec", None), "params", None)
+    if by is not None and params is not None:
+        key = (tuple(params[n] for n in names) if isinstance(names, tuple) else params[names])
+        found += (by[key],)
+    return found
+
+
+def will_skip(item) -> bool:
+    """Whether ITEM is skipped by a plain mark (skip, or skipif with a true
+    boolean condition): its checks would run for nothing."""
+    for m in item.iter_markers():
+        if m.name == "skip":
+            return True
+        if m.name == "skipif" and any(isinstance(c, bool) and c for c in m.args):
+            return True
+    return False
+
+
+def reset() -> None:
+    """At a session's start: a fresh state (a second session in one process)."""
+    global _pool
+    _stopping.clear()
+    with _lock:
+        _futures.clear()
+        _pool = None
 
 
 def start(checks) -> None:
     """Queues CHECKS (each once), longest first, on the one background worker."""
     global _pool
-    todo = sorted({c for c in checks if c not in _futures}, key=lambda c: -c.cost)
-    if not todo:
-        return
     with _lock:
+        todo = sorted({c for c in checks if c not in _futures}, key=lambda c: -c.cost)
+        if not todo or _stopping.is_set():
+            return
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                           thread_name_prefix="background-check")
@@ -96,23 +148,30 @@ def start(checks) -> None:
             _futures[c] = _pool.submit(c._call)
 
 
-def stop() -> None:
-    """At the session's end: nothing queued starts, whatever runs is killed."""
-    _stopping.set()
+def stop(keep_dirs: bool = False) -> list[str]:
+    """At the session's end: nothing queued starts, whatever runs is stopped
+    (SIGINT, then SIGKILL after GRACE_S). The checks' directories are removed
+    unless KEEP_DIRS; returns those kept."""
     with _lock:
+        _stopping.set()              # under the lock: run() cannot register after this
         pool = _pool
         procs = list(_running)
-    for p in procs:                 # asked first: a runner stops what it started
-        p.terminate()
+    for p in procs:
+        p.send_signal(signal.SIGINT)
     for p in procs:
         try:
-            p.wait(timeout=15)
+            p.wait(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
             p.kill()
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
-    while _dirs:
-        shutil.rmtree(_dirs.pop(), ignore_errors=True)
+    with _lock:
+        dirs, _dirs[:] = list(_dirs), []
+    if keep_dirs:
+        return dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return []
 
 
 def session_dir(prefix: str) -> str:
@@ -126,12 +185,14 @@ def session_dir(prefix: str) -> str:
 def run(argv, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(ARGV, capture_output=True, text=True, ...) that the
     session's end can stop; raises subprocess.TimeoutExpired past TIMEOUT."""
-    if _stopping.is_set():
-        raise Stopped("the session ended first")
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          **kwargs) as p:
-        with _lock:
-            _running.add(p)
+    with _lock:
+        if _stopping.is_set():
+            raise Stopped("the session ended first")
+        # started and registered under the lock: stop() sees it or it never starts
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             **kwargs)
+        _running.add(p)
+    with p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -141,6 +202,6 @@ def run(argv, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
         finally:
             with _lock:
                 _running.discard(p)
-    if _stopping.is_set() and p.returncode < 0:
+    if _stopping.is_set() and p.returncode != 0:
         raise Stopped("the session ended first")
     return subprocess.CompletedProcess(argv, p.returncode, out, err)

@@ -22,6 +22,10 @@ import background  # noqa: E402
 # tests that assert on them run last, and whatever is still running when the
 # session ends is stopped
 
+def pytest_sessionstart(session):
+    background.reset()
+
+
 @pytest.hookimpl(trylast=True)          # after -k/-m have deselected
 def pytest_collection_modifyitems(session, config, items):
     later = [item for item in items if background.checks_of(item)]
@@ -31,11 +35,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    background.start(c for item in session.items for c in background.checks_of(item))
+    if session.config.option.collectonly or session.testsfailed:
+        return                  # nothing will run: start nothing
+    background.start(c for item in session.items if not background.will_skip(item)
+                     for c in background.checks_of(item))
 
 
 def pytest_sessionfinish(session):
-    background.stop()
+    kept = background.stop(keep_dirs=bool(session.testsfailed))
+    if kept:
+        print("\nthe background checks' directories are kept for a look: " + " ".join(kept))
 
 
 @pytest.fixture

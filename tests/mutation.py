@@ -21,8 +21,6 @@ import subprocess
 import sys
 import time
 
-import background
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the multi-process protocol tests that run under the simulator
 TESTS = ["tests/test_payload_ledger.py",
@@ -108,8 +106,8 @@ def _pytest(site: int, tests: list[str], timeout: float, stop_first: bool) -> di
     args = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
             *(["-x"] if stop_first else []), *tests]
     try:
-        # background.run: a test session that ends stops the mutant's run too
-        res = background.run(args, cwd=ROOT, env=env, timeout=timeout)
+        res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"outcome": "hung", "failed": [], "errors": [],
                 "seconds": round(time.monotonic() - t0, 1),

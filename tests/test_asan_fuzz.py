@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import background
-from background import Check, uses
+from background import Check, uses_param
 import sanitizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ RUNS = {(5, CASES): Check("asan fuzz: seed 5", fuzz, 5, CASES, cost=36),
 
 
 @pytest.mark.skipif(libasan() is None, reason="no gcc with libasan (package libasan8/gcc)")
-@uses(*RUNS.values())
+@uses_param(("seed", "cases"), RUNS)
 @pytest.mark.parametrize("seed,cases", list(RUNS), ids=["seed-5", f"fresh-seed-{FRESH_SEED}"])
 def test_corrupted_regions_never_crash_the_core_under_asan(seed, cases):
     print(f"asan fuzz: seed {seed}, {cases} cases")
@@ -75,3 +75,5 @@ def test_corrupted_regions_never_crash_the_core_under_asan(seed, cases):
     summary = json.loads(res.stdout)
     assert summary["core"].startswith(str(src)), summary["core"]   # the ASan build ran
     assert summary["cases"] == cases and summary["failures"] == [], (again, summary["failures"])
+    assert summary["attached"] > 0 and summary["refused"] > 0
+    assert len(summary["by_area"]) >= 10

@@ -6,7 +6,8 @@ The guest tests need qemu-system-x86, linux-image-amd64, ndctl, daxctl and
 busybox-static (.ci/setup installs them); without them they skip and say
 what is missing. Under TCG a guest takes minutes, so each scenario runs once,
 in the background while the suite goes on (tests/background.py: the guests
-share nothing with any other test), and the test that asserts on it runs last.
+share nothing with any other test and have no timing bound that load could
+trip), and the test that asserts on it runs last.
 """
 from __future__ import annotations
 

@@ -39,6 +39,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tract_cli"
 FACES = ("cli", "bench", "serve", "inspect", "provision", "connectors")
 BINDINGS = ("tract_cli.core.native", "tract_cli._native")
+# the binding's names as a core module that imported it holds them (pool.lib, ...)
+BINDING_NAMES = ("lib", "ffi", "native", "_native")
 # private names of core's objects met in faces before the check existed; the
 # ones core defines are added from its source (core_private_names)
 KNOWN_PRIVATE = {"_r", "_mm", "_base", "_lib", "_region", "_local"}
@@ -240,6 +242,12 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
                         for a in node.names:
                             if _private(a.name):
                                 hit(node, "private import", f"{base}.{a.name}")
+                            elif a.name in BINDING_NAMES and not any(   # not already reported
+                                    _within(n, b) for n in (base, f"{base}.{a.name}")
+                                    for b in BINDINGS):
+                                # the binding as a core module that imported it re-exports it
+                                hit(node, "binding import", "tract_cli.core.native")
+                                break                                      # once a statement
                 check_imported(node, imported)
                 for full, name in pairs:
                     if _within(full, "tract_cli"):
@@ -283,6 +291,13 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
                     and not any(_private(a) for a in attrs[:-1])   # reported at the first
                 if on_core or (node.attr in private and not own):
                     hit(node, "private attribute", node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in BINDING_NAMES:
+                base, attrs = _chain(node.args[0])
+                if base in bound and _within(".".join([bound[base]] + attrs), "tract_cli.core"):
+                    hit(node, "binding import", "tract_cli.core.native")
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                     and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
                     and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
@@ -342,6 +357,10 @@ CASES = {
     "from tract_cli.core import pool as p\np.ffi.new('int[1]')":
         ("binding import", "tract_cli.core.native"),
     "def f(m):\n    return m.native.lib": ("binding import", "tract_cli.core.native"),
+    # the binding as a core module re-exports it
+    "from tract_cli.core.pool import lib, ffi": ("binding import", "tract_cli.core.native"),
+    "from tract_cli.core import pool\ngetattr(pool, 'ffi')":
+        ("binding import", "tract_cli.core.native"),
     # private names on a chain rooted in core, and core's module-level privates
     "import tract_cli.core.region\ntract_cli.core.region._params(None)":
         ("private attribute", "_params"),

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 import background
-from background import Check, uses
+from background import Check, uses, uses_param
 
 MODELS = pathlib.Path(__file__).resolve().parent / "model"
 pytestmark = pytest.mark.skipif(not shutil.which("spin") or not shutil.which("gcc"),
@@ -90,7 +90,7 @@ def test_no_node_starves_across_a_takeover():
     assert "max search depth too small" not in report, report
 
 
-@uses(*TAKEOVER_BUGS.values())
+@uses_param("bug", TAKEOVER_BUGS)
 @pytest.mark.parametrize("bug", list(TAKEOVER_BUGS))
 def test_each_takeover_bug_breaks_exclusion(bug):
     report = TAKEOVER_BUGS[bug].result()

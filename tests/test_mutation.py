@@ -3,14 +3,9 @@ removing one flush or invalidate of the lock, publish or pin paths makes the
 protocol test under the simulator that predicts it fail (tests/mutation.py
 PREDICTED; no other failure, and no hang, counts). These sites fail fast (the
 lock sites through a test that bounds each acquire to 5 s); the rest are left
-to the full command.
-
-The mutants are separate pytest runs of their own regions and agents: they
-run in the background while the suite goes on (tests/background.py), and
-this test, run last, asserts on their outcomes."""
+to the full command."""
 from __future__ import annotations
 
-from background import Check, uses
 import mutation
 
 FAST = {"SITE_LOCK_PUBLISH_LOCKED", "SITE_INDEX_OBSERVE_LINE", "SITE_INDEX_FLUSH_SECTION",
@@ -21,26 +16,15 @@ FAST = {"SITE_LOCK_PUBLISH_LOCKED", "SITE_INDEX_OBSERVE_LINE", "SITE_INDEX_FLUSH
         "SITE_LOCK_OBSERVE_GRANT", "SITE_LOCK_PUBLISH_IDLE", "SITE_MGR_OBSERVE_SLOTS"}
 
 
-def run_mutants():
-    """The baseline's outcome, then each fast site's (name, outcome)."""
+def test_each_removed_flush_or_invalidate_is_caught_by_the_simulator_tests():
     chosen = [s for s in mutation.sites() if s[1] in FAST]
     assert len(chosen) == len(FAST), "a site was renamed: update FAST"
     assert FAST <= set(mutation.PREDICTED), "every fast site names the tests that catch it"
     mutation._classified()
     base = mutation.run(0, timeout=300)
-    if base["outcome"] != "passed":
-        return base, []
-    return base, [(name, mutation.run(num, 300, name)) for num, name, _ in chosen]
-
-
-MUTANTS = Check("mutation: the fast sites", run_mutants, cost=95)
-
-
-@uses(MUTANTS)
-def test_each_removed_flush_or_invalidate_is_caught_by_the_simulator_tests():
-    base, outcomes = MUTANTS.result()
     assert base["outcome"] == "passed", base
-    for name, r in outcomes:
+    for num, name, _ in chosen:
+        r = mutation.run(num, 300, name)
         assert r["caught"], (f"removing {name} was not caught by its predicted tests "
                              f"{mutation.PREDICTED[name]}: {r['outcome']}, failed {r['failed']}, "
                              f"errors {r['errors']}: {r['why']}")

@@ -61,7 +61,7 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
 from tract_cli.core.errors import HandoffError, PoolFull
 from tract_cli.core.handoff import Ticket
-from tract_cli.core.hashing import block_hashes, pool_root, request_keys
+from tract_cli.core.hashing import MAX_EXTRA_BYTES, block_hashes, pool_root, request_keys
 from tract_cli.core.index import PUT_CLAIMED, Lookup, as_keys
 from tract_cli.core.pool import Pool
 
@@ -81,6 +81,10 @@ log = logging.getLogger("vllm.tract")
 # (what `tract bench --engine vllm` reads); otherwise those lines are DEBUG
 TIMINGS = logging.INFO if os.environ.get("TRACT_CONNECTOR_TIMINGS") == "1" else logging.DEBUG
 PARTIAL_TAG = b"tract-partial-v1|"
+# the longest cache salt a request may carry into the pool: it enters a partial
+# block's extra bytes after PARTIAL_TAG (the hash chain's bound); a longer one
+# (vLLM sets no limit) leaves the request to vLLM alone, uncached here
+MAX_SALT_BYTES = MAX_EXTRA_BYTES - len(PARTIAL_TAG)
 PARAMS_KEY = "tract_ticket"
 
 
@@ -274,6 +278,10 @@ class TractConnector(KVConnectorBase_V1):
         cacheable = (tokens is not None and not request.lora_request and
                      not getattr(request, "mm_features", None))
         salt = getattr(request, "cache_salt", None)
+        if cacheable and salt and len(salt.encode()) > MAX_SALT_BYTES:
+            log.warning("request %s: its cache_salt is over %d bytes: it is computed by vLLM "
+                        "and not cached in the pool", request.request_id, MAX_SALT_BYTES)
+            cacheable = False
         if cacheable:
             arr = np.asarray(tokens, dtype=np.int32)
             root = pool_root(self.pool.info, salt)

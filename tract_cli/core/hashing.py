@@ -34,6 +34,10 @@ HASH_BYTES = {"tract": 16, "vllm": 32}
 _SCHEME_CODES = {"tract": lib.TRACT_HASH_TRACT, "vllm": lib.TRACT_HASH_VLLM_SHA256_CBOR}
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 MAX_TOKEN = 2**31 - 1
+# the chain's input bounds (native/hash.c): a block's tokens, and the extra
+# bytes of a block (the tract scheme's; the vLLM scheme's cache salt)
+MAX_BLOCK_TOKENS = lib.TRACT_HASH_MAX_BLOCK_TOKENS
+MAX_EXTRA_BYTES = lib.TRACT_HASH_MAX_EXTRA
 
 
 def as_token_array(tokens) -> np.ndarray:
@@ -90,7 +94,8 @@ def _chain(scheme: str, tokens: np.ndarray, block_tokens: int, root: bytes,
                               ffi.from_buffer(out), n_blocks)
     if rc == lib.TRACT_E_INVAL:
         raise UsageError("invalid hash input (negative token id, block size or extra bytes)",
-                         "token ids must be >= 0, 1 <= block_tokens <= 4096")
+                         f"token ids must be >= 0, 1 <= block_tokens <= {MAX_BLOCK_TOKENS}, "
+                         f"salt and extra bytes at most {MAX_EXTRA_BYTES} bytes")
     raise_for(rc, "block hashes")
     return out
 
@@ -106,8 +111,9 @@ def block_hashes(tokens, scheme: str = "tract", block_tokens: int = 16, *,
     """
     if scheme not in HASH_BYTES:
         raise UsageError(f"unknown hash scheme {scheme!r}", "use tract or vllm")
-    if not 1 <= block_tokens <= 4096:
-        raise UsageError(f"block size {block_tokens} out of range", "use 1 to 4096 tokens")
+    if not 1 <= block_tokens <= MAX_BLOCK_TOKENS:
+        raise UsageError(f"block size {block_tokens} out of range",
+                         f"use 1 to {MAX_BLOCK_TOKENS} tokens")
     arr = as_token_array(tokens)
     if scheme == "tract":
         return _chain("tract", arr, block_tokens, root or tract_root(salt=salt), extra)

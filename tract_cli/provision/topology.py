@@ -72,6 +72,8 @@ def pin(numa_node: int | None = None, cpus: str | None = None) -> list[int] | No
                              f"pin to its nearest CPU node: --numa-node {near}")
     else:
         chosen = parse_cpu_list(cpus)
+        if not chosen:             # psutil reads an empty list as "every CPU": refuse it
+            raise UsageError(f"--cpus {cpus!r} names no CPU", "give a list such as 0-3,8")
     online = online_cpus()
     bad = [c for c in chosen if c not in online]
     if bad:
