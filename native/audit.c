@@ -1,14 +1,25 @@
 /*
- * audit.c -- the index as `tract check` sees it (docs/PROTOCOLS.md §11):
- * which live bucket its key's own rule (stripe, home, probing; internal.h)
- * can reach, decided here, by the same code that writes the index, so that
- * one program knows the format.  Reads only (observes), takes no lock: it
- * reports what a quiescent region holds.
+ * audit.c -- the index offline, as `tract check` sees it and `tract check
+ * --repair` rebuilds it (docs/PROTOCOLS.md §11), by the same code that writes
+ * the index, so that one program knows the format.
+ *
+ * The audit decides which live bucket its key's own rule (stripe, home,
+ * probing; internal.h) can reach.  It reads only (observes), takes no lock:
+ * it reports what a quiescent region holds.
+ *
+ * The rebuild writes the index (buckets, pins, LRU anchors) anew from the
+ * READY buckets the caller keeps: each is placed from its key's home by the
+ * probe of the stripe sections (tract_probe), linked into its stripe's LRU
+ * list oldest first (tract_lru_push_head: the newest ends at the head), and
+ * every bucket takes one epoch above all the old ones.  It takes no stripe
+ * lock: the caller guarantees nobody else maps the region (check.py), and
+ * writes through the section's line set, flushed and fenced per stripe, so
+ * a later attach on another host observes it.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "index_internal.h"
 
 /* Audits every bucket of the index: reach[i] gets TRACT_AUDIT_* for bucket
  * i, home[i] its key's home bucket and broken[i] the EMPTY bucket that breaks
@@ -68,4 +79,136 @@ int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t 
 	free(state);
 	free(stripe);
 	return TRACT_OK;
+}
+
+/* a kept bucket, in the order its stripe's LRU list takes them (internal) */
+struct kept {
+	uint64_t stripe;
+	uint64_t last_access_ns;
+	uint64_t bucket;
+	const uint8_t *key;
+};
+
+/* by stripe, then oldest first, then bucket index (internal) */
+static int kept_by_age(const void *a, const void *b)
+{
+	const struct kept *x = a, *y = b;
+	if (x->stripe != y->stripe)
+		return x->stripe < y->stripe ? -1 : 1;
+	if (x->last_access_ns != y->last_access_ns)
+		return x->last_access_ns < y->last_access_ns ? -1 : 1;
+	return x->bucket < y->bucket ? -1 : x->bucket > y->bucket;
+}
+
+/* by key (internal) */
+static int kept_by_key(const void *a, const void *b)
+{
+	return memcmp(((const struct kept *)a)->key, ((const struct kept *)b)->key, 16);
+}
+
+/* publishes len zero bytes at off, with one fence (internal) */
+static int publish_zero(tract_region *r, uint64_t off, uint64_t len)
+{
+	if (!len)
+		return TRACT_OK;
+	void *z = calloc(1, len);
+	if (!z)
+		return TRACT_E_NOMEM;
+	int rc = tract_publish(r, off, z, len);
+	free(z);
+	return rc;
+}
+
+/* Rebuilds the index offline from the READY buckets keep[0..n_keep) (see
+ * tract.h). */
+int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
+{
+	if (!r || (r->flags & TRACT_ATTACH_READONLY) || (n_keep && !keep))
+		return TRACT_E_INVAL;
+	uint64_t total = tract_index_buckets(r), size = tract_index_stripe_size(r);
+	if (!size || n_keep > total)
+		return TRACT_E_INVAL;
+	const struct tract_section *bs = tract_sec(r, TRACT_SEC_BUCKETS);
+	const struct tract_section *ps = tract_sec(r, TRACT_SEC_PINS);
+	const struct tract_section *ls = tract_sec(r, TRACT_SEC_LRU);
+	uint64_t anchors = (uint64_t)r->hdr.index_stripes * TRACT_LINE;
+	if (bs->length < total * TRACT_LINE || ls->length < anchors)
+		return TRACT_E_CORRUPT;
+	int rc = TRACT_E_NOMEM;
+	struct tract_bucket *old = malloc(total * sizeof(*old));
+	struct tract_bucket *fresh = calloc(1, bs->length);
+	struct kept *kept = malloc((n_keep + 1) * sizeof(*kept));
+	uint8_t *taken = calloc(1, total);
+	struct line_set *set = calloc(1, sizeof(*set));
+	if (!old || !fresh || !kept || !taken || !set)
+		goto out;
+	rc = tract_observe(r, bs->offset, old, total * sizeof(*old));
+	if (rc < 0)
+		goto out;
+	/* what is kept: READY buckets, each once, of their key's stripe, no key twice */
+	rc = TRACT_E_INVAL;
+	for (uint64_t i = 0; i < n_keep; i++) {
+		uint64_t b = keep[i];
+		if (b >= total || taken[b] || old[b].state != TRACT_BUCKET_READY ||
+		    tract_key_stripe(r, old[b].key) != b / size)
+			goto out;
+		taken[b] = 1;
+		kept[i] = (struct kept){ b / size, old[b].last_access_ns, b, old[b].key };
+	}
+	qsort(kept, n_keep, sizeof(*kept), kept_by_key);
+	for (uint64_t i = 1; i < n_keep; i++)
+		if (!memcmp(kept[i - 1].key, kept[i].key, 16))
+			goto out;
+	/* one epoch above every old one: a payload tag (bucket, epoch) some
+	 * node's ledger holds never names a payload again (PROTOCOLS.md §1.1) */
+	uint32_t epoch = 0;
+	for (uint64_t i = 0; i < total; i++)
+		if (old[i].epoch > epoch)
+			epoch = old[i].epoch;
+	epoch = epoch + 1 ? epoch + 1 : 1;
+	/* every bucket EMPTY under the new epoch, every pin count zero, the
+	 * anchors of no stripe zero */
+	for (uint64_t i = 0; i < total; i++)
+		fresh[i].epoch = epoch;
+	if ((rc = tract_publish(r, bs->offset, fresh, bs->length)) < 0 ||
+	    (rc = publish_zero(r, ps->offset, ps->length)) < 0 ||
+	    (rc = publish_zero(r, ls->offset + anchors, ls->length - anchors)) < 0)
+		goto out;
+	/* then stripe by stripe, its kept buckets oldest first */
+	qsort(kept, n_keep, sizeof(*kept), kept_by_age);
+	uint64_t i = 0;
+	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		struct stripe_ctx c;
+		tract_stripe_init(r, s, &c, set);
+		struct tract_lru_anchor a = { 0 };   /* the list empty; the counters kept */
+		a.hits = c.lru.hits;
+		a.inserts = c.lru.inserts;
+		a.evictions = c.lru.evictions;
+		a.lookups = c.lru.lookups;
+		c.lru = a;
+		c.lru_dirty = 1;
+		for (; i < n_keep && kept[i].stripe == s; i++) {
+			struct tract_bucket k = old[kept[i].bucket];
+			uint64_t found, free_b;
+			tract_probe(&c, k.key, &found, &free_b, NULL);
+			if (found != UINT64_MAX || free_b == UINT64_MAX) {
+				tract_stripe_flush(&c);
+				rc = TRACT_E_CORRUPT;      /* cannot happen: checked above */
+				goto out;
+			}
+			k.pins = 0;
+			k.epoch = epoch;
+			tract_lru_push_head(&c, free_b, &k);
+			store_bucket(&c, free_b, &k);
+		}
+		tract_stripe_flush(&c);
+	}
+	rc = TRACT_OK;
+out:
+	free(old);
+	free(fresh);
+	free(kept);
+	free(taken);
+	free(set);
+	return rc;
 }

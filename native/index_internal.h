@@ -12,7 +12,9 @@
  *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
- *   index.c          the other operations: lookup, read, payload tags, eviction.
+ *   index.c          the other operations: lookup, read, payload tags, eviction;
+ *   audit.c          offline: the audit `tract check` reports from, and the
+ *                    rebuild `tract check --repair` writes with.
  * Nothing here is seen outside them: the rest of the core calls the index
  * through tract.h and internal.h.
  */
@@ -90,6 +92,10 @@ void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 /* locks a stripe and loads its LRU anchor (internal) */
 int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 		       struct stripe_ctx *c, struct line_set *set);
+
+/* writes the anchor back, flushes what the section wrote, fences: the end of
+ * a section, without the unlock (offline rebuild: audit.c) (internal) */
+void tract_stripe_flush(struct stripe_ctx *c);
 
 /* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
 void tract_stripe_leave(struct stripe_ctx *c);

@@ -146,13 +146,20 @@ int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 	return TRACT_OK;
 }
 
-/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
-void tract_stripe_leave(struct stripe_ctx *c)
+/* writes the anchor back, flushes what the section wrote, fences (internal) */
+void tract_stripe_flush(struct stripe_ctx *c)
 {
 	if (c->lru_dirty)
 		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
+	c->lru_dirty = 0;
 	set_flush(c);
 	c->r->ops->fence(c->r);
+}
+
+/* writes the anchor back, flushes what the section wrote, fences, unlocks (internal) */
+void tract_stripe_leave(struct stripe_ctx *c)
+{
+	tract_stripe_flush(c);
 	tract_lock_release(c->r, TRACT_FIXED_LOCKS + c->stripe);
 }
 

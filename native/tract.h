@@ -593,7 +593,7 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);
 
-/* ---- the index as `tract check` audits it (audit.c) ---- */
+/* ---- the index as `tract check` audits and repairs it (audit.c) ---- */
 
 /* what a bucket's own key rule says of it */
 enum tract_audit {
@@ -609,6 +609,17 @@ enum tract_audit {
  * Reads only, without locks. */
 int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t *broken,
 		      uint64_t n);
+
+/* Rebuilds the index offline (`tract check --repair`) from the READY buckets
+ * keep[0..n_keep): each READY, of its key's stripe, no bucket or key twice
+ * (else TRACT_E_INVAL, and nothing is written).  Every bucket becomes EMPTY
+ * and every pin count zero; the kept ones are placed again from their key's
+ * home by the index's probe, keeping their fields but pins, and linked into
+ * their stripe's LRU list oldest (last_access_ns, then bucket index) first,
+ * the newest at the head; each stripe's anchor counts them and keeps its
+ * counters; every bucket takes one epoch above all the old ones.  Takes no
+ * lock: only while no other process maps the region. */
+int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep);
 
 /* CDEF-END */
 

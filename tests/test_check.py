@@ -13,6 +13,7 @@ import pytest
 from agents import RunningAgent
 from procs import Worker
 from tract_cli.core.pool import Pool
+from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE
 
 
 def tract(*args):
@@ -129,3 +130,43 @@ def test_a_key_out_of_its_probe_chain_or_stripe_is_found_by_the_cores_audit(used
     assert rc != 0
     assert f"bucket {i + 1}: probe chain broken at {i}" in details, details
     assert f"bucket {j}: key belongs to another stripe" in details, details
+
+
+def test_the_cores_rebuild_refuses_a_bad_keep_list_and_writes_nothing(used_region):
+    """The index is rebuilt by the core (`Index.rebuild`, native/audit.c), the
+    one writer of its format: a bucket that is not READY, one kept twice or a
+    key kept twice is refused before anything is written."""
+    from tract_cli.core.errors import UsageError
+    off, ready, raw = ready_buckets(used_region)
+    states = raw[:, 16:20].copy().view("<u4").reshape(-1)
+    empty = int(np.flatnonzero(states == 0)[0])
+    with Pool.attach(used_region, local=False) as p:
+        before = p.observe(0, p.info.section("data").offset)
+        for keep in ([empty], [int(ready[0]), int(ready[0])], [len(states)]):
+            with pytest.raises(UsageError):
+                p.index.rebuild(keep)
+        assert p.observe(0, p.info.section("data").offset) == before
+
+
+def test_the_cores_rebuild_keeps_recency_and_gives_fresh_epochs(used_region):
+    """Rebuilt from every READY bucket: the same keys, each stripe's LRU list
+    oldest to newest as before, no pins, every epoch above all the old ones."""
+    off, ready, raw = ready_buckets(used_region)
+    old = raw.copy().view(BUCKET_DTYPE).reshape(-1)
+    with Pool.attach(used_region, local=False) as p:
+        p.index.rebuild(ready)
+        new = np.frombuffer(p.observe(off, len(old) * 64), BUCKET_DTYPE)
+        lru = np.frombuffer(p.observe(p.info.section("lru").offset, 4 * 64), ANCHOR_DTYPE)
+    assert sorted(new["key"][new["state"] == 2].tolist()) == sorted(old["key"][ready].tolist())
+    assert (new["pins"] == 0).all() and (new["epoch"] == int(old["epoch"].max()) + 1).all()
+    per = len(old) // 4
+    for s in range(4):
+        chain, cur = [], int(lru[s]["tail"])
+        while cur:
+            chain.append(cur - 1)
+            cur = int(new[cur - 1]["lru_prev"])
+        assert len(chain) == lru[s]["count"] == ((ready >= s * per) & (ready < (s + 1) * per)).sum()
+        ages = new["last_access_ns"][chain]
+        assert (np.diff(ages.astype(np.int64)) >= 0).all()
+    rc, out = check_json(used_region)
+    assert rc == 0, out["violations"]

@@ -294,6 +294,16 @@ class PrefixIndex:
                                         u64(a.home), u64(a.broken), n), "index audit")
         return a
 
+    def rebuild(self, keep) -> None:
+        """Writes the index (buckets, pins, LRU anchors) anew from the READY
+        buckets KEEP (bucket indices; each READY, of its key's stripe, no
+        bucket or key twice), in one C call that places them by the index's
+        own probe and LRU rule (`tract check --repair`).  Offline only: it
+        takes no lock, so nobody else may map the region."""
+        keep = np.ascontiguousarray(keep, dtype=np.uint64)
+        raise_for(lib.tract_index_rebuild(self._pool._r(), ffi.cast("uint64_t *", ffi.from_buffer(keep)),
+                                          len(keep)), f"{self._pool.path} index rebuild")
+
     def checksum_mismatches(self, slots: np.ndarray, checksums: np.ndarray) -> np.ndarray:
         """Indices i whose slot's payload does not match CHECKSUMS[i] (CRC-32C),
         with this host's cached lines of the slots evicted first (`tract

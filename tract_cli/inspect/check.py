@@ -188,11 +188,11 @@ def repair(path: str, force: bool = False) -> dict:
         info = pool.info
         rd = Sections(pool)                  # a fresh read: the one verify made is older
         n = info.slot_count
-        bs = info.section("buckets")
-        stripes, per = info.index_stripes, bs.count // info.index_stripes
-        b = rd["buckets"].view(BUCKET_DTYPE).copy()
-        raw = rd["buckets"].reshape(bs.count, 64)
-        audit = pool.index.audit()         # the key rule is the core's (native/audit.c)
+        b = rd["buckets"].view(BUCKET_DTYPE)
+        raw = rd["buckets"].reshape(info.section("buckets").count, 64)
+        # which READY entries survive is decided here, from the audit of the
+        # core, which owns the key rule (native/audit.c)
+        audit = pool.index.audit()
         keep, seen_keys, seen_slots = [], set(), set()
         for i in np.flatnonzero(b["state"] == READY):
             slot = int(b["slot"][i]) - 1
@@ -204,49 +204,20 @@ def repair(path: str, force: bool = False) -> dict:
             seen_keys.add(key)
             seen_slots.add(slot)
             keep.append(i)
-        new = np.zeros(bs.count, BUCKET_DTYPE)
-        anchors = np.zeros(stripes, ANCHOR_DTYPE)
-        by_stripe: dict[int, list] = {}
-        for i in keep:
-            by_stripe.setdefault(i // per, []).append(i)
-        for s, members in by_stripe.items():
-            members.sort(key=lambda i: int(b["last_access_ns"][i]))   # oldest first
-            placed = []
-            for i in members:
-                # from its home, the next free bucket (linear probing inside
-                # the stripe, FORMAT.md §5: the one rule a rebuild must follow)
-                j = int(audit.home[i]) - s * per
-                while new["state"][s * per + j] != EMPTY:
-                    j = (j + 1) & (per - 1)
-                e = b[i].copy()
-                e["pins"] = 0
-                new[s * per + j] = e
-                placed.append(s * per + j)
-            # LRU: head = most recent (last placed), tail = oldest
-            for k, pos in enumerate(placed):
-                new["lru_prev"][pos] = placed[k + 1] + 1 if k + 1 < len(placed) else 0
-                new["lru_next"][pos] = placed[k - 1] + 1 if k > 0 else 0
-            anchors[s]["head"] = placed[-1] + 1 if placed else 0
-            anchors[s]["tail"] = placed[0] + 1 if placed else 0
-            anchors[s]["count"] = len(placed)
-        # every bucket, moved or emptied, takes an epoch above all the old
-        # ones: a payload tag (bucket, epoch) that some node's ledger holds
-        # never names a payload again (docs/PROTOCOLS.md §1.1)
-        new["epoch"] = (int(b["epoch"].max()) + 1) % (1 << 32) or 1
-        old_anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
-        for k in ("hits", "inserts", "evictions", "lookups"):
-            anchors[k] = old_anchors[k]
+        dropped = len(np.flatnonzero(b["state"] != EMPTY)) - len(keep)
+        # the index is written by the core alone: placement from each key's
+        # home, the LRU lists and anchors, zero pins, a fresh epoch for every
+        # bucket (native/audit.c, tract_index_rebuild)
+        pool.index.rebuild(np.asarray(keep, np.uint64))
+        # then the allocator and the tables no survivor holds anything in
         bits = np.zeros(n, bool)
         bits[list(seen_slots)] = True
         owners_old = rd["owners"][:n]
         owners = np.where(bits, np.where(owners_old > 0, owners_old, 1), 0).astype(np.uint8)
-        # write back: buckets, pins (zero), LRU anchors, bitmap, owners, header, transfer
+
         def put(name: str, payload: bytes):
             s = info.section(name)
             pool.publish(s.offset, payload.ljust(s.length, b"\0")[:s.length])
-        put("buckets", new.tobytes())
-        put("pins", b"")
-        put("lru", anchors.tobytes())
         put("bitmap", np.packbits(bits, bitorder="little").tobytes())
         put("owners", owners.tobytes())
         alloc = rd["alloc"][:64].view("<u8").copy()
@@ -257,6 +228,6 @@ def repair(path: str, force: bool = False) -> dict:
         removed = remove_segments(info.uuid)
         after, stats = verify(pool, data=False)
     return {"kept_ready": len(keep),
-            "dropped_entries": len(np.flatnonzero(b["state"] != EMPTY)) - len(keep),
+            "dropped_entries": dropped,
             "local_segments_removed": removed, "remaining_violations": [asdict(v) for v in after],
             "stats": stats}
