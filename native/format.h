@@ -5,6 +5,9 @@
  * has exactly one writer at a time (the rule of docs/FORMAT.md §1).  The
  * all-zero state of every section is its initial state, so formatting a
  * section is zeroing it.  Links between entries are index + 1 (0 = none).
+ * The structs and enums are in CDEF blocks (native/build_ffi.py): Python
+ * sees their compiled layout, and tract_cli/core/media.py checks its
+ * mirrors of them against it at import.
  */
 #ifndef TRACT_FORMAT_H
 #define TRACT_FORMAT_H
@@ -18,6 +21,7 @@
 
 /* lock table: per lock, line 0 is written only by the lock manager,
  * line 1 + n only by node n. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_lock_manager_line {
 	uint32_t granted_node; /* node + 1 holding the grant, 0 = none */
 	uint32_t last_node;    /* node + 1 granted last (round-robin cursor) */
@@ -27,7 +31,9 @@ struct tract_lock_manager_line {
 	uint64_t token;        /* fencing token of the manager that wrote the line */
 	uint8_t reserved[24];
 };
+/* CDEF-END */
 
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_lock_node_slot {
 	uint32_t state;        /* TRACT_LOCK_IDLE / WAITING / LOCKED */
 	uint32_t pid;          /* holder or requester pid on that node */
@@ -37,6 +43,7 @@ struct tract_lock_node_slot {
 	uint64_t grant_token;  /* LOCKED: the token of the grant it entered with */
 	uint8_t reserved[24];
 };
+/* CDEF-END */
 
 /* CDEF-BEGIN (the lock slot states, for Python too: native/build_ffi.py) */
 enum {
@@ -47,6 +54,7 @@ enum {
 /* CDEF-END */
 
 /* node table entry: line 0 written only by the node's agent. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_node_entry {
 	uint32_t state;        /* TRACT_NODE_* (0 = never attached) */
 	uint32_t agent_pid;
@@ -60,6 +68,7 @@ struct tract_node_entry {
 	char hostname[24];
 	uint8_t reserved[192]; /* three lines, reserved */
 };
+/* CDEF-END */
 
 /* CDEF-BEGIN (the node entry's states and flags, for Python too: the agent
  * (tract_cli/core/agent.py) writes the entry, native/build_ffi.py) */
@@ -76,6 +85,7 @@ enum {
 /* CDEF-END */
 
 /* object directory entry: written under the object-directory lock. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_objdir_entry {
 	char name[40];         /* NUL-padded; empty name = free entry */
 	uint64_t offset;       /* region offset of the object */
@@ -83,8 +93,10 @@ struct tract_objdir_entry {
 	uint32_t seq;          /* bumped on every update */
 	uint32_t flags;
 };
+/* CDEF-END */
 
 /* allocator header: written under the allocator lock. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_alloc_header {
 	uint64_t used_slots;   /* slots with bitmap bit 1 (0 at format: all free) */
 	uint64_t next_hint;    /* slot where the next claim scan starts */
@@ -92,8 +104,10 @@ struct tract_alloc_header {
 	uint64_t releases;     /* batches returned since format */
 	uint8_t reserved[32];
 };
+/* CDEF-END */
 
 /* prefix index bucket: written under its stripe's lock. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_bucket {
 	uint8_t key[16];
 	uint32_t state;        /* TRACT_BUCKET_* */
@@ -109,6 +123,7 @@ struct tract_bucket {
 	uint32_t checksum;     /* CRC-32C of the payload, valid if TRACT_BUCKET_F_CHECKSUM */
 	uint64_t last_access_ns;
 };
+/* CDEF-END */
 
 /* CDEF-BEGIN (the bucket states and flags, for Python too: native/build_ffi.py) */
 enum {
@@ -123,6 +138,7 @@ enum {
 /* CDEF-END */
 
 /* LRU anchor, one per index stripe: written under the stripe's lock. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_lru_anchor {
 	uint32_t head;         /* most recently used, bucket index + 1 */
 	uint32_t tail;         /* least recently used */
@@ -133,8 +149,10 @@ struct tract_lru_anchor {
 	uint64_t lookups;
 	uint8_t reserved[16];
 };
+/* CDEF-END */
 
 /* handoff record: written under the transfer-table lock. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_transfer_record {
 	uint32_t state;        /* TRACT_TRANSFER_* */
 	uint32_t owner_node;   /* node + 1 of the prefill side */
@@ -155,6 +173,7 @@ struct tract_transfer_record {
 	uint32_t slots_freed;      /* 1 once the key-list and tail slots are (being) freed */
 	uint8_t reserved[40];
 };
+/* CDEF-END */
 
 /* CDEF-BEGIN (the transfer record states, for Python too: native/build_ffi.py) */
 enum {

@@ -32,6 +32,7 @@ struct handoff_entry {
 	uint32_t tokens;
 	uint32_t reserved;
 };
+static_assert(sizeof(struct handoff_entry) == TRACT_KEY_ENTRY_SIZE, "key list entry");
 
 static uint64_t record_off(const tract_region *r, uint32_t rec)
 {

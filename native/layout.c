@@ -75,7 +75,7 @@ static int check_params(const struct tract_format_params *p, uint64_t *block_byt
 	/* each factor is bounded above, so this product fits in 64 bits */
 	uint64_t bb = (uint64_t)p->block_tokens * p->num_layers * 2 * p->num_kv_heads *
 		      p->head_dim * es;
-	if (bb > (1ULL << 32))
+	if (bb > (1ULL << TRACT_MAX_BLOCK_SHIFT))
 		return TRACT_E_INVAL;
 	uint32_t st = p->index_stripes ? p->index_stripes : DEFAULT_STRIPES;
 	if (!is_pow2(st) || st > 4096)

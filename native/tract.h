@@ -58,6 +58,14 @@ enum {
 	TRACT_FIXED_LOCKS = 3        /* allocator, object directory, transfer table */
 };
 
+/* the limits a handoff's key list lives within: a slot (block) holds at most
+ * 2^TRACT_MAX_BLOCK_SHIFT bytes (tract_format_params), and a key list is one
+ * slot of TRACT_KEY_ENTRY_SIZE-byte entries (key, slot, checksum, tokens) */
+enum {
+	TRACT_MAX_BLOCK_SHIFT = 32,
+	TRACT_KEY_ENTRY_SIZE = 32
+};
+
 /* the ids of the fixed locks; index stripe s has lock TRACT_FIXED_LOCKS + s */
 enum {
 	TRACT_LOCK_ALLOCATOR = 0,    /* the allocator: bitmap, owner map, header (alloc.c) */

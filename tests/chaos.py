@@ -288,7 +288,7 @@ class Chaos:
 
     def leaked_slots(self) -> list[int]:
         """Slots taken from the region that are neither READY data nor on a free list."""
-        from tract_cli.inspect.snapshot import BUCKET_DTYPE
+        from tract_cli.core.media import BUCKET_DTYPE
         with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
             info = p.info
             bits = np.unpackbits(np.frombuffer(p.observe(info.section("bitmap").offset,

@@ -3,22 +3,26 @@ the layout the C compiler gives that struct: the size, and each field's offset
 and width.  A field that moves in the C headers, or in a mirror, fails here.
 
 Where the layout comes from:
-- tract.h's CDEF block (struct tract_header, tract_section): the package's
-  cffi module, compiled from it;
-- native/format.h (the sections' on-media structs) and native/internal.h
-  (the node-local segment header): cffi does not see them, so this test
-  compiles a small cffi probe against those headers, once per session.  Its
-  declarations name the fields the headers declare and end in `...;`, so the
-  offsets and sizes are the compiler's, not cffi's own arithmetic.
-The state values the mirrors decode (lock slot, bucket and transfer record
-states) are checked against format.h's enums the same way.
+- the CDEF blocks of tract.h (struct tract_header, tract_section) and
+  format.h (the sections' on-media structs): the package's cffi module,
+  compiled from them (cffi checks its layout against the compiler's);
+- native/internal.h (the node-local segment header): cffi does not see it,
+  so this test compiles a small cffi probe against the headers, once per
+  session.  Its declarations name the fields the headers declare and end in
+  `...;`, so the offsets and sizes are the compiler's, not cffi's own
+  arithmetic; it declares format.h's structs too, a second opinion on the
+  package's.
+The core's own mirrors (tract_cli/core/media.py) run the same check at
+import; this test runs it on the tests' mirrors too, and shows it catches a
+moved field.  The state values the mirrors decode (lock slot, bucket and
+transfer record states, the put statuses) are checked against the headers'
+enums the same way.
 """
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 import re
-import struct
 import sys
 
 import numpy as np
@@ -28,26 +32,17 @@ import format_reader
 import index_check
 import test_objects
 import test_takeover
-from tract_cli.core import index, locks, nodes
-from tract_cli.core.native import ffi
+from tract_cli.core import handoff, index, locks, media, nodes
+from tract_cli.core.native import ffi, lib
 from tract_cli.inspect import snapshot
 
 NATIVE = pathlib.Path(__file__).resolve().parents[1] / "native"
 
-# the node table's line 0, as nodes.read_nodes unpacks it
-NODE_LINE_FIELDS = ("state", "agent_pid", "epoch", "heartbeat_ns", "flags", "manager_epoch",
-                    "manager_heartbeat_ns", "hostname")
-
 # (the mirror's name, the mirror, the C struct, the field names of a struct.Struct
 # mirror in order (None: a numpy dtype, named), whether it spans the whole struct)
 MIRRORS = [
-    ("inspect.snapshot.BUCKET_DTYPE", snapshot.BUCKET_DTYPE, "tract_bucket", None, True),
-    ("inspect.snapshot.ANCHOR_DTYPE", snapshot.ANCHOR_DTYPE, "tract_lru_anchor", None, True),
-    ("inspect.snapshot.SLOT_DTYPE", snapshot.SLOT_DTYPE, "tract_lock_node_slot", None, True),
-    ("inspect.snapshot.MGR_DTYPE", snapshot.MGR_DTYPE, "tract_lock_manager_line", None, True),
-    ("inspect.snapshot.RECORD_DTYPE", snapshot.RECORD_DTYPE, "tract_transfer_record", None, True),
-    ("inspect.snapshot.ALLOC_DTYPE", snapshot.ALLOC_DTYPE, "tract_alloc_header", None, True),
-    ("core.nodes.NODE_LINE", nodes.NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
+    *((f"core.media.{what}", mirror, cname, names, whole)
+      for what, mirror, cname, names, whole in media.MIRRORS),
     ("tests/format_reader.HEADER", format_reader.HEADER, "tract_header",
      format_reader.HEADER_FIELDS, False),
     ("tests/format_reader.SECTION", format_reader.SECTION, "tract_section",
@@ -135,71 +130,14 @@ def _c_layout(name: str, probe) -> tuple[int, dict[str, tuple[int, int, str]]]:
                          for fname, fld in t.fields}
 
 
-def _struct_items(st: struct.Struct) -> list[tuple[int, int, str]]:
-    """(offset, size, code) of each value a struct.Struct format packs (pad bytes
-    skipped); the format must be standard-size little-endian ('<')."""
-    fmt = st.format if isinstance(st.format, str) else st.format.decode()
-    assert fmt.startswith("<"), f"{fmt!r}: mirrors of on-media structs are '<' formats"
-    items, offset = [], 0
-    for count, code in re.findall(r"(\d*)([xcbB?hHiIlLqQefdsp])", fmt[1:]):
-        n = int(count or 1)
-        if code == "x":
-            offset += n
-        elif code in "sp":
-            items.append((offset, n, code))
-            offset += n
-        else:
-            size = struct.calcsize("<" + code)
-            items += [(offset + i * size, size, code) for i in range(n)]
-            offset += n * size
-    assert offset == st.size, f"{fmt!r}: parsed {offset} bytes, struct says {st.size}"
-    return items
-
-
-def _mirror_fields(mirror, names) -> tuple[int, dict[str, tuple[int, int, str]]]:
-    """(size, {field: (offset, size, kind)}) of a mirror; kind 'u'/'i' for
-    integers, 'b' for raw bytes (numpy void, struct 's')."""
-    if isinstance(mirror, np.dtype):
-        return mirror.itemsize, {n: (off, dt.itemsize, "b" if dt.kind == "V" else dt.kind)
-                                 for n, (dt, off) in mirror.fields.items()}
-    items = _struct_items(mirror)
-    assert len(items) == len(names), \
-        f"{len(items)} values in {mirror.format!r} but {len(names)} field names"
-    kinds = {"s": "b", "p": "b"}
-    return mirror.size, {n: (off, size, kinds.get(code, "u" if code.isupper() else "i"))
-                         for n, (off, size, code) in zip(names, items)}
-
-
-def _is_pad(name: str) -> bool:
-    return name.startswith(("pad", "reserved"))
-
-
 @pytest.mark.parametrize("what,mirror,cname,names,whole", MIRRORS,
                          ids=[m[0] for m in MIRRORS])
 def test_mirror_matches_the_c_layout(probe, what, mirror, cname, names, whole):
+    """The check core/media.py runs at import (media.layout_mismatches), on every
+    mirror, against the compiler's layout."""
     csize, cfields = _c_layout(cname, probe)
-    size, fields = _mirror_fields(mirror, names)
-    if whole:
-        assert size == csize, f"{what} is {size} bytes, struct {cname} {csize}"
-    else:
-        assert size <= csize, f"{what} ({size} bytes) is longer than struct {cname} ({csize})"
-    for name, (off, width, kind) in fields.items():
-        if name not in cfields:
-            assert _is_pad(name), f"{what}.{name}: struct {cname} has no such field"
-            continue
-        coff, cwidth, ctype = cfields[name]
-        assert (off, width) == (coff, cwidth), \
-            (f"{what}.{name} is {width} bytes at offset {off}; in struct {cname} it is "
-             f"{ctype}, {cwidth} bytes at offset {coff}")
-        if kind in "ui":
-            assert ctype.startswith("uint" if kind == "u" else "int"), \
-                f"{what}.{name} is {'un' if kind == 'u' else ''}signed, struct {cname} has {ctype}"
-    # a mirror that names the C struct's fields names them all (its padding excepted)
-    end = size
-    missed = [n for n, (off, _, _) in cfields.items()
-              if off < end and n not in fields and not _is_pad(n)
-              and not any(fo <= off < fo + fw for fo, fw, _ in fields.values())]
-    assert not missed, f"{what} covers fields of struct {cname} it does not name: {missed}"
+    wrong = media.layout_mismatches(what, mirror, cname, names, whole, cfields, csize)
+    assert not wrong, "; ".join(wrong)
 
 
 def test_the_independent_readers_header_offsets():
@@ -248,12 +186,57 @@ def test_the_probe_sees_every_struct_of_format_h(probe):
 def test_a_moved_field_is_caught(probe):
     """The check itself: a dtype whose field sits 4 bytes off fails it."""
     fields = [(n, dt.str if dt.kind != "V" else f"V{dt.itemsize}")
-              for n, (dt, _) in sorted(snapshot.BUCKET_DTYPE.fields.items(), key=lambda x: x[1][1])]
+              for n, (dt, _) in sorted(media.BUCKET_DTYPE.fields.items(), key=lambda x: x[1][1])]
     i = [n for n, _ in fields].index("slot")
     moved = fields[:i] + [fields[i + 1], fields[i]] + fields[i + 2:]     # slot swapped with tokens
     with pytest.raises(AssertionError, match=r"moved\.(slot|tokens) is 4 bytes at offset"):
         test_mirror_matches_the_c_layout(probe, "moved", np.dtype(moved), "tract_bucket",
                                          None, True)
+
+
+def test_the_package_sees_every_struct_of_format_h_as_the_compiler_lays_it_out(probe):
+    """format.h's structs are in its CDEF blocks (core/media.py's import check
+    relies on it), and cffi's layout of each is the probe's (the compiler's)."""
+    for name in _struct_bodies((NATIVE / "format.h").read_text()):
+        t = ffi.typeof(f"struct {name}")     # ffi.error if a CDEF block lost it
+        assert ffi.sizeof(t) == probe.ffi.sizeof(f"struct {name}"), name
+        for field, _ in probe.ffi.typeof(f"struct {name}").fields:
+            assert ffi.offsetof(t, field) == probe.ffi.offsetof(f"struct {name}", field), \
+                f"struct {name}.{field}"
+
+
+def test_the_core_mirrors_are_all_checked_here_and_at_import():
+    assert {id(m[1]) for m in media.MIRRORS} <= {id(m[1]) for m in MIRRORS}
+    assert snapshot.BUCKET_DTYPE is media.BUCKET_DTYPE and nodes.NODE_LINE is media.NODE_LINE
+    assert not [m for what, mirror, cname, names, whole in media.MIRRORS
+                for m in media.layout_mismatches(what, mirror, cname, names, whole)]
+
+
+def test_the_node_tables_hostname_bound_is_the_c_fields():
+    size = ffi.sizeof(ffi.new("struct tract_node_entry *").hostname)
+    assert nodes.HOSTNAME_MAX == size - 1 == 23          # NUL-terminated
+    assert media.NODE_LINE.size == ffi.offsetof("struct tract_node_entry", "hostname") + size
+
+
+def test_put_status_names_enum_tract_put_status():
+    """PUT_STATUS[v] names the status value v of native/tract.h's enum."""
+    text = re.sub(r"/\*.*?\*/", "", (NATIVE / "tract.h").read_text(), flags=re.S)
+    body = re.search(r"enum tract_put_status\s*\{(.*?)\}", text, flags=re.S).group(1)
+    c_names = re.findall(r"\b(TRACT_PUT_\w+)\s*=", body)
+    values = sorted(getattr(lib, n) for n in c_names)
+    assert values == list(range(len(index.PUT_STATUS)))
+    expected = {"TRACT_PUT_STORED": "stored", "TRACT_PUT_WAS_READY": "already_ready",
+                "TRACT_PUT_WAS_PENDING": "already_pending", "TRACT_PUT_NO_ROOM": "no_room",
+                "TRACT_PUT_CLAIMED": "claimed"}
+    assert set(c_names) == set(expected)
+    for n in c_names:
+        assert index.PUT_STATUS[getattr(lib, n)] == expected[n]
+
+
+def test_the_ticket_bound_is_the_largest_key_list():
+    """A key list is one slot of 32-byte entries; a slot holds at most 2^32 bytes."""
+    assert handoff.MAX_TICKET_BLOCKS == (1 << 32) // 32
+    assert lib.TRACT_KEY_ENTRY_SIZE == 32
 
 
 if __name__ == "__main__":      # print the probe's declarations

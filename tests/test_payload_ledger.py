@@ -229,7 +229,8 @@ def test_what_the_node_loads_outside_acquire_is_no_longer_evicted(region_path):
     without an eviction (found by the cold review)."""
     import numpy as np
     from tract_cli.core.hashing import block_hashes, pool_root
-    from tract_cli.inspect.snapshot import RECORD_DTYPE, Sections
+    from tract_cli.core.media import RECORD_DTYPE
+    from tract_cli.inspect.snapshot import Sections
     Pool.create(region_path, 16 << 20, "tiny", nodes=3, flush_mode="clflush").close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as pre, \
             Pool.attach(region_path, node=2) as dec:

@@ -62,8 +62,10 @@ RECORD_PUBLISHED = lib.TRACT_TRANSFER_PUBLISHED      # its blocks pinned for the
 RECORD_ACKED = lib.TRACT_TRANSFER_ACKED              # acknowledged: being given back
 RECORD_RECLAIMING = lib.TRACT_TRANSFER_RECLAIMING    # expired: being given back
 
-# more blocks than any key list can hold (one slot of at most 16 MiB, 32 bytes a block)
-MAX_TICKET_BLOCKS = 1 << 19
+# the most blocks any key list can hold: one slot (at most 2^TRACT_MAX_BLOCK_SHIFT
+# bytes) of TRACT_KEY_ENTRY_SIZE-byte entries (native/tract.h); a ticket naming
+# more is malformed.  A pool's own bound is its slot's (`Handoffs.open`).
+MAX_TICKET_BLOCKS = (1 << lib.TRACT_MAX_BLOCK_SHIFT) // lib.TRACT_KEY_ENTRY_SIZE
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,9 @@ class Handoffs:
 
     def open(self, ticket: Ticket) -> Received:
         """Reads the record and its key list (metadata only)."""
-        n = ticket.blocks
+        # no record of this pool has more blocks than its key-list slot holds:
+        # the buffers are sized by that, whatever the ticket says
+        n = min(ticket.blocks, self._pool.info.block_bytes // lib.TRACT_KEY_ENTRY_SIZE)
         slots, sums, toks = (np.zeros(max(n, 1), np.uint32) for _ in range(3))
         keys = np.zeros((max(n, 1), 16), np.uint8)
         bc, tc, ts, tt = (ffi.new(t) for t in ("uint32_t *", "uint64_t *", "uint32_t *",

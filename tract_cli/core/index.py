@@ -21,11 +21,18 @@ if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
 
 # the per-key status that put and reserve return (enum tract_put_status,
-# native/tract.h); PUT_STATUS names them, by value
+# native/tract.h); PUT_STATUS names them, by value (PUT_STATUS[status])
 PUT_STORED, PUT_WAS_READY, PUT_WAS_PENDING, PUT_NO_ROOM, PUT_CLAIMED = (
     lib.TRACT_PUT_STORED, lib.TRACT_PUT_WAS_READY, lib.TRACT_PUT_WAS_PENDING,
     lib.TRACT_PUT_NO_ROOM, lib.TRACT_PUT_CLAIMED)
-PUT_STATUS = ("stored", "already_ready", "already_pending", "no_room", "claimed")
+_PUT_NAMES = {"TRACT_PUT_STORED": "stored", "TRACT_PUT_WAS_READY": "already_ready",
+              "TRACT_PUT_WAS_PENDING": "already_pending", "TRACT_PUT_NO_ROOM": "no_room",
+              "TRACT_PUT_CLAIMED": "claimed"}
+_PUT_ENUM = ffi.typeof("enum tract_put_status").elements          # value -> C name
+if sorted(_PUT_ENUM) != list(range(len(_PUT_ENUM))) or set(_PUT_ENUM.values()) != set(_PUT_NAMES):
+    raise ImportError(f"enum tract_put_status (native/tract.h) is {_PUT_ENUM}: "
+                      "tract_cli/core/index.py names 0.. of these: " + ", ".join(_PUT_NAMES))
+PUT_STATUS = tuple(_PUT_NAMES[_PUT_ENUM[v]] for v in range(len(_PUT_ENUM)))
 
 # a bucket's state in the buckets section (native/format.h, FORMAT.md): what
 # `tract check` and `tract inspect` read there

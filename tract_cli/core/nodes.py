@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tract_cli.core.media import HOSTNAME_MAX, NODE_LINE  # line 0 of an entry, its hostname field
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
     from tract_cli.core.pool import Pool
 
-NODE_LINE = struct.Struct("<IIQQIIQ24s")   # line 0 of a node entry (FORMAT.md §4.2)
 # the entry's state and flags (native/format.h's TRACT_NODE_*); NODE_STATES names the states
 NODE_NEVER, NODE_ALIVE, NODE_LEFT = lib.TRACT_NODE_NEVER, lib.TRACT_NODE_ALIVE, lib.TRACT_NODE_LEFT
 NODE_STATES = {NODE_NEVER: "never", NODE_ALIVE: "alive", NODE_LEFT: "left"}
@@ -31,7 +30,6 @@ FLAG_MANAGER = lib.TRACT_NODE_F_MANAGER
 FLAG_STANDBY = lib.TRACT_NODE_F_STANDBY
 FLAG_AUTOSTOP = lib.TRACT_NODE_F_AUTOSTOP
 STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
-_HOSTNAME_MAX = 23           # bytes of the host's name kept in the entry (NUL-terminated)
 
 
 def hostname() -> str:
@@ -42,7 +40,7 @@ def hostname() -> str:
 
 def on_this_host(rec: "NodeRecord") -> bool:
     """Whether REC was written by an agent of this host (as the node table keeps it)."""
-    return rec.hostname == hostname().encode()[:_HOSTNAME_MAX].decode(errors="replace")
+    return rec.hostname == hostname().encode()[:HOSTNAME_MAX].decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,7 @@ def encode_node_line(state: int, agent_pid: int, epoch: int, heartbeat_ns: int, 
     """Line 0 of a node entry, with this host's name, as `read_nodes` decodes it
     (what the node's agent publishes)."""
     return NODE_LINE.pack(state, agent_pid, epoch, heartbeat_ns, flags, manager_epoch,
-                          manager_heartbeat_ns, hostname().encode()[:_HOSTNAME_MAX])
+                          manager_heartbeat_ns, hostname().encode()[:HOSTNAME_MAX])
 
 
 def fencing_token(epoch: int, node: int) -> int:

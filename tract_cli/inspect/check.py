@@ -21,10 +21,10 @@ from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
                                   BUCKET_F_CHECKSUM, BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
 from tract_cli.core.locks import SLOT_LOCKED
+from tract_cli.core.media import ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE, SLOT_DTYPE
 from tract_cli.core.nodes import current_token, token_text
 from tract_cli.core.pool import Pool
-from tract_cli.inspect.snapshot import (ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
-                                        SLOT_DTYPE, Sections)
+from tract_cli.inspect.snapshot import Sections
 
 # the bucket states, as the core defines them (native/format.h)
 READY, PENDING, TOMB, EMPTY = BUCKET_READY, BUCKET_PENDING, BUCKET_TOMBSTONE, BUCKET_EMPTY

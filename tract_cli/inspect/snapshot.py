@@ -17,6 +17,8 @@ import numpy as np
 from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
 from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_STATES, BUCKET_TOMBSTONE
 from tract_cli.core.locks import SLOT_STATES, SLOT_WAITING, lock_name
+from tract_cli.core.media import (ALLOC_DTYPE, ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE,
+                                  RECORD_DTYPE, SLOT_DTYPE)
 from tract_cli.core.nodes import (NODE_NEVER, NODE_STATES, current_manager, on_this_host, read_nodes,
                                   token_text)
 from tract_cli.core.pids import pid_alive
@@ -27,25 +29,6 @@ SCHEMA_VERSION = 1
 RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
                  RECORD_RECLAIMING: "RECLAIMING"}
 VIEWS = ("nodes", "locks", "index", "alloc", "handoffs")
-
-BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("tokens", "<u4"),
-                         ("pins", "<u4"), ("lru_prev", "<u4"), ("lru_next", "<u4"),
-                         ("owner_node", "<u2"), ("flags", "<u2"), ("owner_pid", "<u4"),
-                         ("epoch", "<u4"), ("checksum", "<u4"), ("last_access_ns", "<u8")])
-ANCHOR_DTYPE = np.dtype([("head", "<u4"), ("tail", "<u4"), ("count", "<u8"), ("hits", "<u8"),
-                         ("inserts", "<u8"), ("evictions", "<u8"), ("lookups", "<u8"),
-                         ("pad", "V16")])
-SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("request_seq", "<u8"),
-                       ("since_ns", "<u8"), ("grant_token", "<u8"), ("pad", "V24")])
-MGR_DTYPE = np.dtype([("granted_node", "<u4"), ("last_node", "<u4"), ("grant_seq", "<u8"),
-                      ("grant_ns", "<u8"), ("granted_req", "<u8"), ("token", "<u8"),
-                      ("pad", "V24")])
-RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", "<u4"),
-                         ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
-                         ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
-                         ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
-ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
-                        ("releases", "<u8"), ("pad", "V32")])
 
 
 def _age(now: int, ns: int) -> float | None:

@@ -1,0 +1,161 @@
+"""The on-media structs as numpy dtypes and struct formats, for lock-free readers.
+
+`tract inspect`, `tract check` and the node table's readers decode whole
+sections in bulk; these are the layouts they decode with.  Each mirror is
+checked at import, field by field, against the C compiler's layout of its
+struct (native/format.h, whose structs are in CDEF blocks: `ffi.sizeof`,
+`ffi.offsetof`), so a field that moves in the headers or here fails at once
+instead of being misread.  Padding is named `pad...` and may cover reserved
+fields the readers do not decode.
+"""
+from __future__ import annotations
+
+import re
+import struct
+
+import numpy as np
+
+from tract_cli.core.native import ffi
+
+# one prefix-index bucket (struct tract_bucket)
+BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("tokens", "<u4"),
+                         ("pins", "<u4"), ("lru_prev", "<u4"), ("lru_next", "<u4"),
+                         ("owner_node", "<u2"), ("flags", "<u2"), ("owner_pid", "<u4"),
+                         ("epoch", "<u4"), ("checksum", "<u4"), ("last_access_ns", "<u8")])
+# one index stripe's LRU anchor (struct tract_lru_anchor)
+ANCHOR_DTYPE = np.dtype([("head", "<u4"), ("tail", "<u4"), ("count", "<u8"), ("hits", "<u8"),
+                         ("inserts", "<u8"), ("evictions", "<u8"), ("lookups", "<u8"),
+                         ("pad", "V16")])
+# a node's slot of a lock (struct tract_lock_node_slot)
+SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("request_seq", "<u8"),
+                       ("since_ns", "<u8"), ("grant_token", "<u8"), ("pad", "V24")])
+# a lock's manager line (struct tract_lock_manager_line)
+MGR_DTYPE = np.dtype([("granted_node", "<u4"), ("last_node", "<u4"), ("grant_seq", "<u8"),
+                      ("grant_ns", "<u8"), ("granted_req", "<u8"), ("token", "<u8"),
+                      ("pad", "V24")])
+# a handoff record (struct tract_transfer_record); the releaser's progress is padding here
+RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", "<u4"),
+                         ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
+                         ("keys_offset", "<u8"), ("tail_slot", "<u4"), ("tail_tokens", "<u4"),
+                         ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
+# the allocator header (struct tract_alloc_header)
+ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
+                        ("releases", "<u8"), ("pad", "V32")])
+
+# line 0 of a node entry (struct tract_node_entry, FORMAT.md §4.2), as
+# nodes.read_nodes unpacks it and the agent packs it: its values, in order
+NODE_LINE = struct.Struct("<IIQQIIQ24s")
+NODE_LINE_FIELDS = ("state", "agent_pid", "epoch", "heartbeat_ns", "flags", "manager_epoch",
+                    "manager_heartbeat_ns", "hostname")
+
+
+def c_fields(cname: str) -> dict[str, tuple[int, int, str]]:
+    """{field: (offset, size, C type)} of `struct CNAME`, as the compiler lays it out."""
+    t = ffi.typeof(f"struct {cname}")
+    return {name: (ffi.offsetof(t, name), ffi.sizeof(f.type), f.type.cname) for name, f in t.fields}
+
+
+# the node table keeps this many bytes of a host's name (the field, less its NUL)
+HOSTNAME_MAX = c_fields("tract_node_entry")["hostname"][1] - 1
+
+
+def struct_items(st: struct.Struct) -> list[tuple[int, int, str]]:
+    """(offset, size, code) of each value a struct.Struct format packs (pad bytes
+    skipped); the format must be standard-size little-endian ('<')."""
+    fmt = st.format if isinstance(st.format, str) else st.format.decode()
+    if not fmt.startswith("<"):
+        raise ValueError(f"{fmt!r}: mirrors of on-media structs are '<' formats")
+    items, offset = [], 0
+    for count, code in re.findall(r"(\d*)([xcbB?hHiIlLqQefdsp])", fmt[1:]):
+        n = int(count or 1)
+        if code == "x":
+            offset += n
+        elif code in "sp":
+            items.append((offset, n, code))
+            offset += n
+        else:
+            size = struct.calcsize("<" + code)
+            items += [(offset + i * size, size, code) for i in range(n)]
+            offset += n * size
+    if offset != st.size:
+        raise ValueError(f"{fmt!r}: parsed {offset} bytes, struct says {st.size}")
+    return items
+
+
+def mirror_fields(mirror, names=None) -> tuple[int, dict[str, tuple[int, int, str]]]:
+    """(size, {field: (offset, size, kind)}) of a mirror (a numpy dtype, or a
+    struct.Struct with NAMES for its values); kind 'u'/'i' for integers, 'b'
+    for raw bytes (numpy void, struct 's')."""
+    if isinstance(mirror, np.dtype):
+        return mirror.itemsize, {n: (off, dt.itemsize, "b" if dt.kind == "V" else dt.kind)
+                                 for n, (dt, off) in mirror.fields.items()}
+    items = struct_items(mirror)
+    if len(items) != len(names):
+        raise ValueError(f"{len(items)} values in {mirror.format!r} but {len(names)} field names")
+    kinds = {"s": "b", "p": "b"}
+    return mirror.size, {n: (off, size, kinds.get(code, "u" if code.isupper() else "i"))
+                         for n, (off, size, code) in zip(names, items)}
+
+
+def _is_pad(name: str) -> bool:
+    return name.startswith(("pad", "reserved"))
+
+
+def layout_mismatches(what: str, mirror, cname: str, names=None, whole: bool = True,
+                      cfields: dict | None = None, csize: int | None = None) -> list[str]:
+    """How the mirror WHAT disagrees with `struct CNAME` (empty: it agrees): its
+    size (equal if WHOLE, else at most the struct's), each field's offset,
+    width and signedness, and every field of the struct it spans named.
+    CFIELDS/CSIZE give the C layout where it is not this ffi's."""
+    if cfields is None:
+        cfields, csize = c_fields(cname), ffi.sizeof(f"struct {cname}")
+    size, fields = mirror_fields(mirror, names)
+    out = []
+    if whole and size != csize:
+        out.append(f"{what} is {size} bytes, struct {cname} {csize}")
+    elif size > csize:
+        out.append(f"{what} ({size} bytes) is longer than struct {cname} ({csize})")
+    for name, (off, width, kind) in fields.items():
+        if name not in cfields:
+            if not _is_pad(name):
+                out.append(f"{what}.{name}: struct {cname} has no such field")
+            continue
+        coff, cwidth, ctype = cfields[name]
+        if (off, width) != (coff, cwidth):
+            out.append(f"{what}.{name} is {width} bytes at offset {off}; in struct {cname} it "
+                       f"is {ctype}, {cwidth} bytes at offset {coff}")
+        elif kind in "ui" and not ctype.startswith("uint" if kind == "u" else "int"):
+            out.append(f"{what}.{name} is {'un' if kind == 'u' else ''}signed, "
+                       f"struct {cname} has {ctype}")
+    # a mirror that names the struct's fields names them all (its padding excepted)
+    missed = [n for n, (off, _, _) in cfields.items()
+              if off < size and n not in fields and not _is_pad(n)
+              and not any(fo <= off < fo + fw for fo, fw, _ in fields.values())]
+    if missed:
+        out.append(f"{what} covers fields of struct {cname} it does not name: {missed}")
+    return out
+
+
+# (the mirror's name, the mirror, the C struct, the value names of a struct.Struct
+# (None: a named numpy dtype), whether it spans the whole struct)
+MIRRORS = (
+    ("BUCKET_DTYPE", BUCKET_DTYPE, "tract_bucket", None, True),
+    ("ANCHOR_DTYPE", ANCHOR_DTYPE, "tract_lru_anchor", None, True),
+    ("SLOT_DTYPE", SLOT_DTYPE, "tract_lock_node_slot", None, True),
+    ("MGR_DTYPE", MGR_DTYPE, "tract_lock_manager_line", None, True),
+    ("RECORD_DTYPE", RECORD_DTYPE, "tract_transfer_record", None, True),
+    ("ALLOC_DTYPE", ALLOC_DTYPE, "tract_alloc_header", None, True),
+    ("NODE_LINE", NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
+)
+
+
+def _check_mirrors() -> None:
+    """Every mirror agrees with the C layout, or the import fails (ImportError,
+    not an assert: `python -O` keeps the check)."""
+    wrong = [m for what, mirror, cname, names, whole in MIRRORS
+             for m in layout_mismatches(what, mirror, cname, names, whole)]
+    if wrong:
+        raise ImportError("tract_cli.core.media disagrees with native/format.h: " + "; ".join(wrong))
+
+
+_check_mirrors()
