@@ -135,24 +135,31 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 	if (bs->length < total * TRACT_LINE || ls->length < anchors)
 		return TRACT_E_CORRUPT;
 	int rc = TRACT_E_NOMEM;
+	uint32_t slots = r->hdr.slot_count;
 	struct tract_bucket *old = malloc(total * sizeof(*old));
 	struct tract_bucket *fresh = calloc(1, bs->length);
 	struct kept *kept = malloc((n_keep + 1) * sizeof(*kept));
 	uint8_t *taken = calloc(1, total);
+	uint8_t *slot_taken = calloc(1, (size_t)slots + 1);
 	struct line_set *set = calloc(1, sizeof(*set));
-	if (!old || !fresh || !kept || !taken || !set)
+	if (!old || !fresh || !kept || !taken || !slot_taken || !set)
 		goto out;
 	rc = tract_observe(r, bs->offset, old, total * sizeof(*old));
 	if (rc < 0)
 		goto out;
-	/* what is kept: READY buckets, each once, of their key's stripe, no key twice */
+	/* what is kept: READY buckets, each once, of their key's stripe, no key
+	 * twice, each naming a slot of the data area (1-based) no other names */
 	rc = TRACT_E_INVAL;
 	for (uint64_t i = 0; i < n_keep; i++) {
 		uint64_t b = keep[i];
 		if (b >= total || taken[b] || old[b].state != TRACT_BUCKET_READY ||
 		    tract_key_stripe(r, old[b].key) != b / size)
 			goto out;
+		uint32_t slot = old[b].slot;
+		if (slot < 1 || slot > slots || slot_taken[slot])
+			goto out;
 		taken[b] = 1;
+		slot_taken[slot] = 1;
 		kept[i] = (struct kept){ b / size, old[b].last_access_ns, b, old[b].key };
 	}
 	qsort(kept, n_keep, sizeof(*kept), kept_by_key);
@@ -160,24 +167,32 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 		if (!memcmp(kept[i - 1].key, kept[i].key, 16))
 			goto out;
 	/* one epoch above every old one: a payload tag (bucket, epoch) some
-	 * node's ledger holds never names a payload again (PROTOCOLS.md §1.1) */
+	 * node's ledger holds never names a payload again (PROTOCOLS.md §1.1;
+	 * past 0xffffffff it wraps to 1) */
 	uint32_t epoch = 0;
 	for (uint64_t i = 0; i < total; i++)
 		if (old[i].epoch > epoch)
 			epoch = old[i].epoch;
 	epoch = epoch + 1 ? epoch + 1 : 1;
-	/* every bucket EMPTY under the new epoch, every pin count zero, the
-	 * anchors of no stripe zero */
 	for (uint64_t i = 0; i < total; i++)
 		fresh[i].epoch = epoch;
-	if ((rc = tract_publish(r, bs->offset, fresh, bs->length)) < 0 ||
-	    (rc = publish_zero(r, ps->offset, ps->length)) < 0 ||
-	    (rc = publish_zero(r, ls->offset + anchors, ls->length - anchors)) < 0)
+	/* every pin count zero, the anchors of no stripe and the section's
+	 * padding zero */
+	if ((rc = publish_zero(r, ps->offset, ps->length)) < 0 ||
+	    (rc = publish_zero(r, ls->offset + anchors, ls->length - anchors)) < 0 ||
+	    (rc = tract_publish(r, bs->offset + total * TRACT_LINE, fresh + total,
+				bs->length - total * TRACT_LINE)) < 0)
 		goto out;
-	/* then stripe by stripe, its kept buckets oldest first */
+	/* then stripe by stripe: its buckets EMPTY under the new epoch, its kept
+	 * buckets placed oldest first, all published before the next stripe is
+	 * touched, so a repair killed midway has emptied no stripe beyond the
+	 * one it was writing (run again, it finds the rest as they were) */
 	qsort(kept, n_keep, sizeof(*kept), kept_by_age);
 	uint64_t i = 0;
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		if ((rc = tract_publish(r, bs->offset + (uint64_t)s * size * TRACT_LINE,
+					fresh + (uint64_t)s * size, size * TRACT_LINE)) < 0)
+			goto out;
 		struct stripe_ctx c;
 		tract_stripe_init(r, s, &c, set);
 		struct tract_lru_anchor a = { 0 };   /* the list empty; the counters kept */
@@ -209,6 +224,7 @@ out:
 	free(fresh);
 	free(kept);
 	free(taken);
+	free(slot_taken);
 	free(set);
 	return rc;
 }

@@ -619,14 +619,17 @@ int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t 
 		      uint64_t n);
 
 /* Rebuilds the index offline (`tract check --repair`) from the READY buckets
- * keep[0..n_keep): each READY, of its key's stripe, no bucket or key twice
- * (else TRACT_E_INVAL, and nothing is written).  Every bucket becomes EMPTY
+ * keep[0..n_keep): each READY, of its key's stripe, naming a slot of the data
+ * area, no bucket, key or slot twice (else TRACT_E_INVAL, and nothing is
+ * written).  Every bucket becomes EMPTY
  * and every pin count zero; the kept ones are placed again from their key's
  * home by the index's probe, keeping their fields but pins, and linked into
  * their stripe's LRU list oldest (last_access_ns, then bucket index) first,
  * the newest at the head; each stripe's anchor counts them and keeps its
- * counters; every bucket takes one epoch above all the old ones.  Takes no
- * lock: only while no other process maps the region. */
+ * counters; every bucket takes one epoch above all the old ones (wrapping
+ * past 0xffffffff to 1).  Written stripe by stripe, each published before
+ * the next is touched.  Takes no lock: only while no other process maps the
+ * region. */
 int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep);
 
 /* CDEF-END */

@@ -103,8 +103,11 @@ def test_a_reclaim_that_timed_out_on_a_busy_lock_is_resumed_by_the_next(region):
 def test_the_agent_reclaims_a_handoff_whose_decode_side_died(region):
     with RunningAgent(region, 0, manager=True):
         with Worker(region, 1) as prefill:
-            ticket = prefill.call("handoff_publish", chain=[9, 0, 10, 4], request="b", ttl=0.5)
+            # the decode process is up before the record is published: its
+            # receive is one call inside the record's lifetime, whatever the
+            # load (a process started after the publish could miss a short one)
             decode = Worker(region, 2)
+            ticket = prefill.call("handoff_publish", chain=[9, 0, 10, 4], request="b", ttl=3.0)
             decode.call("handoff_receive", ticket=ticket, chain=[9, 0, 10, 4], request="b",
                         ack=False)
             decode.kill()                                       # dies without acknowledging

@@ -159,8 +159,12 @@ class Handoffs:
     def open(self, ticket: Ticket) -> Received:
         """Reads the record and its key list (metadata only)."""
         # no record of this pool has more blocks than its key-list slot holds:
-        # the buffers are sized by that, whatever the ticket says
-        n = min(ticket.blocks, self._pool.info.block_bytes // lib.TRACT_KEY_ENTRY_SIZE)
+        # a ticket that names more is not one of this pool's
+        cap = self._pool.info.block_bytes // lib.TRACT_KEY_ENTRY_SIZE
+        if ticket.blocks > cap:
+            raise HandoffError(f"the ticket names {ticket.blocks} blocks; a handoff of this pool "
+                               f"holds at most {cap}", "pass the ticket the prefill worker returned")
+        n = ticket.blocks
         slots, sums, toks = (np.zeros(max(n, 1), np.uint32) for _ in range(3))
         keys = np.zeros((max(n, 1), 16), np.uint8)
         bc, tc, ts, tt = (ffi.new(t) for t in ("uint32_t *", "uint64_t *", "uint32_t *",
@@ -182,6 +186,9 @@ class Handoffs:
                                "pass the ticket the prefill worker returned")
         raise_for(rc, f"{self._pool.path} handoff open")
         k = bc[0]
+        if k != ticket.blocks:
+            raise HandoffError(f"handoff record {ticket.record} holds {k} blocks, the ticket names "
+                               f"{ticket.blocks}", "pass the ticket the prefill worker returned")
         # the blocks are pinned by the record: their buckets cannot change, so
         # their payload tags are read without a lock (one C call)
         tags = self._pool.index.tags(keys[:k], slots[:k])

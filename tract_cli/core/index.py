@@ -307,9 +307,13 @@ class PrefixIndex:
         bucket or key twice), in one C call that places them by the index's
         own probe and LRU rule (`tract check --repair`).  Offline only: it
         takes no lock, so nobody else may map the region."""
-        keep = np.ascontiguousarray(keep, dtype=np.uint64)
-        raise_for(lib.tract_index_rebuild(self._pool._r(), ffi.cast("uint64_t *", ffi.from_buffer(keep)),
-                                          len(keep)), f"{self._pool.path} index rebuild")
+        arr = np.asarray(keep)
+        if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0)):
+            raise UsageError("the buckets to keep must be a list of bucket indices",
+                             "pass a 1-D array of non-negative integers")
+        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+        raise_for(lib.tract_index_rebuild(self._pool._r(), ffi.cast("uint64_t *", ffi.from_buffer(arr)),
+                                          arr.size), f"{self._pool.path} index rebuild")
 
     def checksum_mismatches(self, slots: np.ndarray, checksums: np.ndarray) -> np.ndarray:
         """Indices i whose slot's payload does not match CHECKSUMS[i] (CRC-32C),
