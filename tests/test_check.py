@@ -134,15 +134,24 @@ def test_a_key_out_of_its_probe_chain_or_stripe_is_found_by_the_cores_audit(used
 
 def test_the_cores_rebuild_refuses_a_bad_keep_list_and_writes_nothing(used_region):
     """The index is rebuilt by the core (`Index.rebuild`, native/audit.c), the
-    one writer of its format: a bucket that is not READY, one kept twice or a
-    key kept twice is refused before anything is written."""
+    one writer of its format: a bucket that is not READY, one kept twice, one
+    past the index, one naming no slot or another kept bucket's slot, or a
+    keep list that is not of bucket indices is refused before anything is
+    written."""
     from tract_cli.core.errors import UsageError
     off, ready, raw = ready_buckets(used_region)
     states = raw[:, 16:20].copy().view("<u4").reshape(-1)
     empty = int(np.flatnonzero(states == 0)[0])
+    a, b, c = (int(x) for x in ready[:3])
+    slot_a = raw[a, 20:24].tobytes()
+    with open(used_region, "r+b") as f:        # offline: nothing maps the region
+        f.seek(off + b * 64 + 20)
+        f.write(slot_a)                         # b names a's slot
+        f.seek(off + c * 64 + 20)
+        f.write(bytes(4))                       # c names no slot
     with Pool.attach(used_region, local=False) as p:
         before = p.observe(0, p.info.section("data").offset)
-        for keep in ([empty], [int(ready[0]), int(ready[0])], [len(states)]):
+        for keep in ([empty], [a, a], [len(states)], [a, b], [c], [[a]], [-1], [0.5]):
             with pytest.raises(UsageError):
                 p.index.rebuild(keep)
         assert p.observe(0, p.info.section("data").offset) == before
