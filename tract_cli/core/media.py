@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import struct
+import sys
 
 import numpy as np
 
@@ -87,14 +88,28 @@ def mirror_fields(mirror, names=None) -> tuple[int, dict[str, tuple[int, int, st
     struct.Struct with NAMES for its values); kind 'u'/'i' for integers, 'b'
     for raw bytes (numpy void, struct 's')."""
     if isinstance(mirror, np.dtype):
-        return mirror.itemsize, {n: (off, dt.itemsize, "b" if dt.kind == "V" else dt.kind)
+        return mirror.itemsize, {n: (off, dt.itemsize, _numpy_kind(dt))
                                  for n, (dt, off) in mirror.fields.items()}
     items = struct_items(mirror)
     if len(items) != len(names):
         raise ValueError(f"{len(items)} values in {mirror.format!r} but {len(names)} field names")
-    kinds = {"s": "b", "p": "b"}
-    return mirror.size, {n: (off, size, kinds.get(code, "u" if code.isupper() else "i"))
-                         for n, (off, size, code) in zip(names, items)}
+    kind = lambda code: ("b" if code in "sp" else "u" if code in "BHILQ"
+                         else "i" if code in "bhilq" else "?")
+    return mirror.size, {n: (off, size, kind(code)) for n, (off, size, code) in zip(names, items)}
+
+
+def _numpy_kind(dt: np.dtype) -> str:
+    """'u'/'i' for a little-endian (or one-byte) integer, 'b' for raw bytes
+    (void without fields, or an array of single bytes), '?' for anything else
+    (floats, bools, strings, big-endian, nested records): no mirror uses those."""
+    if dt.subdtype is not None:
+        base = dt.subdtype[0]
+        return "b" if base.itemsize == 1 and base.kind in "uiV" and base.fields is None else "?"
+    if dt.kind == "V":
+        return "b" if dt.fields is None else "?"
+    if dt.kind in "ui" and dt.byteorder in ("<", "|") + (("=",) if sys.byteorder == "little" else ()):
+        return dt.kind
+    return "?"
 
 
 def _is_pad(name: str) -> bool:
@@ -121,12 +136,19 @@ def layout_mismatches(what: str, mirror, cname: str, names=None, whole: bool = T
                 out.append(f"{what}.{name}: struct {cname} has no such field")
             continue
         coff, cwidth, ctype = cfields[name]
-        if (off, width) != (coff, cwidth):
+        c_bytes = "[" in ctype and ctype.split("[")[0].strip() in ("char", "uint8_t", "int8_t")
+        if kind == "?":
+            out.append(f"{what}.{name} is neither a little-endian integer nor raw bytes "
+                       f"(struct {cname} has {ctype})")
+        elif (off, width) != (coff, cwidth):
             out.append(f"{what}.{name} is {width} bytes at offset {off}; in struct {cname} it "
                        f"is {ctype}, {cwidth} bytes at offset {coff}")
-        elif kind in "ui" and not ctype.startswith("uint" if kind == "u" else "int"):
-            out.append(f"{what}.{name} is {'un' if kind == 'u' else ''}signed, "
-                       f"struct {cname} has {ctype}")
+        elif kind in "ui" and ("[" in ctype
+                               or not ctype.startswith("uint" if kind == "u" else "int")):
+            out.append(f"{what}.{name} is {'an unsigned' if kind == 'u' else 'a signed'} "
+                       f"integer, struct {cname} has {ctype}")
+        elif kind == "b" and not c_bytes:
+            out.append(f"{what}.{name} is raw bytes, struct {cname} has {ctype}")
     # a mirror that names the struct's fields names them all (its padding excepted)
     missed = [n for n, (off, _, _) in cfields.items()
               if off < size and n not in fields and not _is_pad(n)
@@ -152,8 +174,11 @@ MIRRORS = (
 def _check_mirrors() -> None:
     """Every mirror agrees with the C layout, or the import fails (ImportError,
     not an assert: `python -O` keeps the check)."""
-    wrong = [m for what, mirror, cname, names, whole in MIRRORS
-             for m in layout_mismatches(what, mirror, cname, names, whole)]
+    try:
+        wrong = [m for what, mirror, cname, names, whole in MIRRORS
+                 for m in layout_mismatches(what, mirror, cname, names, whole)]
+    except ValueError as err:              # a struct format the check cannot read
+        wrong = [str(err)]
     if wrong:
         raise ImportError("tract_cli.core.media disagrees with native/format.h: " + "; ".join(wrong))
 
