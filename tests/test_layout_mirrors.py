@@ -241,3 +241,20 @@ def test_the_ticket_bound_is_the_largest_key_list():
 
 if __name__ == "__main__":      # print the probe's declarations
     sys.stdout.write(_probe_cdef() + "\n")
+
+
+@pytest.mark.parametrize("field,fmt", [("state", ">u4"), ("state", "<f4"), ("state", "?"),
+                                       ("state", "<i4"), ("key", "S16"),
+                                       ("key", [("a", "<u8"), ("b", "<i8")]),
+                                       ("key", ("<f8", (2,))), ("slot", "V4")],
+                         ids=["big-endian", "float", "bool", "signedness", "string", "record",
+                              "float-array", "bytes-for-an-integer"])
+def test_a_mirror_field_of_another_kind_is_caught(field, fmt):
+    """The check reads kinds, not only widths: a field of the right size but
+    of another type (or byte order) is a mismatch."""
+    b = media.BUCKET_DTYPE
+    variant = np.dtype({"names": list(b.names),
+                        "formats": [np.dtype(fmt) if n == field else b.fields[n][0] for n in b.names],
+                        "offsets": [b.fields[n][1] for n in b.names], "itemsize": b.itemsize})
+    wrong = media.layout_mismatches("BUCKET", variant, "tract_bucket")
+    assert any(f"BUCKET.{field}" in w for w in wrong), wrong
