@@ -38,6 +38,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -77,7 +78,7 @@ def recv_exact(conn: socket.socket, buf: memoryview) -> None:
 
 # ---- prefill sides ----
 
-class PrefillSide:
+class PrefillSide(ABC):
     """What every prefill side does unless it says otherwise: no prefix cache,
     nothing to reserve, compute's output already in private memory, the KV
     sent once (so do the peers: `kv_accounting`)."""
@@ -109,10 +110,11 @@ class PrefillSide:
         """After compute: the missed blocks written; which of them this request wrote."""
         return np.ones(len(miss), bool)
 
+    @abstractmethod
     def publish(self, out: dict, keys: np.ndarray, tokens: int, tail: np.ndarray,
                 tail_tokens: int, t: dict) -> None:
-        """Sets OUT's ticket: what the decode side needs to take the KV."""
-        raise NotImplementedError
+        """Sets OUT's ticket: what the decode side needs to take the KV (each
+        transport's own)."""
 
     def deliver(self, out: dict, inbox, dec: int, payload: np.ndarray) -> None:
         """Hands OUT to decode worker DEC (INBOX is its queue)."""
@@ -227,7 +229,7 @@ class TcpPrefill(PrefillSide):
 
 # ---- decode sides ----
 
-class DecodeSide:
+class DecodeSide(ABC):
     """Takes each request's KV into OUT (the worker's private buffer: blocks,
     then the tail) or views of it, and gives the handoff back."""
 
@@ -247,9 +249,10 @@ class DecodeSide:
         bb = self.block_bytes
         return out[:n * bb].reshape(n, bb) if n else out[:0].reshape(0, bb)
 
+    @abstractmethod
     def read(self, msg: dict, out: np.ndarray, t: dict):
-        """The request's (blocks, tail) as the decode side now has them."""
-        raise NotImplementedError
+        """The request's (blocks, tail) as the decode side now has them (each
+        transport's own)."""
 
     def ack(self, t: dict) -> None:
         """After the first token: the handoff given back (its blocks unpinned)."""
