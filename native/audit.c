@@ -15,6 +15,13 @@
  * lock: the caller guarantees nobody else maps the region (check.py), and
  * writes through the section's line set, flushed and fenced per stripe, so
  * a later attach on another host observes it.
+ *
+ * The allocator rebuild (tract_alloc_rebuild) then writes what the repair
+ * keeps of the rest: the bitmap and owner map of the kept slots, the
+ * allocator header's count of them, and the transfer and lock tables empty
+ * (no process that held anything there runs any more).  Here, not in
+ * alloc.c: it is the same offline write, under the same guarantee (nobody
+ * else maps the region, so no lock), not an allocator operation.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -226,5 +233,71 @@ out:
 	free(taken);
 	free(slot_taken);
 	free(set);
+	return rc;
+}
+
+/* Rebuilds the allocator state offline from the slots keep[0..n_keep) and
+ * empties the transfer and lock tables (see tract.h). */
+int tract_alloc_rebuild(tract_region *r, const uint32_t *keep, uint64_t n_keep)
+{
+	if (!r || (r->flags & TRACT_ATTACH_READONLY) || (n_keep && !keep))
+		return TRACT_E_INVAL;
+	uint64_t slots = r->hdr.slot_count;
+	if (n_keep > slots)
+		return TRACT_E_INVAL;
+	const struct tract_section *as = tract_sec(r, TRACT_SEC_ALLOC);
+	const struct tract_section *bs = tract_sec(r, TRACT_SEC_BITMAP);
+	const struct tract_section *os = tract_sec(r, TRACT_SEC_OWNERS);
+	const struct tract_section *ts = tract_sec(r, TRACT_SEC_TRANSFER);
+	const struct tract_section *ls = tract_sec(r, TRACT_SEC_LOCKS);
+	if (as->length < sizeof(struct tract_alloc_header) || bs->length < (slots + 7) / 8 ||
+	    os->length < slots)
+		return TRACT_E_CORRUPT;
+	int rc = TRACT_E_NOMEM;
+	/* whole sections, zero past the last slot: their padding is rewritten
+	 * zero too, as a fresh format has it */
+	uint8_t *bits = calloc(1, bs->length);
+	uint8_t *owners = calloc(1, os->length);
+	uint8_t *old = malloc(os->length);
+	if (!bits || !owners || !old)
+		goto out;
+	/* every slot in range and kept once, checked whole before any write */
+	rc = TRACT_E_INVAL;
+	for (uint64_t i = 0; i < n_keep; i++) {
+		uint32_t s = keep[i];
+		uint8_t bit = (uint8_t)(1u << (s % 8));
+		if (s >= slots || (bits[s / 8] & bit))
+			goto out;
+		bits[s / 8] |= bit;
+	}
+	struct tract_alloc_header h;
+	if ((rc = tract_observe(r, os->offset, old, os->length)) < 0 ||
+	    (rc = tract_observe(r, as->offset, &h, sizeof(h))) < 0)
+		goto out;
+	/* a kept slot stays its claimer's; one with no owner byte (a torn or
+	 * corrupt allocator state) is given to node 0, so bitmap and owner map
+	 * agree: whichever node frees it later, alloc.c returns it to the
+	 * region or to node 0's list by that byte */
+	for (uint64_t i = 0; i < n_keep; i++)
+		owners[keep[i]] = old[keep[i]] ? old[keep[i]] : 1;
+	/* the claim, next_hint and release counters kept: only the count was
+	 * derived from what is taken */
+	h.used_slots = n_keep;
+	/* owners before bits, as a claim writes them (alloc.c): a set bit never
+	 * meets an owner byte that is not yet written; each published (flushed,
+	 * fenced) before the next, so another host's later attach observes
+	 * them */
+	if ((rc = tract_publish(r, os->offset, owners, os->length)) < 0 ||
+	    (rc = tract_publish(r, bs->offset, bits, bs->length)) < 0 ||
+	    (rc = tract_publish(r, as->offset, &h, sizeof(h))) < 0 ||
+	    (rc = publish_zero(r, as->offset + sizeof(h), as->length - sizeof(h))) < 0 ||
+	    (rc = publish_zero(r, ts->offset, ts->length)) < 0 ||
+	    (rc = publish_zero(r, ls->offset, ls->length)) < 0)
+		goto out;
+	rc = TRACT_OK;
+out:
+	free(bits);
+	free(owners);
+	free(old);
 	return rc;
 }

@@ -12,6 +12,7 @@ import pytest
 
 from agents import RunningAgent
 from procs import Worker
+from tract_cli.core.media import ALLOC_DTYPE
 from tract_cli.core.pool import Pool
 from tract_cli.inspect.snapshot import ANCHOR_DTYPE, BUCKET_DTYPE
 
@@ -179,3 +180,46 @@ def test_the_cores_rebuild_keeps_recency_and_gives_fresh_epochs(used_region):
         assert (np.diff(ages.astype(np.int64)) >= 0).all()
     rc, out = check_json(used_region)
     assert rc == 0, out["violations"]
+
+
+def test_the_cores_allocator_rebuild_refuses_a_bad_slot_list_and_writes_nothing(used_region):
+    """The allocator state is rebuilt by the core too (`Allocator.rebuild`,
+    native/audit.c): a slot past the pool, one kept twice, or a list that is
+    not of slot ids is refused before anything is written."""
+    from tract_cli.core.errors import UsageError
+    with Pool.attach(used_region, local=False) as p:
+        n = p.info.slot_count
+        before = p.observe(0, p.info.section("data").offset)
+        for keep in ([n], [0, n + 5], [3, 3], [1, 2, 1], [2 ** 32], [-1], [0.5], [[1]]):
+            with pytest.raises(UsageError):
+                p.allocator.rebuild(keep)
+        assert p.observe(0, p.info.section("data").offset) == before
+
+
+def test_the_cores_allocator_rebuild_writes_the_kept_slots_and_empties_the_tables(used_region):
+    """Exactly the kept slots taken, each keeping its owner byte (node 0's
+    where it had none), the header's count of them (its other fields kept),
+    the transfer and lock tables all zero."""
+    with Pool.attach(used_region, local=False) as p:
+        info = p.info
+        n = info.slot_count
+        sec = {name: info.section(name) for name in ("bitmap", "owners", "alloc", "transfer",
+                                                     "locks")}
+        owners_old = np.frombuffer(p.observe(sec["owners"].offset, n), np.uint8)
+        taken, free = np.flatnonzero(owners_old), np.flatnonzero(owners_old == 0)
+        keep = np.array([taken[0], taken[-1], free[0]], np.uint32)     # free[0]: no owner byte
+        hdr_old = np.frombuffer(p.observe(sec["alloc"].offset, 64), ALLOC_DTYPE)[0]
+        p.allocator.rebuild(keep)
+        bits = np.unpackbits(np.frombuffer(p.observe(sec["bitmap"].offset, sec["bitmap"].length),
+                                           np.uint8), bitorder="little")
+        owners = np.frombuffer(p.observe(sec["owners"].offset, sec["owners"].length), np.uint8)
+        hdr = np.frombuffer(p.observe(sec["alloc"].offset, 64), ALLOC_DTYPE)[0]
+        tables = p.observe(sec["transfer"].offset, sec["transfer"].length) + \
+            p.observe(sec["locks"].offset, sec["locks"].length)
+    assert np.flatnonzero(bits).tolist() == sorted(keep.tolist())
+    assert np.flatnonzero(owners).tolist() == sorted(keep.tolist())
+    assert owners[keep].tolist() == [owners_old[taken[0]], owners_old[taken[-1]], 1]
+    assert int(hdr["used_slots"]) == 3
+    assert [int(hdr[f]) for f in ("next_hint", "claims", "releases")] == \
+        [int(hdr_old[f]) for f in ("next_hint", "claims", "releases")]
+    assert tables == bytes(len(tables))

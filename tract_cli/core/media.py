@@ -50,6 +50,16 @@ NODE_LINE_FIELDS = ("state", "agent_pid", "epoch", "heartbeat_ns", "flags", "man
                     "manager_heartbeat_ns", "hostname")
 
 
+def pins_view(raw: np.ndarray, info) -> np.ndarray:
+    """The pins section, RAW (its bytes as uint8, as observed), as a (max_nodes,
+    buckets) uint16 view: [n, i] is node n's pin count on bucket i.  Each
+    node's array is padded to whole lines (the section's entry_size,
+    native/layout.c), so rows are cut to the bucket count."""
+    ps = info.section("pins")
+    rows = raw[:ps.count * ps.entry_size].view("<u2").reshape(ps.count, ps.entry_size // 2)
+    return rows[:, :info.section("buckets").count]
+
+
 def c_fields(cname: str) -> dict[str, tuple[int, int, str]]:
     """{field: (offset, size, C type)} of `struct CNAME`, as the compiler lays it out."""
     t = ffi.typeof(f"struct {cname}")

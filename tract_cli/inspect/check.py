@@ -21,7 +21,8 @@ from tract_cli.core.local import remove_segments
 from tract_cli.core.index import (AUDIT_CHAIN_BROKEN, AUDIT_OTHER_STRIPE, BUCKET_EMPTY,
                                   BUCKET_F_CHECKSUM, BUCKET_PENDING, BUCKET_READY, BUCKET_TOMBSTONE)
 from tract_cli.core.locks import SLOT_LOCKED
-from tract_cli.core.media import ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE, SLOT_DTYPE
+from tract_cli.core.media import (ALLOC_DTYPE, ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE, RECORD_DTYPE,
+                                  SLOT_DTYPE, pins_view)
 from tract_cli.core.nodes import current_token, token_text
 from tract_cli.core.pool import Pool
 from tract_cli.inspect.snapshot import Sections
@@ -45,7 +46,7 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     n = info.slot_count
     bits = np.unpackbits(rd["bitmap"], bitorder="little")[:n].astype(bool)
     owners = rd["owners"][:n]
-    used = int(rd["alloc"][:8].view("<u8")[0])
+    used = int(rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]["used_slots"])
     if used != int(bits.sum()):
         out.append(Violation("allocator", f"header says {used} slots used, bitmap has {int(bits.sum())}"))
     for s in np.flatnonzero(bits != (owners > 0))[:20]:
@@ -58,10 +59,9 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     b = rd["buckets"].view(BUCKET_DTYPE)
     stripes, per = info.index_stripes, bs.count // info.index_stripes
     state = b["state"]
-    raw = rd["buckets"].reshape(bs.count, 64)
     for i in np.flatnonzero(state > TOMB)[:20]:
         out.append(Violation("index", f"bucket {i}: unknown state {state[i]}"))
-    pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
+    pins = pins_view(rd["pins"], info)
     total = pins.sum(axis=0)
     for i in np.flatnonzero(total != b["pins"])[:20]:
         out.append(Violation("pins", f"bucket {i}: total {b['pins'][i]} != per-node sum {total[i]}"))
@@ -76,11 +76,10 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
         out.append(Violation("slots", f"slot {s} is owned by more than one READY entry"))
     for s in ok_slots[~bits[ok_slots]][:20]:
         out.append(Violation("slots", f"slot {s} is READY data but free in the bitmap"))
-    keys = raw[:, :16]
     live = (state == READY) | (state == PENDING)
-    lk = keys[live]
+    lk = b["key"][live]
     if len(lk):
-        _, kc = np.unique(lk.view("V16").reshape(-1), return_counts=True)
+        _, kc = np.unique(lk, return_counts=True)
         if (kc > 1).any():
             out.append(Violation("index", f"{int((kc > 1).sum())} keys are stored more than once"))
     # probe chains: every live bucket reachable from its home without an
@@ -189,14 +188,14 @@ def repair(path: str, force: bool = False) -> dict:
         rd = Sections(pool)                  # a fresh read: the one verify made is older
         n = info.slot_count
         b = rd["buckets"].view(BUCKET_DTYPE)
-        raw = rd["buckets"].reshape(info.section("buckets").count, 64)
+        keys = b["key"]
         # which READY entries survive is decided here, from the audit of the
         # core, which owns the key rule (native/audit.c)
         audit = pool.index.audit()
         keep, seen_keys, seen_slots = [], set(), set()
         for i in np.flatnonzero(b["state"] == READY):
             slot = int(b["slot"][i]) - 1
-            key = raw[i, :16].tobytes()
+            key = keys[i].tobytes()
             if not 0 <= slot < n or slot in seen_slots or key in seen_keys or i in bad_sum:
                 continue
             if audit.reach[i] == AUDIT_OTHER_STRIPE:
@@ -209,22 +208,11 @@ def repair(path: str, force: bool = False) -> dict:
         # home, the LRU lists and anchors, zero pins, a fresh epoch for every
         # bucket (native/audit.c, tract_index_rebuild)
         pool.index.rebuild(np.asarray(keep, np.uint64))
-        # then the allocator and the tables no survivor holds anything in
-        bits = np.zeros(n, bool)
-        bits[list(seen_slots)] = True
-        owners_old = rd["owners"][:n]
-        owners = np.where(bits, np.where(owners_old > 0, owners_old, 1), 0).astype(np.uint8)
-
-        def put(name: str, payload: bytes):
-            s = info.section(name)
-            pool.publish(s.offset, payload.ljust(s.length, b"\0")[:s.length])
-        put("bitmap", np.packbits(bits, bitorder="little").tobytes())
-        put("owners", owners.tobytes())
-        alloc = rd["alloc"][:64].view("<u8").copy()
-        alloc[0] = int(bits.sum())
-        put("alloc", alloc.tobytes())
-        put("transfer", b"")
-        put("locks", b"")                         # no holder survives an offline repair
+        # then the allocator and the tables no survivor holds anything in, by
+        # the core too: bitmap and owner map of the kept slots, the header's
+        # count, the transfer and lock tables empty (no holder survives an
+        # offline repair; native/audit.c, tract_alloc_rebuild)
+        pool.allocator.rebuild(np.asarray(sorted(seen_slots), np.uint32))
         removed = remove_segments(info.uuid)
         after, stats = verify(pool, data=False)
     return {"kept_ready": len(keep),
