@@ -282,3 +282,17 @@ int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_
 	uint32_t cursor = 0;
 	return tract_evict_spread(r, want, &cursor, evicted, timeout_ns);
 }
+
+/* The home bucket of each of n keys (tract.h). */
+int tract_index_key_homes(const tract_region *r, const uint8_t *keys, uint64_t n,
+			  uint64_t *homes)
+{
+	if (!r || ((!keys || !homes) && n) || !r->hdr.index_stripes)
+		return TRACT_E_INVAL;
+	uint64_t size = tract_index_stripe_size(r);
+	for (uint64_t i = 0; i < n; i++) {
+		const uint8_t *key = keys + i * 16;
+		homes[i] = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
+	}
+	return TRACT_OK;
+}

@@ -10,8 +10,6 @@
 
 #define PAGE 4096ULL
 #define DATA_ALIGN_MAX (2ULL << 20)
-#define DEFAULT_STRIPES 16
-#define DEFAULT_TRANSFER_ENTRIES 1024
 #define MAX_SLOTS 0xFFFFFFFEULL
 
 /* rounds v up to a multiple of a (a power of two) (internal) */
@@ -77,10 +75,10 @@ static int check_params(const struct tract_format_params *p, uint64_t *block_byt
 		      p->head_dim * es;
 	if (bb > (1ULL << TRACT_MAX_BLOCK_SHIFT))
 		return TRACT_E_INVAL;
-	uint32_t st = p->index_stripes ? p->index_stripes : DEFAULT_STRIPES;
+	uint32_t st = p->index_stripes ? p->index_stripes : TRACT_DEFAULT_INDEX_STRIPES;
 	if (!is_pow2(st) || st > 4096)
 		return TRACT_E_INVAL;
-	uint32_t te = p->transfer_entries ? p->transfer_entries : DEFAULT_TRANSFER_ENTRIES;
+	uint32_t te = p->transfer_entries ? p->transfer_entries : TRACT_DEFAULT_TRANSFER_ENTRIES;
 	if (te > (1u << 20))
 		return TRACT_E_INVAL;
 	*block_bytes = bb;

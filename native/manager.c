@@ -9,7 +9,7 @@
  * The manager only writes line 0 of each lock and never holds a lock.
  *
  * Fencing: a manager runs under a token, its node's claim in the node table
- * ((manager_epoch << 32) | node); the largest claim is the current manager.
+ * ((manager_epoch << TRACT_TOKEN_NODE_BITS) | node, tract.h); the largest claim is the current manager.
  * Every grant carries the token, and a requester enters only with a grant of
  * the current token (lock.c).  A manager that finds a larger claim stops,
  * and one that starts adopts each lock's holder from the LOCKED slots
@@ -62,7 +62,7 @@ uint64_t tract_current_token(tract_region *r, int32_t *node, int site)
 	for (uint32_t k = 0; k < n; k++) {
 		struct tract_node_entry e;
 		r->ops->load(r, sec->offset + (uint64_t)k * sec->entry_size, &e, TRACT_LINE);
-		uint64_t token = ((uint64_t)e.manager_epoch << 32) | k;
+		uint64_t token = ((uint64_t)e.manager_epoch << TRACT_TOKEN_NODE_BITS) | k;
 		if (e.manager_epoch && token > best) {
 			best = token;
 			who = (int32_t)k;

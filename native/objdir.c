@@ -9,7 +9,8 @@
 
 #include "internal.h"
 
-#define NAME_MAX_LEN 39
+/* a name fills the entry's field but for its NUL */
+#define NAME_MAX_LEN (sizeof(((struct tract_objdir_entry *)0)->name) - 1)
 
 /* validates a name: 1..39 bytes (internal) */
 static int name_ok(const char *name)

@@ -144,6 +144,12 @@ struct tract_section {
 };
 
 /* format parameters chosen at init time */
+/* what tract_layout_compute takes for index_stripes or transfer_entries 0 */
+enum {
+	TRACT_DEFAULT_INDEX_STRIPES = 16,
+	TRACT_DEFAULT_TRANSFER_ENTRIES = 1024
+};
+
 struct tract_format_params {
 	uint64_t region_size;
 	uint64_t alignment;
@@ -440,6 +446,12 @@ int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired
 
 typedef struct tract_manager tract_manager;
 
+/* a fencing token: a lock-manager claim as one comparable number, the claim's
+ * manager epoch above TRACT_TOKEN_NODE_BITS bits of its node id */
+enum {
+	TRACT_TOKEN_NODE_BITS = 32
+};
+
 /* The current manager's fencing token: the largest claim in the node table,
  * (manager_epoch << 32) | node, 0 if no node ever claimed; *node gets its
  * node, or -1.  Observes every node entry (tract_cli.core.nodes.current_token;
@@ -618,6 +630,12 @@ enum tract_audit {
 int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t *broken,
 		      uint64_t n);
 
+/* The home bucket of each of n 16-byte keys: the bucket of its stripe its
+ * probe starts from (the key rule), for readers of a snapshot (`tract
+ * inspect`'s probe lengths). */
+int tract_index_key_homes(const tract_region *r, const uint8_t *keys, uint64_t n,
+			  uint64_t *homes);
+
 /* Rebuilds the index offline (`tract check --repair`) from the READY buckets
  * keep[0..n_keep): each READY, of its key's stripe, naming a slot of the data
  * area, no bucket, key or slot twice (else TRACT_E_INVAL, and nothing is
@@ -631,6 +649,18 @@ int tract_index_audit(tract_region *r, uint8_t *reach, uint64_t *home, uint64_t 
  * the next is touched.  Takes no lock: only while no other process maps the
  * region. */
 int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep);
+
+/* Rebuilds the allocator state offline (`tract check --repair`, after
+ * tract_index_rebuild) from the slots keep[0..n_keep) the kept entries hold:
+ * each below the slot count, none twice (else TRACT_E_INVAL, and nothing is
+ * written).  The bitmap gets exactly their bits; the owner map keeps each
+ * one's owner byte where it was non-zero, else gives it to node 0 (byte 1),
+ * and clears every other slot's; the allocator header's used_slots becomes
+ * n_keep (its other fields kept); the transfer table and the lock table are
+ * emptied (all zero: no record, no grant, no holder).  Each section is
+ * published (stored, flushed, fenced) whole.  Takes no lock: only while no
+ * other process maps the region. */
+int tract_alloc_rebuild(tract_region *r, const uint32_t *keep, uint64_t n_keep);
 
 /* CDEF-END */
 

@@ -15,6 +15,7 @@ from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.geometry import load_model
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import LEDGER_EVICTED, Pool
+from tract_cli.core.region import DEFAULT_INDEX_STRIPES
 
 
 @dataclass
@@ -65,7 +66,7 @@ def _wait_swept(decode: Pool, prefill: Pool, keys, timeout_s: float = 30.0) -> N
 
 
 def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: str = "clflush",
-                rounds: int = 5, stripes: int = 16) -> IndexFigures:
+                rounds: int = 5, stripes: int = DEFAULT_INDEX_STRIPES) -> IndexFigures:
     profile = load_model(model)
     g = profile.geometry
     blocks = input_len // g.block_tokens

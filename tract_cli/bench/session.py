@@ -16,6 +16,7 @@ from tract_cli.bench.workloads import Request
 from tract_cli.core import medium
 from tract_cli.core.agent_launch import IDLE_EXIT_S, ensure_agent
 from tract_cli.core.errors import UsageError
+from tract_cli.core.cpu import online_cpus
 from tract_cli.core.geometry import ModelProfile
 from tract_cli.core.hashing import block_hashes
 from tract_cli.core.pool import Pool
@@ -269,4 +270,4 @@ def _empty_cache(p: Pool) -> None:
 def machine() -> str:
     """The CPU a report was measured on, e.g. "Intel(R) Xeon(R) Processor, 16 CPUs"."""
     from tract_cli.provision.cpu import model_name
-    return f"{model_name()}, {os.cpu_count()} CPUs"
+    return f"{model_name()}, {len(online_cpus())} CPUs"

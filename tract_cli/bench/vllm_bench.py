@@ -38,6 +38,7 @@ import numpy as np
 
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
+from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import get_json, post_json, stream_events
 
@@ -171,12 +172,12 @@ def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
 def _cores(role: str) -> dict:
     """Prefill and decode on different cores, as a deployment would place them (vLLM's
     CPU worker otherwise binds every instance to the same first core)."""
-    n = os.cpu_count() or 1
-    if n < 2:
+    cpus = sorted(allowed_cpus())          # ids need not be 0..n-1 (a cpuset)
+    if len(cpus) < 2:
         return {}
-    half = n // 2
-    cores = range(0, half) if role == "prefill" else range(half, n)
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
+    half = len(cpus) // 2
+    cores = cpus[:half] if role == "prefill" else cpus[half:]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 
 
 def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from tract_cli.core.agent import HEARTBEAT_S, TAKEOVER_AFTER_S, check_options, run_foreground
+from tract_cli.core.agent import AgentOptions, run_foreground
 from tract_cli.provision.topology import pin
 
 
@@ -15,9 +15,10 @@ def agent(
     manager: bool = typer.Option(False, "--manager", help="Run the region's lock manager here."),
     simulate: bool = typer.Option(False, "--simulate", help="Non-coherence simulator (tests)."),
     flush_mode: Optional[str] = typer.Option(None, "--flush-mode", help="Override the header's."),
-    heartbeat_ms: int = typer.Option(round(HEARTBEAT_S * 1000), "--heartbeat-ms", help="Heartbeat period."),
+    heartbeat_ms: int = typer.Option(AgentOptions.heartbeat_ms, "--heartbeat-ms",
+                                     help="Heartbeat period."),
     takeover_after: float = typer.Option(
-        TAKEOVER_AFTER_S, "--takeover-after", metavar="SECONDS",
+        AgentOptions.takeover_after, "--takeover-after", metavar="SECONDS",
         help="Take the lock manager over when its heartbeat has not moved for this long."),
     no_takeover: bool = typer.Option(False, "--no-takeover",
                                      help="Never take the lock manager over."),
@@ -29,9 +30,10 @@ def agent(
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3,8)."),
 ) -> None:
     """Run the node agent until SIGTERM or Ctrl-C (or its region file is removed); logs to stderr."""
-    check_options(heartbeat_ms, takeover_after, exit_when_idle)
+    # --takeover-after is checked even with --no-takeover: a bad value is a typo
+    AgentOptions(pool, node, takeover_after=takeover_after, heartbeat_ms=heartbeat_ms).check()
+    opts = AgentOptions(pool, node, manager, simulate, flush_mode, heartbeat_ms,
+                        None if no_takeover else takeover_after, exit_when_idle)
+    opts.check()
     pin(numa_node, cpus)      # before touching the region
-    run_foreground(pool, node, manager, simulate=simulate, flush_mode=flush_mode,
-                   heartbeat_ms=heartbeat_ms,
-                   takeover_after=None if no_takeover else takeover_after,
-                   idle_exit=exit_when_idle)
+    run_foreground(opts)

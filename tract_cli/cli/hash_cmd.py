@@ -9,7 +9,7 @@ import typer
 
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
-from tract_cli.core.geometry import load_model
+from tract_cli.core.geometry import DEFAULT_BLOCK_TOKENS, load_model
 from tract_cli.core.hashing import block_hashes, pool_root, tract_root
 
 
@@ -43,7 +43,7 @@ def hash_(
     tokens: Optional[List[str]] = typer.Argument(None, help="Token ids."),
     tokens_file: Optional[str] = typer.Option(None, "--tokens-file", help="File of token ids."),
     scheme: str = typer.Option("tract", "--scheme", help="tract|vllm."),
-    block_tokens: int = typer.Option(16, "--block-tokens", help="Tokens per block."),
+    block_tokens: int = typer.Option(DEFAULT_BLOCK_TOKENS, "--block-tokens", help="Tokens per block."),
     salt: Optional[str] = typer.Option(None, "--salt", help="Per-tenant salt."),
     pool: Optional[str] = typer.Option(None, "--pool", help="Use this region's scheme, seed and model."),
     model: str = typer.Option("llama-3-8b", "--model", help="Model fingerprint (tract, no --pool)."),

@@ -8,7 +8,7 @@ import typer
 from tract_cli.cli import render
 from tract_cli.cli.info_cmd import render_info
 from tract_cli.core.geometry import load_model, with_block_tokens
-from tract_cli.core.region import FormatOptions, format_region
+from tract_cli.core.region import DEFAULT_INDEX_STRIPES, FormatOptions, format_region
 from tract_cli.core.errors import UsageError
 from tract_cli.core.units import format_duration, parse_size
 from tract_cli.provision.provision import provision as provision_device
@@ -29,7 +29,7 @@ def init(
                                      "checkpoint directory; an engine's block size must be a "
                                      "multiple of it, docs/VLLM.md)."),
     hash_scheme: str = typer.Option("tract", "--hash-scheme", help="Block hash: tract|vllm."),
-    stripes: int = typer.Option(16, "--stripes", help="Index stripes (a power of two; each lookup of a long prompt takes every stripe lock once)."),
+    stripes: int = typer.Option(DEFAULT_INDEX_STRIPES, "--stripes", help="Index stripes (a power of two; each lookup of a long prompt takes every stripe lock once)."),
     force: bool = typer.Option(False, "--force", "-f",
                                help="Overwrite an existing TraCT region or other data."),
     provision: bool = typer.Option(False, "--provision",

@@ -12,6 +12,7 @@ from tract_cli.bench import micro_locks as lockbench
 from tract_cli.bench import micro
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
+from tract_cli.core.region import DEFAULT_INDEX_STRIPES
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
@@ -128,7 +129,7 @@ def index(
     flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
                                           help="Flush modes to measure (repeatable)."),
     rounds: int = typer.Option(5, "--rounds"),
-    stripes: int = typer.Option(16, "--stripes", help="Index stripes of the temporary region."),
+    stripes: int = typer.Option(DEFAULT_INDEX_STRIPES, "--stripes", help="Index stripes of the temporary region."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """One request through the index: hash, put, lookup+pin, read, handoffs."""

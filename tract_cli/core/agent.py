@@ -21,6 +21,7 @@ lines, as the agent's own process does.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ import stat
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, fields
 
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.local import local_path
@@ -392,41 +394,76 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
-def check_options(heartbeat_ms: int, takeover_after: float, idle_exit: float | None) -> None:
-    """Refuses agent options out of range (UsageError: one line, exit 2)."""
-    if not 10 <= heartbeat_ms <= 10000:
-        raise UsageError(f"--heartbeat-ms {heartbeat_ms} is outside 10..10000",
-                         "give the heartbeat period in milliseconds, e.g. 100")
-    if not 0.2 <= takeover_after <= 3600:
-        raise UsageError(f"--takeover-after {takeover_after:g} is outside 0.2..3600 seconds",
-                         "give the seconds a manager heartbeat may stand still, e.g. 2")
-    if takeover_after * 1000 < 3 * heartbeat_ms:
-        raise UsageError(f"--takeover-after {takeover_after:g} s is under three heartbeats "
-                         f"({heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
-    if idle_exit is not None and not 0.1 <= idle_exit <= 86400:
-        raise UsageError(f"--exit-when-idle {idle_exit:g} is outside 0.1..86400 seconds",
-                         "give the seconds a node may have no process, e.g. 30")
+@dataclass(frozen=True)
+class AgentOptions:
+    """What a node agent runs with: `tract agent`'s options (the command line
+    parses them, `cli/agent_cmd.py`) and what `ensure_agent` hands the agent
+    process it starts (as JSON: `to_json`, `from_json`); the one definition of
+    the agent's options and their defaults."""
+
+    pool: str
+    node: int
+    manager: bool = False              # run the region's lock manager here
+    simulate: bool = False             # the non-coherence simulator (tests)
+    flush_mode: str | None = None      # None: the header's
+    heartbeat_ms: int = round(HEARTBEAT_S * 1000)
+    takeover_after: float | None = TAKEOVER_AFTER_S   # None: never take the manager over
+    idle_exit: float | None = None     # seconds with no process on the node; None: never
+
+    def check(self) -> None:
+        """Refuses options out of range (UsageError: one line, exit 2)."""
+        if not 10 <= self.heartbeat_ms <= 10000:
+            raise UsageError(f"--heartbeat-ms {self.heartbeat_ms} is outside 10..10000",
+                             "give the heartbeat period in milliseconds, e.g. 100")
+        takeover = TAKEOVER_AFTER_S if self.takeover_after is None else self.takeover_after
+        if not 0.2 <= takeover <= 3600:
+            raise UsageError(f"--takeover-after {takeover:g} is outside 0.2..3600 seconds",
+                             "give the seconds a manager heartbeat may stand still, e.g. 2")
+        if takeover * 1000 < 3 * self.heartbeat_ms:
+            raise UsageError(f"--takeover-after {takeover:g} s is under three heartbeats "
+                             f"({self.heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
+        if self.idle_exit is not None and not 0.1 <= self.idle_exit <= 86400:
+            raise UsageError(f"--exit-when-idle {self.idle_exit:g} is outside 0.1..86400 seconds",
+                             "give the seconds a node may have no process, e.g. 30")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "AgentOptions":
+        """The options ensure_agent wrote; anything else is a UsageError."""
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"agent options are not JSON ({exc})",
+                             "start agents with `tract agent`") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not {"pool", "node"} <= raw.keys() <= names:
+            raise UsageError(f"agent options must be an object with pool, node and only "
+                             f"{', '.join(sorted(names))}", "start agents with `tract agent`")
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise UsageError(f"bad agent options ({exc})", "start agents with `tract agent`") \
+                from None
 
 
-def run_foreground(pool_path: str, node: int, manager: bool = False, *,
-                   simulate: bool = False, flush_mode: str | None = None,
-                   heartbeat_ms: int = 100, takeover_after: float | None = TAKEOVER_AFTER_S,
-                   idle_exit: float | None = None) -> None:
+def run_foreground(opts: AgentOptions) -> None:
     """Runs a node agent in this process until SIGTERM/SIGINT, or until it stops
-    by itself (IDLE_EXIT seconds with no process on its node, or its region
+    by itself (OPTS.idle_exit seconds with no process on its node, or its region
     removed); logs to stderr (`log_to_stderr`).  `tract agent` and `python -m
     tract_cli.core.agent_main` (what `ensure_agent` starts) both run this."""
     log_to_stderr()
-    check_options(heartbeat_ms, TAKEOVER_AFTER_S if takeover_after is None else takeover_after,
-                  idle_exit)
+    opts.check()
+    node, manager, idle_exit = opts.node, opts.manager, opts.idle_exit
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    a = Agent(pool_path, node, manager, simulate=simulate or None, flush_mode=flush_mode,
-              heartbeat_s=heartbeat_ms / 1000, takeover_after_s=takeover_after,
-              idle_exit_s=idle_exit).start()
-    role = ", lock manager" if manager else (", standby manager" if takeover_after is not None
-                                             else "")
+    a = Agent(opts.pool, node, manager, simulate=opts.simulate or None,
+              flush_mode=opts.flush_mode, heartbeat_s=opts.heartbeat_ms / 1000,
+              takeover_after_s=opts.takeover_after, idle_exit_s=idle_exit).start()
+    role = ", lock manager" if manager else (", standby manager"
+                                             if opts.takeover_after is not None else "")
     life = (f", stops after {idle_exit:g} s with no process on the node" if idle_exit is not None
             else ", runs until stopped")
     log.info("node %d pid %d epoch %d%s%s: running", node, os.getpid(), a.epoch, role, life)

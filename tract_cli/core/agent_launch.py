@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 
-from tract_cli.core.agent import TAKEOVER_AFTER_S
+from tract_cli.core.agent import TAKEOVER_AFTER_S, AgentOptions
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.nodes import on_this_host, read_nodes
 from tract_cli.core.pids import pid_alive
@@ -43,19 +43,11 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
         # a fresh heartbeat of an agent seen dead on this host does not count
         if rec.alive() and not (on_this_host(rec) and not pid_alive(rec.agent_pid)):
             return None
-    cmd = module_command("tract_cli.core.agent_main", "--pool", pool_path, "--node", str(node))
-    if manager:
-        cmd.append("--manager")
-    if takeover_after is None:
-        cmd.append("--no-takeover")
-    elif takeover_after != TAKEOVER_AFTER_S:
-        cmd += ["--takeover-after", str(takeover_after)]
-    if attach.get("simulate"):
-        cmd.append("--simulate")
-    if attach.get("flush_mode"):
-        cmd += ["--flush-mode", attach["flush_mode"]]
-    if idle_exit is not None:
-        cmd += ["--exit-when-idle", f"{idle_exit:g}"]
+    opts = AgentOptions(pool_path, node, manager, simulate=bool(attach.get("simulate")),
+                        flush_mode=attach.get("flush_mode") or None,
+                        takeover_after=takeover_after, idle_exit=idle_exit)
+    opts.check()                  # here, not as the child's exit code
+    cmd = module_command("tract_cli.core.agent_main", opts.to_json())
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

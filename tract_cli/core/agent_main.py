@@ -1,9 +1,11 @@
-"""The node agent as a process: `python -m tract_cli.core.agent_main --pool P --node N ...`.
+"""The node agent as a process: `python -m tract_cli.core.agent_main OPTIONS_JSON`.
 
 What `ensure_agent` (`core/agent_launch.py`) starts for workers and
 benchmarks: the core's own entry point, so the core never calls up into the
 command line.  `tract agent` runs the same `agent.run_foreground` with the
-same options (and adds CPU pinning).  The agent's log is on stderr
+same options (`agent.AgentOptions`, whose JSON this process takes: the
+options are defined once, and parsed as flags only by the command line),
+and adds CPU pinning.  The agent's log is on stderr
 (`agent.log_to_stderr`), errors as one line `tract agent: error: ...`, exit
 code 1 (2 for bad options).
 """
@@ -14,8 +16,7 @@ import sys
 
 import psutil
 
-from tract_cli.core.agent import (HEARTBEAT_S, TAKEOVER_AFTER_S, log, log_to_stderr,
-                                  run_foreground)
+from tract_cli.core.agent import AgentOptions, log, log_to_stderr, run_foreground
 from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError
 
@@ -33,24 +34,14 @@ def leave_parent_pinning() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tract_cli.core.agent_main",
-                                description="Run a node agent (as `tract agent`).")
-    p.add_argument("--pool", "-p", required=True)
-    p.add_argument("--node", "-n", type=int, required=True)
-    p.add_argument("--manager", action="store_true")
-    p.add_argument("--simulate", action="store_true")
-    p.add_argument("--flush-mode")
-    p.add_argument("--heartbeat-ms", type=int, default=round(HEARTBEAT_S * 1000))
-    p.add_argument("--takeover-after", type=float, default=TAKEOVER_AFTER_S)
-    p.add_argument("--no-takeover", action="store_true")
-    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS")
+                                description="Run a node agent (as `tract agent`) with the options "
+                                            "ensure_agent gives it.")
+    p.add_argument("options", help="core.agent.AgentOptions as JSON")
     args = p.parse_args(argv)
     leave_parent_pinning()
     log_to_stderr()
     try:
-        run_foreground(args.pool, args.node, args.manager, simulate=args.simulate,
-                       flush_mode=args.flush_mode, heartbeat_ms=args.heartbeat_ms,
-                       takeover_after=None if args.no_takeover else args.takeover_after,
-                       idle_exit=args.exit_when_idle)
+        run_foreground(AgentOptions.from_json(args.options))
     except TractError as err:
         log.error("error: %s", err)
         return err.exit_code

@@ -48,6 +48,10 @@ _DTYPE_ALIASES = {"float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "b
 PROFILES_DIR = pathlib.Path(__file__).resolve().parents[1] / "profiles"
 
 
+# tokens per KV block unless a profile or config says otherwise (vLLM's default too)
+DEFAULT_BLOCK_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The shape of one KV block: what a slot holds and how it is laid out."""
@@ -56,7 +60,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     dtype: str = "bf16"
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -139,7 +143,7 @@ def _parse_model(path: pathlib.Path) -> ModelProfile:
     try:
         geometry = Geometry(num_layers=data["num_layers"], num_kv_heads=data["num_kv_heads"],
                             head_dim=data["head_dim"], dtype=data.get("dtype", "bf16"),
-                            block_tokens=data.get("block_tokens", 16))
+                            block_tokens=data.get("block_tokens", DEFAULT_BLOCK_TOKENS))
         name = str(data.get("name", path.stem))
     except KeyError as exc:
         raise UsageError(f"model profile {path} lacks field {exc.args[0]}",
@@ -165,7 +169,7 @@ def checkpoint_profile(model_dir: pathlib.Path) -> ModelProfile:
                             num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
                             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
                             dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bf16",
-                            block_tokens=16)
+                            block_tokens=DEFAULT_BLOCK_TOKENS)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"cannot read the KV geometry of {model_dir}/config.json ({exc})",
                          "pass a Hugging Face checkpoint directory with a complete config.json") \

@@ -61,6 +61,9 @@ RECORD_FREE = lib.TRACT_TRANSFER_FREE
 RECORD_PUBLISHED = lib.TRACT_TRANSFER_PUBLISHED      # its blocks pinned for the decode side
 RECORD_ACKED = lib.TRACT_TRANSFER_ACKED              # acknowledged: being given back
 RECORD_RECLAIMING = lib.TRACT_TRANSFER_RECLAIMING    # expired: being given back
+# the names of the states a record in use can hold
+RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
+                 RECORD_RECLAIMING: "RECLAIMING"}
 
 # the most blocks any key list can hold: one slot (at most 2^TRACT_MAX_BLOCK_SHIFT
 # bytes) of TRACT_KEY_ENTRY_SIZE-byte entries (native/tract.h); a ticket naming

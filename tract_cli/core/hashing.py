@@ -28,10 +28,11 @@ import os
 import numpy as np
 
 from tract_cli.core.errors import UsageError
+from tract_cli.core.geometry import DEFAULT_BLOCK_TOKENS
+from tract_cli.core.header import HASH_SCHEMES
 from tract_cli.core.native import ffi, lib, raise_for
 
 HASH_BYTES = {"tract": 16, "vllm": 32}
-_SCHEME_CODES = {"tract": lib.TRACT_HASH_TRACT, "vllm": lib.TRACT_HASH_VLLM_SHA256_CBOR}
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 MAX_TOKEN = 2**31 - 1
 # the chain's input bounds (native/hash.c): a block's tokens, and the extra
@@ -89,7 +90,7 @@ def _chain(scheme: str, tokens: np.ndarray, block_tokens: int, root: bytes,
            extra: bytes = b"") -> np.ndarray:
     n_blocks = tokens.size // block_tokens
     out = np.empty((n_blocks, HASH_BYTES[scheme]), dtype=np.uint8)
-    rc = lib.tract_hash_chain(_SCHEME_CODES[scheme], ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+    rc = lib.tract_hash_chain(HASH_SCHEMES[scheme], ffi.cast("int32_t *", ffi.from_buffer(tokens)),
                               tokens.size, block_tokens, root, extra or ffi.NULL, len(extra),
                               ffi.from_buffer(out), n_blocks)
     if rc == lib.TRACT_E_INVAL:
@@ -100,7 +101,7 @@ def _chain(scheme: str, tokens: np.ndarray, block_tokens: int, root: bytes,
     return out
 
 
-def block_hashes(tokens, scheme: str = "tract", block_tokens: int = 16, *,
+def block_hashes(tokens, scheme: str = "tract", block_tokens: int = DEFAULT_BLOCK_TOKENS, *,
                  root: bytes | None = None, salt: bytes | str | None = None,
                  extra: bytes = b"", vllm_seed: str | None = None) -> np.ndarray:
     """Hashes of every full block of TOKENS: shape (n_blocks, 16 or 32), uint8.

@@ -301,6 +301,19 @@ class PrefixIndex:
                                         u64(a.home), u64(a.broken), n), "index audit")
         return a
 
+    def key_homes(self, keys: np.ndarray) -> np.ndarray:
+        """The home bucket of each key of KEYS ((n, 16) uint8): where its probe
+        starts, by the core's key rule (readers of a snapshot: `tract inspect`)."""
+        keys = np.ascontiguousarray(keys)
+        keys = (keys.view(np.uint8) if keys.dtype.kind == "V" else keys.astype(np.uint8, copy=False))
+        keys = keys.reshape(-1, 16)
+        homes = np.zeros(len(keys), np.uint64)
+        raise_for(lib.tract_index_key_homes(self._pool._r(), ffi.from_buffer(keys),
+                                            len(keys), ffi.cast("uint64_t *",
+                                                                ffi.from_buffer(homes, require_writable=True))),
+                  "index key homes")
+        return homes
+
     def rebuild(self, keep) -> None:
         """Writes the index (buckets, pins, LRU anchors) anew from the READY
         buckets KEEP (bucket indices; each READY, of its key's stripe, no

@@ -95,19 +95,22 @@ def encode_node_line(state: int, agent_pid: int, epoch: int, heartbeat_ns: int, 
                           manager_heartbeat_ns, hostname().encode()[:HOSTNAME_MAX])
 
 
+_NODE_BITS = lib.TRACT_TOKEN_NODE_BITS      # the token's layout is the C core's (tract.h)
+
+
 def fencing_token(epoch: int, node: int) -> int:
     """A lock-manager claim as one comparable number: epoch, then node (manager.c)."""
-    return (epoch << 32) | node
+    return (epoch << _NODE_BITS) | node
 
 
 def token_node(token: int) -> int:
     """The node that a fencing token names."""
-    return token & 0xFFFFFFFF
+    return token & ((1 << _NODE_BITS) - 1)
 
 
 def token_text(token: int) -> str:
     """A fencing token as `epoch.node` (docs/PROTOCOLS.md §4)."""
-    return f"{token >> 32}.{token_node(token)}"
+    return f"{token >> _NODE_BITS}.{token_node(token)}"
 
 
 def current_token(pool: Pool) -> int:

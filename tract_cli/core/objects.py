@@ -5,7 +5,14 @@ from typing import NamedTuple
 
 from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
+from tract_cli.core.media import c_fields
 from tract_cli.core.native import lib, ffi, raise_for
+
+
+# a name fills the entry's field but for its NUL (native/format.h); the
+# directory holds TRACT_OBJDIR_ENTRIES of them
+NAME_MAX = c_fields("tract_objdir_entry")["name"][1] - 1
+ENTRIES = lib.TRACT_OBJDIR_ENTRIES
 
 
 class ObjectRef(NamedTuple):
@@ -24,8 +31,8 @@ class ObjectStore:
     @staticmethod
     def _name(name: str) -> bytes:
         raw = name.encode()
-        if not 1 <= len(raw) <= 39 or b"\0" in raw:
-            raise UsageError(f"object name {name!r} must be 1 to 39 bytes without NUL",
+        if not 1 <= len(raw) <= NAME_MAX or b"\0" in raw:
+            raise UsageError(f"object name {name!r} must be 1 to {NAME_MAX} bytes without NUL",
                              "shorten the name")
         return raw
 
@@ -33,7 +40,8 @@ class ObjectStore:
         """Publishes NAME -> (OFFSET, SIZE bytes) in the region."""
         rc = lib.tract_obj_put(self._pool._r(), self._name(name), offset, size, int(timeout * 1e9))
         if rc == lib.TRACT_E_FULL:
-            raise PoolFull("the object directory is full (64 names)", "delete unused names")
+            raise PoolFull(f"the object directory is full ({ENTRIES} names)",
+                           "delete unused names")
         raise_for(rc, f"object {name!r}")
 
     def get(self, name: str) -> ObjectRef | None:

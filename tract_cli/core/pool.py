@@ -27,7 +27,8 @@ from tract_cli.core.local import LocalSegment
 from tract_cli.core.ownership import check_may_attach, sharing_of
 from tract_cli.core.locks import Locks
 from tract_cli.core.objects import ObjectStore
-from tract_cli.core.region import FormatOptions, format_region
+from tract_cli.core.region import (DEFAULT_INDEX_STRIPES, DEFAULT_TRANSFER_ENTRIES, FormatOptions,
+                                   format_region)
 
 # set bits of each byte value: a bitmap's population count in one numpy gather
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
@@ -77,8 +78,8 @@ class Pool:
     @classmethod
     def create(cls, path: str, size: int | None, model: str | ModelProfile = "tiny", *,
                nodes: int = 4, flush_mode: str | None = None, force: bool = False,
-               hash_scheme: str = "tract", index_stripes: int = 16,
-               transfer_entries: int = 1024, group: str | None = None,
+               hash_scheme: str = "tract", index_stripes: int = DEFAULT_INDEX_STRIPES,
+               transfer_entries: int = DEFAULT_TRANSFER_ENTRIES, group: str | None = None,
                progress: Callable[[int, int], None] | None = None, **attach_options) -> "Pool":
         """Formats a region at PATH (a file is created: 0600, or 0660 shared with
         GROUP) and attaches to it as node 0."""

@@ -23,6 +23,9 @@ from tract_cli.core.native import FLUSH_MODES, ffi, flush_mode_supported, lib, r
 from tract_cli.core.units import format_size
 
 HEADER_SIZE = lib.TRACT_HEADER_SIZE
+# the layout's defaults, the C core's (tract.h)
+DEFAULT_INDEX_STRIPES = lib.TRACT_DEFAULT_INDEX_STRIPES
+DEFAULT_TRANSFER_ENTRIES = lib.TRACT_DEFAULT_TRANSFER_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,8 @@ class FormatOptions:
     max_nodes: int = 4
     flush_mode: str | None = None    # None: clflush on device-DAX, none on a file
     hash_scheme: str = "tract"
-    index_stripes: int = 16
-    transfer_entries: int = 1024
+    index_stripes: int = DEFAULT_INDEX_STRIPES
+    transfer_entries: int = DEFAULT_TRANSFER_ENTRIES
     zero_on_free: bool = False       # freed slots are cleared before reuse (tenant isolation)
 
 

@@ -14,11 +14,11 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.handoff import RECORD_ACKED, RECORD_FREE, RECORD_PUBLISHED, RECORD_RECLAIMING
+from tract_cli.core.handoff import RECORD_FREE, RECORD_STATES
 from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_STATES, BUCKET_TOMBSTONE
 from tract_cli.core.locks import SLOT_STATES, SLOT_WAITING, lock_name
 from tract_cli.core.media import (ALLOC_DTYPE, ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE,
-                                  RECORD_DTYPE, SLOT_DTYPE)
+                                  RECORD_DTYPE, SLOT_DTYPE, pins_view)
 from tract_cli.core.nodes import (NODE_NEVER, NODE_STATES, current_manager, on_this_host, read_nodes,
                                   token_text)
 from tract_cli.core.pids import pid_alive
@@ -26,8 +26,6 @@ from tract_cli.core.pool import Pool
 from tract_cli.core.units import format_duration
 
 SCHEMA_VERSION = 1
-RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
-                 RECORD_RECLAIMING: "RECLAIMING"}
 VIEWS = ("nodes", "locks", "index", "alloc", "handoffs")
 
 
@@ -145,13 +143,11 @@ def index_view(rd: Sections, now: int) -> dict:
     counts["changing"] = int((state > BUCKET_TOMBSTONE).sum())
     live = (state == BUCKET_PENDING) | (state == BUCKET_READY)
     # probe length: distance from the key's home bucket inside its stripe
-    raw = rd["buckets"].reshape(bs.count, 64)
-    lo = np.ascontiguousarray(raw[:, :8]).view("<u8").reshape(-1)
-    home = (lo & np.uint64(per - 1)).astype(np.int64)
-    pos = np.arange(bs.count, dtype=np.int64) % per
-    dist = (pos - home) % per
-    hist = np.bincount(dist[live], minlength=1) if live.any() else np.zeros(1, np.int64)
-    pins = rd["pins"].view("<u2").reshape(info.max_nodes, -1)[:, :bs.count]
+    # (of live buckets only: the others' key bytes are not a key)
+    home = pool.index.key_homes(b["key"][live]).astype(np.int64) % per
+    dist = (np.flatnonzero(live) % per - home) % per
+    hist = np.bincount(dist, minlength=1) if live.any() else np.zeros(1, np.int64)
+    pins = pins_view(rd["pins"], info)
     pinned_by_node = {n: int((pins[n] > 0).sum()) for n in range(info.max_nodes) if pins[n].any()}
     anchors = rd["lru"].view(ANCHOR_DTYPE)[:stripes]
     oldest = []
@@ -167,7 +163,7 @@ def index_view(rd: Sections, now: int) -> dict:
         "buckets": bs.count, "stripes": stripes, "states": counts,
         "load_factor": round(float(live.sum()) / bs.count, 6),
         "probe_length_histogram": hist.tolist()[:32],
-        "max_probe_length": int(dist[live].max()) if live.any() else 0,
+        "max_probe_length": int(dist.max()) if live.any() else 0,
         "pinned_blocks": int((b["pins"][state == BUCKET_READY] > 0).sum()),
         "pins_total": int(pins.sum()), "pinned_by_node": pinned_by_node,
         "counters": {k: int(anchors[k].sum()) for k in ("hits", "inserts", "evictions", "lookups")},

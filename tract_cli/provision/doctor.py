@@ -12,6 +12,8 @@ import platform
 import resource
 from dataclasses import asdict, dataclass
 
+import psutil
+
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
 from tract_cli.core.cpu import cpu_features, flush_mode_supported
@@ -88,7 +90,7 @@ def check_numa(target) -> list[Check]:
     rows = [Check("numa topology", PASS if nodes else WARN,
                   f"{len(nodes)} node(s): CPUs on {cpu_nodes or 'none'}"
                   + (f", memory-only (CXL?) {memory_only}" if memory_only else ""))]
-    affinity = sorted(os.sched_getaffinity(0))
+    affinity = sorted(psutil.Process().cpu_affinity())
     if target is not None and target.kind == "devdax":
         node = medium.read_int(os.path.join(medium.sysfs_root(), "bus", "dax", "devices",
                                              target.dax_name, "target_node"))

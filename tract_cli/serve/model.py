@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from tract_cli.core.errors import UsageError
-from tract_cli.core.geometry import DTYPES, Geometry, ModelProfile, normalize_dtype
+from tract_cli.core.geometry import (DEFAULT_BLOCK_TOKENS, DTYPES, Geometry, ModelProfile,
+                                     normalize_dtype)
 from tract_cli.serve.checkpoint import read_safetensors
 from tract_cli.serve.tokenizer import read_json
 
@@ -39,7 +40,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     kv_dtype: str = "f32"
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     tie_embeddings: bool = False
     rope_scaling: tuple = ()          # sorted (key, value) pairs of a llama3 scaling, or ()
 

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from tract_cli.core.agent import run_foreground
+from tract_cli.core.agent import AgentOptions, run_foreground
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.locks import LOCK_OBJDIR
@@ -74,7 +74,7 @@ _FORK = multiprocessing.get_context("fork")
 def _agent_child(dev: str, node: int, manager: bool, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
-    run_foreground(dev, node, manager)
+    run_foreground(AgentOptions(dev, node, manager))
 
 
 def start_agent(dev: str, node: int, manager: bool, log: str):
