@@ -15,6 +15,7 @@ import pytest
 from procs import Worker
 from tract_cli.core.locks import LOCK_ALLOCATOR
 from tract_cli.core.native import lib
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.recovery import recover_node
 from tract_cli.inspect import check
@@ -199,12 +200,11 @@ def test_a_holder_that_died_but_is_not_reaped_yet_counts_as_dead(region):
     w = dying(region, 1, "CLAIM_BITMAP", False)
     w.send("alloc", n=3)
     deadline = time.monotonic() + 60
-    while True:                      # polling a process the test does not reap
-        with open(f"/proc/{w.proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
+    # polling a process the test does not reap: once dead it stays a zombie
+    while pid_alive(w.proc.pid):
         assert time.monotonic() < deadline, "the worker did not die inside the claim"
         time.sleep(0.01)
+    assert w.proc.returncode is None, "the worker was reaped: it is no zombie"
     try:
         assert agent_pass(region, 1).locks == 1
         assert allocator_violations(region) == []

@@ -19,11 +19,20 @@
   one counts at once);
 - core never imports a face: not by an import, a dynamic import, nor by
   naming one in a string (`-m tract_cli.cli`, a pattern
-  `tract_cli\\.(cli|serve)`), docstrings aside.
+  `tract_cli\\.(cli|serve)`), docstrings aside, nor by launching the `tract`
+  command by its script's name (`["tract", "check", ...]`, `which("tract")`);
+- no face imports `tract_cli.cli` (any module of it), neither statically nor
+  dynamically nor by an attribute chain (`tract_cli.cli.main`): a face runs
+  another command by launching it as a child process (`module_command(
+  "tract_cli.cli", ...)`, a string, which faces may write and core may not);
+- a face imports another face only where FACE_IMPORTS (docs/ARCHITECTURE.md
+  §2) says it may: `cli` any face but `connectors` (which the engine imports,
+  never tract_cli), `bench` `serve`, `inspect` and `provision`, no other
+  pair; the package's own `__init__` imports no face.
 
 What a face needs of the core is a public method of it (docs/ARCHITECTURE.md
 §2).  ALLOWED lists each exception with its reason; an entry that is
-no longer needed fails too, so the list only shrinks.
+no longer needed fails too, so the list only shrinks; so does FACE_IMPORTS.
 """
 from __future__ import annotations
 
@@ -45,6 +54,24 @@ BINDING_NAMES = ("lib", "ffi", "native", "_native")
 # ones core defines are added from its source (core_private_names)
 KNOWN_PRIVATE = {"_r", "_mm", "_base", "_lib", "_region", "_local"}
 
+# (importing face, imported face) -> why (docs/ARCHITECTURE.md §2): the only
+# imports of a face by another face besides `cli`'s; a pair no longer used
+# fails, so that this table and the document keep naming what the code does
+FACE_IMPORTS: dict = {
+    ("bench", "serve"):
+        "a benchmark measures the serving path, not a copy of it: `--compute real`, "
+        "`microbench serve` and `--engine vllm` drive serve's engine, model, client and "
+        "worker launcher",
+    ("bench", "inspect"):
+        "`microbench inspect` times inspect's own snapshot of a region under load",
+    ("bench", "provision"):
+        "a report names the CPU it was measured on (bench/session.py: provision/cpu.py)",
+}
+# the top face: it may import every face but these (the engine imports connectors)
+TOP, NOT_IMPORTED_BY_TOP = "cli", ("connectors",)
+# the `tract` command's script name (pyproject.toml): core launches no command
+TRACT_SCRIPT = "tract"
+
 # (file, rule, name) -> why it is allowed
 ALLOWED: dict = {
     ("tract_cli/bench/micro.py", "foreign binding", "cffi"):
@@ -57,7 +84,8 @@ ALLOWED: dict = {
 class Violation:
     file: str        # relative to the repository root
     line: int
-    rule: str        # "binding import", "private import", "private attribute", "upward import"
+    rule: str        # "binding import", "private import", "private attribute", "foreign binding",
+                     # "upward import", "upward name" (core), "cli import", "face import" (faces)
     name: str        # what was imported or touched
     text: str        # the offending source, for the message
 
@@ -87,6 +115,26 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
 
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
+
+
+def _face_of(name: str) -> str | None:
+    """The face a dotted module name lies in (`tract_cli.serve.x` -> 'serve')."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "tract_cli" and parts[1] in FACES else None
+
+
+def _face_rule(own: str | None, target: str) -> str | None:
+    """The rule an import of face TARGET by a module of face OWN (None: the
+    package's own `__init__`) breaks, if any."""
+    if target == own:
+        return None
+    if target == TOP:
+        return "cli import"
+    if own is None:
+        return "face import"
+    if own == TOP:
+        return "face import" if target in NOT_IMPORTED_BY_TOP else None
+    return None if (own, target) in FACE_IMPORTS else "face import"
 
 
 def _private(name: str) -> bool:
@@ -142,6 +190,25 @@ def _upward_name(text: str) -> str | None:
 FOREIGN = ("cffi", "ctypes")
 
 
+def _launches_tract(node: ast.AST) -> bool:
+    """Whether NODE launches the `tract` script by name: an argv list
+    `["tract", "check", ...]`, or `which("tract")`, `os.execvp("tract", ...)`,
+    `os.spawnlp(..., "tract", ...)` (a tuple `("tract", x)` is not an argv)."""
+    def is_str(n, value=None):
+        return isinstance(n, ast.Constant) and isinstance(n.value, str) \
+            and (value is None or n.value == value)
+    if isinstance(node, ast.List):
+        return len(node.elts) > 1 and is_str(node.elts[0], TRACT_SCRIPT) and is_str(node.elts[1])
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if name == "which" or name.startswith("exec"):
+            return bool(node.args) and is_str(node.args[0], TRACT_SCRIPT)
+        if name.startswith("spawn"):
+            return any(is_str(a, TRACT_SCRIPT) for a in node.args[:2])
+    return False
+
+
 def _dynamic_import(node: ast.AST) -> ast.Constant | None:
     """The constant module name of `importlib.import_module('m')`,
     `__import__('m')`, `sys.modules['m']` or `sys.modules.get('m')`."""
@@ -193,19 +260,31 @@ def _docstrings(tree: ast.Module) -> set[int]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def scan(package: Path = PACKAGE) -> list[Violation]:
     """Every breach of the layering in the package at PACKAGE."""
+    return _scan(package)[0]
+
+
+def face_imports(package: Path = PACKAGE) -> set[tuple[str, str]]:
+    """The (importing, imported) pairs of faces whose imports FACE_IMPORTS allows."""
+    return _scan(package)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _scan(package: Path) -> tuple[list[Violation], set[tuple[str, str]]]:
     private = core_private_names(package)
     root = package.parent
     found = []
+    edges = set()       # allowed face -> face imports met
     for path in sorted(package.rglob("*.py")):
         module = _module_name(path, package)
         rel = str(path.relative_to(root))
         in_core = _within(module, "tract_cli.core")
+        own = _face_of(module)      # None: core, or the package's own __init__
         source = path.read_text()
         tree = ast.parse(source, str(path))
         bound = {}      # name bound here to a core module or object -> its dotted name
+        faces_imported = set()      # faces an import of this file names (judged there)
 
         def hit(node, rule, name):
             found.append(Violation(rel, node.lineno, rule, name,
@@ -225,6 +304,22 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
             for lib in FOREIGN:
                 if any(_within(name, lib) for name in imported):
                     hit(node, "foreign binding", lib)
+            check_faces(node, imported)
+
+        def check_faces(node, imported):
+            """A face's (or the package __init__'s) import of other faces: one
+            breach reported per statement, allowed pairs recorded."""
+            for name in imported:
+                target = _face_of(name)
+                if target is None or target == own:
+                    continue
+                faces_imported.add(target)
+                rule = _face_rule(own, target)
+                if rule:
+                    hit(node, rule, name)
+                    return
+                if own is not None and own != TOP:
+                    edges.add((own, target))
 
         consumed = set()    # constants already reported as a dynamic import
         for node in ast.walk(tree):
@@ -265,11 +360,17 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
                     name = _upward_name(node.value)
                     if name:
                         hit(node, "upward name", name)
+                elif _launches_tract(node):
+                    hit(node, "upward name", "tract_cli.cli")     # its entry point
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
                 base, attrs = _chain(node)
                 dotted = ".".join([bound[base]] + attrs) if base in bound else None
+                target = _face_of(dotted) if dotted and dotted.count(".") == 1 else None
+                if target and target not in faces_imported:
+                    # `tract_cli.cli.main` after `import tract_cli`: reached, not imported here
+                    check_faces(node, [dotted])
                 if dotted in BINDINGS:
                     hit(node, "binding import", dotted)      # core.native, tract_cli.core.native
                     continue
@@ -307,13 +408,32 @@ def scan(package: Path = PACKAGE) -> list[Violation]:
                                                     "tract_cli.core")
                 if on_core or node.args[1].value in private:
                     hit(node, "private attribute", node.args[1].value)
-    return found
+    return found, edges
+
+
+FACE_RULES = ("cli import", "face import")
 
 
 def test_faces_use_only_the_public_core_and_core_never_calls_up():
-    found = [v for v in scan() if v.key not in ALLOWED]
+    found = [v for v in scan() if v.key not in ALLOWED and v.rule not in FACE_RULES]
     assert not found, ("layering breaches (docs/ARCHITECTURE.md §2: give core a public "
                        "method instead):\n" + "\n".join(map(str, found)))
+
+
+def test_faces_import_no_cli_and_only_the_faces_section_2_names():
+    found = [v for v in scan() if v.rule in FACE_RULES]
+    assert not found, (
+        "face imports docs/ARCHITECTURE.md §2 does not allow (a face runs another command "
+        "as a child process, core.spawn.module_command('tract_cli.cli', ...), never imports "
+        "tract_cli.cli; what two faces share belongs in core, or, if the dependency is "
+        "meant, in FACE_IMPORTS and §2 together):\n" + "\n".join(map(str, found)))
+
+
+def test_every_allowed_face_import_is_still_made():
+    """FACE_IMPORTS names what the faces do: a pair no longer imported is
+    removed from it and from docs/ARCHITECTURE.md §2."""
+    stale = sorted(set(FACE_IMPORTS) - face_imports())
+    assert not stale, f"no longer imported, so remove from FACE_IMPORTS in {__file__}: {stale}"
 
 
 def test_every_allowed_breach_still_exists():
@@ -377,6 +497,24 @@ CASES = {
     "import ctypes\nctypes.CDLL(None)": ("foreign binding", "ctypes"),
     "from ctypes.util import find_library": ("foreign binding", "ctypes"),
     "import importlib\nimportlib.import_module('ctypes')": ("foreign binding", "ctypes"),
+    # the command line imported by a face, statically, dynamically or by a chain
+    "from tract_cli.cli import main": ("cli import", "tract_cli.cli"),
+    "import tract_cli.cli.serve_cmd": ("cli import", "tract_cli.cli.serve_cmd"),
+    "from ..cli import app": ("cli import", "tract_cli.cli"),
+    "from .. import cli": ("cli import", "tract_cli.cli"),
+    "from tract_cli import serve, cli": ("cli import", "tract_cli.cli"),
+    "import importlib\nimportlib.import_module('tract_cli.cli.inspect_cmd')":
+        ("cli import", "tract_cli.cli.inspect_cmd"),
+    "def f():\n    return __import__('tract_cli.cli')": ("cli import", "tract_cli.cli"),
+    "import sys\nsys.modules['tract_cli.cli'].main()": ("cli import", "tract_cli.cli"),
+    "import sys\nsys.modules.get('tract_cli.cli.app')": ("cli import", "tract_cli.cli.app"),
+    "import tract_cli\ntract_cli.cli.main()": ("cli import", "tract_cli.cli"),
+    "import tract_cli as t\nt.cli.app": ("cli import", "tract_cli.cli"),
+    # a face the table does not let bench import
+    "from tract_cli.connectors import vllm": ("face import", "tract_cli.connectors"),
+    "import importlib\nimportlib.import_module('tract_cli.connectors.vllm')":
+        ("face import", "tract_cli.connectors.vllm"),
+    "import tract_cli\ntract_cli.connectors.vllm": ("face import", "tract_cli.connectors"),
 }
 
 # core calling up: a face imported dynamically, or named in a string
@@ -390,6 +528,13 @@ CORE_CASES = {
     "CMD = f'python -m tract_cli.provision.doctor {1}'": ("upward name", "tract_cli.provision"),
     "import re\nPAT = re.compile(r'tract_cli\\.(cli|serve)')": ("upward name", "tract_cli.cli"),
     "PAT = r'tract_cli\\.(?:inspect)\\b'": ("upward name", "tract_cli.inspect"),
+    # the `tract` command launched by its script's name
+    "import subprocess\nsubprocess.run(['tract', 'check', '/dev/dax0.0'])":
+        ("upward name", "tract_cli.cli"),
+    "import shutil\nEXE = shutil.which('tract')": ("upward name", "tract_cli.cli"),
+    "import os\nos.execvp('tract', ['tract'])": ("upward name", "tract_cli.cli"),
+    "import os\nos.spawnlp(os.P_NOWAIT, 'tract', 'tract', 'agent')":
+        ("upward name", "tract_cli.cli"),
 }
 
 
@@ -444,3 +589,67 @@ def test_the_check_leaves_faces_own_privates_and_finds_core_calling_up(tmp_path)
     found = [(v.file, v.line, v.rule, v.name) for v in scan(package)]
     assert found == [("tract_cli/core/agent.py", 2, "upward import", "tract_cli.serve"),
                      ("tract_cli/core/agent.py", 3, "upward import", "tract_cli.cli")], found
+
+
+# (face of the importing module, its source) -> the breach, or None where the
+# table lets the import through
+FACE_CASES = {
+    ("serve", "from tract_cli.bench import session"): ("face import", "tract_cli.bench"),
+    ("inspect", "from tract_cli.serve.engine import Engine"):
+        ("face import", "tract_cli.serve.engine"),
+    ("provision", "from tract_cli.inspect import snapshot"):
+        ("face import", "tract_cli.inspect"),
+    ("connectors", "import importlib\nimportlib.import_module('tract_cli.serve.model')"):
+        ("face import", "tract_cli.serve.model"),
+    ("serve", "from ..cli import serve_cmd"): ("cli import", "tract_cli.cli"),
+    ("cli", "from tract_cli.connectors.vllm import TractConnector"):
+        ("face import", "tract_cli.connectors.vllm"),
+    ("", "from tract_cli import serve"): ("face import", "tract_cli.serve"),   # __init__
+    ("", "from tract_cli.cli import main"): ("cli import", "tract_cli.cli"),
+    # what the table allows
+    ("bench", "from tract_cli.serve.launch import WorkerProcess"): None,
+    ("bench", "from tract_cli.inspect import snapshot"): None,
+    ("bench", "from ..provision.cpu import model_name"): None,
+    ("cli", "from tract_cli.bench import plot\nfrom tract_cli.serve import app"): None,
+    ("cli", "import tract_cli\ntract_cli.provision.doctor"): None,
+    ("serve", "from tract_cli.serve import model\nfrom . import engine"): None,
+}
+
+
+@pytest.mark.parametrize("face,source", list(FACE_CASES), ids=range(len(FACE_CASES)))
+def test_the_check_finds_each_face_import_the_table_does_not_allow(tmp_path, face, source):
+    package = tmp_path / "tract_cli"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "__init__.py").write_text("")
+    if face:
+        (package / face).mkdir()
+        (package / face / "__init__.py").write_text("")
+        path = package / face / "x.py"
+    else:
+        path = package / "__init__.py"
+    path.write_text(source + "\n")
+    found = [(v.file, v.rule, v.name) for v in scan(package)]
+    expected = FACE_CASES[(face, source)]
+    rel = str(path.relative_to(tmp_path))
+    assert found == ([(rel, *expected)] if expected else []), found
+    if expected is None and face == "bench":
+        assert len(face_imports(package)) == 1, "an allowed import is recorded as made"
+
+
+def test_the_check_lets_a_face_launch_the_tract_command(tmp_path):
+    """A face runs another command as a child process: that names
+    `tract_cli.cli` (or the `tract` script) in a string, and is no import."""
+    package = tmp_path / "tract_cli"
+    for d in ("core", "serve", "bench"):
+        (package / d).mkdir(parents=True)
+        (package / d / "__init__.py").write_text("")
+    (package / "serve" / "launch.py").write_text(textwrap.dedent("""
+        import subprocess
+        import sys
+        from tract_cli.core.spawn import module_command
+        subprocess.Popen(module_command("tract_cli.cli", "serve-prefill"))
+        subprocess.run([sys.executable, "-m", "tract_cli.cli", "check", "/dev/dax0.0"])
+    """))
+    (package / "bench" / "x.py").write_text("import subprocess\n"
+                                            "subprocess.run(['tract', 'inspect', 'p'])\n")
+    assert scan(package) == []

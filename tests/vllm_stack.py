@@ -16,6 +16,7 @@ import urllib.request
 from tests.servers import request
 from tract_cli.core.nodes import read_nodes
 from tract_cli.core.errors import TractError
+from tract_cli.core.medium import processes_using
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import remove_region
@@ -168,18 +169,10 @@ def remove_vllm_debris(before: set[str]) -> None:
     """vLLM's own shared memory (psm_*, sem.mp-*) that a vLLM which crashed or was
     killed left since BEFORE and that no live process maps: its resource tracker
     died with it, so nobody else will remove it."""
-    maps = " ".join(_read(f"/proc/{pid}/maps") for pid in os.listdir("/proc") if pid.isdigit())
     for name in shm_names() - before:
-        if name.startswith(("psm_", "sem.mp-")) and name not in maps:
+        path = os.path.join("/dev/shm", name)
+        if name.startswith(("psm_", "sem.mp-")) and not processes_using(path):
             try:
-                os.unlink(os.path.join("/dev/shm", name))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
