@@ -199,6 +199,9 @@ static void repair_local(tract_region *r)
 	for (uint64_t i = 0; i < (slots + 7) / 8; i++)
 		if (fb[i] != in[i])
 			__atomic_store_n(&fb[i], in[i], __ATOMIC_RELEASE);
+	/* a journaled allocation journals its slots before it pops them: the
+	 * dead holder's that are still listed were never its */
+	tract_journal_void_listed(r, in);
 	free(in);
 }
 
@@ -454,8 +457,11 @@ static void zero_slots(tract_region *r, const uint32_t *slots, uint32_t n)
 	__sync_synchronize();
 }
 
-/* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
-int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
+/* allocates n slots from the node's free list, claiming a batch from the
+ * region when it runs short; with journal, each slot is journaled as this
+ * process's bare slot before the pop (internal) */
+static int alloc_impl(tract_region *r, uint32_t n, uint32_t *out, int journal,
+		      uint64_t timeout_ns)
 {
 	if (!r || (!out && n))
 		return TRACT_E_INVAL;
@@ -478,10 +484,44 @@ int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 			return rc;
 		}
 	}
+	if (journal && n) {
+		/* the slots the pop below takes: journaled first, so that no
+		 * moment leaves them neither listed nor journaled; a death before
+		 * the pop leaves them journaled and listed, which the next holder
+		 * of alloc_mu voids (repair_local) */
+		tract_journal_slots(r, free_list(r) + (r->local->free_count - n), n, 0);
+		tract_maybe_die(TRACT_DIE_ALLOC_JOURNALED);
+	}
 	pop_local(r, n, out);
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	/* its writer's lines may stay in this node's caches: no longer EVICTED */
 	tract_payload_forget(r, out, n);
+	return TRACT_OK;
+}
+
+/* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
+int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
+{
+	return alloc_impl(r, n, out, 1, timeout_ns);
+}
+
+/* as tract_alloc, the slots journaled as bare slots of this process (internal.h) */
+int tract_alloc_journaled(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
+{
+	return alloc_impl(r, n, out, 1, timeout_ns);
+}
+
+/* takes and gives back alloc_mu, so that whatever a process that died
+ * holding it left (its free list, an open intent, slots it journaled and had
+ * not popped) is settled now (internal.h) */
+int tract_alloc_settle(tract_region *r, uint64_t timeout_ns)
+{
+	if (!r || !r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = lock_alloc_mu(r, timeout_ns);
+	if (rc < 0)
+		return rc;
+	pthread_mutex_unlock(&r->local->alloc_mu);
 	return TRACT_OK;
 }
 

@@ -274,12 +274,14 @@ int tract_alloc_rebuild(tract_region *r, const uint32_t *keep, uint64_t n_keep)
 	if ((rc = tract_observe(r, os->offset, old, os->length)) < 0 ||
 	    (rc = tract_observe(r, as->offset, &h, sizeof(h))) < 0)
 		goto out;
-	/* a kept slot stays its claimer's; one with no owner byte (a torn or
-	 * corrupt allocator state) is given to node 0, so bitmap and owner map
+	/* a kept slot stays its claimer's; one with no owner byte or one naming
+	 * no node (a torn or corrupt allocator state) is given to node 0, so bitmap and owner map
 	 * agree: whichever node frees it later, alloc.c returns it to the
 	 * region or to node 0's list by that byte */
-	for (uint64_t i = 0; i < n_keep; i++)
-		owners[keep[i]] = old[keep[i]] ? old[keep[i]] : 1;
+	for (uint64_t i = 0; i < n_keep; i++) {
+		uint8_t o = old[keep[i]];
+		owners[keep[i]] = o && o <= r->hdr.max_nodes ? o : 1;
+	}
 	/* the claim, next_hint and release counters kept: only the count was
 	 * derived from what is taken */
 	h.used_slots = n_keep;

@@ -161,15 +161,15 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto out;
 	}
 	/* 2. the key list and the tail, in slots of their own */
-	if ((rc = tract_alloc(r, nextra, extra, timeout_ns)) == TRACT_E_FULL) {
+	if ((rc = tract_alloc_journaled(r, nextra, extra, timeout_ns)) == TRACT_E_FULL) {
 		/* a pool full of cached blocks: make room as a put would (no lock is held) */
 		uint32_t evicted = 0;
 		if (tract_index_evict(r, nextra, &evicted, timeout_ns) == TRACT_OK && evicted)
-			rc = tract_alloc(r, nextra, extra, timeout_ns);
+			rc = tract_alloc_journaled(r, nextra, extra, timeout_ns);
 	}
 	if (rc < 0)
 		goto unpin;
-	tract_journal_slots(r, extra, nextra, 0);    /* ours until the record holds them */
+	/* (journaled as ours by the allocation, until the record holds them) */
 	for (uint32_t i = 0; i < n; i++) {
 		memcpy(list[i].key, keys + (uint64_t)i * 16, 16);
 		list[i].slot = slots[i];
@@ -210,10 +210,12 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if (rc == TRACT_OK)
 		goto out;
 release:
-	/* forgotten by the journal only once freed: if the free fails, the agent
-	 * frees them when this process is gone */
-	if (tract_free(r, extra, nextra, timeout_ns) == TRACT_OK)
-		tract_journal_slots(r, extra, nextra, 1);
+	/* forgotten by the journal before they are freed (a death between leaks
+	 * them, never frees them twice); journaled again if the free fails, for
+	 * the agent to free once this process is gone */
+	tract_journal_slots(r, extra, nextra, 1);
+	if (tract_free(r, extra, nextra, timeout_ns) != TRACT_OK)
+		tract_journal_slots(r, extra, nextra, 0);
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
 out:

@@ -214,7 +214,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	if (want) {
 		uint32_t cursor = (uint32_t)getpid();
 		for (int attempt = 0;; attempt++) {
-			rc = tract_alloc(r, want, slots, timeout_ns);
+			rc = tract_alloc_journaled(r, want, slots, timeout_ns);
 			if (rc != TRACT_E_FULL)
 				break;   /* (TRACT_E_TOO_LARGE: evicting would not help) */
 			uint32_t evicted = 0;
@@ -228,6 +228,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 		}
 		if (rc < 0)
 			goto abandon;
+		tract_maybe_die(TRACT_DIE_PUT_ALLOCATED);
 		/* slots[0..want) belong to mine[0..want): spread them by key index
 		 * (mine[k] >= k, so walking down never overwrites an unread one) */
 		for (uint32_t k = want; k-- > 0;) {
@@ -235,7 +236,14 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 			slots[k] = 0;
 			slots[mine[k]] = s;
 		}
+		/* the claims take the slots over from the bare journal: named by
+		 * their claims first, then forgotten as bare (a death between
+		 * leaves both, which recovery gives back once: recover.c) */
 		tract_journal_claims(r, keys, n, status, PUT_CLAIMED, slots, 0);
+		tract_maybe_die(TRACT_DIE_PUT_CLAIMED);
+		for (uint32_t k = 0; k < want; k++)
+			mine[k] = slots[mine[k]];
+		tract_journal_slots(r, mine, want, 1);
 	}
 	free(refs);
 	free(mine);

@@ -276,12 +276,22 @@ int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn);
 /* recovery of lock 0: alloc_mu, then the lock, then the allocator's repair (alloc.c) (internal) */
 int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn);
 
+/* tract_alloc for the core's callers that hand the slots on (a claim, a
+ * handoff record): each slot is journaled as this process's bare slot before
+ * it leaves the free list, so a death after the pop leaks nothing; and
+ * settling what a process that died holding alloc_mu left (alloc.c) (internal) */
+int tract_alloc_journaled(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns);
+int tract_alloc_settle(tract_region *r, uint64_t timeout_ns);
+
 
 /* the journal's dead entries, for recovery (journal.c) (internal) */
 struct tract_journal_proc *tract_journal_next_dead(tract_region *r, uint32_t *cursor);
 struct tract_journal_key *tract_journal_first(struct tract_journal_proc *p, uint32_t *pos);
 void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos);
 int tract_journal_retire(struct tract_journal_proc *p);
+int tract_journal_claims_slot(const struct tract_journal_proc *p, uint32_t slot);
+void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot);
+void tract_journal_void_listed(tract_region *r, const uint8_t *listed);
 
 /* the index's geometry and its key rule, which every reader of the index
  * shares (index_*.c, audit.c): a key belongs to the stripe its high word's

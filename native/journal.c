@@ -195,7 +195,9 @@ static void slot_key(uint32_t slot, uint8_t *key)
 }
 
 /* Journals (forget = 0) or forgets bare slots this process holds outside the
- * index: a handoff's key-list and tail slots before its record exists (internal). */
+ * index: slots tract_alloc_journaled handed out until their claim or their
+ * handoff record holds them.  Forgotten before they are freed: the journal may
+ * say less than the process holds, never more (internal). */
 void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget)
 {
 	if (!r->journal || !n)
@@ -305,4 +307,51 @@ int tract_journal_names(tract_region *r, uint32_t pid)
 		if (__atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE) == pid)
 			return 1;
 	return 0;
+}
+
+/* Voids the bare slots that dead processes journaled but that still sit on
+ * this node's free list (bit s of listed set): journaled under alloc_mu right
+ * before their pop by a process that died before it popped them (alloc.c,
+ * repair_local, alloc_mu held: no live process is between the two then).
+ * Voided (claim 0, which recovery gives back as nothing), not erased: the
+ * agent may be walking the entry (internal). */
+void tract_journal_void_listed(tract_region *r, const uint8_t *listed)
+{
+	if (!r->local || !r->local->journal_off)
+		return;
+	struct tract_journal_proc *p = procs(r);
+	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
+		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
+		if (!pid || !p[e].used || !tract_pid_dead(pid))
+			continue;
+		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
+			struct tract_journal_key *k = &p[e].keys[i];
+			if (!k->used || k->kind != 1 || !k->claim)
+				continue;
+			uint32_t s = k->claim - 1;
+			if (s < r->hdr.slot_count && (listed[s / 8] & (1u << (s % 8))))
+				k->claim = 0;
+		}
+	}
+}
+
+/* whether a claim the entry journals names slot (internal) */
+int tract_journal_claims_slot(const struct tract_journal_proc *p, uint32_t slot)
+{
+	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
+		const struct tract_journal_key *k = &p->keys[i];
+		if (k->used && k->kind == 0 && k->claim == slot + 1)
+			return 1;
+	}
+	return 0;
+}
+
+/* voids the entry's bare journal of slot, if it has one (internal) */
+void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
+{
+	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
+		struct tract_journal_key *k = &p->keys[i];
+		if (k->used && k->kind == 1 && k->claim == slot + 1)
+			k->claim = 0;
+	}
 }

@@ -12,7 +12,7 @@
 /* a name fills the entry's field but for its NUL */
 #define NAME_MAX_LEN (sizeof(((struct tract_objdir_entry *)0)->name) - 1)
 
-/* validates a name: 1..39 bytes (internal) */
+/* validates a name: 1..NAME_MAX_LEN bytes (internal) */
 static int name_ok(const char *name)
 {
 	size_t n = name ? strnlen(name, NAME_MAX_LEN + 1) : 0;

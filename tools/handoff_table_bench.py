@@ -37,7 +37,7 @@ def _median_us(samples: list[float]) -> float:
 
 def run(mode: str, in_flight: int, shape: str, rounds: int) -> dict:
     path = os.path.join(tempfile.mkdtemp(prefix="tract-hbench-", dir="/dev/shm"), "pool")
-    Pool.create(path, 64 << 20, "tiny", nodes=2, flush_mode=mode, transfer_entries=1024).close()
+    Pool.create(path, 64 << 20, "tiny", nodes=2, flush_mode=mode).close()
     agent = ensure_agent(path, 0, manager=True)
     try:
         with Pool.attach(path, node=1, flush_mode=mode) as p:

@@ -30,8 +30,6 @@ def agent(
     cpus: Optional[str] = typer.Option(None, "--cpus", help="Pin to these CPUs (e.g. 0-3,8)."),
 ) -> None:
     """Run the node agent until SIGTERM or Ctrl-C (or its region file is removed); logs to stderr."""
-    # --takeover-after is checked even with --no-takeover: a bad value is a typo
-    AgentOptions(pool, node, takeover_after=takeover_after, heartbeat_ms=heartbeat_ms).check()
     opts = AgentOptions(pool, node, manager, simulate, flush_mode, heartbeat_ms,
                         None if no_takeover else takeover_after, exit_when_idle)
     opts.check()

@@ -7,7 +7,7 @@ import typer
 
 from tract_cli.cli import render
 from tract_cli.cli.info_cmd import render_info
-from tract_cli.core.geometry import load_model, with_block_tokens
+from tract_cli.core.geometry import DEFAULT_BLOCK_TOKENS, load_model, with_block_tokens
 from tract_cli.core.region import DEFAULT_INDEX_STRIPES, FormatOptions, format_region
 from tract_cli.core.errors import UsageError
 from tract_cli.core.units import format_duration, parse_size
@@ -25,8 +25,8 @@ def init(
         None, "--flush-mode", help="clflush|clflushopt|clwb|none (default: clflush on a "
                                    "device, none on a file)."),
     block_tokens: Optional[int] = typer.Option(
-        None, "--block-tokens", help="Tokens per KV block (default: the profile's, 16 for a "
-                                     "checkpoint directory; an engine's block size must be a "
+        None, "--block-tokens", help="Tokens per KV block (default: the profile's, "
+                                     f"{DEFAULT_BLOCK_TOKENS} for a checkpoint directory; an engine's block size must be a "
                                      "multiple of it, docs/VLLM.md)."),
     hash_scheme: str = typer.Option("tract", "--hash-scheme", help="Block hash: tract|vllm."),
     stripes: int = typer.Option(DEFAULT_INDEX_STRIPES, "--stripes", help="Index stripes (a power of two; each lookup of a long prompt takes every stripe lock once)."),

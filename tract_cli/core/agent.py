@@ -415,11 +415,11 @@ class AgentOptions:
         if not 10 <= self.heartbeat_ms <= 10000:
             raise UsageError(f"--heartbeat-ms {self.heartbeat_ms} is outside 10..10000",
                              "give the heartbeat period in milliseconds, e.g. 100")
-        takeover = TAKEOVER_AFTER_S if self.takeover_after is None else self.takeover_after
-        if not 0.2 <= takeover <= 3600:
+        takeover = self.takeover_after          # None: never taken over, nothing to check
+        if takeover is not None and not 0.2 <= takeover <= 3600:
             raise UsageError(f"--takeover-after {takeover:g} is outside 0.2..3600 seconds",
                              "give the seconds a manager heartbeat may stand still, e.g. 2")
-        if takeover * 1000 < 3 * self.heartbeat_ms:
+        if takeover is not None and takeover * 1000 < 3 * self.heartbeat_ms:
             raise UsageError(f"--takeover-after {takeover:g} s is under three heartbeats "
                              f"({self.heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
         if self.idle_exit is not None and not 0.1 <= self.idle_exit <= 86400:

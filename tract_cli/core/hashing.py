@@ -32,6 +32,7 @@ from tract_cli.core.geometry import DEFAULT_BLOCK_TOKENS
 from tract_cli.core.header import HASH_SCHEMES
 from tract_cli.core.native import ffi, lib, raise_for
 
+# the key each scheme hashes a block to (bytes); its schemes are header.HASH_SCHEMES
 HASH_BYTES = {"tract": 16, "vllm": 32}
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 MAX_TOKEN = 2**31 - 1
@@ -110,8 +111,8 @@ def block_hashes(tokens, scheme: str = "tract", block_tokens: int = DEFAULT_BLOC
     "tract", ROOT defaults to tract_root(salt=SALT) (zero seed and
     fingerprint: pass the region's root to match a pool's keys).
     """
-    if scheme not in HASH_BYTES:
-        raise UsageError(f"unknown hash scheme {scheme!r}", "use tract or vllm")
+    if scheme not in HASH_SCHEMES:
+        raise UsageError(f"unknown hash scheme {scheme!r}", f"use {' or '.join(HASH_SCHEMES)}")
     if not 1 <= block_tokens <= MAX_BLOCK_TOKENS:
         raise UsageError(f"block size {block_tokens} out of range",
                          f"use 1 to {MAX_BLOCK_TOKENS} tokens")
