@@ -502,7 +502,7 @@ static int alloc_impl(tract_region *r, uint32_t n, uint32_t *out, int journal,
 /* Allocates n slots into out (all or nothing); TRACT_E_FULL if the pool has fewer free. */
 int tract_alloc(tract_region *r, uint32_t n, uint32_t *out, uint64_t timeout_ns)
 {
-	return alloc_impl(r, n, out, 1, timeout_ns);
+	return alloc_impl(r, n, out, 0, timeout_ns);
 }
 
 /* as tract_alloc, the slots journaled as bare slots of this process (internal.h) */

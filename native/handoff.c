@@ -211,11 +211,13 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto out;
 release:
 	/* forgotten by the journal before they are freed (a death between leaks
-	 * them, never frees them twice); journaled again if the free fails, for
-	 * the agent to free once this process is gone */
+	 * them, never frees them twice); journaled again if the free timed out
+	 * (it changes nothing until it holds every lock), for the agent to free
+	 * once this process is gone; any other failure may have listed some: a
+	 * leak at worst */
 	tract_journal_slots(r, extra, nextra, 1);
-	if (tract_free(r, extra, nextra, timeout_ns) != TRACT_OK)
-		tract_journal_slots(r, extra, nextra, 0);
+	if (tract_free(r, extra, nextra, timeout_ns) == TRACT_E_TIMEOUT)
+		tract_journal_slots(r, extra, nextra, 0);   /* nothing changed: still ours */
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
 out:

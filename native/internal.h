@@ -57,8 +57,9 @@ struct tract_journal_key {
 	uint32_t claim;         /* 1 + slot of a PENDING claim (UINT32_MAX: no slot yet), 0 none;
 				 * for a bare slot: 1 + the slot */
 	uint32_t used;          /* 1: occupied */
-	uint32_t kind;          /* 0: a key of the index; 1: a bare slot (a handoff's, before
-				 * its record exists), key = "slot" + slot id */
+	uint32_t kind;          /* 0: a key of the index; 1: a bare slot (tract_alloc_journaled's,
+				 * until a claim or a handoff record holds it), key = slot id +
+				 * "slot" (journal.c) */
 };
 
 struct tract_journal_proc {

@@ -189,8 +189,8 @@ void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, cons
 static void slot_key(uint32_t slot, uint8_t *key)
 {
 	memset(key, 0, 16);
-	memcpy(key, "slot", 4);
-	memcpy(key + 4, &slot, 4);
+	memcpy(key, &slot, 4);   /* in the low word: home() spreads the slots */
+	memcpy(key + 4, "slot", 4);
 	key[15] = 0xA5;          /* never equal to an index key's layout by accident */
 }
 
@@ -309,12 +309,14 @@ int tract_journal_names(tract_region *r, uint32_t pid)
 	return 0;
 }
 
-/* Voids the bare slots that dead processes journaled but that still sit on
- * this node's free list (bit s of listed set): journaled under alloc_mu right
- * before their pop by a process that died before it popped them (alloc.c,
- * repair_local, alloc_mu held: no live process is between the two then).
- * Voided (claim 0, which recovery gives back as nothing), not erased: the
- * agent may be walking the entry (internal). */
+/* Voids every bare slot journaled that still sits on this node's free list
+ * (bit s of listed set): journaled under alloc_mu right before its pop by a
+ * holder of alloc_mu that died before it popped it (alloc.c, repair_local,
+ * alloc_mu held).  Whoever journaled it: no live process has a listed bare
+ * slot while another holds alloc_mu, and the dead holder may not look dead
+ * yet (its robust mutex is released before it becomes a zombie; its pid may
+ * be reused).  Voided (claim 0, which recovery gives back as nothing), not
+ * erased: the agent may be walking the entry (internal). */
 void tract_journal_void_listed(tract_region *r, const uint8_t *listed)
 {
 	if (!r->local || !r->local->journal_off)
@@ -322,7 +324,7 @@ void tract_journal_void_listed(tract_region *r, const uint8_t *listed)
 	struct tract_journal_proc *p = procs(r);
 	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
 		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
-		if (!pid || !p[e].used || !tract_pid_dead(pid))
+		if (!pid || !p[e].used)
 			continue;
 		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
 			struct tract_journal_key *k = &p[e].keys[i];

@@ -147,12 +147,39 @@ def test_a_writer_killed_while_its_claims_take_their_slots_leaks_none(region, po
         w.call("free", slots=w.call("alloc", n=1))     # a batch on node 1's list first
         dies_during(dying(region, 1, point, simulate), "index_reserve_chain",
                     chain=[1, 0, 2, 5])
+        held = []
         if who == "next-process":
-            w.call("free", slots=w.call("alloc", n=3))     # takes alloc_mu after the death
-    got = agent_pass(region, 1)
-    assert got.dead.processes >= 1 and got.dead.claims == 5, got
+            # takes alloc_mu after the death and keeps what it pops (at
+            # ALLOC_JOURNALED: the very slots the dead process journaled)
+            held = w.call("alloc", n=8)
+        got = agent_pass(region, 1)
+        assert got.dead.processes == 1 and got.dead.claims == 5, got
+        assert not set(held) & free_lists(region), "the agent freed a slot a live process holds"
+        if point == "ALLOC_JOURNALED":
+            assert got.dead.slots == 0, got            # it had popped nothing
+        else:
+            assert got.dead.slots == 5, got            # each popped slot, once
+        w.call("free", slots=held)
     assert allocator_violations(region) == []
     assert taken_slots(region) == free_lists(region), "a slot leaked"
+
+
+def test_slots_a_process_allocated_and_freed_are_not_freed_again_after_it_exits(region):
+    """The public allocation journals nothing (what a caller does with raw
+    slots the core cannot know): a process that allocated and freed a slot,
+    then exited, leaves the agent nothing to free -- not the slot another
+    process took since."""
+    with Worker(region, 1) as a:
+        slots = a.call("alloc", n=3)
+        a.call("free", slots=slots)
+    with Worker(region, 1) as b:
+        held = b.call("alloc", n=3)
+        assert set(held) == set(slots)                 # the list hands them out again
+        got = agent_pass(region, 1)
+        assert got.dead.slots == 0, got
+        assert not set(held) & free_lists(region), "the agent freed a slot a live process holds"
+        b.call("free", slots=held)
+    assert taken_slots(region) == free_lists(region)
 
 
 def test_a_handoff_killed_taking_its_slots_leaks_none(region):
