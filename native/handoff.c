@@ -184,11 +184,13 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	 * (forgotten by this process's journal before the record can exist) */
 	if ((rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
-	tract_journal_pins(r, keys, n, -1);
-	tract_journal_slots(r, extra, nextra, 1);
 	uint32_t i;
 	rc = find_free_record(r, &i);
 	if (rc == TRACT_OK) {
+		/* forgotten only now that the record will hold them: a full table
+		 * leaves them journaled while the release below gives them back */
+		tract_journal_pins(r, keys, n, -1);
+		tract_journal_slots(r, extra, nextra, 1);
 		struct tract_transfer_record t;
 		memset(&t, 0, sizeof(t));
 		t.state = REC_PUBLISHED;
@@ -209,6 +211,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	tract_lock_release(r, TRACT_LOCK_TRANSFER);
 	if (rc == TRACT_OK)
 		goto out;
+	tract_maybe_die(TRACT_DIE_HANDOFF_NO_RECORD);
 release:
 	/* forgotten by the journal before they are freed (a death between leaks
 	 * them, never frees them twice); journaled again if the free timed out

@@ -372,7 +372,8 @@ enum tract_die_point {
 	TRACT_DIE_ALLOC_JOURNALED = 8, /* a handed-on allocation: its slots journaled, not popped */
 	TRACT_DIE_PUT_ALLOCATED = 9,   /* put: slots allocated, no claim names them yet */
 	TRACT_DIE_PUT_CLAIMED = 10,    /* put: the claims name their slots, bare slots not forgotten */
-	TRACT_DIE_COUNT = 11
+	TRACT_DIE_HANDOFF_NO_RECORD = 11, /* handoff: no free record; its pins not given back yet */
+	TRACT_DIE_COUNT = 12
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

@@ -198,6 +198,33 @@ def test_a_handoff_killed_taking_its_slots_leaks_none(region):
     assert len(taken_slots(region) - free_lists(region)) == 4, "only the chain's slots are held"
 
 
+def test_a_handoff_killed_after_finding_no_record_gives_its_pins_back(region_path):
+    """A handoff publish that finds the transfer table full gives its blocks'
+    pins back: until it has, they stay in its journal, so a process killed
+    on the way leaves them to the agent (the chaos run leaked them when the
+    journal forgot them before the table was searched)."""
+    from agents import RunningAgent
+    Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=4,
+                transfer_entries=1).close()
+    agent = RunningAgent(region_path, 0, manager=True)
+    try:
+        with Worker(region_path, 1) as holder:
+            holder.call("handoff_publish", chain=[3, 0, 4, 4], request="r-holds-the-record")
+            point = str(lib.TRACT_DIE_HANDOFF_NO_RECORD)
+            dies_during(Worker(region_path, 1, env={"TRACT_DIE_AT": point}), "handoff_publish",
+                        chain=[5, 0, 6, 4], request="r-finds-it-full")
+            got = agent_pass(region_path, 1)
+            assert got.dead.pins == 4, got
+            assert got.dead.slots == 2, got                # its key-list and tail slots
+        with Pool.attach(region_path, readonly=True, prefault=False, local=False) as p:
+            from tract_cli.inspect import snapshot
+            assert snapshot.take(p, views=("index",))["index"]["pins_total"] == 4, \
+                "only the published handoff's pins are left"
+        assert allocator_violations(region_path) == []
+    finally:
+        agent.stop()
+
+
 def test_a_process_killed_inside_a_claim_does_not_block_the_node(region):
     """The node's next allocation after a death inside a claim takes lock 0
     from the dead holder and goes on: no agent needed, nothing lost."""
