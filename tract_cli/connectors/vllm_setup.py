@@ -1,0 +1,107 @@
+"""What the vLLM connector (`connectors/vllm.py`) sets up before it moves any
+KV: this process's attached pool (one per process, shared by the scheduler
+and worker sides; the node's agent started if none runs), the check that the
+region holds this engine's KV blocks, and the map of where vLLM's attention
+backend keeps each KV element of a page."""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
+from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.core.agent_launch import start_node_agent
+from tract_cli.core.errors import TractError
+from tract_cli.core.geometry import normalize_dtype
+from tract_cli.core.pool import Pool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class ConnectorError(TractError):
+    """A connector configuration vLLM cannot start with (one line: problem; fix)."""
+
+
+# ---- one attached pool per process (the scheduler and worker sides may share a process) ----
+
+_pools: dict[tuple, Pool] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(s: ConnectorSettings) -> Pool:
+    """This process's Pool for S (attached once; the node's agent started if none runs)."""
+    key = (s.pool, s.node, s.flush_mode, s.simulate)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or pool.closed:
+            if s.start_agent:
+                start_node_agent(s.pool, s.node, simulate=s.simulate, flush_mode=s.flush_mode)
+            pool = Pool.attach(s.pool, node=s.node, flush_mode=s.flush_mode, simulate=s.simulate)
+            _pools[key] = pool
+        return pool
+
+
+def check_engine_geometry(pool: Pool, vllm_config: "VllmConfig", s: ConnectorSettings) -> None:
+    """Refuses (one line) a region whose KV blocks are not this engine's."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ConnectorError("TraCT's vLLM connector serves tensor- and pipeline-parallel size 1",
+                             "run one instance per GPU/CPU socket (--tensor-parallel-size 1)")
+    if mc.use_mla:
+        raise ConnectorError(f"{mc.model} uses MLA attention, whose KV TraCT's region does not "
+                             "lay out", "serve a model with standard (GQA/MHA) attention")
+    dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
+    try:
+        dtype_name = normalize_dtype(str(dtype).replace("torch.", ""))
+    except TractError:
+        dtype_name = str(dtype)
+    g = pool.geometry
+    engine = (mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), dtype_name)
+    region = (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
+    if engine != region:
+        raise ConnectorError(
+            f"{s.pool} holds KV blocks of {pool.info.model_name} ({g.describe()}); vLLM serves "
+            f"{mc.model} with {engine[0]} layers x {engine[1]} KV heads x {engine[2]} dim "
+            f"{engine[3]}", f"format a region for it: tract init {s.pool} --model {mc.model} --force")
+    if cc.block_size % g.block_tokens:
+        raise ConnectorError(
+            f"vLLM's block size {cc.block_size} is not a multiple of the region's "
+            f"{g.block_tokens} tokens per block",
+            f"serve with --block-size a multiple of {g.block_tokens}, or format the region with "
+            f"`tract init --model {mc.model} --block-tokens N` for N dividing {cc.block_size}")
+
+
+def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
+                    vllm_config: "VllmConfig") -> PageMap:
+    """Where vLLM's attention backend keeps each KV element of a page (measured
+    with the backend's own cache writer on CPUs; FlashAttention's documented
+    layout on GPUs)."""
+    heads, dim = geometry.num_kv_heads, geometry.head_dim
+    shape = tuple(kv_layer.shape)
+    if kv_layer.device.type == "cpu":
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        if shape[1:] != (heads, page_tokens, 2 * dim):
+            raise TractError(f"vLLM's CPU KV cache has pages {list(shape[1:])}, expected "
+                             f"{[heads, page_tokens, 2 * dim]}", "serve the region's model")
+        if hasattr(torch.cpu, "_init_amx"):
+            # vLLM's AMX kernels assume the process already asked Linux for the AMX
+            # tile state; a first forward that attends over loaded KV would SIGILL
+            torch.cpu._init_amx()
+        isa = _get_attn_isa(kv_layer.dtype, page_tokens, dim, vllm_config.cache_config.cache_dtype)
+
+        def write(key, value, page, slot_mapping):
+            kc, vc = page.view(1, heads, 2 * page_tokens, dim).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slot_mapping, isa)
+
+        offsets = probe_offsets(write, page_tokens, heads, dim, kv_layer.dtype,
+                                (1, heads, page_tokens, 2 * dim))
+        return PageMap(offsets, heads * page_tokens * 2 * dim, geometry.block_tokens)
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (page_tokens, heads, dim):
+        offsets, stride = flash_offsets(shape[1], page_tokens, heads, dim)
+        return PageMap(offsets, stride, geometry.block_tokens)
+    raise TractError(f"vLLM's KV cache on {kv_layer.device.type} has shape {list(shape)}, a "
+                     "layout TraCT does not know", "serve with CPU_ATTN or FLASH_ATTN")
