@@ -223,7 +223,8 @@ def test_reads_into_torch_and_torch_views(small_region):
         p.index.read(res, out)
         assert out.numpy().view(np.uint8).reshape(4, -1).tobytes() == blocks_for(p, keys).tobytes()
         views = p.index.views(res, torch=True)
-        assert torch.equal(views[2], out[2])
+        # the same bytes (random payload read as float32 has NaNs, which equal nothing)
+        assert torch.equal(views[2].view(torch.uint8), out[2].view(torch.uint8))
         del views
         p.index.unpin(res)
         p.index.evict(100)
