@@ -5,7 +5,7 @@ import numpy as np
 
 from tract_cli.core.errors import CorruptRegion, PoolFull, UsageError
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
-from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.native import ffi, id_array, lib, raise_for
 
 
 class Allocator:
@@ -58,14 +58,11 @@ class Allocator:
         (slot ids, each below the slot count, none twice) and empties the
         transfer and lock tables, in one C call (`tract check --repair`, after
         the index's rebuild): the bitmap holds exactly KEEP, each kept slot
-        keeps its owner byte (node 0's where it had none), the header counts
+        keeps its owner byte (node 0's where it had none or one naming no
+        node), the header counts
         them.  A bad list is refused (UsageError) before anything is written.
         Offline only: it takes no lock, so nobody else may map the region."""
-        arr = np.asarray(keep)
-        if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0
-                                           or arr.max() > np.iinfo(np.uint32).max)):
-            raise UsageError("the slots to keep must be a list of slot ids",
-                             "pass a 1-D array of integers in 0..2**32-1")
-        arr = np.ascontiguousarray(arr, dtype=np.uint32)
+        arr = id_array(keep, np.uint32, "the slots to keep must be a list of slot ids",
+                       "pass a 1-D array of integers in 0..2**32-1")
         raise_for(lib.tract_alloc_rebuild(self._pool._r(), ffi.cast("uint32_t *", ffi.from_buffer(arr)),
                                           arr.size), f"{self._pool.path} allocator rebuild")

@@ -15,7 +15,7 @@ import numpy as np
 
 from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, RequestTooLarge, UsageError
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
-from tract_cli.core.native import ffi, lib, raise_for
+from tract_cli.core.native import ffi, id_array, lib, raise_for
 
 if TYPE_CHECKING:
     from tract_cli.core.pool import BlockTable
@@ -320,11 +320,8 @@ class PrefixIndex:
         bucket or key twice), in one C call that places them by the index's
         own probe and LRU rule (`tract check --repair`).  Offline only: it
         takes no lock, so nobody else may map the region."""
-        arr = np.asarray(keep)
-        if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0)):
-            raise UsageError("the buckets to keep must be a list of bucket indices",
-                             "pass a 1-D array of non-negative integers")
-        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+        arr = id_array(keep, np.uint64, "the buckets to keep must be a list of bucket indices",
+                       "pass a 1-D array of non-negative integers")
         raise_for(lib.tract_index_rebuild(self._pool._r(), ffi.cast("uint64_t *", ffi.from_buffer(arr)),
                                           arr.size), f"{self._pool.path} index rebuild")
 

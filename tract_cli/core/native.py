@@ -98,6 +98,17 @@ _MESSAGES = {
 }
 
 
+def id_array(values, dtype, problem: str, fix: str):
+    """VALUES as a contiguous array of DTYPE ids for a C call: 1-D, integers,
+    each in DTYPE's range; anything else is a UsageError (PROBLEM; FIX)."""
+    import numpy as np
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0
+                                       or arr.max() > np.iinfo(dtype).max)):
+        raise UsageError(problem, fix)
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
 def raise_for(rc: int, what: str) -> None:
     """Raises the TractError for a non-zero C return code; `what` names the target."""
     if rc == lib.TRACT_OK:
