@@ -218,7 +218,7 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 				rc = TRACT_E_CORRUPT;      /* cannot happen: checked above */
 				goto out;
 			}
-			k.pins = 0;
+			k.reserved = 0;
 			k.epoch = epoch;
 			tract_lru_push_head(&c, free_b, &k);
 			store_bucket(&c, free_b, &k);

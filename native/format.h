@@ -113,7 +113,7 @@ struct tract_bucket {
 	uint32_t state;        /* TRACT_BUCKET_* */
 	uint32_t slot;         /* slot id + 1, 0 = none */
 	uint32_t tokens;
-	uint32_t pins;         /* sum of the per-node pin counts */
+	uint32_t reserved;     /* 0 (format 3 kept the pins' total here) */
 	uint32_t lru_prev;     /* bucket index + 1 within the stripe, 0 = none */
 	uint32_t lru_next;
 	uint16_t owner_node;

@@ -59,9 +59,11 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return TRACT_E_INVAL;
 	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
-	if (!refs || !pinned) {
+	uint64_t *hit = malloc(((size_t)n + 1) * sizeof(*hit));   /* a group's buckets, in touch order */
+	if (!refs || !pinned || !hit) {
 		free(refs);
 		free(pinned);
+		free(hit);
 		return TRACT_E_NOMEM;
 	}
 	uint32_t limit = n;      /* keys at or past the first known miss are not pinned */
@@ -77,6 +79,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			break;
 		/* refs[first..end) are this stripe's keys, tail first */
 		tract_prefetch_group(&c, keys, refs, g.first, g.end, r->node_id);
+		uint32_t nhit = 0;
 		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;
 			if (idx >= limit)
@@ -89,11 +92,11 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				limit = idx;
 				continue;
 			}
-			if ((rc = tract_pin_add(&c, b, &bk, r->node_id, +1)) < 0)
+			if ((rc = tract_pin_add(&c, b, r->node_id, +1)) < 0)
 				break;
 			/* journaled right after it is taken: a death leaves at most this one */
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
-			tract_lru_touch(&c, b, &bk);
+			hit[nhit++] = b;
 			c.lru.hits++;
 			c.lru_dirty = 1;
 			pinned[idx] = 1;
@@ -106,6 +109,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			if (tags)
 				tags[idx] = payload_tag(b, &bk);
 		}
+		tract_lru_touch_run(&c, hit, nhit);
 		tract_stripe_leave(&c);
 	}
 	tract_walk_end(&walk);
@@ -129,8 +133,8 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			struct tract_bucket bk;
 			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
 			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
-			if (b != UINT64_MAX && tract_pin_add(&c, b, &bk, r->node_id, -1) == TRACT_OK)
-				store_bucket(&c, b, &bk);
+			if (b != UINT64_MAX)
+				tract_pin_add(&c, b, r->node_id, -1);
 		}
 		tract_stripe_leave(&c);
 	}
@@ -138,6 +142,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	*hits = keep;
 	free(refs);
 	free(pinned);
+	free(hit);
 	free(set);
 	return rc;
 }

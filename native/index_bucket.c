@@ -100,15 +100,38 @@ void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *
 	c->lru_dirty = 1;
 }
 
-/* moves a READY bucket to the head and stamps its access time (internal) */
-void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k)
+/*
+ * Moves the READY buckets hit[0..n) to the head one after the other, so
+ * that hit[n-1] ends up most recent, and stamps their access times in that
+ * order.  A prefix hit again in the same order (a hot prefix, looked up by
+ * request after request) finds the list already starting with
+ * hit[n-1], ..., hit[0]: the moves would leave every link as it is, so
+ * nothing is written -- no bucket line dirtied, none to flush before the
+ * stripe lock is released.  Their access times then keep the time they last
+ * moved, which is all the offline rebuild orders by (internal).
+ */
+void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 {
-	if (c->lru.head != b + 1) {
-		tract_lru_unlink(c, b, k);
-		tract_lru_push_head(c, b, k);
+	uint32_t cur = c->lru.head, i = n;
+	while (i > 0 && cur == hit[i - 1] + 1) {
+		struct tract_bucket k;
+		load_bucket(c, hit[i - 1], &k);
+		cur = k.lru_next;
+		i--;
 	}
-	k->last_access_ns = tract_now_ns();
-	store_bucket(c, b, k);
+	if (i == 0)
+		return;
+	uint64_t now = tract_now_ns();
+	for (uint32_t j = 0; j < n; j++) {
+		struct tract_bucket k;
+		load_bucket(c, hit[j], &k);
+		if (c->lru.head != hit[j] + 1) {
+			tract_lru_unlink(c, hit[j], &k);
+			tract_lru_push_head(c, hit[j], &k);
+		}
+		k.last_access_ns = now + j;     /* distinct, in the order of the list */
+		store_bucket(c, hit[j], &k);
+	}
 }
 
 /* turns an unlinked bucket into a tombstone or, where the probe chain ends
@@ -155,7 +178,7 @@ uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots)
 		struct tract_bucket bk;
 		load_bucket(c, b, &bk);
 		cur = bk.lru_prev;
-		if (bk.state != TRACT_BUCKET_READY || bk.pins || !slot_ok(c, &bk))
+		if (bk.state != TRACT_BUCKET_READY || !slot_ok(c, &bk) || tract_pinned(c, b))
 			continue;     /* pinned blocks are never evicted */
 		tract_lru_unlink(c, b, &bk);
 		slots[got++] = bk.slot - 1;

@@ -7,8 +7,8 @@
  *                    walk over stripes, a request's keys grouped by stripe;
  *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
  *                    list, burial, LRU eviction;
- *   index_pin.c      pin counts, their repair after a death inside a stripe,
- *                    unpinning;
+ *   index_pin.c      pin counts, the write-back after a death inside a
+ *                    stripe, unpinning;
  *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
@@ -217,8 +217,10 @@ void tract_lru_unlink(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
 /* links bucket b at the head (most recent); the caller stores *k (internal) */
 void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
 
-/* moves a READY bucket to the head and stamps its access time (internal) */
-void tract_lru_touch(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k);
+/* moves the READY buckets hit[0..n) to the head in that order (the last
+ * one ends up most recent), stamping their access time; writes nothing
+ * when the list already starts with them in the order this leaves (internal) */
+void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n);
 
 /* turns an unlinked bucket into a tombstone, or EMPTY where its probe chain
  * ends (internal) */
@@ -235,13 +237,15 @@ uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots);
 uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
 			 uint8_t buf[TRACT_LINE]);
 
-/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
-int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node,
-		  int delta);
+/* adds delta to node's pin count of bucket b: one store (internal) */
+int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta);
 
-/* reconciles the pin counts of an entered stripe whose previous holder, a
- * process of node, died inside it; returns the buckets fixed (internal) */
-uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node);
+/* whether any node pins bucket b (internal) */
+int tract_pinned(struct stripe_ctx *c, uint64_t b);
+
+/* writes back every line of the entered stripe a process of this host that
+ * died inside it may have left dirty here, one fence (internal) */
+void tract_stripe_write_back(struct stripe_ctx *c);
 
 /* ---- the operations (index.c) ---- */
 

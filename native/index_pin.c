@@ -1,8 +1,10 @@
 /*
  * index_pin.c -- pins of the prefix index (docs/PROTOCOLS.md §9): per node
- * a u16 count per bucket in the pins section, their sum in the bucket, both
- * written under the stripe's lock; the repair of the two after a holder
- * died between them; unpinning, a lookup's and a handoff's.
+ * a u16 count per bucket in the pins section, written under the stripe's
+ * lock, and nothing on the bucket's own line, so a lookup of a block it
+ * finds already recent writes only its node's pin line (format 4); the
+ * write-back after a holder died inside a stripe; unpinning, a lookup's and
+ * a handoff's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,66 +23,49 @@ uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
 	return v;
 }
 
-/* adds delta to node's pin count of bucket b and to the bucket total (internal) */
-int tract_pin_add(struct stripe_ctx *c, uint64_t b, struct tract_bucket *k, uint32_t node,
-		  int delta)
+/* adds delta to node's pin count of bucket b: one u16 store, so a process
+ * killed here leaves the count either moved or not, never torn (internal) */
+int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 {
 	uint64_t off = pin_off(c->r, node, b);
 	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
 	uint8_t buf[TRACT_LINE];
 	uint16_t v = tract_pin_count(c, node, b, buf);
-	if ((delta < 0 && v == 0) || (delta > 0 && v == UINT16_MAX) ||
-	    (delta < 0 && k->pins == 0))
+	if ((delta < 0 && v < (uint16_t)-delta) || (delta > 0 && UINT16_MAX - v < delta))
 		return TRACT_E_CORRUPT;
 	v = (uint16_t)(v + delta);
 	memcpy(buf + (off - line), &v, 2);
-	/* the node's count first, the total right after: a holder killed in
-	 * between leaves the node's count ahead (tract_repair_pins undoes a pin
-	 * and completes an unpin from that) */
 	tract_line_put(c, line, buf);
-	k->pins = (uint32_t)((int64_t)k->pins + delta);
-	store_bucket(c, b, k);
 	return TRACT_OK;
 }
 
+/* whether any node pins bucket b: eviction's test, one pin line per node
+ * (internal) */
+int tract_pinned(struct stripe_ctx *c, uint64_t b)
+{
+	uint8_t buf[TRACT_LINE];
+	for (uint32_t n = 0; n < c->r->hdr.max_nodes; n++)
+		if (tract_pin_count(c, n, b, buf))
+			return 1;
+	return 0;
+}
+
 /*
- * Reconciles the pin counts of an entered stripe whose previous holder, a
- * process of `node`, died inside it.  tract_pin_add writes the node's
- * count, then the bucket total, so the only torn state is the node's count
- * ahead of the total by the death's one operation: a pin it was taking (not
- * journaled yet: undone) or one it was giving back (already forgotten by
- * the journal: completed).  Either way the node's count moves back by the
- * difference and the total is set to the sum.  Returns the buckets fixed
- * (internal).
+ * Writes back what a process of this host that died inside the entered
+ * stripe may have left dirty in this host's caches: every line its section
+ * could write (the stripe's buckets, its anchor, every node's pin lines for
+ * the stripe's buckets -- a handoff's release writes another node's), so
+ * that no other host reads them stale.  Nothing else needs repair: a pin
+ * is one store (tract_pin_add), a death leaves it taken or not (internal).
  */
-uint32_t tract_repair_pins(struct stripe_ctx *c, uint32_t node)
+void tract_stripe_write_back(struct stripe_ctx *c)
 {
 	tract_region *r = c->r;
-	uint32_t fixed = 0;
-	for (uint64_t b = c->first; b < c->first + c->size; b++) {
-		struct tract_bucket bk;
-		load_bucket(c, b, &bk);
-		uint8_t buf[TRACT_LINE];
-		uint64_t sum = 0;
-		for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
-			sum += tract_pin_count(c, n, b, buf);
-		if (sum == bk.pins)
-			continue;
-		if (sum > bk.pins && node < r->hdr.max_nodes) {
-			uint16_t mine = tract_pin_count(c, node, b, buf);
-			uint64_t back = sum - bk.pins < mine ? sum - bk.pins : mine;
-			uint64_t off = pin_off(r, node, b);
-			uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-			uint16_t v = (uint16_t)(mine - back);
-			memcpy(buf + (off - line), &v, 2);
-			tract_line_put(c, line, buf);
-			sum -= back;
-		}
-		bk.pins = (uint32_t)sum;
-		store_bucket(c, b, &bk);
-		fixed++;
-	}
-	return fixed;
+	r->ops->flush(r, bucket_off(c, c->first), c->size * TRACT_LINE);
+	r->ops->flush(r, c->lru_off, TRACT_LINE);
+	for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
+		r->ops->flush(r, pin_off(r, n, c->first), c->size * 2);
+	r->ops->fence(r);
 }
 
 /*
@@ -128,10 +113,8 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 			tract_probe(&c, key, &b, &fb, &bk);
 			if (journal)
 				tract_journal_pins(r, key, 1, -1);
-			if (b == UINT64_MAX || tract_pin_add(&c, b, &bk, node, -1) < 0)
+			if (b == UINT64_MAX || tract_pin_add(&c, b, node, -1) < 0)
 				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
-			else
-				store_bucket(&c, b, &bk);
 		}
 		tract_stripe_leave(&c);
 	}

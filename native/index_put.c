@@ -61,8 +61,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 				/* a pinning put pins what is already there too: the caller's
 				 * handoff needs every block, its own and the others' */
 				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
-					if (tract_pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK) {
-						store_bucket(&c, b, &bk);
+					if (tract_pin_add(&c, b, r->node_id, +1) == TRACT_OK) {
 						tract_journal_pins(r, key, 1, +1);
 					} else
 						status[idx] = PUT_WAS_PENDING;   /* pin count saturated */
@@ -150,12 +149,14 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			}
 			bk.last_access_ns = tract_now_ns();
 			tract_lru_push_head(&c, b, &bk);
-			/* publish pinned (2): READY and pinned by this node in one store,
-			 * so the block cannot be evicted before the caller's handoff pins it */
-			int pinned_now = publish == 2 && tract_pin_add(&c, b, &bk, r->node_id, +1) == TRACT_OK;
+			store_bucket(&c, b, &bk);
+			/* publish pinned (2): READY and pinned by this node in one
+			 * section, so the block cannot be evicted before the caller's
+			 * handoff pins it; READY first, so a death in between leaves
+			 * no count on a bucket that is not READY */
+			int pinned_now = publish == 2 && tract_pin_add(&c, b, r->node_id, +1) == TRACT_OK;
 			if (publish == 2 && !pinned_now)
 				rc = TRACT_E_CORRUPT;
-			store_bucket(&c, b, &bk);
 			c.lru.inserts++;
 			/* the pin is journaled once taken, the claim forgotten once READY:
 			 * a death in between leaves a READY bucket whose claim recovery keeps */

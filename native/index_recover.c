@@ -1,25 +1,23 @@
 /*
  * index_recover.c -- the index's part of recovery (docs/PROTOCOLS.md §7):
  * what lock.c's recovery and recover.c call to give back what a dead
- * process of this node held in the index.  A stripe's pin counts are
- * repaired after a holder died inside it; a dead process's pins are given
+ * process of this node held in the index.  A stripe's lines are written
+ * back after a holder died inside it; a dead process's pins are given
  * back and its PENDING claims dropped, from its journal; claims no journal
  * names any more are buried.
  */
 #include "index_internal.h"
 
-/* repairs stripe lock lock_id, which this node holds for a holder that died
- * inside it (lock.c's recovery); returns the buckets fixed (internal) */
-uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node)
+/* writes back stripe lock lock_id's lines, which this node holds for a
+ * holder of this host that died inside it (recover.c) (internal) */
+void tract_index_repair_stripe(tract_region *r, uint32_t lock_id)
 {
 	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
-		return 0;
+		return;
 	struct stripe_ctx c;
 	tract_stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
 	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
-	uint32_t fixed = tract_repair_pins(&c, node);
-	r->ops->fence(r);
-	return fixed;
+	tract_stripe_write_back(&c);
 }
 
 /* enters the stripe of key and finds key's bucket: *b (UINT64_MAX: none) and
@@ -51,10 +49,8 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count
 		uint8_t buf[TRACT_LINE];
 		uint16_t v = tract_pin_count(&c, r->node_id, b, buf);
 		uint32_t take = count < v ? count : v;
-		if (take && tract_pin_add(&c, b, &bk, r->node_id, -(int)take) == TRACT_OK) {
-			store_bucket(&c, b, &bk);
+		if (take && tract_pin_add(&c, b, r->node_id, -(int)take) == TRACT_OK)
 			*released = take;
-		}
 		rc = TRACT_OK;
 	}
 	tract_stripe_leave(&c);

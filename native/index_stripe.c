@@ -141,7 +141,7 @@ int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 	tract_stripe_init(r, stripe, c, set);
 	if (rc == TRACT_RECOVERED) {
 		c->recovered = 1;
-		tract_repair_pins(c, r->node_id);   /* this node's last holder died inside */
+		tract_stripe_write_back(c);   /* this node's last holder died inside */
 	}
 	return TRACT_OK;
 }
@@ -186,7 +186,7 @@ void tract_walk_end(struct stripe_walk *w)
 		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
 			tract_stripe_init(w->r, s, &c, NULL);
 			c.recovered = 1;
-			tract_repair_pins(&c, w->r->node_id);
+			tract_stripe_write_back(&c);
 			tract_stripe_leave(&c);
 		}
 		return;
@@ -213,7 +213,7 @@ int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct st
 	tract_stripe_init(r, s, c, w->set);
 	if (rc == TRACT_RECOVERED) {
 		c->recovered = 1;
-		tract_repair_pins(c, r->node_id);   /* this node's last holder died inside */
+		tract_stripe_write_back(c);   /* this node's last holder died inside */
 	}
 	/* the local tier only tried (timeout 0): a process of this node holding
 	 * or requesting the next stripe is not waited for while this one is held */

@@ -139,9 +139,10 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
 }
 
-/* repairs the pin counts of stripe lock lock_id after its holder, a process
- * of node, died inside it; the caller holds the lock (index_recover.c; internal) */
-uint32_t tract_index_repair_stripe(tract_region *r, uint32_t lock_id, uint32_t node);
+/* writes back what a process of this host that died inside stripe lock
+ * lock_id may have left dirty; the caller holds the lock (index_recover.c;
+ * internal) */
+void tract_index_repair_stripe(tract_region *r, uint32_t lock_id);
 
 /* whether a journal entry of this node names pid (journal.c; internal) */
 int tract_journal_names(tract_region *r, uint32_t pid);

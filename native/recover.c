@@ -42,12 +42,13 @@ static int take_one_line_lock(tract_region *r, uint32_t id, int *withdrawn)
 	return rc;
 }
 
-/* an index stripe: a pin count the holder was changing is put right (internal) */
+/* an index stripe: what the dead holder left dirty in this host's caches is
+ * written back (internal) */
 static int take_stripe_lock(tract_region *r, uint32_t id, int *withdrawn)
 {
 	int rc = tract_lock_take_dead(r, id, withdrawn);
 	if (rc == TRACT_RECOVERED) {
-		tract_index_repair_stripe(r, id, r->node_id);
+		tract_index_repair_stripe(r, id);
 		tract_lock_release(r, id);
 	}
 	return rc;

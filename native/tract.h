@@ -47,7 +47,7 @@ enum {
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 3,
+	TRACT_FORMAT_VERSION = 4,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,

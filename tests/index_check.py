@@ -8,7 +8,7 @@ import numpy as np
 from tract_cli.core.pool import Pool
 
 BUCKET = struct.Struct("<16sIIIIIIHHIIIQ")
-BUCKET_FIELDS = ("key", "state", "slot", "tokens", "pins", "lru_prev", "lru_next", "owner_node",
+BUCKET_FIELDS = ("key", "state", "slot", "tokens", "reserved", "lru_prev", "lru_next", "owner_node",
                  "flags", "owner_pid", "epoch", "checksum", "last_access_ns")
 ANCHOR = struct.Struct("<IIQQQQQ16x")
 ANCHOR_FIELDS = ("head", "tail", "count", "hits", "inserts", "evictions", "lookups")
@@ -37,10 +37,11 @@ def check_index(path: str, allow_pending: bool = False) -> dict:
     slots_seen: dict[int, int] = {}
     keys = set()
     for i, x in enumerate(b):
-        key, st, slot, tokens, total, prev, nxt = x[:7]
+        key, st, slot, tokens, reserved, prev, nxt = x[:7]
         node_pins = sum(int.from_bytes(pins[n * pins_s.entry_size + 2 * i:][:2], "little")
                         for n in range(info.max_nodes))
-        assert total == node_pins, f"bucket {i}: pin total {total} != per-node sum {node_pins}"
+        assert reserved == 0, f"bucket {i}: reserved field {reserved}"
+        assert st == READY or node_pins == 0, f"bucket {i}: {node_pins} pin(s) on a state-{st} bucket"
         if st == READY:
             assert 1 <= slot <= info.slot_count, f"bucket {i}: READY without a valid slot"
             assert bits[slot - 1], f"bucket {i}: slot {slot - 1} not taken in the bitmap"

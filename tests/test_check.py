@@ -164,11 +164,16 @@ def test_the_cores_rebuild_keeps_recency_and_gives_fresh_epochs(used_region):
     off, ready, raw = ready_buckets(used_region)
     old = raw.copy().view(BUCKET_DTYPE).reshape(-1)
     with Pool.attach(used_region, local=False) as p:
+        pins_s = p.info.section("pins")
+        p.publish(pins_s.offset + pins_s.entry_size + (int(ready[0]) & ~31) * 2, b"\x01" * 64)
+        assert np.frombuffer(p.observe(pins_s.offset, pins_s.length), np.uint8).any()
         p.index.rebuild(ready)
         new = np.frombuffer(p.observe(off, len(old) * 64), BUCKET_DTYPE)
         lru = np.frombuffer(p.observe(p.info.section("lru").offset, 4 * 64), ANCHOR_DTYPE)
+        pins = np.frombuffer(p.observe(pins_s.offset, pins_s.length), np.uint8)
     assert sorted(new["key"][new["state"] == 2].tolist()) == sorted(old["key"][ready].tolist())
-    assert (new["pins"] == 0).all() and (new["epoch"] == int(old["epoch"].max()) + 1).all()
+    assert not pins.any() and (new["reserved"] == 0).all()
+    assert (new["epoch"] == int(old["epoch"].max()) + 1).all()
     per = len(old) // 4
     for s in range(4):
         chain, cur = [], int(lru[s]["tail"])

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tract_cli.core.native import lib
+
 TRACT = [sys.executable, "-c", "from tract_cli.cli import main; main()"]
 
 
@@ -56,7 +58,7 @@ def test_info_human_output_names_the_essentials(region_path):
     assert tract("init", region_path, "--size", "32M", "--model", "tiny", "-q").returncode == 0
     res = tract("info", region_path)
     assert res.returncode == 0
-    for needle in ("TraCT v3", "tiny", "flush mode", "none", "buckets", "data", "emulated"):
+    for needle in (f"TraCT v{lib.TRACT_FORMAT_VERSION}", "tiny", "flush mode", "none", "buckets", "data", "emulated"):
         assert needle in res.stdout
 
 

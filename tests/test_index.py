@@ -250,3 +250,77 @@ def test_zero_copy_put_writes_straight_into_slots(small_region):
         assert p.index.lookup(other).hits == 0
         check_index(small_region)
         p.index.evict(1000)
+
+
+def test_a_block_pinned_by_any_node_is_never_evicted(managed_region):
+    """A block is pinned while any node's count is non-zero (format 4 keeps
+    no total): node 1's eviction skips what only node 2 holds."""
+    with Pool.attach(managed_region, node=1) as one, Pool.attach(managed_region, node=2) as two:
+        keys = chain(one, 41, 12)
+        one.index.put(keys, blocks_for(one, keys))
+        held = two.index.lookup(keys)
+        assert held.hits == 12
+        one.index.evict(10000)
+        assert check_index(managed_region)["ready"] == 12
+        two.index.unpin(held)
+        one.index.evict(10000)
+        assert check_index(managed_region)["ready"] == 0
+
+
+def _lru_lists(pool: Pool) -> list[list[bytes]]:
+    """Each stripe's LRU list, most recent first, as keys, read from the region."""
+    from tract_cli.core.media import ANCHOR_DTYPE, BUCKET_DTYPE
+    bs, ls = pool.info.section("buckets"), pool.info.section("lru")
+    b = np.frombuffer(pool.observe(bs.offset, bs.count * 64), BUCKET_DTYPE)
+    anchors = np.frombuffer(pool.observe(ls.offset, pool.info.index_stripes * 64), ANCHOR_DTYPE)
+    lists = []
+    for a in anchors:
+        keys, cur = [], int(a["head"])
+        while cur and len(keys) <= bs.count:
+            keys.append(b[cur - 1]["key"].tobytes())
+            cur = int(b[cur - 1]["lru_next"])
+        lists.append(keys)
+    return lists
+
+
+def test_lookups_keep_exact_lru_order_and_a_repeated_hit_writes_no_bucket(managed_region):
+    """Every put and every hit moves its blocks to their stripe's LRU head,
+    a request's last block first (exact LRU, checked against a model). A
+    lookup whose hits already head their stripes' lists in that order
+    writes nothing to the buckets -- in clflush mode each written line is a
+    serialized flush -- and a lookup that changes the order does write."""
+    with Pool.attach(managed_region, node=1) as p:
+        per = p.info.section("buckets").count // p.info.index_stripes
+        model: list[list[bytes]] = [[] for _ in range(p.info.index_stripes)]
+
+        def touch(keys):
+            stripes = p.index.key_homes(keys) // per
+            for i in reversed(range(len(keys))):            # the last block first
+                k, s = keys[i].tobytes(), int(stripes[i])
+                if k in model[s]:
+                    model[s].remove(k)
+                model[s].insert(0, k)
+
+        def hit(keys):
+            res = p.index.lookup(keys)
+            assert res.hits == len(keys)
+            p.index.unpin(res)
+            touch(keys)
+
+        bs = p.info.section("buckets")
+        buckets = lambda: p.observe(bs.offset, bs.count * 64)   # noqa: E731
+        a, b = chain(p, 51, 10), chain(p, 52, 10)
+        for keys in (a, b):
+            p.index.put(keys, blocks_for(p, keys))
+            touch(keys)
+        assert _lru_lists(p) == model
+        hit(a)
+        assert _lru_lists(p) == model
+        before = buckets()
+        hit(a)                      # already heading every stripe in this order
+        hit(a[:4])                  # a prefix of it: the same
+        assert buckets() == before and _lru_lists(p) == model
+        hit(b)
+        hit(a)
+        assert buckets() != before and _lru_lists(p) == model
+        check_index(managed_region)

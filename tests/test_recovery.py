@@ -204,21 +204,21 @@ def test_a_restarted_hosts_unfinished_writes_are_dropped_by_its_next_agent(regio
         live.close()
 
 
-def _tear_pins(path: str, stripe: int, node: int) -> tuple[int, int]:
-    """Leaves what a holder killed inside pin_add leaves: NODE's count of the
-    stripe's first bucket one ahead of the bucket's total. Returns
-    (pins offset of that count, bucket index)."""
+def _stray_pin(path: str, stripe: int, node: int) -> None:
+    """Plants a pin count of NODE on the stripe's first EMPTY bucket: what a
+    pin taken on a bucket that is not READY would leave."""
     import struct
     with Pool.attach(path, node=0) as p:
         per = p.info.section("buckets").count // p.info.index_stripes
-        b = stripe * per
+        bs = p.info.section("buckets")
+        b = next(i for i in range(stripe * per, (stripe + 1) * per)
+                 if struct.unpack_from("<I", p.observe(bs.offset + i * 64 + 16, 4))[0] == 0)
         pins = p.info.section("pins")
         off = pins.offset + node * pins.entry_size + b * 2
         line = off & ~63
         raw = bytearray(p.observe(line, 64))
         struct.pack_into("<H", raw, off - line, 1)
         p.publish(line, bytes(raw))
-    return off, b
 
 
 def _pin_violations(path: str) -> list:
@@ -228,27 +228,48 @@ def _pin_violations(path: str) -> list:
     return [v for v in violations if v.check == "pins"]
 
 
-@pytest.mark.parametrize("who", ["agent", "next-process"])
-def test_a_holder_killed_inside_a_pin_update_leaves_counts_that_are_repaired(region, who):
-    """pin_add writes the node's count, then the bucket total: a SIGKILL in
-    between leaves the count ahead. Whoever recovers the dead holder's stripe
-    lock -- the node's agent, or the node's next process to take the lock --
-    repairs the stripe before anyone else enters it."""
-    stripe = 1
-    lock_id = stripe_lock(stripe)
-    holder = Worker(region, 2)
-    holder.call("lock_acquire", lock_id=lock_id)
-    _tear_pins(region, stripe, 2)
-    assert _pin_violations(region), "the torn state should be visible to tract check"
-    killed(holder)
-    if who == "agent":
-        with Pool.attach(region, node=2) as p:
-            count = ffi.new("uint32_t *")
-            assert lib.tract_lock_recover(p._r(), count) == 0 and count[0] == 1
-    else:
-        with Worker(region, 2) as successor:
-            successor.call("index_lookup_verify", chains=[CHAIN])   # enters every stripe
+def test_tract_check_reports_a_pin_on_a_bucket_that_is_not_ready(region):
+    """Pins are taken on READY buckets only and eviction takes none with it:
+    a count left on any other bucket would pin the next key put there."""
     assert _pin_violations(region) == []
+    _stray_pin(region, 1, 2)
+    got = _pin_violations(region)
+    assert len(got) == 1 and "node 2" in got[0].detail and "not READY" in got[0].detail, got
+
+
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+def test_a_holder_killed_inside_a_stripe_leaves_exactly_the_live_pins(region, who):
+    """A pin is one store of the node's count (format 4: no total beside it
+    to tear), so a holder SIGKILLed inside a stripe section leaves nothing to
+    reconcile: whoever recovers its stripe lock -- the node's agent, or the
+    node's next process to take the lock -- writes back what it left in the
+    host's caches and lets the stripe go. A live reader's pins stay exactly
+    as they were, the stripe is usable, tract check is clean."""
+    with Worker(region, 3) as writer:
+        writer.call("index_put_chains", chains=[CHAIN])
+    reader = Worker(region, 3)
+    try:
+        assert reader.call("index_lookup_verify", chains=[CHAIN], hold=True) == [12]
+        before = pins_of(region)
+        assert before["total"] == 12, before
+        holder = Worker(region, 2)
+        holder.call("lock_acquire", lock_id=stripe_lock(1))
+        killed(holder)
+        if who == "agent":
+            with Pool.attach(region, node=2) as p:
+                count = ffi.new("uint32_t *")
+                assert lib.tract_lock_recover(p._r(), count) == 0 and count[0] == 1
+        else:
+            with Worker(region, 2) as successor:
+                assert successor.call("index_lookup_verify", chains=[CHAIN]) == [12]
+        assert pins_of(region) == before
+        assert _pin_violations(region) == []
+        with Worker(region, 2) as other:     # every stripe enterable again
+            assert other.call("index_lookup_verify", chains=[CHAIN]) == [12]
+        assert reader.call("index_release_held") == 1
+    finally:
+        reader.close()
+    assert pins_of(region)["total"] == 0
 
 
 def test_draining_the_free_list_after_the_allocator_holder_died(region):

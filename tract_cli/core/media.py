@@ -20,7 +20,7 @@ from tract_cli.core.native import ffi
 
 # one prefix-index bucket (struct tract_bucket)
 BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("tokens", "<u4"),
-                         ("pins", "<u4"), ("lru_prev", "<u4"), ("lru_next", "<u4"),
+                         ("reserved", "<u4"), ("lru_prev", "<u4"), ("lru_next", "<u4"),
                          ("owner_node", "<u2"), ("flags", "<u2"), ("owner_pid", "<u4"),
                          ("epoch", "<u4"), ("checksum", "<u4"), ("last_access_ns", "<u8")])
 # one index stripe's LRU anchor (struct tract_lru_anchor)

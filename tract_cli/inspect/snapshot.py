@@ -164,7 +164,7 @@ def index_view(rd: Sections, now: int) -> dict:
         "load_factor": round(float(live.sum()) / bs.count, 6),
         "probe_length_histogram": hist.tolist()[:32],
         "max_probe_length": int(dist.max()) if live.any() else 0,
-        "pinned_blocks": int((b["pins"][state == BUCKET_READY] > 0).sum()),
+        "pinned_blocks": int(((pins.sum(axis=0) > 0) & (state == BUCKET_READY)).sum()),
         "pins_total": int(pins.sum()), "pinned_by_node": pinned_by_node,
         "counters": {k: int(anchors[k].sum()) for k in ("hits", "inserts", "evictions", "lookups")},
         "lru": oldest, "occupancy_map": occupancy,
