@@ -66,7 +66,7 @@ struct tract_journal_proc {
 	uint32_t pid;           /* 0: free; set by CAS, cleared by the owner or the agent */
 	uint32_t used;          /* occupied keys */
 	uint32_t overflow;      /* operations not journaled (table full): recovery incomplete */
-	uint32_t reserved;
+	uint32_t shift;         /* an erase's move in progress (journal.c), 0 none */
 	uint64_t attached_ns;
 	uint8_t pad[40];
 	struct tract_journal_key keys[TRACT_JOURNAL_CAP];

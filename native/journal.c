@@ -102,6 +102,34 @@ static int64_t find(struct tract_journal_proc *p, const uint8_t *key, int *found
 	return -1;
 }
 
+/*
+ * An erase in a live process's journal shifts the keys of the probe run
+ * back (the table stays probe-correct without tombstones, which a journal
+ * that never empties would fill).  Each move copies a key into the hole
+ * and leaves the key at its old place until the next move reuses it: a
+ * process killed there would leave the key twice, and recovery would give
+ * its pins back twice -- someone else's.  So `shift` names the move in
+ * progress before it starts, one u32 store: MOVE(to, from) while the key
+ * at `from` is copied to `to`, CLEAR(at) while the last hole is emptied.
+ * Recovery settles it (journal_settle) before it reads a dead process's
+ * keys: the copy at `to` may be torn, the key at `from` is whole.
+ */
+#define SHIFT_MOVE 1u
+#define SHIFT_CLEAR 2u
+#define SHIFT_POS_BITS 15
+#define SHIFT_POS_MASK ((1u << SHIFT_POS_BITS) - 1)
+_Static_assert(TRACT_JOURNAL_CAP <= (1u << SHIFT_POS_BITS), "journal positions fit a shift");
+
+/* records the move in progress before any byte of it is written (internal) */
+static void shift_mark(struct tract_journal_proc *p, uint32_t kind, uint32_t to, uint32_t from)
+{
+	__atomic_store_n(&p->shift, kind << (2 * SHIFT_POS_BITS) | to << SHIFT_POS_BITS | from,
+			 __ATOMIC_RELEASE);
+	/* the compiler keeps the copy after the mark (one process: stores keep
+	 * program order for whoever reads them after its death) */
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
 /* removes position pos, shifting back the keys of its probe run (internal) */
 static void erase(struct tract_journal_proc *p, uint32_t pos)
 {
@@ -116,12 +144,34 @@ static void erase(struct tract_journal_proc *p, uint32_t pos)
 		uint32_t d_at = (at - h) & (TRACT_JOURNAL_CAP - 1);
 		uint32_t d_hole = (hole - h) & (TRACT_JOURNAL_CAP - 1);
 		if (d_hole <= d_at) {
+			shift_mark(p, SHIFT_MOVE, hole, at);
 			p->keys[hole] = *k;
+			tract_maybe_die(TRACT_DIE_JOURNAL_MOVED);
 			hole = at;
 		}
 	}
+	shift_mark(p, SHIFT_CLEAR, hole, hole);
 	memset(&p->keys[hole], 0, sizeof(p->keys[hole]));
 	p->used--;
+	shift_mark(p, 0, 0, 0);
+}
+
+/* a dead process's erase, killed in the middle, settled: the one place
+ * that may hold a torn copy or a second copy of a key is emptied, and the
+ * count of keys taken again (recovery, before it reads the keys) (internal) */
+static void journal_settle(struct tract_journal_proc *p)
+{
+	uint32_t v = __atomic_load_n(&p->shift, __ATOMIC_ACQUIRE);
+	if (!v)
+		return;
+	uint32_t kind = v >> (2 * SHIFT_POS_BITS), to = (v >> SHIFT_POS_BITS) & SHIFT_POS_MASK;
+	if ((kind == SHIFT_MOVE || kind == SHIFT_CLEAR) && to < TRACT_JOURNAL_CAP)
+		memset(&p->keys[to], 0, sizeof(p->keys[to]));
+	uint32_t used = 0;
+	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++)
+		used += p->keys[i].used != 0;
+	p->used = used;
+	__atomic_store_n(&p->shift, 0, __ATOMIC_RELEASE);
 }
 
 /* adds dpins to a key's pins and, with set_claim, sets its claim to claim
@@ -242,8 +292,10 @@ struct tract_journal_proc *tract_journal_next_dead(tract_region *r, uint32_t *cu
 	struct tract_journal_proc *p = procs(r);
 	for (; *cursor < TRACT_JOURNAL_PROCS; (*cursor)++) {
 		uint32_t pid = __atomic_load_n(&p[*cursor].pid, __ATOMIC_ACQUIRE);
-		if (tract_pid_dead(pid))
+		if (tract_pid_dead(pid)) {
+			journal_settle(&p[*cursor]);
 			return &p[(*cursor)++];
+		}
 	}
 	return NULL;
 }
@@ -259,10 +311,17 @@ struct tract_journal_key *tract_journal_first(struct tract_journal_proc *p, uint
 	return NULL;
 }
 
-/* forgets the key at pos of a dead process's entry (internal) */
+/* forgets the key at pos of a dead process's entry, in place: nobody
+ * probes a dead process's keys (recovery reads them in order), so nothing
+ * moves, and an agent killed here leaves no key twice (internal) */
 void tract_journal_erase(struct tract_journal_proc *p, uint32_t pos)
 {
-	erase(p, pos);
+	struct tract_journal_key *k = &p->keys[pos];
+	k->pins = 0;
+	k->claim = 0;
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+	k->used = 0;
+	p->used--;
 }
 
 /* frees a dead process's entry once everything it journaled is given back;
@@ -272,6 +331,7 @@ int tract_journal_retire(struct tract_journal_proc *p)
 	int overflowed = p->overflow != 0;
 	p->overflow = 0;
 	p->used = 0;
+	p->shift = 0;
 	memset(p->keys, 0, sizeof(p->keys));
 	__atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
 	return overflowed;

@@ -289,3 +289,40 @@ def test_draining_the_free_list_after_the_allocator_holder_died(region):
         assert successor.call("local_free") == []
         successor.call("lock_acquire", lock_id=LOCK_ALLOCATOR, timeout=5.0)   # released: free again
         successor.call("lock_release", lock_id=LOCK_ALLOCATOR)
+
+
+def _node_pins_on_ready(path: str, node: int) -> list[int]:
+    """NODE's pin count of every READY bucket."""
+    import numpy as np
+    from tract_cli.core.media import BUCKET_DTYPE, pins_view
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        bs, ps = p.info.section("buckets"), p.info.section("pins")
+        b = np.frombuffer(p.observe(bs.offset, bs.count * 64), BUCKET_DTYPE)
+        pins = pins_view(np.frombuffer(p.observe(ps.offset, ps.length), np.uint8), p.info)
+        return pins[node][b["state"] == 2].tolist()
+
+
+def test_a_process_killed_while_its_journal_moves_a_key_has_each_pin_given_back_once(region):
+    """Forgetting a key shifts later keys of its probe run back, one copy at
+    a time; killed right after a copy, the process leaves that key at two
+    places of its journal. Recovery must give its pin back once: a second
+    give-back would take a pin a live process of the node holds."""
+    chain = [0, 0, 21, 300]
+    with Worker(region, 3) as writer:
+        assert writer.call("index_put_chains", chains=[chain])["stored"] == 300
+    holder = Worker(region, 1)                       # holds every block, alive throughout
+    try:
+        assert holder.call("index_lookup_verify", chains=[chain], hold=True) == [300]
+        dying = Worker(region, 1, env={"TRACT_DIE_AT": str(lib.TRACT_DIE_JOURNAL_MOVED)})
+        dying.send("index_lookup_verify", chains=[chain])   # its unpin forgets every key
+        assert dying.proc.wait(timeout=60) == -9, "no journal move happened: pick another chain"
+        dying.close()
+        assert recover(region, 1)["processes"] == 1
+        counts = _node_pins_on_ready(region, 1)
+        assert len(counts) == 300
+        # the holder's pin on every block is there; of the dead one's, at most the
+        # pin it was giving back when it died (forgotten first, by design) is left
+        assert min(counts) >= 1 and sum(counts) - 300 <= 1, sorted(counts)[:3]
+        assert holder.call("index_release_held") == 1
+    finally:
+        holder.close()
