@@ -243,9 +243,15 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 		 * disturb the lines a lock holder is writing): a live payload (being
 		 * read, most likely) is left alone, not marked EVICTING under its
 		 * reader's feet (a reader that found EVICTING would evict the whole
-		 * slot).  Only a hint: the decision that counts comes after the mark */
+		 * slot).  Only a hint: the decision that counts comes after the mark.
+		 * A "live" seen by a plain load is confirmed from the device: this
+		 * node's readers keep the bucket lines they observed in its caches,
+		 * clean and stale once the block is evicted elsewhere (nothing a
+		 * lookup writes evicts them since format 4), and a stale "live"
+		 * would spare a dead payload pass after pass */
 		if (!slot_free(r, s, &hint_off, hint, 0) &&
-		    (!v || (TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) && tract_index_tag_live(r, v, s, 0))))
+		    (!v || (TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) && tract_index_tag_live(r, v, s, 0) &&
+			    tract_index_tag_live(r, v, s, 1))))
 			continue;
 		if (!__atomic_compare_exchange_n(&ledger[s], &v, LEDGER_EVICTING, 0,
 						 __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
