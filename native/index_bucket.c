@@ -12,6 +12,7 @@
  * under churn.  Links and anchors are read from the region, written by
  * other hosts, so each is checked to lie in the stripe before it is used.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "index_internal.h"
@@ -131,7 +132,86 @@ void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 		}
 		k.last_access_ns = now + j;     /* distinct, in the order of the list */
 		store_bucket(c, hit[j], &k);
+		tract_maybe_die(TRACT_DIE_LRU_MOVED);
 	}
+}
+
+/* whether the entered stripe's LRU list, as its anchor and links say, holds
+ * exactly its READY buckets, each linked both ways (internal) */
+static int lru_whole(struct stripe_ctx *c)
+{
+	uint64_t seen = 0, ready = 0;
+	uint32_t prev = NONE, cur = c->lru.head;
+	while (cur) {
+		struct tract_bucket k;
+		if (!in_stripe(c, cur - 1) || seen >= c->size)
+			return 0;
+		load_bucket(c, cur - 1, &k);
+		if (k.state != TRACT_BUCKET_READY || k.lru_prev != prev)
+			return 0;
+		prev = cur;
+		cur = k.lru_next;
+		seen++;
+	}
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		ready += k.state == TRACT_BUCKET_READY;
+	}
+	return prev == c->lru.tail && seen == c->lru.count && seen == ready;
+}
+
+/* a READY bucket and when it last moved, for the relink (internal) */
+struct aged {
+	uint64_t ns;
+	uint64_t b;
+};
+
+/* oldest first, then by bucket index (internal) */
+static int by_age(const void *x, const void *y)
+{
+	const struct aged *a = x, *b = y;
+	if (a->ns != b->ns)
+		return a->ns < b->ns ? -1 : 1;
+	return a->b < b->b ? -1 : a->b > b->b;
+}
+
+/*
+ * Makes the entered stripe's LRU list whole again after a holder died
+ * inside it: the anchor lived in the dead process's memory until it left
+ * the stripe, the links were stored as the moves went, so a death in the
+ * middle of moves or of an eviction leaves them disagreeing.  A list that
+ * is whole is left as it is; otherwise every READY bucket is relinked,
+ * least recent (last_access_ns, then index) at the tail, the order the
+ * offline rebuild gives.  Returns 1 when it relinked, 0 when the list was
+ * whole, TRACT_E_NOMEM (internal).
+ */
+int tract_lru_repair(struct stripe_ctx *c)
+{
+	if (lru_whole(c))
+		return 0;
+	struct aged *all = malloc(c->size * sizeof(*all));
+	if (!all)
+		return TRACT_E_NOMEM;
+	uint64_t n = 0;
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		if (k.state == TRACT_BUCKET_READY)
+			all[n++] = (struct aged){ k.last_access_ns, b };
+	}
+	qsort(all, n, sizeof(*all), by_age);
+	c->lru.head = c->lru.tail = NONE;
+	c->lru.count = 0;
+	for (uint64_t i = 0; i < n; i++) {
+		struct tract_bucket k;
+		load_bucket(c, all[i].b, &k);
+		tract_lru_push_head(c, all[i].b, &k);
+		store_bucket(c, all[i].b, &k);
+	}
+	c->lru_dirty = 1;
+	free(all);
+	return 1;
 }
 
 /* turns an unlinked bucket into a tombstone or, where the probe chain ends

@@ -7,8 +7,8 @@
  *                    walk over stripes, a request's keys grouped by stripe;
  *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
  *                    list, burial, LRU eviction;
- *   index_pin.c      pin counts, the write-back after a death inside a
- *                    stripe, unpinning;
+ *   index_pin.c      pin counts, the repair of a stripe a holder died
+ *                    inside, unpinning;
  *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
@@ -84,6 +84,10 @@ void tract_line_get(struct stripe_ctx *c, uint64_t off, void *dst);
 
 /* writes a whole line; flushed when the section ends (internal) */
 void tract_line_put(struct stripe_ctx *c, uint64_t off, const void *src);
+
+/* observes lines offs[0..k) not observed yet with one fence, their loads
+ * started at once (internal) */
+void tract_lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k);
 
 /* fills the context of a stripe whose lock the caller holds (internal) */
 void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
@@ -222,6 +226,11 @@ void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *
  * when the list already starts with them in the order this leaves (internal) */
 void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n);
 
+/* relinks the entered stripe's LRU list from its READY buckets when a
+ * holder that died inside left it broken: 1 relinked, 0 it was whole,
+ * TRACT_E_NOMEM (internal) */
+int tract_lru_repair(struct stripe_ctx *c);
+
 /* turns an unlinked bucket into a tombstone, or EMPTY where its probe chain
  * ends (internal) */
 void tract_bury(struct stripe_ctx *c, uint64_t b);
@@ -243,9 +252,10 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta);
 /* whether any node pins bucket b (internal) */
 int tract_pinned(struct stripe_ctx *c, uint64_t b);
 
-/* writes back every line of the entered stripe a process of this host that
- * died inside it may have left dirty here, one fence (internal) */
-void tract_stripe_write_back(struct stripe_ctx *c);
+/* repairs the entered stripe after a process of this host died inside it:
+ * writes back every line it may have left dirty here (one fence), then
+ * makes the LRU list whole (internal) */
+void tract_stripe_repair(struct stripe_ctx *c);
 
 /* ---- the operations (index.c) ---- */
 

@@ -3,8 +3,8 @@
  * a u16 count per bucket in the pins section, written under the stripe's
  * lock, and nothing on the bucket's own line, so a lookup of a block it
  * finds already recent writes only its node's pin line (format 4); the
- * write-back after a holder died inside a stripe; unpinning, a lookup's and
- * a handoff's.
+ * repair of a stripe a holder died inside; unpinning, a lookup's and a
+ * handoff's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -39,11 +39,17 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 	return TRACT_OK;
 }
 
-/* whether any node pins bucket b: eviction's test, one pin line per node
- * (internal) */
+/* whether any node pins bucket b: eviction's test, one pin line per node,
+ * observed together under one fence (internal) */
 int tract_pinned(struct stripe_ctx *c, uint64_t b)
 {
 	uint8_t buf[TRACT_LINE];
+	uint64_t offs[TRACT_MAX_NODES];
+	uint32_t nodes = c->r->hdr.max_nodes < TRACT_MAX_NODES ? c->r->hdr.max_nodes
+							       : TRACT_MAX_NODES;
+	for (uint32_t n = 0; n < nodes; n++)
+		offs[n] = pin_off(c->r, n, b) & ~(uint64_t)(TRACT_LINE - 1);
+	tract_lines_prefetch(c, offs, nodes);
 	for (uint32_t n = 0; n < c->r->hdr.max_nodes; n++)
 		if (tract_pin_count(c, n, b, buf))
 			return 1;
@@ -51,14 +57,16 @@ int tract_pinned(struct stripe_ctx *c, uint64_t b)
 }
 
 /*
- * Writes back what a process of this host that died inside the entered
- * stripe may have left dirty in this host's caches: every line its section
- * could write (the stripe's buckets, its anchor, every node's pin lines for
- * the stripe's buckets -- a handoff's release writes another node's), so
- * that no other host reads them stale.  Nothing else needs repair: a pin
- * is one store (tract_pin_add), a death leaves it taken or not (internal).
+ * Repairs the entered stripe after a process of this host died inside it.
+ * First what it may have left dirty in this host's caches is written back:
+ * every line its section could write (the stripe's buckets, its anchor,
+ * every node's pin lines for the stripe's buckets -- a handoff's release
+ * writes another node's), so that no other host reads them stale.  Pins
+ * need nothing more: a pin is one store (tract_pin_add), a death leaves it
+ * taken or not.  The LRU list may be broken (the anchor was the dead
+ * process's until it left): tract_lru_repair makes it whole (internal).
  */
-void tract_stripe_write_back(struct stripe_ctx *c)
+void tract_stripe_repair(struct stripe_ctx *c)
 {
 	tract_region *r = c->r;
 	r->ops->flush(r, bucket_off(c, c->first), c->size * TRACT_LINE);
@@ -66,6 +74,7 @@ void tract_stripe_write_back(struct stripe_ctx *c)
 	for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
 		r->ops->flush(r, pin_off(r, n, c->first), c->size * 2);
 	r->ops->fence(r);
+	tract_lru_repair(c);     /* out of memory: the list stays as it is, for tract check */
 }
 
 /*

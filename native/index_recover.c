@@ -1,15 +1,15 @@
 /*
  * index_recover.c -- the index's part of recovery (docs/PROTOCOLS.md §7):
  * what lock.c's recovery and recover.c call to give back what a dead
- * process of this node held in the index.  A stripe's lines are written
- * back after a holder died inside it; a dead process's pins are given
+ * process of this node held in the index.  A stripe is repaired after a
+ * holder died inside it; a dead process's pins are given
  * back and its PENDING claims dropped, from its journal; claims no journal
  * names any more are buried.
  */
 #include "index_internal.h"
 
-/* writes back stripe lock lock_id's lines, which this node holds for a
- * holder of this host that died inside it (recover.c) (internal) */
+/* repairs the stripe of lock lock_id, which this node holds for a holder of
+ * this host that died inside it (recover.c) (internal) */
 void tract_index_repair_stripe(tract_region *r, uint32_t lock_id)
 {
 	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
@@ -17,7 +17,8 @@ void tract_index_repair_stripe(tract_region *r, uint32_t lock_id)
 	struct stripe_ctx c;
 	tract_stripe_init(r, lock_id - TRACT_FIXED_LOCKS, &c, NULL);
 	c.recovered = 1;      /* the dead holder was of this host: its lines may be dirty here */
-	tract_stripe_write_back(&c);
+	tract_stripe_repair(&c);
+	tract_stripe_flush(&c);
 }
 
 /* enters the stripe of key and finds key's bucket: *b (UINT64_MAX: none) and

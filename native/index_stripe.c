@@ -69,7 +69,7 @@ void tract_line_put(struct stripe_ctx *c, uint64_t off, const void *src)
 }
 
 /* invalidates many lines with one fence and records them as observed (internal) */
-static void lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
+void tract_lines_prefetch(struct stripe_ctx *c, const uint64_t *offs, uint32_t k)
 {
 	if (!c->set)
 		return;
@@ -141,7 +141,7 @@ int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 	tract_stripe_init(r, stripe, c, set);
 	if (rc == TRACT_RECOVERED) {
 		c->recovered = 1;
-		tract_stripe_write_back(c);   /* this node's last holder died inside */
+		tract_stripe_repair(c);   /* this node's last holder died inside */
 	}
 	return TRACT_OK;
 }
@@ -186,7 +186,7 @@ void tract_walk_end(struct stripe_walk *w)
 		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
 			tract_stripe_init(w->r, s, &c, NULL);
 			c.recovered = 1;
-			tract_stripe_write_back(&c);
+			tract_stripe_repair(&c);
 			tract_stripe_leave(&c);
 		}
 		return;
@@ -213,7 +213,7 @@ int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct st
 	tract_stripe_init(r, s, c, w->set);
 	if (rc == TRACT_RECOVERED) {
 		c->recovered = 1;
-		tract_stripe_write_back(c);   /* this node's last holder died inside */
+		tract_stripe_repair(c);   /* this node's last holder died inside */
 	}
 	/* the local tier only tried (timeout 0): a process of this node holding
 	 * or requesting the next stripe is not waited for while this one is held */
@@ -319,5 +319,5 @@ void tract_prefetch_group(struct stripe_ctx *c, const uint8_t *keys, const struc
 		pre[np++] = bucket_off(c, home);
 		pre[np++] = pin_off(c->r, node, home) & ~(uint64_t)(TRACT_LINE - 1);
 	}
-	lines_prefetch(c, pre, np);
+	tract_lines_prefetch(c, pre, np);
 }

@@ -139,9 +139,8 @@ static inline uint64_t tract_lock_line(const tract_region *r, uint32_t id, uint3
 	return s->offset + (uint64_t)id * s->entry_size + (uint64_t)line * TRACT_LINE;
 }
 
-/* writes back what a process of this host that died inside stripe lock
- * lock_id may have left dirty; the caller holds the lock (index_recover.c;
- * internal) */
+/* repairs the stripe of lock lock_id after a process of this host died
+ * inside it; the caller holds the lock (index_recover.c; internal) */
 void tract_index_repair_stripe(tract_region *r, uint32_t lock_id);
 
 /* whether a journal entry of this node names pid (journal.c; internal) */
@@ -184,7 +183,7 @@ enum tract_site {
 	SITE_MGR_OBSERVE_SLOTS,         /* manager: invalidate the node slots before a scan */
 	SITE_MGR_PUBLISH_GRANT,         /* manager: flush a grant */
 	SITE_INDEX_OBSERVE_LINE,        /* stripe section: invalidate a line on first read */
-	SITE_INDEX_PREFETCH,            /* lookup: invalidate home buckets and pin lines */
+	SITE_INDEX_PREFETCH,            /* lookup, unpin, eviction: invalidate home buckets and pin lines */
 	SITE_INDEX_OBSERVE_ANCHOR,      /* stripe enter: invalidate the LRU anchor */
 	SITE_INDEX_FLUSH_SECTION,       /* stripe leave: flush the lines the section wrote */
 	SITE_INDEX_PUBLISH_ANCHOR,      /* stripe leave: flush the LRU anchor */

@@ -374,7 +374,8 @@ enum tract_die_point {
 	TRACT_DIE_PUT_CLAIMED = 10,    /* put: the claims name their slots, bare slots not forgotten */
 	TRACT_DIE_HANDOFF_NO_RECORD = 11, /* handoff: no free record; its pins not given back yet */
 	TRACT_DIE_JOURNAL_MOVED = 12,  /* journal erase: a key copied back, its old place not yet reused */
-	TRACT_DIE_COUNT = 13
+	TRACT_DIE_LRU_MOVED = 13,      /* lookup: a block moved to its LRU head, the anchor not written */
+	TRACT_DIE_COUNT = 14
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

@@ -309,7 +309,7 @@ def test_lookups_keep_exact_lru_order_and_a_repeated_hit_writes_no_bucket(manage
 
         bs = p.info.section("buckets")
         buckets = lambda: p.observe(bs.offset, bs.count * 64)   # noqa: E731
-        a, b = chain(p, 51, 10), chain(p, 52, 10)
+        a, b = chain(p, 51, 16), chain(p, 52, 10)
         for keys in (a, b):
             p.index.put(keys, blocks_for(p, keys))
             touch(keys)
@@ -323,4 +323,35 @@ def test_lookups_keep_exact_lru_order_and_a_repeated_hit_writes_no_bucket(manage
         hit(b)
         hit(a)
         assert buckets() != before and _lru_lists(p) == model
+        # a stripe's hits that head its list but not as a run: the first and
+        # the last of a's keys in a stripe holding three or more of them
+        stripes = p.index.key_homes(a) // per
+        s = next(s for s in range(p.info.index_stripes) if (stripes == s).sum() >= 3)
+        idx = np.flatnonzero(stripes == s)
+        hit(a[[idx[0], idx[-1]]])
+        assert _lru_lists(p) == model
+        # reversed, duplicated and interleaved keys
+        for keys in (a[::-1], np.concatenate([a[:3], a[:3]]), a[[0, 0, 0]], a[[5, 1, 5, 1]], a):
+            hit(keys)
+            assert _lru_lists(p) == model
         check_index(managed_region)
+
+
+def test_eviction_sees_another_hosts_pins_fresh(managed_region):
+    """Under the non-coherence simulator: node 1's eviction reads node 2's
+    pin lines, first while they are zero, then after node 2 pinned blocks;
+    a count read from node 1's stale cached copy would evict a block node 2
+    holds (tract check then finds its pin on an EMPTY bucket)."""
+    with Pool.attach(managed_region, node=1, simulate=True) as one, \
+            Pool.attach(managed_region, node=2, simulate=True) as two:
+        keys = np.concatenate([chain(one, 71, 24), chain(one, 72, 24)])
+        for k in (keys[:24], keys[24:]):
+            one.index.put(k, blocks_for(one, k))
+        one.index.evict(8)              # node 2's pin lines read (zero) and cached
+        held = [r for r in (two.index.lookup(k[None]) for k in keys) if r.hits]
+        assert len(held) == 40
+        one.index.evict(10000)
+        state = check_index(managed_region)
+        for r in held:
+            two.index.unpin(r)
+    assert state["ready"] == len(held)

@@ -240,11 +240,13 @@ def test_tract_check_reports_a_pin_on_a_bucket_that_is_not_ready(region):
 @pytest.mark.parametrize("who", ["agent", "next-process"])
 def test_a_holder_killed_inside_a_stripe_leaves_exactly_the_live_pins(region, who):
     """A pin is one store of the node's count (format 4: no total beside it
-    to tear), so a holder SIGKILLed inside a stripe section leaves nothing to
-    reconcile: whoever recovers its stripe lock -- the node's agent, or the
-    node's next process to take the lock -- writes back what it left in the
-    host's caches and lets the stripe go. A live reader's pins stay exactly
-    as they were, the stripe is usable, tract check is clean."""
+    to tear), so a holder SIGKILLed inside a stripe section leaves no count
+    to reconcile: whoever recovers its stripe lock -- the node's agent, or
+    the node's next process to take the lock -- lets the stripe go, a live
+    reader's pins stay exactly as they were, the stripe is usable, tract
+    check is clean. (The write-back of the dead holder's lines that the
+    recovery also does cannot be observed here: this machine is coherent,
+    and the simulator's caches are per process, not per host.)"""
     with Worker(region, 3) as writer:
         writer.call("index_put_chains", chains=[CHAIN])
     reader = Worker(region, 3)
@@ -270,6 +272,45 @@ def test_a_holder_killed_inside_a_stripe_leaves_exactly_the_live_pins(region, wh
     finally:
         reader.close()
     assert pins_of(region)["total"] == 0
+
+
+@pytest.mark.parametrize("who", ["agent", "next-process"])
+def test_a_lookup_killed_between_lru_moves_leaves_lists_that_are_made_whole(region, who):
+    """A lookup moves its hits to their LRU heads link by link; the stripe's
+    anchor (head, tail, count) is its own until it leaves the stripe. Killed
+    after the first move, it leaves links and anchor disagreeing: whoever
+    recovers its stripe lock relinks the list from the READY buckets before
+    anyone else enters, so tract check finds nothing and every block is
+    still found and evictable."""
+    other = [0, 0, 13, 12]
+    with Worker(region, 3) as writer:
+        writer.call("index_put_chains", chains=[CHAIN, other])   # CHAIN no longer heads
+    dying = Worker(region, 2, env={"TRACT_DIE_AT": str(lib.TRACT_DIE_LRU_MOVED)})
+    dying.send("index_lookup_verify", chains=[CHAIN])
+    assert dying.proc.wait(timeout=60) == -9, "the lookup moved nothing"
+    dying.close()
+    if who == "agent":
+        with Pool.attach(region, node=2) as p:
+            count = ffi.new("uint32_t *")
+            # the stripe it held, and the next one its walk had requested
+            assert lib.tract_lock_recover(p._r(), count) == 0 and count[0] >= 1
+    else:
+        with Worker(region, 2) as successor:     # enters every stripe, moves nothing
+            assert successor.call("index_lookup_verify", chains=[[0, 0, 99, 12]]) == [0]
+    assert recover(region, 2)["processes"] == 1          # its journaled pins
+    assert check_index(region)["ready"] == 24
+    assert _lru_violations(region) == []
+    with Worker(region, 2) as other_reader:
+        assert other_reader.call("index_lookup_verify", chains=[CHAIN, other]) == [12, 12]
+        other_reader.call("index_evict_all")
+    assert check_index(region)["ready"] == 0
+
+
+def _lru_violations(path: str) -> list:
+    from tract_cli.inspect import check
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        violations, _ = check.verify(p, data=False)
+    return [v for v in violations if v.check in ("lru", "index", "pins")]
 
 
 def test_draining_the_free_list_after_the_allocator_holder_died(region):

@@ -119,6 +119,19 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
                     only.append(time.perf_counter() - t0)
                     decode.index.unpin(r)
                 lookup_only = statistics.median(only)
+                # the same, after another request's lookup took the heads of
+                # every stripe's LRU list: each lookup moves all its blocks
+                # (a hot prefix hit again in the same order moves none)
+                other = block_hashes(tokens[::-1].copy(), root=root)[:64]
+                decode.index.put(other, kv[:len(other)])
+                moved = []
+                for _ in range(20):
+                    decode.index.unpin(decode.index.lookup(other))     # off the clock
+                    t0 = time.perf_counter()
+                    r = decode.index.lookup(keys)
+                    moved.append(time.perf_counter() - t0)
+                    decode.index.unpin(r)
+                lookup_moved = statistics.median(moved)
                 r = decode.index.lookup(keys)
                 read_s = _median(lambda: decode.index.read(r, out), rounds)
                 dst = c_pointer(out, writable=True)
@@ -203,6 +216,7 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
         med(c[0] for c in copies) * 1e3, med(c[1] for c in copies) * 1e3,
         med(z[0] for z in zeros) * 1e3,
         {"lookup_pin_only_us": lookup_only * 1e6, "stripes": stripes,
+         "lookup_pin_moved_us": lookup_moved * 1e6,
          "first_read_gbps": nbytes / med(fresh_reads) / 1e9,
          "first_copy_handoff_ms": med(c[0] for c in fresh_copies) * 1e3,
          "first_zero_copy_handoff_ms": med(z[0] for z in fresh_zeros) * 1e3,

@@ -149,6 +149,9 @@ def index(
                   f"memcpy {r.put_memcpy_gbps:.1f} GB/s ({r.put_gbps / r.put_memcpy_gbps:.2f}x)")
         t.add_row("lookup + pin + unpin", format_duration(r.lookup_pin_us / 1e6),
                   f"lookup + pin alone {format_duration(r.details['lookup_pin_only_us'] / 1e6)}")
+        t.add_row("lookup + pin, its blocks no longer the most recent",
+                  format_duration(r.details["lookup_pin_moved_us"] / 1e6),
+                  "every block moves to its LRU head")
         t.add_row("read into a private buffer", f"{r.read_gbps:.1f} GB/s",
                   f"memcpy {r.read_memcpy_gbps:.1f} GB/s ({r.read_gbps / r.read_memcpy_gbps:.2f}x)")
         t.add_row("copying handoff (publish, open, copy, ack)",
