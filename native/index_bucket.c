@@ -102,17 +102,47 @@ void tract_lru_push_head(struct stripe_ctx *c, uint64_t b, struct tract_bucket *
 }
 
 /*
+ * Whether the buckets hit[n-1], ..., hit[0] follow each other in the list in
+ * that order, linked both ways: a run the moves would carry to the head
+ * whole.  The links were read from the region (another host wrote them), so
+ * each is checked; distinct buckets follow from a list without cycles, and
+ * a corrupt one at worst splices a wrong run, never outside the stripe
+ * (internal).
+ */
+static int lru_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
+{
+	for (uint32_t i = n - 1; i > 0; i--) {
+		struct tract_bucket k;
+		load_bucket(c, hit[i], &k);
+		if (k.lru_next != hit[i - 1] + 1 || hit[i] == hit[i - 1])
+			return 0;
+		load_bucket(c, hit[i - 1], &k);
+		if (k.lru_prev != hit[i] + 1)
+			return 0;
+	}
+	return 1;
+}
+
+/*
  * Moves the READY buckets hit[0..n) to the head one after the other, so
  * that hit[n-1] ends up most recent, and stamps their access times in that
- * order.  A prefix hit again in the same order (a hot prefix, looked up by
- * request after request) finds the list already starting with
- * hit[n-1], ..., hit[0]: the moves would leave every link as it is, so
- * nothing is written -- no bucket line dirtied, none to flush before the
- * stripe lock is released.  Their access times then keep the time they last
- * moved, which is all the offline rebuild orders by (internal).
+ * order.  Two cases write less, with the same order as a result:
+ * - a prefix hit again in the same order (a hot prefix, looked up by
+ *   request after request) finds the list already starting with
+ *   hit[n-1], ..., hit[0]: nothing is written, no bucket line dirtied;
+ * - hits that already follow each other in that order further down the list
+ *   (a chain looked up whole before, other blocks touched since) are spliced
+ *   to the head as one run: the run's two ends, its old neighbours and the
+ *   old head are written, not every block of it (in clflush mode each
+ *   written line is a serialized flush before the stripe lock is released).
+ * A spliced run keeps its inner blocks' access times: the order a relink
+ * after a death or the offline rebuild derives from them is approximate
+ * there, while the list itself stays exact (internal).
  */
 void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 {
+	if (!n)
+		return;
 	uint32_t cur = c->lru.head, i = n;
 	while (i > 0 && cur == hit[i - 1] + 1) {
 		struct tract_bucket k;
@@ -123,6 +153,46 @@ void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 	if (i == 0)
 		return;
 	uint64_t now = tract_now_ns();
+	if (n > 2 && lru_run(c, hit, n)) {
+		struct tract_bucket first, last;      /* the run's most and least recent */
+		load_bucket(c, hit[n - 1], &first);
+		load_bucket(c, hit[0], &last);
+		uint32_t before = first.lru_prev, after = last.lru_next;
+		if (before && in_stripe(c, before - 1)) {
+			struct tract_bucket p;
+			load_bucket(c, before - 1, &p);
+			p.lru_next = after;
+			store_bucket(c, before - 1, &p);
+		}
+		if (after && in_stripe(c, after - 1)) {
+			struct tract_bucket x;
+			load_bucket(c, after - 1, &x);
+			x.lru_prev = before;
+			store_bucket(c, after - 1, &x);
+		} else {
+			c->lru.tail = before;
+		}
+		/* the old head (not in the run: the run does not start the list) */
+		uint32_t head = c->lru.head;
+		if (head && in_stripe(c, head - 1)) {
+			struct tract_bucket h;
+			load_bucket(c, head - 1, &h);
+			h.lru_prev = (uint32_t)(hit[0] + 1);
+			store_bucket(c, head - 1, &h);
+		}
+		load_bucket(c, hit[0], &last);    /* may be `after`'s neighbour: reload */
+		last.lru_next = head;
+		last.last_access_ns = now;
+		store_bucket(c, hit[0], &last);
+		load_bucket(c, hit[n - 1], &first);
+		first.lru_prev = 0;
+		first.last_access_ns = now + n;
+		store_bucket(c, hit[n - 1], &first);
+		c->lru.head = (uint32_t)(hit[n - 1] + 1);
+		c->lru_dirty = 1;
+		tract_maybe_die(TRACT_DIE_LRU_MOVED);
+		return;
+	}
 	for (uint32_t j = 0; j < n; j++) {
 		struct tract_bucket k;
 		load_bucket(c, hit[j], &k);

@@ -98,6 +98,7 @@ CASES = [
     ("doctor /nonexistent/x.pool", 2, "does not exist"),
     ("devices --bogus", 2, "No such option"),
     ("microbench copy --block-size 0", 2, "block"),
+    ("microbench index --model tiny --input-len 64 --region-size 1M", 2, "--region-size"),
     ("microbench nope", 2, "No such command"),
     ("nope", 2, "No such command"),
 ]

@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.bench.micro import c_pointer, memcpy, release
-from tract_cli.bench.regions import temp_region_path
+from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
+from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_model
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import LEDGER_EVICTED, Pool
 from tract_cli.core.region import DEFAULT_INDEX_STRIPES
+from tract_cli.core.units import format_size
 
 
 @dataclass
@@ -66,16 +68,27 @@ def _wait_swept(decode: Pool, prefill: Pool, keys, timeout_s: float = 30.0) -> N
 
 
 def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: str = "clflush",
-                rounds: int = 5, stripes: int = DEFAULT_INDEX_STRIPES) -> IndexFigures:
+                rounds: int = 5, stripes: int = DEFAULT_INDEX_STRIPES,
+                region_size: int | None = None) -> IndexFigures:
+    """REGION_SIZE (None: what the request needs) sets how many buckets the
+    index has: a larger region spreads a request's blocks over more pin
+    lines (docs/BENCHMARKS.md)."""
     profile = load_model(model)
     g = profile.geometry
     blocks = input_len // g.block_tokens
     nbytes = blocks * g.block_bytes
     size = ((2 * nbytes + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
+    if region_size is not None:
+        if region_size < size:
+            raise UsageError(f"--region-size {format_size(region_size)} is too small for a "
+                             f"{input_len}-token request of {model}",
+                             f"give at least {format_size(size)}, or leave it out")
+        size = region_size
     tokens = np.random.default_rng(0).integers(0, 128000, input_len).astype(np.int32)
     kv = np.random.default_rng(1).integers(0, 255, (blocks, g.block_bytes), dtype=np.uint8)
     out = np.empty_like(kv)
     with temp_region_path() as path:
+        need_space(path, size)
         Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode,
                     index_stripes=stripes).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
@@ -215,7 +228,7 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
         nbytes / read_s / 1e9, nbytes / read_memcpy_s / 1e9,
         med(c[0] for c in copies) * 1e3, med(c[1] for c in copies) * 1e3,
         med(z[0] for z in zeros) * 1e3,
-        {"lookup_pin_only_us": lookup_only * 1e6, "stripes": stripes,
+        {"lookup_pin_only_us": lookup_only * 1e6, "stripes": stripes, "region_size": size,
          "lookup_pin_moved_us": lookup_moved * 1e6,
          "first_read_gbps": nbytes / med(fresh_reads) / 1e9,
          "first_copy_handoff_ms": med(c[0] for c in fresh_copies) * 1e3,
