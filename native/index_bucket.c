@@ -172,9 +172,12 @@ void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 		} else {
 			c->lru.tail = before;
 		}
-		/* the old head (not in the run: the run does not start the list) */
+		/* the old head (not in the run: the run does not start the list);
+		 * a corrupt anchor's is dropped, as tract_lru_push_head does */
 		uint32_t head = c->lru.head;
-		if (head && in_stripe(c, head - 1)) {
+		if (head && !in_stripe(c, head - 1))
+			head = NONE;
+		if (head) {
 			struct tract_bucket h;
 			load_bucket(c, head - 1, &h);
 			h.lru_prev = (uint32_t)(hit[0] + 1);
@@ -247,19 +250,70 @@ static int by_age(const void *x, const void *y)
 }
 
 /*
+ * Whether the links alone make a whole list of the stripe's READY buckets
+ * (exactly one without a predecessor, each linked both ways, all reached);
+ * if so the anchor is set from them (internal).
+ */
+static int lru_from_links(struct stripe_ctx *c)
+{
+	uint32_t head = NONE;
+	uint64_t ready = 0;
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		if (k.state != TRACT_BUCKET_READY)
+			continue;
+		ready++;
+		if (k.lru_prev == NONE) {
+			if (head)
+				return 0;          /* two lists */
+			head = (uint32_t)(b + 1);
+		}
+	}
+	uint32_t prev = NONE, cur = head;
+	uint64_t seen = 0;
+	while (cur && seen < c->size && in_stripe(c, cur - 1)) {
+		struct tract_bucket k;
+		load_bucket(c, cur - 1, &k);
+		if (k.state != TRACT_BUCKET_READY || k.lru_prev != prev)
+			break;
+		prev = cur;
+		cur = k.lru_next;
+		seen++;
+	}
+	if (cur || seen != ready)
+		return 0;
+	struct tract_lru_anchor was = c->lru;
+	c->lru.head = head;
+	c->lru.tail = prev;
+	c->lru.count = seen;
+	if (!lru_whole(c)) {
+		c->lru = was;
+		return 0;
+	}
+	c->lru_dirty = 1;
+	return 1;
+}
+
+/*
  * Makes the entered stripe's LRU list whole again after a holder died
  * inside it: the anchor lived in the dead process's memory until it left
  * the stripe, the links were stored as the moves went, so a death in the
  * middle of moves or of an eviction leaves them disagreeing.  A list that
- * is whole is left as it is; otherwise every READY bucket is relinked,
- * least recent (last_access_ns, then index) at the tail, the order the
- * offline rebuild gives.  Returns 1 when it relinked, 0 when the list was
- * whole, TRACT_E_NOMEM (internal).
+ * is whole is left as it is.  Links that make a whole list by themselves
+ * (the death fell between two whole moves: only the anchor is stale) give
+ * the anchor, keeping the exact order.  Otherwise every READY bucket is
+ * relinked, least recent (last_access_ns, then index) at the tail, the
+ * order the offline rebuild gives (approximate where a run was spliced:
+ * its inner blocks keep older times).  Returns 1 when it changed the
+ * list, 0 when it was whole, TRACT_E_NOMEM (internal).
  */
 int tract_lru_repair(struct stripe_ctx *c)
 {
 	if (lru_whole(c))
 		return 0;
+	if (lru_from_links(c))
+		return 1;
 	struct aged *all = malloc(c->size * sizeof(*all));
 	if (!all)
 		return TRACT_E_NOMEM;

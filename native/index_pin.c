@@ -23,8 +23,9 @@ uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
 	return v;
 }
 
-/* adds delta to node's pin count of bucket b: one u16 store, so a process
- * killed here leaves the count either moved or not, never torn (internal) */
+/* adds delta to node's pin count of bucket b: one store of its line that
+ * changes only that u16, so a process killed here leaves the count either
+ * moved or not, never torn (internal) */
 int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 {
 	uint64_t off = pin_off(c->r, node, b);
@@ -44,13 +45,13 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 int tract_pinned(struct stripe_ctx *c, uint64_t b)
 {
 	uint8_t buf[TRACT_LINE];
-	uint64_t offs[TRACT_MAX_NODES];
+	uint64_t offs[TRACT_MAX_NODES] = { 0 };   /* gcc cannot see it filled to `nodes` */
 	uint32_t nodes = c->r->hdr.max_nodes < TRACT_MAX_NODES ? c->r->hdr.max_nodes
 							       : TRACT_MAX_NODES;
 	for (uint32_t n = 0; n < nodes; n++)
 		offs[n] = pin_off(c->r, n, b) & ~(uint64_t)(TRACT_LINE - 1);
 	tract_lines_prefetch(c, offs, nodes);
-	for (uint32_t n = 0; n < c->r->hdr.max_nodes; n++)
+	for (uint32_t n = 0; n < nodes; n++)
 		if (tract_pin_count(c, n, b, buf))
 			return 1;
 	return 0;

@@ -156,14 +156,14 @@ static void erase(struct tract_journal_proc *p, uint32_t pos)
 	shift_mark(p, 0, 0, 0);
 }
 
-/* a dead process's erase, killed in the middle, settled: the one place
- * that may hold a torn copy or a second copy of a key is emptied, and the
- * count of keys taken again (recovery, before it reads the keys) (internal) */
+/* a dead process's journal made ready for recovery: an erase killed in
+ * the middle is settled (the one place that may hold a torn copy or a
+ * second copy of a key is emptied), and the count of keys is taken again
+ * (an insert or an erase killed between its key and its count leaves it
+ * off by one) (internal) */
 static void journal_settle(struct tract_journal_proc *p)
 {
 	uint32_t v = __atomic_load_n(&p->shift, __ATOMIC_ACQUIRE);
-	if (!v)
-		return;
 	uint32_t kind = v >> (2 * SHIFT_POS_BITS), to = (v >> SHIFT_POS_BITS) & SHIFT_POS_MASK;
 	if ((kind == SHIFT_MOVE || kind == SHIFT_CLEAR) && to < TRACT_JOURNAL_CAP)
 		memset(&p->keys[to], 0, sizeof(p->keys[to]));

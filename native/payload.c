@@ -239,16 +239,18 @@ int tract_payload_sweep(tract_region *r, uint32_t *cursor, uint32_t max_slots, u
 		uint64_t v = __atomic_load_n(&ledger[s], __ATOMIC_SEQ_CST);
 		if (ledger_sentinel(v))
 			continue;
-		/* a first look, unmarked and with plain loads (no flush that would
-		 * disturb the lines a lock holder is writing): a live payload (being
-		 * read, most likely) is left alone, not marked EVICTING under its
-		 * reader's feet (a reader that found EVICTING would evict the whole
-		 * slot).  Only a hint: the decision that counts comes after the mark.
-		 * A "live" seen by a plain load is confirmed from the device: this
-		 * node's readers keep the bucket lines they observed in its caches,
-		 * clean and stale once the block is evicted elsewhere (nothing a
-		 * lookup writes evicts them since format 4), and a stale "live"
-		 * would spare a dead payload pass after pass */
+		/* a first look, unmarked: a live payload (being read, most likely)
+		 * is left alone, not marked EVICTING under its reader's feet (a
+		 * reader that found EVICTING would evict the whole slot).  Only a
+		 * hint: the decision that counts comes after the mark.  A plain
+		 * load first; a "live" it sees is confirmed from the device (one
+		 * observe of the bucket line per live candidate, off the request
+		 * path): this node's readers keep the bucket lines they observed in
+		 * its caches, clean and stale once the block is evicted elsewhere
+		 * (since format 4 nothing a lookup writes evicts them), and a stale
+		 * "live" would spare a dead payload pass after pass.  (A stale
+		 * bitmap line can still spare a slot freed elsewhere until it
+		 * leaves this host's caches: a cost, not an error) */
 		if (!slot_free(r, s, &hint_off, hint, 0) &&
 		    (!v || (TRACT_KEEP(SITE_PAYLOAD_SWEEP_LIVE) && tract_index_tag_live(r, v, s, 0) &&
 			    tract_index_tag_live(r, v, s, 1))))

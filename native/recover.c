@@ -103,12 +103,17 @@ static int give_back(tract_region *r, struct tract_journal_proc *p, struct tract
 		return TRACT_OK;
 	}
 	if (k->pins) {
-		uint32_t released = 0;
-		int rc = tract_index_release_pins(r, k->key, k->pins, &released, timeout_ns);
-		if (rc == TRACT_E_TIMEOUT)
+		uint32_t pins = k->pins, released = 0;
+		/* forgotten before they are given back: an agent killed in between
+		 * leaks them (one key's), the next agent never gives them twice */
+		k->pins = 0;
+		__atomic_signal_fence(__ATOMIC_SEQ_CST);
+		int rc = tract_index_release_pins(r, k->key, pins, &released, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT) {
+			k->pins = pins;     /* nothing changed: the next heartbeat gives them */
 			return rc;
+		}
 		out->pins += released;
-		k->pins = 0;            /* given back: never twice, even if the claim waits */
 	}
 	if (k->claim) {
 		uint32_t slot = k->claim == UINT32_MAX ? UINT32_MAX : k->claim - 1;

@@ -73,3 +73,19 @@ def check_index(path: str, allow_pending: bool = False) -> dict:
         ready_here = sum(1 for i in range(s * per, (s + 1) * per) if state[i] == READY)
         assert ready_here == count, f"stripe {s}: {ready_here} READY but {count} in LRU"
     return {"ready": len(keys), "keys": keys}
+
+
+def lru_lists(pool: Pool) -> list[list[bytes]]:
+    """Each stripe's LRU list, most recent first, as keys, read from the region."""
+    from tract_cli.core.media import ANCHOR_DTYPE, BUCKET_DTYPE
+    bs, ls = pool.info.section("buckets"), pool.info.section("lru")
+    b = np.frombuffer(pool.observe(bs.offset, bs.count * 64), BUCKET_DTYPE)
+    anchors = np.frombuffer(pool.observe(ls.offset, pool.info.index_stripes * 64), ANCHOR_DTYPE)
+    lists = []
+    for a in anchors:
+        keys, cur = [], int(a["head"])
+        while cur and len(keys) <= bs.count:
+            keys.append(b[cur - 1]["key"].tobytes())
+            cur = int(b[cur - 1]["lru_next"])
+        lists.append(keys)
+    return lists

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agents import RunningAgent
-from index_check import check_index, payload_for
+from index_check import check_index, lru_lists, payload_for
 from procs import Worker
 from tract_cli.core.errors import ChecksumMismatch, PoolFull
 from tract_cli.core.hashing import block_hashes, pool_root
@@ -267,22 +267,6 @@ def test_a_block_pinned_by_any_node_is_never_evicted(managed_region):
         assert check_index(managed_region)["ready"] == 0
 
 
-def _lru_lists(pool: Pool) -> list[list[bytes]]:
-    """Each stripe's LRU list, most recent first, as keys, read from the region."""
-    from tract_cli.core.media import ANCHOR_DTYPE, BUCKET_DTYPE
-    bs, ls = pool.info.section("buckets"), pool.info.section("lru")
-    b = np.frombuffer(pool.observe(bs.offset, bs.count * 64), BUCKET_DTYPE)
-    anchors = np.frombuffer(pool.observe(ls.offset, pool.info.index_stripes * 64), ANCHOR_DTYPE)
-    lists = []
-    for a in anchors:
-        keys, cur = [], int(a["head"])
-        while cur and len(keys) <= bs.count:
-            keys.append(b[cur - 1]["key"].tobytes())
-            cur = int(b[cur - 1]["lru_next"])
-        lists.append(keys)
-    return lists
-
-
 def test_lookups_keep_exact_lru_order_and_a_repeated_hit_writes_no_bucket(managed_region):
     """Every put and every hit moves its blocks to their stripe's LRU head,
     a request's last block first (exact LRU, checked against a model). A
@@ -313,27 +297,27 @@ def test_lookups_keep_exact_lru_order_and_a_repeated_hit_writes_no_bucket(manage
         for keys in (a, b):
             p.index.put(keys, blocks_for(p, keys))
             touch(keys)
-        assert _lru_lists(p) == model
+        assert lru_lists(p) == model
         hit(a)
-        assert _lru_lists(p) == model
+        assert lru_lists(p) == model
         before = buckets()
         hit(a)                      # already heading every stripe in this order
         hit(a[:4])                  # a prefix of it: the same
-        assert buckets() == before and _lru_lists(p) == model
+        assert buckets() == before and lru_lists(p) == model
         hit(b)
         hit(a)
-        assert buckets() != before and _lru_lists(p) == model
+        assert buckets() != before and lru_lists(p) == model
         # a stripe's hits that head its list but not as a run: the first and
         # the last of a's keys in a stripe holding three or more of them
         stripes = p.index.key_homes(a) // per
         s = next(s for s in range(p.info.index_stripes) if (stripes == s).sum() >= 3)
         idx = np.flatnonzero(stripes == s)
         hit(a[[idx[0], idx[-1]]])
-        assert _lru_lists(p) == model
+        assert lru_lists(p) == model
         # reversed, duplicated and interleaved keys
         for keys in (a[::-1], np.concatenate([a[:3], a[:3]]), a[[0, 0, 0]], a[[5, 1, 5, 1]], a):
             hit(keys)
-            assert _lru_lists(p) == model
+            assert lru_lists(p) == model
         check_index(managed_region)
 
 

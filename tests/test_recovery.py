@@ -13,7 +13,7 @@ import time
 import pytest
 
 from agents import RunningAgent
-from index_check import check_index
+from index_check import check_index, lru_lists
 from procs import Worker
 from tract_cli.core.locks import LOCK_ALLOCATOR, stripe_lock
 from tract_cli.core.native import ffi, lib
@@ -289,6 +289,7 @@ def test_a_lookup_killed_between_lru_moves_leaves_lists_that_are_made_whole(regi
     dying.send("index_lookup_verify", chains=[CHAIN])
     assert dying.proc.wait(timeout=60) == -9, "the lookup moved nothing"
     dying.close()
+    expect = _lists_after_one_move(region, CHAIN, other)
     if who == "agent":
         with Pool.attach(region, node=2) as p:
             count = ffi.new("uint32_t *")
@@ -300,10 +301,43 @@ def test_a_lookup_killed_between_lru_moves_leaves_lists_that_are_made_whole(regi
     assert recover(region, 2)["processes"] == 1          # its journaled pins
     assert check_index(region)["ready"] == 24
     assert _lru_violations(region) == []
+    with Pool.attach(region, readonly=True, prefault=False, local=False) as p:
+        # the death fell between two whole moves: the links alone are whole,
+        # and the order they hold is kept exactly
+        assert lru_lists(p) == expect
     with Worker(region, 2) as other_reader:
         assert other_reader.call("index_lookup_verify", chains=[CHAIN, other]) == [12, 12]
         other_reader.call("index_evict_all")
     assert check_index(region)["ready"] == 0
+
+
+def _lists_after_one_move(path: str, chain: list, other: list) -> list:
+    """Each stripe's LRU list as exact LRU has it after CHAIN then OTHER were
+    put and a lookup of CHAIN made its first move (LRU_MOVED: in the lowest
+    stripe where it moves anything, its hits spliced as one run when there
+    are three or more of them, else its first hit, the chain's last block
+    there, moved alone). The region's hash seed places the keys."""
+    from procs_child import _chain_keys
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        per = p.info.section("buckets").count // p.info.index_stripes
+        lists = [[] for _ in range(p.info.index_stripes)]
+        keys = {}
+        for name, spec in (("chain", chain), ("other", other)):
+            keys[name] = _chain_keys(p, *spec)
+            stripes = p.index.key_homes(keys[name]) // per
+            keys[name + "_stripes"] = stripes
+            for i in reversed(range(len(keys[name]))):         # a put: the last block first
+                lists[int(stripes[i])].insert(0, keys[name][i].tobytes())
+    st = keys["chain_stripes"]
+    # the first stripe (the walk goes up) where the lookup moves anything:
+    # where OTHER's blocks, put later, head the list before CHAIN's
+    s0 = min(int(s) for s in set(st.tolist()) if s in set(keys["other_stripes"].tolist()))
+    hits = [keys["chain"][i].tobytes() for i in reversed(range(len(st))) if st[i] == s0]
+    moved = hits if len(hits) > 2 else hits[:1]
+    for k in moved:
+        lists[s0].remove(k)
+        lists[s0].insert(0, k)
+    return lists
 
 
 def _lru_violations(path: str) -> list:
@@ -343,27 +377,36 @@ def _node_pins_on_ready(path: str, node: int) -> list[int]:
         return pins[node][b["state"] == 2].tolist()
 
 
-def test_a_process_killed_while_its_journal_moves_a_key_has_each_pin_given_back_once(region):
+def test_a_process_killed_while_its_journal_moves_a_key_has_each_pin_given_back_once(region_path):
     """Forgetting a key shifts later keys of its probe run back, one copy at
     a time; killed right after a copy, the process leaves that key at two
     places of its journal. Recovery must give its pin back once: a second
-    give-back would take a pin a live process of the node holds."""
-    chain = [0, 0, 21, 300]
-    with Worker(region, 3) as writer:
-        assert writer.call("index_put_chains", chains=[chain])["stored"] == 300
-    holder = Worker(region, 1)                       # holds every block, alive throughout
+    give-back would take a pin a live process of the node holds. (The
+    region's hash seed places the keys in the journal: 2000 of them in its
+    8192 places collide by the hundreds, so some forgetting moves a key.)"""
+    n = 2000
+    Pool.create(region_path, 64 << 20, "tiny", nodes=4, index_stripes=4).close()
+    region = region_path
+    chain = [0, 0, 21, n]
+    agent = RunningAgent(region, 0, manager=True)
+    holder = None
     try:
-        assert holder.call("index_lookup_verify", chains=[chain], hold=True) == [300]
+        with Worker(region, 3) as writer:
+            assert writer.call("index_put_chains", chains=[chain])["stored"] == n
+        holder = Worker(region, 1)                   # holds every block, alive throughout
+        assert holder.call("index_lookup_verify", chains=[chain], hold=True) == [n]
         dying = Worker(region, 1, env={"TRACT_DIE_AT": str(lib.TRACT_DIE_JOURNAL_MOVED)})
         dying.send("index_lookup_verify", chains=[chain])   # its unpin forgets every key
         assert dying.proc.wait(timeout=60) == -9, "no journal move happened: pick another chain"
         dying.close()
         assert recover(region, 1)["processes"] == 1
         counts = _node_pins_on_ready(region, 1)
-        assert len(counts) == 300
+        assert len(counts) == n
         # the holder's pin on every block is there; of the dead one's, at most the
         # pin it was giving back when it died (forgotten first, by design) is left
-        assert min(counts) >= 1 and sum(counts) - 300 <= 1, sorted(counts)[:3]
+        assert min(counts) >= 1 and sum(counts) - n <= 1, sorted(counts)[:3]
         assert holder.call("index_release_held") == 1
     finally:
-        holder.close()
+        if holder is not None:
+            holder.close()
+        agent.stop()

@@ -79,6 +79,9 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
     nbytes = blocks * g.block_bytes
     size = ((2 * nbytes + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
     if region_size is not None:
+        if region_size % (2 << 20):
+            raise UsageError(f"--region-size {format_size(region_size)} is not a whole number "
+                             "of 2 MiB pages", "round it, e.g. 4G or 1536M")
         if region_size < size:
             raise UsageError(f"--region-size {format_size(region_size)} is too small for a "
                              f"{input_len}-token request of {model}",
