@@ -209,29 +209,54 @@ void tract_lru_touch_run(struct stripe_ctx *c, const uint64_t *hit, uint32_t n)
 	}
 }
 
+/* walks the list from head while each bucket is READY, in the stripe and
+ * linked back to the one before: the walk's last bucket in *tail, the
+ * buckets walked in *seen; whether it reached the end of the list (internal) */
+static int lru_walk(struct stripe_ctx *c, uint32_t head, uint32_t *tail, uint64_t *seen)
+{
+	uint32_t prev = NONE, cur = head;
+	*seen = 0;
+	while (cur && *seen < c->size && in_stripe(c, cur - 1)) {
+		struct tract_bucket k;
+		load_bucket(c, cur - 1, &k);
+		if (k.state != TRACT_BUCKET_READY || k.lru_prev != prev)
+			break;
+		prev = cur;
+		cur = k.lru_next;
+		(*seen)++;
+	}
+	*tail = prev;
+	return cur == NONE;
+}
+
+/* the READY buckets of the entered stripe; *head gets the one bucket with
+ * no predecessor, NONE when there are none or several (internal) */
+static uint64_t lru_ready(struct stripe_ctx *c, uint32_t *head)
+{
+	uint64_t ready = 0, heads = 0;
+	*head = NONE;
+	for (uint64_t b = c->first; b < c->first + c->size; b++) {
+		struct tract_bucket k;
+		load_bucket(c, b, &k);
+		if (k.state != TRACT_BUCKET_READY)
+			continue;
+		ready++;
+		if (k.lru_prev == NONE && heads++ == 0)
+			*head = (uint32_t)(b + 1);
+	}
+	if (heads != 1)
+		*head = NONE;
+	return ready;
+}
+
 /* whether the entered stripe's LRU list, as its anchor and links say, holds
  * exactly its READY buckets, each linked both ways (internal) */
 static int lru_whole(struct stripe_ctx *c)
 {
-	uint64_t seen = 0, ready = 0;
-	uint32_t prev = NONE, cur = c->lru.head;
-	while (cur) {
-		struct tract_bucket k;
-		if (!in_stripe(c, cur - 1) || seen >= c->size)
-			return 0;
-		load_bucket(c, cur - 1, &k);
-		if (k.state != TRACT_BUCKET_READY || k.lru_prev != prev)
-			return 0;
-		prev = cur;
-		cur = k.lru_next;
-		seen++;
-	}
-	for (uint64_t b = c->first; b < c->first + c->size; b++) {
-		struct tract_bucket k;
-		load_bucket(c, b, &k);
-		ready += k.state == TRACT_BUCKET_READY;
-	}
-	return prev == c->lru.tail && seen == c->lru.count && seen == ready;
+	uint32_t tail, head;
+	uint64_t seen;
+	return lru_walk(c, c->lru.head, &tail, &seen) && tail == c->lru.tail &&
+	       seen == c->lru.count && seen == lru_ready(c, &head);
 }
 
 /* a READY bucket and when it last moved, for the relink (internal) */
@@ -256,41 +281,13 @@ static int by_age(const void *x, const void *y)
  */
 static int lru_from_links(struct stripe_ctx *c)
 {
-	uint32_t head = NONE;
-	uint64_t ready = 0;
-	for (uint64_t b = c->first; b < c->first + c->size; b++) {
-		struct tract_bucket k;
-		load_bucket(c, b, &k);
-		if (k.state != TRACT_BUCKET_READY)
-			continue;
-		ready++;
-		if (k.lru_prev == NONE) {
-			if (head)
-				return 0;          /* two lists */
-			head = (uint32_t)(b + 1);
-		}
-	}
-	uint32_t prev = NONE, cur = head;
-	uint64_t seen = 0;
-	while (cur && seen < c->size && in_stripe(c, cur - 1)) {
-		struct tract_bucket k;
-		load_bucket(c, cur - 1, &k);
-		if (k.state != TRACT_BUCKET_READY || k.lru_prev != prev)
-			break;
-		prev = cur;
-		cur = k.lru_next;
-		seen++;
-	}
-	if (cur || seen != ready)
+	uint32_t head, tail;
+	uint64_t seen, ready = lru_ready(c, &head);
+	if ((ready && !head) || !lru_walk(c, head, &tail, &seen) || seen != ready)
 		return 0;
-	struct tract_lru_anchor was = c->lru;
 	c->lru.head = head;
-	c->lru.tail = prev;
+	c->lru.tail = tail;
 	c->lru.count = seen;
-	if (!lru_whole(c)) {
-		c->lru = was;
-		return 0;
-	}
 	c->lru_dirty = 1;
 	return 1;
 }

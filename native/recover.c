@@ -42,8 +42,9 @@ static int take_one_line_lock(tract_region *r, uint32_t id, int *withdrawn)
 	return rc;
 }
 
-/* an index stripe: what the dead holder left dirty in this host's caches is
- * written back (internal) */
+/* an index stripe: repaired (what the dead holder left dirty in this host's
+ * caches written back, its LRU list made whole: tract_index_repair_stripe)
+ * (internal) */
 static int take_stripe_lock(tract_region *r, uint32_t id, int *withdrawn)
 {
 	int rc = tract_lock_take_dead(r, id, withdrawn);

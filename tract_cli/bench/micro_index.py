@@ -136,8 +136,9 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
                     decode.index.unpin(r)
                 lookup_only = statistics.median(only)
                 # the same, after another request's lookup took the heads of
-                # every stripe's LRU list: each lookup moves all its blocks
-                # (a hot prefix hit again in the same order moves none)
+                # most stripes' LRU lists: each lookup moves its blocks back
+                # (spliced as runs), where a hot prefix hit again in the same
+                # order moves none
                 other = block_hashes(tokens[::-1].copy(), root=root)[:64]
                 decode.index.put(other, kv[:len(other)])
                 moved = []
