@@ -335,6 +335,60 @@ done:
 	intent_end(r);
 }
 
+/*
+ * Settles a claim or release that a dead *host* left half done: its intent
+ * died with its DRAM, so the region alone says what it did (internal; lock 0
+ * held, taken back from that host with nobody entered since).  Claims write
+ * owner bytes before bits and releases clear owner bytes before bits, so in
+ * any state a whole operation leaves, a set bit has an owner and a clear bit
+ * has none; the one operation in flight broke that only for its own slots:
+ *  - a clear bit with an owner byte: a claim that got no further (never
+ *    taken): the owner byte back to 0;
+ *  - a set bit without one: a release that got past the owner byte: finished
+ *    (the bit cleared; it was on its way back to the pool);
+ * then the header's used count is recounted.  A pass over the whole bitmap
+ * and owner map, once per dead host's lock 0.  The slots a dead host had
+ * claimed whole stay its own (on a free list that died with it): they come
+ * back with `tract check --repair`, offline (docs/PROTOCOLS.md §5).
+ */
+static void repair_after_dead_host(tract_region *r)
+{
+	uint64_t slots = r->hdr.slot_count;
+	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+	uint8_t bits[TRACT_LINE], own[TRACT_LINE];
+	for (uint64_t lo = 0; lo < slots; lo += 512) {
+		tract_observe_line(r, bm + lo / 8, bits);
+		int bits_changed = 0;
+		for (uint64_t o = lo; o < lo + 512 && o < slots; o += 64) {
+			tract_observe_line(r, owners + o, own);
+			int owners_changed = 0;
+			for (uint64_t s = o; s < o + 64 && s < slots; s++) {
+				uint32_t b = (uint32_t)(s - lo);
+				int set = (bits[b / 8] >> (b % 8)) & 1;
+				if (!set && own[s - o]) {
+					own[s - o] = 0;
+					owners_changed = 1;
+				} else if (set && !own[s - o]) {
+					bits[b / 8] &= (uint8_t)~(1u << (b % 8));
+					bits_changed = 1;
+				}
+			}
+			if (owners_changed)
+				tract_write_line(r, owners + o, own);
+		}
+		if (bits_changed) {
+			r->ops->fence(r);      /* owner bytes before bits, as a release */
+			tract_write_line(r, bm + lo / 8, bits);
+		}
+	}
+	r->ops->fence(r);
+	struct tract_alloc_header h;
+	read_header(r, &h);
+	h.used_slots = count_taken(r);
+	write_header(r, &h);
+}
+
 /* takes lock 0 (alloc_mu held), settling first what a dead holder left
  * (internal): with its grant kept, nobody entered since; without it (the
  * grant passed on, e.g. across a manager takeover) repair_intent keeps to
@@ -349,6 +403,8 @@ static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 	if (rc < 0)
 		return rc;
 	repair_intent(r, q.inherited);
+	if (q.dead_host)
+		repair_after_dead_host(r);
 	return TRACT_OK;
 }
 

@@ -29,7 +29,11 @@ struct tract_lock_manager_line {
 	uint64_t grant_ns;     /* CLOCK_REALTIME of the current grant */
 	uint64_t granted_req;  /* the granted node's request_seq this grant answers */
 	uint64_t token;        /* fencing token of the manager that wrote the line */
-	uint8_t reserved[24];
+	uint32_t inherited;    /* node + 1 of a dead host this grant takes the lock
+				* over from: its grantee repairs what the lock
+				* protects before its own section (0 = none) */
+	uint32_t reserved0;
+	uint8_t reserved[16];
 };
 /* CDEF-END */
 
@@ -53,7 +57,31 @@ enum {
 };
 /* CDEF-END */
 
-/* node table entry: line 0 written only by the node's agent. */
+/* a node's verdict, line 1 of its node-table entry: written only by the
+ * current lock manager's agent, which declares a silent host dead and
+ * recovers what it held (docs/PROTOCOLS.md §7). */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
+struct tract_node_verdict {
+	uint64_t dead_epoch;   /* the node's agent epoch declared dead, 0 = never;
+				* the node is dead while its entry's epoch is this */
+	uint64_t declared_ns;  /* CLOCK_REALTIME of the declaration */
+	uint64_t token;        /* fencing token of the manager that declared it */
+	uint64_t heartbeat_ns; /* the node's last heartbeat, which stood still */
+	uint32_t recovered;    /* TRACT_VERDICT_* steps of its recovery done */
+	uint32_t reserved0;
+	uint8_t reserved[24];
+};
+/* CDEF-END */
+
+/* CDEF-BEGIN (the recovery steps a verdict records, for Python too) */
+enum {
+	TRACT_VERDICT_CLAIMS = 1,       /* its PENDING claims buried */
+	TRACT_VERDICT_PINS = 2          /* its pin counts zeroed (once no handoff record of it remains) */
+};
+/* CDEF-END */
+
+/* node table entry: line 0 written only by the node's agent, line 1 only by
+ * the current lock manager's agent. */
 /* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
 struct tract_node_entry {
 	uint32_t state;        /* TRACT_NODE_* (0 = never attached) */
@@ -66,7 +94,8 @@ struct tract_node_entry {
 	uint32_t manager_epoch; /* the node's manager claim, 0 = never claimed */
 	uint64_t manager_heartbeat_ns;
 	char hostname[24];
-	uint8_t reserved[192]; /* three lines, reserved */
+	struct tract_node_verdict verdict;   /* line 1 */
+	uint8_t reserved[128]; /* two lines, reserved */
 };
 /* CDEF-END */
 
@@ -189,6 +218,8 @@ static_assert(sizeof(struct tract_section) == 32, "section entry size");
 static_assert(sizeof(struct tract_lock_manager_line) == 64, "lock manager line");
 static_assert(sizeof(struct tract_lock_node_slot) == 64, "lock node slot");
 static_assert(sizeof(struct tract_node_entry) == TRACT_NODE_ENTRY_SIZE, "node entry");
+static_assert(sizeof(struct tract_node_verdict) == 64, "node verdict");
+static_assert(offsetof(struct tract_node_entry, verdict) == 64, "verdict is line 1");
 static_assert(sizeof(struct tract_objdir_entry) == 64, "objdir entry");
 static_assert(sizeof(struct tract_alloc_header) == 64, "alloc header");
 static_assert(sizeof(struct tract_bucket) == 64, "bucket");

@@ -457,12 +457,14 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 }
 
 /* finishes record rec if the scan saw it (t) half released by a dead
- * process of this node: 1 if it did, 0 if not, or an error (internal) */
-static int recover_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
-			  uint64_t timeout_ns)
+ * process of node (this node: a process whose pid is gone; another node: a
+ * dead host's, any process): 1 if it did, 0 if not, or an error (internal) */
+static int recover_record(tract_region *r, uint32_t node, uint32_t rec,
+			  const struct tract_transfer_record *t, uint64_t timeout_ns)
 {
 	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
-	    t->releaser_node != r->node_id + 1 || !tract_pid_dead(t->releaser_pid))
+	    t->releaser_node != node + 1 ||
+	    (node == r->node_id && !tract_pid_dead(t->releaser_pid)))
 		return 0;
 	return resume_record(r, rec, t, timeout_ns);
 }
@@ -495,12 +497,10 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 	return 1;
 }
 
-/* Finishes the releases (acknowledge or reclaim) that dead processes of this
- * node left half done, resuming from the progress their records show. */
-int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
+/* finishes the releases dead processes of node left half done; *count gets
+ * how many (internal) */
+static int recover_releases(tract_region *r, uint32_t node, uint32_t *count, uint64_t timeout_ns)
 {
-	if (!r || !count)
-		return TRACT_E_INVAL;
 	*count = 0;
 	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
 	struct tract_transfer_record seen[SCAN_BATCH];
@@ -508,11 +508,44 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
 		observe_records(r, base, k, seen);  /* cheap scan without the lock */
 		for (uint32_t j = 0; j < k; j++) {
-			int rc = recover_record(r, base + j, &seen[j], timeout_ns);
+			int rc = recover_record(r, node, base + j, &seen[j], timeout_ns);
 			if (rc < 0)
 				return rc;
 			*count += (uint32_t)rc;
 		}
 	}
 	return TRACT_OK;
+}
+
+/* Finishes the releases (acknowledge or reclaim) that dead processes of this
+ * node left half done, resuming from the progress their records show. */
+int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
+{
+	if (!r || !count)
+		return TRACT_E_INVAL;
+	return recover_releases(r, r->node_id, count, timeout_ns);
+}
+
+/* finishes the releases a dead host (node, declared dead: every process of
+ * it is gone) left half done (internal; recover.c) */
+int tract_handoff_recover_node(tract_region *r, uint32_t node, uint32_t *count,
+			       uint64_t timeout_ns)
+{
+	return recover_releases(r, node, count, timeout_ns);
+}
+
+/* counts the records node published that are not yet free (a lock-free
+ * observe of the table): their blocks stay pinned in node's pin lines until
+ * each is acknowledged or reclaimed (internal; recover.c) */
+uint32_t tract_handoff_records_of(tract_region *r, uint32_t node)
+{
+	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count, live = 0;
+	struct tract_transfer_record seen[SCAN_BATCH];
+	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
+		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
+		observe_records(r, base, k, seen);
+		for (uint32_t j = 0; j < k; j++)
+			live += seen[j].state != REC_FREE && seen[j].owner_node == node + 1;
+	}
+	return live;
 }

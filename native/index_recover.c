@@ -89,6 +89,59 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 	return TRACT_OK;
 }
 
+/* whether a PENDING bucket's claim is to be buried (internal) */
+typedef int (*claim_filter)(tract_region *r, const struct tract_bucket *bk, uint32_t node);
+
+/* this node's claim whose writer is dead and in no journal (internal) */
+static int orphaned(tract_region *r, const struct tract_bucket *bk, uint32_t node)
+{
+	return bk->owner_node == node && tract_pid_dead(bk->owner_pid) &&
+	       !tract_journal_names(r, bk->owner_pid);
+}
+
+/* any claim of node, which is dead (the caller checked the verdict under
+ * the stripe's lock) (internal) */
+static int of_node(tract_region *r, const struct tract_bucket *bk, uint32_t node)
+{
+	(void)r;
+	return bk->owner_node == node;
+}
+
+/* buries the PENDING buckets of every stripe that filter picks for node;
+ * dead_node: re-check, under each stripe's lock, that node is still dead,
+ * and stop (TRACT_E_ALIVE) when it is not (internal) */
+static int bury_claims(tract_region *r, uint32_t node, claim_filter filter, int dead_node,
+		       uint64_t timeout_ns, uint32_t *buried, uint32_t *skipped)
+{
+	*buried = *skipped = 0;
+	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		struct stripe_ctx c;
+		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
+		if (rc == TRACT_E_TIMEOUT) {
+			(*skipped)++;
+			continue;
+		}
+		if (rc < 0)
+			return rc;
+		if (dead_node && tract_node_verdict(r, node, NULL) != 1) {
+			/* revived (an agent started there since): its claims
+			 * are its new processes' */
+			tract_stripe_leave(&c);
+			return TRACT_E_ALIVE;
+		}
+		for (uint64_t b = c.first; b < c.first + c.size; b++) {
+			struct tract_bucket bk;
+			load_bucket(&c, b, &bk);
+			if (bk.state != TRACT_BUCKET_PENDING || !filter(r, &bk, node))
+				continue;
+			tract_bury(&c, b);
+			(*buried)++;
+		}
+		tract_stripe_leave(&c);
+	}
+	return TRACT_OK;
+}
+
 /*
  * Buries this node's PENDING buckets whose writer is dead and named in no
  * journal entry: the journal that would have dropped the claim is gone (the
@@ -105,7 +158,31 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 		return TRACT_E_INVAL;
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	*buried = *skipped = 0;
+	return bury_claims(r, r->node_id, orphaned, 0, timeout_ns, buried, skipped);
+}
+
+/* buries every PENDING claim of node, a dead host's (its slots, which no
+ * bucket names, come back offline) (internal; recover.c) */
+int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t timeout_ns,
+			       uint32_t *buried, uint32_t *skipped)
+{
+	return bury_claims(r, node, of_node, 1, timeout_ns, buried, skipped);
+}
+
+/*
+ * Zeroes node's pin counts, a dead host's whose handoff records are all gone
+ * (the caller's check: a record's pins are the publishing node's, and its
+ * release unpins them).  What remains pinned in the node's lines then is its
+ * dead readers', whose journals died with the host.  Under each stripe's
+ * lock, the verdict re-checked there (TRACT_E_ALIVE: revived, stop); *pins
+ * gets the sum of the counts zeroed (internal; recover.c).
+ */
+int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, uint64_t *pins,
+			   uint32_t *skipped)
+{
+	*pins = 0;
+	*skipped = 0;
+	uint8_t zero[TRACT_LINE] = { 0 };
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
 		struct stripe_ctx c;
 		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
@@ -115,14 +192,22 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 		}
 		if (rc < 0)
 			return rc;
-		for (uint64_t b = c.first; b < c.first + c.size; b++) {
-			struct tract_bucket bk;
-			load_bucket(&c, b, &bk);
-			if (bk.state != TRACT_BUCKET_PENDING || bk.owner_node != r->node_id ||
-			    !tract_pid_dead(bk.owner_pid) || tract_journal_names(r, bk.owner_pid))
-				continue;
-			tract_bury(&c, b);
-			(*buried)++;
+		if (tract_node_verdict(r, node, NULL) != 1) {
+			tract_stripe_leave(&c);
+			return TRACT_E_ALIVE;
+		}
+		/* a stripe's buckets fill whole pin lines (layout.c) */
+		for (uint64_t b = c.first; b < c.first + c.size; b += TRACT_LINE / 2) {
+			uint64_t line = pin_off(r, node, b) & ~(uint64_t)(TRACT_LINE - 1);
+			uint16_t counts[TRACT_LINE / 2];
+			tract_line_get(&c, line, counts);
+			uint64_t sum = 0;
+			for (uint32_t i = 0; i < TRACT_LINE / 2; i++)
+				sum += counts[i];
+			if (sum) {
+				tract_line_put(&c, line, zero);
+				*pins += sum;
+			}
 		}
 		tract_stripe_leave(&c);
 	}

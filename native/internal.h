@@ -152,18 +152,37 @@ struct tract_lock_req {
 	uint64_t start;         /* CLOCK_MONOTONIC of the request */
 	int recovered;          /* the local mutex's previous owner died */
 	int inherited;          /* ... holding the current grant, which this request keeps */
+	uint32_t dead_host;     /* set by await: node + 1 of a dead host the grant took
+				 * the lock back from (the caller repairs), 0 = none */
 };
 
 /* lock request / await / cancel: tract_lock_acquire in two steps, so a holder
  * of a lock can request one of higher id before it leaves (internal) */
 int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		       struct tract_lock_req *q, struct tract_lock_wait *wait);
-int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q,
+int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q,
 		     uint64_t timeout_ns, struct tract_lock_wait *wait);
 void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q);
 
 /* the largest lock-manager claim in the node table (manager.c; internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node, int site);
+
+/* the largest claim, and which nodes are dead (dead: max_nodes entries), from
+ * one observe of the node table (verdict.c; internal) */
+uint64_t tract_observe_nodes(tract_region *r, uint8_t *dead, int site);
+
+/* a dead host's part of the index, the transfer table (index_recover.c,
+ * handoff.c; recover.c's tract_recover_host) (internal) */
+int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t timeout_ns,
+			       uint32_t *buried, uint32_t *skipped);
+int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, uint64_t *pins,
+			   uint32_t *skipped);
+int tract_handoff_recover_node(tract_region *r, uint32_t node, uint32_t *count,
+			       uint64_t timeout_ns);
+uint32_t tract_handoff_records_of(tract_region *r, uint32_t node);
+
+/* records steps of a dead node's recovery in its verdict (verdict.c; internal) */
+int tract_node_verdict_record(tract_region *r, uint32_t node, uint32_t steps);
 
 /*
  * Mutation sites (tests/mutation.py): every flush and invalidate of the

@@ -417,3 +417,35 @@ void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
 			k->claim = 0;
 	}
 }
+
+/* Forgets the pins of every journal entry of this node (their claims and
+ * slots stay): for an agent that starts on a node whose previous agent epoch
+ * was declared dead, once no process of that epoch lives.  The dead host's
+ * recovery gave those pins back by zeroing the node's pin counts
+ * (tract_recover_host), so giving them back again would take other
+ * processes' pins.  *voided gets the pins forgotten. */
+int tract_journal_void_pins(tract_region *r, uint64_t *voided)
+{
+	if (!r || !voided)
+		return TRACT_E_INVAL;
+	*voided = 0;
+	if (!r->local || !r->local->journal_off)
+		return TRACT_E_NO_LOCAL;
+	struct tract_journal_proc *p = procs(r);
+	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
+		uint32_t pid = __atomic_load_n(&p[i].pid, __ATOMIC_ACQUIRE);
+		if (!pid || !tract_pid_dead(pid))
+			continue;       /* free, or a live process of the new epoch */
+		journal_settle(&p[i]);
+		for (uint32_t k = 0; k < TRACT_JOURNAL_CAP && p[i].used; k++) {
+			struct tract_journal_key *key = &p[i].keys[k];
+			if (!key->used || !key->pins)
+				continue;
+			*voided += key->pins;
+			key->pins = 0;
+			if (!key->claim)
+				tract_journal_erase(&p[i], k);
+		}
+	}
+	return TRACT_OK;
+}

@@ -7,6 +7,9 @@
  *          token -> observe the manager claims: enter only if the token is
  *          the current one, else withdraw to WAITING and go on polling.
  * release: publish IDLE -> unlock the local mutex.
+ * A grant that takes the lock back from a dead host says so (line 0's
+ * `inherited`): acquire then returns TRACT_RECOVERED, as when a process of
+ * this node died holding it, and the caller repairs before its section.
  *
  * Only the holder of the node's local mutex writes the node's slot line and
  * only the manager writes line 0, so every line has one writer and no atomic
@@ -107,6 +110,7 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	}
 	q->recovered = rc == TRACT_RECOVERED;
 	q->inherited = 0;
+	q->dead_host = 0;
 
 	/* request: a fresh sequence number, so a stale grant is never mistaken
 	 * for this one; the previous holder on this node wrote the line last */
@@ -150,7 +154,7 @@ void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_loc
 
 /* Waits, within timeout_ns of the request, for the current manager's grant of
  * the request q, and enters; on a timeout the request is withdrawn (internal). */
-int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q,
+int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q,
 		     uint64_t timeout_ns, struct tract_lock_wait *wait)
 {
 	struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
@@ -167,8 +171,13 @@ int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_
 			publish_slot(r, lock_id, TRACT_LOCK_LOCKED, q->req, m.token,
 				     SITE_LOCK_PUBLISH_LOCKED);
 			uint64_t current = tract_current_token(r, NULL, SITE_LOCK_OBSERVE_CLAIMS);
-			if (current == m.token)
+			if (current == m.token) {
+				/* taken back from a dead host that held it: this
+				 * holder repairs what it left (its caller, as for a
+				 * dead process of this node) */
+				q->dead_host = m.inherited;
 				break;
+			}
 			/* a grant of a superseded manager: withdraw, keep the request */
 			publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_NONE);
 			floor = current > m.token ? current : m.token + 1;
@@ -185,7 +194,7 @@ int tract_lock_await(tract_region *r, uint32_t lock_id, const struct tract_lock_
 	pthread_mutex_lock(&r->held_mu);
 	r->held[lock_id] = 1;
 	pthread_mutex_unlock(&r->held_mu);
-	return q->recovered ? TRACT_RECOVERED : TRACT_OK;
+	return q->recovered || q->dead_host ? TRACT_RECOVERED : TRACT_OK;
 }
 
 /* Acquires global lock lock_id (local mutex, then a grant from the lock manager). */

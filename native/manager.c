@@ -31,6 +31,9 @@ struct grant {
 	uint32_t last;      /* node + 1 granted last */
 	uint64_t req;
 	uint64_t seq;
+	uint32_t inherit;   /* node + 1 of a dead host whose section the next
+			     * holder must repair first (published in line 0) */
+	int entered;        /* the holder of this grant was seen LOCKED */
 };
 
 struct tract_manager {
@@ -43,7 +46,8 @@ struct tract_manager {
 	uint64_t idle_sleep_max_ns;
 	struct grant *grants;
 	uint8_t *table;     /* private copy of the lock table */
-	uint64_t scans, grants_issued, releases, sleeps, repairs;
+	uint8_t *dead;      /* per node: declared dead (verdict.c), as of this scan */
+	uint64_t scans, grants_issued, releases, sleeps, repairs, revoked;
 };
 
 /* the largest manager claim in the node table; *node gets its node.  Every
@@ -94,6 +98,7 @@ static void publish_grant(struct tract_manager *m, uint32_t id)
 	line.granted_req = m->grants[id].req;
 	line.grant_ns = tract_now_ns();
 	line.token = m->token;
+	line.inherited = m->grants[id].inherit;
 	tract_write_line_at(r, tract_lock_line(r, id, 0), &line, SITE_MGR_PUBLISH_GRANT);
 }
 
@@ -103,16 +108,17 @@ static int line_is_mine(const struct tract_manager *m, const struct tract_lock_m
 {
 	const struct grant *g = &m->grants[id];
 	return l->token == m->token && l->granted_node == g->node && l->last_node == g->last &&
-	       l->granted_req == g->req && l->grant_seq == g->seq;
+	       l->granted_req == g->req && l->grant_seq == g->seq && l->inherited == g->inherit;
 }
 
 /* one pass over every lock; returns 1 if any request or grant is live (internal) */
 static int scan(struct tract_manager *m)
 {
 	tract_region *r = m->r;
+	/* the claims and the verdicts, one pass over the node table */
+	uint64_t current = tract_observe_nodes(r, m->dead, SITE_MGR_OBSERVE_CLAIMS);
 	if (m->token) {
 		/* fenced: a larger claim means another manager took over */
-		uint64_t current = tract_current_token(r, NULL, SITE_MGR_OBSERVE_CLAIMS);
 		if (current > m->token) {
 			__atomic_store_n(&m->by, current, __ATOMIC_RELAXED);
 			__atomic_store_n(&m->superseded, 1, __ATOMIC_RELEASE);
@@ -139,22 +145,41 @@ static int scan(struct tract_manager *m)
 		}
 		if (g->node) {
 			const struct tract_lock_node_slot *s = &slot[g->node - 1];
-			if (s->state == TRACT_LOCK_IDLE || s->request_seq != g->req) {
+			if (m->dead[g->node - 1]) {
+				/* taken back from a dead host: if it entered, the
+				 * next holder repairs what it left (so does the
+				 * next one, if this grant carried a repair it
+				 * never made) */
+				if (s->state == TRACT_LOCK_LOCKED && s->request_seq == g->req)
+					g->inherit = g->node;
+				g->node = 0;
+				__atomic_fetch_add(&m->revoked, 1, __ATOMIC_RELAXED);
+				wrote = 1;
+				publish_grant(m, id);
+			} else if (s->state == TRACT_LOCK_IDLE || s->request_seq != g->req) {
+				/* a repair is done once its holder was seen inside;
+				 * one released unseen passes on (a repair twice is
+				 * harmless, none is not) */
+				if (g->entered)
+					g->inherit = 0;
 				g->node = 0;
 				__atomic_fetch_add(&m->releases, 1, __ATOMIC_RELAXED);
 				wrote = 1;
 				publish_grant(m, id);
 			} else {
+				if (s->state == TRACT_LOCK_LOCKED)
+					g->entered = 1;
 				busy = 1;
 				continue;
 			}
 		}
 		for (uint32_t k = 0; k < nodes; k++) {
 			uint32_t n = (g->last + k) % nodes;   /* node after the last granted */
-			if (slot[n].state == TRACT_LOCK_WAITING) {
+			if (slot[n].state == TRACT_LOCK_WAITING && !m->dead[n]) {
 				g->node = n + 1;
 				g->last = n + 1;
 				g->req = slot[n].request_seq;
+				g->entered = 0;
 				g->seq++;
 				__atomic_fetch_add(&m->grants_issued, 1, __ATOMIC_RELAXED);
 				publish_grant(m, id);
@@ -196,6 +221,7 @@ static void take_over(struct tract_manager *m)
 {
 	tract_region *r = m->r;
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
+	tract_observe_nodes(r, m->dead, SITE_NONE);
 	if (TRACT_KEEP(SITE_MGR_OBSERVE_ADOPT))
 		r->ops->invalidate(r, sec->offset, sec->length);
 	r->ops->fence(r);
@@ -208,6 +234,11 @@ static void take_over(struct tract_manager *m)
 		struct grant *g = &m->grants[id];
 		g->last = line->last_node <= nodes ? line->last_node : 0;
 		g->seq = line->grant_seq;
+		/* a repair the previous manager's grant carried stays owed (a dead
+		 * holder adopted below is taken back, with its repair, at the
+		 * first scan) */
+		g->inherit = line->inherited <= nodes ? line->inherited : 0;
+		g->entered = 0;
 		if (!m->token) {
 			g->node = line->granted_node <= nodes ? line->granted_node : 0;
 			g->req = line->granted_req;
@@ -216,7 +247,12 @@ static void take_over(struct tract_manager *m)
 		int found = 0;
 		uint64_t best = 0;
 		for (uint32_t k = 0; k < nodes; k++) {
-			if (slot[k].state == TRACT_LOCK_LOCKED && (!found || slot[k].grant_token > best)) {
+			/* of equal tokens a live node's: a dead host's slot keeps
+			 * saying LOCKED after its grant was taken back and given,
+			 * under the same token, to the holder */
+			int better = !found || slot[k].grant_token > best ||
+				     (slot[k].grant_token == best && m->dead[g->node - 1] && !m->dead[k]);
+			if (slot[k].state == TRACT_LOCK_LOCKED && better) {
 				found = 1;
 				best = slot[k].grant_token;
 				g->node = k + 1;
@@ -245,9 +281,11 @@ int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manag
 	m->idle_sleep_max_ns = idle_sleep_max_ns ? idle_sleep_max_ns : 1000000ULL;
 	m->grants = calloc(r->hdr.lock_count, sizeof(*m->grants));
 	m->table = malloc(tract_sec(r, TRACT_SEC_LOCKS)->length);
-	if (!m->grants || !m->table) {
+	m->dead = calloc(r->hdr.max_nodes, 1);
+	if (!m->grants || !m->table || !m->dead) {
 		free(m->grants);
 		free(m->table);
+		free(m->dead);
 		free(m);
 		return TRACT_E_NOMEM;
 	}
@@ -255,6 +293,7 @@ int tract_manager_start(tract_region *r, uint64_t idle_sleep_max_ns, tract_manag
 	if (pthread_create(&m->thread, NULL, run, m)) {
 		free(m->grants);
 		free(m->table);
+		free(m->dead);
 		free(m);
 		return TRACT_E_SYS;
 	}
@@ -271,6 +310,7 @@ void tract_manager_stop(tract_manager *m)
 	pthread_join(m->thread, NULL);
 	free(m->grants);
 	free(m->table);
+	free(m->dead);
 	free(m);
 }
 
@@ -285,15 +325,17 @@ int tract_manager_superseded(const tract_manager *m, uint64_t *by)
 	return sup ? 1 : 0;
 }
 
-/* Manager counters: scans, grants, releases seen, idle sleeps, line repairs (5 values). */
-int tract_manager_stats(const tract_manager *m, uint64_t *out5)
+/* Manager counters: scans, grants, releases seen, idle sleeps, line repairs,
+ * grants taken back from dead hosts (6 values). */
+int tract_manager_stats(const tract_manager *m, uint64_t *out6)
 {
-	if (!m || !out5)
+	if (!m || !out6)
 		return TRACT_E_INVAL;
-	out5[0] = __atomic_load_n(&m->scans, __ATOMIC_RELAXED);
-	out5[1] = __atomic_load_n(&m->grants_issued, __ATOMIC_RELAXED);
-	out5[2] = __atomic_load_n(&m->releases, __ATOMIC_RELAXED);
-	out5[3] = __atomic_load_n(&m->sleeps, __ATOMIC_RELAXED);
-	out5[4] = __atomic_load_n(&m->repairs, __ATOMIC_RELAXED);
+	out6[0] = __atomic_load_n(&m->scans, __ATOMIC_RELAXED);
+	out6[1] = __atomic_load_n(&m->grants_issued, __ATOMIC_RELAXED);
+	out6[2] = __atomic_load_n(&m->releases, __ATOMIC_RELAXED);
+	out6[3] = __atomic_load_n(&m->sleeps, __ATOMIC_RELAXED);
+	out6[4] = __atomic_load_n(&m->repairs, __ATOMIC_RELAXED);
+	out6[5] = __atomic_load_n(&m->revoked, __ATOMIC_RELAXED);
 	return TRACT_OK;
 }

@@ -16,6 +16,12 @@
  *   4. handoffs  releases (acknowledge, reclaim) a dead process left half done,
  *                resumed from the progress their records show.
  *
+ * A dead *host* (a node the current lock manager's agent declared dead,
+ * verdict.c) left no agent to do this; the manager's agent runs
+ * tract_recover_host for it every heartbeat until nothing is left.  Its locks
+ * need no step here: the lock manager took each back and the next holder
+ * repaired what it protects (the grant's `inherited`, lock.c).
+ *
  * The parts below it know only their own state: lock.c takes a dead holder's
  * lock and knows nothing of what it protects; the journal is a passive table;
  * alloc.c, the index (index_recover.c) and handoff.c each repair their own
@@ -187,5 +193,64 @@ int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, u
 		out->orphan_rc = tract_bury_orphan_claims(r, timeout_ns, &out->orphans_buried,
 							  &out->orphans_skipped);
 	out->handoff_rc = tract_handoff_recover(r, &out->handoffs, timeout_ns);
+	return TRACT_OK;
+}
+
+/*
+ * One pass of a dead host's recovery, by the current lock manager's agent
+ * (TRACT_E_SUPERSEDED otherwise), while node stays dead (TRACT_E_ALIVE once
+ * an agent started there again):
+ *   1. handoff releases its processes left half done, finished;
+ *   2. its PENDING claims buried (their keys writable again);
+ *   3. once no handoff record it published remains (their pins are in its
+ *      pin lines until each is acknowledged or reclaimed at expiry), its pin
+ *      counts zeroed: what is left there is its dead readers'.
+ * Steps 2 and 3 are recorded in the verdict when whole (a busy stripe leaves
+ * them for the next pass).  Its slots -- a free list that died with its DRAM,
+ * the slots of its unfinished writes -- come back offline, with `tract check
+ * --repair` (docs/PROTOCOLS.md §5).  out->done: nothing is left for a later
+ * pass.
+ */
+int tract_recover_host(tract_region *r, uint32_t node, struct tract_host_recovery *out,
+		       uint64_t timeout_ns)
+{
+	if (!r || !out || (r->flags & TRACT_ATTACH_READONLY) || node >= r->hdr.max_nodes ||
+	    node == r->node_id)
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	memset(out, 0, sizeof(*out));
+	int32_t who;
+	tract_current_token(r, &who, SITE_NONE);
+	if (who != (int32_t)r->node_id)
+		return TRACT_E_SUPERSEDED;
+	struct tract_node_verdict v;
+	int dead = tract_node_verdict(r, node, &v);
+	if (dead <= 0)
+		return dead < 0 ? dead : TRACT_E_ALIVE;
+	int rc = tract_handoff_recover_node(r, node, &out->handoffs, timeout_ns);
+	if (rc < 0)
+		return rc;
+	uint32_t steps = v.recovered, skipped = 0;
+	if (!(steps & TRACT_VERDICT_CLAIMS)) {
+		rc = tract_index_bury_claims_of(r, node, timeout_ns, &out->claims, &skipped);
+		if (rc < 0)
+			return rc;
+		out->skipped += skipped;
+		if (!skipped)
+			steps |= TRACT_VERDICT_CLAIMS;
+	}
+	out->records = tract_handoff_records_of(r, node);
+	if (!(steps & TRACT_VERDICT_PINS) && !out->records) {
+		rc = tract_index_clear_pins(r, node, timeout_ns, &out->pins, &skipped);
+		if (rc < 0)
+			return rc;
+		out->skipped += skipped;
+		if (!skipped)
+			steps |= TRACT_VERDICT_PINS;
+	}
+	if (steps != v.recovered && (rc = tract_node_verdict_record(r, node, steps)) < 0)
+		return rc;
+	out->done = steps == (TRACT_VERDICT_CLAIMS | TRACT_VERDICT_PINS);
 	return TRACT_OK;
 }

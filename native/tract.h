@@ -42,12 +42,13 @@ enum {
 	TRACT_E_TABLE_FULL = -19,    /* the transfer table has no free record */
 	TRACT_E_SUPERSEDED = -20,    /* another node holds a later lock-manager claim */
 	TRACT_E_TOO_LARGE = -21,     /* more slots asked for than the whole pool has */
+	TRACT_E_ALIVE = -22,         /* the node heartbeat or restarted: not (or no longer) dead */
 	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 4,
+	TRACT_FORMAT_VERSION = 5,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -411,6 +412,45 @@ int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, u
  * PENDING claims, bare slots), counted in out's processes, pins, claims,
  * slots and partial; its other fields are left as they are. */
 int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t timeout_ns);
+
+/* ---- a dead host (verdict.c, recover.c; docs/PROTOCOLS.md §7) ---- */
+
+struct tract_node_verdict;     /* line 1 of a node's entry (format.h) */
+
+/* Observes node's verdict (line 1 of its node-table entry) into out (may be
+ * NULL): 1 if the node is dead now (its entry's epoch is the one declared
+ * dead), 0 if not, or an error. */
+int tract_node_verdict(tract_region *r, uint32_t node, struct tract_node_verdict *out);
+
+/* Declares another node's agent epoch dead, if its entry still shows that
+ * epoch and that heartbeat (TRACT_E_ALIVE if not): from then on the lock
+ * manager grants it nothing and takes back what it holds.  Only the current
+ * lock manager's agent declares (TRACT_E_SUPERSEDED). */
+int tract_node_declare_dead(tract_region *r, uint32_t node, uint64_t epoch, uint64_t heartbeat_ns);
+
+/* what one pass of tract_recover_host gave back */
+struct tract_host_recovery {
+	uint32_t handoffs;         /* its half-done handoff releases finished */
+	uint32_t claims;           /* its PENDING claims buried */
+	uint32_t records;          /* its handoff records still live (its pins wait for them) */
+	uint32_t skipped;          /* stripes busy: the next pass resumes */
+	uint64_t pins;             /* pins of its dead readers given back (summed counts) */
+	uint32_t done;             /* 1: nothing left for a later pass */
+	uint32_t reserved;
+};
+
+/* One pass of a dead host's recovery by the current lock manager's agent:
+ * its half-done handoff releases, its PENDING claims, and (once none of its
+ * handoff records remains) its pins.  TRACT_E_ALIVE once the node was
+ * restarted, TRACT_E_SUPERSEDED when this node is not the manager's. */
+int tract_recover_host(tract_region *r, uint32_t node, struct tract_host_recovery *out,
+		       uint64_t timeout_ns);
+
+/* Forgets the pins the node's dead processes journaled (their claims and
+ * slots stay), for an agent that starts on a node whose previous agent epoch
+ * was declared dead: the dead host's recovery gave those pins back already.
+ * *voided gets how many. */
+int tract_journal_void_pins(tract_region *r, uint64_t *voided);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
  * (a restarted host, an overflowed journal): their keys become writable; their

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.errors import NodeAlive, Superseded, TractError, UsageError
 from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
@@ -39,7 +39,8 @@ from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NOD
                                   on_this_host, read_nodes, token_node, token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
-from tract_cli.core.recovery import NodeRecovery, recover_node
+from tract_cli.core.recovery import (NodeRecovery, declare_dead, recover_host, recover_node,
+                                     void_journaled_pins)
 
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
@@ -51,6 +52,11 @@ PAYLOAD_SWEEP_BYTES = 1 << 30
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
+# a node of another host whose heartbeat stood still this long is declared dead
+# by the lock manager's agent (docs/PROTOCOLS.md §7, "A dead host"): long
+# enough that no live host's pause (a VM migration, a swap storm) reaches it,
+# short enough that the rack does not wait long on a lock a dead host held
+HOST_DEAD_AFTER_S = 10.0
 
 # what the agent says (started, stopped, manager taken over or given up, what
 # recovery gave back, failed steps); nothing is shown unless the process shows
@@ -82,12 +88,17 @@ class Agent:
                  simulate: bool | None = None, flush_mode: str | None = None,
                  heartbeat_s: float = HEARTBEAT_S, idle_sleep_max_s: float = 0.001,
                  takeover_after_s: float | None = TAKEOVER_AFTER_S,
-                 idle_exit_s: float | None = None):
+                 idle_exit_s: float | None = None,
+                 host_dead_after_s: float | None = HOST_DEAD_AFTER_S):
         self.node = node
         self.idle_exit_s = idle_exit_s    # None: run until stopped (started by hand)
         self.manager = manager            # asked to start as the manager
         self.heartbeat_s = heartbeat_s
         self.takeover_after_s = takeover_after_s   # None: never take over
+        self.host_dead_after_s = host_dead_after_s  # None: never declare a host dead
+        self._host_watch: dict[int, tuple[tuple[int, int], float]] = {}  # node: (seen, since)
+        self._hosts_recovered: set[tuple[int, int]] = set()   # (node, dead epoch) done
+        self.declared_dead = 0
         self.pool = Pool.attach(pool_path, node=node, simulate=simulate, flush_mode=flush_mode,
                                 prefault=False)
         self._manager = None
@@ -137,6 +148,8 @@ class Agent:
                 raise TractError(f"node {self.node}'s agent epoch in the node table is at its "
                                  "maximum", "the region's node table is corrupt: run "
                                  "`tract check --repair`")
+            if nodes[self.node].dead:
+                self._rejoin_after_verdict(nodes[self.node])
             self.epoch = nodes[self.node].epoch + 1
             self.manager_epoch = nodes[self.node].manager_epoch   # claims never go back
             self._publish(NODE_ALIVE)
@@ -151,6 +164,25 @@ class Agent:
             self.stop()
             raise
         return self
+
+    def _rejoin_after_verdict(self, me) -> None:
+        """The node's previous agent epoch was declared dead, and the lock
+        manager's agent gave back what it held: the node's pins among it.  Its
+        processes, if any still run, are fenced from the locks and must go
+        before the node takes new ones; the pins their journals name are
+        forgotten (given back twice, they would be other processes' pins)."""
+        alive = self.node_processes()
+        if alive:
+            raise TractError(
+                f"node {self.node} was declared dead by the lock manager "
+                f"({(time.time_ns() - me.declared_ns) / 1e9:.0f} s ago: its heartbeat had stood "
+                f"still) and {len(alive)} of its processes still run (pid "
+                f"{', '.join(map(str, alive[:8]))})",
+                "stop them (they can take no lock), then start the agent again")
+        voided = void_journaled_pins(self.pool)
+        self._log(logging.WARNING, "the node's previous agent (epoch %d) was declared dead; its "
+                  "recovery gave back the node's pins, so %d pin(s) its dead processes "
+                  "journaled are forgotten", me.epoch, voided)
 
     def _publish(self, state: int) -> None:
         sec = self.pool.info.section("nodes")
@@ -279,9 +311,13 @@ class Agent:
                 self.exit_reason = why
                 self.exited.set()
                 return
+            if self._declared_dead():
+                return
             self._publish(NODE_ALIVE)
             if self.managing:
                 self._check_superseded()
+            if self.managing:
+                self._watch_hosts()
             elif self.takeover_after_s is not None:
                 try:
                     self._maybe_take_over()
@@ -318,6 +354,75 @@ class Agent:
                 except TractError as err:
                     self._log(logging.ERROR, "reclaim: %s", err)
 
+    def _declared_dead(self) -> bool:
+        """Whether the lock manager declared this agent's node dead (it stood
+        still too long: paused, or cut off); it then stops, for its processes
+        are fenced from the locks and what they held was given back."""
+        me = read_nodes(self.pool)[self.node]
+        if not (me.dead_epoch and me.dead_epoch == self.epoch):
+            return False
+        self.exit_reason = (f"node {self.node} was declared dead by the lock manager (its heartbeat "
+                            "stood still too long): its processes can take no lock; restart them "
+                            "and this agent")
+        self._log(logging.ERROR, "%s", self.exit_reason)
+        self.exited.set()
+        return True
+
+    def _watch_hosts(self) -> None:
+        """The lock manager's duty to the rack: a node of another host whose
+        heartbeat has not moved for host_dead_after seconds (on this host's
+        clock) is declared dead; a dead node's recovery runs every heartbeat
+        until it is whole (docs/PROTOCOLS.md §7)."""
+        now = time.monotonic()
+        for rec in read_nodes(self.pool):
+            if rec.node == self.node:
+                continue
+            if rec.dead:
+                self._host_watch.pop(rec.node, None)
+                if (rec.node, rec.dead_epoch) not in self._hosts_recovered:
+                    self._recover_host(rec)
+                continue
+            # a node of this host is judged by its processes' pids (its own
+            # agent's recovery), never by a heartbeat
+            if self.host_dead_after_s is None or rec.state != NODE_ALIVE or on_this_host(rec):
+                self._host_watch.pop(rec.node, None)
+                continue
+            seen = (rec.epoch, rec.heartbeat_ns)
+            watch = self._host_watch.get(rec.node)
+            if watch is None or watch[0] != seen:
+                self._host_watch[rec.node] = (seen, now)
+                continue
+            still = now - watch[1]
+            if still < self.host_dead_after_s:
+                continue
+            try:
+                declare_dead(self.pool, rec.node, rec.epoch, rec.heartbeat_ns)
+            except (NodeAlive, Superseded):
+                continue                   # it heartbeat meanwhile / no longer the manager
+            self.declared_dead += 1
+            self._log(logging.WARNING, "node %d (host %s) declared dead: its heartbeat stood still "
+                      "for %.1f s; the locks it held are taken back and repaired, its unfinished "
+                      "writes dropped, its pins given back once its handoffs end; its slots come "
+                      "back with `tract check --repair`", rec.node, rec.hostname or "?", still)
+
+    def _recover_host(self, rec) -> None:
+        """One pass of dead node REC's recovery; logs what it gave back."""
+        try:
+            got = recover_host(self.pool, rec.node)
+        except (NodeAlive, Superseded):
+            return                         # restarted meanwhile / no longer the manager
+        except TractError as err:
+            self._log(logging.ERROR, "recovery of dead node %d: %s", rec.node, err)
+            return
+        if got.handoffs or got.claims or got.pins:
+            self._log(logging.WARNING, "dead node %d: %d half-done handoff release(s) finished, "
+                      "%d unfinished write(s) dropped, %d pin(s) given back", rec.node,
+                      got.handoffs, got.claims, got.pins)
+        if got.done:
+            self._hosts_recovered.add((rec.node, rec.dead_epoch))
+            self._log(logging.INFO, "dead node %d: recovered (its slots: `tract check --repair`)",
+                      rec.node)
+
     def _report(self, got: NodeRecovery) -> None:
         """Logs what a recovery pass gave back (a warning: processes died)."""
         if got.locks:
@@ -344,9 +449,9 @@ class Agent:
         """Scans, grants, releases, idle sleeps of the manager thread."""
         if self._manager is None:
             return {}
-        out = ffi.new("uint64_t[5]")
+        out = ffi.new("uint64_t[6]")
         lib.tract_manager_stats(self._manager, out)
-        return dict(zip(("scans", "grants", "releases", "sleeps", "repairs"), list(out)))
+        return dict(zip(("scans", "grants", "releases", "sleeps", "repairs", "revoked"), list(out)))
 
     def wait(self, stop: threading.Event) -> None:
         """Blocks until STOP is set (SIGTERM / Ctrl-C in the CLI) or the agent
@@ -409,6 +514,7 @@ class AgentOptions:
     heartbeat_ms: int = round(HEARTBEAT_S * 1000)
     takeover_after: float | None = TAKEOVER_AFTER_S   # None: never take the manager over
     idle_exit: float | None = None     # seconds with no process on the node; None: never
+    host_dead_after: float | None = HOST_DEAD_AFTER_S   # None: never declare a host dead
 
     def check(self) -> None:
         """Refuses options out of range (UsageError: one line, exit 2)."""
@@ -421,6 +527,13 @@ class AgentOptions:
                              "give the seconds a manager heartbeat may stand still, e.g. 2")
         if takeover is not None and takeover * 1000 < 3 * self.heartbeat_ms:
             raise UsageError(f"--takeover-after {takeover:g} s is under three heartbeats "
+                             f"({self.heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
+        dead_after = self.host_dead_after
+        if dead_after is not None and not 0.5 <= dead_after <= 86400:
+            raise UsageError(f"--host-dead-after {dead_after:g} is outside 0.5..86400 seconds",
+                             "give the seconds another host's heartbeat may stand still, e.g. 10")
+        if dead_after is not None and dead_after * 1000 < 5 * self.heartbeat_ms:
+            raise UsageError(f"--host-dead-after {dead_after:g} s is under five heartbeats "
                              f"({self.heartbeat_ms} ms each)", "raise it, or lower --heartbeat-ms")
         if self.idle_exit is not None and not 0.1 <= self.idle_exit <= 86400:
             raise UsageError(f"--exit-when-idle {self.idle_exit:g} is outside 0.1..86400 seconds",
@@ -461,7 +574,8 @@ def run_foreground(opts: AgentOptions) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     a = Agent(opts.pool, node, manager, simulate=opts.simulate or None,
               flush_mode=opts.flush_mode, heartbeat_s=opts.heartbeat_ms / 1000,
-              takeover_after_s=opts.takeover_after, idle_exit_s=idle_exit).start()
+              takeover_after_s=opts.takeover_after, idle_exit_s=idle_exit,
+              host_dead_after_s=opts.host_dead_after).start()
     role = ", lock manager" if manager else (", standby manager"
                                              if opts.takeover_after is not None else "")
     life = (f", stops after {idle_exit:g} s with no process on the node" if idle_exit is not None

@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 
-from tract_cli.core.agent import TAKEOVER_AFTER_S, AgentOptions
+from tract_cli.core.agent import HOST_DEAD_AFTER_S, TAKEOVER_AFTER_S, AgentOptions
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.nodes import on_this_host, read_nodes
 from tract_cli.core.pids import pid_alive
@@ -28,7 +28,9 @@ IDLE_EXIT_S = float(os.environ.get("TRACT_AGENT_IDLE_EXIT_S") or 30.0)
 
 def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: float = 15.0,
                  log_path: str | None = None, takeover_after: float | None = TAKEOVER_AFTER_S,
-                 idle_exit: float | None = None, **attach) -> subprocess.Popen | None:
+                 idle_exit: float | None = None,
+                 host_dead_after: float | None = HOST_DEAD_AFTER_S,
+                 **attach) -> subprocess.Popen | None:
     """Starts an agent process for NODE unless one is alive; returns the process started.
 
     IDLE_EXIT (seconds): the agent stops by itself once the node has had no
@@ -45,7 +47,8 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
             return None
     opts = AgentOptions(pool_path, node, manager, simulate=bool(attach.get("simulate")),
                         flush_mode=attach.get("flush_mode") or None,
-                        takeover_after=takeover_after, idle_exit=idle_exit)
+                        takeover_after=takeover_after, idle_exit=idle_exit,
+                        host_dead_after=host_dead_after)
     opts.check()                  # here, not as the child's exit code
     cmd = module_command("tract_cli.core.agent_main", opts.to_json())
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL

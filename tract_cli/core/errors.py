@@ -81,6 +81,11 @@ class Superseded(TractError):
     """Another node holds a later lock-manager claim (TRACT_E_SUPERSEDED)."""
 
 
+class NodeAlive(TractError):
+    """The node heartbeat or restarted: not (or no longer) declared dead
+    (TRACT_E_ALIVE)."""
+
+
 class OutOfMemory(TractError):
     """A process-local allocation failed (TRACT_E_NOMEM)."""
 

@@ -33,7 +33,7 @@ SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("req
 # a lock's manager line (struct tract_lock_manager_line)
 MGR_DTYPE = np.dtype([("granted_node", "<u4"), ("last_node", "<u4"), ("grant_seq", "<u8"),
                       ("grant_ns", "<u8"), ("granted_req", "<u8"), ("token", "<u8"),
-                      ("pad", "V24")])
+                      ("inherited", "<u4"), ("pad", "V20")])
 # a handoff record (struct tract_transfer_record); the releaser's progress is padding here
 RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", "<u4"),
                          ("block_count", "<u4"), ("request_id", "V16"), ("token_count", "<u8"),
@@ -48,6 +48,9 @@ ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", 
 NODE_LINE = struct.Struct("<IIQQIIQ24s")
 NODE_LINE_FIELDS = ("state", "agent_pid", "epoch", "heartbeat_ns", "flags", "manager_epoch",
                     "manager_heartbeat_ns", "hostname")
+# line 1 of a node entry, its verdict (struct tract_node_verdict, FORMAT.md §4.2)
+VERDICT_LINE = struct.Struct("<QQQQI28x")
+VERDICT_LINE_FIELDS = ("dead_epoch", "declared_ns", "token", "heartbeat_ns", "recovered")
 
 
 def pins_view(raw: np.ndarray, info) -> np.ndarray:
@@ -178,6 +181,7 @@ MIRRORS = (
     ("RECORD_DTYPE", RECORD_DTYPE, "tract_transfer_record", None, True),
     ("ALLOC_DTYPE", ALLOC_DTYPE, "tract_alloc_header", None, True),
     ("NODE_LINE", NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
+    ("VERDICT_LINE", VERDICT_LINE, "tract_node_verdict", VERDICT_LINE_FIELDS, True),
 )
 
 

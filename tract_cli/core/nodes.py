@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tract_cli.core.media import HOSTNAME_MAX, NODE_LINE  # line 0 of an entry, its hostname field
+from tract_cli.core.media import HOSTNAME_MAX, NODE_LINE, VERDICT_LINE  # lines 0 and 1 of an entry
 from tract_cli.core.native import ffi, lib, raise_for
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ NODE_STATES = {NODE_NEVER: "never", NODE_ALIVE: "alive", NODE_LEFT: "left"}
 FLAG_MANAGER = lib.TRACT_NODE_F_MANAGER
 FLAG_STANDBY = lib.TRACT_NODE_F_STANDBY
 FLAG_AUTOSTOP = lib.TRACT_NODE_F_AUTOSTOP
+VERDICT_CLAIMS, VERDICT_PINS = lib.TRACT_VERDICT_CLAIMS, lib.TRACT_VERDICT_PINS
 STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
 
 
@@ -58,6 +59,15 @@ class NodeRecord:
     manager_epoch: int = 0
     standby: bool = False
     autostop: bool = False      # started by a worker: stops when its node is idle
+    # line 1, the verdict (written by the current lock manager's agent)
+    dead_epoch: int = 0         # the agent epoch declared dead, 0 = never
+    declared_ns: int = 0
+    recovered: int = 0          # VERDICT_CLAIMS | VERDICT_PINS: its recovery's steps done
+
+    @property
+    def dead(self) -> bool:
+        """Declared dead: its entry still shows the epoch its verdict names."""
+        return bool(self.dead_epoch) and self.dead_epoch == self.epoch
 
     @property
     def token(self) -> int:
@@ -81,9 +91,11 @@ def read_nodes(pool: Pool) -> list[NodeRecord]:
     out = []
     for n in range(sec.count):
         f = NODE_LINE.unpack_from(raw, n * sec.entry_size)
+        v = VERDICT_LINE.unpack_from(raw, n * sec.entry_size + NODE_LINE.size)
         out.append(NodeRecord(n, f[0], f[1], f[2], f[3], bool(f[4] & FLAG_MANAGER), f[6],
                               f[7].rstrip(b"\0").decode(errors="replace"), f[5],
-                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP)))
+                              bool(f[4] & FLAG_STANDBY), bool(f[4] & FLAG_AUTOSTOP),
+                              dead_epoch=v[0], declared_ns=v[1], recovered=v[4]))
     return out
 
 

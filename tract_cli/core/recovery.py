@@ -83,3 +83,47 @@ def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
         return Recovered()           # a stripe lock was busy: the next heartbeat retries
     raise_for(rc, "recovery of dead processes")
     return Recovered.from_c(rep)
+
+
+@dataclass
+class HostRecovery:
+    """What one pass of a dead host's recovery (`tract_recover_host`) did."""
+
+    handoffs: int = 0     # handoff releases its processes left half done, finished
+    claims: int = 0       # its unfinished (PENDING) writes, dropped
+    records: int = 0      # its handoff records still live: its pins wait for them
+    skipped: int = 0      # stripes busy: the next pass resumes
+    pins: int = 0         # pins of its dead readers given back
+    done: bool = False    # nothing left for a later pass
+
+    @classmethod
+    def from_c(cls, rep) -> HostRecovery:
+        return cls(**{f.name: type(f.default)(getattr(rep, f.name)) for f in fields(cls)})
+
+
+def declare_dead(pool: Pool, node: int, epoch: int, heartbeat_ns: int) -> None:
+    """Declares NODE's agent epoch EPOCH dead, if the node still shows that
+    epoch and heartbeat (`NodeAlive` if not); only the current lock manager's
+    agent may (`Superseded`)."""
+    raise_for(lib.tract_node_declare_dead(pool._r(), node, epoch, heartbeat_ns),
+              f"declaring node {node} dead")
+
+
+def recover_host(pool: Pool, node: int, timeout: float = 1.0) -> HostRecovery:
+    """One pass of dead host NODE's recovery (native/recover.c): its half-done
+    handoff releases, its unfinished writes and, once none of its handoff
+    records remains, its pins; `NodeAlive` once it was restarted."""
+    rep = ffi.new("struct tract_host_recovery *")
+    rc = lib.tract_recover_host(pool._r(), node, rep, int(timeout * 1e9))
+    if rc == lib.TRACT_E_TIMEOUT:
+        return HostRecovery(skipped=1)     # a lock was busy: the next heartbeat resumes
+    raise_for(rc, f"recovery of dead node {node}")
+    return HostRecovery.from_c(rep)
+
+
+def void_journaled_pins(pool: Pool) -> int:
+    """Forgets the pins this node's dead processes journaled (after a verdict
+    on the node: the dead host's recovery gave them back); how many."""
+    n = ffi.new("uint64_t *")
+    raise_for(lib.tract_journal_void_pins(pool._r(), n), "forgetting journaled pins")
+    return int(n[0])

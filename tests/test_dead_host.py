@@ -1,0 +1,153 @@
+"""A dead host recovered online (docs/PROTOCOLS.md §7, "A dead host").
+
+Emulated hosts: TRACT_HOSTNAME makes node 0 ("host-a", the lock manager's
+agent) and node 1 ("host-b") separate hosts on this machine.  Host B dies
+with everything a host can hold: a process killed inside an index stripe
+(between two LRU moves), one killed inside the allocator (its claim counted
+in the header, its bits not yet set), pins, unfinished writes; then its agent
+is killed and its node-local segment removed, as a power cut would.  The
+manager's agent declares it dead once its heartbeat stood still; the locks it
+held are taken back and repaired by their next holders on host A, its
+unfinished writes dropped, its pins given back, and `tract check` is clean
+but for the slots that lived only in its DRAM (`--repair` returns them).
+Real processes, plain mode and the non-coherence simulator."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agents import RunningAgent
+from index_check import check_index
+from procs import Worker
+from tract_cli.core.errors import LockTimeout
+from tract_cli.core.local import local_path
+from tract_cli.core.locks import LOCK_ALLOCATOR, LOCK_OBJDIR
+from tract_cli.core.native import lib
+from tract_cli.core.nodes import VERDICT_CLAIMS, VERDICT_PINS, read_nodes
+from tract_cli.core.pool import Pool
+
+CHAIN = [0, 0, 11, 12]          # prefix_seed, prefix_blocks, suffix_seed, blocks
+OTHER = [0, 0, 13, 12]
+UNFINISHED = [0, 0, 17, 6]      # host B reserves these and dies before it writes them
+DEAD_AFTER = 1.0                # --host-dead-after of the manager's agent here
+
+
+@pytest.fixture
+def region(region_path):
+    Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
+    return region_path
+
+
+def wait_for(what: str, predicate, timeout: float = 60.0):
+    """Polls PREDICATE (bounded); fails naming WHAT."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)      # polling a table another process writes
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def node_record(path: str, node: int):
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        return read_nodes(p)[node]
+
+
+def on_host(monkeypatch, host: str, region: str, node: int, **opts) -> RunningAgent:
+    """An agent of NODE on emulated host HOST."""
+    monkeypatch.setenv("TRACT_HOSTNAME", host)
+    try:
+        return RunningAgent(region, node, **opts)
+    finally:
+        monkeypatch.delenv("TRACT_HOSTNAME")
+
+
+def kill_host_b(region: str, agent: RunningAgent, workers: list) -> None:
+    """Host B loses power: its agent and workers die, its DRAM (the node's
+    local segment) is gone."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait(timeout=30)
+        w.close()
+    agent.proc.send_signal(signal.SIGKILL)        # (stopped: it never runs again)
+    agent.proc.wait(timeout=30)
+    with Pool.attach(region, readonly=True, prefault=False, local=False) as p:
+        os.unlink(local_path(p.info.uuid, 1))
+
+
+def slot_violations(path: str) -> list:
+    from tract_cli.inspect import check
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        violations, _ = check.verify(p, data=True)
+    return violations
+
+
+def taken_slots(path: str, node: int) -> int:
+    """Slots the allocator's owner map gives to NODE (taken from the pool)."""
+    import numpy as np
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        sec = p.info.section("owners")
+        owners = np.frombuffer(p.observe(sec.offset, sec.length), np.uint8)[:p.slot_count]
+    return int((owners == node + 1).sum())
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch, simulate):
+    manager = on_host(monkeypatch, "host-a", region, 0, manager=True, simulate=simulate,
+                      host_dead_after=DEAD_AFTER)
+    try:
+        with Worker(region, 2, simulate=simulate) as writer:
+            writer.call("index_put_chains", chains=[CHAIN, OTHER])     # OTHER now heads the lists
+        b_agent = on_host(monkeypatch, "host-b", region, 1, manager=False, simulate=simulate,
+                          takeover_after=None)
+        b_agent.proc.send_signal(signal.SIGSTOP)   # its agent must not clean up after its workers
+        reader = Worker(region, 1, simulate=simulate)
+        assert reader.call("index_pin_chain", chain=OTHER) == 12     # heads already: moves nothing
+        writer_b = Worker(region, 1, simulate=simulate)
+        assert writer_b.call("index_reserve_chain", chain=UNFINISHED)["claimed"] == 6
+        # killed inside the allocator: its claim counted in the header, no bit set yet
+        in_alloc = Worker(region, 1, simulate=simulate,
+                          env={"TRACT_DIE_AT": str(lib.TRACT_DIE_CLAIM_HEADER)})
+        in_alloc.send("alloc", n=200)
+        assert in_alloc.proc.wait(timeout=60) == -9, "the allocation claimed nothing"
+        # killed inside a stripe, between two LRU moves of a lookup
+        in_stripe = Worker(region, 1, simulate=simulate,
+                           env={"TRACT_DIE_AT": str(lib.TRACT_DIE_LRU_MOVED)})
+        in_stripe.send("index_lookup_verify", chains=[CHAIN])
+        assert in_stripe.proc.wait(timeout=60) == -9, "the lookup moved nothing"
+        kill_host_b(region, b_agent, [reader, writer_b, in_stripe, in_alloc])
+
+        rec = wait_for("node 1 declared dead", lambda: (r := node_record(region, 1)).dead and r)
+        assert rec.dead_epoch == rec.epoch
+        # what it left half done, for the next holders of its locks to repair:
+        # the allocator header (and, in plain mode, where its last LRU move
+        # reached the region, the stripe's list)
+        left = {v.check for v in slot_violations(region)}
+        assert "allocator" in left and (simulate or "lru" in left), left
+        # host A works on: through the stripes host B held (repaired by whoever
+        # enters first), the allocator it held, and its reserved keys
+        with Worker(region, 2, simulate=simulate) as a:
+            assert a.call("index_lookup_verify", chains=[CHAIN, OTHER]) == [12, 12]
+            wait_for("node 1's recovery", lambda: node_record(region, 1).recovered
+                     == VERDICT_CLAIMS | VERDICT_PINS)
+            assert a.call("index_reserve_chain", chain=UNFINISHED)["claimed"] == 6
+            a.call("index_evict_all")                 # node 1's pins are gone: all evictable
+        with Worker(region, 3, simulate=simulate) as fresh:
+            fresh.call("alloc", n=8)                  # claims: lock 0 taken back, repaired
+        assert check_index(region, allow_pending=True)["ready"] == 0
+        # clean but for what lived only in host B's DRAM: its free list's slots
+        assert slot_violations(region) == []
+        assert taken_slots(region, 1) > 0
+    finally:
+        manager.stop()
+    from tract_cli.inspect import check
+    got = check.repair(region)
+    assert taken_slots(region, 1) == 0, got
+    assert slot_violations(region) == []
