@@ -41,6 +41,28 @@ static uint8_t *free_bits(const tract_region *r)
 
 enum { INTENT_NONE, INTENT_CLAIM, INTENT_RELEASE };
 
+/* u64 comparison for qsort (internal) */
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* order[] gets the positions 0..n-1 of slots sorted by slot (internal) */
+static int sort_by_slot(uint32_t *order, const uint32_t *slots, uint32_t n)
+{
+	uint64_t *pairs = malloc(((size_t)n + 1) * sizeof(uint64_t));
+	if (!pairs)
+		return TRACT_E_NOMEM;
+	for (uint32_t i = 0; i < n; i++)
+		pairs[i] = (uint64_t)slots[i] << 32 | i;
+	qsort(pairs, n, sizeof(uint64_t), cmp_u64);
+	for (uint32_t i = 0; i < n; i++)
+		order[i] = (uint32_t)pairs[i];
+	free(pairs);
+	return TRACT_OK;
+}
+
 /* u32 comparison for qsort (internal) */
 static int cmp_u32(const void *a, const void *b)
 {
@@ -582,6 +604,47 @@ int tract_alloc_settle(tract_region *r, uint64_t timeout_ns)
 }
 
 /*
+ * Keeps (compacted in place; returns how many) the foreign slots a free may
+ * give back to the pool, under lock 0: each slot's owner byte still names
+ * its owner, and no verdict declared that owner dead since epoch[i], its
+ * agent epoch when the slot was last seen referenced (by the evicted bucket
+ * or the handoff record being released: nothing else frees a referenced
+ * slot).  A slot of a host declared dead since is its recovery's to return
+ * (tract_alloc_sweep_dead, which knows which of its slots nothing references
+ * any more); it may have been returned already, and even taken again by the
+ * restarted owner, so freeing it here could free it twice.  A skipped slot
+ * stays taken: the sweep returns it, or, when its owner restarted before a
+ * sweep did, `tract check --repair` (internal; lock 0 held).
+ */
+static uint32_t keep_live_owners(tract_region *r, uint32_t *slots, const uint8_t *owner,
+				 const uint64_t *epoch, uint32_t n)
+{
+	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+	uint8_t line[TRACT_LINE];
+	uint64_t line_lo = UINT64_MAX;
+	uint64_t dead_epoch[TRACT_MAX_NODES];
+	uint8_t seen[TRACT_MAX_NODES] = { 0 };
+	uint32_t kept = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t s = slots[i], node = owner[i] - 1u;
+		if (node >= TRACT_MAX_NODES)
+			continue;
+		if (!seen[node]) {
+			struct tract_node_verdict v;
+			seen[node] = 1;
+			dead_epoch[node] = tract_node_verdict(r, node, &v) < 0 ? UINT64_MAX : v.dead_epoch;
+		}
+		if (((uint64_t)s & ~63ULL) != line_lo) {
+			line_lo = (uint64_t)s & ~63ULL;
+			tract_observe_line(r, owners + line_lo, line);
+		}
+		if (line[s - line_lo] == owner[i] && dead_epoch[node] < epoch[i])
+			slots[kept++] = s;
+	}
+	return kept;
+}
+
+/*
  * Frees n slots: own slots go to the node's free list, others back to the
  * region.  Every lock it needs is taken before anything changes, so a slot is
  * never in flight (off the free list, not yet in the region) while the
@@ -590,8 +653,9 @@ int tract_alloc_settle(tract_region *r, uint64_t timeout_ns)
  * hands: a handoff marks its record there, so that a crash can leak the
  * slots (between the mark and the free) but never free them twice (internal).
  */
-int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
-		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns)
+static int free_slots(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
+		      uint32_t n, void (*note)(tract_region *, void *), void *arg,
+		      uint64_t timeout_ns)
 {
 	if (!r || (!slots && n))
 		return TRACT_E_INVAL;
@@ -602,9 +666,16 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 			return TRACT_E_RANGE;
 	uint32_t *foreign = malloc(((size_t)n + 1) * sizeof(uint32_t));
 	uint32_t *own = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	if (!foreign || !own) {
+	uint8_t *fowner = malloc((size_t)n + 1);
+	uint64_t *fepoch = malloc(((size_t)n + 1) * sizeof(uint64_t));
+	uint64_t node_epoch[TRACT_MAX_NODES];
+	uint8_t epoch_seen[TRACT_MAX_NODES] = { 0 };
+	uint32_t *order = NULL;       /* known: where each sorted slot came from */
+	if (!foreign || !own || !fowner || !fepoch) {
 		free(foreign);
 		free(own);
+		free(fowner);
+		free(fepoch);
 		return TRACT_E_NOMEM;
 	}
 	/* a region formatted with zero-on-free never hands out another tenant's
@@ -620,8 +691,22 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
 	uint8_t *fb = free_bits(r);
 	uint32_t nf = 0, no = 0;
+	if (known && !(order = malloc(((size_t)n + 1) * sizeof(uint32_t)))) {
+		rc = TRACT_E_NOMEM;
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		goto out;
+	}
 	memcpy(foreign, slots, (size_t)n * sizeof(uint32_t));
-	qsort(foreign, n, sizeof(uint32_t), cmp_u32);
+	if (known) {
+		if ((rc = sort_by_slot(order, slots, n)) < 0) {
+			pthread_mutex_unlock(&r->local->alloc_mu);
+			goto out;
+		}
+		for (uint32_t i = 0; i < n; i++)
+			foreign[i] = slots[order[i]];
+	} else {
+		qsort(foreign, n, sizeof(uint32_t), cmp_u32);
+	}
 	uint8_t line[TRACT_LINE];
 	uint64_t line_lo = UINT64_MAX;
 	uint32_t prev = 0;
@@ -639,14 +724,35 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 			tract_observe_line(r, owners + line_lo, line);
 		}
 		uint8_t owner = line[s - line_lo];
+		const struct tract_slot_owner *k = known ? &known[order[i]] : NULL;
+		if (k && owner != k->node + 1) {
+			/* changed hands since its eviction: only a dead host's sweep
+			 * does that (its owner was declared dead since); anything else
+			 * is a slot freed twice */
+			struct tract_node_verdict v;
+			if (k->node >= r->hdr.max_nodes || tract_node_verdict(r, k->node, &v) < 0 ||
+			    v.dead_epoch < k->epoch)
+				rc = TRACT_E_CORRUPT;
+			continue;
+		}
 		if (owner == 0)
 			rc = TRACT_E_CORRUPT;          /* not taken from the pool: double free */
 		else if (owner == r->node_id + 1 && (fb[s / 8] & (1u << (s % 8))))
 			rc = TRACT_E_CORRUPT;          /* already on our free list */
 		else if (owner == r->node_id + 1)
 			own[no++] = s;
-		else
+		else {
+			/* its owner's epoch now, while the caller's reference keeps
+			 * the slot from a dead host's sweep (or then, when known) */
+			uint32_t node = owner - 1u;
+			if (!k && node < TRACT_MAX_NODES && !epoch_seen[node]) {
+				epoch_seen[node] = 1;
+				node_epoch[node] = tract_node_epoch(r, node);
+			}
+			fowner[nf] = owner;
+			fepoch[nf] = k ? k->epoch : node < TRACT_MAX_NODES ? node_epoch[node] : 0;
 			foreign[nf++] = s;             /* nf <= i: compacts in place */
+		}
 	}
 	if (rc == TRACT_OK) {
 		/* the free list stays bounded: the excess goes back to the region too
@@ -658,6 +764,11 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 			pthread_mutex_unlock(&r->local->alloc_mu);
 			goto out;
 		}
+		/* another node's slots go back to the pool only while their owner
+		 * lives as it did at the split: a dead host's are its recovery's to
+		 * return (docs/PROTOCOLS.md §5) */
+		if (nf)
+			nf = keep_live_owners(r, foreign, fowner, fepoch, nf);
 		if (note)
 			note(r, arg);
 		push_local(r, own, no);
@@ -682,13 +793,30 @@ int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
 out:
 	free(foreign);
 	free(own);
+	free(fowner);
+	free(fepoch);
+	free(order);
 	return rc;
+}
+
+int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
+		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns)
+{
+	return free_slots(r, slots, NULL, n, note, arg, timeout_ns);
+}
+
+/* frees n slots an eviction took out of the index, known[i] being who owned
+ * slots[i] then (internal.h) */
+int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
+		       uint32_t n, uint64_t timeout_ns)
+{
+	return free_slots(r, slots, known, n, NULL, NULL, timeout_ns);
 }
 
 /* Frees n slots: own slots go to the node's free list, others back to the region. */
 int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns)
 {
-	return tract_free_noted(r, slots, n, NULL, NULL, timeout_ns);
+	return free_slots(r, slots, NULL, n, NULL, NULL, timeout_ns);
 }
 
 /* Returns every slot of this node's free list to the region. */
@@ -755,4 +883,114 @@ int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, u
 		memcpy(out, free_list(r), (n < cap ? n : cap) * sizeof(uint32_t));
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	return TRACT_OK;
+}
+
+/*
+ * Returns to the pool the slots of dead host node that nothing references
+ * (referenced: a bit per slot, set for every slot a READY bucket or one of
+ * its handoff records names, read without a lock before this call: while
+ * the node is dead nothing makes a new reference to its slots, so a slot
+ * unreferenced then stays so).  Under alloc_mu and lock 0, with the node
+ * checked dead there (TRACT_E_ALIVE: an agent started there since): its free
+ * list, which died with its DRAM, and the slots of its unfinished writes;
+ * later passes return what other nodes evicted meanwhile (their frees leave
+ * a dead host's slots to this, keep_live_owners).  Each batch is a release
+ * with an intent, as a free of other nodes' slots; the first whole pass is
+ * recorded in the verdict (TRACT_VERDICT_SLOTS), under lock 0, so that a
+ * restarted agent of the node knows its old free list is void
+ * (tract_alloc_rejoin).  *returned gets how many; *owned how many slots the
+ * node still has taken (internal; recover.c).
+ */
+int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *referenced,
+			   uint64_t *returned, uint64_t *owned, uint64_t timeout_ns)
+{
+	*returned = *owned = 0;
+	int rc = lock_alloc_mu(r, timeout_ns);
+	if (rc < 0)
+		return rc;
+	if ((rc = lock_alloc(r, timeout_ns)) < 0) {
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		return rc;
+	}
+	if ((rc = tract_node_verdict(r, node, NULL)) != 1) {
+		rc = rc < 0 ? rc : TRACT_E_ALIVE;
+		goto out;
+	}
+	uint64_t slots = r->hdr.slot_count, base = r->local->free_count;
+	uint64_t room = slots - base;          /* staged past the list's end */
+	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
+	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
+	uint32_t *staged = free_list(r) + base;
+	uint8_t own[TRACT_LINE], bits[TRACT_LINE];
+	uint32_t n = 0;
+	rc = TRACT_OK;
+	for (uint64_t lo = 0; lo < slots && rc == TRACT_OK; lo += 64) {
+		tract_observe_line(r, owners + lo, own);
+		if ((lo & 511) == 0)
+			tract_observe_line(r, bm + lo / 8, bits);
+		for (uint64_t s = lo; s < lo + 64 && s < slots; s++) {
+			uint32_t b = (uint32_t)(s & 511);
+			if (own[s - lo] != node + 1 || !((bits[b / 8] >> (b % 8)) & 1))
+				continue;
+			if ((referenced[s / 8] >> (s % 8)) & 1) {
+				(*owned)++;
+				continue;
+			}
+			staged[n++] = (uint32_t)s;
+			if (n == room || n == 4096) {
+				rc = release_locked(r, base, n, 0);
+				*returned += n;
+				n = 0;
+			}
+		}
+	}
+	if (rc == TRACT_OK && n) {
+		rc = release_locked(r, base, n, 0);
+		*returned += n;
+	}
+	if (rc == TRACT_OK)
+		rc = tract_node_verdict_record(r, node, TRACT_VERDICT_SLOTS);
+out:
+	tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return rc;
+}
+
+/*
+ * For an agent that starts on this node after its previous agent epoch
+ * (prev_epoch) was declared dead.  Holding alloc_mu (no process of the node
+ * allocates meanwhile), it publishes the node's line 0 (line0: the new
+ * epoch, after which the node is alive and no sweep of its slots starts),
+ * then, under lock 0, if that death's recovery swept the node's slots
+ * (TRACT_VERDICT_SLOTS), drops the node's free list -- its slots are back in
+ * the pool, some perhaps taken by other nodes since.  Returns 1 if it was
+ * dropped, 0 if the sweep never ran (the list is still the node's), or an
+ * error (internal; recover.c).
+ */
+int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
+		       uint64_t timeout_ns)
+{
+	int rc = lock_alloc_mu(r, timeout_ns);
+	if (rc < 0)
+		return rc;
+	const struct tract_section *nodes = tract_sec(r, TRACT_SEC_NODES);
+	tract_publish_line(r, nodes->offset + (uint64_t)r->node_id * nodes->entry_size, line0);
+	if ((rc = lock_alloc(r, timeout_ns)) < 0) {
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		return rc;
+	}
+	struct tract_node_verdict v;
+	rc = tract_node_verdict(r, r->node_id, &v);
+	if (rc >= 0) {
+		rc = v.dead_epoch == prev_epoch && (v.recovered & TRACT_VERDICT_SLOTS);
+		if (rc) {
+			struct tract_local_hdr *l = r->local;
+			intent_end(r);
+			__atomic_store_n(&l->free_count, 0, __ATOMIC_RELEASE);
+			memset(free_bits(r), 0, (r->hdr.slot_count + 7) / 8);
+		}
+	}
+	tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
+	pthread_mutex_unlock(&r->local->alloc_mu);
+	return rc;
 }

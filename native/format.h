@@ -76,7 +76,9 @@ struct tract_node_verdict {
 /* CDEF-BEGIN (the recovery steps a verdict records, for Python too) */
 enum {
 	TRACT_VERDICT_CLAIMS = 1,       /* its PENDING claims buried */
-	TRACT_VERDICT_PINS = 2          /* its pin counts zeroed (once no handoff record of it remains) */
+	TRACT_VERDICT_PINS = 2,         /* its pin counts zeroed (once no handoff record of it remains) */
+	TRACT_VERDICT_SLOTS = 4         /* its unreferenced slots returned to the pool once (later
+					 * passes return what others evict meanwhile) */
 };
 /* CDEF-END */
 

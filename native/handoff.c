@@ -549,3 +549,27 @@ uint32_t tract_handoff_records_of(tract_region *r, uint32_t node)
 	}
 	return live;
 }
+
+/* marks in bits (one per slot) the slots every live handoff record of node
+ * names, its key list's and its tail's, observed without the lock: a dead
+ * host's sweep reads which of its slots are still referenced (internal;
+ * recover.c) */
+void tract_handoff_mark_slots(tract_region *r, uint32_t node, uint8_t *bits)
+{
+	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
+	uint64_t data = tract_sec(r, TRACT_SEC_DATA)->offset;
+	struct tract_transfer_record seen[SCAN_BATCH];
+	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
+		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
+		observe_records(r, base, k, seen);
+		for (uint32_t j = 0; j < k; j++) {
+			const struct tract_transfer_record *t = &seen[j];
+			if (t->state == REC_FREE || t->owner_node != node + 1 || !record_sane(r, t))
+				continue;
+			uint64_t keys = (t->keys_offset - data) / r->hdr.slot_stride;
+			bits[keys / 8] |= (uint8_t)(1u << (keys % 8));
+			if (t->tail_slot)
+				bits[(t->tail_slot - 1) / 8] |= (uint8_t)(1u << ((t->tail_slot - 1) % 8));
+		}
+	}
+}

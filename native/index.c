@@ -252,8 +252,12 @@ int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_
 		       uint64_t timeout_ns)
 {
 	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
-	if (!slots)
+	struct tract_slot_owner *owners = malloc(((size_t)want + 1) * sizeof(*owners));
+	if (!slots || !owners) {
+		free(slots);
+		free(owners);
 		return TRACT_E_NOMEM;
+	}
 	uint32_t got = 0, stripes = r->hdr.index_stripes;
 	int rc = TRACT_OK;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
@@ -265,14 +269,16 @@ int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_
 			struct stripe_ctx c;
 			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
 				break;
-			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got);
+			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got,
+					       owners + got);
 			tract_stripe_leave(&c);
 		}
 	}
 	*cursor = (*cursor + 1) % stripes;
 	if (got)
-		rc = tract_free(r, slots, got, timeout_ns) ?: rc;
+		rc = tract_free_evicted(r, slots, owners, got, timeout_ns) ?: rc;
 	free(slots);
+	free(owners);
 	free(set);
 	*evicted = got;
 	return rc;

@@ -366,9 +366,12 @@ void tract_bury(struct stripe_ctx *c, uint64_t b)
 }
 
 /* evicts up to max of the entered stripe's READY entries with no pins, least
- * recent first: each is unlinked and buried, its slot put in slots[] for the
- * caller to free once it has left the stripe; returns how many (internal) */
-uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots)
+ * recent first: each is unlinked and buried, its slot put in slots[] and who
+ * owned it in owners[] (observed before the bucket stops naming it), for the
+ * caller to free (tract_free_evicted) once it has left the stripe; returns
+ * how many (internal) */
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots,
+			 struct tract_slot_owner *owners)
 {
 	uint32_t cur = c->lru.tail, got = 0;
 	/* bounded by the stripe's size: a corrupt list may cycle */
@@ -381,6 +384,7 @@ uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots)
 		cur = bk.lru_prev;
 		if (bk.state != TRACT_BUCKET_READY || !slot_ok(c, &bk) || tract_pinned(c, b))
 			continue;     /* pinned blocks are never evicted */
+		tract_slot_owner_of(c->r, bk.slot - 1, &owners[got]);
 		tract_lru_unlink(c, b, &bk);
 		slots[got++] = bk.slot - 1;
 		c->lru.evictions++;

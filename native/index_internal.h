@@ -238,7 +238,8 @@ void tract_bury(struct stripe_ctx *c, uint64_t b);
 /* evicts up to max of the entered stripe's unpinned READY entries, least
  * recent first; their slots go to slots[], for the caller to free after
  * the stripe lock; returns how many (internal) */
-uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots);
+uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots,
+			 struct tract_slot_owner *owners);
 
 /* ---- pins (index_pin.c) ---- */
 

@@ -27,8 +27,11 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 {
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	uint32_t *freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
-	if (!freed) {
+	struct tract_slot_owner *owners = malloc(((size_t)n + 1) * sizeof(*owners));
+	if (!freed || !owners) {
 		free(set);
+		free(freed);
+		free(owners);
 		return TRACT_E_NOMEM;
 	}
 	int err = TRACT_OK;
@@ -41,6 +44,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		if (rc < 0) {
 			free(set);
 			free(freed);
+			free(owners);
 			return rc;
 		}
 		for (uint32_t k = g.first; k < g.end; k++) {
@@ -52,7 +56,8 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			/* every bucket of the stripe holds a block: evict this stripe's
 			 * least recent unpinned one to make room for the key (its slot
 			 * freed after the stripe lock) */
-			if (b == UINT64_MAX && fb == UINT64_MAX && tract_evict_lru(&c, 1, freed + nfreed)) {
+			if (b == UINT64_MAX && fb == UINT64_MAX &&
+			    tract_evict_lru(&c, 1, freed + nfreed, owners + nfreed)) {
 				nfreed++;
 				tract_probe(&c, key, &b, &fb, &bk);
 			}
@@ -92,11 +97,13 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		/* the allocator lock, with no stripe lock held; a failure (the lock
 		 * timed out) leaks the evicted blocks' slots until `tract check
 		 * --repair`, and is reported: the put is abandoned with it */
-		if (nfreed && (rc = tract_free(r, freed, nfreed, timeout_ns)) < 0 && !err)
+		if (nfreed && (rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns)) < 0 &&
+		    !err)
 			err = rc;
 	}
 	free(set);
 	free(freed);
+	free(owners);
 	return err;
 }
 

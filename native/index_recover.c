@@ -213,3 +213,24 @@ int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, 
 	}
 	return TRACT_OK;
 }
+
+/* marks in bits (one per slot) the slot of every READY bucket, observed a
+ * batch of lines at a time without a lock: a dead host's sweep reads which of
+ * its slots are still referenced (internal; recover.c) */
+void tract_index_mark_slots(tract_region *r, uint8_t *bits)
+{
+	const struct tract_section *sec = tract_sec(r, TRACT_SEC_BUCKETS);
+	struct tract_bucket batch[64];
+	for (uint64_t b = 0; b < sec->count; b += 64) {
+		uint64_t k = sec->count - b < 64 ? sec->count - b : 64;
+		uint64_t off = sec->offset + b * TRACT_LINE;
+		r->ops->invalidate(r, off, k * TRACT_LINE);
+		r->ops->fence(r);
+		r->ops->load(r, off, batch, k * TRACT_LINE);
+		for (uint64_t i = 0; i < k; i++) {
+			uint32_t slot = batch[i].slot;
+			if (batch[i].state == TRACT_BUCKET_READY && slot && slot <= r->hdr.slot_count)
+				bits[(slot - 1) / 8] |= (uint8_t)(1u << ((slot - 1) % 8));
+		}
+	}
+}

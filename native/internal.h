@@ -181,6 +181,41 @@ int tract_handoff_recover_node(tract_region *r, uint32_t node, uint32_t *count,
 			       uint64_t timeout_ns);
 uint32_t tract_handoff_records_of(tract_region *r, uint32_t node);
 
+/* who owned a slot when an eviction took it out of the index: the owner
+ * node and its agent epoch then (alloc.c, index_bucket.c; internal) */
+struct tract_slot_owner {
+	uint32_t node;
+	uint32_t reserved;
+	uint64_t epoch;
+};
+
+/* observes the owner of slot (who claimed it) and that node's agent epoch (verdict.c; internal) */
+void tract_slot_owner_of(tract_region *r, uint32_t slot, struct tract_slot_owner *out);
+
+/* observes node's agent epoch, line 0 of its entry (verdict.c; internal) */
+uint64_t tract_node_epoch(tract_region *r, uint32_t node);
+
+/* frees slots an eviction took out of the index, known[i] their owner then:
+ * a dead host's are left to its sweep (alloc.c; internal) */
+int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
+		       uint32_t n, uint64_t timeout_ns);
+
+/* a dead host's slots: returned by its recovery, and the node's free list
+ * dropped when it comes back (alloc.c; internal) */
+int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *referenced,
+			   uint64_t *returned, uint64_t *owned, uint64_t timeout_ns);
+int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
+		       uint64_t timeout_ns);
+
+/* forgets what the node's dead processes journaled: pins, or with all
+ * everything (journal.c; internal) */
+void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins);
+
+/* marks (a bit per slot) every slot a READY bucket names, and every slot a
+ * handoff record of node names (index_recover.c, handoff.c; internal) */
+void tract_index_mark_slots(tract_region *r, uint8_t *bits);
+void tract_handoff_mark_slots(tract_region *r, uint32_t node, uint8_t *bits);
+
 /* records steps of a dead node's recovery in its verdict (verdict.c; internal) */
 int tract_node_verdict_record(tract_region *r, uint32_t node, uint32_t steps);
 

@@ -418,19 +418,18 @@ void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
 	}
 }
 
-/* Forgets the pins of every journal entry of this node (their claims and
- * slots stay): for an agent that starts on a node whose previous agent epoch
- * was declared dead, once no process of that epoch lives.  The dead host's
- * recovery gave those pins back by zeroing the node's pin counts
- * (tract_recover_host), so giving them back again would take other
- * processes' pins.  *voided gets the pins forgotten. */
-int tract_journal_void_pins(tract_region *r, uint64_t *voided)
+/* Forgets what this node's dead processes journaled, for an agent that
+ * starts on a node whose previous agent epoch was declared dead (recover.c's
+ * tract_node_rejoin): their pins always (the dead host's recovery gave them
+ * back by zeroing the node's pin counts, so giving them back again would take
+ * other processes' pins); with all, everything (their claims were buried and
+ * their slots returned to the pool by the same recovery).  *pins gets the
+ * pins forgotten (internal). */
+void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins)
 {
-	if (!r || !voided)
-		return TRACT_E_INVAL;
-	*voided = 0;
+	*pins = 0;
 	if (!r->local || !r->local->journal_off)
-		return TRACT_E_NO_LOCAL;
+		return;
 	struct tract_journal_proc *p = procs(r);
 	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
 		uint32_t pid = __atomic_load_n(&p[i].pid, __ATOMIC_ACQUIRE);
@@ -439,13 +438,14 @@ int tract_journal_void_pins(tract_region *r, uint64_t *voided)
 		journal_settle(&p[i]);
 		for (uint32_t k = 0; k < TRACT_JOURNAL_CAP && p[i].used; k++) {
 			struct tract_journal_key *key = &p[i].keys[k];
-			if (!key->used || !key->pins)
+			if (!key->used)
 				continue;
-			*voided += key->pins;
+			*pins += key->pins;
 			key->pins = 0;
-			if (!key->claim)
+			if (all || !key->claim)
 				tract_journal_erase(&p[i], k);
 		}
+		if (all)
+			tract_journal_retire(&p[i]);
 	}
-	return TRACT_OK;
 }

@@ -28,6 +28,7 @@
  * state.  A step that times out on a busy lock leaves its work for the next
  * heartbeat.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -204,15 +205,16 @@ int tract_recover(tract_region *r, uint32_t flags, struct tract_recovery *out, u
  *   2. its PENDING claims buried (their keys writable again);
  *   3. once no handoff record it published remains (their pins are in its
  *      pin lines until each is acknowledged or reclaimed at expiry), its pin
- *      counts zeroed: what is left there is its dead readers'.
- * Steps 2 and 3 are recorded in the verdict when whole (a busy stripe leaves
- * them for the next pass).  Its slots -- a free list that died with its DRAM,
- * the slots of its unfinished writes -- come back offline, with `tract check
- * --repair` (docs/PROTOCOLS.md §5).  out->done: nothing is left for a later
- * pass.
+ *      counts zeroed: what is left there is its dead readers';
+ *   4. with TRACT_RECOVER_HOST_SLOTS, its slots that nothing references any
+ *      more returned to the pool: its free list, which died with its DRAM,
+ *      its unfinished writes' slots, and what other nodes evicted since the
+ *      last pass (their frees leave a dead host's slots to this step).
+ * Steps 2 to 4 are recorded in the verdict when whole (a busy stripe leaves
+ * them for the next pass).  out->done: only later slot sweeps are left.
  */
-int tract_recover_host(tract_region *r, uint32_t node, struct tract_host_recovery *out,
-		       uint64_t timeout_ns)
+int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
+		       struct tract_host_recovery *out, uint64_t timeout_ns)
 {
 	if (!r || !out || (r->flags & TRACT_ATTACH_READONLY) || node >= r->hdr.max_nodes ||
 	    node == r->node_id)
@@ -251,6 +253,38 @@ int tract_recover_host(tract_region *r, uint32_t node, struct tract_host_recover
 	}
 	if (steps != v.recovered && (rc = tract_node_verdict_record(r, node, steps)) < 0)
 		return rc;
-	out->done = steps == (TRACT_VERDICT_CLAIMS | TRACT_VERDICT_PINS);
+	if ((flags & TRACT_RECOVER_HOST_SLOTS) && (steps & TRACT_VERDICT_CLAIMS)) {
+		/* the references first, without a lock (they only go away while
+		 * the node is dead), then the sweep under lock 0 */
+		uint8_t *referenced = calloc((r->hdr.slot_count + 7) / 8 + 1, 1);
+		if (!referenced)
+			return TRACT_E_NOMEM;
+		tract_index_mark_slots(r, referenced);
+		tract_handoff_mark_slots(r, node, referenced);
+		rc = tract_alloc_sweep_dead(r, node, referenced, &out->slots, &out->owned, timeout_ns);
+		free(referenced);
+		if (rc < 0)
+			return rc;
+		steps |= TRACT_VERDICT_SLOTS;
+	}
+	out->done = (steps & (TRACT_VERDICT_CLAIMS | TRACT_VERDICT_PINS | TRACT_VERDICT_SLOTS)) ==
+		    (TRACT_VERDICT_CLAIMS | TRACT_VERDICT_PINS | TRACT_VERDICT_SLOTS);
+	return TRACT_OK;
+}
+
+/* For an agent starting on this node after its previous agent epoch was
+ * declared dead (tract.h). */
+int tract_node_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0, uint64_t *pins,
+		      int *dropped, uint64_t timeout_ns)
+{
+	if (!r || !line0 || !pins || !dropped || (r->flags & TRACT_ATTACH_READONLY))
+		return TRACT_E_INVAL;
+	if (!r->local)
+		return TRACT_E_NO_LOCAL;
+	int rc = tract_alloc_rejoin(r, prev_epoch, line0, timeout_ns);
+	if (rc < 0)
+		return rc;
+	*dropped = rc;
+	tract_journal_void_dead(r, rc, pins);
 	return TRACT_OK;
 }

@@ -435,22 +435,33 @@ struct tract_host_recovery {
 	uint32_t records;          /* its handoff records still live (its pins wait for them) */
 	uint32_t skipped;          /* stripes busy: the next pass resumes */
 	uint64_t pins;             /* pins of its dead readers given back (summed counts) */
-	uint32_t done;             /* 1: nothing left for a later pass */
+	uint64_t slots;            /* its unreferenced slots returned to the pool */
+	uint64_t owned;            /* its slots still referenced (READY blocks, records) */
+	uint32_t done;             /* 1: nothing left but later slot sweeps */
 	uint32_t reserved;
+};
+
+enum {
+	TRACT_RECOVER_HOST_SLOTS = 1  /* also sweep its slots (a pass over the index and the owner map) */
 };
 
 /* One pass of a dead host's recovery by the current lock manager's agent:
  * its half-done handoff releases, its PENDING claims, and (once none of its
  * handoff records remains) its pins.  TRACT_E_ALIVE once the node was
  * restarted, TRACT_E_SUPERSEDED when this node is not the manager's. */
-int tract_recover_host(tract_region *r, uint32_t node, struct tract_host_recovery *out,
-		       uint64_t timeout_ns);
+int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
+		       struct tract_host_recovery *out, uint64_t timeout_ns);
 
-/* Forgets the pins the node's dead processes journaled (their claims and
- * slots stay), for an agent that starts on a node whose previous agent epoch
- * was declared dead: the dead host's recovery gave those pins back already.
- * *voided gets how many. */
-int tract_journal_void_pins(tract_region *r, uint64_t *voided);
+/* For an agent starting on this node when its previous agent epoch
+ * (prev_epoch) was declared dead: publishes line0 (the node's line 0 with its
+ * new epoch; 64 bytes) while no process of the node can allocate, then
+ * forgets what that death's recovery gave back -- the pins the node's dead
+ * processes journaled and, when the recovery returned the node's slots
+ * (TRACT_VERDICT_SLOTS), the node's free list and the rest of those journals
+ * (their claims and slots).  *pins gets the pins forgotten, *dropped whether
+ * the free list was. */
+int tract_node_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0, uint64_t *pins,
+		      int *dropped, uint64_t timeout_ns);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
  * (a restarted host, an overflowed journal): their keys become writable; their

@@ -130,3 +130,28 @@ int tract_node_verdict_record(tract_region *r, uint32_t node, uint32_t steps)
 	tract_publish_line(r, entry_line(r, node, 1), &v);
 	return TRACT_OK;
 }
+
+/* Observes node's agent epoch, line 0 of its entry (internal). */
+uint64_t tract_node_epoch(tract_region *r, uint32_t node)
+{
+	if (node >= table_nodes(r))
+		return 0;
+	struct tract_node_entry e;
+	tract_observe_line(r, entry_line(r, node, 0), &e);
+	return e.epoch;
+}
+
+/* Observes who claimed slot (its owner byte) and that node's agent epoch, for
+ * an eviction to hand its free (alloc.c's tract_free_evicted): taken while
+ * the bucket still references the slot, whose owner byte cannot change
+ * meanwhile (internal). */
+void tract_slot_owner_of(tract_region *r, uint32_t slot, struct tract_slot_owner *out)
+{
+	uint8_t line[TRACT_LINE];
+	uint64_t off = tract_sec(r, TRACT_SEC_OWNERS)->offset + ((uint64_t)slot & ~63ULL);
+	tract_observe_line(r, off, line);
+	uint8_t owner = line[slot & 63];
+	out->node = owner ? owner - 1u : UINT32_MAX;
+	out->reserved = 0;
+	out->epoch = owner ? tract_node_epoch(r, owner - 1u) : 0;
+}

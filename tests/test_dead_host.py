@@ -8,8 +8,9 @@ in the header, its bits not yet set), pins, unfinished writes; then its agent
 is killed and its node-local segment removed, as a power cut would.  The
 manager's agent declares it dead once its heartbeat stood still; the locks it
 held are taken back and repaired by their next holders on host A, its
-unfinished writes dropped, its pins given back, and `tract check` is clean
-but for the slots that lived only in its DRAM (`--repair` returns them).
+unfinished writes dropped, its pins given back, its slots returned (those
+that lived only in its DRAM, and those its blocks held once host A evicted
+them), and `tract check` finds the region clean.
 Real processes, plain mode and the non-coherence simulator."""
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tract_cli.core.errors import LockTimeout
 from tract_cli.core.local import local_path
 from tract_cli.core.locks import LOCK_ALLOCATOR, LOCK_OBJDIR
 from tract_cli.core.native import lib
-from tract_cli.core.nodes import VERDICT_CLAIMS, VERDICT_PINS, read_nodes
+from tract_cli.core.nodes import VERDICT_CLAIMS, VERDICT_PINS, VERDICT_SLOTS, read_nodes
 from tract_cli.core.pool import Pool
 
 CHAIN = [0, 0, 11, 12]          # prefix_seed, prefix_blocks, suffix_seed, blocks
@@ -135,19 +136,70 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
         # enters first), the allocator it held, and its reserved keys
         with Worker(region, 2, simulate=simulate) as a:
             assert a.call("index_lookup_verify", chains=[CHAIN, OTHER]) == [12, 12]
-            wait_for("node 1's recovery", lambda: node_record(region, 1).recovered
-                     == VERDICT_CLAIMS | VERDICT_PINS)
+            whole = VERDICT_CLAIMS | VERDICT_PINS | VERDICT_SLOTS
+            wait_for("node 1's recovery", lambda: node_record(region, 1).recovered == whole)
             assert a.call("index_reserve_chain", chain=UNFINISHED)["claimed"] == 6
             a.call("index_evict_all")                 # node 1's pins are gone: all evictable
         with Worker(region, 3, simulate=simulate) as fresh:
             fresh.call("alloc", n=8)                  # claims: lock 0 taken back, repaired
         assert check_index(region, allow_pending=True)["ready"] == 0
-        # clean but for what lived only in host B's DRAM: its free list's slots
+        # and its slots: its free list's at the first sweep, the ones host A
+        # evicted since (their frees left them to the sweep) at the next
+        wait_for("node 1's slots back in the pool", lambda: taken_slots(region, 1) == 0)
         assert slot_violations(region) == []
-        assert taken_slots(region, 1) > 0
     finally:
         manager.stop()
-    from tract_cli.inspect import check
-    got = check.repair(region)
-    assert taken_slots(region, 1) == 0, got
-    assert slot_violations(region) == []
+
+
+def _forge_node(pool: Pool, node: int, epoch: int, manager_epoch: int = 0,
+                dead_epoch: int | None = None) -> None:
+    """Writes NODE's line 0 (alive, EPOCH) and, with DEAD_EPOCH, its verdict,
+    as an agent and a manager's agent would."""
+    from tract_cli.core.media import VERDICT_LINE
+    from tract_cli.core.nodes import NODE_ALIVE, encode_node_line
+    sec = pool.info.section("nodes")
+    at = sec.offset + node * sec.entry_size
+    now = time.time_ns()
+    pool.publish(at, encode_node_line(NODE_ALIVE, os.getpid(), epoch, now, 0, manager_epoch, now))
+    if dead_epoch is not None:
+        pool.publish(at + 64, VERDICT_LINE.pack(dead_epoch, now, 0, now, 0))
+
+
+def test_other_nodes_frees_leave_a_dead_hosts_slots_to_its_sweep(region):
+    """While node 1 is dead, node 2 evicting node 1's blocks does not give
+    their slots back itself: the dead host's sweep does (a free racing a sweep
+    could give a slot twice).  Once node 1 rejoined (its stale free list
+    dropped), evictions of its new blocks free them as ever.  The lock
+    manager runs in this process, so no agent sweeps behind the test's back."""
+    from tract_cli.core.native import ffi
+    from tract_cli.core.nodes import encode_node_line, NODE_ALIVE
+    from tract_cli.core.recovery import recover_host, rejoin
+    with Pool.attach(region, node=0, prefault=False) as p0:
+        _forge_node(p0, 0, 1, manager_epoch=1)          # node 0 holds the manager claim
+        mgr = ffi.new("tract_manager **")
+        assert lib.tract_manager_start(p0._r(), 1000000, mgr) == 0
+        try:
+            with Worker(region, 1) as b:
+                assert b.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+            _forge_node(p0, 1, 1, dead_epoch=1)          # node 1 declared dead
+            taken = taken_slots(region, 1)
+            with Worker(region, 2) as a:
+                a.call("index_evict_all")
+            assert check_index(region)["ready"] == 0
+            assert taken_slots(region, 1) == taken, "a dead host's slot was freed by an eviction"
+            got = recover_host(p0, 1, slots=True, timeout=30)
+            assert got.slots == taken and got.owned == 0 and taken_slots(region, 1) == 0
+            assert slot_violations(region) == []
+            with Pool.attach(region, node=1, prefault=False) as p1:   # node 1 comes back
+                line = encode_node_line(NODE_ALIVE, os.getpid(), 2, time.time_ns(), 0, 0, 0)
+                pins, dropped = rejoin(p1, 1, line)
+                assert dropped and p1.allocator.local_free().size == 0
+            with Worker(region, 1) as b:
+                assert b.call("index_put_chains", chains=[OTHER])["stored"] == 12
+            taken = taken_slots(region, 1)
+            with Worker(region, 2) as a:
+                a.call("index_evict_all")
+            assert taken_slots(region, 1) == taken - 12      # alive again: freed as ever
+            assert slot_violations(region) == []
+        finally:
+            lib.tract_manager_stop(mgr[0])

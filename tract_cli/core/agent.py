@@ -35,12 +35,12 @@ from tract_cli.core.errors import NodeAlive, Superseded, TractError, UsageError
 from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
-                                  NODE_LEFT, current_manager, encode_node_line, fencing_token,
-                                  on_this_host, read_nodes, token_node, token_text)
+                                  NODE_LEFT, VERDICT_CLAIMS, VERDICT_PINS, VERDICT_SLOTS,
+                                  current_manager, encode_node_line, fencing_token, on_this_host,
+                                  read_nodes, token_node, token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
-from tract_cli.core.recovery import (NodeRecovery, declare_dead, recover_host, recover_node,
-                                     void_journaled_pins)
+from tract_cli.core.recovery import NodeRecovery, declare_dead, recover_host, recover_node, rejoin
 
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
@@ -50,6 +50,7 @@ RECLAIM_S = 0.5
 PAYLOAD_SWEEP_SLOTS = 4096
 PAYLOAD_SWEEP_BYTES = 1 << 30
 ORPHAN_SWEEP_S = 30.0        # a walk of the whole index: at start, then this seldom
+DEAD_SLOT_SWEEP_S = 5.0      # a dead host's slots others evicted: a walk of index and owner map
 TAKEOVER_AFTER_S = 2.0
 TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate at a time
 # a node of another host whose heartbeat stood still this long is declared dead
@@ -97,7 +98,7 @@ class Agent:
         self.takeover_after_s = takeover_after_s   # None: never take over
         self.host_dead_after_s = host_dead_after_s  # None: never declare a host dead
         self._host_watch: dict[int, tuple[tuple[int, int], float]] = {}  # node: (seen, since)
-        self._hosts_recovered: set[tuple[int, int]] = set()   # (node, dead epoch) done
+        self._host_sweeps: dict[tuple[int, int], float] = {}  # (node, dead epoch): last slot sweep
         self.declared_dead = 0
         self.pool = Pool.attach(pool_path, node=node, simulate=simulate, flush_mode=flush_mode,
                                 prefault=False)
@@ -148,11 +149,15 @@ class Agent:
                 raise TractError(f"node {self.node}'s agent epoch in the node table is at its "
                                  "maximum", "the region's node table is corrupt: run "
                                  "`tract check --repair`")
-            if nodes[self.node].dead:
-                self._rejoin_after_verdict(nodes[self.node])
-            self.epoch = nodes[self.node].epoch + 1
-            self.manager_epoch = nodes[self.node].manager_epoch   # claims never go back
-            self._publish(NODE_ALIVE)
+            prev = nodes[self.node]
+            if prev.dead:
+                self._refuse_while_fenced_processes_run(prev)
+            self.epoch = prev.epoch + 1
+            self.manager_epoch = prev.manager_epoch   # claims never go back
+            if prev.dead:
+                self._rejoin(prev)
+            else:
+                self._publish(NODE_ALIVE)
             if self.manager and not self._take_over("started with --manager"):
                 # another node claimed it at the same moment: it manages, this one stands by
                 self._log(logging.WARNING, "another node claimed the lock manager at the same "
@@ -165,12 +170,10 @@ class Agent:
             raise
         return self
 
-    def _rejoin_after_verdict(self, me) -> None:
-        """The node's previous agent epoch was declared dead, and the lock
-        manager's agent gave back what it held: the node's pins among it.  Its
-        processes, if any still run, are fenced from the locks and must go
-        before the node takes new ones; the pins their journals name are
-        forgotten (given back twice, they would be other processes' pins)."""
+    def _refuse_while_fenced_processes_run(self, me) -> None:
+        """The node's previous agent epoch was declared dead: its processes,
+        if any still run, are fenced from the locks and what they held was
+        given back; they must be gone before the node takes anything again."""
         alive = self.node_processes()
         if alive:
             raise TractError(
@@ -179,22 +182,32 @@ class Agent:
                 f"still) and {len(alive)} of its processes still run (pid "
                 f"{', '.join(map(str, alive[:8]))})",
                 "stop them (they can take no lock), then start the agent again")
-        voided = void_journaled_pins(self.pool)
-        self._log(logging.WARNING, "the node's previous agent (epoch %d) was declared dead; its "
-                  "recovery gave back the node's pins, so %d pin(s) its dead processes "
-                  "journaled are forgotten", me.epoch, voided)
+
+    def _rejoin(self, me) -> None:
+        """Publishes the node's new epoch and forgets what the dead host's
+        recovery gave back: the pins its dead processes journaled, and the
+        node's free list when the recovery returned its slots (one C call,
+        while no process of the node can allocate)."""
+        pins, dropped = rejoin(self.pool, me.epoch, self._node_line(NODE_ALIVE))
+        self._log(logging.WARNING, "the node's previous agent (epoch %d) was declared dead and its "
+                  "recovery gave back what it held: %d journaled pin(s) forgotten%s", me.epoch,
+                  pins, ", the free list dropped (its slots went back to the pool)" if dropped
+                  else "")
 
     def _publish(self, state: int) -> None:
         sec = self.pool.info.section("nodes")
+        self.pool.publish(sec.offset + self.node * sec.entry_size, self._node_line(state))
+
+    def _node_line(self, state: int) -> bytes:
+        """Line 0 of this node's entry as this agent publishes it now."""
         now = time.time_ns()
         # who started the agent stays readable after it left (tract inspect)
         flags = FLAG_AUTOSTOP if self.idle_exit_s is not None else 0
         if state == NODE_ALIVE:
             flags |= FLAG_MANAGER if self.managing else 0
             flags |= FLAG_STANDBY if self.takeover_after_s is not None else 0
-        line = encode_node_line(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
+        return encode_node_line(state, os.getpid(), self.epoch, now, flags, self.manager_epoch,
                                 now if self.managing else 0)
-        self.pool.publish(sec.offset + self.node * sec.entry_size, line)
 
     def _take_over(self, why: str) -> bool:
         """Claims the next token, then starts the manager under it; False when a
@@ -379,8 +392,7 @@ class Agent:
                 continue
             if rec.dead:
                 self._host_watch.pop(rec.node, None)
-                if (rec.node, rec.dead_epoch) not in self._hosts_recovered:
-                    self._recover_host(rec)
+                self._recover_host(rec, now)
                 continue
             # a node of this host is judged by its processes' pids (its own
             # agent's recovery), never by a heartbeat
@@ -402,26 +414,34 @@ class Agent:
             self.declared_dead += 1
             self._log(logging.WARNING, "node %d (host %s) declared dead: its heartbeat stood still "
                       "for %.1f s; the locks it held are taken back and repaired, its unfinished "
-                      "writes dropped, its pins given back once its handoffs end; its slots come "
-                      "back with `tract check --repair`", rec.node, rec.hostname or "?", still)
+                      "writes dropped and its slots returned, its pins given back once its "
+                      "handoffs end", rec.node, rec.hostname or "?", still)
 
-    def _recover_host(self, rec) -> None:
-        """One pass of dead node REC's recovery; logs what it gave back."""
+    def _recover_host(self, rec, now: float) -> None:
+        """One pass of dead node REC's recovery, its slots swept at the first
+        and then every DEAD_SLOT_SWEEP_S while it stays dead; logs what it
+        gave back."""
+        key = (rec.node, rec.dead_epoch)
+        last = self._host_sweeps.get(key)
+        sweep = last is None or now - last >= DEAD_SLOT_SWEEP_S
+        if not sweep and rec.recovered == VERDICT_CLAIMS | VERDICT_PINS | VERDICT_SLOTS:
+            return                         # whole: only the next slot sweep is due
         try:
-            got = recover_host(self.pool, rec.node)
+            got = recover_host(self.pool, rec.node, sweep)
         except (NodeAlive, Superseded):
             return                         # restarted meanwhile / no longer the manager
         except TractError as err:
             self._log(logging.ERROR, "recovery of dead node %d: %s", rec.node, err)
             return
-        if got.handoffs or got.claims or got.pins:
+        if sweep and not got.skipped:
+            # none of its slots referenced any more, and all returned: no
+            # later sweep can find one (a dead host takes no new slots)
+            self._host_sweeps[key] = now if got.owned else float("inf")
+        if got.handoffs or got.claims or got.pins or got.slots:
             self._log(logging.WARNING, "dead node %d: %d half-done handoff release(s) finished, "
-                      "%d unfinished write(s) dropped, %d pin(s) given back", rec.node,
-                      got.handoffs, got.claims, got.pins)
-        if got.done:
-            self._hosts_recovered.add((rec.node, rec.dead_epoch))
-            self._log(logging.INFO, "dead node %d: recovered (its slots: `tract check --repair`)",
-                      rec.node)
+                      "%d unfinished write(s) dropped, %d pin(s) given back, %d slot(s) returned "
+                      "to the pool (%d still hold blocks or handoffs)", rec.node, got.handoffs,
+                      got.claims, got.pins, got.slots, got.owned)
 
     def _report(self, got: NodeRecovery) -> None:
         """Logs what a recovery pass gave back (a warning: processes died)."""

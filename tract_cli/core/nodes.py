@@ -30,6 +30,7 @@ FLAG_MANAGER = lib.TRACT_NODE_F_MANAGER
 FLAG_STANDBY = lib.TRACT_NODE_F_STANDBY
 FLAG_AUTOSTOP = lib.TRACT_NODE_F_AUTOSTOP
 VERDICT_CLAIMS, VERDICT_PINS = lib.TRACT_VERDICT_CLAIMS, lib.TRACT_VERDICT_PINS
+VERDICT_SLOTS = lib.TRACT_VERDICT_SLOTS
 STALE_S = 2.0                # a heartbeat older than this: the node's agent is not alive
 
 
@@ -62,7 +63,7 @@ class NodeRecord:
     # line 1, the verdict (written by the current lock manager's agent)
     dead_epoch: int = 0         # the agent epoch declared dead, 0 = never
     declared_ns: int = 0
-    recovered: int = 0          # VERDICT_CLAIMS | VERDICT_PINS: its recovery's steps done
+    recovered: int = 0          # VERDICT_CLAIMS | _PINS | _SLOTS: its recovery's steps done
 
     @property
     def dead(self) -> bool:

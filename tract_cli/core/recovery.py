@@ -94,7 +94,9 @@ class HostRecovery:
     records: int = 0      # its handoff records still live: its pins wait for them
     skipped: int = 0      # stripes busy: the next pass resumes
     pins: int = 0         # pins of its dead readers given back
-    done: bool = False    # nothing left for a later pass
+    slots: int = 0        # its slots nothing references any more, returned to the pool
+    owned: int = 0        # its slots still referenced (blocks others read, its records)
+    done: bool = False    # nothing left but later slot sweeps
 
     @classmethod
     def from_c(cls, rep) -> HostRecovery:
@@ -109,21 +111,26 @@ def declare_dead(pool: Pool, node: int, epoch: int, heartbeat_ns: int) -> None:
               f"declaring node {node} dead")
 
 
-def recover_host(pool: Pool, node: int, timeout: float = 1.0) -> HostRecovery:
+def recover_host(pool: Pool, node: int, slots: bool, timeout: float = 1.0) -> HostRecovery:
     """One pass of dead host NODE's recovery (native/recover.c): its half-done
-    handoff releases, its unfinished writes and, once none of its handoff
-    records remains, its pins; `NodeAlive` once it was restarted."""
+    handoff releases, its unfinished writes, its pins once none of its handoff
+    records remains, and (SLOTS) its slots nothing references; `NodeAlive`
+    once it was restarted."""
     rep = ffi.new("struct tract_host_recovery *")
-    rc = lib.tract_recover_host(pool._r(), node, rep, int(timeout * 1e9))
+    flags = lib.TRACT_RECOVER_HOST_SLOTS if slots else 0
+    rc = lib.tract_recover_host(pool._r(), node, flags, rep, int(timeout * 1e9))
     if rc == lib.TRACT_E_TIMEOUT:
         return HostRecovery(skipped=1)     # a lock was busy: the next heartbeat resumes
     raise_for(rc, f"recovery of dead node {node}")
     return HostRecovery.from_c(rep)
 
 
-def void_journaled_pins(pool: Pool) -> int:
-    """Forgets the pins this node's dead processes journaled (after a verdict
-    on the node: the dead host's recovery gave them back); how many."""
-    n = ffi.new("uint64_t *")
-    raise_for(lib.tract_journal_void_pins(pool._r(), n), "forgetting journaled pins")
-    return int(n[0])
+def rejoin(pool: Pool, prev_epoch: int, line0: bytes, timeout: float = 5.0) -> tuple[int, bool]:
+    """For an agent starting on a node whose previous agent epoch PREV_EPOCH
+    was declared dead: publishes LINE0 (the node's line 0, its new epoch) and
+    forgets what the dead host's recovery gave back (`tract_node_rejoin`);
+    returns (pins forgotten, whether the node's free list was dropped)."""
+    pins, dropped = ffi.new("uint64_t *"), ffi.new("int *")
+    raise_for(lib.tract_node_rejoin(pool._r(), prev_epoch, line0, pins, dropped,
+                                    int(timeout * 1e9)), "rejoining after a verdict")
+    return int(pins[0]), bool(dropped[0])
