@@ -603,6 +603,13 @@ int tract_alloc_settle(tract_region *r, uint64_t timeout_ns)
 	return TRACT_OK;
 }
 
+/* whether a verdict (dead_epoch, 0: none) declared a node dead at or after
+ * its agent epoch `epoch` (internal) */
+static int declared_since(uint64_t dead_epoch, uint64_t epoch)
+{
+	return dead_epoch && dead_epoch >= epoch;
+}
+
 /*
  * Keeps (compacted in place; returns how many) the foreign slots a free may
  * give back to the pool, under lock 0: each slot's owner byte still names
@@ -638,7 +645,7 @@ static uint32_t keep_live_owners(tract_region *r, uint32_t *slots, const uint8_t
 			line_lo = (uint64_t)s & ~63ULL;
 			tract_observe_line(r, owners + line_lo, line);
 		}
-		if (line[s - line_lo] == owner[i] && dead_epoch[node] < epoch[i])
+		if (line[s - line_lo] == owner[i] && !declared_since(dead_epoch[node], epoch[i]))
 			slots[kept++] = s;
 	}
 	return kept;
@@ -731,7 +738,7 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			 * is a slot freed twice */
 			struct tract_node_verdict v;
 			if (k->node >= r->hdr.max_nodes || tract_node_verdict(r, k->node, &v) < 0 ||
-			    v.dead_epoch < k->epoch)
+			    !declared_since(v.dead_epoch, k->epoch))
 				rc = TRACT_E_CORRUPT;
 			continue;
 		}
@@ -970,9 +977,14 @@ out:
 int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
 		       uint64_t timeout_ns)
 {
-	int rc = lock_alloc_mu(r, timeout_ns);
+	/* alloc_mu without settling an intent a process of the dead epoch left
+	 * open: that needs lock 0, which the manager grants a dead node never;
+	 * lock_alloc settles it once the new epoch is published */
+	int rc = tract_robust_lock(&r->local->alloc_mu, timeout_ns);
 	if (rc < 0)
 		return rc;
+	if (rc == TRACT_RECOVERED)
+		repair_local(r);
 	const struct tract_section *nodes = tract_sec(r, TRACT_SEC_NODES);
 	tract_publish_line(r, nodes->offset + (uint64_t)r->node_id * nodes->entry_size, line0);
 	if ((rc = lock_alloc(r, timeout_ns)) < 0) {

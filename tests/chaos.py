@@ -6,8 +6,13 @@ or after a few more kills, so a standby on another node takes the manager
 over, or the node's new agent resumes it. About a third of the workers are
 started to kill themselves inside the allocator's critical sections (at a
 random pass of a random TRACT_DIE_AT point), which a random moment almost
-never hits. Afterwards (every worker stopped,
-every agent back, recovery and handoff expiry given a bounded time):
+never hits. With --host-kills N, each node is an emulated host of its own
+(TRACT_HOSTNAME) and N times a whole host dies: its agent and its workers
+SIGKILLed at once and its node-local segment removed (its DRAM gone); the
+lock manager's agent declares it dead once its heartbeat stood still and
+recovers what it held online (docs/PROTOCOLS.md §7, "A dead host"); it comes
+back when the run ends. Afterwards (every worker stopped, every agent back,
+recovery and handoff expiry given a bounded time):
 
 - exactly one lock manager runs;
 - `tract check` finds no violation;
@@ -18,7 +23,7 @@ every agent back, recovery and handoff expiry given a bounded time):
   put, and every handoff was either received and acknowledged or expired
   and reclaimed.
 
-    .venv/bin/python tests/chaos.py --kills 300 --seed 1 [--simulate]
+    .venv/bin/python tests/chaos.py --kills 300 --seed 1 [--simulate] [--host-kills 2]
 
 tests/test_chaos.py runs a bounded version; the long one is this command.
 """
@@ -56,12 +61,21 @@ DIE_INSIDE_P = 1 / 3             # share of the workers started to die inside th
 # never more), while the run must end with nothing left
 DIE_POINTS = [p for p in range(1, lib.TRACT_DIE_COUNT) if p != lib.TRACT_DIE_JOURNAL_MOVED]
 TAKEOVER_AFTER_S = 0.5
+# with host kills: how long a host's heartbeat may stand still before the
+# manager declares it dead -- above the longest an agent killed alone takes to
+# come back (a few kills, then an agent start on two busy cores)
+HOST_DEAD_AFTER_S = 8.0
 
 
 class Chaos:
-    def __init__(self, seed: int, simulate: bool = False, region_size: int = 32 << 20):
+    def __init__(self, seed: int, simulate: bool = False, region_size: int = 32 << 20,
+                 host_kills: int = 0):
         self.rng = np.random.default_rng(seed)
         self.simulate = simulate
+        self.host_kills_left = host_kills     # whole hosts to kill during the run
+        self.hosts_apart = host_kills > 0     # each node an emulated host of its own
+        self.dead_hosts: list[int] = []       # killed, to come back when the run ends
+        self.host_kills = 0
         self.path = f"/dev/shm/tract-chaos-{uuid.uuid4().hex[:8]}.pool"
         self.dir = tempfile.mkdtemp(prefix="tract-chaos-")
         Pool.create(self.path, region_size, "tiny", nodes=NODES, index_stripes=8).close()
@@ -83,13 +97,107 @@ class Chaos:
     # ---- agents
 
     def start_agent(self, node: int, manager: bool = False) -> subprocess.Popen:
-        return ensure_agent(self.path, node, manager=manager, simulate=self.simulate,
-                            takeover_after=TAKEOVER_AFTER_S,
-                            log_path=os.path.join(self.dir, f"agent{node}.log"))
+        old = os.environ.get("TRACT_HOSTNAME")
+        if self.hosts_apart:
+            os.environ["TRACT_HOSTNAME"] = f"chaos-host-{node}"
+        try:
+            return ensure_agent(self.path, node, manager=manager, simulate=self.simulate,
+                                takeover_after=TAKEOVER_AFTER_S,
+                                host_dead_after=HOST_DEAD_AFTER_S if self.hosts_apart else None,
+                                log_path=os.path.join(self.dir, f"agent{node}.log"))
+        finally:
+            if self.hosts_apart:
+                os.environ.pop("TRACT_HOSTNAME")
+                if old is not None:
+                    os.environ["TRACT_HOSTNAME"] = old
+
+    def kill_host(self) -> None:
+        """A whole emulated host dies: its agent and workers SIGKILLed at once,
+        its node-local segment (its DRAM) removed.  It stays down until the
+        run ends; at least one prefill and one decode worker stay up."""
+        from tract_cli.core.local import local_path
+        alive = [n for n in range(1, NODES) if n not in self.dead_hosts]
+        ok = [n for n in alive
+              if {r for r, node in LAYOUT if node not in self.dead_hosts + [n]} ==
+              {"prefill", "decode"}]
+        if not ok:
+            return
+        node = int(self.rng.choice(ok))
+        self.agent_back_at.pop(node, None)
+        victims = [self.agents[node]] + [p for i, p in enumerate(self.workers)
+                                         if LAYOUT[i][1] == node]
+        for p in victims:
+            if p is not None and p.poll() is None:
+                p.kill()
+        for i, p in enumerate(self.workers):
+            if LAYOUT[i][1] == node:
+                p.wait(timeout=30)
+                self.drain(0)
+                self._forget(p)
+                self.workers[i] = None
+        if self.agents[node] is not None:
+            self.agents[node].wait(timeout=30)
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            os.unlink(local_path(p.info.uuid, node))
+        self.dead_hosts.append(node)
+        self.host_kills += 1
+        self.host_kills_left -= 1
+
+    def _forget(self, p: subprocess.Popen) -> None:
+        """Stops reading a dead worker's events."""
+        try:
+            self.sel.unregister(p.stdout)
+        except (KeyError, ValueError):
+            pass
+        p.stdout.close()
+
+    def bring_hosts_back(self) -> dict:
+        """Once every dead host's recovery returned all of its slots nothing
+        references (bounded), starts each one's agent again: it rejoins."""
+        from tract_cli.core.nodes import VERDICT_CLAIMS, VERDICT_PINS, VERDICT_SLOTS
+        whole = VERDICT_CLAIMS | VERDICT_PINS | VERDICT_SLOTS
+        end = time.monotonic() + SETTLE_S + HOST_DEAD_AFTER_S
+        waiting = list(self.dead_hosts)
+        while waiting and time.monotonic() < end:
+            with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+                table = read_nodes(p)
+            waiting = [n for n in waiting if not table[n].dead or table[n].recovered != whole
+                       or self.unreferenced_slots_of(n)]
+            if waiting:
+                time.sleep(0.2)        # polling the region, bounded above
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            table = read_nodes(p)
+        declared = [n for n in self.dead_hosts if table[n].dead]
+        for node in self.dead_hosts:
+            self.agents[node] = self.start_agent(node)
+        back = {"declared_dead": declared, "unswept": waiting}
+        self.dead_hosts = []
+        return back
+
+    def unreferenced_slots_of(self, node: int) -> list[int]:
+        """Slots the owner map gives NODE that no READY bucket and no live
+        handoff record names (what its recovery's sweep returns)."""
+        from tract_cli.core.media import BUCKET_DTYPE, RECORD_DTYPE
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            info = p.info
+            sec = info.section("owners")
+            owners = np.frombuffer(p.observe(sec.offset, sec.length), np.uint8)[:info.slot_count]
+            b = np.frombuffer(p.observe(info.section("buckets").offset,
+                                        info.section("buckets").length), np.uint8).view(BUCKET_DTYPE)
+            ts = info.section("transfer")
+            rec = np.frombuffer(p.observe(ts.offset, ts.length), np.uint8).view(RECORD_DTYPE)
+            data = info.section("data")
+        used = set((b["slot"][b["state"] == 2].astype(np.int64) - 1).tolist())
+        live = rec[(rec["state"] != 0) & (rec["owner_node"] == node + 1)]
+        used |= set(((live["keys_offset"].astype(np.int64) - data.offset) //
+                     data.entry_size).tolist())
+        used |= set((live["tail_slot"][live["tail_slot"] > 0].astype(np.int64) - 1).tolist())
+        return sorted(set(np.flatnonzero(owners == node + 1).tolist()) - used)
 
     def kill_agent(self) -> None:
         """SIGKILLs a random node's agent; it comes back now or a few kills later."""
-        node = int(self.rng.integers(NODES))
+        up = [n for n in range(NODES) if n not in self.dead_hosts]
+        node = int(self.rng.choice(up))
         with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
             cur = current_manager(read_nodes(p))
         if cur is not None and cur.node == node:
@@ -181,13 +289,20 @@ class Chaos:
             if ev["bad"]:
                 self.errors.append(f"worker {i} ({LAYOUT[i][0]}) read {ev['bad']} bad block(s)")
 
-    def kill_one(self) -> None:
+    def kill_one(self, left: int) -> None:
         self.restart_agents()
+        # the host kills spread over the run (never two agents down at once)
+        if (self.host_kills_left and not self.agent_back_at and
+                self.rng.random() < self.host_kills_left / max(1, left)):
+            self.kill_host()
+            self.kills += 1
+            return
         if not self.agent_back_at and self.rng.random() < AGENT_KILL_P:
             self.kill_agent()
             self.kills += 1
             return
-        i = int(self.rng.integers(len(self.workers)))
+        up = [i for i, p in enumerate(self.workers) if p is not None]
+        i = int(self.rng.choice(up))
         p = self.workers[i]
         if p.poll() is not None and self.died_inside(i):
             self.allocator_deaths += 1
@@ -198,11 +313,7 @@ class Chaos:
         p.kill()
         p.wait(timeout=30)
         self.drain(0)                  # what it printed before dying
-        try:
-            self.sel.unregister(p.stdout)
-        except (KeyError, ValueError):
-            pass
-        p.stdout.close()
+        self._forget(p)
         self.kills += 1
         self.start(i)
 
@@ -212,10 +323,12 @@ class Chaos:
 
     def stop_workers(self) -> None:
         for p in self.workers:
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.terminate()
         end = time.monotonic() + 60
         for i, p in enumerate(self.workers):
+            if p is None:
+                continue               # its host died
             try:
                 p.wait(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -224,6 +337,8 @@ class Chaos:
                 self.errors.append(f"worker {i} did not stop within 60 s of SIGTERM")
         self.drain(0.2)
         for i, p in enumerate(self.workers):
+            if p is None:
+                continue
             if self.died_inside(i):
                 self.allocator_deaths += 1
             elif p.returncode not in (0, -15):
@@ -236,18 +351,20 @@ class Chaos:
         t0 = time.monotonic()
         for i in range(len(LAYOUT)):
             self.start(i)
-        for _ in range(kills):
+        for k in range(kills):
             # the kill points: a random moment of whatever the workers are doing
             self.drain(float(self.rng.uniform(min_gap_s, max_gap_s)))
-            self.kill_one()
+            self.kill_one(kills - k)
         self.restart_agents(everyone=True)
         self.drain(1.0)
         self.stop_workers()
+        hosts = self.bring_hosts_back()
         settled = self.settle()
         managers = self.wait_one_manager()
         violations, _ = self.verify()
         leaked = self.leaked_slots()
         return {"kills": self.kills, "agent_kills": self.agent_kills,
+                "host_kills": self.host_kills, "hosts": hosts,
                 "allocator_deaths": self.allocator_deaths,
                 "manager_kills": self.manager_kills, "managers": managers,
                 "workers_started": self.started,
@@ -256,7 +373,7 @@ class Chaos:
                 "settled": settled, "check_violations": violations, "leaked_slots": leaked,
                 "errors": self.errors,
                 "ok": (not self.errors and not self.bad_blocks and settled["clean"] and
-                       not violations and not leaked and
+                       not violations and not leaked and not hosts["unswept"] and
                        managers["running"] == [managers["current"]])}
 
     def wait_one_manager(self) -> dict:
@@ -330,8 +447,10 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--simulate", action="store_true", help="non-coherence simulator")
+    ap.add_argument("--host-kills", type=int, default=0,
+                    help="whole emulated hosts killed during the run (back when it ends)")
     a = ap.parse_args()
-    chaos = Chaos(a.seed, a.simulate)
+    chaos = Chaos(a.seed, a.simulate, host_kills=a.host_kills)
     try:
         result = chaos.run(a.kills)
     finally:

@@ -90,6 +90,21 @@ def slot_violations(path: str) -> list:
     return violations
 
 
+def node_row(path: str, node: int) -> dict:
+    """NODE's row of `tract inspect --nodes`."""
+    from tract_cli.inspect import snapshot
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        rows = snapshot.take(p, views=("nodes",))["nodes"]["nodes"]
+    return next(r for r in rows if r["node"] == node)
+
+
+def pinned_by_node(path: str) -> dict:
+    """{node: how many buckets it pins}."""
+    from tract_cli.inspect import snapshot
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        return snapshot.take(p, views=("index",))["index"]["pinned_by_node"]
+
+
 def taken_slots(path: str, node: int) -> int:
     """Slots the allocator's owner map gives to NODE (taken from the pool)."""
     import numpy as np
@@ -127,6 +142,7 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
 
         rec = wait_for("node 1 declared dead", lambda: (r := node_record(region, 1)).dead and r)
         assert rec.dead_epoch == rec.epoch
+        assert node_row(region, 1)["state"] == "dead"          # what `tract inspect` shows
         # what it left half done, for the next holders of its locks to repair:
         # the allocator header (and, in plain mode, where its last LRU move
         # reached the region, the stripe's list)
@@ -203,3 +219,52 @@ def test_other_nodes_frees_leave_a_dead_hosts_slots_to_its_sweep(region):
             assert slot_violations(region) == []
         finally:
             lib.tract_manager_stop(mgr[0])
+
+
+def test_a_paused_host_declared_dead_is_fenced_and_comes_back_empty_handed(region, monkeypatch,
+                                                                          tmp_path):
+    """Host B pauses (its agent and a reader holding pins stopped) past
+    --host-dead-after: declared dead, its pins given back.  When it resumes,
+    its agent stops (its node was declared dead), its reader can take no lock,
+    and a new agent refuses to start while that reader runs; once it is gone,
+    the new agent rejoins and forgets the pins the reader journaled (given
+    back once already: a second time would take a live reader's)."""
+    from test_cli import TRACT, assert_one_line_error
+    manager = on_host(monkeypatch, "host-a", region, 0, manager=True, host_dead_after=DEAD_AFTER)
+    log_b = tmp_path / "b.log"
+    try:
+        with Worker(region, 2) as writer:
+            writer.call("index_put_chains", chains=[OTHER])
+        b_agent = on_host(monkeypatch, "host-b", region, 1, manager=False, takeover_after=None,
+                          log_path=str(log_b))
+        zombie = Worker(region, 1)
+        assert zombie.call("index_pin_chain", chain=OTHER) == 12
+        for proc in (b_agent.proc, zombie.proc):
+            proc.send_signal(signal.SIGSTOP)          # the whole host stands still
+        wait_for("node 1 declared dead and its pins given back",
+                 lambda: node_record(region, 1).recovered & VERDICT_PINS)
+        for proc in (b_agent.proc, zombie.proc):
+            proc.send_signal(signal.SIGCONT)
+        assert b_agent.proc.wait(timeout=30) == 0
+        assert "was declared dead by the lock manager" in log_b.read_text()
+        with pytest.raises(AssertionError, match="LockTimeout"):
+            zombie.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=1.0)   # fenced
+        monkeypatch.setenv("TRACT_HOSTNAME", "host-b")
+        refused = subprocess.run(TRACT + ["agent", "--pool", region, "--node", "1"],
+                                 capture_output=True, text=True, timeout=60)
+        assert_one_line_error(refused, 1, "declared dead", "still run")
+        zombie.proc.kill()
+        zombie.proc.wait(timeout=30)
+        zombie.close()
+        log_b2 = tmp_path / "b2.log"
+        with RunningAgent(region, 1, manager=False, takeover_after=None, log_path=str(log_b2)):
+            monkeypatch.delenv("TRACT_HOSTNAME")
+            assert "12 journaled pin(s) forgotten, the free list dropped" in log_b2.read_text()
+            assert not node_record(region, 1).dead
+            with Worker(region, 1) as reader:
+                assert reader.call("index_pin_chain", chain=OTHER) == 12
+                reader.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=30.0)   # not fenced
+                reader.call("lock_release", lock_id=LOCK_OBJDIR)
+                assert pinned_by_node(region).get(1) == 12
+    finally:
+        manager.stop()

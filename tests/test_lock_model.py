@@ -3,7 +3,10 @@
 non-coherent memory model; a planted missing flush must fail the check) and
 tests/model/takeover.pml (manager takeover with fencing tokens: exclusion
 while a superseded manager keeps running, no starvation once the takeover is
-over; each of the three planted protocol bugs must fail).
+over; each of the three planted protocol bugs must fail) and
+tests/model/deadhost.pml (a dead host's slots: returned by its recovery's
+sweep only, never twice, never once taken again; each of the three planted
+bugs must fail).
 
 Each verification is minutes of one CPU that shares nothing with any other
 test: they run in the background while the suite goes on (tests/background.py)
@@ -54,6 +57,11 @@ TAKEOVER_BUGS = {bug: Check(f"takeover: {bug}", check, liveness=False, defines=(
                             model="takeover", cost=cost)
                  for bug, cost in (("BUG_NO_RECHECK", 3), ("BUG_CHECK_BEFORE_LOCKED", 11),
                                    ("BUG_NO_ADOPT", 7))}
+DEAD_HOST_SLOTS = Check("deadhost: a slot never given back twice", check, liveness=False,
+                        model="deadhost", cost=1)
+DEAD_HOST_BUGS = {bug: Check(f"deadhost: {bug}", check, liveness=False, defines=(f"-D{bug}",),
+                             model="deadhost", cost=1)
+                  for bug in ("BUG_NO_DEFER", "BUG_EPOCH_AT_FREE", "BUG_SWEEP_UNCHECKED")}
 
 
 @uses(EXCLUSION)
@@ -95,3 +103,17 @@ def test_no_node_starves_across_a_takeover():
 def test_each_takeover_bug_breaks_exclusion(bug):
     report = TAKEOVER_BUGS[bug].result()
     assert "assertion violated (in_cs==1)" in report and "errors: 1" in report, report
+
+
+@uses(DEAD_HOST_SLOTS)
+def test_a_dead_hosts_slot_is_never_given_back_twice():
+    report = DEAD_HOST_SLOTS.result()
+    assert "errors: 0" in report, report
+    assert "max search depth too small" not in report, report
+
+
+@uses_param("bug", DEAD_HOST_BUGS)
+@pytest.mark.parametrize("bug", list(DEAD_HOST_BUGS))
+def test_each_dead_host_slot_bug_is_caught(bug):
+    report = DEAD_HOST_BUGS[bug].result()
+    assert "assertion violated" in report and "errors: 1" in report, report

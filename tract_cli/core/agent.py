@@ -106,6 +106,7 @@ class Agent:
         self._stop = threading.Event()
         self._thread = None
         self._locked = False
+        self._joined = False               # published the node's entry as its agent
         self.reclaimed = 0
         self.recovered_locks = 0
         self.recovered_processes = 0
@@ -158,6 +159,7 @@ class Agent:
                 self._rejoin(prev)
             else:
                 self._publish(NODE_ALIVE)
+            self._joined = True
             if self.manager and not self._take_over("started with --manager"):
                 # another node claimed it at the same moment: it manages, this one stands by
                 self._log(logging.WARNING, "another node claimed the lock manager at the same "
@@ -494,7 +496,8 @@ class Agent:
             # locked in a segment that is then unmapped corrupts this thread's
             # robust list, and the next unlock of any robust mutex crashes
             try:
-                self._publish(NODE_LEFT)
+                if self._joined:     # (one refused before it published leaves the entry be)
+                    self._publish(NODE_LEFT)
             finally:
                 lib.tract_agent_unlock(self.pool._r())
                 self._locked = False

@@ -72,7 +72,9 @@ class Locks:
         return self._pool.info.lock_count
 
     def acquire(self, lock_id: int, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
-        """Acquires LOCK_ID; returns True if a dead holder's local mutex was recovered."""
+        """Acquires LOCK_ID; returns True if it was taken over from a dead holder (a
+        process of this node, or a host declared dead): what it protects needs a
+        repair, which the C core's own callers make."""
         self._check(lock_id)
         wait = ffi.new("struct tract_lock_wait *")
         rc = lib.tract_lock_acquire(self._pool._r(), lock_id, int(timeout * 1e9), wait)

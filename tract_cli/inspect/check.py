@@ -165,6 +165,9 @@ def lock_violations(pool: Pool, rd: Sections) -> list[Violation]:
     for lid in np.flatnonzero(mgr["token"] > current)[:20]:
         out.append(Violation("locks", f"lock {lid}: grant token {token_text(int(mgr['token'][lid]))} "
                                       f"is above every manager claim ({token_text(current)})"))
+    for lid in np.flatnonzero(mgr["inherited"] > info.max_nodes)[:20]:
+        out.append(Violation("locks", f"lock {lid}: a repair inherited from node "
+                                      f"{int(mgr['inherited'][lid]) - 1}, outside 0..{info.max_nodes - 1}"))
     for lid in np.flatnonzero(mgr["granted_node"] > info.max_nodes)[:20]:
         out.append(Violation("locks", f"lock {lid}: granted to node {int(mgr['granted_node'][lid]) - 1}"
                                       f", outside 0..{info.max_nodes - 1}"))

@@ -24,7 +24,12 @@ def nodes_table(v: dict) -> Table:
         role = "manager" if r["manager"] else ("standby" if r.get("standby") else "")
         life = ("a worker (stops when the node is idle)" if r.get("started_by") == "worker"
                 else "hand (runs until stopped)")
-        t.add_row(str(r["node"]), r["state"], str(r["agent_pid"]), str(r["epoch"]),
+        state = r["state"]
+        if state == "dead":
+            # declared dead by the lock manager: how long ago, what came back
+            state = (f"[red]dead[/] ({_s(r['declared_dead_age_s'])} ago; recovered: "
+                     f"{', '.join(r['recovered']) or 'nothing yet'})")
+        t.add_row(str(r["node"]), state, str(r["agent_pid"]), str(r["epoch"]),
                   _s(r["heartbeat_age_s"]), "yes" if r["live"] else "[red]stale[/]",
                   role, r.get("claim") or "-", life)
     return t

@@ -19,7 +19,8 @@ from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_STATES, BU
 from tract_cli.core.locks import SLOT_STATES, SLOT_WAITING, lock_name
 from tract_cli.core.media import (ALLOC_DTYPE, ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE,
                                   RECORD_DTYPE, SLOT_DTYPE, pins_view)
-from tract_cli.core.nodes import (NODE_NEVER, NODE_STATES, current_manager, on_this_host, read_nodes,
+from tract_cli.core.nodes import (NODE_NEVER, NODE_STATES, VERDICT_CLAIMS, VERDICT_PINS,
+                                  VERDICT_SLOTS, current_manager, on_this_host, read_nodes,
                                   token_text)
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
@@ -69,7 +70,14 @@ def nodes_view(pool: Pool, now: int) -> dict:
         if r.state == NODE_NEVER and not r.heartbeat_ns:
             continue
         local = on_this_host(r)
-        rows.append({"node": r.node, "state": _node_state(r.state),
+        rows.append({"node": r.node,
+                     # declared dead by the lock manager (its recovery: `recovered`)
+                     "state": "dead" if r.dead else _node_state(r.state),
+                     "declared_dead_age_s": _age(now, r.declared_ns) if r.dead else None,
+                     "recovered": [name for bit, name in ((VERDICT_CLAIMS, "claims"),
+                                                          (VERDICT_PINS, "pins"),
+                                                          (VERDICT_SLOTS, "slots"))
+                                   if r.recovered & bit] if r.dead else None,
                      "agent_pid": r.agent_pid, "epoch": r.epoch, "hostname": r.hostname,
                      "heartbeat_age_s": _age(now, r.heartbeat_ns), "live": r.alive(),
                      "manager": r.manager, "standby": r.standby,
