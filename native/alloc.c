@@ -868,6 +868,12 @@ int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
 	int rc = tract_lock_take_dead(r, id, withdrawn);
 	if (rc == TRACT_RECOVERED) {
 		repair_intent(r, 1);
+		/* the grant it took over may carry a dead host's repair its dead
+		 * holder never finished (the manager saw that holder inside) */
+		struct tract_lock_manager_line m;
+		tract_observe_line(r, tract_lock_line(r, id, 0), &m);
+		if (m.inherited)
+			repair_after_dead_host(r);
 		tract_lock_release(r, id);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
@@ -894,8 +900,9 @@ int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, u
 
 /*
  * Returns to the pool the slots of dead host node that nothing references
- * (referenced: a bit per slot, set for every slot a READY bucket or one of
- * its handoff records names, read without a lock before this call: while
+ * (referenced: a bit per slot, set for every slot a READY bucket, an object
+ * directory entry or one of its handoff records names, read without a lock
+ * under the verdict naming dead_epoch, before this call: while
  * the node is dead nothing makes a new reference to its slots, so a slot
  * unreferenced then stays so).  Under alloc_mu and lock 0, with the node
  * checked dead there (TRACT_E_ALIVE: an agent started there since): its free
@@ -908,8 +915,9 @@ int tract_alloc_local_free(const tract_region *r, uint32_t *out, uint64_t cap, u
  * (tract_alloc_rejoin).  *returned gets how many; *owned how many slots the
  * node still has taken (internal; recover.c).
  */
-int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *referenced,
-			   uint64_t *returned, uint64_t *owned, uint64_t timeout_ns)
+int tract_alloc_sweep_dead(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			   const uint8_t *referenced, uint64_t *returned, uint64_t *owned,
+			   uint64_t timeout_ns)
 {
 	*returned = *owned = 0;
 	int rc = lock_alloc_mu(r, timeout_ns);
@@ -919,7 +927,10 @@ int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *refere
 		pthread_mutex_unlock(&r->local->alloc_mu);
 		return rc;
 	}
-	if ((rc = tract_node_verdict(r, node, NULL)) != 1) {
+	/* still dead, under the very verdict the references were read under
+	 * (not a later one: a node that came back since may have new blocks) */
+	struct tract_node_verdict v;
+	if ((rc = tract_node_verdict(r, node, &v)) != 1 || v.dead_epoch != dead_epoch) {
 		rc = rc < 0 ? rc : TRACT_E_ALIVE;
 		goto out;
 	}
@@ -956,27 +967,48 @@ int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *refere
 		*returned += n;
 	}
 	if (rc == TRACT_OK)
-		rc = tract_node_verdict_record(r, node, TRACT_VERDICT_SLOTS);
+		rc = tract_node_verdict_record(r, node, dead_epoch, TRACT_VERDICT_SLOTS);
 out:
 	tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 	pthread_mutex_unlock(&r->local->alloc_mu);
 	return rc;
 }
 
+/* whether slot is this node's in the region now: its owner byte this node,
+ * its bit set (internal; lock 0 held) */
+static int slot_is_mine(tract_region *r, uint32_t slot, void *arg)
+{
+	(void)arg;
+	if (slot >= r->hdr.slot_count)
+		return 0;
+	uint8_t own[TRACT_LINE], bits[TRACT_LINE];
+	tract_observe_line(r, tract_sec(r, TRACT_SEC_OWNERS)->offset + ((uint64_t)slot & ~63ULL), own);
+	tract_observe_line(r, tract_sec(r, TRACT_SEC_BITMAP)->offset + ((uint64_t)slot & ~511ULL) / 8,
+			   bits);
+	uint32_t b = slot & 511;
+	return own[slot & 63] == r->node_id + 1 && ((bits[b / 8] >> (b % 8)) & 1);
+}
+
 /*
- * For an agent that starts on this node after its previous agent epoch
- * (prev_epoch) was declared dead.  Holding alloc_mu (no process of the node
- * allocates meanwhile), it publishes the node's line 0 (line0: the new
- * epoch, after which the node is alive and no sweep of its slots starts),
- * then, under lock 0, if that death's recovery swept the node's slots
- * (TRACT_VERDICT_SLOTS), drops the node's free list -- its slots are back in
- * the pool, some perhaps taken by other nodes since.  Returns 1 if it was
- * dropped, 0 if the sweep never ran (the list is still the node's), or an
- * error (internal; recover.c).
+ * An agent starts on this node (every start).  Holding alloc_mu (no process
+ * of the node allocates meanwhile), it publishes the node's line 0 (line0:
+ * the new epoch; from here the node is alive, and no sweep of its slots
+ * starts).  If a verdict declared the previous epoch (prev_epoch) dead --
+ * whenever it landed, even after the agent read the table -- the dead
+ * host's recovery may have given back what that epoch held, so, under lock
+ * 0: every free-list entry that is no longer this node's in the region
+ * (owner byte, bit) is dropped -- the sweep returned it, and another node
+ * may have taken it since -- and the dead processes' journals forget their
+ * pins (zeroed by the recovery) and the bare slots no longer theirs.  When
+ * lock 0 cannot be had, the whole free list and every bare slot are dropped
+ * instead: a leak at worst, never a slot twice.  *dropped gets the entries
+ * dropped, *pins the journaled pins forgotten; returns 1 if a verdict named
+ * the previous epoch, 0 if not, or an error (internal; recover.c).
  */
 int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
-		       uint64_t timeout_ns)
+		       uint64_t *dropped, uint64_t *pins, uint64_t timeout_ns)
 {
+	*dropped = *pins = 0;
 	/* alloc_mu without settling an intent a process of the dead epoch left
 	 * open: that needs lock 0, which the manager grants a dead node never;
 	 * lock_alloc settles it once the new epoch is published */
@@ -987,22 +1019,39 @@ int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
 		repair_local(r);
 	const struct tract_section *nodes = tract_sec(r, TRACT_SEC_NODES);
 	tract_publish_line(r, nodes->offset + (uint64_t)r->node_id * nodes->entry_size, line0);
-	if ((rc = lock_alloc(r, timeout_ns)) < 0) {
-		pthread_mutex_unlock(&r->local->alloc_mu);
-		return rc;
-	}
 	struct tract_node_verdict v;
 	rc = tract_node_verdict(r, r->node_id, &v);
-	if (rc >= 0) {
-		rc = v.dead_epoch == prev_epoch && (v.recovered & TRACT_VERDICT_SLOTS);
-		if (rc) {
-			struct tract_local_hdr *l = r->local;
-			intent_end(r);
-			__atomic_store_n(&l->free_count, 0, __ATOMIC_RELEASE);
-			memset(free_bits(r), 0, (r->hdr.slot_count + 7) / 8);
+	if (rc < 0 || !v.dead_epoch || v.dead_epoch != prev_epoch) {
+		pthread_mutex_unlock(&r->local->alloc_mu);
+		return rc < 0 ? rc : 0;
+	}
+	struct tract_local_hdr *l = r->local;
+	uint32_t *fl = free_list(r);
+	uint8_t *fb = free_bits(r);
+	if (lock_alloc(r, timeout_ns) < 0) {
+		/* no lock 0: nothing can be checked, so nothing is kept */
+		*dropped = l->free_count;
+		intent_end(r);
+		__atomic_store_n(&l->free_count, 0, __ATOMIC_RELEASE);
+		memset(fb, 0, (r->hdr.slot_count + 7) / 8);
+		tract_journal_void_dead(r, NULL, NULL, pins);
+		pthread_mutex_unlock(&l->alloc_mu);
+		return 1;
+	}
+	uint64_t kept = 0, n = l->free_count;
+	for (uint64_t i = 0; i < n; i++) {
+		uint32_t s = fl[i];
+		if (slot_is_mine(r, s, NULL)) {
+			fl[kept++] = s;
+		} else {
+			if (s < r->hdr.slot_count)
+				__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
+			(*dropped)++;
 		}
 	}
+	__atomic_store_n(&l->free_count, kept, __ATOMIC_RELEASE);
+	tract_journal_void_dead(r, slot_is_mine, NULL, pins);
 	tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
-	pthread_mutex_unlock(&r->local->alloc_mu);
-	return rc;
+	pthread_mutex_unlock(&l->alloc_mu);
+	return 1;
 }

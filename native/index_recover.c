@@ -107,10 +107,18 @@ static int of_node(tract_region *r, const struct tract_bucket *bk, uint32_t node
 	return bk->owner_node == node;
 }
 
+/* whether node is dead under the verdict naming dead_epoch (internal) */
+static int still_dead(tract_region *r, uint32_t node, uint64_t dead_epoch)
+{
+	struct tract_node_verdict v;
+	return tract_node_verdict(r, node, &v) == 1 && v.dead_epoch == dead_epoch;
+}
+
 /* buries the PENDING buckets of every stripe that filter picks for node;
- * dead_node: re-check, under each stripe's lock, that node is still dead,
- * and stop (TRACT_E_ALIVE) when it is not (internal) */
-static int bury_claims(tract_region *r, uint32_t node, claim_filter filter, int dead_node,
+ * dead_epoch (0: none): re-check, under each stripe's lock, that node is
+ * still dead under that verdict, and stop (TRACT_E_ALIVE) when it is not
+ * (internal) */
+static int bury_claims(tract_region *r, uint32_t node, claim_filter filter, uint64_t dead_epoch,
 		       uint64_t timeout_ns, uint32_t *buried, uint32_t *skipped)
 {
 	*buried = *skipped = 0;
@@ -123,7 +131,7 @@ static int bury_claims(tract_region *r, uint32_t node, claim_filter filter, int 
 		}
 		if (rc < 0)
 			return rc;
-		if (dead_node && tract_node_verdict(r, node, NULL) != 1) {
+		if (dead_epoch && !still_dead(r, node, dead_epoch)) {
 			/* revived (an agent started there since): its claims
 			 * are its new processes' */
 			tract_stripe_leave(&c);
@@ -163,10 +171,10 @@ int tract_bury_orphan_claims(tract_region *r, uint64_t timeout_ns, uint32_t *bur
 
 /* buries every PENDING claim of node, a dead host's (its slots, which no
  * bucket names, come back offline) (internal; recover.c) */
-int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t timeout_ns,
-			       uint32_t *buried, uint32_t *skipped)
+int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			       uint64_t timeout_ns, uint32_t *buried, uint32_t *skipped)
 {
-	return bury_claims(r, node, of_node, 1, timeout_ns, buried, skipped);
+	return bury_claims(r, node, of_node, dead_epoch, timeout_ns, buried, skipped);
 }
 
 /*
@@ -177,8 +185,8 @@ int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t timeout_
  * lock, the verdict re-checked there (TRACT_E_ALIVE: revived, stop); *pins
  * gets the sum of the counts zeroed (internal; recover.c).
  */
-int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, uint64_t *pins,
-			   uint32_t *skipped)
+int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			   uint64_t timeout_ns, uint64_t *pins, uint32_t *skipped)
 {
 	*pins = 0;
 	*skipped = 0;
@@ -192,7 +200,7 @@ int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, 
 		}
 		if (rc < 0)
 			return rc;
-		if (tract_node_verdict(r, node, NULL) != 1) {
+		if (!still_dead(r, node, dead_epoch)) {
 			tract_stripe_leave(&c);
 			return TRACT_E_ALIVE;
 		}

@@ -173,10 +173,10 @@ uint64_t tract_observe_nodes(tract_region *r, uint8_t *dead, int site);
 
 /* a dead host's part of the index, the transfer table (index_recover.c,
  * handoff.c; recover.c's tract_recover_host) (internal) */
-int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t timeout_ns,
-			       uint32_t *buried, uint32_t *skipped);
-int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t timeout_ns, uint64_t *pins,
-			   uint32_t *skipped);
+int tract_index_bury_claims_of(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			       uint64_t timeout_ns, uint32_t *buried, uint32_t *skipped);
+int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			   uint64_t timeout_ns, uint64_t *pins, uint32_t *skipped);
 int tract_handoff_recover_node(tract_region *r, uint32_t node, uint32_t *count,
 			       uint64_t timeout_ns);
 uint32_t tract_handoff_records_of(tract_region *r, uint32_t node);
@@ -202,22 +202,27 @@ int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct trac
 
 /* a dead host's slots: returned by its recovery, and the node's free list
  * dropped when it comes back (alloc.c; internal) */
-int tract_alloc_sweep_dead(tract_region *r, uint32_t node, const uint8_t *referenced,
-			   uint64_t *returned, uint64_t *owned, uint64_t timeout_ns);
+int tract_alloc_sweep_dead(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			   const uint8_t *referenced, uint64_t *returned, uint64_t *owned,
+			   uint64_t timeout_ns);
 int tract_alloc_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0,
-		       uint64_t timeout_ns);
+		       uint64_t *dropped, uint64_t *pins, uint64_t timeout_ns);
 
-/* forgets what the node's dead processes journaled: pins, or with all
- * everything (journal.c; internal) */
-void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins);
+/* forgets, in the node's dead processes' journals, their pins and the bare
+ * slots keep does not keep (journal.c; internal) */
+void tract_journal_void_dead(tract_region *r, int (*keep)(tract_region *, uint32_t, void *),
+			     void *arg, uint64_t *pins);
 
-/* marks (a bit per slot) every slot a READY bucket names, and every slot a
- * handoff record of node names (index_recover.c, handoff.c; internal) */
+/* marks (a bit per slot) every slot a READY bucket names, every slot an
+ * object-directory entry overlaps, and every slot a handoff record of node
+ * names (index_recover.c, objdir.c, handoff.c; internal) */
 void tract_index_mark_slots(tract_region *r, uint8_t *bits);
+void tract_obj_mark_slots(tract_region *r, uint8_t *bits);
 void tract_handoff_mark_slots(tract_region *r, uint32_t node, uint8_t *bits);
 
 /* records steps of a dead node's recovery in its verdict (verdict.c; internal) */
-int tract_node_verdict_record(tract_region *r, uint32_t node, uint32_t steps);
+int tract_node_verdict_record(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			      uint32_t steps);
 
 /*
  * Mutation sites (tests/mutation.py): every flush and invalidate of the

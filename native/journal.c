@@ -418,14 +418,17 @@ void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
 	}
 }
 
-/* Forgets what this node's dead processes journaled, for an agent that
- * starts on a node whose previous agent epoch was declared dead (recover.c's
- * tract_node_rejoin): their pins always (the dead host's recovery gave them
- * back by zeroing the node's pin counts, so giving them back again would take
- * other processes' pins); with all, everything (their claims were buried and
- * their slots returned to the pool by the same recovery).  *pins gets the
- * pins forgotten (internal). */
-void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins)
+/* Forgets, in this node's dead processes' journals, what the recovery of a
+ * dead host gave back, for an agent that starts on a node whose previous
+ * agent epoch was declared dead (alloc.c's tract_alloc_rejoin): their pins
+ * always (the recovery zeroed the node's pin counts, so giving them back
+ * again would take other processes' pins), and every bare slot that keep
+ * (NULL: none) does not keep (the sweep returned it; another node may hold
+ * it now).  Their claims stay: recovery frees a claim's slot only while its
+ * bucket is still PENDING, which the recovery buried before it swept.  *pins
+ * gets the pins forgotten (internal). */
+void tract_journal_void_dead(tract_region *r, int (*keep)(tract_region *, uint32_t, void *),
+			     void *arg, uint64_t *pins)
 {
 	*pins = 0;
 	if (!r->local || !r->local->journal_off)
@@ -434,7 +437,7 @@ void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins)
 	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
 		uint32_t pid = __atomic_load_n(&p[i].pid, __ATOMIC_ACQUIRE);
 		if (!pid || !tract_pid_dead(pid))
-			continue;       /* free, or a live process of the new epoch */
+			continue;       /* free, or a live process (of the new epoch) */
 		journal_settle(&p[i]);
 		for (uint32_t k = 0; k < TRACT_JOURNAL_CAP && p[i].used; k++) {
 			struct tract_journal_key *key = &p[i].keys[k];
@@ -442,10 +445,10 @@ void tract_journal_void_dead(tract_region *r, int all, uint64_t *pins)
 				continue;
 			*pins += key->pins;
 			key->pins = 0;
-			if (all || !key->claim)
+			int bare_gone = key->kind == 1 &&
+					(!keep || !key->claim || !keep(r, key->claim - 1, arg));
+			if (bare_gone || (key->kind == 0 && !key->claim))
 				tract_journal_erase(&p[i], k);
 		}
-		if (all)
-			tract_journal_retire(&p[i]);
 	}
 }

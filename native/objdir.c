@@ -124,3 +124,24 @@ int tract_obj_delete(tract_region *r, const char *name, uint64_t timeout_ns)
 	tract_lock_release(r, TRACT_LOCK_OBJDIR);
 	return rc;
 }
+
+/* marks in bits (one per slot) every slot an entry's object overlaps: an
+ * application may publish a slot it allocated as a named root, and a dead
+ * host's sweep must not return it (internal; recover.c) */
+void tract_obj_mark_slots(tract_region *r, uint8_t *bits)
+{
+	struct tract_objdir_entry dir[TRACT_OBJDIR_ENTRIES];
+	observe_dir(r, dir);
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	uint64_t end = data->offset + r->hdr.slot_count * r->hdr.slot_stride;
+	for (int i = 0; i < TRACT_OBJDIR_ENTRIES; i++) {
+		uint64_t lo = dir[i].offset, size = dir[i].size;
+		if (!dir[i].name[0] || !size || lo >= end || size > end - lo ||
+		    lo + size <= data->offset)
+			continue;
+		uint64_t first = lo < data->offset ? 0 : (lo - data->offset) / r->hdr.slot_stride;
+		uint64_t last = (lo + size - 1 - data->offset) / r->hdr.slot_stride;
+		for (uint64_t s = first; s <= last && s < r->hdr.slot_count; s++)
+			bits[s / 8] |= (uint8_t)(1u << (s % 8));
+	}
+}

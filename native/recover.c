@@ -235,7 +235,8 @@ int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
 		return rc;
 	uint32_t steps = v.recovered, skipped = 0;
 	if (!(steps & TRACT_VERDICT_CLAIMS)) {
-		rc = tract_index_bury_claims_of(r, node, timeout_ns, &out->claims, &skipped);
+		rc = tract_index_bury_claims_of(r, node, v.dead_epoch, timeout_ns, &out->claims,
+						&skipped);
 		if (rc < 0)
 			return rc;
 		out->skipped += skipped;
@@ -244,14 +245,15 @@ int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
 	}
 	out->records = tract_handoff_records_of(r, node);
 	if (!(steps & TRACT_VERDICT_PINS) && !out->records) {
-		rc = tract_index_clear_pins(r, node, timeout_ns, &out->pins, &skipped);
+		rc = tract_index_clear_pins(r, node, v.dead_epoch, timeout_ns, &out->pins, &skipped);
 		if (rc < 0)
 			return rc;
 		out->skipped += skipped;
 		if (!skipped)
 			steps |= TRACT_VERDICT_PINS;
 	}
-	if (steps != v.recovered && (rc = tract_node_verdict_record(r, node, steps)) < 0)
+	if (steps != v.recovered &&
+	    (rc = tract_node_verdict_record(r, node, v.dead_epoch, steps)) < 0)
 		return rc;
 	if ((flags & TRACT_RECOVER_HOST_SLOTS) && (steps & TRACT_VERDICT_CLAIMS)) {
 		/* the references first, without a lock (they only go away while
@@ -260,8 +262,10 @@ int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
 		if (!referenced)
 			return TRACT_E_NOMEM;
 		tract_index_mark_slots(r, referenced);
+		tract_obj_mark_slots(r, referenced);
 		tract_handoff_mark_slots(r, node, referenced);
-		rc = tract_alloc_sweep_dead(r, node, referenced, &out->slots, &out->owned, timeout_ns);
+		rc = tract_alloc_sweep_dead(r, node, v.dead_epoch, referenced, &out->slots, &out->owned,
+					    timeout_ns);
 		free(referenced);
 		if (rc < 0)
 			return rc;
@@ -272,19 +276,15 @@ int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
 	return TRACT_OK;
 }
 
-/* For an agent starting on this node after its previous agent epoch was
- * declared dead (tract.h). */
+/* An agent starting on this node: publishes its line 0 and, if a verdict
+ * named the previous epoch, forgets what that death's recovery gave back
+ * (tract.h). */
 int tract_node_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0, uint64_t *pins,
-		      int *dropped, uint64_t timeout_ns)
+		      uint64_t *dropped, uint64_t timeout_ns)
 {
 	if (!r || !line0 || !pins || !dropped || (r->flags & TRACT_ATTACH_READONLY))
 		return TRACT_E_INVAL;
 	if (!r->local)
 		return TRACT_E_NO_LOCAL;
-	int rc = tract_alloc_rejoin(r, prev_epoch, line0, timeout_ns);
-	if (rc < 0)
-		return rc;
-	*dropped = rc;
-	tract_journal_void_dead(r, rc, pins);
-	return TRACT_OK;
+	return tract_alloc_rejoin(r, prev_epoch, line0, dropped, pins, timeout_ns);
 }

@@ -452,16 +452,16 @@ enum {
 int tract_recover_host(tract_region *r, uint32_t node, uint32_t flags,
 		       struct tract_host_recovery *out, uint64_t timeout_ns);
 
-/* For an agent starting on this node when its previous agent epoch
- * (prev_epoch) was declared dead: publishes line0 (the node's line 0 with its
- * new epoch; 64 bytes) while no process of the node can allocate, then
- * forgets what that death's recovery gave back -- the pins the node's dead
- * processes journaled and, when the recovery returned the node's slots
- * (TRACT_VERDICT_SLOTS), the node's free list and the rest of those journals
- * (their claims and slots).  *pins gets the pins forgotten, *dropped whether
- * the free list was. */
+/* What every agent starting on this node publishes through: line0 (the
+ * node's line 0 with its new epoch; 64 bytes), published while no process
+ * of the node can allocate.  If a verdict declared the previous epoch
+ * (prev_epoch) dead -- whenever it landed -- what that death's recovery gave
+ * back is forgotten here, under lock 0: free-list entries that are no longer
+ * this node's in the region (*dropped gets how many), the pins the node's
+ * dead processes journaled (*pins), their bare slots no longer theirs.
+ * Returns 1 if a verdict named the previous epoch, 0 if not. */
 int tract_node_rejoin(tract_region *r, uint64_t prev_epoch, const void *line0, uint64_t *pins,
-		      int *dropped, uint64_t timeout_ns);
+		      uint64_t *dropped, uint64_t timeout_ns);
 
 /* Buries this node's PENDING buckets whose writer is dead and in no journal
  * (a restarted host, an overflowed journal): their keys become writable; their

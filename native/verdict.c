@@ -117,12 +117,14 @@ int tract_node_declare_dead(tract_region *r, uint32_t node, uint64_t epoch, uint
 }
 
 /* Records steps (TRACT_VERDICT_*) of a dead node's recovery as done, if the
- * verdict still stands (internal; recover.c, the current manager's agent). */
-int tract_node_verdict_record(tract_region *r, uint32_t node, uint32_t steps)
+ * verdict naming dead_epoch still stands (never into a later verdict)
+ * (internal; recover.c and alloc.c, for the current manager's agent). */
+int tract_node_verdict_record(tract_region *r, uint32_t node, uint64_t dead_epoch,
+			      uint32_t steps)
 {
 	struct tract_node_verdict v;
 	int dead = tract_node_verdict(r, node, &v);
-	if (dead <= 0)
+	if (dead <= 0 || v.dead_epoch != dead_epoch)
 		return dead < 0 ? dead : TRACT_E_ALIVE;
 	if ((v.recovered & steps) == steps)
 		return TRACT_OK;

@@ -12,7 +12,7 @@ import torch
 
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
-from tract_cli.core.agent_launch import start_node_agent
+from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
 from tract_cli.core.pool import Pool
@@ -28,6 +28,7 @@ class ConnectorError(TractError):
 # ---- one attached pool per process (the scheduler and worker sides may share a process) ----
 
 _pools: dict[tuple, Pool] = {}
+_watches: dict[tuple, "AgentWatch"] = {}
 _pools_lock = threading.Lock()
 
 
@@ -39,6 +40,11 @@ def shared_pool(s: ConnectorSettings) -> Pool:
         if pool is None or pool.closed:
             if s.start_agent:
                 start_node_agent(s.pool, s.node, simulate=s.simulate, flush_mode=s.flush_mode)
+                if key not in _watches:
+                    # kept running while this process lives (a node whose agent
+                    # stays gone is declared dead: core/agent_launch.py)
+                    _watches[key] = AgentWatch(s.pool, s.node, simulate=s.simulate,
+                                               flush_mode=s.flush_mode)
             pool = Pool.attach(s.pool, node=s.node, flush_mode=s.flush_mode, simulate=s.simulate)
             _pools[key] = pool
         return pool

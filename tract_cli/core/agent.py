@@ -105,6 +105,8 @@ class Agent:
         self._manager = None
         self._stop = threading.Event()
         self._thread = None
+        self._beat_thread = None
+        self._publish_mu = threading.Lock()   # the two threads publish line 0
         self._locked = False
         self._joined = False               # published the node's entry as its agent
         self.reclaimed = 0
@@ -155,16 +157,20 @@ class Agent:
                 self._refuse_while_fenced_processes_run(prev)
             self.epoch = prev.epoch + 1
             self.manager_epoch = prev.manager_epoch   # claims never go back
-            if prev.dead:
-                self._rejoin(prev)
-            else:
-                self._publish(NODE_ALIVE)
+            self._rejoin(prev)
             self._joined = True
             if self.manager and not self._take_over("started with --manager"):
                 # another node claimed it at the same moment: it manages, this one stands by
                 self._log(logging.WARNING, "another node claimed the lock manager at the same "
                           "moment; standing by")
-            self._thread = threading.Thread(target=self._heartbeat, name="tract-heartbeat",
+            # the heartbeat has a thread of its own, so that no duty that
+            # waits (a recovery pass on busy locks, a dead host's sweep) can
+            # make the node look dead to the lock manager, or the manager
+            # look dead to its standbys
+            self._beat_thread = threading.Thread(target=self._beat, name="tract-heartbeat",
+                                                 daemon=True)
+            self._beat_thread.start()
+            self._thread = threading.Thread(target=self._duties, name="tract-duties",
                                             daemon=True)
             self._thread.start()
         except BaseException:
@@ -185,20 +191,22 @@ class Agent:
                 f"{', '.join(map(str, alive[:8]))})",
                 "stop them (they can take no lock), then start the agent again")
 
-    def _rejoin(self, me) -> None:
-        """Publishes the node's new epoch and forgets what the dead host's
-        recovery gave back: the pins its dead processes journaled, and the
-        node's free list when the recovery returned its slots (one C call,
+    def _rejoin(self, prev) -> None:
+        """Publishes the node's entry with its new epoch, and forgets what a
+        dead host's recovery gave back if a verdict declared the previous
+        epoch dead -- read under the allocator lock after the publish, so a
+        verdict that lands while this agent starts counts too (one C call,
         while no process of the node can allocate)."""
-        pins, dropped = rejoin(self.pool, me.epoch, self._node_line(NODE_ALIVE))
-        self._log(logging.WARNING, "the node's previous agent (epoch %d) was declared dead and its "
-                  "recovery gave back what it held: %d journaled pin(s) forgotten%s", me.epoch,
-                  pins, ", the free list dropped (its slots went back to the pool)" if dropped
-                  else "")
+        named, pins, dropped = rejoin(self.pool, prev.epoch, self._node_line(NODE_ALIVE))
+        if named:
+            self._log(logging.WARNING, "the node's previous agent (epoch %d) was declared dead and "
+                      "its recovery gave back what it held: %d journaled pin(s) forgotten, %d "
+                      "free-list slot(s) dropped (back in the pool)", prev.epoch, pins, dropped)
 
     def _publish(self, state: int) -> None:
         sec = self.pool.info.section("nodes")
-        self.pool.publish(sec.offset + self.node * sec.entry_size, self._node_line(state))
+        with self._publish_mu:
+            self.pool.publish(sec.offset + self.node * sec.entry_size, self._node_line(state))
 
     def _node_line(self, state: int) -> bytes:
         """Line 0 of this node's entry as this agent publishes it now."""
@@ -317,22 +325,30 @@ class Agent:
                     + (" and no other node's agent alive" if self.managing else ""))
         return None
 
-    def _heartbeat(self) -> None:
+    def _beat(self) -> None:
+        """The heartbeat: the node's entry published every heartbeat_s, until
+        the agent stops or finds its node declared dead."""
+        while not self._stop.wait(self.heartbeat_s) and not self.exited.is_set():
+            if self._declared_dead():
+                return
+            self._publish(NODE_ALIVE)
+
+    def _duties(self) -> None:
+        """Everything else, every heartbeat_s: whether to stop, the manager's
+        fencing and its watch over other hosts (or standing by), the node's
+        recovery, the payload sweep, expired handoffs."""
         last_reclaim = 0.0
         last_sweep = -ORPHAN_SWEEP_S        # the first round sweeps: a restarted host
-        while not self._stop.wait(self.heartbeat_s):
+        while not self._stop.wait(self.heartbeat_s) and not self.exited.is_set():
             why = self._why_exit()
             if why is not None:
                 self.exit_reason = why
                 self.exited.set()
                 return
-            if self._declared_dead():
-                return
-            self._publish(NODE_ALIVE)
             if self.managing:
                 self._check_superseded()
-            if self.managing:
-                self._watch_hosts()
+                if self.managing:
+                    self._watch_hosts()
             elif self.takeover_after_s is not None:
                 try:
                     self._maybe_take_over()
@@ -484,9 +500,10 @@ class Agent:
     def stop(self) -> None:
         """Stops the manager and heartbeat, marks the node as left, frees the node."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        for t in (self._thread, self._beat_thread):
+            if t is not None:
+                t.join(timeout=5)
+        self._thread = self._beat_thread = None
         if self._manager is not None:
             lib.tract_manager_stop(self._manager)
             self._manager = None

@@ -6,12 +6,15 @@ working directory) as a process of its own session unless the node's entry
 in the node table shows a live agent, and waits (bounded) for its first
 heartbeat; `start_node_agent` is what workers call: the agent it starts runs
 the lock manager when no node has a live one, and stops by itself once the
-node has been idle for `IDLE_EXIT_S` (docs/PROTOCOLS.md §7).
+node has been idle for `IDLE_EXIT_S` (docs/PROTOCOLS.md §7); `AgentWatch`
+keeps it running while the worker lives.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
+import threading
 import time
 
 from tract_cli.core.agent import HOST_DEAD_AFTER_S, TAKEOVER_AFTER_S, AgentOptions
@@ -100,3 +103,48 @@ def start_node_agent(pool_path: str, node: int, **attach):
         return ensure_agent(pool_path, node, manager=False, idle_exit=IDLE_EXIT_S, **attach)
     except TractError as exc:
         raise TractError(f"cannot start the node agent: {exc.problem}", exc.fix) from None
+
+
+class AgentWatch:
+    """Keeps a node's agent running while a worker of the node lives: a daemon
+    thread checks every PERIOD_S seconds that the node's entry shows a live
+    agent and starts one (`start_node_agent`) when it does not.
+
+    Why a worker must: the lock manager's agent declares a node of another
+    host dead once its agent's heartbeat has stood still for --host-dead-after
+    (10 s by default), and then gives back what the node held -- its readers'
+    pins among it -- while its workers may still be running.  An agent that
+    crashes alone must therefore come back well within that time, and the
+    workers are what is left on the node to notice (docs/PROTOCOLS.md §7).
+    A node declared dead is not restarted here: its workers are fenced, and a
+    new agent refuses to start while they run."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, pool_path: str, node: int, **attach):
+        self.pool_path, self.node, self.attach = pool_path, node, attach
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tract-agent-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                with Pool.attach(self.pool_path, node=self.node, readonly=True,
+                                 prefault=False) as pool:
+                    rec = read_nodes(pool)[self.node]
+                if rec.dead or (rec.alive() and not (on_this_host(rec)
+                                                     and not pid_alive(rec.agent_pid))):
+                    continue
+                if start_node_agent(self.pool_path, self.node, **self.attach) is not None:
+                    self.restarts += 1
+            except TractError as err:     # the next period tries again
+                logging.getLogger("tract.worker").warning(
+                    "node %d's agent is not running and could not be started: %s", self.node, err)
+            except OSError:               # the region is gone: nothing to keep
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -125,12 +125,13 @@ def recover_host(pool: Pool, node: int, slots: bool, timeout: float = 1.0) -> Ho
     return HostRecovery.from_c(rep)
 
 
-def rejoin(pool: Pool, prev_epoch: int, line0: bytes, timeout: float = 5.0) -> tuple[int, bool]:
-    """For an agent starting on a node whose previous agent epoch PREV_EPOCH
-    was declared dead: publishes LINE0 (the node's line 0, its new epoch) and
-    forgets what the dead host's recovery gave back (`tract_node_rejoin`);
-    returns (pins forgotten, whether the node's free list was dropped)."""
-    pins, dropped = ffi.new("uint64_t *"), ffi.new("int *")
-    raise_for(lib.tract_node_rejoin(pool._r(), prev_epoch, line0, pins, dropped,
-                                    int(timeout * 1e9)), "rejoining after a verdict")
-    return int(pins[0]), bool(dropped[0])
+def rejoin(pool: Pool, prev_epoch: int, line0: bytes, timeout: float = 5.0) -> tuple[bool, int, int]:
+    """What an agent starting on a node publishes its entry through
+    (`tract_node_rejoin`): LINE0, the node's line 0 with its new epoch; if a
+    verdict declared the previous epoch PREV_EPOCH dead, what the dead host's
+    recovery gave back is forgotten.  Returns (a verdict named it, journaled
+    pins forgotten, free-list entries dropped)."""
+    pins, dropped = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    rc = lib.tract_node_rejoin(pool._r(), prev_epoch, line0, pins, dropped, int(timeout * 1e9))
+    raise_for(rc if rc < 0 else 0, "publishing the node's entry")
+    return rc == 1, int(pins[0]), int(dropped[0])

@@ -14,7 +14,7 @@ slowest (a lock wait, a block copy) and let a `/metrics` scrape stall them.
 """
 from __future__ import annotations
 
-from tract_cli.core.agent_launch import start_node_agent
+from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import pool_root
 from tract_cli.core.pool import Pool
@@ -44,9 +44,13 @@ class PoolWorker:
         self.engine = engine
         self.node = node
         self.agent_proc = None
+        self.agent_watch = None
         if start_agent:
             self.agent_proc = start_node_agent(pool_path, node, simulate=simulate,
                                                flush_mode=flush_mode)
+            # and keeps it running: a node whose agent stays gone is declared dead
+            self.agent_watch = AgentWatch(pool_path, node, simulate=simulate,
+                                          flush_mode=flush_mode)
         self.pool = Pool.attach(pool_path, node=node, simulate=simulate, flush_mode=flush_mode,
                                 expect=engine.profile.geometry)
         if self.pool.info.model_name != engine.profile.name:
@@ -105,5 +109,8 @@ class PoolWorker:
 
     def close(self) -> None:
         self.slots = None
+        if self.agent_watch is not None:
+            self.agent_watch.stop()
+            self.agent_watch = None
         if not self.pool.closed:
             self.pool.close()
