@@ -457,14 +457,16 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 }
 
 /* finishes record rec if the scan saw it (t) half released by a dead
- * process of node (this node: a process whose pid is gone; another node: a
+ * process of node (this node: a process whose pid is gone, or this one,
+ * which took a release over and timed out on a busy lock; another node: a
  * dead host's, any process): 1 if it did, 0 if not, or an error (internal) */
 static int recover_record(tract_region *r, uint32_t node, uint32_t rec,
 			  const struct tract_transfer_record *t, uint64_t timeout_ns)
 {
 	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
 	    t->releaser_node != node + 1 ||
-	    (node == r->node_id && !tract_pid_dead(t->releaser_pid)))
+	    (node == r->node_id && t->releaser_pid != (uint32_t)getpid() &&
+	     !tract_pid_dead(t->releaser_pid)))
 		return 0;
 	return resume_record(r, rec, t, timeout_ns);
 }
@@ -484,6 +486,10 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 	int mine = now.state == t->state && now.releaser_node == t->releaser_node &&
 		   now.releaser_pid == t->releaser_pid;
 	if (mine) {
+		/* this process releases it now, as a process of this node: if it
+		 * dies too, this node's agent resumes it (a dead host's release
+		 * taken over by the manager's agent stays the manager node's) */
+		now.releaser_node = r->node_id + 1;
 		now.releaser_pid = (uint32_t)getpid();
 		publish_record(r, rec, &now);
 	}

@@ -1,7 +1,8 @@
 """The chaos test, bounded for CI (tests/chaos.py has the long version):
 prefill and decode processes on three emulated nodes, one of them -- or a
 node agent, the lock manager's included -- SIGKILLed at a random moment again
-and again, and some of them killing themselves inside the allocator.
+and again, and some of them killing themselves inside the allocator; in one run a whole
+emulated host dies (recovered online by the manager's agent).
 Afterwards one manager runs, nothing is left over and nothing read
 was wrong (see tests/chaos.py for the list)."""
 from __future__ import annotations
@@ -11,9 +12,11 @@ import pytest
 from chaos import Chaos
 
 
-@pytest.mark.parametrize("simulate,kills", [(False, 40), (True, 15)], ids=["plain", "sim"])
-def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate, kills):
-    chaos = Chaos(seed=11, simulate=simulate)
+@pytest.mark.parametrize("simulate,kills,host_kills", [(False, 40, 0), (True, 15, 0), (False, 30, 1)],
+                         ids=["plain", "sim", "plain-host-kill"])
+def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate, kills,
+                                                                       host_kills):
+    chaos = Chaos(seed=11, simulate=simulate, host_kills=host_kills)
     try:
         r = chaos.run(kills)
     finally:
@@ -21,8 +24,11 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
     summary = {k: r[k] for k in ("kills", "agent_kills", "allocator_deaths", "manager_kills",
                                  "managers", "events",
                                  "settled", "check_violations", "leaked_slots", "bad_blocks",
-                                 "errors")}
+                                 "errors", "host_kills", "hosts")}
     assert r["kills"] == kills
+    # a whole host killed: declared dead, recovered online, back at the end
+    assert r["host_kills"] == host_kills, summary
+    assert len(r["hosts"]["declared_dead"]) == host_kills and not r["hosts"]["unswept"], r["hosts"]
     assert r["agent_kills"] > 0, summary
     assert r["allocator_deaths"] > 0, summary
     assert r["managers"]["running"] == [r["managers"]["current"]], summary
