@@ -71,8 +71,9 @@ def test_an_agent_that_fails_to_start_gives_the_node_back(region, monkeypatch):
     from tract_cli.core.agent import Agent
     from tract_cli.core.errors import TractError
 
-    def broken(self, state):
+    def broken(self, arg):
         raise TractError("the node table cannot be written", "test")
+    monkeypatch.setattr(Agent, "_rejoin", broken)      # the start's first publish
     monkeypatch.setattr(Agent, "_publish", broken)
     with pytest.raises(TractError, match="cannot be written"):
         Agent(region, 1).start()

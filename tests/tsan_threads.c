@@ -43,7 +43,7 @@ static void fail(const char *what, int rc, int t)
 static void *watcher(void *arg)
 {
 	(void)arg;
-	uint64_t by = 0, stats[5];
+	uint64_t by = 0, stats[6];
 	while (!__atomic_load_n(&stop_watch, __ATOMIC_ACQUIRE)) {
 		if (tract_manager_superseded(manager, &by))
 			fail("tract_manager_superseded (no other claim exists)", 1, -1);
