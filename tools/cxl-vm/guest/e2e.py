@@ -400,6 +400,13 @@ def node(dev: str, node_id: int, part: str, params_path: str, out: str, folder: 
     finally:
         stop_agent(agent)
     result["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    # what the node's agent said (takeovers, a host declared dead, recovery):
+    # the guest's /tmp is gone with it, so the lines travel in the result
+    try:
+        with open(f"/tmp/agent-{node_id}.log", errors="replace") as f:
+            result["agent_log"] = f.read().splitlines()[-40:]
+    except OSError:
+        result["agent_log"] = []
     write_json(out, result)
     record(folder, 2, f"tract check {dev}", lambda: check(dev))
 
