@@ -70,6 +70,16 @@ def on_host(monkeypatch, host: str, region: str, node: int, **opts) -> RunningAg
         monkeypatch.delenv("TRACT_HOSTNAME")
 
 
+def gone(*procs) -> None:
+    """Makes sure these processes are gone (a test that failed midway may
+    leave one stopped with SIGSTOP, or running with no idle exit)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait(timeout=30)
+
+
 def kill_host_b(region: str, agent: RunningAgent, workers: list) -> None:
     """Host B loses power: its agent and workers die, its DRAM (the node's
     local segment) is gone."""
@@ -119,6 +129,7 @@ def taken_slots(path: str, node: int) -> int:
 def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch, simulate):
     manager = on_host(monkeypatch, "host-a", region, 0, manager=True, simulate=simulate,
                       host_dead_after=DEAD_AFTER)
+    b_agent = None
     try:
         with Worker(region, 2, simulate=simulate) as writer:
             writer.call("index_put_chains", chains=[CHAIN, OTHER])     # OTHER now heads the lists
@@ -176,6 +187,7 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
         wait_for("node 1's slots back in the pool", lambda: taken_slots(region, 1) == 0)
         assert slot_violations(region) == []
     finally:
+        gone(b_agent and b_agent.proc)
         manager.stop()
 
 
@@ -247,6 +259,7 @@ def test_a_paused_host_declared_dead_is_fenced_and_comes_back_empty_handed(regio
     from test_cli import TRACT, assert_one_line_error
     manager = on_host(monkeypatch, "host-a", region, 0, manager=True, host_dead_after=DEAD_AFTER)
     log_b = tmp_path / "b.log"
+    b_agent = zombie = None
     try:
         with Worker(region, 2) as writer:
             writer.call("index_put_chains", chains=[OTHER])
@@ -282,6 +295,7 @@ def test_a_paused_host_declared_dead_is_fenced_and_comes_back_empty_handed(regio
                 reader.call("lock_release", lock_id=LOCK_OBJDIR)
                 assert pinned_by_node(region).get(1) == 12
     finally:
+        gone(b_agent and b_agent.proc, zombie and zombie.proc)
         manager.stop()
 
 
@@ -321,6 +335,7 @@ def test_a_node_of_this_host_is_never_declared_dead(region):
     --host-dead-after: it is judged by its processes' pids (its own agent's
     recovery when it comes back), never declared dead by a heartbeat."""
     manager = RunningAgent(region, 0, manager=True, host_dead_after=DEAD_AFTER)
+    other = None
     try:
         other = RunningAgent(region, 1, manager=False, takeover_after=None)
         other.proc.send_signal(signal.SIGSTOP)
@@ -333,4 +348,5 @@ def test_a_node_of_this_host_is_never_declared_dead(region):
         other.proc.send_signal(signal.SIGCONT)
         other.stop()
     finally:
+        gone(other and other.proc)
         manager.stop()
