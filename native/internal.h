@@ -39,7 +39,7 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 4
+#define TRACT_LOCAL_VERSION 5
 
 /*
  * The per-process journal in the node-local segment (journal.c): what each
@@ -92,6 +92,8 @@ struct tract_local_hdr {
 	uint64_t free_bits_off; /* 1 bit per slot: in this node's free list */
 	uint64_t journal_off;   /* TRACT_JOURNAL_PROCS struct tract_journal_proc */
 	uint64_t ledger_off;    /* u64 per slot: the payload ledger (payload.c) */
+	uint64_t sim_off;       /* the node's simulated cache (sim.c); untouched, so
+				 * never backed by memory, outside the simulator */
 	/* the allocator's intent (alloc.c): a change of the region's allocator
 	 * state under lock 0, recorded before it starts and cleared when it has
 	 * ended, so that whoever inherits lock 0 from a holder that died inside
@@ -437,8 +439,14 @@ extern const struct tract_ops tract_sim_ops;
 /* creates simulator state for a region (internal) */
 int tract_sim_create(tract_region *r);
 
-/* the simulated process's own payload ledger, or NULL (sim.c) (internal) */
+/* the private simulated cache's payload ledger, or NULL (sim.c) (internal) */
 uint64_t *tract_sim_ledger(tract_region *r);
+
+/* bytes of, and initialization of, a node's simulated cache in its local
+ * segment; moving a handle onto it (sim.c) (internal) */
+uint64_t tract_sim_cache_size(void);
+int tract_sim_cache_init(void *mem);
+void tract_sim_bind(tract_region *r, void *cache);
 
 /* frees simulator state (internal) */
 void tract_sim_destroy(tract_region *r);

@@ -24,7 +24,8 @@ uint64_t tract_local_size(const tract_region *r)
 	uint64_t n = r->hdr.slot_count;
 	return up64(sizeof(struct tract_local_hdr)) +
 	       up64((uint64_t)r->hdr.lock_count * sizeof(struct tract_local_mutex)) +
-	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size() + up64(n * 8);
+	       up64(n * 4) + up64((n + 7) / 8) + tract_journal_size() + up64(n * 8) +
+	       up64(tract_sim_cache_size());
 }
 
 /* initializes one robust, process-shared mutex (internal) */
@@ -58,7 +59,10 @@ int tract_local_init(void *mem, uint64_t size, const tract_region *r)
 	h->free_bits_off = h->free_list_off + up64(h->slot_count * 4);
 	h->journal_off = h->free_bits_off + up64((h->slot_count + 7) / 8);
 	h->ledger_off = h->journal_off + tract_journal_size();
+	h->sim_off = h->ledger_off + up64(h->slot_count * 8);
 	int rc = init_mutex(&h->agent_mu);
+	if (!rc)
+		rc = tract_sim_cache_init((uint8_t *)mem + h->sim_off);
 	if (!rc)
 		rc = init_mutex(&h->alloc_mu);
 	struct tract_local_mutex *m = (void *)((uint8_t *)mem + h->locks_off);
@@ -85,6 +89,8 @@ int tract_bind_local(tract_region *r, void *mem, uint64_t size)
 		return TRACT_E_LAYOUT;
 	r->local = h;
 	tract_journal_open(r);
+	if (r->sim)
+		tract_sim_bind(r, (uint8_t *)mem + h->sim_off);
 	return TRACT_OK;
 }
 

@@ -54,13 +54,14 @@ static uint64_t slot_offset(const tract_region *r, uint32_t s)
 }
 
 /* the ledger this handle reads and writes: the node's, shared by its
- * processes as they share the host's caches; under the simulator each process
- * has a cache of its own, so it gets a ledger of its own too (sim.c) (internal) */
+ * processes as they share the host's caches (the simulator's cache is the
+ * node's too, sim.c); a simulated handle without a local segment has a
+ * cache of its own, so it gets a ledger of its own too (internal) */
 static uint64_t *payload_ledger(tract_region *r)
 {
-	if (r->sim)
-		return tract_sim_ledger(r);
-	return r->local ? tract_ledger(r) : NULL;
+	if (r->local)
+		return tract_ledger(r);
+	return r->sim ? tract_sim_ledger(r) : NULL;
 }
 
 /*

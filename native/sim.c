@@ -1,19 +1,29 @@
 /*
  * sim.c -- the non-coherence simulator (docs/PROTOCOLS.md §2).
  *
- * A private, set-associative write-back cache per process sits between the
- * accessors and the mapping.  Loads hit cached lines, stale or not, until
- * the line is invalidated; stores stay in the cache until the line is
+ * A set-associative write-back cache per emulated host (node) sits between
+ * the accessors and the mapping.  Loads hit cached lines, stale or not,
+ * until the line is invalidated; stores stay in the cache until the line is
  * flushed or evicted; a write-back writes the *whole* 64-byte line, as a
  * real cache does, so a line written from a stale copy clobbers other
  * hosts' bytes.  Random eviction (probability per access, seeded) makes
  * write-backs happen at unpredictable times; capacity conflicts evict too.
  *
- * On a coherent machine this turns a missing flush (the other process never
- * sees the value) or a missing invalidate (this process keeps reading the
- * old value) into a visible failure.  Threads of one process share the
- * cache, as threads of one host share its caches.
+ * On a coherent machine this turns a missing flush (the other host never
+ * sees the value) or a missing invalidate (this host keeps reading the old
+ * value) into a visible failure.
+ *
+ * The cache lives in the node-local segment, so every process of a node
+ * shares it, as the processes of one host share its caches: a process
+ * SIGKILLed inside a critical section leaves its stores in the cache, for
+ * the repair of its node to write back (index_pin.c tract_stripe_repair), as
+ * on a real host; a whole host's death (its segment removed with its
+ * processes) loses them.  A handle without a local segment (a read-only or
+ * local=False attach) has a private cache, as before it binds one.  The
+ * cache's mutex is robust: a process killed holding it leaves at most the
+ * one line it was copying torn, as a plain-mode memcpy would.
  */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,14 +39,28 @@ struct sim_line {
 	uint8_t data[TRACT_LINE];
 };
 
-struct tract_sim {
-	pthread_mutex_t mu;
-	uint64_t *ledger;      /* this process's payload ledger (payload.c), per slot */
-	uint64_t rng;
-	uint32_t evict_prob;   /* per access, in 1/2^32 units */
+/* one host's cache: in its node-local segment, or private to a handle */
+struct tract_sim_cache {
+	pthread_mutex_t mu;    /* robust, process-shared */
 	uint64_t hits, misses, writebacks, evictions;
 	struct sim_line lines[SIM_SETS][SIM_WAYS];
 };
+
+struct tract_sim {
+	struct tract_sim_cache *c;     /* the node's (shared) or own */
+	struct tract_sim_cache *own;   /* the private cache, until a segment is bound */
+	uint64_t *ledger;      /* the private cache's payload ledger (payload.c), per slot */
+	uint64_t rng;          /* this handle's eviction draws (under c->mu) */
+	uint32_t evict_prob;   /* per access, in 1/2^32 units */
+};
+
+/* takes the cache's mutex; a holder killed inside leaves it consistent
+ * enough (module comment) (internal) */
+static void cache_lock(struct tract_sim_cache *c)
+{
+	if (pthread_mutex_lock(&c->mu) == EOWNERDEAD)
+		pthread_mutex_consistent(&c->mu);
+}
 
 /* xorshift64* step (internal) */
 static uint64_t rng_next(struct tract_sim *s)
@@ -62,7 +86,7 @@ static void write_back(tract_region *r, struct sim_line *l)
 	if (l->tag && l->dirty) {
 		memcpy(r->base + (l->tag - 1), l->data, TRACT_LINE);
 		l->dirty = 0;
-		r->sim->writebacks++;
+		r->sim->c->writebacks++;
 	}
 }
 
@@ -73,13 +97,13 @@ static void evict(tract_region *r, struct sim_line *l)
 		return;
 	write_back(r, l);
 	l->tag = 0;
-	r->sim->evictions++;
+	r->sim->c->evictions++;
 }
 
 /* finds a cached line or NULL (internal) */
-static struct sim_line *find(struct tract_sim *s, uint64_t line_off)
+static struct sim_line *find(struct tract_sim_cache *c, uint64_t line_off)
 {
-	struct sim_line *set = s->lines[set_of(line_off)];
+	struct sim_line *set = c->lines[set_of(line_off)];
 	for (int w = 0; w < SIM_WAYS; w++)
 		if (set[w].tag == line_off + 1)
 			return &set[w];
@@ -90,13 +114,13 @@ static struct sim_line *find(struct tract_sim *s, uint64_t line_off)
 static struct sim_line *get(tract_region *r, uint64_t line_off)
 {
 	struct tract_sim *s = r->sim;
-	struct sim_line *l = find(s, line_off);
+	struct sim_line *l = find(s->c, line_off);
 	if (l) {
-		s->hits++;
+		s->c->hits++;
 		return l;
 	}
-	s->misses++;
-	struct sim_line *set = s->lines[set_of(line_off)];
+	s->c->misses++;
+	struct sim_line *set = s->c->lines[set_of(line_off)];
 	l = NULL;
 	for (int w = 0; w < SIM_WAYS && !l; w++)
 		if (!set[w].tag)
@@ -119,7 +143,7 @@ static void maybe_evict_random(tract_region *r)
 	if (!s->evict_prob || (uint32_t)rng_next(s) >= s->evict_prob)
 		return;
 	uint64_t x = rng_next(s);
-	evict(r, &s->lines[x % SIM_SETS][(x >> 32) % SIM_WAYS]);
+	evict(r, &s->c->lines[x % SIM_SETS][(x >> 32) % SIM_WAYS]);
 }
 
 /* load through the simulated cache (internal) */
@@ -127,7 +151,7 @@ static void sim_load(tract_region *r, uint64_t off, void *dst, uint64_t n)
 {
 	struct tract_sim *s = r->sim;
 	uint8_t *d = dst;
-	pthread_mutex_lock(&s->mu);
+	cache_lock(s->c);
 	while (n) {
 		uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1);
 		uint64_t in = off - lo;
@@ -136,7 +160,7 @@ static void sim_load(tract_region *r, uint64_t off, void *dst, uint64_t n)
 		d += k, off += k, n -= k;
 	}
 	maybe_evict_random(r);
-	pthread_mutex_unlock(&s->mu);
+	pthread_mutex_unlock(&s->c->mu);
 }
 
 /* store into the simulated cache; the line becomes dirty (internal) */
@@ -144,7 +168,7 @@ static void sim_store(tract_region *r, uint64_t off, const void *src, uint64_t n
 {
 	struct tract_sim *s = r->sim;
 	const uint8_t *p = src;
-	pthread_mutex_lock(&s->mu);
+	cache_lock(s->c);
 	while (n) {
 		uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1);
 		uint64_t in = off - lo;
@@ -155,7 +179,7 @@ static void sim_store(tract_region *r, uint64_t off, const void *src, uint64_t n
 		p += k, off += k, n -= k;
 	}
 	maybe_evict_random(r);
-	pthread_mutex_unlock(&s->mu);
+	pthread_mutex_unlock(&s->c->mu);
 }
 
 /* writes back (keep) or evicts every cached line of [off, off+n) (internal) */
@@ -164,10 +188,10 @@ static void for_lines(tract_region *r, uint64_t off, uint64_t n, int keep)
 	struct tract_sim *s = r->sim;
 	if (n == 0)
 		return;
-	pthread_mutex_lock(&s->mu);
+	cache_lock(s->c);
 	uint64_t end = off + n;
 	for (uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1); lo < end; lo += TRACT_LINE) {
-		struct sim_line *l = find(s, lo);
+		struct sim_line *l = find(s->c, lo);
 		if (!l)
 			continue;
 		if (keep)
@@ -175,7 +199,7 @@ static void for_lines(tract_region *r, uint64_t off, uint64_t n, int keep)
 		else
 			evict(r, l);
 	}
-	pthread_mutex_unlock(&s->mu);
+	pthread_mutex_unlock(&s->c->mu);
 }
 
 /* flush: write back; evict unless the mode is clwb, which keeps the line (internal) */
@@ -201,23 +225,81 @@ const struct tract_ops tract_sim_ops = {
 	"sim", sim_load, sim_store, sim_flush, sim_invalidate, sim_fence,
 };
 
-/* creates simulator state for a region (internal) */
+/* initializes a cache, zeroed by the caller, with a robust process-shared mutex (internal) */
+static int cache_init(struct tract_sim_cache *c)
+{
+	pthread_mutexattr_t a;
+	int rc = pthread_mutexattr_init(&a);
+	if (rc)
+		return tract_sys_error(rc);
+	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+	rc = pthread_mutex_init(&c->mu, &a);
+	pthread_mutexattr_destroy(&a);
+	return rc ? tract_sys_error(rc) : TRACT_OK;
+}
+
+/* bytes of a node's cache in its local segment (internal; local.c) */
+uint64_t tract_sim_cache_size(void)
+{
+	return sizeof(struct tract_sim_cache);
+}
+
+/* initializes a node's cache in a fresh, zeroed local segment (internal; local.c) */
+int tract_sim_cache_init(void *mem)
+{
+	return cache_init(mem);
+}
+
+/* creates simulator state for a region, with a private cache (internal) */
 int tract_sim_create(tract_region *r)
 {
 	struct tract_sim *s = calloc(1, sizeof(*s));
-	if (!s)
-		return TRACT_E_NOMEM;
-	pthread_mutex_init(&s->mu, NULL);
+	struct tract_sim_cache *own = calloc(1, sizeof(*own));
+	int rc = s && own ? cache_init(own) : TRACT_E_NOMEM;
+	if (rc) {
+		free(own);
+		free(s);
+		return rc;
+	}
+	s->c = s->own = own;
 	s->rng = 0x9E3779B97F4A7C15ULL;
 	r->sim = s;
 	return TRACT_OK;
 }
 
-/* this process's payload ledger, made at first use: the simulated cache is
- * per process, so what it may hold is too (payload.c) (internal) */
+/* writes back every dirty line of the handle's cache, as a drain would (internal) */
+static void drain(tract_region *r)
+{
+	cache_lock(r->sim->c);
+	for (int i = 0; i < SIM_SETS; i++)
+		for (int w = 0; w < SIM_WAYS; w++)
+			write_back(r, &r->sim->c->lines[i][w]);
+	pthread_mutex_unlock(&r->sim->c->mu);
+}
+
+/* moves the handle onto its node's cache in the bound local segment: what
+ * the private one holds is written back first (internal; local.c) */
+void tract_sim_bind(tract_region *r, void *cache)
+{
+	struct tract_sim *s = r->sim;
+	if (!s || !s->own)
+		return;
+	if (!(r->flags & TRACT_ATTACH_READONLY))
+		drain(r);
+	pthread_mutex_destroy(&s->own->mu);
+	free(s->own);
+	s->own = NULL;
+	s->c = cache;
+}
+
+/* the private cache's payload ledger, made at first use; NULL with a node's
+ * cache, whose ledger is the node's (payload.c) (internal) */
 uint64_t *tract_sim_ledger(tract_region *r)
 {
 	struct tract_sim *s = r->sim;
+	if (!s->own)
+		return NULL;
 	uint64_t *l = __atomic_load_n(&s->ledger, __ATOMIC_ACQUIRE);
 	if (l || !r->hdr.slot_count)
 		return l;
@@ -233,17 +315,19 @@ uint64_t *tract_sim_ledger(tract_region *r)
 	return fresh;
 }
 
-/* frees simulator state, writing back dirty lines as a cache drain would (internal) */
+/* frees simulator state, writing back dirty lines as a cache drain would:
+ * a handle detached cleanly (a process that exits, not one killed) (internal) */
 void tract_sim_destroy(tract_region *r)
 {
 	struct tract_sim *s = r->sim;
 	if (!s)
 		return;
 	if (!(r->flags & TRACT_ATTACH_READONLY))
-		for (int i = 0; i < SIM_SETS; i++)
-			for (int w = 0; w < SIM_WAYS; w++)
-				write_back(r, &s->lines[i][w]);
-	pthread_mutex_destroy(&s->mu);
+		drain(r);
+	if (s->own) {
+		pthread_mutex_destroy(&s->own->mu);
+		free(s->own);
+	}
 	free(s->ledger);
 	free(s);
 	r->sim = NULL;
@@ -254,21 +338,23 @@ int tract_sim_configure(tract_region *r, uint32_t evict_prob_u32, uint64_t seed)
 {
 	if (!r || !r->sim)
 		return TRACT_E_INVAL;
-	pthread_mutex_lock(&r->sim->mu);
+	cache_lock(r->sim->c);
 	r->sim->evict_prob = evict_prob_u32;
 	r->sim->rng = seed ? seed : 0x9E3779B97F4A7C15ULL;
-	pthread_mutex_unlock(&r->sim->mu);
+	pthread_mutex_unlock(&r->sim->c->mu);
 	return TRACT_OK;
 }
 
-/* Returns simulator counters: hits, misses, writebacks, evictions (4 values). */
+/* Returns simulator counters of the handle's cache (the node's, shared by its
+ * processes, once a local segment is bound): hits, misses, writebacks,
+ * evictions (4 values). */
 int tract_sim_stats(const tract_region *r, uint64_t *out4)
 {
 	if (!r || !r->sim || !out4)
 		return TRACT_E_INVAL;
-	out4[0] = r->sim->hits;
-	out4[1] = r->sim->misses;
-	out4[2] = r->sim->writebacks;
-	out4[3] = r->sim->evictions;
+	out4[0] = r->sim->c->hits;
+	out4[1] = r->sim->c->misses;
+	out4[2] = r->sim->c->writebacks;
+	out4[3] = r->sim->c->evictions;
 	return TRACT_OK;
 }
