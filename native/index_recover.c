@@ -114,6 +114,31 @@ static int still_dead(tract_region *r, uint32_t node, uint64_t dead_epoch)
 	return tract_node_verdict(r, node, &v) == 1 && v.dead_epoch == dead_epoch;
 }
 
+enum { ENTERED = 1, SKIPPED = 2 };
+
+/* enters stripe s for a recovery of node's holdings: ENTERED, or SKIPPED
+ * (its lock stayed busy for timeout_ns; counted in *skipped); with
+ * dead_epoch (0: none), re-checks under the stripe's lock that node is still
+ * dead under that verdict: revived (an agent started there since), what it
+ * holds is its new processes', so TRACT_E_ALIVE and nothing entered; another
+ * error as is (internal) */
+static int enter_while_dead(tract_region *r, uint32_t s, uint32_t node, uint64_t dead_epoch,
+			    uint64_t timeout_ns, struct stripe_ctx *c, uint32_t *skipped)
+{
+	int rc = tract_stripe_enter(r, s, timeout_ns, c, NULL);
+	if (rc == TRACT_E_TIMEOUT) {
+		(*skipped)++;
+		return SKIPPED;
+	}
+	if (rc < 0)
+		return rc;
+	if (dead_epoch && !still_dead(r, node, dead_epoch)) {
+		tract_stripe_leave(c);
+		return TRACT_E_ALIVE;
+	}
+	return ENTERED;
+}
+
 /* buries the PENDING buckets of every stripe that filter picks for node;
  * dead_epoch (0: none): re-check, under each stripe's lock, that node is
  * still dead under that verdict, and stop (TRACT_E_ALIVE) when it is not
@@ -124,19 +149,11 @@ static int bury_claims(tract_region *r, uint32_t node, claim_filter filter, uint
 	*buried = *skipped = 0;
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
 		struct stripe_ctx c;
-		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
-		if (rc == TRACT_E_TIMEOUT) {
-			(*skipped)++;
-			continue;
-		}
+		int rc = enter_while_dead(r, s, node, dead_epoch, timeout_ns, &c, skipped);
 		if (rc < 0)
 			return rc;
-		if (dead_epoch && !still_dead(r, node, dead_epoch)) {
-			/* revived (an agent started there since): its claims
-			 * are its new processes' */
-			tract_stripe_leave(&c);
-			return TRACT_E_ALIVE;
-		}
+		if (rc == SKIPPED)
+			continue;
 		for (uint64_t b = c.first; b < c.first + c.size; b++) {
 			struct tract_bucket bk;
 			load_bucket(&c, b, &bk);
@@ -193,17 +210,11 @@ int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t dead_epoch,
 	uint8_t zero[TRACT_LINE] = { 0 };
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
 		struct stripe_ctx c;
-		int rc = tract_stripe_enter(r, s, timeout_ns, &c, NULL);
-		if (rc == TRACT_E_TIMEOUT) {
-			(*skipped)++;
-			continue;
-		}
+		int rc = enter_while_dead(r, s, node, dead_epoch, timeout_ns, &c, skipped);
 		if (rc < 0)
 			return rc;
-		if (!still_dead(r, node, dead_epoch)) {
-			tract_stripe_leave(&c);
-			return TRACT_E_ALIVE;
-		}
+		if (rc == SKIPPED)
+			continue;
 		/* a stripe's buckets fill whole pin lines (layout.c) */
 		for (uint64_t b = c.first; b < c.first + c.size; b += TRACT_LINE / 2) {
 			uint64_t line = pin_off(r, node, b) & ~(uint64_t)(TRACT_LINE - 1);

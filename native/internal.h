@@ -418,6 +418,8 @@ uint64_t tract_mono_ns(void);
 void tract_backoff(uint32_t *round, uint64_t max_sleep_ns);
 /* TRACT_E_SYS with errno set to a pthread return code */
 int tract_sys_error(int pthread_rc);
+/* initializes a robust, process-shared mutex */
+int tract_robust_init(pthread_mutex_t *mu);
 /* locks a robust mutex within timeout_ns, recovering a dead owner
  * (TRACT_RECOVERED: taken, and its last owner died holding it) */
 int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns);

@@ -28,20 +28,6 @@ uint64_t tract_local_size(const tract_region *r)
 	       up64(tract_sim_cache_size());
 }
 
-/* initializes one robust, process-shared mutex (internal) */
-static int init_mutex(pthread_mutex_t *mu)
-{
-	pthread_mutexattr_t a;
-	int rc = pthread_mutexattr_init(&a);
-	if (rc)
-		return tract_sys_error(rc);
-	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-	rc = pthread_mutex_init(mu, &a);
-	pthread_mutexattr_destroy(&a);
-	return rc ? tract_sys_error(rc) : TRACT_OK;
-}
-
 /* Initializes a fresh, zeroed local segment for this region and the handle's node. */
 int tract_local_init(void *mem, uint64_t size, const tract_region *r)
 {
@@ -60,14 +46,14 @@ int tract_local_init(void *mem, uint64_t size, const tract_region *r)
 	h->journal_off = h->free_bits_off + up64((h->slot_count + 7) / 8);
 	h->ledger_off = h->journal_off + tract_journal_size();
 	h->sim_off = h->ledger_off + up64(h->slot_count * 8);
-	int rc = init_mutex(&h->agent_mu);
+	int rc = tract_robust_init(&h->agent_mu);
 	if (!rc)
 		rc = tract_sim_cache_init((uint8_t *)mem + h->sim_off);
 	if (!rc)
-		rc = init_mutex(&h->alloc_mu);
+		rc = tract_robust_init(&h->alloc_mu);
 	struct tract_local_mutex *m = (void *)((uint8_t *)mem + h->locks_off);
 	for (uint32_t i = 0; !rc && i < h->lock_count; i++)
-		rc = init_mutex(&m[i].mu);
+		rc = tract_robust_init(&m[i].mu);
 	if (rc)
 		return rc;
 	__atomic_store_n(&h->magic, TRACT_LOCAL_MAGIC, __ATOMIC_RELEASE);

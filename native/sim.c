@@ -225,20 +225,6 @@ const struct tract_ops tract_sim_ops = {
 	"sim", sim_load, sim_store, sim_flush, sim_invalidate, sim_fence,
 };
 
-/* initializes a cache, zeroed by the caller, with a robust process-shared mutex (internal) */
-static int cache_init(struct tract_sim_cache *c)
-{
-	pthread_mutexattr_t a;
-	int rc = pthread_mutexattr_init(&a);
-	if (rc)
-		return tract_sys_error(rc);
-	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-	rc = pthread_mutex_init(&c->mu, &a);
-	pthread_mutexattr_destroy(&a);
-	return rc ? tract_sys_error(rc) : TRACT_OK;
-}
-
 /* bytes of a node's cache in its local segment (internal; local.c) */
 uint64_t tract_sim_cache_size(void)
 {
@@ -248,7 +234,7 @@ uint64_t tract_sim_cache_size(void)
 /* initializes a node's cache in a fresh, zeroed local segment (internal; local.c) */
 int tract_sim_cache_init(void *mem)
 {
-	return cache_init(mem);
+	return tract_robust_init(&((struct tract_sim_cache *)mem)->mu);
 }
 
 /* creates simulator state for a region, with a private cache (internal) */
@@ -256,7 +242,7 @@ int tract_sim_create(tract_region *r)
 {
 	struct tract_sim *s = calloc(1, sizeof(*s));
 	struct tract_sim_cache *own = calloc(1, sizeof(*own));
-	int rc = s && own ? cache_init(own) : TRACT_E_NOMEM;
+	int rc = s && own ? tract_robust_init(&own->mu) : TRACT_E_NOMEM;
 	if (rc) {
 		free(own);
 		free(s);

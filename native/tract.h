@@ -495,6 +495,9 @@ int tract_lock_release(tract_region *r, uint32_t lock_id);
  * of this node's dead processes; *count gets how many. */
 int tract_lock_recover(tract_region *r, uint32_t *count);
 
+/* How many global locks this handle holds (0 for NULL). */
+int tract_locks_held(tract_region *r);
+
 /* Per-lock acquisition count and total wait of this node (local statistics). */
 int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
 		     uint64_t *wait_ns);

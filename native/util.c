@@ -60,6 +60,21 @@ int tract_sys_error(int pthread_rc)
 	return TRACT_E_SYS;
 }
 
+/* initializes a robust, process-shared mutex: a node-local segment's,
+ * shared by the node's processes, any of which may die holding it (internal) */
+int tract_robust_init(pthread_mutex_t *mu)
+{
+	pthread_mutexattr_t a;
+	int rc = pthread_mutexattr_init(&a);
+	if (rc)
+		return tract_sys_error(rc);
+	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+	rc = pthread_mutex_init(mu, &a);
+	pthread_mutexattr_destroy(&a);
+	return rc ? tract_sys_error(rc) : TRACT_OK;
+}
+
 /* locks a robust mutex, making it consistent if its owner died (internal) */
 int tract_robust_lock(pthread_mutex_t *mu, uint64_t timeout_ns)
 {

@@ -2,8 +2,9 @@
 emulated nodes, driven one command at a time over pipes.
 
 Every wait is bounded: a reply that does not come within the timeout fails
-the test with a message naming the command, never hangs CI.  There is no
-sleep anywhere: ordering between processes comes from waiting for replies.
+the test with a message naming the command, never hangs CI.  No sleep
+orders anything: ordering between processes comes from waiting for replies,
+and `wait_for` polls state another process writes, within a bound.
 """
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ class Worker:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_for(what: str, predicate, timeout: float = 60.0):
+    """Polls PREDICATE (bounded) until it returns something true, and returns
+    that; fails naming WHAT."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)      # polling what other processes write, bounded
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")

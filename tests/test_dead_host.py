@@ -25,7 +25,7 @@ import pytest
 
 from agents import RunningAgent
 from index_check import check_index
-from procs import Worker
+from procs import Worker, wait_for
 from tract_cli.core.errors import LockTimeout
 from tract_cli.core.local import local_path
 from tract_cli.core.locks import LOCK_ALLOCATOR, LOCK_OBJDIR
@@ -44,16 +44,6 @@ def region(region_path):
     Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
     return region_path
 
-
-def wait_for(what: str, predicate, timeout: float = 60.0):
-    """Polls PREDICATE (bounded); fails naming WHAT."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)      # polling a table another process writes
-    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
 
 
 def node_record(path: str, node: int):

@@ -179,3 +179,38 @@ def test_a_broken_local_mutex_is_reported_with_its_own_error(region_path):
         with pytest.raises(TractError) as exc:
             p.locks.acquire(lock, timeout=1.0)
         assert os.strerror(errno.EINVAL) in str(exc.value)
+
+
+CLOSED_HOLDING = """
+import sys
+from tract_cli.core.pool import Pool
+path = sys.argv[1]
+first = Pool.attach(path, node=1)
+first.locks.acquire({x}, timeout=10)        # on this thread's robust list first
+second = Pool.attach(path, node=2)
+second.locks.acquire({y}, timeout=10)
+second.close()                              # closed inside its critical section
+first.locks.release({x})                    # pthreads walks the list past {y}'s mutex
+first.close()
+print("survived")
+"""
+
+
+def test_a_pool_closed_while_it_holds_a_lock_keeps_the_process_alive_and_the_lock_is_recovered(
+        region):
+    """A pool closed inside a critical section (an exception between acquire
+    and release) leaves the lock's local mutex on its thread's robust list:
+    unmapping its segment made the process's next robust unlock walk into
+    unmapped memory (a crash the mutation test met). The segment stays
+    mapped, the process goes on, and once it exits the lock is a dead
+    holder's, taken over by the next process of the node."""
+    import subprocess
+    import sys
+    code = CLOSED_HOLDING.format(x=LOCK_ALLOCATOR, y=LOCK_OBJDIR)
+    with RunningAgent(region, 0, manager=True):
+        done = subprocess.run([sys.executable, "-c", code, region], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
+        with Worker(region, 2) as successor:
+            successor.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=30.0)
+            successor.call("lock_release", lock_id=LOCK_OBJDIR)

@@ -19,6 +19,7 @@ import pytest
 
 from agents import RunningAgent
 from counters import finish_counters, start_counters
+from procs import wait_for
 from tract_cli.core.errors import LockTimeout
 from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.native import ffi, lib
@@ -44,16 +45,6 @@ def nodes(path):
     with Pool.attach(path, readonly=True, prefault=False) as p:
         return read_nodes(p)
 
-
-def wait_for(what: str, predicate, timeout: float = 60.0):
-    """Polls PREDICATE (bounded); fails naming WHAT."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)      # polling a heartbeat other processes write
-    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
 
 
 def manager_node(path) -> int | None:

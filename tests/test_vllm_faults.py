@@ -8,7 +8,6 @@ after 4 s, so a full pool and an abandoned handoff both resolve within a test.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,9 +15,10 @@ import threading
 import numpy as np
 import pytest
 
-from tests.vllm_stack import (VLLM_PY, complete, prefill_params, remove_vllm_debris,
-                              shm_names, start_stack, stop_stack, tokens_by_source,
+from tests.vllm_stack import (VLLM_PY, complete, prefill_params, shm_names, start_stack,
+                              stop_stack, tokens_by_source, vllm_shm,
                               wait_until_released)
+from tract_cli.serve.vllm_engine import kill_vllm
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
@@ -93,16 +93,16 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
         except Exception as exc:          # the kill cuts the others off
             errors.append(exc)
 
-    shm_before = shm_names()
+    shm = vllm_shm(sim["prefill"])
     threads = [threading.Thread(target=send, args=(500 + i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
     assert answered.wait(120), "no prefill request was answered within 120 s"
-    os.killpg(sim["prefill"].proc.pid, signal.SIGKILL)
+    kill_vllm(sim["prefill"].proc.pid)    # its resource tracker survives, to unlink its shm
     for t in threads:
         t.join(60)
     sim["prefill"].stop()
-    remove_vllm_debris(shm_before)
+    assert len(shm) >= 2 and not shm & shm_names(), "vLLM's shared memory outlived it"
     wait_until_released(sim["pool"], timeout=TTL_S + 60)
     check = subprocess.run([sys.executable, "-m", "tract_cli.cli", "check", sim["pool"]],
                            capture_output=True, text=True, timeout=120)

@@ -165,6 +165,21 @@ def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def vllm_shm(server) -> set[str]:
+    """The psm_* files (vLLM's shm_broadcast rings) that the processes of SERVER's
+    vLLM map."""
+    import psutil
+    names = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == server.proc.pid:
+                names |= {os.path.basename(m.path) for m in proc.memory_maps()
+                          if os.path.basename(m.path).startswith("psm_")}
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return names
+
+
 def remove_vllm_debris(before: set[str]) -> None:
     """vLLM's own shared memory (psm_*, sem.mp-*) that a vLLM which crashed or was
     killed left since BEFORE and that no live process maps: its resource tracker

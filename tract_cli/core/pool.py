@@ -7,6 +7,7 @@ can never outlive its mapping.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from typing import Callable
@@ -181,10 +182,22 @@ class Pool:
         """Detaches and unmaps; refuses while numpy/torch views of the pool are alive."""
         if self._region is None:
             return
+        held = lib.tract_locks_held(self._region)
         lib.tract_detach(self._region)
         self._region = None
         self._area_np = self._area_torch = None
-        if self._local is not None:
+        if self._local is not None and held:
+            # closed inside a critical section (an exception between acquire
+            # and release): the lock's local mutex stays on this thread's
+            # robust list, which pthreads walks at the next robust lock, so
+            # its segment must stay mapped; the lock stays held until this
+            # process exits, and is then recovered as a dead holder's, with
+            # the repair its half-done section may need. An extra reference
+            # that is never dropped keeps the mapping past the interpreter's
+            # teardown (which would unmap it before the kernel, at exit,
+            # marks the mutex's owner dead, leaving the lock held for good)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._local))
+        elif self._local is not None:
             self._local.close()
         ffi.release(self._base)
         try:
