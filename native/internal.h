@@ -76,6 +76,9 @@ struct tract_local_mutex {
 	pthread_mutex_t mu;
 	uint64_t acquired;      /* acquisitions of the global lock by this node */
 	uint64_t wait_ns;       /* total time spent acquiring */
+	uint32_t abandoned;     /* pid of a live process that let the mutex go
+				 * inside its critical section (tract_lock_abandon):
+				 * its holding is a dead one's, to take over and repair */
 } __attribute__((aligned(64)));
 
 struct tract_local_hdr {
@@ -449,6 +452,7 @@ uint64_t *tract_sim_ledger(tract_region *r);
 uint64_t tract_sim_cache_size(void);
 int tract_sim_cache_init(void *mem);
 void tract_sim_bind(tract_region *r, void *cache);
+void tract_sim_flush_node(tract_region *r, void *cache);
 
 /* frees simulator state (internal) */
 void tract_sim_destroy(tract_region *r);

@@ -77,6 +77,8 @@ int tract_bind_local(tract_region *r, void *mem, uint64_t size)
 	tract_journal_open(r);
 	if (r->sim)
 		tract_sim_bind(r, (uint8_t *)mem + h->sim_off);
+	else if (!(r->flags & TRACT_ATTACH_READONLY))
+		tract_sim_flush_node(r, (uint8_t *)mem + h->sim_off);
 	return TRACT_OK;
 }
 

@@ -72,14 +72,22 @@ static int grant_state(tract_region *r, uint32_t id, const struct tract_lock_nod
 	       GRANT_HELD : GRANT_NOT_HELD;
 }
 
+/* whether the slot's holder let the local mutex go inside its critical
+ * section (tract_lock_abandon): a dead holder, whatever its pid (internal) */
+static int abandoned_by(const struct tract_local_mutex *lm, const struct tract_lock_node_slot *mine)
+{
+	return lm->abandoned && lm->abandoned == mine->pid;
+}
+
 /* whether this node's slot names a dead process holding the lock: LOCKED by
- * a pid of this host that is gone (owner_died: the local mutex said so), with
- * a grant held or undecided (internal) */
+ * a pid of this host that is gone (owner_died: the local mutex said so) or
+ * that abandoned it, with a grant held or undecided (internal) */
 static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_node_slot *mine,
 			int owner_died)
 {
-	return mine->state == TRACT_LOCK_LOCKED && mine->pid != (uint32_t)getpid() &&
-	       (owner_died || tract_pid_dead(mine->pid)) &&
+	return mine->state == TRACT_LOCK_LOCKED &&
+	       (abandoned_by(tract_local_lock(r, id), mine) || (mine->pid != (uint32_t)getpid() &&
+			      (owner_died || tract_pid_dead(mine->pid)))) &&
 	       grant_state(r, id, mine) != GRANT_NOT_HELD;
 }
 
@@ -117,6 +125,8 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	uint64_t slot_off = tract_lock_line(r, lock_id, 1 + r->node_id);
 	struct tract_lock_node_slot mine;
 	tract_observe_line_at(r, slot_off, &mine, SITE_LOCK_OBSERVE_SEQ);
+	/* the mutex of a holder that abandoned it comes free, not owner-dead */
+	q->recovered |= abandoned_by(lm, &mine);
 	if (held_by_dead(r, lock_id, &mine, q->recovered)) {
 		/* a process of this node died holding the lock (whether or not this
 		 * lock of the mutex saw it die: the agent may have made the mutex
@@ -125,8 +135,10 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		 * no other node enters before this one has repaired what it left */
 		q->req = mine.request_seq;
 		q->inherited = 1;
+		lm->abandoned = 0;     /* this process holds it now, to repair */
 		return TRACT_OK;
 	}
+	lm->abandoned = 0;
 	q->req = mine.request_seq + 1;
 	publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_LOCK_PUBLISH_WAITING);
 	return TRACT_OK;
@@ -229,6 +241,40 @@ int tract_lock_release(tract_region *r, uint32_t lock_id)
 	return TRACT_OK;
 }
 
+/*
+ * Lets go of every global lock this handle holds as a dead holder would:
+ * the slot stays LOCKED (no other node enters), the local mutex is marked
+ * abandoned by this pid and unlocked, so the node's next process to take it,
+ * or its agent, takes it over and repairs what the critical section may have
+ * left half done -- as for a process killed inside.  For a handle closed
+ * inside a critical section (an exception between acquire and release):
+ * unmapping the node-local segment with the mutex still held would leave it
+ * on the thread's robust list.  Returns how many it could not let go (held by
+ * another thread of this process: pthreads lets only the owner unlock).
+ */
+int tract_lock_abandon(tract_region *r)
+{
+	if (!r || !r->local)
+		return 0;
+	int left = 0;
+	pthread_mutex_lock(&r->held_mu);
+	for (uint32_t i = 0; i < r->hdr.lock_count; i++) {
+		if (!r->held[i])
+			continue;
+		struct tract_local_mutex *lm = tract_local_lock(r, i);
+		uint32_t before = lm->abandoned;
+		lm->abandoned = (uint32_t)getpid();
+		if (pthread_mutex_unlock(&lm->mu) == 0) {
+			r->held[i] = 0;
+		} else {
+			lm->abandoned = before;
+			left++;
+		}
+	}
+	pthread_mutex_unlock(&r->held_mu);
+	return left;
+}
+
 /* How many global locks this handle holds: a handle closed while it holds
  * one must keep its local segment mapped, since the local mutex stays on
  * its thread's robust list (core/pool.py) */
@@ -280,22 +326,25 @@ int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn)
 	struct tract_lock_node_slot mine;
 	uint64_t slot_off = tract_lock_line(r, id, 1 + r->node_id);
 	tract_observe_line(r, slot_off, &mine);
-	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid))
+	struct tract_local_mutex *lm = tract_local_lock(r, id);
+	if (mine.state == TRACT_LOCK_IDLE ||
+	    (!tract_pid_dead(mine.pid) && !abandoned_by(lm, &mine)))
 		return TRACT_OK;              /* idle, alive, or not ours to judge */
 	if (mine.state == TRACT_LOCK_LOCKED && grant_state(r, id, &mine) == GRANT_UNDECIDED)
 		return TRACT_OK;              /* a takeover in progress: next heartbeat */
-	struct tract_local_mutex *lm = tract_local_lock(r, id);
 	if (tract_robust_lock(&lm->mu, 0) < 0)
 		return TRACT_OK;              /* a live process holds it now */
 	/* re-check under the mutex: a live successor may have taken over */
 	tract_observe_line(r, slot_off, &mine);
 	int grant = mine.state == TRACT_LOCK_LOCKED ? grant_state(r, id, &mine) : GRANT_NOT_HELD;
-	if (mine.state == TRACT_LOCK_IDLE || !tract_pid_dead(mine.pid) || grant == GRANT_UNDECIDED) {
+	int dead = tract_pid_dead(mine.pid) || abandoned_by(lm, &mine);
+	if (mine.state == TRACT_LOCK_IDLE || !dead || grant == GRANT_UNDECIDED) {
 		/* (undecided: the slot stays LOCKED for whoever takes the lock next,
 		 * which keeps its request, held_by_dead) */
 		pthread_mutex_unlock(&lm->mu);
 		return TRACT_OK;
 	}
+	lm->abandoned = 0;     /* its holding is decided here */
 	if (grant == GRANT_HELD) {
 		/* adopt the grant under this process's pid: if it dies repairing,
 		 * the next recovery finds it dead and starts over */

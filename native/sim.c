@@ -42,7 +42,6 @@ struct sim_line {
 /* one host's cache: in its node-local segment, or private to a handle */
 struct tract_sim_cache {
 	pthread_mutex_t mu;    /* robust, process-shared */
-	uint64_t hits, misses, writebacks, evictions;
 	struct sim_line lines[SIM_SETS][SIM_WAYS];
 };
 
@@ -52,14 +51,18 @@ struct tract_sim {
 	uint64_t *ledger;      /* the private cache's payload ledger (payload.c), per slot */
 	uint64_t rng;          /* this handle's eviction draws (under c->mu) */
 	uint32_t evict_prob;   /* per access, in 1/2^32 units */
+	uint64_t hits, misses, writebacks, evictions;   /* this handle's accesses' */
 };
 
 /* takes the cache's mutex; a holder killed inside leaves it consistent
  * enough (module comment) (internal) */
 static void cache_lock(struct tract_sim_cache *c)
 {
-	if (pthread_mutex_lock(&c->mu) == EOWNERDEAD)
+	int rc = pthread_mutex_lock(&c->mu);
+	if (rc == EOWNERDEAD)
 		pthread_mutex_consistent(&c->mu);
+	else if (rc)
+		abort();       /* not a mutex: the segment is corrupt, nothing is safe */
 }
 
 /* xorshift64* step (internal) */
@@ -86,7 +89,7 @@ static void write_back(tract_region *r, struct sim_line *l)
 	if (l->tag && l->dirty) {
 		memcpy(r->base + (l->tag - 1), l->data, TRACT_LINE);
 		l->dirty = 0;
-		r->sim->c->writebacks++;
+		r->sim->writebacks++;
 	}
 }
 
@@ -97,7 +100,7 @@ static void evict(tract_region *r, struct sim_line *l)
 		return;
 	write_back(r, l);
 	l->tag = 0;
-	r->sim->c->evictions++;
+	r->sim->evictions++;
 }
 
 /* finds a cached line or NULL (internal) */
@@ -116,10 +119,10 @@ static struct sim_line *get(tract_region *r, uint64_t line_off)
 	struct tract_sim *s = r->sim;
 	struct sim_line *l = find(s->c, line_off);
 	if (l) {
-		s->c->hits++;
+		s->hits++;
 		return l;
 	}
-	s->c->misses++;
+	s->misses++;
 	struct sim_line *set = s->c->lines[set_of(line_off)];
 	l = NULL;
 	for (int w = 0; w < SIM_WAYS && !l; w++)
@@ -174,8 +177,11 @@ static void sim_store(tract_region *r, uint64_t off, const void *src, uint64_t n
 		uint64_t in = off - lo;
 		uint64_t k = TRACT_LINE - in < n ? TRACT_LINE - in : n;
 		struct sim_line *l = get(r, lo);
-		memcpy(l->data + in, p, k);
+		/* dirty first: a process killed inside the copy leaves a torn
+		 * dirty line, never new bytes in a line an eviction drops */
 		l->dirty = 1;
+		__asm__ volatile("" ::: "memory");
+		memcpy(l->data + in, p, k);
 		p += k, off += k, n -= k;
 	}
 	maybe_evict_random(r);
@@ -265,18 +271,40 @@ static void drain(tract_region *r)
 }
 
 /* moves the handle onto its node's cache in the bound local segment: what
- * the private one holds is written back first (internal; local.c) */
+ * the private one holds is written back first.  A read-only handle keeps
+ * its private cache: an eviction it made could write another process's
+ * dirty line through its read-only mapping (internal; local.c) */
 void tract_sim_bind(tract_region *r, void *cache)
 {
 	struct tract_sim *s = r->sim;
-	if (!s || !s->own)
+	if (!s || !s->own || (r->flags & TRACT_ATTACH_READONLY))
 		return;
-	if (!(r->flags & TRACT_ATTACH_READONLY))
-		drain(r);
+	drain(r);
 	pthread_mutex_destroy(&s->own->mu);
 	free(s->own);
 	s->own = NULL;
 	s->c = cache;
+}
+
+/* a handle without the simulator binds the node's segment: it reads and
+ * writes memory directly, as if its host's caches were coherent with it, so
+ * the node's simulated cache is written back and emptied first; the
+ * processes of one emulated host are meant to run all simulated or all
+ * plain, and a test that mixes them sees the host's cache as it was written
+ * back here (internal; local.c) */
+void tract_sim_flush_node(tract_region *r, void *cache)
+{
+	struct tract_sim_cache *c = cache;
+	cache_lock(c);
+	for (int i = 0; i < SIM_SETS; i++)
+		for (int w = 0; w < SIM_WAYS; w++) {
+			struct sim_line *l = &c->lines[i][w];
+			if (l->tag && l->dirty)
+				memcpy(r->base + (l->tag - 1), l->data, TRACT_LINE);
+			l->tag = 0;
+			l->dirty = 0;
+		}
+	pthread_mutex_unlock(&c->mu);
 }
 
 /* the private cache's payload ledger, made at first use; NULL with a node's
@@ -301,14 +329,17 @@ uint64_t *tract_sim_ledger(tract_region *r)
 	return fresh;
 }
 
-/* frees simulator state, writing back dirty lines as a cache drain would:
- * a handle detached cleanly (a process that exits, not one killed) (internal) */
+/* frees simulator state.  A private cache is written back, as a drain
+ * would; the node's cache is left as it is: a process that exits writes
+ * nothing back from its host's caches, and writing back the whole node's
+ * would publish its live neighbours' unflushed stores, hiding a missing
+ * flush (internal) */
 void tract_sim_destroy(tract_region *r)
 {
 	struct tract_sim *s = r->sim;
 	if (!s)
 		return;
-	if (!(r->flags & TRACT_ATTACH_READONLY))
+	if (s->own && !(r->flags & TRACT_ATTACH_READONLY))
 		drain(r);
 	if (s->own) {
 		pthread_mutex_destroy(&s->own->mu);
@@ -331,16 +362,16 @@ int tract_sim_configure(tract_region *r, uint32_t evict_prob_u32, uint64_t seed)
 	return TRACT_OK;
 }
 
-/* Returns simulator counters of the handle's cache (the node's, shared by its
- * processes, once a local segment is bound): hits, misses, writebacks,
- * evictions (4 values). */
+/* Returns simulator counters of this handle's accesses (the cache they go
+ * through is the node's once a local segment is bound): hits, misses,
+ * writebacks, evictions (4 values). */
 int tract_sim_stats(const tract_region *r, uint64_t *out4)
 {
 	if (!r || !r->sim || !out4)
 		return TRACT_E_INVAL;
-	out4[0] = r->sim->c->hits;
-	out4[1] = r->sim->c->misses;
-	out4[2] = r->sim->c->writebacks;
-	out4[3] = r->sim->c->evictions;
+	out4[0] = r->sim->hits;
+	out4[1] = r->sim->misses;
+	out4[2] = r->sim->writebacks;
+	out4[3] = r->sim->evictions;
 	return TRACT_OK;
 }

@@ -498,6 +498,11 @@ int tract_lock_recover(tract_region *r, uint32_t *count);
 /* How many global locks this handle holds (0 for NULL). */
 int tract_locks_held(tract_region *r);
 
+/* Lets go of every lock this handle holds as a dead holder would (the node's
+ * next taker or its agent repairs); returns how many it could not (held by
+ * another thread). */
+int tract_lock_abandon(tract_region *r);
+
 /* Per-lock acquisition count and total wait of this node (local statistics). */
 int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
 		     uint64_t *wait_ns);

@@ -182,7 +182,7 @@ def test_a_broken_local_mutex_is_reported_with_its_own_error(region_path):
 
 
 CLOSED_HOLDING = """
-import sys
+import gc, sys
 from tract_cli.core.pool import Pool
 path = sys.argv[1]
 first = Pool.attach(path, node=1)
@@ -192,25 +192,42 @@ second.locks.acquire({y}, timeout=10)
 second.close()                              # closed inside its critical section
 first.locks.release({x})                    # pthreads walks the list past {y}'s mutex
 first.close()
-print("survived")
+with Pool.attach(path, node=2) as again:    # the same process takes it over
+    again.locks.acquire({y}, timeout=10)
+    again.locks.release({y})
+dropped = Pool.attach(path, node=2)
+dropped.locks.acquire({y}, timeout=10)
+del dropped                                 # dropped without close(), still inside
+gc.collect()
+print("survived", flush=True)
+sys.stdin.readline()                        # alive until told
 """
 
 
-def test_a_pool_closed_while_it_holds_a_lock_keeps_the_process_alive_and_the_lock_is_recovered(
-        region):
-    """A pool closed inside a critical section (an exception between acquire
-    and release) leaves the lock's local mutex on its thread's robust list:
-    unmapping its segment made the process's next robust unlock walk into
-    unmapped memory (a crash the mutation test met). The segment stays
-    mapped, the process goes on, and once it exits the lock is a dead
-    holder's, taken over by the next process of the node."""
+def test_a_pool_closed_while_it_holds_a_lock_lets_it_go_as_a_dead_holders(region):
+    """A pool closed (or dropped) inside a critical section -- an exception
+    between acquire and release -- lets the lock go as a dead holder's: the
+    slot stays LOCKED, so no other node enters before a repair, and the
+    node's next process to take it, or its agent, takes it over. Unmapping
+    the node-local segment with the mutex still held crashed the process at
+    its next robust unlock (the mutex stayed on its thread's robust list; the
+    mutation test met it), and keeping it held until the process exits would
+    hang every node on that lock while the process lives on."""
     import subprocess
     import sys
     code = CLOSED_HOLDING.format(x=LOCK_ALLOCATOR, y=LOCK_OBJDIR)
-    with RunningAgent(region, 0, manager=True):
-        done = subprocess.run([sys.executable, "-c", code, region], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
-        with Worker(region, 2) as successor:
-            successor.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=30.0)
-            successor.call("lock_release", lock_id=LOCK_OBJDIR)
+    with RunningAgent(region, 0, manager=True), RunningAgent(region, 2, manager=False):
+        proc = subprocess.Popen([sys.executable, "-c", code, region], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert line.strip() == "survived", proc.stderr.read()[-2000:] if proc.poll() \
+                is not None else line
+            # still alive: node 2's agent takes the dropped pool's lock over
+            with Worker(region, 3) as other:
+                other.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=30.0)
+                other.call("lock_release", lock_id=LOCK_OBJDIR)
+            assert proc.poll() is None, "the process did not live on"
+        finally:
+            proc.communicate("\n", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:] if proc.stderr else proc.returncode

@@ -244,9 +244,8 @@ def test_a_holder_killed_inside_a_stripe_leaves_exactly_the_live_pins(region, wh
     to reconcile: whoever recovers its stripe lock -- the node's agent, or
     the node's next process to take the lock -- lets the stripe go, a live
     reader's pins stay exactly as they were, the stripe is usable, tract
-    check is clean. (The write-back of the dead holder's lines that the
-    recovery also does is observed under the simulator by the LRU test
-    below.)"""
+    check is clean. (That the dead holder's stores reach the region through
+    its node's recovery is shown under the simulator by the LRU test below.)"""
     with Worker(region, 3) as writer:
         writer.call("index_put_chains", chains=[CHAIN])
     reader = Worker(region, 3)
@@ -285,10 +284,11 @@ def test_a_lookup_killed_between_lru_moves_leaves_lists_that_are_made_whole(regi
     anyone else enters, so tract check finds nothing and every block is
     still found and evictable. Under the simulator the dead lookup's link
     stores are still in its node's cache (the node's processes share it, as
-    a host's do), never written back: the recovery's write-back of the
-    stripe's lines is what puts the moved links in the region, where the
-    checks below read them (without it, the anchor the recovery set would
-    name links the region does not hold)."""
+    a host's do), never written back by the dead process: the recovery, on
+    the same node, writes them back (its observes of the stripe's lines
+    under clflush semantics do, and so does its explicit write-back), so the
+    region holds the moved links the checks below read. With a cache per
+    process the moves died with the process and this test failed."""
     other = [0, 0, 13, 12]
     with Worker(region, 3) as writer:
         writer.call("index_put_chains", chains=[CHAIN, other])   # CHAIN no longer heads

@@ -15,8 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from tests.vllm_stack import (VLLM_PY, complete, prefill_params, shm_names, start_stack,
-                              stop_stack, tokens_by_source, vllm_shm,
+from tests.vllm_stack import (VLLM_PY, complete, prefill_params, remove_vllm_debris,
+                              shm_names, start_stack, stop_stack, tokens_by_source, vllm_shm,
                               wait_until_released)
 from tract_cli.serve.vllm_engine import kill_vllm
 
@@ -93,7 +93,7 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
         except Exception as exc:          # the kill cuts the others off
             errors.append(exc)
 
-    shm = vllm_shm(sim["prefill"])
+    shm, before = vllm_shm(sim["prefill"]), shm_names()
     threads = [threading.Thread(target=send, args=(500 + i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
@@ -102,7 +102,10 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
     for t in threads:
         t.join(60)
     sim["prefill"].stop()
-    assert len(shm) >= 2 and not shm & shm_names(), "vLLM's shared memory outlived it"
+    try:
+        assert len(shm) >= 2 and not shm & shm_names(), "vLLM's shared memory outlived it"
+    finally:
+        remove_vllm_debris(before - shm)     # the kill's own debris, even when it fails
     wait_until_released(sim["pool"], timeout=TTL_S + 60)
     check = subprocess.run([sys.executable, "-m", "tract_cli.cli", "check", sim["pool"]],
                            capture_output=True, text=True, timeout=120)

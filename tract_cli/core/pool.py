@@ -54,6 +54,7 @@ class Pool:
                  info: RegionInfo, node: int, readonly: bool, local: LocalSegment | None = None):
         self.path = path
         self._local = local
+        self._local_kept = None    # a segment kept mapped by _detach
         self.locks = Locks(self)
         self.allocator = Allocator(self)
         self.objects = ObjectStore(self)
@@ -182,22 +183,9 @@ class Pool:
         """Detaches and unmaps; refuses while numpy/torch views of the pool are alive."""
         if self._region is None:
             return
-        held = lib.tract_locks_held(self._region)
-        lib.tract_detach(self._region)
-        self._region = None
+        self._detach()
         self._area_np = self._area_torch = None
-        if self._local is not None and held:
-            # closed inside a critical section (an exception between acquire
-            # and release): the lock's local mutex stays on this thread's
-            # robust list, which pthreads walks at the next robust lock, so
-            # its segment must stay mapped; the lock stays held until this
-            # process exits, and is then recovered as a dead holder's, with
-            # the repair its half-done section may need. An extra reference
-            # that is never dropped keeps the mapping past the interpreter's
-            # teardown (which would unmap it before the kernel, at exit,
-            # marks the mutex's owner dead, leaving the lock held for good)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._local))
-        elif self._local is not None:
+        if self._local is not None and self._local_kept is None:
             self._local.close()
         ffi.release(self._base)
         try:
@@ -208,6 +196,23 @@ class Pool:
             raise TractError(f"{self.path}: views of the pool are still alive",
                              "delete the arrays/tensors taken from it before close()") from None
 
+    def _detach(self) -> None:
+        """Releases the C handle. A lock it still holds (closed inside a
+        critical section: an exception between acquire and release) is let go
+        as a dead holder's: the node's next process to take it, or its agent,
+        takes it over and repairs what the section left half done. A lock
+        another thread holds cannot be let go from here (pthreads lets only
+        the owner unlock its mutex): that mutex stays on its thread's robust
+        list, which pthreads walks at the thread's next robust lock, so its
+        segment stays mapped until the process exits -- an extra reference
+        that is never dropped keeps it past the interpreter's teardown."""
+        left = lib.tract_lock_abandon(self._region)
+        lib.tract_detach(self._region)
+        self._region = None
+        if left and self._local is not None:
+            self._local_kept = self._local
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._local))
+
     def __enter__(self) -> "Pool":
         return self
 
@@ -216,8 +221,7 @@ class Pool:
 
     def __del__(self):
         if getattr(self, "_region", None) is not None:
-            lib.tract_detach(self._region)
-            self._region = None
+            self._detach()
 
     @property
     def closed(self) -> bool:

@@ -106,11 +106,19 @@ class VllmServer:
             except ProcessLookupError:
                 pass
         # its engine core, workers and resource tracker share the group: let them
-        # finish (the tracker removes vLLM's shared-memory files), then kill stragglers
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
-            time.sleep(0.05)       # waiting for other processes to exit, bounded
-        kill_vllm(self.proc.pid)
+        # finish (the tracker removes vLLM's shared-memory files), then kill
+        # stragglers but the tracker, give it its turn, and only then the group
+        for spare_tracker in (True, False):
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                time.sleep(0.05)       # waiting for other processes to exit, bounded
+            if spare_tracker:
+                kill_vllm(self.proc.pid)
+            else:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         if self._log is not subprocess.DEVNULL:
             self._log.close()
             self._log = subprocess.DEVNULL
@@ -124,13 +132,18 @@ def kill_vllm(pgid: int) -> None:
     sem.mp-* lock) and exits. killpg would kill it too, and leave 400 MiB in
     /dev/shm that nobody removes."""
     import psutil
-    for proc in psutil.process_iter(["cmdline"], ad_value=None):
-        try:
-            if os.getpgid(proc.pid) == pgid and \
-                    "multiprocessing.resource_tracker" not in " ".join(proc.info["cmdline"] or ()):
-                proc.kill()
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
+    for _ in range(3):      # again: a process forked while the scan ran
+        killed = 0
+        for proc in psutil.process_iter(["cmdline"], ad_value=None):
+            try:
+                if os.getpgid(proc.pid) == pgid and "multiprocessing.resource_tracker" \
+                        not in " ".join(proc.info["cmdline"] or ()):
+                    proc.kill()
+                    killed += 1
+            except (OSError, psutil.Error):
+                continue           # gone meanwhile, or not ours to kill
+        if not killed:
+            return
 
 
 def _group_alive(pgid: int) -> bool:
