@@ -76,7 +76,9 @@ static int grant_state(tract_region *r, uint32_t id, const struct tract_lock_nod
  * section (tract_lock_abandon): a dead holder, whatever its pid (internal) */
 static int abandoned_by(const struct tract_local_mutex *lm, const struct tract_lock_node_slot *mine)
 {
-	return lm->abandoned && lm->abandoned == mine->pid;
+	/* read without the mutex too (tract_lock_take_dead's first look) */
+	uint32_t pid = __atomic_load_n(&lm->abandoned, __ATOMIC_RELAXED);
+	return pid && pid == mine->pid;
 }
 
 /* whether this node's slot names a dead process holding the lock: LOCKED by
@@ -135,10 +137,10 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		 * no other node enters before this one has repaired what it left */
 		q->req = mine.request_seq;
 		q->inherited = 1;
-		lm->abandoned = 0;     /* this process holds it now, to repair */
+		__atomic_store_n(&lm->abandoned, 0, __ATOMIC_RELAXED);   /* ours now, to repair */
 		return TRACT_OK;
 	}
-	lm->abandoned = 0;
+	__atomic_store_n(&lm->abandoned, 0, __ATOMIC_RELAXED);
 	q->req = mine.request_seq + 1;
 	publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_LOCK_PUBLISH_WAITING);
 	return TRACT_OK;
@@ -262,12 +264,12 @@ int tract_lock_abandon(tract_region *r)
 		if (!r->held[i])
 			continue;
 		struct tract_local_mutex *lm = tract_local_lock(r, i);
-		uint32_t before = lm->abandoned;
-		lm->abandoned = (uint32_t)getpid();
+		uint32_t before = __atomic_load_n(&lm->abandoned, __ATOMIC_RELAXED);
+		__atomic_store_n(&lm->abandoned, (uint32_t)getpid(), __ATOMIC_RELAXED);
 		if (pthread_mutex_unlock(&lm->mu) == 0) {
 			r->held[i] = 0;
 		} else {
-			lm->abandoned = before;
+			__atomic_store_n(&lm->abandoned, before, __ATOMIC_RELAXED);
 			left++;
 		}
 	}
@@ -344,7 +346,7 @@ int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn)
 		pthread_mutex_unlock(&lm->mu);
 		return TRACT_OK;
 	}
-	lm->abandoned = 0;     /* its holding is decided here */
+	__atomic_store_n(&lm->abandoned, 0, __ATOMIC_RELAXED);   /* its holding is decided here */
 	if (grant == GRANT_HELD) {
 		/* adopt the grant under this process's pid: if it dies repairing,
 		 * the next recovery finds it dead and starts over */

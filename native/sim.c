@@ -149,21 +149,33 @@ static void maybe_evict_random(tract_region *r)
 	evict(r, &s->c->lines[x % SIM_SETS][(x >> 32) % SIM_WAYS]);
 }
 
+/* one random eviction draw per access, whatever its length (internal) */
+static void evict_random_after(tract_region *r)
+{
+	cache_lock(r->sim->c);
+	maybe_evict_random(r);
+	pthread_mutex_unlock(&r->sim->c->mu);
+}
+
 /* load through the simulated cache (internal) */
 static void sim_load(tract_region *r, uint64_t off, void *dst, uint64_t n)
 {
 	struct tract_sim *s = r->sim;
 	uint8_t *d = dst;
-	cache_lock(s->c);
+	/* the node's cache is taken a line at a time, as a host's cache is
+	 * never held for a whole range: a long copy must not stall the node's
+	 * other processes (a process stalled inside a critical section widens
+	 * the windows a kill can fall in) */
 	while (n) {
 		uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1);
 		uint64_t in = off - lo;
 		uint64_t k = TRACT_LINE - in < n ? TRACT_LINE - in : n;
+		cache_lock(s->c);
 		memcpy(d, get(r, lo)->data + in, k);
+		pthread_mutex_unlock(&s->c->mu);
 		d += k, off += k, n -= k;
 	}
-	maybe_evict_random(r);
-	pthread_mutex_unlock(&s->c->mu);
+	evict_random_after(r);
 }
 
 /* store into the simulated cache; the line becomes dirty (internal) */
@@ -171,21 +183,21 @@ static void sim_store(tract_region *r, uint64_t off, const void *src, uint64_t n
 {
 	struct tract_sim *s = r->sim;
 	const uint8_t *p = src;
-	cache_lock(s->c);
 	while (n) {
 		uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1);
 		uint64_t in = off - lo;
 		uint64_t k = TRACT_LINE - in < n ? TRACT_LINE - in : n;
+		cache_lock(s->c);           /* a line at a time (sim_load) */
 		struct sim_line *l = get(r, lo);
 		/* dirty first: a process killed inside the copy leaves a torn
 		 * dirty line, never new bytes in a line an eviction drops */
 		l->dirty = 1;
 		__asm__ volatile("" ::: "memory");
 		memcpy(l->data + in, p, k);
+		pthread_mutex_unlock(&s->c->mu);
 		p += k, off += k, n -= k;
 	}
-	maybe_evict_random(r);
-	pthread_mutex_unlock(&s->c->mu);
+	evict_random_after(r);
 }
 
 /* writes back (keep) or evicts every cached line of [off, off+n) (internal) */
@@ -194,18 +206,16 @@ static void for_lines(tract_region *r, uint64_t off, uint64_t n, int keep)
 	struct tract_sim *s = r->sim;
 	if (n == 0)
 		return;
-	cache_lock(s->c);
 	uint64_t end = off + n;
 	for (uint64_t lo = off & ~(uint64_t)(TRACT_LINE - 1); lo < end; lo += TRACT_LINE) {
+		cache_lock(s->c);           /* a line at a time (sim_load) */
 		struct sim_line *l = find(s->c, lo);
-		if (!l)
-			continue;
-		if (keep)
+		if (l && keep)
 			write_back(r, l);
-		else
+		else if (l)
 			evict(r, l);
+		pthread_mutex_unlock(&s->c->mu);
 	}
-	pthread_mutex_unlock(&s->c->mu);
 }
 
 /* flush: write back; evict unless the mode is clwb, which keeps the line (internal) */
