@@ -9,16 +9,6 @@
  * the prefill node until the decode side acknowledges, or the record
  * expires and a node agent reclaims it: pins unpinned on the prefill node's
  * behalf, the list and tail slots freed, the record freed.
- *
- * Only a process of the publisher's host gives a record's pins and slots
- * back (docs/PROTOCOLS.md §10): a host that dies loses the stores its caches
- * held, so a release another host was making when it died would leave part
- * of a live node's pins set and its slots taken.  An acknowledgement from
- * another host only marks the record ACKED, with no releaser; the
- * publisher's host's agents release it at their next pass, and reclaim only
- * their host's expired records.  A dead host's records are the lock
- * manager's to finish (tract_handoff_recover_node): whatever of that is
- * lost with the manager's host is the dead node's, zeroed and swept anyway.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -350,8 +340,7 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 /* moves a record from one state to another under the transfer lock, if it
  * is in state from (for request_id, if given; expired at expired_at, if
  * nonzero); into ACKED or RECLAIMING it records this process as the
- * releaser -- into ACKED on another host than the publisher's, nobody: its
- * publisher's host releases it (internal) */
+ * releaser (internal) */
 static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, uint32_t from,
 		      uint32_t to, uint64_t expired_at, struct tract_transfer_record *out,
 		      uint64_t timeout_ns)
@@ -372,12 +361,7 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 				t.released_groups = 0;
 				t.slots_freed = 0;
 			}
-			if (to == REC_ACKED && !tract_node_same_host(r, r->node_id,
-								     t.owner_node - 1)) {
-				/* its publisher's host releases it */
-				t.releaser_node = 0;
-				t.releaser_pid = 0;
-			} else if (to == REC_ACKED || to == REC_RECLAIMING) {
+			if (to == REC_ACKED || to == REC_RECLAIMING) {
 				t.releaser_node = r->node_id + 1;
 				t.releaser_pid = (uint32_t)getpid();
 			}
@@ -392,9 +376,7 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	return rc;
 }
 
-/* Acknowledges a handoff: its pins and slots are released, the record freed
- * -- by this process on the publisher's host, else by that host's agent at
- * its next pass. */
+/* Acknowledges a handoff: its pins and slots are released, the record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns)
 {
 	if (!r || !request_id)
@@ -405,8 +387,6 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, 0, &t, timeout_ns);
 	if (rc)
 		return rc;
-	if (!t.releaser_node)
-		return TRACT_OK;     /* the publisher's host releases it */
 	rc = release_resources(r, rec, &t, timeout_ns);
 	if (rc == TRACT_E_TIMEOUT)
 		return rc;      /* stays ACKED and ours: this node's agent finishes it if we die */
@@ -417,15 +397,13 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
 			 uint64_t timeout_ns);
 static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
-static int reclaim_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
-			  uint64_t now_ns, uint64_t timeout_ns);
 
 /* one reclaim at a time in a process: a reclaim resumes the records its
  * process left RECLAIMING, which two threads must not both resume */
 static pthread_mutex_t reclaim_mu = PTHREAD_MUTEX_INITIALIZER;
 
-/* Reclaims records of this host's nodes past their expiry at now_ns that
- * were never acknowledged; *count gets how many.  (A release a dead process left half
+/* Reclaims records past their expiry at now_ns that were never
+ * acknowledged; *count gets how many.  (A release a dead process left half
  * done is finished by its own node's agent: tract_handoff_recover.) */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns)
 {
@@ -458,57 +436,33 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 				*count += got > 0;
 				continue;
 			}
-			if (t[j].state != REC_PUBLISHED || t[j].expiry_ns > now_ns ||
-			    !t[j].owner_node ||
-			    !tract_node_same_host(r, r->node_id, t[j].owner_node - 1))
-				continue;           /* not expired, or another host's */
-			int got = reclaim_record(r, i, &t[j], now_ns, timeout_ns);
-			if (got == TRACT_E_TIMEOUT)
-				return got;
-			if (got < 0)
-				rc = got;
-			*count += got != 0;
+			if (t[j].state != REC_PUBLISHED || t[j].expiry_ns > now_ns)
+				continue;
+			/* the scan's copy may be stale: only the same request, still
+			 * expired, is taken (not a record acknowledged and reused since) */
+			struct tract_transfer_record got;
+			if (transition(r, i, t[j].request_id, REC_PUBLISHED, REC_RECLAIMING, now_ns,
+				       &got, timeout_ns) != TRACT_OK)
+				continue;               /* someone else moved it first */
+			int rc2 = release_resources(r, i, &got, timeout_ns);
+			if (rc2 == TRACT_E_TIMEOUT)
+				return rc2;         /* stays RECLAIMING and ours; finished later */
+			if (rc2 && rc2 != TRACT_E_CORRUPT)
+				rc = rc2;
+			transition(r, i, NULL, REC_RECLAIMING, REC_FREE, 0, NULL, timeout_ns);
+			(*count)++;
 		}
 	}
 	return rc;
 }
 
-/* reclaims expired record rec the scan saw (t): 1 if it did, 0 if someone
- * else moved it first, TRACT_E_TIMEOUT (it stays RECLAIMING and this
- * process's, finished later), or another error of its release, the record
- * freed all the same (internal) */
-static int reclaim_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
-			  uint64_t now_ns, uint64_t timeout_ns)
-{
-	/* the scan's copy may be stale: only the same request, still expired,
-	 * is taken (not a record acknowledged and reused since) */
-	struct tract_transfer_record got;
-	if (transition(r, rec, t->request_id, REC_PUBLISHED, REC_RECLAIMING, now_ns, &got,
-		       timeout_ns) != TRACT_OK)
-		return 0;
-	int rc = release_resources(r, rec, &got, timeout_ns);
-	if (rc == TRACT_E_TIMEOUT)
-		return rc;
-	transition(r, rec, NULL, REC_RECLAIMING, REC_FREE, 0, NULL, timeout_ns);
-	return rc && rc != TRACT_E_CORRUPT ? rc : 1;
-}
-
 /* finishes record rec if the scan saw it (t) half released by a dead
  * process of node (this node: a process whose pid is gone, or this one,
  * which took a release over and timed out on a busy lock; another node: a
- * dead host's, any process), or acknowledged from another host and left to
- * node's host (this node: a record of a node of this host; another node: a
- * record the dead host published): 1 if it did, 0 if not, or an error
- * (internal) */
+ * dead host's, any process): 1 if it did, 0 if not, or an error (internal) */
 static int recover_record(tract_region *r, uint32_t node, uint32_t rec,
 			  const struct tract_transfer_record *t, uint64_t timeout_ns)
 {
-	if (t->state == REC_ACKED && !t->releaser_node && t->owner_node &&
-	    (node == r->node_id ? tract_node_same_host(r, node, t->owner_node - 1)
-				: t->owner_node == node + 1))
-		/* acknowledged from another host: this host's to release (a dead
-		 * host's, the manager's) */
-		return resume_record(r, rec, t, timeout_ns);
 	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
 	    t->releaser_node != node + 1 ||
 	    (node == r->node_id && t->releaser_pid != (uint32_t)getpid() &&
@@ -554,21 +508,13 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 static int recover_releases(tract_region *r, uint32_t node, uint32_t *count, uint64_t timeout_ns)
 {
 	*count = 0;
-	uint64_t now = tract_now_ns();
 	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
 	struct tract_transfer_record seen[SCAN_BATCH];
 	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
 		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
 		observe_records(r, base, k, seen);  /* cheap scan without the lock */
 		for (uint32_t j = 0; j < k; j++) {
-			int rc;
-			if (node != r->node_id && seen[j].state == REC_PUBLISHED &&
-			    seen[j].owner_node == node + 1 && seen[j].expiry_ns <= now)
-				/* a dead host's expired record: no agent of its
-				 * host reclaims it any more */
-				rc = reclaim_record(r, base + j, &seen[j], now, timeout_ns);
-			else
-				rc = recover_record(r, node, base + j, &seen[j], timeout_ns);
+			int rc = recover_record(r, node, base + j, &seen[j], timeout_ns);
 			if (rc < 0)
 				return rc;
 			*count += (uint32_t)rc;

@@ -184,6 +184,7 @@ int tract_index_clear_pins(tract_region *r, uint32_t node, uint64_t dead_epoch,
 			   uint64_t timeout_ns, uint64_t *pins, uint32_t *skipped);
 int tract_handoff_recover_node(tract_region *r, uint32_t node, uint32_t *count,
 			       uint64_t timeout_ns);
+uint32_t tract_handoff_records_of(tract_region *r, uint32_t node);
 
 /* who owned a slot when an eviction took it out of the index: the owner
  * node and its agent epoch then (alloc.c, index_bucket.c; internal) */
@@ -451,8 +452,6 @@ uint64_t *tract_sim_ledger(tract_region *r);
 uint64_t tract_sim_cache_size(void);
 int tract_sim_cache_init(void *mem);
 void tract_sim_bind(tract_region *r, void *cache);
-/* whether nodes a and b run on one host, as the node table names them (verdict.c) */
-int tract_node_same_host(tract_region *r, uint32_t a, uint32_t b);
 void tract_sim_flush_node(tract_region *r, void *cache);
 
 /* frees simulator state (internal) */

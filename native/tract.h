@@ -665,16 +665,10 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,
 		       uint32_t *tail_slot, uint32_t *tail_tokens);
 
-/* Acknowledges a handoff: pins and slots released, record freed -- by this
- * process on the publisher's host, else by that host's agent at its next
- * pass (the record only marked here). */
+/* Acknowledges a handoff: pins and slots released, record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns);
 
-/* Records node published that are not yet free (its agent's work until they
- * are: an idle agent does not stop while any is left). */
-uint32_t tract_handoff_records_of(tract_region *r, uint32_t node);
-
-/* Reclaims records of this host's nodes expired at now_ns; *count gets how many. */
+/* Reclaims records expired at now_ns; *count gets how many. */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
 
 /* Finishes the releases (acknowledge or reclaim) that a dead process of this

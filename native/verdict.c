@@ -34,24 +34,6 @@ static uint32_t table_nodes(const tract_region *r)
 	return sec->count < r->hdr.max_nodes ? (uint32_t)sec->count : r->hdr.max_nodes;
 }
 
-/* whether nodes a and b run on one host, as their agents' entries name it
- * (the first 23 bytes of the hostname); an entry without a name (no agent
- * ever ran there) counts as this host's: nothing says otherwise (internal;
- * handoff.c) */
-int tract_node_same_host(tract_region *r, uint32_t a, uint32_t b)
-{
-	if (a == b)
-		return 1;
-	if (a >= table_nodes(r) || b >= table_nodes(r))
-		return 1;
-	struct tract_node_entry ea, eb;
-	tract_observe_line(r, entry_line(r, a, 0), &ea);
-	tract_observe_line(r, entry_line(r, b, 0), &eb);
-	ea.hostname[sizeof(ea.hostname) - 1] = 0;
-	eb.hostname[sizeof(eb.hostname) - 1] = 0;
-	return !ea.hostname[0] || !eb.hostname[0] || !strcmp(ea.hostname, eb.hostname);
-}
-
 /* whether an entry's line 0 and verdict say the node is dead (internal) */
 static int is_dead(const struct tract_node_entry *e, const struct tract_node_verdict *v)
 {

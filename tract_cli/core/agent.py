@@ -7,8 +7,7 @@ manager heartbeat is fresh), stands by to take the manager over when that
 heartbeat has been stale for `takeover_after` seconds (fenced by the claim
 tokens of native/manager.c, docs/PROTOCOLS.md §4), runs its node's recovery
 of dead processes every heartbeat (`core/recovery.py`), sweeps dead payloads,
-and reclaims its host's expired handoffs and releases those another host
-acknowledged (only the publisher's host gives a handoff back).  An agent started with
+and reclaims expired handoffs (on the manager node).  An agent started with
 `idle_exit_s` (by a worker, `core/agent_launch.py`) stops by itself once its
 node has had no attached process for that long (and, on the manager node, no
 other node has a live agent), an agent started by hand runs until stopped;
@@ -311,9 +310,7 @@ class Agent:
         if self.idle_exit_s is None:
             return None
         now = time.monotonic()
-        if self.node_processes() or lib.tract_handoff_records_of(self.pool._r(), self.node):
-            # (a handoff of this node's acknowledged from another host is
-            # this host's to release: the agent stays while one is left)
+        if self.node_processes():
             self._busy_at = now
             return None
         if self.managing:
@@ -380,11 +377,8 @@ class Agent:
                 else:
                     self.swept_slots += swept
             now = time.monotonic()
-            if now - last_reclaim >= RECLAIM_S:
-                # expired handoffs of this host's nodes (a decode side that
-                # died): pins and slots back; every agent reclaims its host's,
-                # since only the publisher's host gives a record back
-                # (PROTOCOLS §10)
+            if self.managing and now - last_reclaim >= RECLAIM_S:
+                # expired handoffs (a decode side that died): pins and slots back
                 last_reclaim = now
                 try:
                     self.reclaimed += self.pool.handoffs.reclaim(timeout=RECLAIM_S)

@@ -392,14 +392,7 @@ def node(dev: str, node_id: int, part: str, params_path: str, out: str, folder: 
             work = prefill if part == "prefill" else decode
             result.update(work(pool, shared, requests))
             result["handoff_phase_s"] = round(time.perf_counter() - t2, 2)
-            shared.meet(node_id, peer, 3)      # B has acked everything
-            if part == "prefill":
-                # only the publisher's host gives a handoff back (PROTOCOLS §10):
-                # A's agent releases what B acknowledged at its next heartbeat
-                wait_until("the handoffs B acknowledged to be released by A",
-                           lambda: not snapshot.take(pool, views=("handoffs",))
-                           ["handoffs"]["in_flight"])
-            shared.meet(node_id, peer, 4)      # A's manager may stop
+            shared.meet(node_id, peer, 3)      # B has acked everything: A's manager may stop
             # afterwards, as every host sees the region: no pins, no handoffs left
             snap = snapshot.take(pool, views=("index", "handoffs"))
             result["pins_left"] = snap["index"]["pins_total"]
