@@ -277,21 +277,6 @@ int tract_lock_abandon(tract_region *r)
 	return left;
 }
 
-/* How many global locks this handle holds: a handle closed while it holds
- * one must keep its local segment mapped, since the local mutex stays on
- * its thread's robust list (core/pool.py) */
-int tract_locks_held(tract_region *r)
-{
-	if (!r)
-		return 0;
-	int n = 0;
-	pthread_mutex_lock(&r->held_mu);
-	for (uint32_t i = 0; i < r->hdr.lock_count; i++)
-		n += r->held[i] != 0;
-	pthread_mutex_unlock(&r->held_mu);
-	return n;
-}
-
 /* Per-lock acquisition count and total wait of this node (local statistics). */
 int tract_lock_stats(const tract_region *r, uint32_t lock_id, uint64_t *acquired,
 		     uint64_t *wait_ns)

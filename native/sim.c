@@ -270,14 +270,21 @@ int tract_sim_create(tract_region *r)
 	return TRACT_OK;
 }
 
-/* writes back every dirty line of the handle's cache, as a drain would (internal) */
-static void drain(tract_region *r)
+/* writes every dirty line of cache c back to base, as a drain would, and
+ * with forget empties the cache too (internal) */
+static void drain_cache(struct tract_sim_cache *c, uint8_t *base, int forget)
 {
-	cache_lock(r->sim->c);
+	cache_lock(c);
 	for (int i = 0; i < SIM_SETS; i++)
-		for (int w = 0; w < SIM_WAYS; w++)
-			write_back(r, &r->sim->c->lines[i][w]);
-	pthread_mutex_unlock(&r->sim->c->mu);
+		for (int w = 0; w < SIM_WAYS; w++) {
+			struct sim_line *l = &c->lines[i][w];
+			if (l->tag && l->dirty)
+				memcpy(base + (l->tag - 1), l->data, TRACT_LINE);
+			l->dirty = 0;
+			if (forget)
+				l->tag = 0;
+		}
+	pthread_mutex_unlock(&c->mu);
 }
 
 /* moves the handle onto its node's cache in the bound local segment: what
@@ -289,7 +296,7 @@ void tract_sim_bind(tract_region *r, void *cache)
 	struct tract_sim *s = r->sim;
 	if (!s || !s->own || (r->flags & TRACT_ATTACH_READONLY))
 		return;
-	drain(r);
+	drain_cache(s->own, r->base, 0);
 	pthread_mutex_destroy(&s->own->mu);
 	free(s->own);
 	s->own = NULL;
@@ -304,17 +311,7 @@ void tract_sim_bind(tract_region *r, void *cache)
  * back here (internal; local.c) */
 void tract_sim_flush_node(tract_region *r, void *cache)
 {
-	struct tract_sim_cache *c = cache;
-	cache_lock(c);
-	for (int i = 0; i < SIM_SETS; i++)
-		for (int w = 0; w < SIM_WAYS; w++) {
-			struct sim_line *l = &c->lines[i][w];
-			if (l->tag && l->dirty)
-				memcpy(r->base + (l->tag - 1), l->data, TRACT_LINE);
-			l->tag = 0;
-			l->dirty = 0;
-		}
-	pthread_mutex_unlock(&c->mu);
+	drain_cache(cache, r->base, 1);
 }
 
 /* the private cache's payload ledger, made at first use; NULL with a node's
@@ -350,7 +347,7 @@ void tract_sim_destroy(tract_region *r)
 	if (!s)
 		return;
 	if (s->own && !(r->flags & TRACT_ATTACH_READONLY))
-		drain(r);
+		drain_cache(s->own, r->base, 0);
 	if (s->own) {
 		pthread_mutex_destroy(&s->own->mu);
 		free(s->own);

@@ -495,9 +495,6 @@ int tract_lock_release(tract_region *r, uint32_t lock_id);
  * of this node's dead processes; *count gets how many. */
 int tract_lock_recover(tract_region *r, uint32_t *count);
 
-/* How many global locks this handle holds (0 for NULL). */
-int tract_locks_held(tract_region *r);
-
 /* Lets go of every lock this handle holds as a dead holder would (the node's
  * next taker or its agent repairs); returns how many it could not (held by
  * another thread). */

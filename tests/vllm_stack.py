@@ -169,13 +169,13 @@ def vllm_shm(server) -> set[str]:
     """The psm_* files (vLLM's shm_broadcast rings) that the processes of SERVER's
     vLLM map."""
     import psutil
+    from tract_cli.serve.vllm_engine import group_processes
     names = set()
-    for proc in psutil.process_iter():
+    for proc in group_processes(server.proc.pid):
         try:
-            if os.getpgid(proc.pid) == server.proc.pid:
-                names |= {os.path.basename(m.path) for m in proc.memory_maps()
-                          if os.path.basename(m.path).startswith("psm_")}
-        except (ProcessLookupError, psutil.Error):
+            names |= {os.path.basename(m.path) for m in proc.memory_maps()
+                      if os.path.basename(m.path).startswith("psm_")}
+        except psutil.Error:
             continue
     return names
 

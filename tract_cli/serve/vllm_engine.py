@@ -134,16 +134,28 @@ def kill_vllm(pgid: int) -> None:
     import psutil
     for _ in range(3):      # again: a process forked while the scan ran
         killed = 0
-        for proc in psutil.process_iter(["cmdline"], ad_value=None):
+        for proc in group_processes(pgid):
             try:
-                if os.getpgid(proc.pid) == pgid and "multiprocessing.resource_tracker" \
-                        not in " ".join(proc.info["cmdline"] or ()):
+                if "multiprocessing.resource_tracker" not in " ".join(proc.cmdline()):
                     proc.kill()
                     killed += 1
-            except (OSError, psutil.Error):
+            except psutil.Error:
                 continue           # gone meanwhile, or not ours to kill
         if not killed:
             return
+
+
+def group_processes(pgid: int) -> list:
+    """The live processes (psutil) of process group PGID."""
+    import psutil
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc)
+        except OSError:
+            continue               # gone meanwhile
+    return out
 
 
 def _group_alive(pgid: int) -> bool:
