@@ -130,6 +130,20 @@ static void write_header(tract_region *r, const struct tract_alloc_header *h)
 	r->ops->fence(r);
 }
 
+/* the slots a release of other nodes' slots names in the allocator header
+ * at most (format.h: tract_alloc_header.intent_slots) */
+#define HEADER_INTENT_CAP 7
+static_assert(sizeof(((struct tract_alloc_header *)0)->intent_slots) ==
+	      HEADER_INTENT_CAP * sizeof(uint32_t), "header intent");
+
+/* drops the allocator header's intent, in the caller's copy (internal) */
+static void header_intent_clear(struct tract_alloc_header *h)
+{
+	h->intent_n = 0;
+	h->intent_node = 0;
+	memset(h->intent_slots, 0, sizeof(h->intent_slots));
+}
+
 /* records the allocator's intent before it changes the region (internal; both locks held) */
 static void intent_begin(tract_region *r, uint32_t op, uint64_t base, uint32_t n)
 {
@@ -351,6 +365,7 @@ static void repair_intent(tract_region *r, int inherited)
 	struct tract_alloc_header h;
 	read_header(r, &h);
 	h.used_slots = count_taken(r);
+	header_intent_clear(&h);    /* (the release it named, if any, is settled above) */
 	write_header(r, &h);
 done:
 	free(sorted);
@@ -369,16 +384,33 @@ done:
  *  - a set bit without one: a release that got past the owner byte: finished
  *    (the bit cleared; it was on its way back to the pool);
  * then the header's used count is recounted.  A pass over the whole bitmap
- * and owner map, once per dead host's lock 0.  The slots a dead host had
+ * and owner map, once per dead host's lock 0.  Before it, a release of
+ * other nodes' slots the header names as the dead host's (release_locked)
+ * is finished: its owner bytes and bits may each have reached the device or
+ * not, and the slots, named by nothing any more, would stay their live
+ * owners' for good.  The slots a dead host had
  * claimed whole stay its own (on a free list that died with it): they come
  * back with `tract check --repair`, offline (docs/PROTOCOLS.md §5).
  */
-static void repair_after_dead_host(tract_region *r)
+static void repair_after_dead_host(tract_region *r, uint32_t dead)
 {
 	uint64_t slots = r->hdr.slot_count;
 	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
 	uint64_t owners = tract_sec(r, TRACT_SEC_OWNERS)->offset;
 	uint8_t bits[TRACT_LINE], own[TRACT_LINE];
+	struct tract_alloc_header h;
+	read_header(r, &h);
+	if (h.intent_n && h.intent_n <= HEADER_INTENT_CAP && h.intent_node == dead) {
+		uint32_t named[HEADER_INTENT_CAP], k = 0;
+		for (uint32_t i = 0; i < h.intent_n; i++)
+			if (h.intent_slots[i] < slots)      /* written by another host */
+				named[k++] = h.intent_slots[i];
+		qsort(named, k, sizeof(uint32_t), cmp_u32);
+		set_owners(r, named, k, 0);
+		r->ops->fence(r);
+		set_bits(r, named, k, 0, 1);
+		r->ops->fence(r);
+	}
 	for (uint64_t lo = 0; lo < slots; lo += 512) {
 		tract_observe_line(r, bm + lo / 8, bits);
 		int bits_changed = 0;
@@ -405,9 +437,9 @@ static void repair_after_dead_host(tract_region *r)
 		}
 	}
 	r->ops->fence(r);
-	struct tract_alloc_header h;
 	read_header(r, &h);
 	h.used_slots = count_taken(r);
+	header_intent_clear(&h);
 	write_header(r, &h);
 }
 
@@ -426,7 +458,7 @@ static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 		return rc;
 	repair_intent(r, q.inherited);
 	if (q.dead_host)
-		repair_after_dead_host(r);
+		repair_after_dead_host(r, q.dead_host);
 	return TRACT_OK;
 }
 
@@ -488,15 +520,27 @@ static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout
 	return rc;
 }
 
-/* returns the n slots at position base of the free list (pop: its last n
+/*
+ * Returns the n slots at position base of the free list (pop: its last n
  * entries, popped here; else staged past its end) to the region (internal;
- * alloc_mu and lock 0 held) */
-static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop)
+ * alloc_mu and lock 0 held).  The node's intent (DRAM) lets its next holder
+ * finish after a process death.  With `in_header` (other nodes' slots, n at
+ * most HEADER_INTENT_CAP) the slots are also named in the allocator header,
+ * on the device before any owner byte or bit changes, for the case where
+ * this whole host dies inside: then the DRAM intent dies too, and so may
+ * any of the stores below, and the slots would stay their live owner's
+ * with nothing naming them; the dead host's next holder of lock 0 finishes
+ * the release from the header (repair_after_dead_host).  Its own slots need
+ * no such record: a dead host's slots come back with its sweep.
+ */
+static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, int in_header)
 {
 	if (!n)
 		return TRACT_OK;
 	if (pop ? base + n != r->local->free_count : base != r->local->free_count)
 		return TRACT_E_CORRUPT;     /* not the list's end: a bug, never a wrap */
+	if (in_header && n > HEADER_INTENT_CAP)
+		return TRACT_E_INVAL;
 	uint32_t *sorted = sorted_copy(free_list(r) + base, n);
 	if (!sorted)
 		return TRACT_E_NOMEM;
@@ -509,12 +553,22 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop)
 	uint32_t were = set_bits(r, sorted, n, 0, 0);
 	h.used_slots -= were;
 	h.releases++;
+	header_intent_clear(&h);
+	if (in_header) {
+		h.intent_n = (uint16_t)n;
+		h.intent_node = (uint16_t)(r->node_id + 1);
+		memcpy(h.intent_slots, sorted, (size_t)n * sizeof(uint32_t));
+	}
 	write_header(r, &h);
 	tract_maybe_die(TRACT_DIE_RELEASE_HEADER);
 	set_owners(r, sorted, n, 0);
 	tract_maybe_die(TRACT_DIE_RELEASE_OWNERS);
 	set_bits(r, sorted, n, 0, 1);
 	r->ops->fence(r);
+	if (in_header) {
+		header_intent_clear(&h);
+		write_header(r, &h);
+	}
 	intent_end(r);
 	free(sorted);
 	return were == n ? TRACT_OK : TRACT_E_CORRUPT;
@@ -785,11 +839,14 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			/* staged past the list's end for the intent (distinct slots:
 			 * others' slots are on no list of ours) */
 			uint64_t base = r->local->free_count;
-			memcpy(free_list(r) + base, foreign, (size_t)nf * sizeof(uint32_t));
-			rc = release_locked(r, base, nf, 0);
+			for (uint32_t i = 0; i < nf && rc == TRACT_OK; i += HEADER_INTENT_CAP) {
+				uint32_t k = nf - i < HEADER_INTENT_CAP ? nf - i : HEADER_INTENT_CAP;
+				memcpy(free_list(r) + base, foreign + i, (size_t)k * sizeof(uint32_t));
+				rc = release_locked(r, base, k, 0, 1);
+			}
 		}
 		if (excess) {
-			int rc2 = release_locked(r, r->local->free_count - excess, excess, 1);
+			int rc2 = release_locked(r, r->local->free_count - excess, excess, 1, 0);
 			if (rc == TRACT_OK)
 				rc = rc2;
 		}
@@ -839,7 +896,7 @@ int tract_alloc_drain(tract_region *r, uint64_t timeout_ns)
 	rc = lock_alloc(r, timeout_ns);
 	if (rc == TRACT_OK) {
 		/* under both locks: never in flight */
-		rc = release_locked(r, 0, (uint32_t)r->local->free_count, 1);
+		rc = release_locked(r, 0, (uint32_t)r->local->free_count, 1, 0);
 		tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
@@ -873,7 +930,7 @@ int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
 		struct tract_lock_manager_line m;
 		tract_observe_line(r, tract_lock_line(r, id, 0), &m);
 		if (m.inherited)
-			repair_after_dead_host(r);
+			repair_after_dead_host(r, m.inherited);
 		tract_lock_release(r, id);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
@@ -956,14 +1013,14 @@ int tract_alloc_sweep_dead(tract_region *r, uint32_t node, uint64_t dead_epoch,
 			}
 			staged[n++] = (uint32_t)s;
 			if (n == room || n == 4096) {
-				rc = release_locked(r, base, n, 0);
+				rc = release_locked(r, base, n, 0, 0);
 				*returned += n;
 				n = 0;
 			}
 		}
 	}
 	if (rc == TRACT_OK && n) {
-		rc = release_locked(r, base, n, 0);
+		rc = release_locked(r, base, n, 0, 0);
 		*returned += n;
 	}
 	if (rc == TRACT_OK)

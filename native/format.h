@@ -133,7 +133,11 @@ struct tract_alloc_header {
 	uint64_t next_hint;    /* slot where the next claim scan starts */
 	uint64_t claims;       /* batches claimed since format */
 	uint64_t releases;     /* batches returned since format */
-	uint8_t reserved[32];
+	/* a release of other nodes' slots in progress (docs/PROTOCOLS.md §5):
+	 * what a dead host's next holder of lock 0 finishes */
+	uint16_t intent_n;     /* slots in intent_slots, 0 none */
+	uint16_t intent_node;  /* node + 1 that releases them */
+	uint32_t intent_slots[7];
 };
 /* CDEF-END */
 
@@ -178,7 +182,30 @@ struct tract_lru_anchor {
 	uint64_t inserts;
 	uint64_t evictions;
 	uint64_t lookups;
-	uint8_t reserved[16];
+	/* a handoff release in this stripe's section: the key list whose
+	 * entries of this stripe hold the owner's pin counts as they were when
+	 * the section began (docs/PROTOCOLS.md §10); 0 none */
+	uint64_t release_keys;     /* region offset of the key list */
+	uint32_t release_blocks;   /* its entries */
+	uint32_t release_owner;    /* node + 1 whose pins it gives back */
+};
+/* CDEF-END */
+
+/* one entry of a handoff's key list (docs/FORMAT.md §4.8): written by the
+ * publisher before its record exists, then only `released`, by the holder
+ * of the entry's key's stripe lock during the release */
+/* CDEF-BEGIN (for Python too: tests read the release states) */
+struct tract_key_entry {
+	uint8_t key[16];
+	uint32_t slot;
+	uint32_t checksum;
+	uint32_t tokens;
+	uint32_t released;     /* TRACT_KEY_* below */
+};
+enum {
+	TRACT_KEY_HELD = 0,               /* pinned for the record */
+	TRACT_KEY_GIVEN_BACK = 1,         /* its pin given back (set by a repair) */
+	TRACT_KEY_INTENT = 0x80000000u    /* | the owner's pin count before the release's section */
 };
 /* CDEF-END */
 
@@ -227,5 +254,6 @@ static_assert(sizeof(struct tract_alloc_header) == 64, "alloc header");
 static_assert(sizeof(struct tract_bucket) == 64, "bucket");
 static_assert(sizeof(struct tract_lru_anchor) == 64, "lru anchor");
 static_assert(sizeof(struct tract_transfer_record) == TRACT_TRANSFER_ENTRY_SIZE, "transfer record");
+static_assert(sizeof(struct tract_key_entry) == TRACT_KEY_ENTRY_SIZE, "key list entry");
 
 #endif

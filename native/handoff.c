@@ -24,16 +24,6 @@ enum {
 	REC_RECLAIMING = TRACT_TRANSFER_RECLAIMING
 };
 
-/* one entry of a handoff's key list (32 bytes) */
-struct handoff_entry {
-	uint8_t key[16];
-	uint32_t slot;
-	uint32_t checksum;
-	uint32_t tokens;
-	uint32_t reserved;
-};
-static_assert(sizeof(struct handoff_entry) == TRACT_KEY_ENTRY_SIZE, "key list entry");
-
 static uint64_t record_off(const tract_region *r, uint32_t rec)
 {
 	const struct tract_section *s = tract_sec(r, TRACT_SEC_TRANSFER);
@@ -90,7 +80,7 @@ static int record_sane(const tract_region *r, const struct tract_transfer_record
 	if (t->keys_offset < data || (t->keys_offset - data) % r->hdr.slot_stride ||
 	    (t->keys_offset - data) / r->hdr.slot_stride >= r->hdr.slot_count)
 		return 0;
-	if ((uint64_t)t->block_count * sizeof(struct handoff_entry) > r->hdr.block_bytes)
+	if ((uint64_t)t->block_count * sizeof(struct tract_key_entry) > r->hdr.block_bytes)
 		return 0;
 	if (t->tail_slot > r->hdr.slot_count)
 		return 0;
@@ -141,9 +131,9 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	if (!r || !request_id || !rec || (!keys && n) || (tail_len && !tail) ||
 	    tail_len > r->hdr.block_bytes)
 		return TRACT_E_INVAL;
-	if ((uint64_t)n * sizeof(struct handoff_entry) > r->hdr.block_bytes)
+	if ((uint64_t)n * sizeof(struct tract_key_entry) > r->hdr.block_bytes)
 		return TRACT_E_RANGE;        /* the key list must fit one slot */
-	struct handoff_entry *list = calloc((size_t)n + 1, sizeof(*list));
+	struct tract_key_entry *list = calloc((size_t)n + 1, sizeof(*list));
 	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
 	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
 	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
@@ -251,7 +241,7 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		return TRACT_E_CORRUPT;
 	if (t.block_count > cap)
 		return TRACT_E_RANGE;
-	struct handoff_entry *list = calloc((size_t)t.block_count + 1, sizeof(*list));
+	struct tract_key_entry *list = calloc((size_t)t.block_count + 1, sizeof(*list));
 	if (!list)
 		return TRACT_E_NOMEM;
 	int rc = tract_copy_out(r, list, t.keys_offset, (uint64_t)t.block_count * sizeof(*list), 1);
@@ -307,7 +297,7 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 {
 	if (!record_sane(r, t))
 		return TRACT_E_CORRUPT;
-	struct handoff_entry *list = calloc((size_t)t->block_count + 1, sizeof(*list));
+	struct tract_key_entry *list = calloc((size_t)t->block_count + 1, sizeof(*list));
 	uint8_t *keys = calloc((size_t)t->block_count + 1, 16);
 	int rc = (list && keys) ? TRACT_OK : TRACT_E_NOMEM;
 	if (rc == TRACT_OK && !t->slots_freed)
@@ -316,8 +306,9 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 		for (uint32_t i = 0; i < t->block_count; i++)
 			memcpy(keys + (uint64_t)i * 16, list[i].key, 16);
 		struct release_ctx x = {rec, t};
-		rc = tract_index_unpin_groups(r, keys, t->block_count, t->owner_node - 1,
-					      t->released_groups, mark_groups, &x, timeout_ns);
+		struct tract_release rel = {t->keys_offset, t->block_count, t->owner_node - 1, keys};
+		rc = tract_index_release_groups(r, &rel, t->released_groups, mark_groups, &x,
+						timeout_ns);
 		if (rc != TRACT_E_TIMEOUT && rc != TRACT_E_NOMEM) {
 			uint32_t extra[2] = {(uint32_t)((t->keys_offset -
 							  tract_sec(r, TRACT_SEC_DATA)->offset) /

@@ -57,15 +57,109 @@ int tract_pinned(struct stripe_ctx *c, uint64_t b)
 	return 0;
 }
 
+/* region offset of entry i of the key list at keys (internal) */
+static uint64_t entry_off(uint64_t keys, uint32_t i)
+{
+	return keys + (uint64_t)i * TRACT_KEY_ENTRY_SIZE;
+}
+
+/* sets node's pin count of bucket b to v: one store of its line (internal) */
+static void pin_set(struct stripe_ctx *c, uint64_t b, uint32_t node, uint16_t v)
+{
+	uint64_t off = pin_off(c->r, node, b);
+	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
+	uint8_t buf[TRACT_LINE];
+	tract_pin_count(c, node, b, buf);
+	memcpy(buf + (off - line), &v, 2);
+	tract_line_put(c, line, buf);
+}
+
+/* whether the anchor's release intent names a key list that lies where a
+ * key list can lie (the anchor was written by another host) (internal) */
+static int intent_sane(const tract_region *r, const struct tract_lru_anchor *a)
+{
+	const struct tract_section *d = tract_sec(r, TRACT_SEC_DATA);
+	uint64_t off = a->release_keys;
+	return a->release_owner && a->release_owner <= r->hdr.max_nodes &&
+	       (uint64_t)a->release_blocks * TRACT_KEY_ENTRY_SIZE <= r->hdr.block_bytes &&
+	       off >= d->offset && (off - d->offset) % r->hdr.slot_stride == 0 &&
+	       (off - d->offset) / r->hdr.slot_stride < r->hdr.slot_count;
+}
+
 /*
- * Repairs the entered stripe after a process of this host died inside it.
- * First what it may have left dirty in this host's caches is written back:
- * every line its section could write (the stripe's buckets, its anchor,
- * every node's pin lines for the stripe's buckets -- a handoff's release
- * writes another node's), so that no other host reads them stale.  Pins
- * need nothing more: a pin is one store (tract_pin_add), a death leaves it
- * taken or not.  The LRU list may be broken (the anchor was the dead
- * process's until it left): tract_lru_repair makes it whole (internal).
+ * Finishes the handoff release whose section a holder died inside, from
+ * the stripe's release intent (docs/PROTOCOLS.md §10): nobody entered the
+ * stripe since, so the owner's pin counts of the intent's keys are still
+ * what the dead section left, and each key-list entry of this stripe still
+ * in TRACT_KEY_INTENT holds the count the section began with.  Each such
+ * count is set to that minus one -- an absolute value, right whichever of
+ * the dead section's stores reached the device -- and written back; then
+ * the entries become TRACT_KEY_GIVEN_BACK (so a resumed release skips
+ * them), then the intent is cleared.  A repairer that dies repairing is
+ * repaired by the next holder the same way.  No allocation: the key list
+ * is read a line at a time, twice (internal; the section's lines already
+ * written back by tract_stripe_repair).
+ */
+static void finish_release(struct stripe_ctx *c)
+{
+	tract_region *r = c->r;
+	struct tract_lru_anchor *a = &c->lru;
+	if (!a->release_keys && !a->release_blocks && !a->release_owner)
+		return;
+	if (intent_sane(r, a)) {
+		uint32_t node = a->release_owner - 1;
+		uint32_t per_line = TRACT_LINE / TRACT_KEY_ENTRY_SIZE;
+		for (int pass = 0; pass < 2; pass++) {
+			for (uint32_t i = 0; i < a->release_blocks; i += per_line) {
+				uint8_t line[TRACT_LINE];
+				uint64_t off = entry_off(a->release_keys, i);
+				int changed = 0;
+				tract_observe_line(r, off, line);
+				for (uint32_t j = 0; j < per_line && i + j < a->release_blocks; j++) {
+					struct tract_key_entry *e =
+						(struct tract_key_entry *)(line + j * TRACT_KEY_ENTRY_SIZE);
+					uint16_t before = (uint16_t)(e->released & 0xFFFF);
+					if (!(e->released & TRACT_KEY_INTENT) || !before ||
+					    tract_key_stripe(r, e->key) != c->stripe)
+						continue;
+					if (pass == 1) {
+						e->released = TRACT_KEY_GIVEN_BACK;
+						changed = 1;
+						continue;
+					}
+					uint64_t b, fb;
+					struct tract_bucket bk;
+					tract_probe(c, e->key, &b, &fb, &bk);
+					if (b != UINT64_MAX)
+						pin_set(c, b, node, (uint16_t)(before - 1));
+				}
+				if (changed)
+					tract_write_line(r, off, line);
+			}
+			/* the counts on the device before any entry says they are
+			 * given back; the entries before the intent goes */
+			tract_stripe_flush(c);
+		}
+	}
+	a->release_keys = 0;
+	a->release_blocks = 0;
+	a->release_owner = 0;
+	c->lru_dirty = 1;
+	tract_stripe_flush(c);
+}
+
+/*
+ * Repairs the entered stripe after a holder died inside it (a process of
+ * this host, or a dead host whose grant this one inherited).  First what it
+ * may have left dirty in this host's caches is written back: every line its
+ * section could write (the stripe's buckets, its anchor, every node's pin
+ * lines for the stripe's buckets -- a handoff's release writes another
+ * node's), so that no other host reads them stale.  Pins need nothing more
+ * for a lookup's or an unpin's section: a pin is one store (tract_pin_add),
+ * a death leaves it taken or not.  A handoff release's section is finished
+ * from its intent (finish_release).  The LRU list may be broken (the anchor
+ * was the dead process's until it left): tract_lru_repair makes it whole
+ * (internal).
  */
 void tract_stripe_repair(struct stripe_ctx *c)
 {
@@ -76,55 +170,43 @@ void tract_stripe_repair(struct stripe_ctx *c)
 		r->ops->flush(r, pin_off(r, n, c->first), c->size * 2);
 	r->ops->fence(r);
 	tract_lru_repair(c);     /* out of memory: the list stays as it is, for tract check */
+	finish_release(c);
 }
 
 /*
- * Unpins keys on behalf of node, stripe group by stripe group in ascending
- * stripe order.  With `journal`, each pin leaves this process's journal right
- * before it is given back.  With `mark`, the first `done` groups are skipped
- * and mark(arg, g + 1) records the progress before group g's pins are given
- * back: a crash between the two leaves pins behind but never gives one back
- * twice (a handoff's release) (internal).
+ * Unpins keys this node pinned, stripe group by stripe group in ascending
+ * stripe order, each pin leaving this process's journal right before it is
+ * given back (internal).
  */
-static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-		      int journal, uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-		      void *arg, uint64_t timeout_ns)
+int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
-	if (node >= r->hdr.max_nodes)
-		return TRACT_E_INVAL;
 	struct keyref *refs = tract_group_keys(r, keys, n);
 	if (!refs && n)
 		return TRACT_E_NOMEM;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	struct stripe_walk walk;
 	tract_walk_init(&walk, r, set, timeout_ns);
-	rc = TRACT_OK;
 	struct stripe_groups g;
 	tract_groups_init(&g, refs, n, NULL, NULL);
 	while (tract_groups_next(&g)) {
-		if (g.ordinal < done)
-			continue;
 		struct stripe_ctx c;
 		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
 		}
-		if (mark)
-			mark(r, arg, g.ordinal + 1);
-		tract_prefetch_group(&c, keys, refs, g.first, g.end, node);
+		tract_prefetch_group(&c, keys, refs, g.first, g.end, r->node_id);
 		for (uint32_t k = g.first; k < g.end; k++) {
 			const uint8_t *key = keys + (uint64_t)refs[k].idx * 16;
 			uint64_t b, fb;
 			struct tract_bucket bk;
 			tract_probe(&c, key, &b, &fb, &bk);
-			if (journal)
-				tract_journal_pins(r, key, 1, -1);
-			if (b == UINT64_MAX || tract_pin_add(&c, b, node, -1) < 0)
-				rc = TRACT_E_CORRUPT;   /* not pinned by that node */
+			tract_journal_pins(r, key, 1, -1);
+			if (b == UINT64_MAX || tract_pin_add(&c, b, r->node_id, -1) < 0)
+				rc = TRACT_E_CORRUPT;   /* not pinned by this node */
 		}
 		tract_stripe_leave(&c);
 	}
@@ -134,17 +216,132 @@ static int unpin_impl(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t
 	return rc;
 }
 
-/* Unpins keys this node pinned with tract_index_lookup. */
-int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
+/*
+ * One stripe group of a handoff's release, in its entered stripe c: keys
+ * refs[first..end) of rel, whose entries e[] (observed here, under the
+ * lock: a repair may have changed them since the release read the list).
+ * In three steps, each on the device before the next begins:
+ *  1. each entry not yet given back gets TRACT_KEY_INTENT | the owner's
+ *     count now (an entry a repair gave back is skipped; one whose key is
+ *     gone or unpinned is given back at once: nothing of it to return);
+ *  2. the stripe's anchor names the key list (the intent);
+ *  3. each count becomes that minus one.
+ * A death in step 3 leaves the intent for the next holder's repair
+ * (finish_release); a death before it leaves counts untouched, and a resumed
+ * release reads them afresh (internal).
+ */
+static int release_group(struct stripe_ctx *c, const struct tract_release *rel,
+			 const struct keyref *refs, uint32_t first, uint32_t end,
+			 struct tract_key_entry *e, uint64_t *bucket)
 {
-	return unpin_impl(r, keys, n, r ? r->node_id : 0, 1, 0, NULL, NULL, timeout_ns);
+	tract_region *r = c->r;
+	uint32_t m = end - first, live = 0;
+	int rc = TRACT_OK;
+	for (uint32_t k = 0; k < m; k++)
+		r->ops->invalidate(r, entry_off(rel->keys_offset, refs[first + k].idx),
+				   TRACT_KEY_ENTRY_SIZE);
+	r->ops->fence(r);
+	for (uint32_t k = 0; k < m; k++)
+		r->ops->load(r, entry_off(rel->keys_offset, refs[first + k].idx), &e[k],
+			     TRACT_KEY_ENTRY_SIZE);
+	tract_prefetch_group(c, rel->keys, refs, first, end, rel->owner);
+	for (uint32_t k = 0; k < m; k++) {
+		bucket[k] = UINT64_MAX;
+		if (e[k].released == TRACT_KEY_GIVEN_BACK)
+			continue;
+		const uint8_t *key = rel->keys + (uint64_t)refs[first + k].idx * 16;
+		uint64_t b, fb;
+		struct tract_bucket bk;
+		uint8_t buf[TRACT_LINE];
+		tract_probe(c, key, &b, &fb, &bk);
+		uint16_t v = b == UINT64_MAX ? 0 : tract_pin_count(c, rel->owner, b, buf);
+		if (!v || memcmp(e[k].key, key, 16)) {
+			rc = TRACT_E_CORRUPT;       /* not pinned by the owner */
+			e[k].released = TRACT_KEY_GIVEN_BACK;
+		} else {
+			e[k].released = TRACT_KEY_INTENT | v;
+			bucket[k] = b;
+			live++;
+		}
+		r->ops->store(r, entry_off(rel->keys_offset, refs[first + k].idx), &e[k],
+			      TRACT_KEY_ENTRY_SIZE);
+		r->ops->flush(r, entry_off(rel->keys_offset, refs[first + k].idx),
+			      TRACT_KEY_ENTRY_SIZE);
+	}
+	r->ops->fence(r);
+	if (!live)
+		return rc;
+	c->lru.release_keys = rel->keys_offset;
+	c->lru.release_blocks = rel->n;
+	c->lru.release_owner = rel->owner + 1;
+	c->lru_dirty = 1;
+	tract_stripe_flush(c);
+	tract_maybe_die(TRACT_DIE_RELEASE_INTENT);
+	for (uint32_t k = 0; k < m; k++)
+		if (bucket[k] != UINT64_MAX)
+			pin_set(c, bucket[k], rel->owner,
+				(uint16_t)((e[k].released & 0xFFFF) - 1));
+	tract_maybe_die(TRACT_DIE_RELEASE_PINS);
+	tract_stripe_flush(c);
+	return rc;
 }
 
-/* unpins keys for node resuming after `done` stripe groups, recording each
- * group's progress with mark before it is given back (internal) */
-int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-			     void *arg, uint64_t timeout_ns)
+/*
+ * Gives back a handoff's pins, stripe group by stripe group in ascending
+ * stripe order, skipping the first `done` groups; mark(arg, g + 1) records
+ * the progress once group g's pins are on the device, before its intent is
+ * cleared, so a resumed release never gives one back twice and never
+ * leaves one behind, whatever a death lost (docs/PROTOCOLS.md §10)
+ * (internal).
+ */
+int tract_index_release_groups(tract_region *r, const struct tract_release *rel, uint32_t done,
+			       void (*mark)(tract_region *, void *, uint32_t), void *arg,
+			       uint64_t timeout_ns)
 {
-	return unpin_impl(r, keys, n, node, 0, done, mark, arg, timeout_ns);
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if (rel->owner >= r->hdr.max_nodes)
+		return TRACT_E_INVAL;
+	struct keyref *refs = tract_group_keys(r, rel->keys, rel->n);
+	struct tract_key_entry *e = malloc(((size_t)rel->n + 1) * sizeof(*e));
+	uint64_t *bucket = malloc(((size_t)rel->n + 1) * sizeof(*bucket));
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
+	if ((!refs && rel->n) || !e || !bucket) {
+		free(refs);
+		free(e);
+		free(bucket);
+		free(set);
+		return TRACT_E_NOMEM;
+	}
+	struct stripe_walk walk;
+	tract_walk_init(&walk, r, set, timeout_ns);
+	struct stripe_groups g;
+	tract_groups_init(&g, refs, rel->n, NULL, NULL);
+	while (tract_groups_next(&g)) {
+		if (g.ordinal < done)
+			continue;
+		struct stripe_ctx c;
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		if (rc2 < 0) {
+			rc = rc2;
+			break;
+		}
+		if ((rc2 = release_group(&c, rel, refs, g.first, g.end, e, bucket)) < 0)
+			rc = rc2;
+		mark(r, arg, g.ordinal + 1);
+		if (c.lru.release_keys || c.lru.release_blocks || c.lru.release_owner) {
+			c.lru.release_keys = 0;    /* the group is whole: no repair redoes it */
+			c.lru.release_blocks = 0;
+			c.lru.release_owner = 0;
+			c.lru_dirty = 1;
+		}
+		tract_stripe_leave(&c);
+	}
+	tract_walk_end(&walk);
+	free(refs);
+	free(e);
+	free(bucket);
+	free(set);
+	return rc;
 }

@@ -317,10 +317,21 @@ static inline void tract_publish_line(tract_region *r, uint64_t off, const void 
 	tract_publish_line_at(r, off, src, SITE_NONE);
 }
 
-/* unpins keys for node group by stripe group, recording progress (internal) */
-int tract_index_unpin_groups(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t node,
-			     uint32_t done, void (*mark)(tract_region *, void *, uint32_t),
-			     void *arg, uint64_t timeout_ns);
+/* a handoff's blocks to give back: its key list in the region (keys_offset,
+ * n entries), a copy of the entries' keys, and the node that pins them */
+struct tract_release {
+	uint64_t keys_offset;
+	uint32_t n;
+	uint32_t owner;
+	const uint8_t *keys;
+};
+
+/* gives back a handoff's pins stripe group by stripe group, resuming after
+ * `done` groups and recording each group's progress with mark once its pins
+ * are given back (internal; index_pin.c) */
+int tract_index_release_groups(tract_region *r, const struct tract_release *rel, uint32_t done,
+			       void (*mark)(tract_region *, void *, uint32_t), void *arg,
+			       uint64_t timeout_ns);
 
 /* gives back up to count of this node's pins on key (internal) */
 int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,

@@ -48,7 +48,7 @@ enum {
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 5,
+	TRACT_FORMAT_VERSION = 6,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -61,7 +61,8 @@ enum {
 
 /* the limits a handoff's key list lives within: a slot (block) holds at most
  * 2^TRACT_MAX_BLOCK_SHIFT bytes (tract_format_params), and a key list is one
- * slot of TRACT_KEY_ENTRY_SIZE-byte entries (key, slot, checksum, tokens) */
+ * slot of TRACT_KEY_ENTRY_SIZE-byte entries (key, slot, checksum, tokens,
+ * release state) */
 enum {
 	TRACT_MAX_BLOCK_SHIFT = 32,
 	TRACT_KEY_ENTRY_SIZE = 32
@@ -376,7 +377,9 @@ enum tract_die_point {
 	TRACT_DIE_HANDOFF_NO_RECORD = 11, /* handoff: no free record; its pins not given back yet */
 	TRACT_DIE_JOURNAL_MOVED = 12,  /* journal erase: a key copied back, its old place not yet reused */
 	TRACT_DIE_LRU_MOVED = 13,      /* lookup: a block moved to its LRU head, the anchor not written */
-	TRACT_DIE_COUNT = 14
+	TRACT_DIE_RELEASE_INTENT = 14, /* handoff release: a group's intent on the device, its pins not given back */
+	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back (in this host's caches), not marked */
+	TRACT_DIE_COUNT = 16
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

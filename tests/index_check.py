@@ -10,8 +10,9 @@ from tract_cli.core.pool import Pool
 BUCKET = struct.Struct("<16sIIIIIIHHIIIQ")
 BUCKET_FIELDS = ("key", "state", "slot", "tokens", "reserved", "lru_prev", "lru_next", "owner_node",
                  "flags", "owner_pid", "epoch", "checksum", "last_access_ns")
-ANCHOR = struct.Struct("<IIQQQQQ16x")
-ANCHOR_FIELDS = ("head", "tail", "count", "hits", "inserts", "evictions", "lookups")
+ANCHOR = struct.Struct("<IIQQQQQQII")
+ANCHOR_FIELDS = ("head", "tail", "count", "hits", "inserts", "evictions", "lookups",
+                 "release_keys", "release_blocks", "release_owner")
 EMPTY, PENDING, READY, TOMB = 0, 1, 2, 3
 
 

@@ -181,6 +181,106 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
         manager.stop()
 
 
+def pins_and_records(path: str, node: int) -> tuple[int, int]:
+    """(NODE's pin counts summed over the index, transfer records in use)."""
+    import numpy as np
+    from tract_cli.core.media import RECORD_DTYPE, pins_view
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        pins = p.info.section("pins")
+        total = int(pins_view(np.frombuffer(p.observe(pins.offset, pins.length), np.uint8),
+                              p.info)[node].sum())
+        tr = p.info.section("transfer")
+        rec = np.frombuffer(p.observe(tr.offset, tr.length), RECORD_DTYPE)
+    return total, int((rec["state"] != 0).sum())
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("point", ["RELEASE_INTENT", "RELEASE_PINS"])
+def test_a_dead_hosts_half_done_release_of_another_hosts_handoff_is_finished_exactly(
+        region, monkeypatch, simulate, point):
+    """Host B acknowledges a handoff host A's node 2 published, and dies
+    inside the release, holding a stripe lock: with the group's intent on the
+    device and no pin given back (RELEASE_INTENT), or with the pins given
+    back in its caches (RELEASE_PINS: in plain mode they reached the region,
+    under the simulator they die with host B's cache). The group's progress
+    is marked in the record only once its pins are on the device, so the
+    manager's resumption of the release re-enters that stripe, whose repair
+    (the next holder after the verdict) finishes the group from its intent
+    with absolute counts, whichever of the dead host's stores landed.
+    A second handoff of the same chain keeps every block pinned once more,
+    so a pin given back twice shows, as does one left behind: node 2 must
+    hold exactly the second handoff's 12 pins. Before, the release marked
+    each group before giving its pins back, so a host dying inside one left
+    whatever of its stores were lost pinned for good (the chaos run's seed
+    102)."""
+    manager = on_host(monkeypatch, "host-a", region, 0, manager=True, simulate=simulate,
+                      host_dead_after=DEAD_AFTER)
+    b_agent = None
+    try:
+        with Worker(region, 2, simulate=simulate) as prefill:
+            first = prefill.call("handoff_publish", chain=CHAIN, request="first", ttl=3600)
+            second = prefill.call("handoff_publish", chain=CHAIN, request="second", ttl=3600)
+            assert pins_and_records(region, 2) == (24, 2)
+            b_agent = on_host(monkeypatch, "host-b", region, 1, manager=False, simulate=simulate,
+                              takeover_after=None)
+            acker = Worker(region, 1, simulate=simulate,
+                           env={"TRACT_DIE_AT": str(getattr(lib, f"TRACT_DIE_{point}"))})
+            b_agent.proc.send_signal(signal.SIGSTOP)     # it must not finish the release
+            acker.send("handoff_receive", ticket=first, chain=CHAIN, request="first")
+            assert acker.proc.wait(timeout=60) == -9, "the release gave nothing back"
+            kill_host_b(region, b_agent, [acker])
+            wait_for("node 1 declared dead", lambda: node_record(region, 1).dead)
+            wait_for("its release finished by the manager",
+                     lambda: pins_and_records(region, 2)[1] == 1)
+            assert pins_and_records(region, 2) == (12, 1)
+            with Worker(region, 3, simulate=simulate) as decode:
+                assert decode.call("handoff_receive", ticket=second, chain=CHAIN,
+                                   request="second") == 12
+            assert pins_and_records(region, 2) == (0, 0)
+        assert check_index(region)["ready"] == 12
+        assert slot_violations(region) == []
+    finally:
+        gone(b_agent and b_agent.proc)
+        manager.stop()
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_dead_hosts_half_done_free_of_another_nodes_slots_is_finished(region, monkeypatch,
+                                                                       simulate):
+    """Host B frees slots of host A's node 2 (as an eviction of node 2's
+    blocks, or the release of node 2's handoff, does) and dies inside lock 0
+    before any owner byte or bit changed on the device (RELEASE_HEADER: the
+    header written, as when the owner-byte stores that followed died in its
+    caches). Its DRAM intent died with it and the region alone showed a
+    whole state: the slots stayed node 2's for good, named by nothing. The
+    allocator header names them now (on the device before any owner byte
+    changes), so the next holder of lock 0 after the verdict finishes the
+    free: the slots are back in the pool."""
+    manager = on_host(monkeypatch, "host-a", region, 0, manager=True, simulate=simulate,
+                      host_dead_after=DEAD_AFTER)
+    b_agent = None
+    try:
+        with Worker(region, 2, simulate=simulate) as a:
+            foreign = a.call("alloc", n=5)
+        before = taken_slots(region, 2)
+        b_agent = on_host(monkeypatch, "host-b", region, 1, manager=False, simulate=simulate,
+                          takeover_after=None)
+        in_alloc = Worker(region, 1, simulate=simulate,
+                          env={"TRACT_DIE_AT": str(lib.TRACT_DIE_RELEASE_HEADER)})
+        b_agent.proc.send_signal(signal.SIGSTOP)
+        in_alloc.send("free", slots=foreign)
+        assert in_alloc.proc.wait(timeout=60) == -9, "the free released nothing"
+        kill_host_b(region, b_agent, [in_alloc])
+        wait_for("node 1 declared dead", lambda: node_record(region, 1).dead)
+        with Worker(region, 3, simulate=simulate) as fresh:
+            fresh.call("alloc", n=1)                # takes lock 0: repaired first
+        assert taken_slots(region, 2) == before - 5
+        assert not {v.check for v in slot_violations(region)} & {"allocator"}
+    finally:
+        gone(b_agent and b_agent.proc)
+        manager.stop()
+
+
 def _forge_node(pool: Pool, node: int, epoch: int, manager_epoch: int = 0,
                 dead_epoch: int | None = None) -> None:
     """Writes NODE's line 0 (alive, EPOCH) and, with DEAD_EPOCH, its verdict,

@@ -13,6 +13,7 @@ from procs import Worker
 from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.locks import LOCK_ALLOCATOR
+from tract_cli.core.native import lib
 from tract_cli.core.pool import Pool
 
 
@@ -149,3 +150,40 @@ def test_publish_takes_the_next_free_record_and_scans_wrap_around(region_path, s
         assert p.handoffs.reclaim(now_ns=time.time_ns() + 3601 * 10**9) == 70
         assert pins_and_records(region_path) == (0, 0)
     check_index(region_path)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("point", ["RELEASE_INTENT", "RELEASE_PINS"])
+def test_an_ack_killed_inside_a_release_gives_back_exactly_its_pins(region, simulate, point):
+    """Two handoffs of one chain pin each block twice for the publisher. The
+    first one's acknowledger is killed inside its release: with the stripe
+    group's intent on the device and its pins not given back (RELEASE_INTENT),
+    or given back but not marked in the record (RELEASE_PINS). Its node's
+    recovery takes the stripe lock over (its repair finishes the group from
+    the intent: each count set to what it was when the group began, minus
+    one) and resumes the release: the publisher then holds exactly the second
+    handoff's pins -- none given back twice (the resumption skips the entries
+    the repair gave back) and none left behind. Without the repair's redo the
+    resumption reads the counts afresh, already lowered, and gives the second
+    handoff's pins back too."""
+    from tract_cli.core.recovery import recover_node
+    chain = [3, 0, 21, 12]
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        with Worker(region, 1, simulate) as prefill:
+            first = prefill.call("handoff_publish", chain=chain, request="first", ttl=3600)
+            second = prefill.call("handoff_publish", chain=chain, request="second", ttl=3600)
+            assert pins_and_records(region) == (24, 2)
+            dying = Worker(region, 2, simulate,
+                           env={"TRACT_DIE_AT": str(getattr(lib, f"TRACT_DIE_{point}"))})
+            dying.send("handoff_receive", ticket=first, chain=chain, request="first")
+            assert dying.proc.wait(timeout=60) == -9, "the release gave nothing back"
+            dying.close()
+            with Pool.attach(region, node=2, simulate=simulate) as p:
+                got = recover_node(p, orphans=False, timeout=30)
+                assert got.locks >= 1 and got.handoffs == 1 and not got.errors, got
+            assert pins_and_records(region) == (12, 1)
+            with Worker(region, 3, simulate) as decode:
+                assert decode.call("handoff_receive", ticket=second, chain=chain,
+                                   request="second") == 12
+            assert pins_and_records(region) == (0, 0)
+    assert check_index(region)["ready"] == 12

@@ -26,7 +26,8 @@ BUCKET_DTYPE = np.dtype([("key", "V16"), ("state", "<u4"), ("slot", "<u4"), ("to
 # one index stripe's LRU anchor (struct tract_lru_anchor)
 ANCHOR_DTYPE = np.dtype([("head", "<u4"), ("tail", "<u4"), ("count", "<u8"), ("hits", "<u8"),
                          ("inserts", "<u8"), ("evictions", "<u8"), ("lookups", "<u8"),
-                         ("pad", "V16")])
+                         ("release_keys", "<u8"), ("release_blocks", "<u4"),
+                         ("release_owner", "<u4")])
 # a node's slot of a lock (struct tract_lock_node_slot)
 SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("request_seq", "<u8"),
                        ("since_ns", "<u8"), ("grant_token", "<u8"), ("pad", "V24")])
@@ -41,7 +42,8 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
                          ("created_ns", "<u8"), ("expiry_ns", "<u8"), ("pad", "V56")])
 # the allocator header (struct tract_alloc_header)
 ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
-                        ("releases", "<u8"), ("pad", "V32")])
+                        ("releases", "<u8"), ("intent_n", "<u2"), ("intent_node", "<u2"),
+                        ("pad", "V28")])
 
 # line 0 of a node entry (struct tract_node_entry, FORMAT.md §4.2), as
 # nodes.read_nodes unpacks it and the agent packs it: its values, in order

@@ -54,6 +54,11 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
     bad_owner = np.flatnonzero(owners > info.max_nodes)
     for s in bad_owner[:20]:
         out.append(Violation("allocator", f"slot {s}: owner byte {owners[s]} > max nodes"))
+    alloc_hdr = rd["alloc"][:ALLOC_DTYPE.itemsize].view(ALLOC_DTYPE)[0]
+    if int(alloc_hdr["intent_n"]):
+        out.append(Violation("allocator", f"a release of {int(alloc_hdr['intent_n'])} slots by node "
+                                          f"{int(alloc_hdr['intent_node']) - 1} was cut short inside "
+                                          "the allocator lock (its next holder finishes it)"))
 
     bs = info.section("buckets")
     b = rd["buckets"].view(BUCKET_DTYPE)
@@ -117,6 +122,9 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
         if not broken and (prev != tail or seen != count or members != ready_here):
             out.append(Violation("lru", f"stripe {s}: list has {seen} entries, anchor says {count}, "
                                          f"{len(ready_here)} READY"))
+    for s in np.flatnonzero(anchors["release_keys"] != 0)[:20]:
+        out.append(Violation("handoff", f"stripe {s}: a handoff release was cut short inside it "
+                                        "(the stripe's next holder finishes it)"))
     # transfer records
     rec = rd["transfer"].view(RECORD_DTYPE)
     data_sec = info.section("data")
