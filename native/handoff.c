@@ -124,6 +124,19 @@ static int find_free_record(tract_region *r, uint32_t *found)
 
 /* Publishes a handoff: pins the blocks (all must be READY), stores the key
  * list and the partial tail in slots, writes a record; *rec gets its index. */
+/* slots a publish gives back, to forget from its journal (internal) */
+struct forget_ctx {
+	const uint32_t *slots;
+	uint32_t n;
+};
+
+/* forgets the slots (tract_free_noted's note: the free holds its locks) (internal) */
+static void forget_slots(tract_region *r, void *arg)
+{
+	struct forget_ctx *f = arg;
+	tract_journal_slots(r, f->slots, f->n, 1);
+}
+
 int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)
@@ -203,14 +216,15 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto out;
 	tract_maybe_die(TRACT_DIE_HANDOFF_NO_RECORD);
 release:
-	/* forgotten by the journal before they are freed (a death between leaks
-	 * them, never frees them twice); journaled again if the free timed out
-	 * (it changes nothing until it holds every lock), for the agent to free
-	 * once this process is gone; any other failure may have listed some: a
-	 * leak at worst */
-	tract_journal_slots(r, extra, nextra, 1);
-	if (tract_free(r, extra, nextra, timeout_ns) == TRACT_E_TIMEOUT)
-		tract_journal_slots(r, extra, nextra, 0);   /* nothing changed: still ours */
+	/* forgotten by the journal once the free holds its locks, right before
+	 * they change hands (a death between leaks them, never frees them
+	 * twice; a death while the free waits for a lock leaves them journaled,
+	 * for the agent); any other failure may have listed some: a leak at
+	 * worst */
+	{
+		struct forget_ctx f = {extra, nextra};
+		tract_free_noted(r, extra, nextra, forget_slots, &f, timeout_ns);
+	}
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
 out:

@@ -333,8 +333,10 @@ int tract_index_release_groups(tract_region *r, const struct tract_release *rel,
 			       void (*mark)(tract_region *, void *, uint32_t), void *arg,
 			       uint64_t timeout_ns);
 
-/* gives back up to count of this node's pins on key (internal) */
-int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t count,
+/* gives back up to *journaled of this node's pins on key, forgetting them
+ * (*journaled = 0, a dead process's journal entry) once the stripe lock is
+ * held (internal) */
+int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t *journaled,
 			     uint32_t *released, uint64_t timeout_ns);
 
 /* drops a dead pid's PENDING claim on key, freeing slot (internal) */

@@ -88,6 +88,16 @@ int tract_lock_recover(tract_region *r, uint32_t *count)
 	return TRACT_OK;
 }
 
+/* forgets a bare slot's journal entry (tract_free_noted's note: its locks
+ * are held) (internal) */
+static void void_bare(tract_region *r, void *arg)
+{
+	(void)r;
+	struct tract_journal_key *k = arg;
+	k->claim = 0;
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);   /* forgotten before the slot moves */
+}
+
 /* gives back one journaled key of a dead process pid; TRACT_E_TIMEOUT leaves
  * what is not done yet in the key for the next heartbeat (internal) */
 static int give_back(tract_region *r, struct tract_journal_proc *p, struct tract_journal_key *k,
@@ -101,26 +111,24 @@ static int give_back(tract_region *r, struct tract_journal_proc *p, struct tract
 		uint32_t claim = k->claim, slot = claim - 1;
 		if (!claim || slot >= r->hdr.slot_count || tract_journal_claims_slot(p, slot))
 			return TRACT_OK;
-		k->claim = 0;           /* voided before the free: an agent killed here leaks it */
-		int rc = tract_free(r, &slot, 1, timeout_ns);
-		if (rc == TRACT_E_TIMEOUT) {
-			k->claim = claim;   /* nothing changed: the next heartbeat frees it */
-			return rc;
-		}
+		/* voided once the free holds its locks, right before the slot
+		 * changes hands: an agent killed in between leaks it, one killed
+		 * while it waits for them leaves it to the next agent */
+		int rc = tract_free_noted(r, &slot, 1, void_bare, k, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT)
+			return rc;          /* nothing changed: the next heartbeat frees it */
+		k->claim = 0;               /* (a free that failed otherwise: not again) */
 		out->slots += rc == TRACT_OK;
 		return TRACT_OK;
 	}
 	if (k->pins) {
-		uint32_t pins = k->pins, released = 0;
-		/* forgotten before they are given back: an agent killed in between
-		 * leaks them (one key's), the next agent never gives them twice */
-		k->pins = 0;
-		__atomic_signal_fence(__ATOMIC_SEQ_CST);
-		int rc = tract_index_release_pins(r, k->key, pins, &released, timeout_ns);
-		if (rc == TRACT_E_TIMEOUT) {
-			k->pins = pins;     /* nothing changed: the next heartbeat gives them */
-			return rc;
-		}
+		uint32_t released = 0;
+		/* forgotten under the stripe lock, right before they are given
+		 * back: an agent killed in between leaks them (one key's), the
+		 * next agent never gives them twice; a timeout leaves them */
+		int rc = tract_index_release_pins(r, k->key, &k->pins, &released, timeout_ns);
+		if (rc == TRACT_E_TIMEOUT)
+			return rc;          /* nothing changed: the next heartbeat gives them */
 		out->pins += released;
 	}
 	if (k->claim) {

@@ -49,6 +49,7 @@ def main() -> None:
         "index_read_variant": lambda **kw: index_read_variant(pool, **kw),
         "index_evict_all": lambda: pool.index.evict(pool.slot_count),
         "sweep_payload": lambda: sweep_payload(pool),
+        "recover_dead": lambda timeout: recover_dead(pool, timeout),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -257,6 +258,13 @@ def index_release_held(pool) -> int:
         pool.index.unpin(HELD.pop())
     return n
 
+
+
+def recover_dead(pool, timeout: float) -> dict:
+    """One pass of the node's recovery of its dead processes (as its agent does)."""
+    from tract_cli.core.recovery import recover_node
+    got = recover_node(pool, orphans=False, timeout=timeout)
+    return {"pins": got.dead.pins, "processes": got.dead.processes}
 
 
 def tail_for(request: str, nbytes: int):

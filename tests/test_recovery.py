@@ -36,6 +36,57 @@ def pins_of(path: str) -> dict:
             "pending": ix["states"]["PENDING"]}
 
 
+def lock_slot_state(path: str, lock_id: int, node: int) -> tuple[int, int]:
+    """(state, pid) of NODE's slot of lock LOCK_ID (FORMAT.md §4.1)."""
+    import numpy as np
+    from tract_cli.core.media import SLOT_DTYPE
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        sec = p.info.section("locks")
+        at = sec.offset + lock_id * sec.entry_size + (1 + node) * 64
+        slot = np.frombuffer(p.observe(at, 64), SLOT_DTYPE)[0]
+    return int(slot["state"]), int(slot["pid"])
+
+
+def test_an_agent_killed_waiting_to_give_back_a_dead_readers_pins_leaves_them_journaled(region):
+    """A dead reader's journaled pins are given back by its node's agent a key
+    at a time, each in that key's stripe section. The journal entry is
+    forgotten only once the stripe lock is held: an agent killed while it
+    waits for the lock (held by a live process on another node here; a dead
+    host's, until its verdict, in the chaos run that found this) leaves the
+    entry for the next agent. It used to be forgotten before the wait, and
+    that key's pins leaked."""
+    with Worker(region, 3) as writer:
+        writer.call("index_put_chains", chains=[CHAIN])
+    with Worker(region, 1) as reader:
+        assert reader.call("index_pin_chain", chain=CHAIN) == 12
+        reader.kill()
+    stripes = [stripe_lock(s) for s in range(4)]
+    with Worker(region, 2) as holder:
+        for lock in stripes:                    # ascending: every stripe is busy
+            holder.call("lock_acquire", lock_id=lock)
+        recoverer = Worker(region, 1)
+        try:
+            recoverer.send("recover_dead", timeout=60)
+            waiting = lambda: any(lock_slot_state(region, lock, 1) == (1, recoverer.proc.pid)
+                                  for lock in stripes)
+            deadline = time.monotonic() + 60
+            while not waiting():
+                assert time.monotonic() < deadline, "the recovery never waited for a stripe"
+                assert recoverer.proc.poll() is None, "the recovery ended without waiting"
+                time.sleep(0.01)      # polling the lock table, bounded
+            recoverer.kill()                     # killed while it waits
+        finally:
+            recoverer.close()
+        for lock in reversed(stripes):
+            holder.call("lock_release", lock_id=lock)
+    assert pins_of(region)["total"] == 12
+    with Pool.attach(region, node=1) as p:
+        from tract_cli.core.recovery import recover_node
+        got = recover_node(p, orphans=False, timeout=30)
+        assert not got.errors, got
+    assert pins_of(region)["total"] == 0
+
+
 def node_free_list(path: str, node: int) -> set:
     with Pool.attach(path, node=node, prefault=False) as p:
         return set(p.allocator.local_free().tolist())
