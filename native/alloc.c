@@ -130,18 +130,30 @@ static void write_header(tract_region *r, const struct tract_alloc_header *h)
 	r->ops->fence(r);
 }
 
-/* the slots a release of other nodes' slots names in the allocator header
- * at most (format.h: tract_alloc_header.intent_slots) */
-#define HEADER_INTENT_CAP 7
-static_assert(sizeof(((struct tract_alloc_header *)0)->intent_slots) ==
-	      HEADER_INTENT_CAP * sizeof(uint32_t), "header intent");
-
 /* drops the allocator header's intent, in the caller's copy (internal) */
 static void header_intent_clear(struct tract_alloc_header *h)
 {
 	h->intent_n = 0;
 	h->intent_node = 0;
-	memset(h->intent_slots, 0, sizeof(h->intent_slots));
+}
+
+/* region offset of line i (1..) of the allocator section: the intent's slot list (internal) */
+static uint64_t intent_line(const tract_region *r, uint32_t i)
+{
+	return tract_sec(r, TRACT_SEC_ALLOC)->offset + (uint64_t)i * TRACT_LINE;
+}
+
+/* lists n sorted slots in the allocator section's intent lines, flushed and
+ * fenced: on the device before the header names them (internal; lock 0 held) */
+static void intent_list_write(tract_region *r, const uint32_t *slots, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i += TRACT_LINE / 4) {
+		uint32_t line[TRACT_LINE / 4] = { 0 };
+		uint32_t k = n - i < TRACT_LINE / 4 ? n - i : TRACT_LINE / 4;
+		memcpy(line, slots + i, (size_t)k * sizeof(uint32_t));
+		tract_write_line(r, intent_line(r, 1 + i / (TRACT_LINE / 4)), line);
+	}
+	r->ops->fence(r);
 }
 
 /* records the allocator's intent before it changes the region (internal; both locks held) */
@@ -392,7 +404,7 @@ done:
  * claimed whole stay its own (on a free list that died with it): they come
  * back with `tract check --repair`, offline (docs/PROTOCOLS.md §5).
  */
-static void repair_after_dead_host(tract_region *r, uint32_t dead)
+static void repair_after_dead_host(tract_region *r)
 {
 	uint64_t slots = r->hdr.slot_count;
 	uint64_t bm = tract_sec(r, TRACT_SEC_BITMAP)->offset;
@@ -400,15 +412,28 @@ static void repair_after_dead_host(tract_region *r, uint32_t dead)
 	uint8_t bits[TRACT_LINE], own[TRACT_LINE];
 	struct tract_alloc_header h;
 	read_header(r, &h);
-	if (h.intent_n && h.intent_n <= HEADER_INTENT_CAP && h.intent_node == dead) {
-		uint32_t named[HEADER_INTENT_CAP], k = 0;
-		for (uint32_t i = 0; i < h.intent_n; i++)
-			if (h.intent_slots[i] < slots)      /* written by another host */
-				named[k++] = h.intent_slots[i];
+	/* whoever released them: every live release clears its intent before
+	 * lock 0 goes, so one found here was cut short by a dead holder -- this
+	 * host, or one before it whose repairer died too (its grant's
+	 * `inherited` then names the last) */
+	if (h.intent_n && h.intent_n <= TRACT_ALLOC_INTENT_CAP &&
+	    tract_sec(r, TRACT_SEC_ALLOC)->length >= TRACT_ALLOC_LINES * TRACT_LINE) {
+		uint32_t named[TRACT_ALLOC_INTENT_CAP], k = 0;
+		for (uint32_t i = 0; i < h.intent_n; i += TRACT_LINE / 4) {
+			uint32_t line[TRACT_LINE / 4];
+			tract_observe_line(r, intent_line(r, 1 + i / (TRACT_LINE / 4)), line);
+			for (uint32_t j = 0; j < TRACT_LINE / 4 && i + j < h.intent_n; j++)
+				if (line[j] < slots)        /* written by another host */
+					named[k++] = line[j];
+		}
 		qsort(named, k, sizeof(uint32_t), cmp_u32);
-		set_owners(r, named, k, 0);
+		uint32_t m = 0;                      /* distinct */
+		for (uint32_t i = 0; i < k; i++)
+			if (!i || named[i] != named[i - 1])
+				named[m++] = named[i];
+		set_owners(r, named, m, 0);
 		r->ops->fence(r);
-		set_bits(r, named, k, 0, 1);
+		set_bits(r, named, m, 0, 1);
 		r->ops->fence(r);
 	}
 	for (uint64_t lo = 0; lo < slots; lo += 512) {
@@ -458,7 +483,7 @@ static int lock_alloc(tract_region *r, uint64_t timeout_ns)
 		return rc;
 	repair_intent(r, q.inherited);
 	if (q.dead_host)
-		repair_after_dead_host(r, q.dead_host);
+		repair_after_dead_host(r);
 	return TRACT_OK;
 }
 
@@ -502,6 +527,7 @@ static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout
 		h.used_slots += n;
 		h.next_hint = (uint64_t)staged[n - 1] + 1;
 		h.claims++;
+		header_intent_clear(&h);   /* (none can be live here: a dead holder's is its repairer's) */
 		write_header(r, &h);
 		tract_maybe_die(TRACT_DIE_CLAIM_HEADER);
 		/* owners before bits: a bit is never set with another's owner */
@@ -525,13 +551,14 @@ static int claim(tract_region *r, uint32_t want, uint32_t *got, uint64_t timeout
  * entries, popped here; else staged past its end) to the region (internal;
  * alloc_mu and lock 0 held).  The node's intent (DRAM) lets its next holder
  * finish after a process death.  With `in_header` (other nodes' slots, n at
- * most HEADER_INTENT_CAP) the slots are also named in the allocator header,
- * on the device before any owner byte or bit changes, for the case where
- * this whole host dies inside: then the DRAM intent dies too, and so may
- * any of the stores below, and the slots would stay their live owner's
- * with nothing naming them; the dead host's next holder of lock 0 finishes
- * the release from the header (repair_after_dead_host).  Its own slots need
- * no such record: a dead host's slots come back with its sweep.
+ * most TRACT_ALLOC_INTENT_CAP) the slots are also listed in the allocator
+ * section and named in its header, on the device before any owner byte or
+ * bit changes, for the case where this whole host dies inside: then the DRAM
+ * intent dies too, and so may any of the stores below, and the slots would
+ * stay their live owner's with nothing naming them; the dead host's next
+ * holder of lock 0 finishes the release from the header
+ * (repair_after_dead_host).  Its own slots need no such record: a dead
+ * host's slots come back with its sweep.
  */
 static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, int in_header)
 {
@@ -539,7 +566,8 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, i
 		return TRACT_OK;
 	if (pop ? base + n != r->local->free_count : base != r->local->free_count)
 		return TRACT_E_CORRUPT;     /* not the list's end: a bug, never a wrap */
-	if (in_header && n > HEADER_INTENT_CAP)
+	if (in_header && (n > TRACT_ALLOC_INTENT_CAP ||
+			  tract_sec(r, TRACT_SEC_ALLOC)->length < TRACT_ALLOC_LINES * TRACT_LINE))
 		return TRACT_E_INVAL;
 	uint32_t *sorted = sorted_copy(free_list(r) + base, n);
 	if (!sorted)
@@ -555,9 +583,9 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, i
 	h.releases++;
 	header_intent_clear(&h);
 	if (in_header) {
+		intent_list_write(r, sorted, n);
 		h.intent_n = (uint16_t)n;
 		h.intent_node = (uint16_t)(r->node_id + 1);
-		memcpy(h.intent_slots, sorted, (size_t)n * sizeof(uint32_t));
 	}
 	write_header(r, &h);
 	tract_maybe_die(TRACT_DIE_RELEASE_HEADER);
@@ -839,8 +867,9 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			/* staged past the list's end for the intent (distinct slots:
 			 * others' slots are on no list of ours) */
 			uint64_t base = r->local->free_count;
-			for (uint32_t i = 0; i < nf && rc == TRACT_OK; i += HEADER_INTENT_CAP) {
-				uint32_t k = nf - i < HEADER_INTENT_CAP ? nf - i : HEADER_INTENT_CAP;
+			for (uint32_t i = 0; i < nf && rc == TRACT_OK; i += TRACT_ALLOC_INTENT_CAP) {
+				uint32_t k = nf - i < TRACT_ALLOC_INTENT_CAP ? nf - i
+									     : TRACT_ALLOC_INTENT_CAP;
 				memcpy(free_list(r) + base, foreign + i, (size_t)k * sizeof(uint32_t));
 				rc = release_locked(r, base, k, 0, 1);
 			}
@@ -930,7 +959,7 @@ int tract_alloc_recover_lock(tract_region *r, uint32_t id, int *withdrawn)
 		struct tract_lock_manager_line m;
 		tract_observe_line(r, tract_lock_line(r, id, 0), &m);
 		if (m.inherited)
-			repair_after_dead_host(r, m.inherited);
+			repair_after_dead_host(r);
 		tract_lock_release(r, id);
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);

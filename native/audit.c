@@ -289,7 +289,6 @@ int tract_alloc_rebuild(tract_region *r, const uint32_t *keep, uint64_t n_keep)
 	 * free by the references just counted */
 	h.intent_n = 0;
 	h.intent_node = 0;
-	memset(h.intent_slots, 0, sizeof(h.intent_slots));
 	/* owners before bits, as a claim writes them (alloc.c): a set bit never
 	 * meets an owner byte that is not yet written; each published (flushed,
 	 * fenced) before the next, so another host's later attach observes

@@ -133,11 +133,12 @@ struct tract_alloc_header {
 	uint64_t next_hint;    /* slot where the next claim scan starts */
 	uint64_t claims;       /* batches claimed since format */
 	uint64_t releases;     /* batches returned since format */
-	/* a release of other nodes' slots in progress (docs/PROTOCOLS.md §5):
-	 * what a dead host's next holder of lock 0 finishes */
-	uint16_t intent_n;     /* slots in intent_slots, 0 none */
+	/* a release of other nodes' slots in progress (docs/PROTOCOLS.md §5.2),
+	 * its slots listed in the section's next lines: what a dead host's next
+	 * holder of lock 0 finishes */
+	uint16_t intent_n;     /* slots listed, 0 none */
 	uint16_t intent_node;  /* node + 1 that releases them */
-	uint32_t intent_slots[7];
+	uint8_t reserved[28];
 };
 /* CDEF-END */
 

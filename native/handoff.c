@@ -124,6 +124,31 @@ static int find_free_record(tract_region *r, uint32_t *found)
 
 /* Publishes a handoff: pins the blocks (all must be READY), stores the key
  * list and the partial tail in slots, writes a record; *rec gets its index. */
+/* 16-byte key order for qsort (internal) */
+static int cmp_key(const void *a, const void *b)
+{
+	return memcmp(a, b, 16);
+}
+
+/* whether keys[0..n) names a key twice (a chained hash never does; a
+ * caller's mistake would make the release's counts off by one): 1, 0, or
+ * TRACT_E_NOMEM (internal) */
+static int has_duplicate_key(const uint8_t *keys, uint32_t n)
+{
+	if (n < 2)
+		return 0;
+	uint8_t *sorted = malloc((size_t)n * 16);
+	if (!sorted)
+		return TRACT_E_NOMEM;
+	memcpy(sorted, keys, (size_t)n * 16);
+	qsort(sorted, n, 16, cmp_key);
+	int dup = 0;
+	for (uint32_t i = 1; i < n && !dup; i++)
+		dup = !memcmp(sorted + (uint64_t)(i - 1) * 16, sorted + (uint64_t)i * 16, 16);
+	free(sorted);
+	return dup;
+}
+
 /* slots a publish gives back, to forget from its journal (internal) */
 struct forget_ctx {
 	const uint32_t *slots;
@@ -146,6 +171,9 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		return TRACT_E_INVAL;
 	if ((uint64_t)n * sizeof(struct tract_key_entry) > r->hdr.block_bytes)
 		return TRACT_E_RANGE;        /* the key list must fit one slot */
+	int dup = has_duplicate_key(keys, n);
+	if (dup)
+		return dup < 0 ? dup : TRACT_E_INVAL;   /* a release counts one pin per entry */
 	struct tract_key_entry *list = calloc((size_t)n + 1, sizeof(*list));
 	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
 	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
@@ -446,8 +474,14 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 			/* the scan's copy may be stale: only the same request, still
 			 * expired, is taken (not a record acknowledged and reused since) */
 			struct tract_transfer_record got;
-			if (transition(r, i, t[j].request_id, REC_PUBLISHED, REC_RECLAIMING, now_ns,
-				       &got, timeout_ns) != TRACT_OK)
+			int moved = transition(r, i, t[j].request_id, REC_PUBLISHED, REC_RECLAIMING,
+					       now_ns, &got, timeout_ns);
+			if (moved == TRACT_E_TIMEOUT)
+				return moved;   /* the lock is busy (a dead host's until its
+						 * verdict): the next pass, not one wait per
+						 * expired record -- the agent's other duties,
+						 * the verdict among them, wait for this pass */
+			if (moved != TRACT_OK)
 				continue;               /* someone else moved it first */
 			int rc2 = release_resources(r, i, &got, timeout_ns);
 			if (rc2 == TRACT_E_TIMEOUT)

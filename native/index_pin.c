@@ -130,7 +130,12 @@ static void finish_release(struct stripe_ctx *c)
 					uint64_t b, fb;
 					struct tract_bucket bk;
 					tract_probe(c, e->key, &b, &fb, &bk);
-					if (b != UINT64_MAX)
+					uint8_t buf[TRACT_LINE];
+					/* nobody entered since the section began, so the
+					 * count is before or before - 1 (a publish names a
+					 * key once): never raised, in case a list written
+					 * by another host names a bucket twice */
+					if (b != UINT64_MAX && tract_pin_count(c, node, b, buf) > before - 1)
 						pin_set(c, b, node, (uint16_t)(before - 1));
 				}
 				if (changed)
@@ -216,19 +221,40 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 	return rc;
 }
 
+/* writes entries e[0..m) of the group back to the key list, each flushed,
+ * then fences (internal) */
+static void put_entries(tract_region *r, const struct tract_release *rel,
+			const struct keyref *refs, uint32_t first, uint32_t m,
+			const struct tract_key_entry *e)
+{
+	for (uint32_t k = 0; k < m; k++) {
+		uint64_t off = entry_off(rel->keys_offset, refs[first + k].idx);
+		r->ops->store(r, off, &e[k], TRACT_KEY_ENTRY_SIZE);
+		r->ops->flush(r, off, TRACT_KEY_ENTRY_SIZE);
+	}
+	r->ops->fence(r);
+}
+
 /*
  * One stripe group of a handoff's release, in its entered stripe c: keys
- * refs[first..end) of rel, whose entries e[] (observed here, under the
- * lock: a repair may have changed them since the release read the list).
- * In three steps, each on the device before the next begins:
+ * refs[first..end) of rel, whose entries e[] are observed here, under the
+ * lock (a repair may have changed them since the release read the list).
+ * Five steps, each on the device (flushed, fenced) before the next begins:
  *  1. each entry not yet given back gets TRACT_KEY_INTENT | the owner's
  *     count now (an entry a repair gave back is skipped; one whose key is
  *     gone or unpinned is given back at once: nothing of it to return);
  *  2. the stripe's anchor names the key list (the intent);
- *  3. each count becomes that minus one.
- * A death in step 3 leaves the intent for the next holder's repair
- * (finish_release); a death before it leaves counts untouched, and a resumed
- * release reads them afresh (internal).
+ *  3. each count becomes that minus one;
+ *  4. the entries become TRACT_KEY_GIVEN_BACK;
+ *  5. the intent is cleared.
+ * The caller marks the group in the record after step 5, so a mark on the
+ * device means no intent names the list any more: a resumed release that
+ * skips the group leaves no repair behind that could still write the key
+ * list (which it frees at the end) or race its own writes of lines the
+ * group's entries share with the next group's.  A death in steps 3-4 leaves
+ * the intent for the next holder's repair (finish_release); one before step
+ * 2 leaves every count untouched, and a resumed release reads them afresh;
+ * one after step 4 leaves nothing to redo (internal).
  */
 static int release_group(struct stripe_ctx *c, const struct tract_release *rel,
 			 const struct keyref *refs, uint32_t first, uint32_t end,
@@ -263,33 +289,36 @@ static int release_group(struct stripe_ctx *c, const struct tract_release *rel,
 			bucket[k] = b;
 			live++;
 		}
-		r->ops->store(r, entry_off(rel->keys_offset, refs[first + k].idx), &e[k],
-			      TRACT_KEY_ENTRY_SIZE);
-		r->ops->flush(r, entry_off(rel->keys_offset, refs[first + k].idx),
-			      TRACT_KEY_ENTRY_SIZE);
 	}
-	r->ops->fence(r);
+	put_entries(r, rel, refs, first, m, e);                         /* 1 */
 	if (!live)
 		return rc;
-	c->lru.release_keys = rel->keys_offset;
+	c->lru.release_keys = rel->keys_offset;                         /* 2 */
 	c->lru.release_blocks = rel->n;
 	c->lru.release_owner = rel->owner + 1;
-	c->lru_dirty = 1;
-	tract_stripe_flush(c);
+	tract_publish_line_at(r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
 	tract_maybe_die(TRACT_DIE_RELEASE_INTENT);
-	for (uint32_t k = 0; k < m; k++)
+	for (uint32_t k = 0; k < m; k++)                                /* 3 */
 		if (bucket[k] != UINT64_MAX)
 			pin_set(c, bucket[k], rel->owner,
 				(uint16_t)((e[k].released & 0xFFFF) - 1));
-	tract_maybe_die(TRACT_DIE_RELEASE_PINS);
 	tract_stripe_flush(c);
+	tract_maybe_die(TRACT_DIE_RELEASE_PINS);
+	for (uint32_t k = 0; k < m; k++)                                /* 4 */
+		e[k].released = TRACT_KEY_GIVEN_BACK;
+	put_entries(r, rel, refs, first, m, e);
+	c->lru.release_keys = 0;                                        /* 5 */
+	c->lru.release_blocks = 0;
+	c->lru.release_owner = 0;
+	tract_publish_line_at(r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
+	c->lru_dirty = 0;
 	return rc;
 }
 
 /*
  * Gives back a handoff's pins, stripe group by stripe group in ascending
  * stripe order, skipping the first `done` groups; mark(arg, g + 1) records
- * the progress once group g's pins are on the device, before its intent is
+ * the progress once group g's pins are on the device and its intent is
  * cleared, so a resumed release never gives one back twice and never
  * leaves one behind, whatever a death lost (docs/PROTOCOLS.md §10)
  * (internal).
@@ -329,13 +358,8 @@ int tract_index_release_groups(tract_region *r, const struct tract_release *rel,
 		}
 		if ((rc2 = release_group(&c, rel, refs, g.first, g.end, e, bucket)) < 0)
 			rc = rc2;
-		mark(r, arg, g.ordinal + 1);
-		if (c.lru.release_keys || c.lru.release_blocks || c.lru.release_owner) {
-			c.lru.release_keys = 0;    /* the group is whole: no repair redoes it */
-			c.lru.release_blocks = 0;
-			c.lru.release_owner = 0;
-			c.lru_dirty = 1;
-		}
+		mark(r, arg, g.ordinal + 1);   /* (no intent left: release_group) */
+		tract_maybe_die(TRACT_DIE_RELEASE_MARKED);
 		tract_stripe_leave(&c);
 	}
 	tract_walk_end(&walk);

@@ -102,7 +102,7 @@ static uint64_t place(const struct tract_format_params *p, uint64_t stride, uint
 		{TRACT_SEC_LOCKS, (nodes + 1) * TRACT_LINE, TRACT_FIXED_LOCKS + stripes, 0},
 		{TRACT_SEC_NODES, TRACT_NODE_ENTRY_SIZE, nodes, 0},
 		{TRACT_SEC_OBJDIR, TRACT_LINE, TRACT_OBJDIR_ENTRIES, 0},
-		{TRACT_SEC_ALLOC, TRACT_LINE, 1, 0},
+		{TRACT_SEC_ALLOC, TRACT_LINE, TRACT_ALLOC_LINES, 0},
 		{TRACT_SEC_BITMAP, 0, n, round_up((n + 7) / 8, TRACT_LINE)},
 		{TRACT_SEC_OWNERS, 1, n, round_up(n, TRACT_LINE)},
 		{TRACT_SEC_BUCKETS, TRACT_LINE, buckets, 0},

@@ -68,6 +68,14 @@ enum {
 	TRACT_KEY_ENTRY_SIZE = 32
 };
 
+/* the allocator section: its header line, then the slot list of a release
+ * intent (u32 slots, 16 a line): one page, which the section's alignment
+ * reserved anyway */
+enum {
+	TRACT_ALLOC_LINES = 64,
+	TRACT_ALLOC_INTENT_CAP = (TRACT_ALLOC_LINES - 1) * 16
+};
+
 /* the ids of the fixed locks; index stripe s has lock TRACT_FIXED_LOCKS + s */
 enum {
 	TRACT_LOCK_ALLOCATOR = 0,    /* the allocator: bitmap, owner map, header (alloc.c) */
@@ -80,7 +88,7 @@ enum {
 	TRACT_SEC_LOCKS = 1,       /* per lock: manager line + one line per node */
 	TRACT_SEC_NODES = 2,       /* per node: 256-byte entry */
 	TRACT_SEC_OBJDIR = 3,      /* named roots, one line each */
-	TRACT_SEC_ALLOC = 4,       /* allocator header, one line */
+	TRACT_SEC_ALLOC = 4,       /* allocator header line, then its release intent's slot list */
 	TRACT_SEC_BITMAP = 5,      /* one bit per slot, 1 = taken from the pool */
 	TRACT_SEC_OWNERS = 6,      /* one byte per slot: claiming node + 1, 0 = none */
 	TRACT_SEC_BUCKETS = 7,     /* prefix index buckets, one line each */
@@ -378,8 +386,9 @@ enum tract_die_point {
 	TRACT_DIE_JOURNAL_MOVED = 12,  /* journal erase: a key copied back, its old place not yet reused */
 	TRACT_DIE_LRU_MOVED = 13,      /* lookup: a block moved to its LRU head, the anchor not written */
 	TRACT_DIE_RELEASE_INTENT = 14, /* handoff release: a group's intent on the device, its pins not given back */
-	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back (in this host's caches), not marked */
-	TRACT_DIE_COUNT = 16
+	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back, its entries not yet marked */
+	TRACT_DIE_RELEASE_MARKED = 16, /* handoff release: a group marked in the record, its stripe not yet left */
+	TRACT_DIE_COUNT = 17
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

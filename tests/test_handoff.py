@@ -153,12 +153,15 @@ def test_publish_takes_the_next_free_record_and_scans_wrap_around(region_path, s
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
-@pytest.mark.parametrize("point", ["RELEASE_INTENT", "RELEASE_PINS"])
+@pytest.mark.parametrize("point", ["RELEASE_INTENT", "RELEASE_PINS", "RELEASE_MARKED"])
 def test_an_ack_killed_inside_a_release_gives_back_exactly_its_pins(region, simulate, point):
     """Two handoffs of one chain pin each block twice for the publisher. The
     first one's acknowledger is killed inside its release: with the stripe
     group's intent on the device and its pins not given back (RELEASE_INTENT),
-    or given back but not marked in the record (RELEASE_PINS). Its node's
+    or given back but not marked in the entries nor the record (RELEASE_PINS),
+    or marked in the record, its stripe not yet left (RELEASE_MARKED: the
+    resumption skips the group, and no intent is left on its anchor -- `tract
+    check` reports one). Its node's
     recovery takes the stripe lock over (its repair finishes the group from
     the intent: each count set to what it was when the group began, minus
     one) and resumes the release: the publisher then holds exactly the second
@@ -187,3 +190,27 @@ def test_an_ack_killed_inside_a_release_gives_back_exactly_its_pins(region, simu
                                    request="second") == 12
             assert pins_and_records(region) == (0, 0)
     assert check_index(region)["ready"] == 12
+    from tract_cli.inspect import check
+    with Pool.attach(region, readonly=True, prefault=False, local=False) as p:
+        assert check.verify(p, data=True)[0] == []
+
+
+def test_a_handoff_naming_a_block_twice_is_refused(region):
+    """A release gives one pin back per key-list entry, each counted from the
+    owner's count when its stripe section began: a list naming a block twice
+    would give back one pin of the two. Chained block hashes never repeat
+    within a request, so a publish that names one twice is refused, before
+    anything is pinned."""
+    from procs_child import _chain_keys, index_put_chains
+    from tract_cli.core.errors import UsageError
+    with RunningAgent(region, 0, manager=True), Pool.attach(region, node=1) as p:
+        index_put_chains(p, [[4, 0, 31, 4]])
+        keys = _chain_keys(p, 4, 0, 31, 4)
+        twice = np.concatenate([keys, keys[:1]])
+        with pytest.raises(UsageError, match="names a block twice"):
+            p.handoffs.publish("dup", twice, len(twice) * 16)
+        assert pins_and_records(region) == (0, 0)
+        t = p.handoffs.publish("once", keys, len(keys) * 16)
+        assert pins_and_records(region) == (4, 1)
+        p.handoffs.ack(t)
+    assert pins_and_records(region) == (0, 0)

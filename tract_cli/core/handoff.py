@@ -156,6 +156,10 @@ class Handoffs:
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("the request has more blocks than one key-list slot holds",
                              "use a model with larger blocks or shorter requests")
+        if rc == lib.TRACT_E_INVAL:
+            raise UsageError("the request names a block twice (its block hashes must be "
+                             "distinct, as chained hashes are)", "check how the block hashes "
+                             "are computed")
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(rec[0], rid.hex(), len(keys), token_count)
 

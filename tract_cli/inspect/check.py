@@ -122,7 +122,9 @@ def verify(pool: Pool, data: bool = True) -> tuple[list[Violation], dict]:
         if not broken and (prev != tail or seen != count or members != ready_here):
             out.append(Violation("lru", f"stripe {s}: list has {seen} entries, anchor says {count}, "
                                          f"{len(ready_here)} READY"))
-    for s in np.flatnonzero(anchors["release_keys"] != 0)[:20]:
+    intents = (anchors["release_keys"] != 0) | (anchors["release_blocks"] != 0) | \
+        (anchors["release_owner"] != 0)
+    for s in np.flatnonzero(intents)[:20]:
         out.append(Violation("handoff", f"stripe {s}: a handoff release was cut short inside it "
                                         "(the stripe's next holder finishes it)"))
     # transfer records
