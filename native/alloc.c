@@ -148,8 +148,9 @@ static uint64_t intent_line(const tract_region *r, uint32_t i)
 static void intent_list_write(tract_region *r, const uint32_t *slots, uint32_t n)
 {
 	for (uint32_t i = 0; i < n; i += TRACT_LINE / 4) {
-		uint32_t line[TRACT_LINE / 4] = { 0 };
+		uint32_t line[TRACT_LINE / 4];
 		uint32_t k = n - i < TRACT_LINE / 4 ? n - i : TRACT_LINE / 4;
+		memset(line, 0xFF, sizeof(line));     /* padding names no slot */
 		memcpy(line, slots + i, (size_t)k * sizeof(uint32_t));
 		tract_write_line(r, intent_line(r, 1 + i / (TRACT_LINE / 4)), line);
 	}
@@ -377,7 +378,11 @@ static void repair_intent(tract_region *r, int inherited)
 	struct tract_alloc_header h;
 	read_header(r, &h);
 	h.used_slots = count_taken(r);
-	header_intent_clear(&h);    /* (the release it named, if any, is settled above) */
+	/* the release this node's intent named, if the header names it, is
+	 * settled above; one another node's dead host left is that host's
+	 * repairer's (repair_after_dead_host), not this one's to drop */
+	if (h.intent_node == r->node_id + 1)
+		header_intent_clear(&h);
 	write_header(r, &h);
 done:
 	free(sorted);
@@ -581,6 +586,12 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, i
 	uint32_t were = set_bits(r, sorted, n, 0, 0);
 	h.used_slots -= were;
 	h.releases++;
+	if (in_header && h.intent_n) {
+		/* a stale intent (a repair that failed): unnamed before its list
+		 * is overwritten, so no repair reads a list half this release's */
+		header_intent_clear(&h);
+		write_header(r, &h);
+	}
 	header_intent_clear(&h);
 	if (in_header) {
 		intent_list_write(r, sorted, n);

@@ -289,13 +289,15 @@ int tract_alloc_rebuild(tract_region *r, const uint32_t *keep, uint64_t n_keep)
 	 * free by the references just counted */
 	h.intent_n = 0;
 	h.intent_node = 0;
-	/* owners before bits, as a claim writes them (alloc.c): a set bit never
-	 * meets an owner byte that is not yet written; each published (flushed,
-	 * fenced) before the next, so another host's later attach observes
-	 * them */
-	if ((rc = tract_publish(r, os->offset, owners, os->length)) < 0 ||
+	/* the header first, its intent dropped: a rebuild cut short must not
+	 * leave a dead host's intent to be finished over the owners it
+	 * rewrote; then owners before bits, as a claim writes them (alloc.c):
+	 * a set bit never meets an owner byte that is not yet written; each
+	 * published (flushed, fenced) before the next, so another host's later
+	 * attach observes them */
+	if ((rc = tract_publish(r, as->offset, &h, sizeof(h))) < 0 ||
+	    (rc = tract_publish(r, os->offset, owners, os->length)) < 0 ||
 	    (rc = tract_publish(r, bs->offset, bits, bs->length)) < 0 ||
-	    (rc = tract_publish(r, as->offset, &h, sizeof(h))) < 0 ||
 	    (rc = publish_zero(r, as->offset + sizeof(h), as->length - sizeof(h))) < 0 ||
 	    (rc = publish_zero(r, ts->offset, ts->length)) < 0 ||
 	    (rc = publish_zero(r, ls->offset, ls->length)) < 0)

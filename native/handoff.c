@@ -122,8 +122,6 @@ static int find_free_record(tract_region *r, uint32_t *found)
 	return TRACT_E_TABLE_FULL;
 }
 
-/* Publishes a handoff: pins the blocks (all must be READY), stores the key
- * list and the partial tail in slots, writes a record; *rec gets its index. */
 /* 16-byte key order for qsort (internal) */
 static int cmp_key(const void *a, const void *b)
 {
@@ -162,6 +160,8 @@ static void forget_slots(tract_region *r, void *arg)
 	tract_journal_slots(r, f->slots, f->n, 1);
 }
 
+/* Publishes a handoff: pins the blocks (all must be READY), stores the key
+ * list and the partial tail in slots, writes a record; *rec gets its index. */
 int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)

@@ -302,8 +302,8 @@ static int release_group(struct stripe_ctx *c, const struct tract_release *rel,
 		if (bucket[k] != UINT64_MAX)
 			pin_set(c, bucket[k], rel->owner,
 				(uint16_t)((e[k].released & 0xFFFF) - 1));
-	tract_stripe_flush(c);
 	tract_maybe_die(TRACT_DIE_RELEASE_PINS);
+	tract_stripe_flush(c);
 	for (uint32_t k = 0; k < m; k++)                                /* 4 */
 		e[k].released = TRACT_KEY_GIVEN_BACK;
 	put_entries(r, rel, refs, first, m, e);

@@ -386,7 +386,7 @@ enum tract_die_point {
 	TRACT_DIE_JOURNAL_MOVED = 12,  /* journal erase: a key copied back, its old place not yet reused */
 	TRACT_DIE_LRU_MOVED = 13,      /* lookup: a block moved to its LRU head, the anchor not written */
 	TRACT_DIE_RELEASE_INTENT = 14, /* handoff release: a group's intent on the device, its pins not given back */
-	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back, its entries not yet marked */
+	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back in this host's caches, not flushed */
 	TRACT_DIE_RELEASE_MARKED = 16, /* handoff release: a group marked in the record, its stripe not yet left */
 	TRACT_DIE_COUNT = 17
 };

@@ -255,13 +255,13 @@ def test_a_dead_hosts_half_done_free_of_another_nodes_slots_is_finished(region, 
     whole state: the slots stayed node 2's for good, named by nothing. The
     allocator header names them now (on the device before any owner byte
     changes), so the next holder of lock 0 after the verdict finishes the
-    free: the slots are back in the pool."""
+    free: the slots are back in the pool (40 of them: the list spans lines)."""
     manager = on_host(monkeypatch, "host-a", region, 0, manager=True, simulate=simulate,
                       host_dead_after=DEAD_AFTER)
     b_agent = None
     try:
         with Worker(region, 2, simulate=simulate) as a:
-            foreign = a.call("alloc", n=5)
+            foreign = a.call("alloc", n=40)     # three lines of the intent's list
         before = taken_slots(region, 2)
         b_agent = on_host(monkeypatch, "host-b", region, 1, manager=False, simulate=simulate,
                           takeover_after=None)
@@ -274,7 +274,7 @@ def test_a_dead_hosts_half_done_free_of_another_nodes_slots_is_finished(region, 
         wait_for("node 1 declared dead", lambda: node_record(region, 1).dead)
         with Worker(region, 3, simulate=simulate) as fresh:
             fresh.call("alloc", n=1)                # takes lock 0: repaired first
-        assert taken_slots(region, 2) == before - 5
+        assert taken_slots(region, 2) == before - 40
         assert not {v.check for v in slot_violations(region)} & {"allocator"}
     finally:
         gone(b_agent and b_agent.proc)

@@ -181,6 +181,16 @@ def test_an_ack_killed_inside_a_release_gives_back_exactly_its_pins(region, simu
             dying.send("handoff_receive", ticket=first, chain=chain, request="first")
             assert dying.proc.wait(timeout=60) == -9, "the release gave nothing back"
             dying.close()
+            if point == "RELEASE_MARKED":
+                # marked: the region (before any repair) names no release on
+                # any anchor, or a resumption that skips the group could free
+                # the key list under a repair still to come
+                with Pool.attach(region, readonly=True, prefault=False, local=False) as p:
+                    from tract_cli.core.media import ANCHOR_DTYPE
+                    ls = p.info.section("lru")
+                    anchors = np.frombuffer(p.observe(ls.offset, p.info.index_stripes * 64),
+                                            ANCHOR_DTYPE)
+                    assert not anchors["release_keys"].any(), anchors["release_keys"]
             with Pool.attach(region, node=2, simulate=simulate) as p:
                 got = recover_node(p, orphans=False, timeout=30)
                 assert got.locks >= 1 and got.handoffs == 1 and not got.errors, got

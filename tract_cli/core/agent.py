@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
-from tract_cli.core.errors import NodeAlive, Superseded, TractError, UsageError
+from tract_cli.core.errors import LockTimeout, NodeAlive, Superseded, TractError, UsageError
 from tract_cli.core.local import local_path
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
@@ -382,6 +382,8 @@ class Agent:
                 last_reclaim = now
                 try:
                     self.reclaimed += self.pool.handoffs.reclaim(timeout=RECLAIM_S)
+                except LockTimeout:
+                    pass        # a busy lock (a dead host's until its verdict): the next pass
                 except TractError as err:
                     self._log(logging.ERROR, "reclaim: %s", err)
 

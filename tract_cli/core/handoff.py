@@ -136,6 +136,11 @@ class Handoffs:
 
     def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout) -> Ticket:
         keys = as_keys(hashes)
+        # a release counts one pin per key-list entry (the core refuses it too)
+        if len(np.unique(keys.view(np.dtype("V16")))) != len(keys):
+            raise UsageError("the request names a block twice (its block hashes must be "
+                             "distinct, as chained hashes are)",
+                             "check how the block hashes are computed")
         rid = request_key(request_id)
         tail_buf = None if tail is None else np.ascontiguousarray(tail).view(np.uint8).reshape(-1)
         rec = ffi.new("uint32_t *")
@@ -156,10 +161,6 @@ class Handoffs:
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("the request has more blocks than one key-list slot holds",
                              "use a model with larger blocks or shorter requests")
-        if rc == lib.TRACT_E_INVAL:
-            raise UsageError("the request names a block twice (its block hashes must be "
-                             "distinct, as chained hashes are)", "check how the block hashes "
-                             "are computed")
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(rec[0], rid.hex(), len(keys), token_count)
 
