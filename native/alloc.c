@@ -421,8 +421,7 @@ static void repair_after_dead_host(tract_region *r)
 	 * lock 0 goes, so one found here was cut short by a dead holder -- this
 	 * host, or one before it whose repairer died too (its grant's
 	 * `inherited` then names the last) */
-	if (h.intent_n && h.intent_n <= TRACT_ALLOC_INTENT_CAP &&
-	    tract_sec(r, TRACT_SEC_ALLOC)->length >= TRACT_ALLOC_LINES * TRACT_LINE) {
+	if (h.intent_n && h.intent_n <= TRACT_ALLOC_INTENT_CAP) {   /* (attach checked the layout) */
 		uint32_t named[TRACT_ALLOC_INTENT_CAP], k = 0;
 		for (uint32_t i = 0; i < h.intent_n; i += TRACT_LINE / 4) {
 			uint32_t line[TRACT_LINE / 4];
@@ -571,8 +570,7 @@ static int release_locked(tract_region *r, uint64_t base, uint32_t n, int pop, i
 		return TRACT_OK;
 	if (pop ? base + n != r->local->free_count : base != r->local->free_count)
 		return TRACT_E_CORRUPT;     /* not the list's end: a bug, never a wrap */
-	if (in_header && (n > TRACT_ALLOC_INTENT_CAP ||
-			  tract_sec(r, TRACT_SEC_ALLOC)->length < TRACT_ALLOC_LINES * TRACT_LINE))
+	if (in_header && n > TRACT_ALLOC_INTENT_CAP)
 		return TRACT_E_INVAL;
 	uint32_t *sorted = sorted_copy(free_list(r) + base, n);
 	if (!sorted)

@@ -40,6 +40,13 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 	return TRACT_OK;
 }
 
+/* sets node's pin count of bucket b to v: one store of its line (internal) */
+static void pin_set(struct stripe_ctx *c, uint64_t b, uint32_t node, uint16_t v)
+{
+	uint8_t buf[TRACT_LINE];
+	tract_pin_add(c, b, node, (int)v - (int)tract_pin_count(c, node, b, buf));
+}
+
 /* whether any node pins bucket b: eviction's test, one pin line per node,
  * observed together under one fence (internal) */
 int tract_pinned(struct stripe_ctx *c, uint64_t b)
@@ -61,17 +68,6 @@ int tract_pinned(struct stripe_ctx *c, uint64_t b)
 static uint64_t entry_off(uint64_t keys, uint32_t i)
 {
 	return keys + (uint64_t)i * TRACT_KEY_ENTRY_SIZE;
-}
-
-/* sets node's pin count of bucket b to v: one store of its line (internal) */
-static void pin_set(struct stripe_ctx *c, uint64_t b, uint32_t node, uint16_t v)
-{
-	uint64_t off = pin_off(c->r, node, b);
-	uint64_t line = off & ~(uint64_t)(TRACT_LINE - 1);
-	uint8_t buf[TRACT_LINE];
-	tract_pin_count(c, node, b, buf);
-	memcpy(buf + (off - line), &v, 2);
-	tract_line_put(c, line, buf);
 }
 
 /* whether the anchor's release intent names a key list that lies where a

@@ -72,8 +72,9 @@ MAX_TICKET_BLOCKS = (1 << lib.TRACT_MAX_BLOCK_SHIFT) // lib.TRACT_KEY_ENTRY_SIZE
 
 
 def has_repeats(keys: np.ndarray) -> bool:
-    """Whether (n, 16) uint8 KEYS name a key twice: sorted as pairs of u64
-    (a lexsort: np.unique over 16-byte voids is ten times slower)."""
+    """Whether (n, 16) uint8 KEYS name a key twice (why a publish was
+    refused): sorted as pairs of u64 (np.unique over 16-byte voids is ten
+    times slower)."""
     if len(keys) < 2:
         return False
     v = keys.view(np.uint64).reshape(-1, 2)
@@ -146,11 +147,6 @@ class Handoffs:
 
     def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout) -> Ticket:
         keys = as_keys(hashes)
-        # a release counts one pin per key-list entry (the core refuses it too)
-        if has_repeats(keys):
-            raise UsageError("the request names a block twice (its block hashes must be "
-                             "distinct, as chained hashes are)",
-                             "check how the block hashes are computed")
         rid = request_key(request_id)
         tail_buf = None if tail is None else np.ascontiguousarray(tail).view(np.uint8).reshape(-1)
         rec = ffi.new("uint32_t *")
@@ -171,6 +167,12 @@ class Handoffs:
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("the request has more blocks than one key-list slot holds",
                              "use a model with larger blocks or shorter requests")
+        if rc == lib.TRACT_E_INVAL and has_repeats(keys):
+            # the core refuses it before it pins anything: a release counts
+            # one pin per key-list entry (looked for only once refused)
+            raise UsageError("the request names a block twice (its block hashes must be "
+                             "distinct, as chained hashes are)",
+                             "check how the block hashes are computed")
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(rec[0], rid.hex(), len(keys), token_count)
 
