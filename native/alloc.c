@@ -701,6 +701,28 @@ static int declared_since(uint64_t dead_epoch, uint64_t epoch)
 	return dead_epoch && dead_epoch >= epoch;
 }
 
+/* whether a verdict declared this node dead at or after its agent epoch
+ * `epoch`: a slot of its own an eviction saw then was its sweep's to return,
+ * and may have been taken again since (the node came back): the journaled
+ * eviction of a process of the old epoch, freed by the new epoch's agent.
+ * The verdict is read once per free (internal) */
+struct own_verdict {
+	int read;
+	int failed;
+	uint64_t dead_epoch;
+};
+
+static int own_swept(tract_region *r, uint64_t epoch, struct own_verdict *cache)
+{
+	if (!cache->read) {
+		struct tract_node_verdict v;
+		cache->read = 1;
+		cache->failed = tract_node_verdict(r, r->node_id, &v) < 0;
+		cache->dead_epoch = cache->failed ? 0 : v.dead_epoch;
+	}
+	return cache->failed || declared_since(cache->dead_epoch, epoch);
+}
+
 /*
  * Keeps (compacted in place; returns how many) the foreign slots a free may
  * give back to the pool, under lock 0: each slot's owner byte still names
@@ -753,8 +775,10 @@ static uint32_t keep_live_owners(tract_region *r, uint32_t *slots, const uint8_t
  */
 static int free_slots(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
 		      uint32_t n, void (*note)(tract_region *, void *), void *arg,
-		      uint64_t timeout_ns)
+		      uint32_t *moved, uint64_t timeout_ns)
 {
+	if (moved)
+		*moved = 0;
 	if (!r || (!slots && n))
 		return TRACT_E_INVAL;
 	if (!r->local)
@@ -808,6 +832,7 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 	uint8_t line[TRACT_LINE];
 	uint64_t line_lo = UINT64_MAX;
 	uint32_t prev = 0;
+	struct own_verdict own_cache = {0, 0, 0};
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK; i++) {
 		uint32_t s = foreign[i];
@@ -835,6 +860,8 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 		}
 		if (owner == 0)
 			rc = TRACT_E_CORRUPT;          /* not taken from the pool: double free */
+		else if (k && owner == r->node_id + 1 && own_swept(r, k->epoch, &own_cache))
+			continue;                      /* ours before a verdict: the sweep's */
 		else if (owner == r->node_id + 1 && (fb[s / 8] & (1u << (s % 8))))
 			rc = TRACT_E_CORRUPT;          /* already on our free list */
 		else if (owner == r->node_id + 1)
@@ -869,6 +896,8 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			nf = keep_live_owners(r, foreign, fowner, fepoch, nf);
 		if (note)
 			note(r, arg);
+		if (moved)
+			*moved = no + nf;    /* the rest: skipped, a dead host's sweep's */
 		push_local(r, own, no);
 		after = r->local->free_count;
 		uint32_t excess = global && after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
@@ -902,23 +931,52 @@ out:
 }
 
 int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
-		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns)
+		     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+		     uint64_t timeout_ns)
 {
-	return free_slots(r, slots, NULL, n, note, arg, timeout_ns);
+	return free_slots(r, slots, NULL, n, note, arg, moved, timeout_ns);
+}
+
+/* an eviction's slots (tract_free_evicted's note) (internal) */
+struct evicted {
+	const uint32_t *slots;
+	const struct tract_slot_owner *owners;
+	uint32_t n;
+};
+
+/* forgets the evicted slots this process journaled (the free's note: its
+ * locks are held, the slots change hands next) (internal) */
+static void forget_evicted(tract_region *r, void *arg)
+{
+	const struct evicted *e = arg;
+	tract_journal_evicted(r, e->slots, e->owners, e->n, 1);
 }
 
 /* frees n slots an eviction took out of the index, known[i] being who owned
- * slots[i] then (internal.h) */
+ * slots[i] then, forgetting them in this process's journal once the free
+ * holds its locks (internal.h) */
 int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
 		       uint32_t n, uint64_t timeout_ns)
 {
-	return free_slots(r, slots, known, n, NULL, NULL, timeout_ns);
+	struct evicted e = {slots, known, n};
+	tract_maybe_die(TRACT_DIE_EVICTED);
+	return free_slots(r, slots, known, n, forget_evicted, &e, NULL, timeout_ns);
+}
+
+/* the same for a dead process's journaled eviction: note(arg) forgets it
+ * (recover.c) (internal.h) */
+int tract_free_evicted_noted(tract_region *r, const uint32_t *slots,
+			     const struct tract_slot_owner *known, uint32_t n,
+			     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+			     uint64_t timeout_ns)
+{
+	return free_slots(r, slots, known, n, note, arg, moved, timeout_ns);
 }
 
 /* Frees n slots: own slots go to the node's free list, others back to the region. */
 int tract_free(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t timeout_ns)
 {
-	return free_slots(r, slots, NULL, n, NULL, NULL, timeout_ns);
+	return free_slots(r, slots, NULL, n, NULL, NULL, NULL, timeout_ns);
 }
 
 /* Returns every slot of this node's free list to the region. */

@@ -251,7 +251,7 @@ release:
 	 * worst */
 	{
 		struct forget_ctx f = {extra, nextra};
-		tract_free_noted(r, extra, nextra, forget_slots, &f, timeout_ns);
+		tract_free_noted(r, extra, nextra, forget_slots, &f, NULL, timeout_ns);
 	}
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
@@ -360,7 +360,7 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 			 * the free: a crash in between leaks the two slots rather
 			 * than freeing them twice */
 			int rc2 = tract_free_noted(r, extra, t->tail_slot ? 2 : 1, mark_slots_freed,
-						   &x, timeout_ns);
+						   &x, NULL, timeout_ns);
 			if (rc == TRACT_OK)
 				rc = rc2;
 		}

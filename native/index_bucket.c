@@ -367,9 +367,9 @@ void tract_bury(struct stripe_ctx *c, uint64_t b)
 
 /* evicts up to max of the entered stripe's READY entries with no pins, least
  * recent first: each is unlinked and buried, its slot put in slots[] and who
- * owned it in owners[] (observed before the bucket stops naming it), for the
- * caller to free (tract_free_evicted) once it has left the stripe; returns
- * how many (internal) */
+ * owned it in owners[] (observed before the bucket stops naming it), and
+ * journaled as evicted, for the caller to free (tract_free_evicted, which
+ * forgets them) once it has left the stripe; returns how many (internal) */
 uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots,
 			 struct tract_slot_owner *owners)
 {
@@ -386,9 +386,14 @@ uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots,
 			continue;     /* pinned blocks are never evicted */
 		tract_slot_owner_of(c->r, bk.slot - 1, &owners[got]);
 		tract_lru_unlink(c, b, &bk);
-		slots[got++] = bk.slot - 1;
+		slots[got] = bk.slot - 1;
 		c->lru.evictions++;
 		tract_bury(c, b);
+		/* from here only this process names the slot: journaled, so that
+		 * its node's agent frees it if the process dies before its free
+		 * (a death between the burial and this leaks it, one slot) */
+		tract_journal_evicted(c->r, &slots[got], &owners[got], 1, 0);
+		got++;
 	}
 	return got;
 }

@@ -95,8 +95,9 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		}
 		tract_stripe_leave(&c);
 		/* the allocator lock, with no stripe lock held; a failure (the lock
-		 * timed out) leaks the evicted blocks' slots until `tract check
-		 * --repair`, and is reported: the put is abandoned with it */
+		 * timed out) leaves the evicted blocks' slots journaled, for the
+		 * node's agent to free once this process is gone, and is reported:
+		 * the put is abandoned with it */
 		if (nfreed && (rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns)) < 0 &&
 		    !err)
 			err = rc;

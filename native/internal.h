@@ -39,7 +39,7 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 5
+#define TRACT_LOCAL_VERSION 6
 
 /*
  * The per-process journal in the node-local segment (journal.c): what each
@@ -57,9 +57,17 @@ struct tract_journal_key {
 	uint32_t claim;         /* 1 + slot of a PENDING claim (UINT32_MAX: no slot yet), 0 none;
 				 * for a bare slot: 1 + the slot */
 	uint32_t used;          /* 1: occupied */
-	uint32_t kind;          /* 0: a key of the index; 1: a bare slot (tract_alloc_journaled's,
-				 * until a claim or a handoff record holds it), key = slot id +
-				 * "slot" (journal.c) */
+	uint32_t kind;          /* TRACT_JOURNAL_* */
+};
+
+/* what a journal entry names (journal.c) */
+enum {
+	TRACT_JOURNAL_INDEX_KEY = 0,  /* a key of the index: its pins, its claim */
+	TRACT_JOURNAL_BARE = 1,       /* a bare slot (tract_alloc_journaled's, until a claim
+				       * or a handoff record holds it); key = slot id + "slot" */
+	TRACT_JOURNAL_EVICTED = 2,    /* a slot an eviction took out of the index, not yet
+				       * freed; key = slot id, its owner and the owner's epoch
+				       * as the eviction saw them */
 };
 
 struct tract_journal_proc {
@@ -201,9 +209,16 @@ void tract_slot_owner_of(tract_region *r, uint32_t slot, struct tract_slot_owner
 uint64_t tract_node_epoch(tract_region *r, uint32_t node);
 
 /* frees slots an eviction took out of the index, known[i] their owner then:
- * a dead host's are left to its sweep (alloc.c; internal) */
+ * a dead host's are left to its sweep; forgets them in the journal once its
+ * locks are held (alloc.c; internal) */
 int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
 		       uint32_t n, uint64_t timeout_ns);
+/* the same for a dead process's journaled eviction, note(arg) run once the
+ * free holds its locks (alloc.c; internal) */
+int tract_free_evicted_noted(tract_region *r, const uint32_t *slots,
+			     const struct tract_slot_owner *known, uint32_t n,
+			     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+			     uint64_t timeout_ns);
 
 /* a dead host's slots: returned by its recovery, and the node's free list
  * dropped when it comes back (alloc.c; internal) */
@@ -343,9 +358,12 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t *jour
 int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
 			   int *freed, uint64_t timeout_ns);
 
-/* frees slots, calling note(arg) once every lock is held, right before (internal) */
+/* frees slots, calling note(arg) once every lock is held, right before;
+ * *moved (NULL: not wanted) gets how many changed hands, a dead host's left
+ * to its sweep not counted (internal) */
 int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
-		     void (*note)(tract_region *, void *), void *arg, uint64_t timeout_ns);
+		     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+		     uint64_t timeout_ns);
 
 /* takes lock id from a dead holder of this node: TRACT_RECOVERED (held now,
  * its grant kept: repair, then release), or withdraws its request (lock.c) (internal) */
@@ -407,6 +425,9 @@ void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			  uint8_t claimed, const uint32_t *slots, int forget);
 void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget);
+void tract_journal_evicted(tract_region *r, const uint32_t *slots,
+			   const struct tract_slot_owner *owners, uint32_t n, int forget);
+void tract_journal_evicted_owner(const struct tract_journal_key *k, struct tract_slot_owner *out);
 
 /* the payload ledger's entries, one u64 per slot (payload.c) (internal) */
 static inline uint64_t *tract_ledger(const tract_region *r)

@@ -9,7 +9,9 @@
  * its slot, so the region alone cannot tell what a dead process held.  Each
  * handle therefore keeps a journal in the node-local segment (DRAM of the
  * node, coherent for the node's processes): per key, the pins it holds and
- * the claim (and slot) it reserved.
+ * the claim (and slot) it reserved; and the slots it holds outside the
+ * index: bare slots on their way to a claim or a handoff record, and slots
+ * it evicted on their way to their free.
  *
  * The journal may say less than the process holds, never more: pins are
  * journaled after they are taken and forgotten before they are given back,
@@ -192,7 +194,7 @@ static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpi
 		memcpy(k->key, key, 16);
 		k->pins = 0;
 		k->claim = 0;
-		k->kind = 0;
+		k->kind = TRACT_JOURNAL_INDEX_KEY;
 		k->used = 1;
 		p->used++;
 	}
@@ -273,11 +275,74 @@ void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int
 		memcpy(k->key, key, 16);
 		k->pins = 0;
 		k->claim = slots[i] + 1;
-		k->kind = 1;
+		k->kind = TRACT_JOURNAL_BARE;
 		k->used = 1;
 		r->journal->used++;
 	}
 	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* the journal key of a slot an eviction took out of the index: the slot, its
+ * owner (node + 1, as the eviction saw it) and the owner's agent epoch then,
+ * which the free needs (tract_free_evicted: a dead host's swept slot is never
+ * freed twice); bytes 6-7 keep it from ever equalling a bare slot's key
+ * (internal) */
+static void evicted_key(uint32_t slot, const struct tract_slot_owner *owner, uint8_t *key)
+{
+	uint16_t node = (uint16_t)(owner->node + 1u);
+	memcpy(key, &slot, 4);   /* in the low word: home() spreads the slots */
+	memcpy(key + 4, &node, 2);
+	key[6] = 0xE5;
+	key[7] = 0xE5;
+	memcpy(key + 8, &owner->epoch, 8);
+}
+
+/* Journals (forget = 0) or forgets slots this process evicted: from right
+ * after their bucket stops naming them until their free holds its locks
+ * (alloc.c's tract_free_evicted), so that the node's agent frees them when
+ * the process dies in between (recover.c) (internal). */
+void tract_journal_evicted(tract_region *r, const uint32_t *slots,
+			   const struct tract_slot_owner *owners, uint32_t n, int forget)
+{
+	if (!r->journal || !n)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	for (uint32_t i = 0; i < n; i++) {
+		uint8_t key[16];
+		evicted_key(slots[i], &owners[i], key);
+		int found;
+		int64_t pos = find(r->journal, key, &found);
+		if (forget) {
+			if (found)
+				erase(r->journal, (uint32_t)pos);
+			continue;
+		}
+		if (found)
+			continue;
+		if (pos < 0) {
+			r->journal->overflow++;
+			continue;
+		}
+		struct tract_journal_key *k = &r->journal->keys[pos];
+		memcpy(k->key, key, 16);
+		k->pins = 0;
+		k->claim = slots[i] + 1;
+		k->kind = TRACT_JOURNAL_EVICTED;
+		k->used = 1;
+		r->journal->used++;
+	}
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/* who owned an evicted slot's journal entry's slot, as its eviction saw it
+ * (internal) */
+void tract_journal_evicted_owner(const struct tract_journal_key *k, struct tract_slot_owner *out)
+{
+	uint16_t node;
+	memcpy(&node, k->key + 4, 2);
+	out->node = node ? node - 1u : UINT32_MAX;
+	out->reserved = 0;
+	memcpy(&out->epoch, k->key + 8, 8);
 }
 
 /* The next journal entry of this node, from *cursor on, whose process is
@@ -388,7 +453,7 @@ void tract_journal_void_listed(tract_region *r, const uint8_t *listed)
 			continue;
 		for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
 			struct tract_journal_key *k = &p[e].keys[i];
-			if (!k->used || k->kind != 1 || !k->claim)
+			if (!k->used || k->kind != TRACT_JOURNAL_BARE || !k->claim)
 				continue;
 			uint32_t s = k->claim - 1;
 			if (s < r->hdr.slot_count && (listed[s / 8] & (1u << (s % 8))))
@@ -402,7 +467,7 @@ int tract_journal_claims_slot(const struct tract_journal_proc *p, uint32_t slot)
 {
 	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
 		const struct tract_journal_key *k = &p->keys[i];
-		if (k->used && k->kind == 0 && k->claim == slot + 1)
+		if (k->used && k->kind == TRACT_JOURNAL_INDEX_KEY && k->claim == slot + 1)
 			return 1;
 	}
 	return 0;
@@ -413,7 +478,7 @@ void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
 {
 	for (uint32_t i = 0; i < TRACT_JOURNAL_CAP; i++) {
 		struct tract_journal_key *k = &p->keys[i];
-		if (k->used && k->kind == 1 && k->claim == slot + 1)
+		if (k->used && k->kind == TRACT_JOURNAL_BARE && k->claim == slot + 1)
 			k->claim = 0;
 	}
 }
@@ -445,9 +510,9 @@ void tract_journal_void_dead(tract_region *r, int (*keep)(tract_region *, uint32
 				continue;
 			*pins += key->pins;
 			key->pins = 0;
-			int bare_gone = key->kind == 1 &&
+			int bare_gone = key->kind == TRACT_JOURNAL_BARE &&
 					(!keep || !key->claim || !keep(r, key->claim - 1, arg));
-			if (bare_gone || (key->kind == 0 && !key->claim))
+			if (bare_gone || (key->kind == TRACT_JOURNAL_INDEX_KEY && !key->claim))
 				tract_journal_erase(&p[i], k);
 		}
 	}

@@ -388,7 +388,8 @@ enum tract_die_point {
 	TRACT_DIE_RELEASE_INTENT = 14, /* handoff release: a group's intent on the device, its pins not given back */
 	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back in this host's caches, not flushed */
 	TRACT_DIE_RELEASE_MARKED = 16, /* handoff release: a group marked in the record, its stripe not yet left */
-	TRACT_DIE_COUNT = 17
+	TRACT_DIE_EVICTED = 17,        /* eviction: slots buried and journaled, their free not begun */
+	TRACT_DIE_COUNT = 18
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

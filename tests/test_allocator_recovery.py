@@ -164,6 +164,36 @@ def test_a_writer_killed_while_its_claims_take_their_slots_leaks_none(region, po
     assert taken_slots(region) == free_lists(region), "a slot leaked"
 
 
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("evictor", [1, 2], ids=["own-slots", "another-nodes-slots"])
+def test_an_evictor_killed_before_its_free_has_the_slots_freed_by_its_agent(region, evictor,
+                                                                            simulate):
+    """An eviction buries its blocks in their stripe sections and frees their
+    slots after, under the allocator's locks: in between, only the evicting
+    process names them. It journals each one (with its owner and the owner's
+    epoch, which the free checks) as soon as its bucket is buried, so a
+    process killed there has them freed by its node's agent: node 1's own
+    slots to its free list, node 2 freeing node 1's slots to the pool. They
+    used to leak until `tract check --repair`."""
+    chain = [7, 0, 8, 6]
+    with Worker(region, 1, simulate) as writer:
+        assert writer.call("index_put_chains", chains=[chain])["stored"] == 6
+    blocks = taken_slots(region) - free_lists(region)
+    assert len(blocks) == 6
+    dies_during(Worker(region, evictor, simulate,
+                       env={"TRACT_DIE_AT": str(lib.TRACT_DIE_EVICTED)}), "index_evict_all")
+    assert blocks <= taken_slots(region) - free_lists(region), "the slots are held until the free"
+    got = agent_pass(region, evictor)
+    assert got.dead.processes == 1 and got.dead.slots == 6, got
+    if evictor == 1:
+        assert blocks <= free_lists(region), "node 1's own slots go to its free list"
+    else:
+        assert not blocks & taken_slots(region), "another node's slots go back to the pool"
+    assert allocator_violations(region) == []
+    assert taken_slots(region) == free_lists(region), "a slot leaked"
+    assert agent_pass(region, evictor).dead.processes == 0, "nothing is left to free twice"
+
+
 def test_slots_a_process_allocated_and_freed_are_not_freed_again_after_it_exits(region):
     """The public allocation journals nothing (what a caller does with raw
     slots the core cannot know): a process that allocated and freed a slot,

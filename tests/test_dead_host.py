@@ -338,6 +338,49 @@ def test_other_nodes_frees_leave_a_dead_hosts_slots_to_its_sweep(region):
             lib.tract_manager_stop(mgr[0])
 
 
+def test_a_dead_evictors_slots_swept_and_taken_again_are_not_freed_by_its_journal(region):
+    """A process of node 1 dies between evicting node 1's blocks and freeing
+    their slots, so its journal names them (with node 1's epoch then). Node
+    1 is declared dead before its agent frees them: the sweep returns them,
+    and node 1 comes back and takes them again. The new agent's recovery of
+    that journal must leave them alone: they are held now, and freeing them
+    would hand them out twice. The free checks node 1's own verdict against
+    the epoch the eviction saw, as it does for other nodes' slots."""
+    from tract_cli.core.native import ffi
+    from tract_cli.core.nodes import NODE_ALIVE, encode_node_line
+    from tract_cli.core.recovery import recover_dead_processes, recover_host, rejoin
+    with Pool.attach(region, node=0, prefault=False) as p0:
+        _forge_node(p0, 0, 1, manager_epoch=1)          # node 0 holds the manager claim
+        _forge_node(p0, 1, 1)                           # node 1 alive, epoch 1
+        mgr = ffi.new("tract_manager **")
+        assert lib.tract_manager_start(p0._r(), 1000000, mgr) == 0
+        try:
+            with Worker(region, 1) as b:
+                assert b.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+            evictor = Worker(region, 1, env={"TRACT_DIE_AT": str(lib.TRACT_DIE_EVICTED)})
+            evictor.send("index_evict_all")
+            assert evictor.proc.wait(timeout=60) == -9, "the eviction did not get to its free"
+            evictor.close()
+            _forge_node(p0, 1, 1, dead_epoch=1)          # node 1 declared dead
+            got = recover_host(p0, 1, slots=True, timeout=30)
+            assert got.slots > 0 and taken_slots(region, 1) == 0, got
+            with Pool.attach(region, node=1, prefault=False) as p1:
+                line = encode_node_line(NODE_ALIVE, os.getpid(), 2, time.time_ns(), 0, 0, 0)
+                named, _, _ = rejoin(p1, 1, line)
+                assert named
+            with Worker(region, 1) as again:
+                held = set(again.call("alloc", n=64))      # node 1's slots again, all held
+                with Pool.attach(region, node=1, prefault=False) as p1:
+                    rec = recover_dead_processes(p1, timeout=30)
+                assert rec.processes == 1 and rec.slots == 0, vars(rec)
+                assert not held & set(node_free_list(region, 1)), "a held slot was freed"
+                assert taken_slots(region, 1) == 64
+                again.call("free", slots=sorted(held))
+            assert slot_violations(region) == []
+        finally:
+            lib.tract_manager_stop(mgr[0])
+
+
 def test_a_paused_host_declared_dead_is_fenced_and_comes_back_empty_handed(region, monkeypatch,
                                                                           tmp_path):
     """Host B pauses (its agent and a reader holding pins stopped) past
