@@ -176,6 +176,19 @@ static void journal_settle(struct tract_journal_proc *p)
 	__atomic_store_n(&p->shift, 0, __ATOMIC_RELEASE);
 }
 
+/* fills the free place pos with a new entry, no pins (internal, journal_mu held) */
+static void occupy(struct tract_journal_proc *p, uint32_t pos, const uint8_t *key, uint32_t claim,
+		   uint32_t kind)
+{
+	struct tract_journal_key *k = &p->keys[pos];
+	memcpy(k->key, key, 16);
+	k->pins = 0;
+	k->claim = claim;
+	k->kind = kind;
+	k->used = 1;
+	p->used++;
+}
+
 /* adds dpins to a key's pins and, with set_claim, sets its claim to claim
  * (0 clears it); without set_claim keeps it (internal, journal_mu held) */
 static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpins,
@@ -190,13 +203,7 @@ static void update(struct tract_journal_proc *p, const uint8_t *key, int32_t dpi
 			p->overflow++;
 			return;
 		}
-		struct tract_journal_key *k = &p->keys[pos];
-		memcpy(k->key, key, 16);
-		k->pins = 0;
-		k->claim = 0;
-		k->kind = TRACT_JOURNAL_INDEX_KEY;
-		k->used = 1;
-		p->used++;
+		occupy(p, (uint32_t)pos, key, 0, TRACT_JOURNAL_INDEX_KEY);
 	}
 	struct tract_journal_key *k = &p->keys[pos];
 	if (dpins < 0 && (uint32_t)-dpins > k->pins)
@@ -237,6 +244,27 @@ void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, cons
 	pthread_mutex_unlock(&r->journal_mu);
 }
 
+/* journals (forget = 0) or forgets a slot held outside the index under
+ * key, as an entry of kind (internal, journal_mu held) */
+static void journal_slot(struct tract_journal_proc *p, const uint8_t *key, uint32_t slot,
+			 uint32_t kind, int forget)
+{
+	int found;
+	int64_t pos = find(p, key, &found);
+	if (forget) {
+		if (found)
+			erase(p, (uint32_t)pos);
+		return;
+	}
+	if (found)
+		return;
+	if (pos < 0) {
+		p->overflow++;
+		return;
+	}
+	occupy(p, (uint32_t)pos, key, slot + 1, kind);
+}
+
 /* the journal key of a bare slot (internal) */
 static void slot_key(uint32_t slot, uint8_t *key)
 {
@@ -258,26 +286,7 @@ void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int
 	for (uint32_t i = 0; i < n; i++) {
 		uint8_t key[16];
 		slot_key(slots[i], key);
-		int found;
-		int64_t pos = find(r->journal, key, &found);
-		if (forget) {
-			if (found)
-				erase(r->journal, (uint32_t)pos);
-			continue;
-		}
-		if (found)
-			continue;
-		if (pos < 0) {
-			r->journal->overflow++;
-			continue;
-		}
-		struct tract_journal_key *k = &r->journal->keys[pos];
-		memcpy(k->key, key, 16);
-		k->pins = 0;
-		k->claim = slots[i] + 1;
-		k->kind = TRACT_JOURNAL_BARE;
-		k->used = 1;
-		r->journal->used++;
+		journal_slot(r->journal, key, slots[i], TRACT_JOURNAL_BARE, forget);
 	}
 	pthread_mutex_unlock(&r->journal_mu);
 }
@@ -310,26 +319,7 @@ void tract_journal_evicted(tract_region *r, const uint32_t *slots,
 	for (uint32_t i = 0; i < n; i++) {
 		uint8_t key[16];
 		evicted_key(slots[i], &owners[i], key);
-		int found;
-		int64_t pos = find(r->journal, key, &found);
-		if (forget) {
-			if (found)
-				erase(r->journal, (uint32_t)pos);
-			continue;
-		}
-		if (found)
-			continue;
-		if (pos < 0) {
-			r->journal->overflow++;
-			continue;
-		}
-		struct tract_journal_key *k = &r->journal->keys[pos];
-		memcpy(k->key, key, 16);
-		k->pins = 0;
-		k->claim = slots[i] + 1;
-		k->kind = TRACT_JOURNAL_EVICTED;
-		k->used = 1;
-		r->journal->used++;
+		journal_slot(r->journal, key, slots[i], TRACT_JOURNAL_EVICTED, forget);
 	}
 	pthread_mutex_unlock(&r->journal_mu);
 }
