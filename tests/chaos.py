@@ -69,8 +69,9 @@ HOST_DEAD_AFTER_S = 8.0
 
 class Chaos:
     def __init__(self, seed: int, simulate: bool = False, region_size: int = 32 << 20,
-                 host_kills: int = 0):
+                 host_kills: int = 0, chains: int = 24):
         self.rng = np.random.default_rng(seed)
+        self.chains = chains                  # distinct chains the workers put and look up
         self.simulate = simulate
         self.host_kills_left = host_kills     # whole hosts to kill during the run
         self.hosts_apart = host_kills > 0     # each node an emulated host of its own
@@ -233,7 +234,7 @@ class Chaos:
         role, node = LAYOUT[i]
         decoders = [k for k, (r, _) in enumerate(LAYOUT) if r == "decode"]
         args = {"pool": self.path, "node": node, "role": role, "simulate": self.simulate,
-                "seed": int(self.rng.integers(1 << 31))}
+                "seed": int(self.rng.integers(1 << 31)), "chains": self.chains}
         if role == "prefill":
             args["tickets"] = os.path.join(self.dir, f"tickets-{i}-{self.started}.jsonl")
         else:
@@ -363,6 +364,8 @@ class Chaos:
         managers = self.wait_one_manager()
         violations, _ = self.verify()
         leaked = self.leaked_slots()
+        with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
+            index_counters = snapshot.take(p, views=("index",))["index"]["counters"]
         return {"kills": self.kills, "agent_kills": self.agent_kills,
                 "host_kills": self.host_kills, "hosts": hosts,
                 "allocator_deaths": self.allocator_deaths,
@@ -370,6 +373,7 @@ class Chaos:
                 "workers_started": self.started,
                 "seconds": round(time.monotonic() - t0, 1), "events": self.events,
                 "blocks_verified": self.blocks_verified, "bad_blocks": self.bad_blocks,
+                "index_counters": index_counters,    # evictions: whether the run evicted
                 "settled": settled, "check_violations": violations, "leaked_slots": leaked,
                 "errors": self.errors,
                 "ok": (not self.errors and not self.bad_blocks and settled["clean"] and
@@ -449,8 +453,14 @@ def main() -> int:
     ap.add_argument("--simulate", action="store_true", help="non-coherence simulator")
     ap.add_argument("--host-kills", type=int, default=0,
                     help="whole emulated hosts killed during the run (back when it ends)")
+    ap.add_argument("--region-mib", type=int, default=32,
+                    help="region size (small enough and the run evicts: 4 MiB is 256 slots)")
+    ap.add_argument("--chains", type=int, default=24,
+                    help="distinct chains put and looked up (more than the region holds: "
+                         "the run evicts)")
     a = ap.parse_args()
-    chaos = Chaos(a.seed, a.simulate, host_kills=a.host_kills)
+    chaos = Chaos(a.seed, a.simulate, region_size=a.region_mib << 20, host_kills=a.host_kills,
+                  chains=a.chains)
     try:
         result = chaos.run(a.kills)
     finally:

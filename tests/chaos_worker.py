@@ -30,7 +30,7 @@ from procs_child import _chain_keys  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
 from tract_cli.core.handoff import Ticket  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
-from tract_cli.core.errors import ChecksumMismatch  # noqa: E402
+from tract_cli.core.errors import ChecksumMismatch, PoolFull  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 
 CHAINS = 24
@@ -54,21 +54,28 @@ def blocks_for(pool: Pool, keys) -> np.ndarray:
         else np.zeros((0, nbytes), np.uint8)
 
 
-def prefill(pool: Pool, rng, tickets_path: str) -> None:
+def prefill(pool: Pool, rng, tickets_path: str, chains: int) -> None:
     bt = pool.info.geometry.block_tokens
     with open(tickets_path, "a") as tickets:
         n = 0
         while not stopping:
-            c = int(rng.integers(CHAINS))
+            c = int(rng.integers(chains))
             keys = _chain_keys(pool, *chain_of(c))
             kv = blocks_for(pool, keys)
-            if n % 2:
-                status, slots = pool.index.reserve(keys, pin=True)
-                for i in np.flatnonzero(status == PUT_CLAIMED):
-                    pool.slot_bytes(int(slots[i]))[:] = kv[i]
-                put = pool.index.commit(keys, status, slots, pin=True)
-            else:
-                put = pool.index.put(keys, kv, checksum=True, pin=True)
+            try:
+                if n % 2:
+                    status, slots = pool.index.reserve(keys, pin=True)
+                    for i in np.flatnonzero(status == PUT_CLAIMED):
+                        pool.slot_bytes(int(slots[i]))[:] = kv[i]
+                    put = pool.index.commit(keys, status, slots, pin=True)
+                else:
+                    put = pool.index.put(keys, kv, checksum=True, pin=True)
+            except PoolFull:
+                # a small region (--region-mib) under pinned handoffs: a
+                # serving worker's answer too; nothing was kept pinned
+                emit(ev="pool_full")
+                n += 1
+                continue
             held = put.pinned(keys)
             if os.environ.get("CHAOS_NO_HANDOFF"):
                 pool.index.unpin(held)
@@ -89,7 +96,7 @@ def prefill(pool: Pool, rng, tickets_path: str) -> None:
             n += 1
 
 
-def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int) -> None:
+def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) -> None:
     done: dict[str, int] = {}
     while not stopping:
         for path in sorted(glob.glob(ticket_glob)):
@@ -109,7 +116,7 @@ def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int) -> None:
                 take(pool, json.loads(line))
                 if stopping:
                     return
-        c = int(rng.integers(CHAINS))
+        c = int(rng.integers(chains))
         keys = _chain_keys(pool, *chain_of(c))
         hit = pool.index.lookup(keys)
         out = np.empty((hit.hits, pool.info.block_bytes), np.uint8)
@@ -154,10 +161,11 @@ def main() -> None:
     rng = np.random.default_rng(args["seed"])
     with Pool.attach(args["pool"], node=args["node"], simulate=args.get("simulate", False)) as pool:
         emit(ev="ready")
+        chains = args.get("chains", CHAINS)
         if args["role"] == "prefill":
-            prefill(pool, rng, args["tickets"])
+            prefill(pool, rng, args["tickets"], chains)
         else:
-            decode(pool, rng, args["tickets"], args["index"], args["of"])
+            decode(pool, rng, args["tickets"], args["index"], args["of"], chains)
     emit(ev="stopped")
 
 
