@@ -896,8 +896,7 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			nf = keep_live_owners(r, foreign, fowner, fepoch, nf);
 		if (note)
 			note(r, arg);
-		if (moved)
-			*moved = no + nf;    /* the rest: skipped, a dead host's sweep's */
+
 		push_local(r, own, no);
 		after = r->local->free_count;
 		uint32_t excess = global && after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
@@ -919,6 +918,8 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 		}
 		if (global)
 			tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
+		if (moved && rc == TRACT_OK)
+			*moved = no + nf;    /* the rest: skipped, a dead host's sweep's */
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 out:

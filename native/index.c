@@ -243,44 +243,58 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
 	       payload_tag(b, &bk) == tag;
 }
 
+/* slots an eviction takes out of the index before it frees them: each is
+ * journaled until its free (journal.c), and a process's journal holds
+ * TRACT_JOURNAL_CAP keys, its pins and claims too */
+#define EVICT_CHUNK 1024u
+
 /* evicts up to want unpinned READY entries, LRU first, spread over the
  * stripes: each round takes at most ceil(want / stripes) from each stripe,
  * starting at *cursor, until want are taken or a round finds nothing.
  * (Taking all of them from one stripe drained sparse stripes while others
- * filled every bucket of theirs.)  Their slots are freed (internal) */
+ * filled every bucket of theirs.)  Their slots are freed, EVICT_CHUNK at a
+ * time (internal) */
 int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
 		       uint64_t timeout_ns)
 {
-	uint32_t *slots = malloc(((size_t)want + 1) * sizeof(uint32_t));
-	struct tract_slot_owner *owners = malloc(((size_t)want + 1) * sizeof(*owners));
+	uint32_t chunk = want < EVICT_CHUNK ? want : EVICT_CHUNK;
+	uint32_t *slots = malloc(((size_t)chunk + 1) * sizeof(uint32_t));
+	struct tract_slot_owner *owners = malloc(((size_t)chunk + 1) * sizeof(*owners));
+	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
 	if (!slots || !owners) {
 		free(slots);
 		free(owners);
+		free(set);
 		return TRACT_E_NOMEM;
 	}
-	uint32_t got = 0, stripes = r->hdr.index_stripes;
+	uint32_t total = 0, stripes = r->hdr.index_stripes;
 	int rc = TRACT_OK;
-	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	uint32_t per = (want + stripes - 1) / stripes;
-	for (uint32_t before = UINT32_MAX; got < want && got != before && rc == TRACT_OK;) {
-		before = got;
-		for (uint32_t t = 0; t < stripes && got < want; t++) {
-			uint32_t s = (*cursor + t) % stripes;
-			struct stripe_ctx c;
-			if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
-				break;
-			got += tract_evict_lru(&c, want - got < per ? want - got : per, slots + got,
-					       owners + got);
-			tract_stripe_leave(&c);
+	while (total < want && rc == TRACT_OK) {
+		uint32_t part = want - total < chunk ? want - total : chunk, got = 0;
+		uint32_t per = (part + stripes - 1) / stripes;
+		for (uint32_t before = UINT32_MAX; got < part && got != before && rc == TRACT_OK;) {
+			before = got;
+			for (uint32_t t = 0; t < stripes && got < part; t++) {
+				uint32_t s = (*cursor + t) % stripes;
+				struct stripe_ctx c;
+				if ((rc = tract_stripe_enter(r, s, timeout_ns, &c, set)) < 0)
+					break;
+				got += tract_evict_lru(&c, part - got < per ? part - got : per,
+						       slots + got, owners + got);
+				tract_stripe_leave(&c);
+			}
 		}
+		if (got)
+			rc = tract_free_evicted(r, slots, owners, got, timeout_ns) ?: rc;
+		total += got;
+		if (got < part)
+			break;          /* nothing more to evict */
 	}
 	*cursor = (*cursor + 1) % stripes;
-	if (got)
-		rc = tract_free_evicted(r, slots, owners, got, timeout_ns) ?: rc;
 	free(slots);
 	free(owners);
 	free(set);
-	*evicted = got;
+	*evicted = total;
 	return rc;
 }
 

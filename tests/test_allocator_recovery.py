@@ -194,6 +194,30 @@ def test_an_evictor_killed_before_its_free_has_the_slots_freed_by_its_agent(regi
     assert agent_pass(region, evictor).dead.processes == 0, "nothing is left to free twice"
 
 
+def test_an_evictor_that_exits_cleanly_leaves_nothing_journaled_however_many_it_evicted(
+        region_path):
+    """An eviction's journal entries are forgotten by its free, and a bulk
+    eviction frees as it goes (1024 slots at a time): a process that evicted
+    more blocks than its journal holds (8192 keys) and exited leaves its
+    node's agent nothing to recover and nothing overflowed (which would say
+    "run tract check --repair"), and every slot is back on a free list."""
+    from agents import RunningAgent
+    Pool.create(region_path, 96 << 20, "tiny", nodes=4, index_stripes=8).close()
+    agent = RunningAgent(region_path, 0, manager=True)
+    try:
+        with Worker(region_path, 1) as writer:
+            chains = [[0, 0, 900 + c, 500] for c in range(18)]
+            assert writer.call("index_put_chains", chains=chains, checksum=False,
+                               timeout=600)["stored"] == 9000
+        with Worker(region_path, 2) as evictor:
+            assert evictor.call("index_evict_all", timeout=600) == 9000
+        got = agent_pass(region_path, 2)
+        assert got.dead.processes == 0 and got.dead.partial == 0, got
+        assert taken_slots(region_path) == free_lists(region_path, nodes=(1, 2))
+    finally:
+        agent.stop()
+
+
 def test_slots_a_process_allocated_and_freed_are_not_freed_again_after_it_exits(region):
     """The public allocation journals nothing (what a caller does with raw
     slots the core cannot know): a process that allocated and freed a slot,
