@@ -16,12 +16,19 @@ from chaos import Chaos
 # node-local segment) killed during the run, under the simulator, whose
 # cache is the host's: its unflushed stores die with it (PROTOCOLS §7, "A
 # dead host")
-@pytest.mark.parametrize("simulate,kills,host_kills", [(False, 40, 0), (True, 15, 0),
-                                                       (True, 30, 1)],
-                         ids=["plain", "sim", "sim-host-kill"])
+# The plain run's region is small for its chains (8 MiB, 96 chains), so it
+# evicts (a few hundred blocks): killed evictors have their slots freed by
+# their node's agent (PROTOCOLS §7, "Dead processes' pins")
+EVICTING = {"region_size": 8 << 20, "chains": 96}
+
+
+@pytest.mark.parametrize("simulate,kills,host_kills,sizing", [(False, 40, 0, EVICTING),
+                                                              (True, 15, 0, {}),
+                                                              (True, 30, 1, {})],
+                         ids=["plain-evicting", "sim", "sim-host-kill"])
 def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate, kills,
-                                                                       host_kills):
-    chaos = Chaos(seed=11, simulate=simulate, host_kills=host_kills)
+                                                                       host_kills, sizing):
+    chaos = Chaos(seed=11, simulate=simulate, host_kills=host_kills, **sizing)
     try:
         r = chaos.run(kills)
     finally:
@@ -29,7 +36,7 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
     summary = {k: r[k] for k in ("kills", "agent_kills", "allocator_deaths", "manager_kills",
                                  "managers", "events",
                                  "settled", "check_violations", "leaked_slots", "bad_blocks",
-                                 "errors", "host_kills", "hosts")}
+                                 "errors", "host_kills", "hosts", "index_counters")}
     assert r["kills"] == kills
     # a whole host killed: declared dead, recovered online, back at the end
     assert r["host_kills"] == host_kills, summary
@@ -43,3 +50,5 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
     assert r["settled"]["clean"], summary
     assert r["check_violations"] == [], summary
     assert r["leaked_slots"] == [], summary
+    if sizing:
+        assert r["index_counters"]["evictions"] > 0, r["index_counters"]
