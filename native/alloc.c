@@ -898,6 +898,9 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			note(r, arg);
 
 		push_local(r, own, no);
+		if (moved)
+			*moved = no;         /* then the foreign ones released; the rest
+					      * skipped (a dead host's, its sweep's) */
 		after = r->local->free_count;
 		uint32_t excess = global && after > HIGH_WATER ? (uint32_t)(after - HIGH_WATER / 2) : 0;
 		if (nf) {
@@ -909,6 +912,8 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 									     : TRACT_ALLOC_INTENT_CAP;
 				memcpy(free_list(r) + base, foreign + i, (size_t)k * sizeof(uint32_t));
 				rc = release_locked(r, base, k, 0, 1);
+				if (moved && rc == TRACT_OK)
+					*moved += k;
 			}
 		}
 		if (excess) {
@@ -918,8 +923,6 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 		}
 		if (global)
 			tract_lock_release(r, TRACT_LOCK_ALLOCATOR);
-		if (moved && rc == TRACT_OK)
-			*moved = no + nf;    /* the rest: skipped, a dead host's sweep's */
 	}
 	pthread_mutex_unlock(&r->local->alloc_mu);
 out:

@@ -252,8 +252,9 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
  * stripes: each round takes at most ceil(want / stripes) from each stripe,
  * starting at *cursor, until want are taken or a round finds nothing.
  * (Taking all of them from one stripe drained sparse stripes while others
- * filled every bucket of theirs.)  Their slots are freed, EVICT_CHUNK at a
- * time (internal) */
+ * filled every bucket of theirs.)  Their slots are freed EVICT_CHUNK at a
+ * time: each chunk is spread so (want its size), the next starting one
+ * stripe on (internal) */
 int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_t *evicted,
 		       uint64_t timeout_ns)
 {
@@ -287,10 +288,10 @@ int tract_evict_spread(tract_region *r, uint32_t want, uint32_t *cursor, uint32_
 		if (got)
 			rc = tract_free_evicted(r, slots, owners, got, timeout_ns) ?: rc;
 		total += got;
+		*cursor = (*cursor + 1) % stripes;
 		if (got < part)
 			break;          /* nothing more to evict */
 	}
-	*cursor = (*cursor + 1) % stripes;
 	free(slots);
 	free(owners);
 	free(set);

@@ -413,6 +413,18 @@ class Chaos:
         return [f"{v.check}: {v.detail}" for v in violations], counts
 
     def leaked_slots(self) -> list[int]:
+        """Waits (bounded) until every slot taken from the region is READY data
+        or on a free list, and returns those that are neither: a dead
+        process's journaled slots (a killed evictor's) come back at its
+        agent's next pass that gets lock 0, which may come after settle()."""
+        end = time.monotonic() + SETTLE_S
+        while True:
+            leaked = self.leaked_now()
+            if not leaked or time.monotonic() > end:
+                return leaked
+            time.sleep(0.1)            # polling the region, bounded by SETTLE_S
+
+    def leaked_now(self) -> list[int]:
         """Slots taken from the region that are neither READY data nor on a free list."""
         from tract_cli.core.media import BUCKET_DTYPE
         with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
@@ -454,7 +466,9 @@ def main() -> int:
     ap.add_argument("--host-kills", type=int, default=0,
                     help="whole emulated hosts killed during the run (back when it ends)")
     ap.add_argument("--region-mib", type=int, default=32,
-                    help="region size (small enough and the run evicts: 4 MiB is 256 slots)")
+                    help="region size (small enough and the run evicts: 8 MiB is 768 slots; "
+                         "with --host-kills, a killed host's evictions in flight can leak "
+                         "another node's slots, PROTOCOLS.md §7 'What can still leak')")
     ap.add_argument("--chains", type=int, default=24,
                     help="distinct chains put and looked up (more than the region holds: "
                          "the run evicts)")
