@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from agents import RunningAgent
+from procs import wait_for
 from tract_cli.core.nodes import NODE_ALIVE, NODE_LEFT, read_nodes
 from tract_cli.core.pool import Pool
 
@@ -52,9 +53,10 @@ def test_a_second_manager_refuses_while_the_first_heartbeats(region):
         res = agent_cli("--pool", region, "--node", "1", "--manager")
         assert res.returncode == 1
         assert f"a lock manager already runs on node 0 (pid {first.proc.pid}" in res.stderr
-    # once it has left, another node may run the manager
+    # once it has left, another node may run the manager (the agent is up
+    # once its node entry is published; it starts the manager right after)
     with RunningAgent(region, 1, manager=True):
-        assert nodes(region)[1].manager
+        wait_for("node 1's agent to run the lock manager", lambda: nodes(region)[1].manager)
 
 
 def test_agent_rejects_a_node_out_of_range(region):

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from procs import wait_for
 from servers import Server, request
 from tract_cli.core import spawn
 from tract_cli.core.agent_launch import ensure_agent
@@ -111,7 +112,10 @@ def test_workers_agents_stop_after_the_workers_and_nothing_stays_mapped(region_p
         table = nodes(region_path)
         agents = {n: table[n].agent_pid for n in (1, 2)}
         assert all(table[n].alive() and table[n].autostop for n in (1, 2))
-        assert table[1].manager and not table[2].manager
+        # an agent is up once its entry is published; it starts the manager next
+        assert wait_for("node 1's agent to run the lock manager",
+                        lambda: nodes(region_path)[1].manager)
+        assert not table[2].manager
         res = subprocess.run([*TRACT, "inspect", region_path, "--nodes", "--json"],
                              capture_output=True, text=True, timeout=120)
         rows = {r["node"]: r for r in json.loads(res.stdout)["nodes"]["nodes"]}
