@@ -17,7 +17,7 @@ from chaos import Chaos
 # cache is the host's: its unflushed stores die with it (PROTOCOLS §7, "A
 # dead host")
 # The plain run's region is small for its chains (8 MiB, 96 chains), so it
-# evicts (a few hundred blocks): killed evictors have their slots freed by
+# evicts (hundreds to thousands of blocks): killed evictors have their slots freed by
 # their node's agent (PROTOCOLS §7, "Dead processes' pins")
 EVICTING = {"region_size": 8 << 20, "chains": 96}
 
