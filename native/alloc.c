@@ -708,8 +708,7 @@ static int declared_since(uint64_t dead_epoch, uint64_t epoch)
  * The verdict is read once per free (internal) */
 struct own_verdict {
 	int read;
-	int failed;
-	uint64_t dead_epoch;
+	uint64_t dead_epoch;    /* UINT64_MAX: unreadable, every epoch counts as swept */
 };
 
 static int own_swept(tract_region *r, uint64_t epoch, struct own_verdict *cache)
@@ -717,10 +716,10 @@ static int own_swept(tract_region *r, uint64_t epoch, struct own_verdict *cache)
 	if (!cache->read) {
 		struct tract_node_verdict v;
 		cache->read = 1;
-		cache->failed = tract_node_verdict(r, r->node_id, &v) < 0;
-		cache->dead_epoch = cache->failed ? 0 : v.dead_epoch;
+		cache->dead_epoch = tract_node_verdict(r, r->node_id, &v) < 0 ? UINT64_MAX
+										: v.dead_epoch;
 	}
-	return cache->failed || declared_since(cache->dead_epoch, epoch);
+	return declared_since(cache->dead_epoch, epoch);
 }
 
 /*
@@ -832,7 +831,7 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 	uint8_t line[TRACT_LINE];
 	uint64_t line_lo = UINT64_MAX;
 	uint32_t prev = 0;
-	struct own_verdict own_cache = {0, 0, 0};
+	struct own_verdict own_cache = {0, 0};
 	rc = TRACT_OK;
 	for (uint32_t i = 0; i < n && rc == TRACT_OK; i++) {
 		uint32_t s = foreign[i];
@@ -896,7 +895,6 @@ static int free_slots(tract_region *r, const uint32_t *slots, const struct tract
 			nf = keep_live_owners(r, foreign, fowner, fepoch, nf);
 		if (note)
 			note(r, arg);
-
 		push_local(r, own, no);
 		if (moved)
 			*moved = no;         /* then the foreign ones released; the rest
@@ -934,11 +932,11 @@ out:
 	return rc;
 }
 
-int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
-		     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+int tract_free_noted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
+		     uint32_t n, void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
 		     uint64_t timeout_ns)
 {
-	return free_slots(r, slots, NULL, n, note, arg, moved, timeout_ns);
+	return free_slots(r, slots, known, n, note, arg, moved, timeout_ns);
 }
 
 /* an eviction's slots (tract_free_evicted's note) (internal) */
@@ -965,16 +963,6 @@ int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct trac
 	struct evicted e = {slots, known, n};
 	tract_maybe_die(TRACT_DIE_EVICTED);
 	return free_slots(r, slots, known, n, forget_evicted, &e, NULL, timeout_ns);
-}
-
-/* the same for a dead process's journaled eviction: note(arg) forgets it
- * (recover.c) (internal.h) */
-int tract_free_evicted_noted(tract_region *r, const uint32_t *slots,
-			     const struct tract_slot_owner *known, uint32_t n,
-			     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
-			     uint64_t timeout_ns)
-{
-	return free_slots(r, slots, known, n, note, arg, moved, timeout_ns);
 }
 
 /* Frees n slots: own slots go to the node's free list, others back to the region. */

@@ -251,7 +251,7 @@ release:
 	 * worst */
 	{
 		struct forget_ctx f = {extra, nextra};
-		tract_free_noted(r, extra, nextra, forget_slots, &f, NULL, timeout_ns);
+		tract_free_noted(r, extra, NULL, nextra, forget_slots, &f, NULL, timeout_ns);
 	}
 unpin:
 	tract_index_unpin(r, keys, n, timeout_ns);
@@ -359,8 +359,8 @@ static int release_resources(tract_region *r, uint32_t rec, struct tract_transfe
 			/* marked once the allocator's locks are held, right before
 			 * the free: a crash in between leaks the two slots rather
 			 * than freeing them twice */
-			int rc2 = tract_free_noted(r, extra, t->tail_slot ? 2 : 1, mark_slots_freed,
-						   &x, NULL, timeout_ns);
+			int rc2 = tract_free_noted(r, extra, NULL, t->tail_slot ? 2 : 1,
+						   mark_slots_freed, &x, NULL, timeout_ns);
 			if (rc == TRACT_OK)
 				rc = rc2;
 		}

@@ -213,12 +213,6 @@ uint64_t tract_node_epoch(tract_region *r, uint32_t node);
  * locks are held (alloc.c; internal) */
 int tract_free_evicted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
 		       uint32_t n, uint64_t timeout_ns);
-/* the same for a dead process's journaled eviction, note(arg) run once the
- * free holds its locks (alloc.c; internal) */
-int tract_free_evicted_noted(tract_region *r, const uint32_t *slots,
-			     const struct tract_slot_owner *known, uint32_t n,
-			     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
-			     uint64_t timeout_ns);
 
 /* a dead host's slots: returned by its recovery, and the node's free list
  * dropped when it comes back (alloc.c; internal) */
@@ -358,11 +352,12 @@ int tract_index_release_pins(tract_region *r, const uint8_t *key, uint32_t *jour
 int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, uint32_t slot,
 			   int *freed, uint64_t timeout_ns);
 
-/* frees slots, calling note(arg) once every lock is held, right before;
- * *moved (NULL: not wanted) gets how many changed hands, a dead host's left
- * to its sweep not counted (internal) */
-int tract_free_noted(tract_region *r, const uint32_t *slots, uint32_t n,
-		     void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
+/* frees slots (known: who owned each when an eviction took it out of the
+ * index, as tract_free_evicted; NULL: read at the free), calling note(arg)
+ * once every lock is held, right before; *moved (NULL: not wanted) gets how
+ * many changed hands, a dead host's left to its sweep not counted (internal) */
+int tract_free_noted(tract_region *r, const uint32_t *slots, const struct tract_slot_owner *known,
+		     uint32_t n, void (*note)(tract_region *, void *), void *arg, uint32_t *moved,
 		     uint64_t timeout_ns);
 
 /* takes lock id from a dead holder of this node: TRACT_RECOVERED (held now,

@@ -103,39 +103,32 @@ static void void_bare(tract_region *r, void *arg)
 static int give_back(tract_region *r, struct tract_journal_proc *p, struct tract_journal_key *k,
 		     uint32_t pid, struct tract_recovery *out, uint64_t timeout_ns)
 {
-	if (k->kind == TRACT_JOURNAL_EVICTED) {
-		/* a slot its eviction took out of the index and never freed: freed
-		 * as that eviction would have, with the owner and epoch it saw (a
-		 * dead host's swept slot, or this node's own from before a verdict,
-		 * is left alone); voided once the free holds its locks, as a bare
-		 * slot is below */
-		uint32_t slot = k->claim - 1;
-		struct tract_slot_owner owner;
-		tract_journal_evicted_owner(k, &owner);
-		if (!k->claim || slot >= r->hdr.slot_count || owner.node >= r->hdr.max_nodes)
-			return TRACT_OK;
-		uint32_t moved = 0;
-		int rc = tract_free_evicted_noted(r, &slot, &owner, 1, void_bare, k, &moved,
-						  timeout_ns);
-		if (rc == TRACT_E_TIMEOUT)
-			return rc;
-		k->claim = 0;
-		out->slots += rc == TRACT_OK ? moved : 0;
-		return TRACT_OK;
-	}
-	if (k->kind == TRACT_JOURNAL_BARE) {
+	if (k->kind == TRACT_JOURNAL_BARE || k->kind == TRACT_JOURNAL_EVICTED) {
 		/* a bare slot: popped by the dead process (the ones it journaled
 		 * and never popped were voided when alloc_mu was settled), and no
 		 * one else's: freed, unless a claim it journaled names the slot
-		 * too (it died handing the slot over: the claim gives it back) */
-		uint32_t claim = k->claim, slot = claim - 1;
-		if (!claim || slot >= r->hdr.slot_count || tract_journal_claims_slot(p, slot))
+		 * too (it died handing the slot over: the claim gives it back).
+		 * An evicted one: taken out of the index and never freed: freed
+		 * as its eviction would have, with the owner and epoch it saw (a
+		 * dead host's swept slot, or this node's own from before a
+		 * verdict, is left alone) */
+		uint32_t slot = k->claim - 1;
+		struct tract_slot_owner owner, *known = NULL;
+		if (!k->claim || slot >= r->hdr.slot_count)
 			return TRACT_OK;
+		if (k->kind == TRACT_JOURNAL_EVICTED) {
+			tract_journal_evicted_owner(k, &owner);
+			if (owner.node >= r->hdr.max_nodes)
+				return TRACT_OK;
+			known = &owner;
+		} else if (tract_journal_claims_slot(p, slot)) {
+			return TRACT_OK;
+		}
 		/* voided once the free holds its locks, right before the slot
 		 * changes hands: an agent killed in between leaks it, one killed
 		 * while it waits for them leaves it to the next agent */
 		uint32_t moved = 0;
-		int rc = tract_free_noted(r, &slot, 1, void_bare, k, &moved, timeout_ns);
+		int rc = tract_free_noted(r, &slot, known, 1, void_bare, k, &moved, timeout_ns);
 		if (rc == TRACT_E_TIMEOUT)
 			return rc;          /* nothing changed: the next heartbeat frees it */
 		k->claim = 0;               /* (a free that failed otherwise: not again) */
