@@ -146,6 +146,9 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 				tract_bury(&c, b);
 				tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx],
 						     PUT_CLAIMED, NULL, 1);
+				/* buried: its slot is the caller's to free; a claim in a
+				 * stripe not entered stays CLAIMED for a retry */
+				status[idx] = PUT_NO_ROOM;
 				continue;
 			}
 			bk.state = TRACT_BUCKET_READY;
@@ -290,24 +293,34 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	uint32_t *freed = NULL;
 	int mode = publish & ~TRACT_COMMIT_STREAMED;
 	if (!mode) {
+		/* an abandon frees the slots of the claims it buried, and only those:
+		 * one in a stripe whose lock timed out keeps its slot and stays
+		 * PUT_CLAIMED, so the caller's retry (the same status array) buries it
+		 * then; freeing it here would leave a PENDING claim no retry sees */
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
-		uint32_t k = 0;
+		uint8_t *was = malloc((size_t)n + 1);
+		if (!freed || !was) {
+			free(freed);
+			free(was);
+			free(refs);
+			return TRACT_E_NOMEM;
+		}
+		memcpy(was, status, n);
 		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
-		for (uint32_t i = 0; freed && i < n; i++)
-			if (status[i] == PUT_CLAIMED) {
-				/* a zero-copy writer's abandoned stores may be dirty here: written
-				 * back now, they cannot land later on the slot's next block */
-				if (!(publish & TRACT_COMMIT_STREAMED))
-					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
-								    r->hdr.slot_stride, r->hdr.block_bytes);
-				freed[k++] = slots[i];
-			}
-		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
-		if (freed && k)
-			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
 		for (uint32_t i = 0; i < n; i++)
-			if (status[i] == PUT_CLAIMED)
-				status[i] = PUT_NO_ROOM;
+			/* a zero-copy writer's abandoned stores may be dirty here: written
+			 * back now, they cannot land later on the slot's next block */
+			if (status[i] == PUT_CLAIMED && !(publish & TRACT_COMMIT_STREAMED))
+				tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
+							    r->hdr.slot_stride, r->hdr.block_bytes);
+		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
+		uint32_t k = 0;
+		for (uint32_t i = 0; i < n; i++)
+			if (was[i] == PUT_CLAIMED && status[i] == PUT_NO_ROOM)
+				freed[k++] = slots[i];
+		free(was);
+		if (k)
+			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
 	} else {
 		/* a zero-copy writer's plain stores are dirty in this host's cache:
 		 * write them back to the device (the mode's flush: dirty data) before

@@ -31,6 +31,10 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "flush_mode": "fast"}, "kv_both", "flush_mode 'fast' is unknown"),
     ({"pool": "", "node": 1}, "kv_both", "pool must be a path"),
     ({"pool": "p", "node": 1}, "kv_sideways", "kv_role 'kv_sideways'"),
+    ({"pool": "p", "node": 1, "max_handoffs": -1}, "kv_both", "max_handoffs must be an integer"),
+    ({"pool": "p", "node": 1, "model_id": ""}, "kv_both", "model_id must be a non-empty"),
+    ({"pool": "p", "node": 1, "model_id": 7}, "kv_both", "model_id must be a non-empty"),
+    ({"pool": "p", "node": 1, "weights_digest": "some"}, "kv_both", "weights_digest 'some'"),
 ])
 def test_bad_settings_are_one_line_saying_what_to_fix(extra, role, words):
     with pytest.raises(UsageError) as exc:
@@ -117,3 +121,114 @@ def test_a_hostile_ticket_is_a_usage_error(raw):
     from tract_cli.core.handoff import Ticket
     with pytest.raises(UsageError, match="malformed handoff ticket"):
         Ticket.from_dict(raw)
+
+
+# ---- the served model's identity (connectors/model_identity.py) ----
+
+def _checkpoint(path, seed: int, n: int = 4096):
+    """A two-tensor safetensors checkpoint of random bf16-sized values."""
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"a.weight": torch.randn(n, generator=g), "b.weight": torch.randn(64, generator=g)},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_two_checkpoints_of_one_shape_have_different_identities(tmp_path):
+    from tract_cli.connectors.model_identity import weights_fingerprint
+    a = weights_fingerprint(str(_checkpoint(tmp_path / "a", 0)))
+    again = weights_fingerprint(str(_checkpoint(tmp_path / "a2", 0)))
+    b = weights_fingerprint(str(_checkpoint(tmp_path / "b", 1)))
+    assert a == again                         # the same weights: the same identity
+    assert a[:2] == b[:2] == (1, 2)           # one file, two tensors
+    assert a[2] != b[2]
+
+
+def test_the_sampled_digest_misses_one_element_the_full_digest_sees(tmp_path):
+    """The documented limit of sampling, and what closes it."""
+    from tract_cli.connectors.model_identity import weights_fingerprint
+    ckpt = _checkpoint(tmp_path / "a", 0)
+    before = {m: weights_fingerprint(str(ckpt), m) for m in ("sampled", "full")}
+    path = ckpt / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 3] ^= 0x40               # one byte inside a.weight, between samples
+    path.write_bytes(bytes(raw))
+    assert weights_fingerprint(str(ckpt), "sampled") == before["sampled"]
+    assert weights_fingerprint(str(ckpt), "full") != before["full"]
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda raw: raw[:4], "shorter than a safetensors header"),
+    (lambda raw: (2**40).to_bytes(8, "little") + raw[8:], "header length past its end"),
+    (lambda raw: raw[:8] + b"[" + raw[9:], "does not parse"),
+])
+def test_a_damaged_checkpoint_is_one_line(tmp_path, damage, words):
+    from tract_cli.connectors.model_identity import weights_fingerprint
+    ckpt = _checkpoint(tmp_path / "a", 0)
+    path = ckpt / "model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(TractError) as exc:
+        weights_fingerprint(str(ckpt))
+    assert words in str(exc.value)
+
+
+def test_a_directory_without_weights_is_refused(tmp_path):
+    from tract_cli.connectors.model_identity import weights_fingerprint
+    with pytest.raises(TractError, match="has no weight files"):
+        weights_fingerprint(str(tmp_path))
+
+
+def test_a_model_tag_changes_every_key_of_both_schemes():
+    from tract_cli.core.hashing import block_hashes, tag_keys, tract_root
+    from tract_cli.core.index import as_keys
+    tokens = np.arange(64, dtype=np.int32)
+    plain = block_hashes(tokens, root=tract_root())
+    a = block_hashes(tokens, root=tract_root(model_tag=b"a" * 16))
+    b = block_hashes(tokens, root=tract_root(model_tag=b"b" * 16))
+    assert not (plain == a).all(axis=1).any() and not (a == b).all(axis=1).any()
+    # a salt cannot imitate a tag: the tag has a fixed width before it
+    assert tract_root(model_tag=b"a" * 16) != tract_root(salt=b"a" * 16)
+    keys = as_keys(block_hashes(tokens, "vllm", 16))
+    ta, tb = tag_keys(keys, b"a" * 16), tag_keys(keys, b"b" * 16)
+    assert not (ta == tb).all(axis=1).any() and not (ta == keys).all(axis=1).any()
+    with pytest.raises(UsageError):
+        tag_keys(keys, b"short")
+
+
+# ---- releases retried off the request path (connectors/retry.py) ----
+
+def test_a_release_that_times_out_is_retried_until_it_succeeds():
+    from tract_cli.connectors.retry import Releases
+    from tract_cli.core.errors import LockTimeout
+    calls = []
+
+    def flaky(timeout):
+        calls.append(timeout)
+        if len(calls) < 3:
+            raise LockTimeout("lock 4: timed out", "retry")
+
+    r = Releases(timeout=0.25)
+    r.submit("unpin", flaky)
+    assert r.drain(30), "the release was not done within 30 s"
+    assert calls == [0.25] * 3 and r.retries == 2 and r.pending() == 0
+    assert r.close(5)
+
+
+def test_a_release_that_fails_for_good_is_dropped_not_retried():
+    from tract_cli.connectors.retry import Releases
+    from tract_cli.core.errors import HandoffError
+    calls = []
+
+    def gone(timeout):
+        calls.append(timeout)
+        raise HandoffError("record 3 is no longer published", "nothing")
+
+    r = Releases(timeout=1.0)
+    r.submit("ack", gone)
+    r.submit("second", lambda timeout: calls.append("second"))
+    assert r.drain(30)
+    assert calls == [1.0, "second"] and r.retries == 0
+    assert r.close(5)

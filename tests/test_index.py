@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from agents import RunningAgent
 from index_check import check_index, lru_lists, payload_for
 from procs import Worker
-from tract_cli.core.errors import ChecksumMismatch, PoolFull
+from tract_cli.core.errors import ChecksumMismatch, LockTimeout, PoolFull
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.pool import Pool
@@ -339,3 +339,34 @@ def test_eviction_sees_another_hosts_pins_fresh(managed_region):
         for r in held:
             two.index.unpin(r)
     assert state["ready"] == len(held)
+
+
+def test_an_abandon_that_times_out_in_one_stripe_keeps_those_claims_for_its_retry(
+        managed_region):
+    """commit(publish=False) buries the claims of the stripes it could enter and frees
+    only their slots; a claim in a stripe whose lock timed out stays PUT_CLAIMED with
+    its slot, so the same call again (the connector retries it) buries it. (Before, the
+    failed abandon freed every claim's slot and marked it done: its key stayed PENDING
+    for every writer until the process died.)"""
+    from tract_cli.core.locks import stripe_lock
+    from tract_cli.core.index import PUT_NO_ROOM
+    with Pool.attach(managed_region, node=1) as p, Pool.attach(managed_region, node=2) as other:
+        per = p.info.section("buckets").count // p.info.index_stripes
+        keys = chain(p, 71, 24)
+        stripes = p.index.key_homes(keys) // per
+        blocked = int(stripes[0])
+        assert len(set(stripes.tolist())) > 1, "the keys must span several stripes"
+        status, slots = p.index.reserve(keys)
+        assert (status == PUT_CLAIMED).all()
+        with other.locks.hold(stripe_lock(blocked), timeout=30):
+            with pytest.raises(LockTimeout):
+                p.index.commit(keys, status, slots, publish=False, timeout=0.3)
+        kept = stripes == blocked
+        assert (status[kept] == PUT_CLAIMED).all()             # left for the retry
+        assert (status[~kept] == PUT_NO_ROOM).all()            # buried, slots freed
+        from tract_cli.inspect.snapshot import take
+        assert take(p)["index"]["states"]["PENDING"] == int(kept.sum())
+        p.index.commit(keys, status, slots, publish=False, timeout=30)
+        assert (status == PUT_NO_ROOM).all()
+        assert take(p)["index"]["states"]["PENDING"] == 0
+        check_index(managed_region)

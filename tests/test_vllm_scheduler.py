@@ -28,7 +28,11 @@ def seen(vllm_checkpoint):
                              cwd=ROOT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("OBSERVATIONS ")), None)
         assert line, f"the driver failed (code {out.returncode}): {out.stderr[-3000:]}"
-        yield json.loads(line.removeprefix("OBSERVATIONS "))
+        seen = json.loads(line.removeprefix("OBSERVATIONS "))
+        check = subprocess.run([sys.executable, "-m", "tract_cli.cli", "check", pool],
+                               capture_output=True, text=True, timeout=120)
+        seen["check"] = [check.returncode, check.stdout[-2000:] + check.stderr[-2000:]]
+        yield seen
     finally:
         stop_stack({"pool": pool})
 
@@ -40,6 +44,7 @@ def test_a_pool_hit_is_pinned_once_and_loads_asynchronously(seen):
     assert seen["hit_pins_after_rematch"] == 6       # matching again takes no second pin
     assert seen["hit_pins_after_load"] == 0          # given back when the worker reports
     assert seen["hit_scheduled_tokens"] == 4         # then only the 4 tokens past the hit
+    assert seen["hit_computed_then"] == 100          # 96 loaded, and the 4 now scheduled
 
 
 def test_an_abort_during_the_load_waits_for_the_worker_then_unpins(seen):
@@ -50,6 +55,7 @@ def test_an_abort_during_the_load_waits_for_the_worker_then_unpins(seen):
 
 def test_a_failed_load_is_recomputed_and_not_offered_again(seen):
     assert seen["bad_scheduled_tokens"] == 80
+    assert seen["bad_computed_then"] == 80           # all 80 scheduled: none of the load
     assert seen["bad_rematch"] == [0, False]
     assert seen["bad_pins_after"] == 0
 
@@ -60,6 +66,44 @@ def test_a_prefill_for_a_remote_decode_publishes_a_handoff(seen):
     ticket = params["tract_ticket"]
     assert ticket["tokens"] == 40 and ticket["blocks"] == 3      # 2 full blocks + the tail
     assert seen["pd_pins"] == 3                                  # held for the decode side
+
+
+def test_a_request_without_pages_holds_no_pins_while_it_waits(seen):
+    assert seen["queued_status"] == ["RUNNING", "WAITING"]
+    assert seen["queued_pins"] == 0
+
+
+def test_another_checkpoint_of_one_geometry_shares_no_block_and_no_handoff(seen):
+    assert seen["other_identity_differs"]
+    assert seen["same_match"] == [96, True]         # the model that stored them hits
+    assert seen["other_match"] == [0, False]         # the other weights do not
+    assert seen["other_handoff_match"] == [0, False]
+    assert seen["pd_params"]["tract_ticket"]["model"]
+
+
+def test_a_flood_of_remote_decode_requests_pins_nothing_past_the_bound(seen):
+    assert seen["consumer_tickets"] == 0 and seen["consumer_records"] == 0
+    assert seen["producer_tickets"] == 3 and seen["producer_records"] == 3
+
+
+def test_lock_timeouts_in_unpin_commit_and_ack_leave_nothing_behind(seen):
+    pinned, held, pending = seen["timeouts_unpin_held"]
+    assert pinned == held == 6 and pending == 1          # kept, queued, while locks are held
+    assert seen["timeouts_commit_pending_held"] == [4, 1]
+    assert seen["timeouts_after_unpin_commit"] == {"pins": 0, "pending": 0, "handoffs": 0}
+    assert min(seen["timeouts_retries"]) >= 1
+    assert seen["timeouts_ack_errors"] == [6, 7]          # the load does not stand
+    assert seen["timeouts_ack_record_held"] == 1
+    assert seen["timeouts_after_ack"] == {"pins": 0, "pending": 0, "handoffs": 0}
+
+
+def test_saved_kv_loads_back_into_vllm_pages_bytes_for_bytes(seen):
+    assert seen["roundtrip_nonzero"] and seen["roundtrip_equal"]
+
+
+def test_the_region_checks_clean_after_all_of_it(seen):
+    rc, out = seen["check"]
+    assert rc == 0, out
 
 
 def test_no_request_state_is_left_behind(seen):

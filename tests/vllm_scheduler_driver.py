@@ -7,14 +7,20 @@ prints one JSON object of observations (tests/test_vllm_scheduler.py checks them
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
+import time
 
 import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         SchedulerConfig, VllmConfig)
+                         SchedulerConfig, VllmConfig, set_current_vllm_config)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.model_executor.layers.attention import Attention
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -23,14 +29,16 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tract_cli.core.hashing import block_hashes, pool_root
-from tract_cli.core.index import as_keys
+from tract_cli.connectors.keys import prompt_keys
+from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractConnectorMetadata
 from tract_cli.core.pool import Pool
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
-def scheduler(ckpt: str, pool: str, num_blocks: int) -> Scheduler:
+def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
+            extra: dict | None = None) -> tuple[VllmConfig, KVCacheConfig]:
     model = ModelConfig(model=ckpt, dtype="bfloat16", seed=0)
     config = VllmConfig(
         model_config=model,
@@ -40,17 +48,56 @@ def scheduler(ckpt: str, pool: str, num_blocks: int) -> Scheduler:
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TractConnector", kv_connector_module_path="tract_cli.connectors.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"pool": pool, "node": 1}),
+            kv_role=role, kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"pool": pool, "node": 1} | (extra or {})),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
-                         FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32,
-                                           dtype=torch.bfloat16))])
+        KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32,
+                                                   dtype=torch.bfloat16))])
+    return config, kv
+
+
+def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
+              extra: dict | None = None) -> Scheduler:
+    config, kv = configs(ckpt, pool, num_blocks, role, extra)
     return Scheduler(vllm_config=config, kv_cache_config=kv,
                      structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
                      log_stats=True)
+
+
+def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None):
+    """The connector's worker side over KV cache tensors shaped as vLLM's CPU backend
+    makes them, with the attention layers vLLM's model would register (the ISA set
+    on them as the backend does): (connector, {layer name: tensor})."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    config, kv = configs(ckpt, pool, num_blocks, extra=extra)
+    with set_current_vllm_config(config):
+        for name in LAYERS:
+            layer = Attention(num_heads=4, head_size=32, scale=32 ** -0.5, num_kv_heads=2,
+                              prefix=name, cache_config=config.cache_config)
+            layer.isa = _get_attn_isa(torch.bfloat16, PAGE, 32, "auto")
+    w = TractConnector(config, KVConnectorRole.WORKER, kv)
+    caches = {name: torch.zeros(num_blocks, 2, PAGE, 64, dtype=torch.bfloat16) for name in LAYERS}
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def wait_for(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
+        time.sleep(0.01)          # polling another thread's progress, bounded
+
+
+@contextlib.contextmanager
+def every_lock_held(pool: Pool):
+    """Holds every lock of the region (from another node): each pool call of the
+    connector's times out meanwhile, as under a stalled lock manager."""
+    with contextlib.ExitStack() as stack:
+        for lock_id in range(pool.locks.count):
+            stack.enter_context(pool.locks.hold(lock_id, timeout=30))
+        yield
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 4, params=None) -> Request:
@@ -71,24 +118,51 @@ def output(reqs, finished_recving=None, invalid=None) -> ModelRunnerOutput:
                              prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kvo)
 
 
-def put_prompt(pool: Pool, tokens: list[int], with_tail: bool = False) -> None:
-    """Stores the prompt's full blocks (and its tagged partial tail) as a prefill would."""
-    from tract_cli.connectors.vllm import PARTIAL_TAG
-    arr = np.asarray(tokens, np.int32)
-    root = pool_root(pool.info)
-    keys = as_keys(block_hashes(arr, pool.info.hash_scheme, 16, root=root))
-    tok = [16] * len(keys)
-    if with_tail and arr.size % 16:
-        tail = arr.size % 16
-        tk = as_keys(block_hashes(arr[-tail:], "tract", tail, root=bytes(keys[-1]),
-                                  extra=PARTIAL_TAG))
-        keys, tok = np.vstack([keys, tk]), tok + [tail]
-    pool.index.put(keys, np.zeros((len(keys), pool.info.block_bytes), np.uint8), tokens=tok)
+def put_prompt(pool: Pool, tag: bytes, tokens: list[int], with_tail: bool = False) -> None:
+    """Stores the prompt's full blocks (and its tagged partial tail) as a prefill of the
+    model whose identity tag is TAG would, with random KV bytes."""
+    pk = prompt_keys(pool.info, tag, 16, tokens)
+    keys, tok = pk.keys, [16] * len(pk.keys)
+    if with_tail and pk.tail_key is not None:
+        keys, tok = np.vstack([keys, pk.tail_key]), tok + [pk.tail_tokens]
+    kv = np.random.default_rng(len(tokens)).integers(0, 256, (len(keys), pool.info.block_bytes),
+                                                     dtype=np.uint8)
+    pool.index.put(keys, kv, tokens=tok, checksum=True)
 
 
-def pins(pool: Pool) -> int:
+def pins(pool: Pool, *conns) -> int:
+    """The region's pin count once CONNS' queued releases are done (bounded)."""
     from tract_cli.inspect.snapshot import take
+    for conn in conns:
+        assert conn.releases.drain(60), "the connector's releases were not done within 60 s"
     return take(pool)["index"]["pins_total"]
+
+
+def region(pool: Pool) -> dict:
+    from tract_cli.inspect.snapshot import take
+    snap = take(pool)
+    return {"pins": snap["index"]["pins_total"], "pending": snap["index"]["states"]["PENDING"],
+            "handoffs": len(snap["handoffs"]["in_flight"])}
+
+
+def finish(s: Scheduler, reqs: list[Request]) -> dict:
+    """Runs REQS (max_tokens 1) to their end through S; their kv_transfer_params."""
+    for r in reqs:
+        s.add_request(r)
+    ids = {r.request_id for r in reqs}
+    params = {}
+    for _ in range(20):
+        out = s.schedule()
+        loads = {ld.req_id for ld in out.kv_connector_metadata.loads}
+        running = [r for r in reqs if out.num_scheduled_tokens.get(r.request_id)]
+        eng = s.update_from_output(out, output(running, finished_recving=loads or None))
+        for outs in eng.values():
+            for o in outs.outputs:
+                if o.finished:
+                    params[o.request_id] = o.kv_transfer_params
+        if set(params) == ids:
+            return params
+    raise AssertionError(f"requests {sorted(ids - set(params))} did not finish in 20 steps")
 
 
 def main(ckpt: str, pool_path: str) -> dict:
@@ -97,21 +171,22 @@ def main(ckpt: str, pool_path: str) -> dict:
     pool = Pool.attach(pool_path, node=3)
     s = scheduler(ckpt, pool_path, num_blocks=64)
     conn = s.connector
+    tag = conn.identity.tag
 
     # 1. a prefix hit: pinned once however often it is matched, loaded asynchronously,
     #    unpinned when the worker reports the load, then scheduled past the hit
     hit = list(range(10, 10 + 100))                  # 6 full region blocks + 4 tokens
-    put_prompt(pool, hit)
+    put_prompt(pool, tag, hit)
     r1 = request("hit", hit)
     s.add_request(r1)
     out = s.schedule()
     obs["hit_status"] = r1.status.name
     obs["hit_loads"] = [len(l.slots) for l in out.kv_connector_metadata.loads]
-    obs["hit_pins_while_loading"] = pins(pool)
+    obs["hit_pins_while_loading"] = pins(pool, conn)
     conn.get_num_new_matched_tokens(r1, 0)          # matching again takes no second pin
-    obs["hit_pins_after_rematch"] = pins(pool)
+    obs["hit_pins_after_rematch"] = pins(pool, conn)
     s.update_from_output(out, output([], finished_recving={"hit"}))
-    obs["hit_pins_after_load"] = pins(pool)
+    obs["hit_pins_after_load"] = pins(pool, conn)
     out = s.schedule()
     obs["hit_computed_then"] = r1.num_computed_tokens
     obs["hit_scheduled_tokens"] = out.num_scheduled_tokens.get("hit")
@@ -120,19 +195,19 @@ def main(ckpt: str, pool_path: str) -> dict:
 
     # 2. aborted while its load runs: the pins wait for the worker, then go
     ab = list(range(300, 300 + 64))
-    put_prompt(pool, ab)
+    put_prompt(pool, tag, ab)
     r2 = request("aborted", ab)
     s.add_request(r2)
     out = s.schedule()
     obs["abort_status"] = r2.status.name
     s.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
-    obs["abort_pins_before_worker"] = pins(pool)
+    obs["abort_pins_before_worker"] = pins(pool, conn)
     s.update_from_output(out, output([], finished_recving={"aborted"}))
-    obs["abort_pins_after_worker"] = pins(pool)
+    obs["abort_pins_after_worker"] = pins(pool, conn)
 
     # 3. a failed load: the request is recomputed and never offered the blocks again
     bad = list(range(600, 600 + 80))
-    put_prompt(pool, bad)
+    put_prompt(pool, tag, bad)
     r3 = request("bad", bad)
     s.add_request(r3)
     out = s.schedule()
@@ -143,12 +218,12 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["bad_scheduled_tokens"] = out.num_scheduled_tokens.get("bad")
     obs["bad_rematch"] = list(conn.get_num_new_matched_tokens(r3, 0))
     s.finish_requests("bad", RequestStatus.FINISHED_ABORTED)
-    obs["bad_pins_after"] = pins(pool)
+    obs["bad_pins_after"] = pins(pool, conn)
 
     # 4. a prefill for a remote decode: the handoff is published when it finishes and its
     #    kv_transfer_params carry the ticket; the blocks stay pinned for the decode side
     pd = list(range(900, 900 + 40))
-    put_prompt(pool, pd, with_tail=True)
+    put_prompt(pool, tag, pd, with_tail=True)
     r4 = request("pd", pd, max_tokens=1, params={"do_remote_decode": True})
     s.add_request(r4)
     out = s.schedule()                               # its full blocks are a pool hit
@@ -158,8 +233,131 @@ def main(ckpt: str, pool_path: str) -> dict:
     params = [o.kv_transfer_params for outs in eng.values() for o in outs.outputs
               if o.request_id == "pd"]
     obs["pd_params"] = params[0] if params else None
-    obs["pd_pins"] = pins(pool)
+    obs["pd_pins"] = pins(pool, conn)
+
+    # 5. a request vLLM has no pages for keeps no pins while it waits: a long prompt
+    #    takes 60 of the 64 pages, then a pool hit of 10 pages cannot be given pages
+    big = request("big", list(range(1000, 1000 + 60 * PAGE)))
+    queued_prompt = list(range(3000, 3000 + 10 * PAGE))
+    put_prompt(pool, tag, queued_prompt)
+    before = pins(pool, conn)
+    queued = request("queued", queued_prompt)
+    s.add_request(big)
+    s.add_request(queued)
+    out = s.schedule()
+    obs["queued_status"] = [big.status.name, queued.status.name]
+    obs["queued_pins"] = pins(pool, conn) - before
+    s.finish_requests(["big", "queued"], RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(out, output([big]))
+
+    # 6. another checkpoint of the same geometry (other weights) on the same region:
+    #    none of the first model's blocks is a hit for it, nor is its handoff loaded
+    other_dir = os.path.join(tempfile.mkdtemp(), "other")
+    from vllm_model import make_checkpoint      # beside this script
+    make_checkpoint(other_dir, seed=1)
+    s_other = scheduler(other_dir, pool_path, num_blocks=64)
+    other = s_other.connector
+    obs["other_identity_differs"] = other.identity.digest != conn.identity.digest
+    r6 = request("other-hit", hit)
+    obs["other_match"] = list(other.get_num_new_matched_tokens(r6, 0))
+    obs["same_match"] = list(conn.get_num_new_matched_tokens(request("same-hit", hit), 0))
+    conn.request_finished(request("same-hit", hit), [])
+    r7 = request("other-pd", pd, params=dict(obs["pd_params"] or {}))
+    obs["other_handoff_match"] = list(other.get_num_new_matched_tokens(r7, 0))
+    other.request_finished(r7, [])
+    obs["other_pins"] = pins(pool, conn, other)
+    if obs["pd_params"]:                       # the decode side's part, done here
+        from tract_cli.core.handoff import Ticket
+        pool.handoffs.ack(Ticket.from_dict(obs["pd_params"]["tract_ticket"]))
+
+    # 7. a flood of do_remote_decode requests: a decode-only instance (kv_consumer)
+    #    publishes nothing; a producer publishes at most max_handoffs
+    consumer = scheduler(ckpt, pool_path, num_blocks=64, role="kv_consumer")
+    flood = [list(range(5000 + 50 * i, 5000 + 50 * i + 40)) for i in range(12)]
+    for prompt in flood:
+        put_prompt(pool, tag, prompt, with_tail=True)
+    handoffs_before = region(pool)["handoffs"]
+    got = finish(consumer, [request(f"c{i}", p, 1, {"do_remote_decode": True})
+                            for i, p in enumerate(flood)])
+    obs["consumer_tickets"] = sum(1 for p in got.values() if p)
+    obs["consumer_records"] = region(pool)["handoffs"] - handoffs_before
+    producer = scheduler(ckpt, pool_path, num_blocks=64, role="kv_producer",
+                         extra={"max_handoffs": 3})
+    got = finish(producer, [request(f"p{i}", p, 1, {"do_remote_decode": True})
+                            for i, p in enumerate(flood)])
+    obs["producer_tickets"] = sum(1 for p in got.values() if p and "tract_ticket" in p)
+    obs["producer_records"] = region(pool)["handoffs"] - handoffs_before
+    for p in got.values():                    # the decode side's part: acknowledge them
+        if p and "tract_ticket" in p:
+            from tract_cli.core.handoff import Ticket
+            pool.handoffs.ack(Ticket.from_dict(p["tract_ticket"]))
+
+    # 8. lock timeouts injected into unpin, commit and ack (every lock held by another
+    #    node): each release is retried off the request path until it succeeds
+    fast = {"lookup_timeout_s": 0.3}
+    s8 = scheduler(ckpt, pool_path, num_blocks=64, extra=fast)
+    c8 = s8.connector
+    slow = list(range(7000, 7000 + 96))
+    put_prompt(pool, tag, slow)
+    r8 = request("slow", slow)
+    s8.add_request(r8)
+    out = s8.schedule()
+    pinned = pins(pool, c8)
+    w, caches = worker(ckpt, pool_path, num_blocks=16, extra=fast)
+    with every_lock_held(pool):
+        s8.update_from_output(out, output([], finished_recving={"slow"}))    # unpin
+        wait_for(lambda: c8.releases.retries >= 1, "the unpin's first retry")
+        obs["timeouts_unpin_held"] = [pinned, region(pool)["pins"], c8.releases.pending()]
+    # ... commit: the save claims its blocks, the commit times out, the claims are
+    # abandoned once the locks are free
+    saved = list(range(8000, 8000 + 64))
+    keys = prompt_keys(pool.info, tag, 16, saved).keys
+    for name in LAYERS:
+        caches[name].copy_(torch.randn(caches[name].shape, generator=torch.Generator()
+                                       .manual_seed(8)).to(torch.bfloat16))
+    spec = SaveSpec("saved", keys, np.full(4, 16, np.uint32), np.array([0, 0, 1, 1], np.int64),
+                    np.array([0, 1, 0, 1], np.int64))
+    w.bind_connector_metadata(TractConnectorMetadata(saves=[spec]))
+    for name in LAYERS:
+        w.save_kv_layer(name, caches[name], None)
+    with every_lock_held(pool):
+        w.wait_for_save()
+        wait_for(lambda: w.releases.retries >= 1, "the abandon's first retry")
+        obs["timeouts_commit_pending_held"] = [region(pool)["pending"], w.releases.pending()]
+    assert w.releases.drain(60) and c8.releases.drain(60), "releases not done within 60 s"
+    obs["timeouts_after_unpin_commit"] = region(pool)
+    obs["timeouts_retries"] = [c8.releases.retries, w.releases.retries]
+    # ... the same save without the fault: committed, then loaded into other pages of
+    # vLLM's layout and compared, bytes for bytes (real KV through the page map)
+    w.bind_connector_metadata(TractConnectorMetadata(saves=[spec]))
+    for name in LAYERS:
+        w.save_kv_layer(name, caches[name], None)
+    w.wait_for_save()
+    look = pool.index.lookup(keys)
+    load = LoadSpec("loaded", look.slots, look.checksums, np.array([4, 4, 5, 5], np.int64),
+                    np.array([0, 1, 0, 1], np.int64), tags=look.tags)
+    w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
+    w.start_load_kv(None)
+    obs["roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][4:6])) for n in LAYERS)
+    obs["roundtrip_nonzero"] = all(bool(caches[n][4:6].abs().sum() > 0) for n in LAYERS)
+    pool.index.unpin(look)
+    # ... ack: a handoff loaded while every lock is held is not acknowledged in time:
+    # the load does not stand (recomputed) and the ack is retried until it succeeds
+    ticket = pool.handoffs.publish("acked", keys, len(saved))
+    rec = pool.handoffs.open(ticket)
+    load = LoadSpec("acked", rec.slots, rec.checksums, np.array([6, 6, 7, 7], np.int64),
+                    np.array([0, 1, 0, 1], np.int64), ticket.to_dict(), rec.tags)
+    w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
+    with every_lock_held(pool):
+        w.start_load_kv(None)
+        obs["timeouts_ack_errors"] = sorted(w.get_block_ids_with_load_errors())
+        obs["timeouts_ack_record_held"] = region(pool)["handoffs"]
+    assert w.releases.drain(60), "the acknowledgement was not done within 60 s"
+    obs["timeouts_after_ack"] = region(pool)
+
     obs["state_left"] = [len(conn._reqs), len(conn._loading_done), len(conn._pending_loads)]
+    for c in (conn, other, consumer.connector, producer.connector, c8, w):
+        c.shutdown()
     pool.close()
     return obs
 

@@ -12,6 +12,7 @@ from tract_cli.core.errors import UsageError
 from tract_cli.core.cpu import FLUSH_MODES
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+WEIGHTS_DIGESTS = ("sampled", "full")       # connectors/model_identity.py
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ConnectorSettings:
     start_agent: bool = True       # start this node's agent if none runs
     flush_mode: str | None = None  # override the region header's flush mode
     simulate: bool = False         # run metadata through the non-coherence simulator
+    max_handoffs: int = 64         # this instance's P/D handoffs in flight at once (past it: none)
+    model_id: str | None = None    # the operator's name for the weights, mixed into every key
+    weights_digest: str = "sampled"  # how the weights enter the model's identity: sampled | full
 
     @classmethod
     def parse(cls, extra: dict | None, role: str) -> "ConnectorSettings":
@@ -63,6 +67,20 @@ class ConnectorSettings:
                     raise UsageError(f"kv_connector_extra_config {key} must be a positive number "
                                      f"of seconds, got {value!r}", f'e.g. "{key}": 30')
                 out[key] = float(value)
+        if "max_handoffs" in extra:
+            out["max_handoffs"] = _int(extra, "max_handoffs", 0)
+        if "model_id" in extra:
+            value = extra["model_id"]
+            if not isinstance(value, str) or not value or len(value) > 1024:
+                raise UsageError("kv_connector_extra_config model_id must be a non-empty string "
+                                 "of at most 1024 characters", 'e.g. "model_id": "llama-3-8b@a1b2c3"')
+            out["model_id"] = value
+        if "weights_digest" in extra:
+            value = extra["weights_digest"]
+            if value not in WEIGHTS_DIGESTS:
+                raise UsageError(f"kv_connector_extra_config weights_digest {value!r} is unknown",
+                                 f"use {' or '.join(WEIGHTS_DIGESTS)}")
+            out["weights_digest"] = value
         if "flush_mode" in extra:
             mode = extra["flush_mode"]
             if mode not in FLUSH_MODES:

