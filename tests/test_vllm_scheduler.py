@@ -101,6 +101,28 @@ def test_saved_kv_loads_back_into_vllm_pages_bytes_for_bytes(seen):
     assert seen["roundtrip_nonzero"] and seen["roundtrip_equal"]
 
 
+def test_chunked_prefill_saves_each_block_once_over_several_steps(seen):
+    # a 64-token budget: 200 tokens in 4 steps, 4 blocks saved per full chunk, the
+    # partial tail with the last; the handoff at the end names all 13 blocks
+    assert seen["chunked_steps"] == [[64, 4], [64, 4], [64, 4], [8, 1]]
+    assert seen["chunked_saved_once_each"]
+    assert seen["chunked_ticket_blocks"] == 13
+
+
+def test_a_request_preempted_after_its_load_loads_again_and_unpins(seen):
+    assert seen["preempt_status"] == "PREEMPTED"
+    assert seen["preempt_loads"] == [[6], [6]]      # loaded, then again once resumed
+    assert seen["preempt_pins_reloading"] == 6
+    assert seen["preempt_scheduled_after"] == 5     # 100 prompt + 1 output - 96 loaded
+    assert seen["preempt_pins_after"] == 0
+
+
+def test_two_kv_cache_groups_are_refused_at_start_in_one_line(seen):
+    line = seen["two_groups"]
+    assert line and line.startswith("ConnectorError: TraCT connector: vLLM has 2 KV cache group")
+    assert "\n" not in line and "; " in line
+
+
 def test_the_region_checks_clean_after_all_of_it(seen):
     rc, out = seen["check"]
     assert rc == 0, out

@@ -38,14 +38,15 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
-            extra: dict | None = None) -> tuple[VllmConfig, KVCacheConfig]:
+            extra: dict | None = None, budget: int = 4096,
+            prefix_caching: bool = True) -> tuple[VllmConfig, KVCacheConfig]:
     model = ModelConfig(model=ckpt, dtype="bfloat16", seed=0)
     config = VllmConfig(
         model_config=model,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TractConnector", kv_connector_module_path="tract_cli.connectors.vllm",
             kv_role=role, kv_load_failure_policy="recompute",
@@ -59,8 +60,8 @@ def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
 
 
 def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
-              extra: dict | None = None) -> Scheduler:
-    config, kv = configs(ckpt, pool, num_blocks, role, extra)
+              extra: dict | None = None, **kw) -> Scheduler:
+    config, kv = configs(ckpt, pool, num_blocks, role, extra, **kw)
     return Scheduler(vllm_config=config, kv_cache_config=kv,
                      structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
                      log_stats=True)
@@ -111,10 +112,13 @@ def request(rid: str, tokens: list[int], max_tokens: int = 4, params=None) -> Re
 
 
 def output(reqs, finished_recving=None, invalid=None) -> ModelRunnerOutput:
+    """A step's output: a sampled token for each of REQS whose prompt is all
+    computed (none for a prefill chunk short of its end)."""
     ids = [r.request_id for r in reqs]
     kvo = KVConnectorOutput(finished_recving=finished_recving, invalid_block_ids=invalid or set())
+    sampled = [[5] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in reqs]
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[5] for _ in ids], logprobs=None,
+                             sampled_token_ids=sampled, logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kvo)
 
 
@@ -355,8 +359,81 @@ def main(ckpt: str, pool_path: str) -> dict:
     assert w.releases.drain(60), "the acknowledgement was not done within 60 s"
     obs["timeouts_after_ack"] = region(pool)
 
+    # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
+    #    it completed, once each, the tail with the last chunk; the worker runs every
+    #    step's saves, so the handoff at the end finds all 13 blocks READY
+    s9 = scheduler(ckpt, pool_path, num_blocks=64, budget=64)
+    w9, caches9 = worker(ckpt, pool_path, num_blocks=64)
+    chunked = list(range(9000, 9000 + 200))                 # 12 full blocks + 8 tokens
+    r9 = request("chunked", chunked, 1, {"do_remote_decode": True})
+    s9.add_request(r9)
+    per_step, saved_keys, params9 = [], [], None
+    for _ in range(10):
+        out = s9.schedule()
+        saves = out.kv_connector_metadata.saves
+        per_step.append([out.num_scheduled_tokens.get("chunked", 0),
+                         sum(len(sv.keys) for sv in saves)])
+        saved_keys += [bytes(k) for sv in saves for k in sv.keys]
+        w9.bind_connector_metadata(out.kv_connector_metadata)
+        for name in LAYERS:
+            w9.save_kv_layer(name, caches9[name], None)
+        w9.wait_for_save()
+        eng = s9.update_from_output(out, output([r9]))
+        done = [o for outs in eng.values() for o in outs.outputs if o.finished]
+        if done:
+            params9 = done[0].kv_transfer_params
+            break
+    pk = prompt_keys(pool.info, tag, 16, chunked)
+    obs["chunked_steps"] = per_step
+    obs["chunked_saved_once_each"] = (len(saved_keys) == len(set(saved_keys)) and
+                                      set(saved_keys) == {bytes(k) for k in pk.keys} |
+                                      {bytes(pk.tail_key[0])})
+    obs["chunked_ticket_blocks"] = (params9 or {}).get("tract_ticket", {}).get("blocks")
+    if params9 and "tract_ticket" in params9:
+        from tract_cli.core.handoff import Ticket
+        pool.handoffs.ack(Ticket.from_dict(params9["tract_ticket"]))
+
+    # 10. preempted after its load: the pages are freed, the request goes back to the
+    #     queue, is looked up and loaded again (vLLM's own prefix cache off, so the
+    #     pool is the only source), and nothing stays pinned
+    s10 = scheduler(ckpt, pool_path, num_blocks=64, prefix_caching=False)
+    c10 = s10.connector
+    pre = list(range(9500, 9500 + 100))
+    put_prompt(pool, tag, pre)
+    r10 = request("preempted", pre)
+    s10.add_request(r10)
+    loads = []
+    out = s10.schedule()
+    loads.append([len(ld.slots) for ld in out.kv_connector_metadata.loads])
+    s10.update_from_output(out, output([], finished_recving={"preempted"}))
+    out = s10.schedule()                                    # computes the 4 tokens past it
+    s10.update_from_output(out, output([r10]))
+    s10.running.remove(r10)
+    s10._preempt_request(r10, time.monotonic())
+    obs["preempt_status"] = r10.status.name
+    out = s10.schedule()
+    loads.append([len(ld.slots) for ld in out.kv_connector_metadata.loads])
+    obs["preempt_pins_reloading"] = pins(pool, c10)
+    s10.update_from_output(out, output([], finished_recving={"preempted"}))
+    out = s10.schedule()
+    obs["preempt_scheduled_after"] = out.num_scheduled_tokens.get("preempted")
+    obs["preempt_loads"] = loads
+    s10.finish_requests("preempted", RequestStatus.FINISHED_ABORTED)
+    obs["preempt_pins_after"] = pins(pool, c10)
+
+    # 11. a vLLM with two KV cache groups (a hybrid model) is refused at start
+    config, kv = configs(ckpt, pool_path, 64)
+    spec = kv.kv_cache_groups[0].kv_cache_spec
+    two = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(LAYERS[:1], spec), KVCacheGroupSpec(LAYERS[1:], spec)])
+    try:
+        TractConnector(config, KVConnectorRole.SCHEDULER, two)
+        obs["two_groups"] = None
+    except Exception as exc:
+        obs["two_groups"] = f"{type(exc).__name__}: {exc}"
+
     obs["state_left"] = [len(conn._reqs), len(conn._loading_done), len(conn._pending_loads)]
-    for c in (conn, other, consumer.connector, producer.connector, c8, w):
+    for c in (conn, other, consumer.connector, producer.connector, c8, w, s9.connector, w9, c10):
         c.shutdown()
     pool.close()
     return obs
