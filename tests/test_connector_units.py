@@ -138,7 +138,7 @@ def _checkpoint(path, seed: int, n: int = 4096):
 
 
 def test_two_checkpoints_of_one_shape_have_different_identities(tmp_path):
-    from tract_cli.connectors.model_identity import weights_fingerprint
+    from tract_cli.core.weights import weights_fingerprint
     a = weights_fingerprint(str(_checkpoint(tmp_path / "a", 0)))
     again = weights_fingerprint(str(_checkpoint(tmp_path / "a2", 0)))
     b = weights_fingerprint(str(_checkpoint(tmp_path / "b", 1)))
@@ -149,7 +149,7 @@ def test_two_checkpoints_of_one_shape_have_different_identities(tmp_path):
 
 def test_the_sampled_digest_misses_one_element_the_full_digest_sees(tmp_path):
     """The documented limit of sampling, and what closes it."""
-    from tract_cli.connectors.model_identity import weights_fingerprint
+    from tract_cli.core.weights import weights_fingerprint
     ckpt = _checkpoint(tmp_path / "a", 0)
     before = {m: weights_fingerprint(str(ckpt), m) for m in ("sampled", "full")}
     path = ckpt / "model.safetensors"
@@ -166,7 +166,7 @@ def test_the_sampled_digest_misses_one_element_the_full_digest_sees(tmp_path):
     (lambda raw: raw[:8] + b"[" + raw[9:], "does not parse"),
 ])
 def test_a_damaged_checkpoint_is_one_line(tmp_path, damage, words):
-    from tract_cli.connectors.model_identity import weights_fingerprint
+    from tract_cli.core.weights import weights_fingerprint
     ckpt = _checkpoint(tmp_path / "a", 0)
     path = ckpt / "model.safetensors"
     path.write_bytes(damage(path.read_bytes()))
@@ -176,7 +176,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, damage, words):
 
 
 def test_a_directory_without_weights_is_refused(tmp_path):
-    from tract_cli.connectors.model_identity import weights_fingerprint
+    from tract_cli.core.weights import weights_fingerprint
     with pytest.raises(TractError, match="has no weight files"):
         weights_fingerprint(str(tmp_path))
 
