@@ -200,3 +200,37 @@ def test_a_metrics_scrape_does_not_hold_up_the_serving_path(engine, region_path)
         del w.pool.slots_in_use
         assert metric(w.metrics.render(), "pool_slots_used") == w.pool.slots_in_use()
         w.close()
+
+
+def test_workers_of_other_weights_share_no_block_and_refuse_each_others_handoffs():
+    """Two prefill workers of one KV geometry with other weights (--weights-seed) on
+    one region: a prompt one computed is no hit for the other, and a decode worker
+    answers 502 rather than load the KV of a prefill worker of other weights."""
+    path = f"/dev/shm/tract-test-serve-{uuid.uuid4().hex[:10]}.pool"
+    Pool.create(path, 32 << 20, MODEL, nodes=4).close()
+    agents, servers = [], []
+    try:
+        agents = [RunningAgent(path, 0, manager=True)] + [
+            RunningAgent(path, n, manager=False) for n in (1, 2, 3)]
+        a = Server("serve-prefill", "--pool", path, "--node", "1")
+        servers.append(a)
+        b = Server("serve-prefill", "--pool", path, "--node", "3", "--weights-seed", "1")
+        servers.append(b)
+        d = Server("serve-decode", "--pool", path, "--node", "2", "--prefill", b.url)
+        servers.append(d)
+        body = {"tokens": prompt(700, 64), "max_tokens": 1}
+        hits = []
+        for server in (a, a, b):
+            status, out = request(server.url + "/prefill", body)
+            assert status == 200, out
+            hits.append(out["hit_blocks"])
+        assert hits == [0, 3, 0]           # the same weights hit; the others do not
+        status, err = request(d.url + "/v1/completions", {"prompt": prompt(701, 40),
+                                                         "max_tokens": 1})
+        assert status == 502 and "serves another model" in err["error"]["message"], err
+    finally:
+        for s in servers:
+            s.stop()
+        for ag in agents:
+            ag.stop()
+        remove_region(path)

@@ -198,6 +198,11 @@ class DecodeWorker(PoolWorker):
             except (KeyError, TypeError, ValueError, TractError):
                 raise ApiError(502, "the prefill worker's answer lacks a valid ticket",
                                "upstream_error") from None
+            if resp.get("model") != eng.identity.hex():
+                # its KV was computed by other weights: loading it would answer wrongly
+                raise ApiError(502, "the prefill worker serves another model (other weights "
+                                    "or --weights-seed); serve the same model on both",
+                               "upstream_error")
             c = time.perf_counter()
             bt = eng.block_tokens
             table = eng.new_table(0, self.slots if mode == "zero-copy" else None,

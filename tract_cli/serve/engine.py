@@ -21,6 +21,8 @@ which process sampled which step.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import pathlib
 import threading
@@ -31,6 +33,7 @@ import torch
 
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import ModelProfile, checkpoint_profile, load_model
+from tract_cli.core.weights import weights_fingerprint
 from tract_cli.serve.kvcache import POOL, PRIVATE, BlockTable, private_blocks
 from tract_cli.serve.model import LlamaModel, ModelConfig
 from tract_cli.serve.tokenizer import ByteTokenizer, load_tokenizer, read_json
@@ -66,11 +69,15 @@ class Sampling:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, profile: ModelProfile):
+    def __init__(self, model: LlamaModel, tokenizer, profile: ModelProfile,
+                 identity: bytes = bytes(32)):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.profile = profile
+        # what the weights are (32 bytes): every pool key of this engine carries it
+        # (serve/worker.py), so engines of one geometry never share a block
+        self.identity = identity
         self.block_tokens = self.cfg.block_tokens
         self.block_shape = self.cfg.geometry.block_shape
         if tokenizer.vocab_size > self.cfg.vocab_size:
@@ -85,15 +92,21 @@ class Engine:
         if model_dir:
             path = pathlib.Path(model_dir)
             model = LlamaModel.from_checkpoint(path)
-            tokenizer = load_tokenizer(path, read_json(path / "config.json"))
+            config = read_json(path / "config.json")
+            tokenizer = load_tokenizer(path, config)
             prof = checkpoint_profile(path)
-            return cls(model, tokenizer, prof)
+            _, _, weights = weights_fingerprint(str(path))
+            ident = hashlib.sha256(b"tract-engine-v1|checkpoint|" + weights.encode() + b"|" +
+                                   json.dumps(config, sort_keys=True).encode()).digest()
+            return cls(model, tokenizer, prof, ident)
         prof = load_model(profile)
         model = LlamaModel.random(ModelConfig.from_profile(prof), seed)
         if model.cfg.vocab_size < ByteTokenizer.vocab_size:
             raise UsageError(f"model {prof.name} has {model.cfg.vocab_size} tokens; the byte "
                              f"tokenizer needs {ByteTokenizer.vocab_size}", "use tiny-llama")
-        return cls(model, ByteTokenizer(), prof)
+        ident = hashlib.sha256(f"tract-engine-v1|random|{prof.name}|{prof.geometry.describe()}|"
+                               f"{seed}".encode()).digest()
+        return cls(model, ByteTokenizer(), prof, ident)
 
     # ---- KV storage ----
 

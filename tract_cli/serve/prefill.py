@@ -20,7 +20,6 @@ import numpy as np
 from tract_cli.core.errors import HandoffError, PoolFull, RequestTooLarge
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import PENDING_WAIT_S
-from tract_cli.core.hashing import request_keys
 from tract_cli.core.index import PUT_CLAIMED, PUT_WAS_READY, PutResult
 from tract_cli.serve.engine import Sampling
 from tract_cli.serve.api import ApiError, field
@@ -98,7 +97,7 @@ class PrefillWorker(PoolWorker):
         t0 = time.perf_counter()
         t = {}
         arr = np.asarray(tokens, dtype=np.int32)
-        keys = request_keys(pool.info, arr, bt, salt, root=self.root_for(salt))
+        keys = self.keys_for(arr, salt)
         full = len(keys)
         reusable = (len(tokens) - 1) // bt            # the last token is always computed
         t["hash"] = time.perf_counter() - t0
@@ -178,6 +177,7 @@ class PrefillWorker(PoolWorker):
         log.info("prefill rid=%s: %d tok, %d hit blocks, %s, %.1f ms", rid[:12], len(tokens), h,
                  mode, 1e3 * t["total"])
         return {"request_id": rid, "ticket": ticket.to_dict(), "first_token": first,
+                "model": eng.identity.hex(),
                 "prompt_tokens": len(tokens), "hit_blocks": h, "computed_tokens": len(tokens) - h * bt,
                 "mode": mode, "timings": t}
 

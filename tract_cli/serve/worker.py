@@ -14,9 +14,12 @@ slowest (a lock wait, a block copy) and let a `/metrics` scrape stall them.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import UsageError
-from tract_cli.core.hashing import pool_root
+from tract_cli.core.hashing import pool_root, request_keys, tag_keys
+from tract_cli.core.index import as_keys
 from tract_cli.core.pool import Pool
 from tract_cli.serve.api import ApiError, field
 from tract_cli.serve.engine import Engine
@@ -59,7 +62,10 @@ class PoolWorker:
             raise UsageError(f"{pool_path} was formatted for model {name}, this worker runs "
                              f"{engine.profile.name}",
                              f"format it with `tract init {pool_path} --model {engine.profile.name}`")
-        self.root = pool_root(self.pool.info, salt)
+        # the engine's weights enter every key: the tract scheme's root, or each
+        # vLLM-scheme key (tag_keys), so engines of one geometry share no block
+        self.model_tag = engine.identity[:16]
+        self.root = pool_root(self.pool.info, salt, self._root_tag())
         self.slots = self.pool.slots_tensor()
         info = self.pool.info
         self.max_context = min(engine.cfg.max_positions,
@@ -81,8 +87,20 @@ class PoolWorker:
         if salt not in roots:
             if len(roots) > 4096:
                 roots.clear()
-            roots[salt] = pool_root(self.pool.info, salt)
+            roots[salt] = pool_root(self.pool.info, salt, self._root_tag())
         return roots[salt]
+
+    def _root_tag(self) -> bytes | None:
+        return None if self.pool.info.hash_scheme == "vllm" else self.model_tag
+
+    def keys_for(self, tokens: np.ndarray, salt: str | None) -> np.ndarray:
+        """The pool keys of TOKENS' full blocks for a tenant's SALT, with this
+        engine's model identity."""
+        keys = request_keys(self.pool.info, tokens, self.engine.block_tokens, salt,
+                            root=self.root_for(salt))
+        if self.pool.info.hash_scheme == "vllm":
+            keys = tag_keys(as_keys(keys), self.model_tag) if len(keys) else keys
+        return keys
 
     # a scrape reads the pool without any lock: one observed line for the
     # slots in use (not a copy of the bitmap), this node's counters for locks
