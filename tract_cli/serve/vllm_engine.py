@@ -53,7 +53,10 @@ class VllmServer:
         if pool is not None:
             cfg = kv_transfer_config(pool, node if node is not None else 0, role, **(extra or {}))
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
-        child_env = os.environ | {"HF_HUB_OFFLINE": "1",
+        # PYTHONSAFEPATH: `python -m` would put the working directory first on
+        # sys.path, and started from a clone's root the uninstalled source
+        # (tract_cli/ without its compiled core) would shadow the installed package
+        child_env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1",
                                   "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
