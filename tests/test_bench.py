@@ -30,7 +30,8 @@ def test_static_workload_is_seeded_and_shares_its_prefix():
 def test_a_peer_checks_the_stand_in_the_runner_stamps(tmp_path):
     """One stand-in KV (bench/standin.py): what the runner's side stamps passes a
     peer's check, run as peers.py runs the adapters (python -I, peer_common by
-    path, nothing of TraCT), and a flipped byte fails it."""
+    path, nothing of TraCT), and a byte flipped in a middle block (neither the
+    first nor the last) fails it."""
     import numpy as np
 
     from tract_cli.bench import standin
@@ -47,14 +48,107 @@ def test_a_peer_checks_the_stand_in_the_runner_stamps(tmp_path):
             "import json, numpy as np, peer_common as p\n"
             f"buf = np.fromfile({str(tmp_path / 'kv')!r}, np.uint8)\n"
             "exp = json.loads(sys.argv[1])\n"
-            "ok = p.record(buf, buf.size, exp, {}, every=1)['ok']\n"
-            f"buf[{bb + 20}] ^= 1\n"
-            "bad = p.record(buf, buf.size, exp, {}, every=1)['ok']\n"
+            "ok = p.record(buf, buf.size, exp, {})['ok']\n"
+            f"buf[{2 * bb + 20}] ^= 1\n"
+            "bad = p.record(buf, buf.size, exp, {})['ok']\n"
             "p.out([ok, bad, sorted(m for m in sys.modules if m.startswith('tract_cli'))])\n")
     res = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(exp)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == [True, False, []]
+
+
+def test_block_crcs_are_the_crc32c_of_the_stand_in_blocks():
+    """What zero-copy's check compares each slot's CRC-32C with (computed from
+    the block's key and index alone) is the CRC-32C of the stamped stand-in
+    block, for block sizes around the pattern's period; CRC-32C's check value."""
+    import numpy as np
+
+    from tract_cli.bench import standin
+
+    def crc32c(data: bytes) -> int:                 # bit by bit, the definition
+        c = 0xFFFFFFFF
+        for x in data:
+            c ^= x
+            for _ in range(8):
+                c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        return c ^ 0xFFFFFFFF
+    assert crc32c(b"123456789") == 0xE3069283
+    rng = np.random.default_rng(2)
+    for bb in (16, 100, standin.PATTERN_BYTES + 5, 2 * standin.PATTERN_BYTES + 17):
+        keys = rng.integers(0, 256, (3, 16), dtype=np.uint8)
+        buf = standin.stand_in(3 * bb)
+        standin.stamp(buf, keys, bb, "r", 0)
+        want = [crc32c(buf[i * bb:(i + 1) * bb].tobytes()) for i in range(3)]
+        assert standin.BlockCrcs(bb).of(keys).tolist() == want, bb
+
+
+def run_worker_loops(path: str, transport: str, requests) -> list[dict]:
+    """The runner's own prefill and decode worker loops (one each), in threads
+    of this process (so that a test can swap a transport's side), the requests
+    handed to them as the driver does; their records."""
+    import queue
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from tract_cli.bench import runner
+    compute = runner.Compute(1e9, 0.0)
+    longest = max(len(r.tokens) for r in requests)
+    inbox, results, ready = queue.Queue(), queue.Queue(), queue.Queue()
+    threading.Thread(target=runner._decode, args=(path, 2, 0, transport, inbox, results, ready, 1,
+                                                  compute, longest), daemon=True).start()
+    _, port = ready.get(timeout=60)
+    ctl, child = Pipe()
+    prefill = threading.Thread(target=runner._prefill, args=(path, 1, 0, transport, child, [inbox],
+                                                             [port], compute, results, longest),
+                               daemon=True)
+    prefill.start()
+    assert ctl.poll(60) and ctl.recv() == "ready"
+    for r in requests:
+        ctl.send({"rid": r.rid, "tokens": r.tokens.tobytes(), "arrival": time.monotonic(),
+                  "output_len": 1, "prefill": 0, "decode": 0})
+    records = [results.get(timeout=60) for _ in requests]
+    ctl.send(None)
+    prefill.join(60)
+    inbox.put(None)
+    return sorted(records, key=lambda rec: [r.rid for r in requests].index(rec["rid"]))
+
+
+@pytest.mark.parametrize("transport", ["tract-copy", "tract-zero-copy", "tcp"])
+def test_a_corrupt_middle_block_fails_verification(managed_region, monkeypatch, transport):
+    """One byte of one middle block (neither the first nor the last) of one
+    request flipped on the way -- in its pool slot before the decode side
+    reads it (tract-copy) or attends over it (tract-zero-copy), in the
+    received bytes (tcp): that request, and only it, is not verified, and the
+    transport's summary says so ("verified" NO, `tract bench` exits 1).  The
+    check used to look at the first and last block and the tail only."""
+    from tract_cli.bench import stats, transports
+    from tract_cli.bench.driver import TransportResult
+    reqs = static(200, 3, seed=7)                   # 12 blocks of 16 tokens and a tail each
+    bad = reqs[1].rid
+    decode = transports.SIDES[transport][1]
+
+    class Corrupting(decode):
+        def _open(self, msg, out, t):               # the pool's copy of the block
+            rec, tail = super()._open(msg, out, t)
+            if msg["rid"] == bad:
+                self.pool.slot_bytes(int(rec.slots[len(rec.slots) // 2]))[100] ^= 1
+            return rec, tail
+
+        def read(self, msg, out, t):                # what arrived over the socket
+            blocks, tail = super().read(msg, out, t)
+            if transport == "tcp" and msg["rid"] == bad:
+                blocks[len(blocks) // 2, 100] ^= 1
+            return blocks, tail
+    monkeypatch.setitem(transports.SIDES, transport, (transports.SIDES[transport][0], Corrupting))
+    records = run_worker_loops(managed_region, transport, reqs)
+    assert [r["blocks"] for r in records] == [12, 12, 12]
+    assert [r["ok"] for r in records] == [True, False, True]
+    assert all(r["verify_s"] > 0 for r in records)
+    summary = stats.summarize(TransportResult(transport, records), 8192, 16, prefix_cache=False,
+                              kv_bytes_moved=lambda rec, bb: 0)
+    assert summary["verified"] is False and summary["verify_s"]["mean"] > 0
 
 
 def test_bench_runs_every_transport_and_verifies_the_kv(tmp_path):

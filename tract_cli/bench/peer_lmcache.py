@@ -156,7 +156,7 @@ def start_server() -> tuple[subprocess.Popen, int]:
 def lm_receiver(capacity: int, slots: int) -> None:
     server, port = start_server()
     try:
-        buf = receiver_buffer(capacity * slots)
+        buf = receiver_buffer(capacity, slots)
         client = None
         out({"host": "127.0.0.1", "port": port})
         for exp, t in relayed(sys.stdin):
@@ -167,7 +167,7 @@ def lm_receiver(capacity: int, slots: int) -> None:
             for key, (s, e) in zip(chunk_keys(exp["rid"], len(parts)), parts):
                 client.get_into(key, buf[base + s:base + e])
             t["kv_read"] = time.perf_counter() - c
-            out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
+            out(record(buf, capacity, exp, t))
     finally:
         server.kill()
         server.wait()
@@ -223,7 +223,7 @@ def pd_shapes(req: dict) -> list:
 def pd_receiver(capacity: int, slots: int) -> None:
     ports = (free_port(), free_port())
     backend = pd_backend("receiver", capacity * slots, ports)
-    buf = receiver_buffer(capacity * slots)
+    buf = receiver_buffer(capacity, slots)
     out({"host": "127.0.0.1", "init_port": ports[0], "alloc_port": ports[1]})
     for exp, t in relayed(sys.stdin):
         c = time.perf_counter()
@@ -235,7 +235,7 @@ def pd_receiver(capacity: int, slots: int) -> None:
             backend.remove(key)
             obj.ref_count_down()
         t["kv_read"] = time.perf_counter() - c
-        out(record(buf, capacity, exp, t, every=chunk_blocks(exp)))
+        out(record(buf, capacity, exp, t))
     exit_without_close()
 
 
@@ -282,10 +282,6 @@ def exit_without_close() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def chunk_blocks(req: dict) -> int:
-    return max(CHUNK_TOKENS // req["block_tokens"], 1)
 
 
 if __name__ == "__main__":

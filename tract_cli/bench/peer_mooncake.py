@@ -8,8 +8,8 @@ buffer address.  The sender, per request: stamps the stand-in KV (made at
 start, before the clock: the same bytes as the tract transports), waits out
 its modelled compute and
 `transfer_sync_write`s it into the receiver's slot, then prints the request's
-timings; the driver relays them to the receiver, which verifies the first
-and last block and the tail and prints the record (peer_common.py).
+timings; the driver relays them to the receiver, which verifies every
+block and the tail and prints the record (peer_common.py).
 
 Standalone on purpose: it must import nothing from TraCT.
 """
@@ -34,7 +34,7 @@ def engine() -> TransferEngine:
 
 def receiver(capacity: int, slots: int) -> None:
     te = engine()
-    buf = receiver_buffer(capacity * slots)
+    buf = receiver_buffer(capacity, slots)
     addr = buf.ctypes.data
     if te.register_memory(addr, buf.size) != 0:
         raise SystemExit("mooncake: registering the receive buffers failed")

@@ -10,8 +10,8 @@ out its modelled compute,
 WRITEs it into the receiver's slot and, once the WRITE is DONE (the bytes are
 in the receiver's memory), notifies the request id with its timings.  The
 receiver polls its notifications (the progress thread is off: it would spin
-a core), verifies the first and last block and the tail, and prints the
-record (peer_common.py).
+a core), verifies every block and the tail, and prints the record
+(peer_common.py).
 
 Standalone on purpose: it must import nothing from TraCT.
 """
@@ -33,7 +33,7 @@ def agent(name: str):
 
 def receiver(capacity: int, slots: int) -> None:
     a = agent("tract-bench-decode")
-    buf = receiver_buffer(capacity * slots)
+    buf = receiver_buffer(capacity, slots)
     addr = buf.ctypes.data
     reg = a.get_reg_descs([(addr, buf.size, 0, "")], "DRAM")
     if a.register_memory(reg) is None:

@@ -17,15 +17,21 @@ What is timed is the KV path, never the harness:
   request's into the tail);
 - modelled compute is exactly the model: the worker sleeps until
   start + tokens computed / the profile's prefill rate (`Compute`), doing
-  no work that competes for the CPUs (zero-copy's stores into the slots it
-  computes into are the compute's own output: the stamps, and the full
-  stand-in of the blocks the decode side checks);
+  no other work that competes for the CPUs (zero-copy's stores into the
+  slots it computes into are the compute's own output: the stand-in of
+  every block it computes, in full);
 - decode is modelled as continuous batching (a request's first token one
   decode step after its KV is in, one token a step after that, the worker
   free for the next handoff at once);
-- verifying runs after the first token's time is taken: on every row it
-  means the first and last block carry their keys, the blocks of them this
-  request computed hold their stand-in bytes in full, and so does the tail.
+- verifying runs after the first token's time is taken and before the ack,
+  outside every timed stage, and is timed on its own (`verify_s`): on every
+  row it means every block of the request and its tail hold exactly the
+  bytes the prefill side made (its stand-in and stamps), whoever computed
+  them (prefix hits included) -- byte for byte, in one vectorized comparison
+  against the decode worker's own stand-in (`standin.Expected`), or for
+  zero-copy, where the blocks stay in the pool's slots, each slot's CRC-32C
+  taken in place (one C call) against the CRC its block must have
+  (`standin.BlockCrcs`).
 
 Reports say "modelled compute".
 """
@@ -42,7 +48,7 @@ import numpy as np
 
 from tract_cli.bench import transports
 from tract_cli.bench.driver import TransportResult, drive
-from tract_cli.bench.standin import block_ok, sleep_until, stamp, stand_in, tail_ok
+from tract_cli.bench.standin import Expected, sleep_until, stamp, stand_in
 from tract_cli.bench.workloads import Request
 from tract_cli.core.errors import TractError
 
@@ -101,13 +107,10 @@ def _prefill_loop(path, node, index, transport, ctl, to_decode, decode_ports, co
         side.compute_into(kv, hits)
         sleep_until(c0 + modelled)
         t["compute"] = time.monotonic() - c0
-        stored = side.write(miss, kv[hits:], t)
-        # the checked blocks (first, last) this request wrote: the decode side
-        # checks their bytes in full, the others' keys only
-        wrote = [i for i in sorted({0, n - 1}) if n and i >= hits and stored[i - hits]]
+        side.write(miss, kv[hits:], t)
         out = {"rid": rid, "keys": keys.tobytes(), "t": t, "hits": hits, "blocks": n,
                "tokens": len(tokens), "arrival": msg["arrival"], "output_len": msg["output_len"],
-               "prefill": msg["prefill"], "modelled_compute": modelled, "wrote": wrote}
+               "prefill": msg["prefill"], "modelled_compute": modelled}
         side.publish(out, keys, len(tokens), tail, len(tokens) - n * bt, t)
         side.deliver(out, to_decode[dec], dec, kv_all[:n * bb + tail_bytes])
     side.close()
@@ -132,6 +135,7 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
     # the private KV buffer (blocks, then the tail), faulted in now, not inside a timed copy
     out = np.empty(max_tokens // bt * bb + bt * info.bytes_per_token, np.uint8)
     out.fill(0)             # np.zeros would leave the pages to fault in inside the first read
+    expected = Expected(out.size)       # what each request's KV must be, made now too
     side = transports.decode_side(transport, pool)
     ready.put((index, side.listen(prefill_count)))
     side.accept(prefill_count)
@@ -145,14 +149,17 @@ def _decode_loop(path, node, index, transport, inbox, results, ready, prefill_co
         # after that; the worker is free for the next handoff at once
         t["first_token"] = compute.decode_s_per_token
         first_token_at = time.monotonic() + t["first_token"]
-        # verified after the first token's time is taken (the harness is not timed)
-        ok = all(block_ok(blocks[i], i, keys[i], bb, i in msg["wrote"]) for i in {0, n - 1}
-                 if n) and \
-            tail_ok(tail, n, bb, msg["rid"])
+        # every block and the tail verified after the first token's time is
+        # taken, before the ack (zero-copy's slots are pinned until then): in no
+        # timed stage, its own time reported apart
+        c = time.perf_counter()
+        ok = side.verify(blocks, tail, keys, expected.of(keys, bb, msg["rid"], tail.size))
+        verify_s = time.perf_counter() - c
         del blocks                          # no view of a slot outlives its handoff
         side.ack(t)
         ttft = first_token_at - msg["arrival"]
-        results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "hits": hits, "blocks": n,
+        results.put({"rid": msg["rid"], "t": t, "ok": bool(ok), "verify_s": verify_s,
+                     "hits": hits, "blocks": n,
                      "tokens": msg["tokens"], "output_len": msg["output_len"], "ttft": ttft,
                      "e2e": ttft + max(msg["output_len"] - 1, 0) * compute.decode_s_per_token,
                      "prefill": msg["prefill"], "modelled_compute": msg["modelled_compute"]})

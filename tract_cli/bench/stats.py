@@ -6,8 +6,10 @@ memcpy reference the handoff is compared with.
 A record is what a decode side reports per request (runner.py's workers, the
 peers' receivers, the serving path's answers): `t` maps a stage (STAGES) to
 its seconds, a stage the transport does not have is absent; with `ttft`,
-`e2e`, `blocks`, `hits`, `tokens`, `output_len`, `ok` and, for modelled
-compute, `modelled_compute`.
+`e2e`, `blocks`, `hits`, `tokens`, `output_len`, `ok` (every block and the
+tail as the prefill side made them) and, for modelled compute,
+`modelled_compute` and `verify_s` (the check's own seconds: after the first
+token, in no stage).
 """
 from __future__ import annotations
 
@@ -73,8 +75,10 @@ def summarize(r, block_bytes: int, block_tokens: int, *, prefix_cache: bool,
     moved = sum(kv_bytes_moved(x, block_bytes) for x in r.records)
     move_s = sum(x["t"].get("kv_write", 0.0) + x["t"].get("kv_read", 0.0) for x in r.records)
     modelled = [x["modelled_compute"] for x in r.records if "modelled_compute" in x]
+    verify = [x["verify_s"] for x in r.records if "verify_s" in x]
     return {"transport": r.transport, "requests": len(r.records),
             "verified": bool(r.records) and all(x["ok"] for x in r.records),
+            "verify_s": _stats(verify),
             "ttft_s": _stats(ttft), "e2e_s": _stats(e2e), "handoff_s": _stats(hand),
             "stages_s": {k: _stats(r.stage(k)) for k in STAGES},
             "modelled_compute_s": statistics.fmean(modelled) if modelled else None,

@@ -22,7 +22,8 @@ A request through a prefill side, in the worker loop's order:
 and through a decode side:
 
     blocks, tail = side.read(msg, out, t)   # "handoff_open", "kv_read"
-    ...                                     # first token, verification
+    ...                                     # first token
+    ok = side.verify(blocks, tail, keys, want)    # every block and the tail: untimed
     side.ack(t)                             # "ack"
 
 Each method times its own stage into T, around exactly the core call the
@@ -42,6 +43,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from tract_cli.bench.standin import BlockCrcs, same
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import PENDING_WAIT_S, Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_STORED
@@ -181,17 +183,18 @@ class ZeroCopyPrefill(_PoolPrefill):
         self._status, self._slots = self.pool.index.reserve(miss, pin=True)
         t["kv_write"] = time.perf_counter() - c
 
+    def connect(self, index, decode_ports):
+        self._rows = slot_rows(self.pool)
+
     def compute_into(self, kv, hits):
-        # the compute's own stores into the slots it computes into: the keys,
-        # and in full the blocks the decode side checks (the first and last)
-        n = len(kv)
-        for i in np.flatnonzero(self._status == PUT_CLAIMED):
-            pos = hits + int(i)
-            dst = self.pool.slot_bytes(int(self._slots[i]))
-            if pos in (0, n - 1):
-                dst[:] = kv[pos]
-            else:
-                dst[:16] = kv[pos, :16]
+        # the compute's own output, stored into the slots it computes into
+        # (what a GPU's kernels write there): every block it claimed, in full
+        # (one scatter), so that the decode side can check every block
+        mine = np.flatnonzero(self._status == PUT_CLAIMED)
+        if mine.size == len(self._status):               # the usual case: a view, no gather
+            self._rows[self._slots] = kv[hits:]
+        elif mine.size:
+            self._rows[self._slots[mine]] = kv[hits + mine]
 
     def write(self, miss, kv_miss, t):
         c = time.perf_counter()
@@ -254,6 +257,15 @@ class DecodeSide(ABC):
         """The request's (blocks, tail) as the decode side now has them (each
         transport's own)."""
 
+    def verify(self, blocks, tail: np.ndarray, keys: np.ndarray, want: np.ndarray) -> bool:
+        """Whether every block and the tail hold what the prefill side made
+        (WANT: the request's stand-in KV, its blocks then its tail; KEYS its
+        blocks' keys): here, the blocks in private memory, compared byte for
+        byte in one vectorized comparison (no copy), the tail likewise.  Run
+        after the first token's time is taken, before the ack: not timed."""
+        n = len(keys) * self.block_bytes
+        return same(blocks.reshape(-1), want[:n]) and same(tail, want[n:])
+
     def ack(self, t: dict) -> None:
         """After the first token: the handoff given back (its blocks unpinned)."""
 
@@ -296,16 +308,26 @@ class ZeroCopyDecode(_PoolDecode):
     """tract-zero-copy: views of the pinned slots (attended in place); the
     tail is copied (it is a partial block)."""
 
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.crcs = BlockCrcs(self.block_bytes)          # at start: milliseconds
+
     def read(self, msg, out, t):
-        n = msg["blocks"]
         rec, tail = self._open(msg, out, t)
         c = time.perf_counter()
-        views = self.pool.handoffs.views(rec)
-        blocks = [views[i].view(np.uint8) if i in (0, n - 1) else None for i in range(n)]
-        del views
+        views = self.pool.handoffs.views(rec)            # a block table: O(1)
         self.pool.handoffs.copy_tail(rec, tail)
         t["kv_read"] = time.perf_counter() - c
-        return blocks, tail
+        return views, tail
+
+    def verify(self, blocks, tail, keys, want):
+        """The blocks where they are, in the pinned slots: each slot's CRC-32C
+        (one C call over the request's slots, in place, no copy) against the
+        CRC its block must have (from its key and index, `BlockCrcs`); the
+        tail byte for byte."""
+        got, crcs = self.pool.checksum_slots(blocks.slots), self.crcs.of(keys)
+        return got.shape == crcs.shape and bool((got == crcs).all()) and \
+            same(tail, want[len(keys) * self.block_bytes:])
 
 
 class TcpDecode(DecodeSide):
@@ -339,6 +361,16 @@ class TcpDecode(DecodeSide):
         for c in self.who.values():
             c.close()
         self.srv.close()
+
+
+def slot_rows(pool) -> np.ndarray:
+    """A writable uint8 view of every slot's block, shaped (slot_count,
+    block_bytes): `rows[slots] = blocks` stores a batch into its slots in one
+    scatter (no Python loop per block)."""
+    area = pool.slots_array()
+    return np.lib.stride_tricks.as_strided(area.view(np.uint8),
+                                           (pool.slot_count, pool.info.block_bytes),
+                                           (area.strides[0], 1))
 
 
 # transport -> (prefill side, decode side)

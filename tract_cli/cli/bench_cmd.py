@@ -300,6 +300,15 @@ def _render(res, described, profile, compute_text, pw, dw):
               f"{format_duration(res.memcpy_2x_s)} (same run). Prefix cache: {res.unique_blocks} "
               f"distinct blocks, {res.pool_slots} slots; offline LRU simulation hit rate "
               f"{100 * res.sim_hit_rate:.1f}% ({res.sim_evictions} evictions).")
+    checked = [s for s in res.summaries if s.get("verify_s")]
+    if checked:
+        worst = max(checked, key=lambda s: s["verify_s"]["mean"])
+        out.print("verified: every block and the tail of every request hold exactly what its "
+                  "prefill side made (byte for byte; zero-copy: each slot's CRC-32C, in place), "
+                  "checked after its first token, in no timed stage: at most "
+                  f"{format_duration(worst['verify_s']['mean'])} a request on average "
+                  f"({worst['transport']}"
+                  f"{'' if worst.get('group') is None else ' at input ' + str(worst['group'])}).")
     notes = res.extra.get("load_notes", {})
     if notes:
         (label, note), rest = next(iter(notes.items())), list(notes)[1:]
