@@ -39,7 +39,7 @@ struct tract_ops {
  * in it is ever read by another host.
  */
 #define TRACT_LOCAL_MAGIC 0x434f4c5443415254ULL /* "TRACTLOC" */
-#define TRACT_LOCAL_VERSION 6
+#define TRACT_LOCAL_VERSION 7   /* 7: the region's origin in the header */
 
 /*
  * The per-process journal in the node-local segment (journal.c): what each
@@ -114,6 +114,9 @@ struct tract_local_hdr {
 	uint64_t intent_base;   /* their position in the free list */
 	pthread_mutex_t agent_mu __attribute__((aligned(64)));
 	pthread_mutex_t alloc_mu __attribute__((aligned(64)));
+	/* where the region lives (version 7): written once, before the segment
+	 * is published under its name, and only read after (tract_local_describe) */
+	struct tract_local_origin origin __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
 
 struct tract_region {
@@ -416,6 +419,7 @@ static inline uint64_t tract_key_home(const tract_region *r, const uint8_t *key)
 void tract_journal_open(tract_region *r);
 void tract_journal_close(tract_region *r);
 uint64_t tract_journal_size(void);
+uint32_t tract_journal_pids_of(const struct tract_local_hdr *h, uint32_t *out, uint32_t cap);
 void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_t dpins);
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			  uint8_t claimed, const uint32_t *slots, int forget);

@@ -400,16 +400,26 @@ int tract_journal_pids(const tract_region *r, uint32_t *out, uint32_t cap, uint3
 	*n = 0;
 	if (!r->local || !r->local->journal_off)
 		return TRACT_E_NO_LOCAL;
-	const struct tract_journal_proc *p = procs(r);
+	*n = tract_journal_pids_of(r->local, out, cap);
+	return TRACT_OK;
+}
+
+/* the pids the journal of segment H names, up to cap of them in out; returns
+ * how many it names (internal) */
+uint32_t tract_journal_pids_of(const struct tract_local_hdr *h, uint32_t *out, uint32_t cap)
+{
+	const struct tract_journal_proc *p =
+		(const struct tract_journal_proc *)((const uint8_t *)h + h->journal_off);
+	uint32_t n = 0;
 	for (uint32_t e = 0; e < TRACT_JOURNAL_PROCS; e++) {
 		uint32_t pid = __atomic_load_n(&p[e].pid, __ATOMIC_ACQUIRE);
 		if (!pid)
 			continue;
-		if (*n < cap)
-			out[*n] = pid;
-		(*n)++;
+		if (n < cap)
+			out[n] = pid;
+		n++;
 	}
-	return TRACT_OK;
+	return n;
 }
 
 /* whether a journal entry of this node names pid (internal) */

@@ -28,16 +28,23 @@ uint64_t tract_local_size(const tract_region *r)
 	       up64(tract_sim_cache_size());
 }
 
-/* Initializes a fresh, zeroed local segment for this region and the handle's node. */
-int tract_local_init(void *mem, uint64_t size, const tract_region *r)
+/* Initializes a fresh, zeroed local segment for this region and the handle's
+ * node, recording ORIGIN (NULL: unknown). */
+int tract_local_init(void *mem, uint64_t size, const tract_region *r,
+		     const struct tract_local_origin *origin)
 {
 	if (!mem || !r || size < tract_local_size(r))
+		return TRACT_E_INVAL;
+	if (origin && (origin->kind > TRACT_LOCAL_REGION_DEVICE ||
+		       !memchr(origin->path, 0, sizeof(origin->path))))
 		return TRACT_E_INVAL;
 	struct tract_local_hdr *h = mem;
 	memset(h, 0, sizeof(*h));
 	h->version = TRACT_LOCAL_VERSION;
 	h->node = r->node_id;
 	memcpy(h->region_uuid, r->hdr.uuid, 16);
+	if (origin)
+		h->origin = *origin;
 	h->lock_count = r->hdr.lock_count;
 	h->slot_count = r->hdr.slot_count;
 	h->locks_off = up64(sizeof(*h));
@@ -79,6 +86,31 @@ int tract_bind_local(tract_region *r, void *mem, uint64_t size)
 		tract_sim_bind(r, (uint8_t *)mem + h->sim_off);
 	else if (!(r->flags & TRACT_ATTACH_READONLY))
 		tract_sim_flush_node(r, (uint8_t *)mem + h->sim_off);
+	return TRACT_OK;
+}
+
+/* What a local segment says of itself, read without binding it. */
+int tract_local_describe(const void *mem, uint64_t size, struct tract_local_desc *out,
+			 uint32_t *pids, uint32_t cap)
+{
+	if (!mem || !out || (cap && !pids))
+		return TRACT_E_INVAL;
+	memset(out, 0, sizeof(*out));
+	const struct tract_local_hdr *h = mem;
+	/* magic, version, node and uuid sit where every version had them */
+	if (size < 32 || __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != TRACT_LOCAL_MAGIC)
+		return TRACT_E_NOT_FORMATTED;
+	out->version = h->version;
+	out->node = h->node;
+	memcpy(out->region_uuid, h->region_uuid, 16);
+	if (h->version != TRACT_LOCAL_VERSION)
+		return TRACT_E_VERSION;
+	if (size < sizeof(*h) || h->journal_off < sizeof(*h) ||
+	    h->journal_off > size || size - h->journal_off < tract_journal_size() ||
+	    !memchr(h->origin.path, 0, sizeof(h->origin.path)))
+		return TRACT_E_NOT_FORMATTED;
+	out->origin = h->origin;
+	out->pid_count = tract_journal_pids_of(h, pids, cap);
 	return TRACT_OK;
 }
 

@@ -352,8 +352,45 @@ int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uin
 /* Bytes a node-local segment needs for this region. */
 uint64_t tract_local_size(const tract_region *r);
 
-/* Initializes a fresh, zeroed local segment for this region and the handle's node. */
-int tract_local_init(void *mem, uint64_t size, const tract_region *r);
+/* Where a segment's region lives, as the process that created the segment
+ * saw it: what tells, once no process uses the segment, whether its region
+ * is gone (the segment is then garbage: tract_local_describe). */
+#define TRACT_LOCAL_PATH_MAX 4096
+enum {
+	TRACT_LOCAL_REGION_UNKNOWN = 0,   /* never judged gone */
+	TRACT_LOCAL_REGION_FILE = 1,      /* gone once its path holds no region of its uuid */
+	TRACT_LOCAL_REGION_DEVICE = 2,    /* a device (device-DAX): never gone */
+};
+struct tract_local_origin {
+	uint32_t kind;                    /* TRACT_LOCAL_REGION_* */
+	uint32_t reserved;
+	uint64_t pid_ns;                  /* inode of the creator's pid namespace (0: unknown) */
+	uint64_t mnt_ns;                  /* and of its mount namespace, which the path is in */
+	char path[TRACT_LOCAL_PATH_MAX];  /* the region's absolute path, NUL-terminated */
+};
+
+/* Initializes a fresh, zeroed local segment for this region and the handle's
+ * node; ORIGIN (NULL: unknown) names its region (a path without its NUL
+ * within TRACT_LOCAL_PATH_MAX: TRACT_E_INVAL). */
+int tract_local_init(void *mem, uint64_t size, const tract_region *r,
+		     const struct tract_local_origin *origin);
+
+/* What a local segment says of itself, read without binding it (by whoever
+ * decides whether a segment is garbage): its layout version, node, region
+ * and origin, and the pids its journal names (up to cap of them in pids;
+ * pid_count: all).  TRACT_E_NOT_FORMATTED: not a whole segment (no magic,
+ * too short); TRACT_E_VERSION: another layout version (version, node and
+ * region_uuid are filled, the rest is not). */
+struct tract_local_desc {
+	uint32_t version;
+	uint32_t node;
+	uint8_t region_uuid[16];
+	uint32_t pid_count;
+	uint32_t reserved;
+	struct tract_local_origin origin;
+};
+int tract_local_describe(const void *mem, uint64_t size, struct tract_local_desc *out,
+			 uint32_t *pids, uint32_t cap);
 
 /* Binds an initialized local segment to the handle (checks magic, region, node). */
 int tract_bind_local(tract_region *r, void *mem, uint64_t size);

@@ -1,10 +1,12 @@
 """Who starts an agent decides when it stops, and a launched agent runs this
 copy of TraCT: workers' agents stop once their node is idle (nothing of them
 stays running or mapped), an agent started by hand runs until stopped, every
-agent stops when its region file is removed, and a checkout in the working
+agent stops once its region file is removed and no process of its node runs
+(nothing of the region stays in /dev/shm), and a checkout in the working
 directory is never what a child process imports."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -15,11 +17,12 @@ import time
 
 import pytest
 
-from procs import wait_for
+from procs import Worker, wait_for
 from servers import Server, request
 from tract_cli.core import spawn
 from tract_cli.core.agent_launch import ensure_agent
-from tract_cli.core.local import local_path
+from tract_cli.core.local import local_dir, local_path
+from tract_cli.core.locks import LOCK_OBJDIR
 from tract_cli.core.medium import processes_using
 from tract_cli.core.nodes import read_nodes
 from tract_cli.core.pids import pid_alive
@@ -159,30 +162,101 @@ def test_a_hand_started_agent_runs_on_while_a_workers_agent_stops(region_path):
     assert "stopped" in hand.stderr.read()
 
 
+def region_files(uuid: str) -> list[str]:
+    """What the region UUID has in the local segments' directory (/dev/shm)."""
+    return sorted(glob.glob(os.path.join(local_dir(), f"tract-{uuid}-*")))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.mark.parametrize("started", ["by a worker", "by hand"])
-def test_an_agent_stops_when_its_region_file_is_removed(region_path, started):
+def test_an_agent_stops_when_its_region_file_is_removed_and_its_node_is_unused(
+        region_path, tmp_path, started):
     Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
     with Pool.attach(region_path, readonly=True, prefault=False) as p:
         uuid = p.info.uuid
+    log = str(tmp_path / "agent.log")
+    # (the lock manager: an agent's first recovery pass waits for locks none would grant)
     if started == "by hand":
-        proc = subprocess.Popen([*TRACT, "agent", "--pool", region_path, "--node", "0"],
-                                stderr=subprocess.PIPE, text=True)
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([*TRACT, "agent", "--pool", region_path, "--node", "0",
+                                     "--manager"], stderr=f)
         _wait(lambda: nodes(region_path)[0].agent_pid == proc.pid, "the agent did not start")
     else:
-        # a worker attached to the node: idleness alone would not stop it
-        worker = Pool.attach(region_path, node=0, prefault=False)
-        proc = ensure_agent(region_path, 0, idle_exit=3600)
+        proc = ensure_agent(region_path, 0, manager=True, idle_exit=3600, log_path=log)
+    # a process of the node (this one): the agent stays while it runs
+    worker = Pool.attach(region_path, node=0, prefault=False)
     os.unlink(region_path)
     try:
-        assert proc.wait(timeout=WAIT_S) == 0
+        _wait(lambda: "is gone" in _read(log), "the agent did not see its region file removed")
+        assert proc.poll() is None and os.path.exists(local_path(uuid, 0)), _read(log)
     finally:
-        if started == "by a worker":
-            worker.close()
-    if started == "by hand":
-        assert "was removed" in proc.stderr.read()
-    assert not os.path.exists(local_path(uuid, 0))
+        worker.close()
+    assert proc.wait(timeout=WAIT_S) == 0, _read(log)
+    assert "stopped: the region file" in _read(log)
+    assert not region_files(uuid)
     _wait(lambda: not processes_using(region_path), "processes still map the removed region")
     remove_region(region_path)
+
+
+@pytest.mark.parametrize("removed", ["before the workers stop", "after the workers stop"])
+def test_nothing_of_a_removed_region_stays_once_its_processes_are_stopped(
+        region_path, tmp_path, removed):
+    """Workers on nodes 1 and 2, each node with its agent (node 1's runs the
+    lock manager); node 0 had a process once (the one that made the region)
+    and never an agent.  One worker is killed (SIGKILL), the other stopped
+    (SIGTERM); the region file is removed (rm) while they run or after.
+    Once they are stopped the agents stop, and nothing of the region stays
+    in /dev/shm: their own nodes' segments, node 0's too."""
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    with Pool.attach(region_path, readonly=True, prefault=False) as p:
+        uuid = p.info.uuid
+    logs = {n: str(tmp_path / f"agent{n}.log") for n in (1, 2)}
+    agents = {1: ensure_agent(region_path, 1, manager=True, idle_exit=3600, log_path=logs[1]),
+              2: ensure_agent(region_path, 2, idle_exit=3600, log_path=logs[2])}
+    workers = {}
+    try:
+        workers = {n: Worker(region_path, n) for n in (1, 2)}
+        assert region_files(uuid) == sorted(local_path(uuid, n) for n in (0, 1, 2))
+        if removed == "before the workers stop":
+            os.unlink(region_path)
+            for n in (1, 2):
+                _wait(lambda: "is gone" in _read(logs[n]),
+                      f"node {n}'s agent did not see the region file removed")
+            # the agents stay for the workers, which go on: the manager grants
+            for n, w in workers.items():
+                w.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=30)
+                w.call("lock_release", lock_id=LOCK_OBJDIR)
+                assert agents[n].poll() is None, _read(logs[n])
+            # (node 0's, which no process uses, any sweep on this host may take)
+            assert {local_path(uuid, 1), local_path(uuid, 2)} <= set(region_files(uuid))
+        workers[1].proc.kill()
+        workers[2].proc.send_signal(signal.SIGTERM)
+        for w in workers.values():
+            w.proc.wait(timeout=WAIT_S)
+        if removed == "after the workers stop":
+            os.unlink(region_path)
+        for n, a in agents.items():
+            _wait(lambda: a.poll() is not None, f"node {n}'s agent did not stop: {_read(logs[n])}")
+            assert a.returncode == 0 and "stopped: the region file" in _read(logs[n]), \
+                _read(logs[n])
+        _wait(lambda: not region_files(uuid),
+              "files of the removed region stay in /dev/shm: " + ", ".join(region_files(uuid)))
+        _wait(lambda: not processes_using(region_path), "processes still map the removed region")
+    finally:
+        for w in workers.values():
+            w.kill()
+            w.close()
+        for a in agents.values():
+            if a.poll() is None:
+                a.kill()
+                a.wait(timeout=30)
 
 
 def test_decode_health_waits_for_a_prefill_worker_then_the_first_request_succeeds(region_path):

@@ -166,7 +166,7 @@ int main(void)
 	if (!local)
 		return 2;
 	memset(local, 0, lsize);
-	if ((rc = tract_local_init(local, lsize, region)) || (rc = tract_bind_local(region, local, lsize)))
+	if ((rc = tract_local_init(local, lsize, region, NULL)) || (rc = tract_bind_local(region, local, lsize)))
 		return fprintf(stderr, "local segment: %d\n", rc), 2;
 	if ((rc = tract_manager_start(region, 1000 * 1000, &manager)))
 		return fprintf(stderr, "tract_manager_start: %d\n", rc), 2;

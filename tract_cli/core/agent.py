@@ -11,7 +11,8 @@ and reclaims expired handoffs (on the manager node).  An agent started with
 `idle_exit_s` (by a worker, `core/agent_launch.py`) stops by itself once its
 node has had no attached process for that long (and, on the manager node, no
 other node has a live agent), an agent started by hand runs until stopped;
-every agent stops at once when its region file is removed
+every agent stops once its region file is gone and no process of its node
+uses the region, and then removes its node's local segment
 (docs/PROTOCOLS.md §7).
 
 `run_foreground` runs one in this process until a signal: what `tract agent`
@@ -25,14 +26,14 @@ import json
 import logging
 import os
 import signal
-import stat
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
 from tract_cli.core.errors import LockTimeout, NodeAlive, Superseded, TractError, UsageError
-from tract_cli.core.local import local_path
+from tract_cli.core.local import local_path, region_holds, sweep_segments
+from tract_cli.core.medium import processes_mapping
 from tract_cli.core.native import ffi, lib, raise_for
 from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NODE_ALIVE,
                                   NODE_LEFT, VERDICT_CLAIMS, VERDICT_PINS, VERDICT_SLOTS,
@@ -58,6 +59,10 @@ TAKEOVER_STAGGER_S = 0.5     # per standby ranked before this one: one candidate
 # enough that no live host's pause (a VM migration, a swap storm) reaches it,
 # short enough that the rack does not wait long on a lock a dead host held
 HOST_DEAD_AFTER_S = 10.0
+# once its region file is gone, how often an agent whose node's journal names
+# no live process looks for one that maps the node's segment all the same (a
+# walk of every process's maps)
+GONE_MAPS_S = 1.0
 
 # what the agent says (started, stopped, manager taken over or given up, what
 # recovery gave back, failed steps); nothing is shown unless the process shows
@@ -118,7 +123,17 @@ class Agent:
         self._watch = None                 # (node, manager heartbeat seen, monotonic when it changed)
         self._said_alive = False
         self._path = pool_path
-        self._identity = _file_identity(pool_path)
+        # a region file's inode, held to see it unlinked (st_nlink 0); a
+        # device is never gone
+        self._file = self.pool.target.kind == "file"
+        self._gone = False                 # the region file is gone (it never comes back)
+        self._region_fd = None
+        if self._file:
+            try:
+                self._region_fd = os.open(pool_path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                self._gone = True          # gone since it was attached
+        self._maps_at = 0.0                # when the node segment's mappers were last looked for
         self._busy_at = time.monotonic()   # when the node was last seen with a process
         self._sweep_cursor = 0             # the payload sweep's next slot
         self.swept_slots = 0
@@ -176,7 +191,16 @@ class Agent:
         except BaseException:
             self.stop()
             raise
+        self._sweep("at start")
         return self
+
+    def _sweep(self, when: str) -> None:
+        """Removes the local segments regions that are gone left behind
+        (`local.sweep_segments`), and says so."""
+        removed = sweep_segments()
+        if removed:
+            self._log(logging.INFO, "%s: removed %d local segment(s) whose region is gone and "
+                      "that no process uses: %s", when, len(removed), ", ".join(removed))
 
     def _refuse_while_fenced_processes_run(self, me) -> None:
         """The node's previous agent epoch was declared dead: its processes,
@@ -303,23 +327,63 @@ class Agent:
         me = os.getpid()
         return [int(p) for p in pids[0:min(int(n[0]), cap)] if p != me and pid_alive(int(p))]
 
+    def region_gone(self) -> bool:
+        """Whether the region file is gone: unlinked (its inode has no name
+        left), or its path holds anything but this region (removed,
+        replaced, reformatted, moved away).  A device is never gone."""
+        if self._gone or not self._file or self._region_fd is None:
+            return self._gone
+        try:
+            gone = os.fstat(self._region_fd).st_nlink == 0 or \
+                region_holds(self._path, self.pool.info.uuid) is False
+        except OSError:
+            return False
+        if gone:
+            self._gone = True
+            self._log(logging.WARNING, "the region file %s is gone: nothing can attach to the "
+                      "region again; stopping once no process uses node %d%s", self._path,
+                      self.node, " and no other node's agent runs" if self.managing else "")
+        return gone
+
+    def _others_agent_alive(self) -> bool:
+        """Whether another node's agent is alive (the lock manager serves
+        every node: it stays while one is)."""
+        return any(r.node != self.node and r.alive() and
+                   not (on_this_host(r) and not pid_alive(r.agent_pid))
+                   for r in read_nodes(self.pool))
+
+    def _node_unused(self) -> bool:
+        """Whether no process but this agent uses the node: none its journal
+        names lives, and (looked at once a GONE_MAPS_S at most) none maps its
+        local segment (a handle beyond the journal's entries)."""
+        if self.node_processes():
+            return False
+        now = time.monotonic()
+        if now - self._maps_at < GONE_MAPS_S:
+            return False
+        self._maps_at = now
+        seg = local_path(self.pool.info.uuid, self.node)
+        me = os.getpid()
+        return not [p for p in processes_mapping([seg], writable=True)[seg] if p != me]
+
     def _why_exit(self) -> str | None:
         """Why this agent should stop by itself now, or None."""
-        if self._identity is not None and _file_identity(self._path) != self._identity:
-            return f"the region file {self._path} was removed"
+        if self.region_gone():
+            # nothing can attach again, but what runs still needs the node's
+            # agent (and the manager) until it stops
+            if not self._node_unused() or (self.managing and self._others_agent_alive()):
+                return None
+            return (f"the region file {self._path} is gone and no process uses node "
+                    f"{self.node}" + (" and no other node's agent runs" if self.managing else ""))
         if self.idle_exit_s is None:
             return None
         now = time.monotonic()
         if self.node_processes():
             self._busy_at = now
             return None
-        if self.managing:
-            # the manager serves every node: it stays while another node's agent lives
-            for r in read_nodes(self.pool):
-                if r.node != self.node and r.alive() and \
-                        not (on_this_host(r) and not pid_alive(r.agent_pid)):
-                    self._busy_at = now
-                    return None
+        if self.managing and self._others_agent_alive():
+            self._busy_at = now
+            return None
         if now - self._busy_at >= self.idle_exit_s:
             return (f"no process on node {self.node} for {self.idle_exit_s:g} s"
                     + (" and no other node's agent alive" if self.managing else ""))
@@ -520,25 +584,16 @@ class Agent:
             finally:
                 lib.tract_agent_unlock(self.pool._r())
                 self._locked = False
-        gone = self._identity is not None and _file_identity(self._path) != self._identity
-        uuid = self.pool.info.uuid
+        # the region gone and its node unused (stopped by a signal too): its
+        # segment is garbage, and so are other nodes' that no agent removes
+        gone = not self.pool.closed and self.region_gone()
         if not self.pool.closed:
             self.pool.close()
+        if self._region_fd is not None:
+            os.close(self._region_fd)
+            self._region_fd = None
         if gone:
-            # the region is gone: nothing can attach to this node's segment again
-            try:
-                os.unlink(local_path(uuid, self.node))
-            except OSError:
-                pass
-
-
-def _file_identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of a region file, None for a device or a missing path."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+            self._sweep("stopping")
 
 
 @dataclass(frozen=True)

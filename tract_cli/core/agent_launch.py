@@ -140,6 +140,8 @@ class AgentWatch:
                 if start_node_agent(self.pool_path, self.node, **self.attach) is not None:
                     self.restarts += 1
             except TractError as err:     # the next period tries again
+                if not os.path.exists(self.pool_path):
+                    return                # the region is gone: no agent can start for it
                 logging.getLogger("tract.worker").warning(
                     "node %d's agent is not running and could not be started: %s", self.node, err)
             except OSError:               # the region is gone: nothing to keep

@@ -292,3 +292,37 @@ def processes_using(path: str) -> list[int]:
         if proc.pid != me and maps and any(m.path == real for m in maps):
             pids.append(proc.pid)
     return sorted(pids)
+
+
+def processes_mapping(paths, writable: bool = False) -> dict[str, list[int]]:
+    """For each of PATHS (files that exist), the pids that map *that* file
+    (WRITABLE: for writing), this one's included: a mapping of a file
+    unlinked since, even one that had the same name, is another file's (the
+    kernel shows it "(deleted)").
+
+    Reads /proc/<pid>/maps (cheaper than psutil's smaps): a process whose
+    maps are not ours to read is skipped, as in `processes_using`, so a
+    caller that must not miss a user checks its pids too (a segment's
+    journal)."""
+    want = {os.fsencode(os.path.realpath(p)): p for p in paths}
+    found: dict[str, list[int]] = {p: [] for p in paths}
+    if not want:
+        return found
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/maps", "rb") as f:
+                maps = f.read()
+        except OSError:
+            continue                  # gone meanwhile, or not ours to read
+        if not any(w in maps for w in want):
+            continue
+        seen = set()
+        for line in maps.splitlines():
+            fields = line.split(None, 5)      # address perms offset dev inode path
+            if len(fields) == 6 and fields[5] in want and fields[5] not in seen and \
+                    (not writable or b"w" in fields[1]):
+                seen.add(fields[5])
+                found[want[fields[5]]].append(int(name))
+    return found

@@ -168,7 +168,9 @@ class Pool:
             if prefault:
                 raise_for(lib.tract_prefault(base, info.region_size, 0 if readonly else 1), path)
             if local and not readonly:
-                segment = LocalSegment.open_or_create(region, info.uuid, node, sharing_of(path))
+                segment = LocalSegment.open_or_create(region, info.uuid, node, sharing_of(path),
+                                                      region_path=path,
+                                                      device=target.kind == "devdax")
         except BaseException:
             if region != ffi.NULL:
                 lib.tract_detach(region)

@@ -234,16 +234,22 @@ def format_region(path: str, size: int | None, opts: FormatOptions, force: bool 
         if created:
             os.unlink(path)
         raise
+    # what regions removed since left behind (a natural moment: a user who
+    # makes regions is one who removes them)
+    from tract_cli.core.local import sweep_segments
+    sweep_segments()
     return decode_header(hdr)
 
 
 def remove_region(path: str) -> None:
-    """Removes a region file and its nodes' local segments (no-op if absent)."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb") as f:
-        head = f.read(32)
-    if head[:8] == b"TRACTPOL":
-        from tract_cli.core.local import remove_segments
-        remove_segments(str(uuidlib.UUID(bytes=head[16:32])))
-    os.unlink(path)
+    """Removes a region file and its nodes' local segments (the region's own,
+    whoever still maps them: nothing can attach to it again), then the
+    segments other regions left behind (`local.sweep_segments`)."""
+    from tract_cli.core.local import remove_segments, sweep_segments
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            head = f.read(32)
+        os.unlink(path)         # first: no process attaches and makes a segment after
+        if head[:8] == b"TRACTPOL":
+            remove_segments(str(uuidlib.UUID(bytes=head[16:32])))
+    sweep_segments()
