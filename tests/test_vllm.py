@@ -8,7 +8,10 @@ another), on a tiny random-weight checkpoint made locally.  They are shared
 by the module (the prefill and decode instances) and by the session (the
 checkpoint, and the monolithic vLLM that tests/test_vllm_faults.py compares
 with too): three engines start together once (~1.5 min on two cores).  Every
-answer is compared with a monolithic vLLM (no connector) at temperature 0.
+answer is compared with a monolithic vLLM's (no connector) at temperature 0, by
+the logprobs of its tokens' top candidates (`tests.vllm_stack.answer_gap`), on
+a model whose answers move with every block of the prompt (tests/vllm_model.py):
+wrong KV shows (tests/test_vllm_faults.py has the negative control).
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from tests.servers import request
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.pool import Pool
-from tests.vllm_stack import (ARGS, VLLM_PY, complete, external_hits, port, prefill_params,
-                              remove_vllm_debris, server_model, shm_names, start_stack,
-                              stop_stack, tokens_by_source, wait_until_released)
+from tests.vllm_stack import (ANSWER_FIELDS, ARGS, VLLM_PY, assert_answers_as_mono, complete,
+                              external_hits, port, prefill_params, remove_vllm_debris,
+                              server_model, shm_names, start_stack, stop_stack, tokens_by_source,
+                              wait_until_released)
 
 PROMPT = "Prefill computes the prompt's KV cache; decode reads it one token at a time. "
 
@@ -55,7 +59,7 @@ def test_decode_through_the_pool_answers_as_one_vllm(stack, repeat):
     external = tokens_by_source(stack["decode"], "external_kv_transfer")
     local = tokens_by_source(stack["decode"], "local_compute")
     out = complete(stack["decode"], prompt, kv_transfer_params=params)
-    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert_answers_as_mono(stack, prompt, out)
     n = out["usage"]["prompt_tokens"]
     assert ticket["tokens"] == n and ticket["blocks"] == -(-n // 16)
     # every prompt token came from the pool, none was computed by the decode instance
@@ -69,7 +73,7 @@ def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):
     hits = external_hits(stack["decode"])
     prompt = head + "A prefix cache reuses the blocks of prompts that start alike."
     out = complete(stack["decode"], prompt)
-    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert_answers_as_mono(stack, prompt, out)
     n_head = complete(stack["mono"], head, 1)["usage"]["prompt_tokens"]
     assert external_hits(stack["decode"]) - hits >= n_head // 16 * 16 > 0
 
@@ -95,7 +99,7 @@ def test_a_block_failing_its_checksum_is_recomputed(stack):
         del view
     local = tokens_by_source(stack["decode"], "local_compute")
     out = complete(stack["decode"], prompt, kv_transfer_params=params)
-    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert_answers_as_mono(stack, prompt, out)
     # the bad block's vLLM page (128 tokens: the whole prompt) was computed again
     assert tokens_by_source(stack["decode"], "local_compute") - local == \
         out["usage"]["prompt_tokens"]
@@ -108,7 +112,7 @@ def test_a_handoff_gone_before_decode_is_recomputed(stack):
     with Pool.attach(stack["pool"], node=3) as pool:    # as the agent's expiry would
         pool.handoffs.ack(Ticket.from_dict(params["tract_ticket"]))
     out = complete(stack["decode"], prompt, kv_transfer_params=params)
-    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert_answers_as_mono(stack, prompt, out)
     assert "is not published (acknowledged, expired" in open(stack["tmp"] / "decode.log").read()
 
 
@@ -124,7 +128,7 @@ def test_a_hostile_ticket_is_computed_never_fatal(stack, ticket):
     prompt = "A ticket from the network is input like any other. " * 3
     out = complete(stack["decode"], prompt, kv_transfer_params={
         "do_remote_prefill": True, "tract_ticket": ticket})
-    assert out["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+    assert_answers_as_mono(stack, prompt, out)
 
 
 def test_another_prompts_ticket_loads_nothing_of_it(stack):
@@ -139,11 +143,11 @@ def test_another_prompts_ticket_loads_nothing_of_it(stack):
     thief = list(range(20, 20 + n))
     external = tokens_by_source(stack["decode"], "external_kv_transfer")
     out = complete(stack["decode"], thief, kv_transfer_params=params)
-    assert out["choices"][0]["text"] == complete(stack["mono"], thief)["choices"][0]["text"]
+    assert_answers_as_mono(stack, thief, out)
     assert tokens_by_source(stack["decode"], "external_kv_transfer") == external
     # the victim's handoff is intact: its own decode still loads it
     mine = complete(stack["decode"], victim, kv_transfer_params=params)
-    assert mine["choices"][0]["text"] == complete(stack["mono"], victim)["choices"][0]["text"]
+    assert_answers_as_mono(stack, victim, mine)
     assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == n
 
 
@@ -169,9 +173,9 @@ def test_front_door_runs_the_two_step_flow_over_http(stack):
         external = tokens_by_source(stack["decode"], "external_kv_transfer")
         status, body = request(url + "/v1/completions", {
             "model": server_model(stack["decode"]), "prompt": prompt, "max_tokens": 12,
-            "temperature": 0})
+            "temperature": 0} | ANSWER_FIELDS)
         assert status == 200, body
-        assert body["choices"][0]["text"] == complete(stack["mono"], prompt)["choices"][0]["text"]
+        assert_answers_as_mono(stack, prompt, body)
         assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == \
             body["usage"]["prompt_tokens"]
     finally:

@@ -1,9 +1,13 @@
 """TraCT inside real vLLM under faults: every pool access of both instances
 through the non-coherence simulator, a pool too small for what is asked of it,
-and a prefill instance killed while requests are in flight.
+a prefill instance killed while requests are in flight, and the negative control
+of the answer comparison every vLLM test relies on: one block of a handoff made
+wrong in the pool changes the decode instance's answer beyond the tolerance.
 
 The region is small (24 MiB: ~2,300 blocks of 16 tokens) and handoffs expire
 after 4 s, so a full pool and an abandoned handoff both resolve within a test.
+These instances run without checksums (`"checksums": false`), so a wrong block is
+loaded as it is rather than recomputed: what the answer comparison has to catch.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import threading
 import numpy as np
 import pytest
 
-from tests.vllm_stack import (VLLM_PY, complete, prefill_params, remove_vllm_debris,
-                              shm_names, start_stack, stop_stack, tokens_by_source, vllm_shm,
-                              wait_until_released)
+from tests.vllm_stack import (VLLM_PY, answer_differences, assert_answers_as_mono, complete,
+                              prefill_params, remove_vllm_debris, shm_names, start_stack,
+                              stop_stack, tokens_by_source, vllm_shm, wait_until_released)
+from tract_cli.core.handoff import Ticket
+from tract_cli.core.pool import Pool
 from tract_cli.serve.vllm_engine import kill_vllm
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
@@ -27,10 +33,12 @@ TTL_S = 4.0
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory, vllm_checkpoint, vllm_mono):
-    """Prefill and decode instances of their own (the simulator, TTL_S), since a
-    test here kills one; the session's checkpoint and monolithic vLLM."""
+    """Prefill and decode instances of their own (the simulator, TTL_S, no
+    checksums), since a test here kills one; the session's checkpoint and
+    monolithic vLLM."""
     st = start_stack(tmp_path_factory.mktemp("vllm-sim"), "24M",
-                     {"handoff_ttl_s": TTL_S, "simulate": True}, name="vllm-sim",
+                     {"handoff_ttl_s": TTL_S, "simulate": True, "checksums": False},
+                     name="vllm-sim",
                      ckpt=vllm_checkpoint, mono=vllm_mono)
     try:
         yield st
@@ -52,8 +60,60 @@ def test_pd_through_the_simulator_answers_as_one_vllm(sim):
         params = prefill_params(sim, prompt)
         external = tokens_by_source(sim["decode"], "external_kv_transfer")
         out = complete(sim["decode"], prompt, kv_transfer_params=params)
-        assert out["choices"][0]["text"] == complete(sim["mono"], prompt)["choices"][0]["text"]
+        assert_answers_as_mono(sim, prompt, out)
         assert tokens_by_source(sim["decode"], "external_kv_transfer") - external == n
+
+
+# The negative control: a 400-token prompt (25 blocks of 16 tokens) handed off by
+# the prefill instance, and one block of the handoff made wrong in the pool before
+# the decode request.  Measured on this prompt (top-20 logprobs, 12 tokens): the
+# unchanged handoff answers exactly as one vLLM (gap 0); either garbling of block 12
+# moves the answer by ~2 nats (1.9 and 2.1), twenty times the tolerance (0.1).  Over
+# every middle block (1..22) of four such prompts the least either garbling moved it
+# was 0.16 nats.  What no answer can show: swapping the payloads of two blocks (K and
+# V together).  vLLM caches keys after RoPE, so they carry their positions, and
+# attention sums over the set of (key, value) pairs: that answer is exactly one
+# vLLM's (measured: gap 0).
+CONTROL_BLOCK = 12
+
+
+def shift_half_a_block(pool, slots):
+    """The block's tokens 8..15 also stand where its tokens 0..7 should (every layer,
+    K and V): a sub-block off by half a block."""
+    rows = pool.slot_array(slots[CONTROL_BLOCK])     # (layer, K|V, token, head, dim)
+    rows[:, :, :8] = rows[:, :, 8:].copy()
+
+
+def the_next_blocks_payload(pool, slots):
+    """The block holds the next block's KV: a slot list off by one at that block."""
+    pool.slot_bytes(slots[CONTROL_BLOCK])[:] = pool.slot_bytes(slots[CONTROL_BLOCK + 1])
+
+
+@pytest.mark.parametrize("garble", [shift_half_a_block, the_next_blocks_payload])
+def test_one_wrong_block_of_a_handoff_changes_the_answer(sim, garble):
+    prompt = prompt_ids(400, 12)
+    ref = complete(sim["mono"], prompt)
+
+    def handed_off(salt: str, make_wrong=None) -> dict:
+        # a salt of its own: neither instance's vLLM prefix cache nor the pool holds
+        # this prompt's blocks already, so the decode instance loads the handoff
+        params = prefill_params(sim, prompt, cache_salt=salt)
+        assert params["tract_ticket"]["blocks"] == 25
+        if make_wrong is not None:
+            with Pool.attach(sim["pool"], node=3) as pool:
+                rec = pool.handoffs.open(Ticket.from_dict(params["tract_ticket"]))
+                make_wrong(pool, [int(s) for s in rec.slots])  # in prompt block order
+        external = tokens_by_source(sim["decode"], "external_kv_transfer")
+        local = tokens_by_source(sim["decode"], "local_compute")
+        out = complete(sim["decode"], prompt, kv_transfer_params=params, cache_salt=salt)
+        # every prompt token came from the pool: the answer is the loaded blocks'
+        assert tokens_by_source(sim["decode"], "external_kv_transfer") - external == 400
+        assert tokens_by_source(sim["decode"], "local_compute") == local
+        return out
+
+    assert not answer_differences(handed_off(f"as-is-{garble.__name__}"), ref)
+    wrong = handed_off(f"wrong-{garble.__name__}", garble)
+    assert answer_differences(wrong, ref), "one wrong block did not change the answer"
 
 
 def test_a_full_pool_means_vllm_computes(sim):
@@ -66,8 +126,7 @@ def test_a_full_pool_means_vllm_computes(sim):
         params = body.get("kv_transfer_params")
         if not (params and "tract_ticket" in params):
             out = complete(sim["decode"], prompt, kv_transfer_params=params)
-            assert out["choices"][0]["text"] == \
-                complete(sim["mono"], prompt)["choices"][0]["text"]
+            assert_answers_as_mono(sim, prompt, out)
             break
         untaken += 1
     else:

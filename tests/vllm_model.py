@@ -1,8 +1,27 @@
 """A tiny random-weight Llama checkpoint and tokenizer for real-vLLM tests.
 
 Made locally in about a second (nothing from a hub): transformers' Llama with
-a few small layers in bf16, and a byte-level BPE trained by `tokenizers` on a
-few lines.  head_dim 32 is one of the CPU attention backend's head sizes.
+2 layers, hidden 128, 4 query heads over 2 KV heads of head_dim 32 (one of the
+CPU attention backend's head sizes) in bf16, and a byte-level BPE trained by
+`tokenizers` on a few lines.
+
+Its weights are drawn (seeded) so that the answer depends on the KV it reads:
+transformers' own init (std 0.02) gives nearly uniform attention whose output
+barely reaches the logits (top logprobs within a few hundredths of each other), so
+a garbled or misplaced block of the loaded KV left the greedy text unchanged.
+Here the query and key projections are scaled (QK_STD: attention logits spread
+over several units, each query weighs few keys); embeddings, values, attention
+output and MLP keep the residual stream at unit scale, so attention decides the
+last hidden state; the LM head spreads the logits (the top token's logprob is
+about -1.7).  Measured in vLLM (tests/vllm_stack.py compares answers by their
+top-20 logprobs): one wrong block of a 400-token prompt, any of its middle blocks,
+moves the answer by 0.16 nats at least, 1.2 in the median, and changes the greedy
+text itself in 160 of 176 cases.
+
+Whole-block permutations are invisible to any model: vLLM caches keys after
+RoPE, so the keys carry their positions, and attention is a sum over the set of
+(key, value) pairs.  Swapping the payload of two blocks (K and V together) leaves
+the answer exactly unchanged; it is a bug only for a later prefix-cache hit.
 
 Run in the vLLM environment: `python tests/vllm_model.py DIR`.
 """
@@ -17,6 +36,26 @@ CORPUS = [
     "A prefix cache reuses the KV blocks of prompts that start alike.",
     "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
 ]
+
+EMBED_STD = 1.0      # residual stream at unit scale
+QK_STD = 0.2         # attention logits' std ~ 128 * QK_STD**2 ~ 5: sharp attention
+VO_STD = 0.088       # 1/sqrt(hidden): values, attention output and MLP keep the scale
+LM_STD = 0.2         # logits' std ~ 2.3: a peaked next-token distribution
+
+
+def _init_weights(model, seed: int) -> None:
+    """Draws every weight matrix (norm weights stay 1) from one seeded generator,
+    in fp32 then cast, so the checkpoint is the same on every machine and run."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = (EMBED_STD if "embed_tokens" in name else
+                   QK_STD if ("q_proj" in name or "k_proj" in name) else
+                   LM_STD if name.startswith("lm_head") else VO_STD)
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
 def make_checkpoint(out_dir: str, layers: int = 2, hidden: int = 128, heads: int = 4,
@@ -42,8 +81,9 @@ def make_checkpoint(out_dir: str, layers: int = 2, hidden: int = 128, heads: int
                       head_dim=hidden // heads, max_position_embeddings=8192,
                       bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
                       torch_dtype="bfloat16")
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
+    model = LlamaForCausalLM(cfg)
+    _init_weights(model, seed)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
     return out_dir
 
 

@@ -35,6 +35,7 @@ from tract_cli.core.pool import Pool
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+CONNECTORS: list = []      # every connector made here (settle() waits for their releases)
 
 
 def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
@@ -62,9 +63,11 @@ def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
 def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
               extra: dict | None = None, **kw) -> Scheduler:
     config, kv = configs(ckpt, pool, num_blocks, role, extra, **kw)
-    return Scheduler(vllm_config=config, kv_cache_config=kv,
-                     structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
-                     log_stats=True)
+    s = Scheduler(vllm_config=config, kv_cache_config=kv,
+                  structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
+                  log_stats=True)
+    CONNECTORS.append(s.connector)
+    return s
 
 
 def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None):
@@ -79,6 +82,7 @@ def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None):
                               prefix=name, cache_config=config.cache_config)
             layer.isa = _get_attn_isa(torch.bfloat16, PAGE, 32, "auto")
     w = TractConnector(config, KVConnectorRole.WORKER, kv)
+    CONNECTORS.append(w)
     caches = {name: torch.zeros(num_blocks, 2, PAGE, 64, dtype=torch.bfloat16) for name in LAYERS}
     w.register_kv_caches(caches)
     return w, caches
@@ -134,16 +138,26 @@ def put_prompt(pool: Pool, tag: bytes, tokens: list[int], with_tail: bool = Fals
     pool.index.put(keys, kv, tokens=tok, checksum=True)
 
 
+def settle() -> None:
+    """Waits (bounded) until every connector made here has done its queued releases:
+    what the region shows is then what the connectors hold, not a release in flight."""
+    for conn in CONNECTORS:
+        assert conn.releases.drain(60), "a connector's releases were not done within 60 s"
+
+
 def pins(pool: Pool, *conns) -> int:
-    """The region's pin count once CONNS' queued releases are done (bounded)."""
+    """The region's pin count once every connector's queued releases are done."""
     from tract_cli.inspect.snapshot import take
-    for conn in conns:
-        assert conn.releases.drain(60), "the connector's releases were not done within 60 s"
+    settle()
     return take(pool)["index"]["pins_total"]
 
 
-def region(pool: Pool) -> dict:
+def region(pool: Pool, settled: bool = True) -> dict:
+    """Pins, PENDING entries and handoffs in flight (after settle(), unless SETTLED is
+    false: while locks are held on purpose, releases cannot finish)."""
     from tract_cli.inspect.snapshot import take
+    if settled:
+        settle()
     snap = take(pool)
     return {"pins": snap["index"]["pins_total"], "pending": snap["index"]["states"]["PENDING"],
             "handoffs": len(snap["handoffs"]["in_flight"])}
@@ -311,7 +325,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     with every_lock_held(pool):
         s8.update_from_output(out, output([], finished_recving={"slow"}))    # unpin
         wait_for(lambda: c8.releases.retries >= 1, "the unpin's first retry")
-        obs["timeouts_unpin_held"] = [pinned, region(pool)["pins"], c8.releases.pending()]
+        obs["timeouts_unpin_held"] = [pinned, region(pool, False)["pins"],
+                                      c8.releases.pending()]
     # ... commit: the save claims its blocks, the commit times out, the claims are
     # abandoned once the locks are free
     saved = list(range(8000, 8000 + 64))
@@ -327,7 +342,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     with every_lock_held(pool):
         w.wait_for_save()
         wait_for(lambda: w.releases.retries >= 1, "the abandon's first retry")
-        obs["timeouts_commit_pending_held"] = [region(pool)["pending"], w.releases.pending()]
+        obs["timeouts_commit_pending_held"] = [region(pool, False)["pending"],
+                                               w.releases.pending()]
     assert w.releases.drain(60) and c8.releases.drain(60), "releases not done within 60 s"
     obs["timeouts_after_unpin_commit"] = region(pool)
     obs["timeouts_retries"] = [c8.releases.retries, w.releases.retries]
@@ -355,7 +371,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     with every_lock_held(pool):
         w.start_load_kv(None)
         obs["timeouts_ack_errors"] = sorted(w.get_block_ids_with_load_errors())
-        obs["timeouts_ack_record_held"] = region(pool)["handoffs"]
+        obs["timeouts_ack_record_held"] = region(pool, False)["handoffs"]
     assert w.releases.drain(60), "the acknowledgement was not done within 60 s"
     obs["timeouts_after_ack"] = region(pool)
 
