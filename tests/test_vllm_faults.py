@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from tests.vllm_stack import (VLLM_PY, answer_differences, assert_answers_as_mon
                               prefill_params, remove_vllm_debris, shm_names, start_stack,
                               stop_stack, tokens_by_source, vllm_shm, wait_until_released)
 from tract_cli.core.handoff import Ticket
+from tract_cli.core.nodes import read_nodes
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.serve.vllm_engine import kill_vllm
 
@@ -170,3 +173,25 @@ def test_a_killed_prefill_leaves_nothing_behind(sim):
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
 
+
+
+def test_stopped_instances_leave_nothing_once_the_region_is_removed(sim):
+    """Last of the module: the prefill instance was SIGKILLed above; the decode one is
+    stopped by SIGTERM here, then the region file is removed as a user's `rm` would.
+    The node agents their connectors started stop by themselves and nothing of the
+    region stays in /dev/shm (no segment, no agent)."""
+    sim["prefill"].stop()
+    sim["decode"].stop()
+    with Pool.attach(sim["pool"], readonly=True, prefault=False) as p:
+        uuid, agents = p.info.uuid, [n.agent_pid for n in read_nodes(p) if n.agent_pid]
+    assert agents, "the connectors started no node agent"
+    os.unlink(sim["pool"])
+    deadline = time.monotonic() + 90
+    while True:
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"tract-{uuid}-")]
+        running = [pid for pid in agents if pid_alive(pid)]
+        if not left and not running:
+            break
+        assert time.monotonic() < deadline, \
+            f"90 s after the region was removed: {left} in /dev/shm, agents {running} run"
+        time.sleep(0.2)           # waiting for other processes to notice and exit, bounded
