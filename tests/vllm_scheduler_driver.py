@@ -145,6 +145,15 @@ def settle() -> None:
         assert conn.releases.drain(60), "a connector's releases were not done within 60 s"
 
 
+def add_hit(s: Scheduler, pool: Pool, tag: bytes, rid: str, tokens: list[int]):
+    """Stores TOKENS' blocks, adds a request of them to S and schedules a step (its
+    load): (the request, the step's output)."""
+    put_prompt(pool, tag, tokens)
+    r = request(rid, tokens)
+    s.add_request(r)
+    return r, s.schedule()
+
+
 def pins(pool: Pool, *conns) -> int:
     """The region's pin count once every connector's queued releases are done."""
     from tract_cli.inspect.snapshot import take
@@ -315,11 +324,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     fast = {"lookup_timeout_s": 0.3}
     s8 = scheduler(ckpt, pool_path, num_blocks=64, extra=fast)
     c8 = s8.connector
-    slow = list(range(7000, 7000 + 96))
-    put_prompt(pool, tag, slow)
-    r8 = request("slow", slow)
-    s8.add_request(r8)
-    out = s8.schedule()
+    r8, out = add_hit(s8, pool, tag, "slow", list(range(7000, 7000 + 96)))
     pinned = pins(pool, c8)
     w, caches = worker(ckpt, pool_path, num_blocks=16, extra=fast)
     with every_lock_held(pool):
@@ -414,12 +419,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     #     pool is the only source), and nothing stays pinned
     s10 = scheduler(ckpt, pool_path, num_blocks=64, prefix_caching=False)
     c10 = s10.connector
-    pre = list(range(9500, 9500 + 100))
-    put_prompt(pool, tag, pre)
-    r10 = request("preempted", pre)
-    s10.add_request(r10)
+    r10, out = add_hit(s10, pool, tag, "preempted", list(range(9500, 9500 + 100)))
     loads = []
-    out = s10.schedule()
     loads.append([len(ld.slots) for ld in out.kv_connector_metadata.loads])
     s10.update_from_output(out, output([], finished_recving={"preempted"}))
     out = s10.schedule()                                    # computes the 4 tokens past it

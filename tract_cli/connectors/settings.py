@@ -76,19 +76,18 @@ class ConnectorSettings:
                 raise UsageError("kv_connector_extra_config model_id must be a non-empty string "
                                  "of at most 1024 characters", 'e.g. "model_id": "llama-3-8b@a1b2c3"')
             out["model_id"] = value
-        if "weights_digest" in extra:
-            value = extra["weights_digest"]
-            if value not in WEIGHTS_DIGESTS:
-                raise UsageError(f"kv_connector_extra_config weights_digest {value!r} is unknown",
-                                 f"use {' or '.join(WEIGHTS_DIGESTS)}")
-            out["weights_digest"] = value
-        if "flush_mode" in extra:
-            mode = extra["flush_mode"]
-            if mode not in FLUSH_MODES:
-                raise UsageError(f"kv_connector_extra_config flush_mode {mode!r} is unknown",
-                                 f"use one of {', '.join(FLUSH_MODES)}")
-            out["flush_mode"] = mode
+        for key, choices in (("weights_digest", WEIGHTS_DIGESTS), ("flush_mode", FLUSH_MODES)):
+            if key in extra:
+                out[key] = _choice(extra, key, choices)
         return cls(**out)
+
+
+def _choice(extra: dict, key: str, choices) -> str:
+    value = extra[key]
+    if value not in choices:
+        raise UsageError(f"kv_connector_extra_config {key} {value!r} is unknown",
+                         f"use one of {', '.join(choices)}")
+    return value
 
 
 def _int(extra: dict, key: str, minimum: int) -> int:
