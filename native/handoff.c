@@ -409,6 +409,9 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	return rc;
 }
 
+static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+			 uint64_t timeout_ns);
+
 /* Acknowledges a handoff: its pins and slots are released, the record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns)
 {
@@ -418,6 +421,17 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 		return TRACT_E_RANGE;
 	struct tract_transfer_record t;
 	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, 0, &t, timeout_ns);
+	if (rc == TRACT_E_NOT_FOUND) {
+		/* this process's own acknowledgement of it that timed out partway (ACKED,
+		 * released by this pid): an acknowledgement retried finishes it, from
+		 * where it stopped, instead of leaving it to this process's death */
+		observe_record(r, rec, &t);
+		if (t.state != REC_ACKED || memcmp(t.request_id, request_id, 16) ||
+		    t.releaser_node != r->node_id + 1 || t.releaser_pid != (uint32_t)getpid())
+			return TRACT_E_NOT_FOUND;
+		rc = resume_record(r, rec, &t, timeout_ns);
+		return rc < 0 ? rc : rc ? TRACT_OK : TRACT_E_NOT_FOUND;
+	}
 	if (rc)
 		return rc;
 	rc = release_resources(r, rec, &t, timeout_ns);
@@ -427,8 +441,6 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 	return rc ? rc : rc2;
 }
 
-static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
-			 uint64_t timeout_ns);
 static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
 
 /* one reclaim at a time in a process: a reclaim resumes the records its

@@ -181,6 +181,13 @@ void tract_stripe_repair(struct stripe_ctx *c)
  */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns)
 {
+	return tract_index_unpin_marked(r, keys, n, NULL, timeout_ns);
+}
+
+/* tract_index_unpin, marking each key given back in done (may be NULL) */
+int tract_index_unpin_marked(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *done,
+			     uint64_t timeout_ns)
+{
 	int rc = index_usable(r);
 	if (rc)
 		return rc;
@@ -208,6 +215,8 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 			tract_journal_pins(r, key, 1, -1);
 			if (b == UINT64_MAX || tract_pin_add(&c, b, r->node_id, -1) < 0)
 				rc = TRACT_E_CORRUPT;   /* not pinned by this node */
+			if (done)
+				done[refs[k].idx] = 1;  /* a retry must not give it back again */
 		}
 		tract_stripe_leave(&c);
 	}

@@ -18,7 +18,8 @@ enum {   /* enum tract_put_status (tract.h), by short names */
 	PUT_WAS_READY = TRACT_PUT_WAS_READY,
 	PUT_WAS_PENDING = TRACT_PUT_WAS_PENDING,
 	PUT_NO_ROOM = TRACT_PUT_NO_ROOM,
-	PUT_CLAIMED = TRACT_PUT_CLAIMED
+	PUT_CLAIMED = TRACT_PUT_CLAIMED,
+	PUT_BURIED = TRACT_PUT_BURIED
 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
@@ -148,7 +149,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 						     PUT_CLAIMED, NULL, 1);
 				/* buried: its slot is the caller's to free; a claim in a
 				 * stripe not entered stays CLAIMED for a retry */
-				status[idx] = PUT_NO_ROOM;
+				status[idx] = PUT_BURIED;
 				continue;
 			}
 			bk.state = TRACT_BUCKET_READY;
@@ -261,9 +262,10 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 	free(mine);
 	return TRACT_OK;
 abandon:
+	/* no slot was handed to a claim yet: a buried claim has none to free */
 	finish_all(r, keys, n, refs, status, slots, NULL, NULL, 0, timeout_ns);
 	for (uint32_t i = 0; i < n; i++)
-		if (status[i] == PUT_CLAIMED)
+		if (status[i] == PUT_CLAIMED || status[i] == PUT_BURIED)
 			status[i] = PUT_NO_ROOM;
 	if (pin_ready)            /* give back the pins claim_all took on READY keys */
 		unpin_ready(r, keys, n, status, timeout_ns);
@@ -293,19 +295,17 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 	uint32_t *freed = NULL;
 	int mode = publish & ~TRACT_COMMIT_STREAMED;
 	if (!mode) {
-		/* an abandon frees the slots of the claims it buried, and only those:
-		 * one in a stripe whose lock timed out keeps its slot and stays
-		 * PUT_CLAIMED, so the caller's retry (the same status array) buries it
-		 * then; freeing it here would leave a PENDING claim no retry sees */
+		/* an abandon frees the slots of the claims buried (by this call or an
+		 * earlier one whose free timed out: PUT_BURIED), and only those: a
+		 * claim in a stripe whose lock timed out keeps its slot and stays
+		 * PUT_CLAIMED, a buried one whose free timed out stays PUT_BURIED, so
+		 * the caller's retry with the same status array finishes either; a
+		 * process that dies in between leaves them to `tract check --repair` */
 		freed = malloc(((size_t)n + 1) * sizeof(uint32_t));
-		uint8_t *was = malloc((size_t)n + 1);
-		if (!freed || !was) {
-			free(freed);
-			free(was);
+		if (!freed) {
 			free(refs);
 			return TRACT_E_NOMEM;
 		}
-		memcpy(was, status, n);
 		const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
 		for (uint32_t i = 0; i < n; i++)
 			/* a zero-copy writer's abandoned stores may be dirty here: written
@@ -316,11 +316,14 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums, 0, timeout_ns);
 		uint32_t k = 0;
 		for (uint32_t i = 0; i < n; i++)
-			if (was[i] == PUT_CLAIMED && status[i] == PUT_NO_ROOM)
+			if (status[i] == PUT_BURIED)
 				freed[k++] = slots[i];
-		free(was);
-		if (k)
-			rc = tract_free(r, freed, k, timeout_ns) ?: rc;
+		int rc2 = k ? tract_free(r, freed, k, timeout_ns) : TRACT_OK;
+		if (rc2 == TRACT_OK)
+			for (uint32_t i = 0; i < n; i++)
+				if (status[i] == PUT_BURIED)
+					status[i] = PUT_NO_ROOM;
+		rc = rc2 ?: rc;
 	} else {
 		/* a zero-copy writer's plain stores are dirty in this host's cache:
 		 * write them back to the device (the mode's flush: dirty data) before

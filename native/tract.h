@@ -647,6 +647,12 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns);
 
+/* tract_index_unpin that sets done[i] = 1 for each key it unpinned (or found not
+ * pinned by this node): one that timed out partway leaves the keys of the
+ * stripes it did not enter at 0, for a retry of exactly those. */
+int tract_index_unpin_marked(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *done,
+			     uint64_t timeout_ns);
+
 /* Puts blocks (claim, allocate with eviction, NT copy, publish); status per key. */
 int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
 		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
@@ -670,7 +676,9 @@ enum tract_put_status {
 	TRACT_PUT_WAS_READY = 1,     /* READY already (pinned with TRACT_PUT_PIN) */
 	TRACT_PUT_WAS_PENDING = 2,   /* another writer holds it PENDING */
 	TRACT_PUT_NO_ROOM = 3,       /* no slot or bucket for it */
-	TRACT_PUT_CLAIMED = 4        /* put_begin: claimed PENDING for this writer, slot allocated */
+	TRACT_PUT_CLAIMED = 4,       /* put_begin: claimed PENDING for this writer, slot allocated */
+	TRACT_PUT_BURIED = 5         /* an abandon buried the claim; the slot's free timed out:
+				      * the same abandon again frees it */
 };
 
 /* Claims PENDING buckets for absent keys and allocates their slots (status

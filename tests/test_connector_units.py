@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,47 @@ def test_a_release_that_fails_for_good_is_dropped_not_retried():
     assert r.drain(30)
     assert calls == [1.0, "second"] and r.retries == 0
     assert r.close(5)
+
+
+def test_a_release_that_keeps_failing_does_not_hold_up_the_others():
+    from tract_cli.connectors.retry import Releases
+    from tract_cli.core.errors import LockTimeout
+    stuck = {"free": False}
+    done = []
+
+    def blocked(timeout):
+        if not stuck["free"]:
+            raise LockTimeout("stripe 3: timed out", "retry")
+        done.append("blocked")
+
+    r = Releases(timeout=0.1)
+    r.submit("blocked", blocked)
+    for i in range(3):
+        r.submit(f"r{i}", lambda timeout, i=i: done.append(i))
+    deadline = time.monotonic() + 30
+    while len(done) < 3:
+        assert time.monotonic() < deadline, "the others waited behind the failing release"
+        time.sleep(0.01)          # polling the release thread, bounded
+    assert done == [0, 1, 2] and r.pending() == 1
+    stuck["free"] = True
+    assert r.drain(30) and done[-1] == "blocked"
+    assert r.close(5)
+
+
+def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):
+    """A host holding the whole repository (a training state, a second format) and
+    one holding what the loader downloaded get one identity."""
+    from tract_cli.core.weights import weight_files, weights_fingerprint
+    ckpt = _checkpoint(tmp_path / "a", 0)
+    bare = weights_fingerprint(str(ckpt))
+    (ckpt / "training_args.bin").write_bytes(b"x" * 100)
+    (ckpt / "optimizer.pt").write_bytes(b"y" * 100)
+    assert weights_fingerprint(str(ckpt)) == bare
+    assert weight_files(str(ckpt)) == ["model.safetensors"]
+    (ckpt / "consolidated.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    (ckpt / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a.weight": "model.safetensors", "b.weight": "model.safetensors"}}')
+    assert weight_files(str(ckpt)) == ["model.safetensors"]
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"a": "gone.safetensors"}}')
+    with pytest.raises(TractError, match="lacks gone.safetensors"):
+        weight_files(str(ckpt))

@@ -224,3 +224,27 @@ def test_a_handoff_naming_a_block_twice_is_refused(region):
         assert pins_and_records(region) == (4, 1)
         p.handoffs.ack(t)
     assert pins_and_records(region) == (0, 0)
+
+
+def test_an_ack_that_timed_out_partway_is_finished_by_the_same_ack_again(region):
+    """An acknowledgement that moved its record to ACKED and then timed out on a
+    busy lock (freeing the key list's slot needs the allocator lock) is finished by
+    the acknowledging process's next ack of it, from where it stopped (it used to
+    answer 'not published' and leave the record, its pins and slots until the
+    process died: the vLLM connector retries an ack that timed out)."""
+    from tract_cli.core.errors import LockTimeout
+    with RunningAgent(region, 0, manager=True):
+        with Worker(region, 1) as prefill, Worker(region, 3) as holder, \
+                Pool.attach(region, node=2) as p:
+            ticket = Ticket.from_dict(prefill.call("handoff_publish", chain=[7, 0, 8, 5],
+                                                   request="a", ttl=3600))
+            holder.call("lock_acquire", lock_id=LOCK_ALLOCATOR)
+            with pytest.raises(LockTimeout):
+                p.handoffs.ack(ticket, timeout=0.5)
+            assert pins_and_records(region)[1] == 1, "the record waits, ACKED"
+            holder.call("lock_release", lock_id=LOCK_ALLOCATOR)
+            p.handoffs.ack(ticket)
+            assert pins_and_records(region) == (0, 0)
+            with pytest.raises(HandoffError):        # done: a third ack finds nothing
+                p.handoffs.ack(ticket)
+    check_index(region)

@@ -370,3 +370,33 @@ def test_an_abandon_that_times_out_in_one_stripe_keeps_those_claims_for_its_retr
         assert (status == PUT_NO_ROOM).all()
         assert take(p)["index"]["states"]["PENDING"] == 0
         check_index(managed_region)
+
+
+def test_an_unpin_that_timed_out_partway_gives_back_only_the_rest_when_retried(
+        managed_region):
+    """Two lookups of one node pin the same keys twice. An unpin of the first that
+    times out in a later stripe has given back the earlier stripes' pins already;
+    retried with its `done` marks it gives back only the rest, so the second
+    lookup's pins are all still there (a whole retry took them: pins are counted
+    per node, and the second unpin then failed as 'not pinned')."""
+    from tract_cli.core.locks import stripe_lock
+    with Pool.attach(managed_region, node=1) as p, Pool.attach(managed_region, node=2) as other:
+        per = p.info.section("buckets").count // p.info.index_stripes
+        keys = chain(p, 81, 24)
+        p.index.put(keys, blocks_for(p, keys))
+        stripes = p.index.key_homes(keys) // per
+        last = int(stripes.max())
+        assert int(stripes.min()) < last, "the keys must span several stripes"
+        a, b = p.index.lookup(keys), p.index.lookup(keys)
+        assert a.hits == b.hits == 24
+        done = np.zeros(24, np.uint8)
+        with other.locks.hold(stripe_lock(last), timeout=30):
+            with pytest.raises(LockTimeout):
+                p.index.unpin(a, timeout=0.3, done=done)
+        assert (done[stripes == last] == 0).all() and done[stripes < last].all()
+        p.index.unpin(a, done=done)
+        assert done.all()
+        from tract_cli.inspect.snapshot import take
+        assert take(p)["index"]["pins_total"] == 24        # b's pins, every one
+        p.index.unpin(b)
+        assert take(p)["index"]["pins_total"] == 0

@@ -10,9 +10,10 @@ them, so the identity is a SHA-256 over:
 - the weights (`core/weights.py`: per weight file its name, size, tensor
   headers and samples of every tensor's bytes, or every byte with
   `weights_digest: "full"`);
-- the effective model config (vLLM's `hf_config`, overrides applied, less
-  its path-dependent private keys), the compute dtype, the KV cache dtype,
-  the quantization method, and the operator's `model_id`, if given.
+- the checkpoint's `config.json` (less its path and library-version keys)
+  and vLLM's `hf_overrides`, the load format (`dummy` weights are not the
+  files'), the compute dtype, the KV cache dtype, the quantization method,
+  and the operator's `model_id`, if given.
 
 An edit of a handful of weight elements can escape the sampled digest;
 `weights_digest: "full"` or a `model_id` that changes with the weights
@@ -61,13 +62,22 @@ def served_model_identity(vllm_config: "VllmConfig", model_id: str | None = None
                           weights_digest: str = "sampled") -> ModelIdentity:
     """The identity of the model VLLM_CONFIG serves (see the module docstring)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto"))
     t0 = time.perf_counter()
-    directory = checkpoint_dir(mc.model, getattr(mc, "revision", None))
-    files, tensors, weights = weights_fingerprint(directory, weights_digest)
+    directory = checkpoint_dir(mc.model, getattr(mc, "revision", None),
+                               getattr(load, "download_dir", None))
+    if load_format == "dummy":
+        # random weights, not the files': their own identity (vLLM's seed decides them)
+        files, tensors, weights = 0, 0, f"dummy|{mc.seed}"
+    else:
+        files, tensors, weights = weights_fingerprint(directory, weights_digest)
     doc = {
-        "format": "tract-model-identity-v1",
+        "format": "tract-model-identity-v2",
         "weights": weights,
-        "hf_config": _config_dict(mc.hf_config),
+        "load_format": load_format,
+        "config": checkpoint_config(directory),
+        "hf_overrides": _overrides(getattr(mc, "hf_overrides", None)),
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
         "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
@@ -78,23 +88,42 @@ def served_model_identity(vllm_config: "VllmConfig", model_id: str | None = None
     return ModelIdentity(digest, files, tensors, time.perf_counter() - t0, directory)
 
 
-def checkpoint_dir(model: str, revision: str | None = None) -> str:
+def checkpoint_dir(model: str, revision: str | None = None,
+                   download_dir: str | None = None) -> str:
     """The local directory of MODEL's weights: MODEL itself, or its snapshot in the
-    Hugging Face cache (vLLM downloaded it before the connector starts)."""
+    Hugging Face cache, or vLLM's --download-dir (vLLM downloaded it before the
+    connector starts)."""
     if os.path.isdir(model):
         return os.path.realpath(model)
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, revision=revision, local_files_only=True)
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 local_files_only=True)
     except Exception:       # any failure of the cache look-up means: not found locally
         raise TractError(f"cannot find the weights of {model} on this host to identify the model",
                          "serve a local checkpoint directory (--model DIR)") from None
 
 
-def _config_dict(hf_config) -> dict:
-    """The model config as it computes, without keys that name a path or a library version."""
+def _overrides(ov):
+    """vLLM's hf_overrides as identity: a dict as it is, a function by its name
+    (never its repr, which holds an address that differs in every process)."""
+    if callable(ov):
+        return f"{getattr(ov, '__module__', '')}.{getattr(ov, '__qualname__', repr(type(ov)))}"
+    return ov or {}
+
+
+def checkpoint_config(directory: str) -> dict:
+    """The checkpoint's config.json as it computes: the file, the same on every host
+    that holds the checkpoint (vLLM's runtime config adds defaults that change with
+    library versions), less its keys that name a path or a library version; the
+    overrides vLLM applies enter the identity on their own (`hf_overrides`)."""
+    path = os.path.join(directory, "config.json")
     try:
-        d = hf_config.to_dict()
-    except AttributeError:
-        d = dict(vars(hf_config))
+        with open(path) as f:
+            d = json.load(f)
+        if not isinstance(d, dict):
+            raise ValueError
+    except (OSError, ValueError):
+        raise TractError(f"cannot read {path} to identify the model",
+                         "serve a checkpoint directory with its config.json") from None
     return {k: v for k, v in d.items() if not k.startswith("_") and k not in _PATH_KEYS}

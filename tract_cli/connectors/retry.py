@@ -28,25 +28,45 @@ log = logging.getLogger("vllm.tract")
 TRANSIENT = (LockTimeout, OutOfMemory, SystemCallFailed)
 FIRST_PAUSE_S = 0.05
 MAX_PAUSE_S = 2.0
+WARN_QUEUED = 1000          # releases waiting: worth a warning (a stalled lock manager)
+
+
+class _Release:
+    __slots__ = ("what", "fn", "due", "pause", "tries")
+
+    def __init__(self, what: str, fn: Callable[[float], None]):
+        self.what, self.fn = what, fn
+        self.due, self.pause, self.tries = 0.0, FIRST_PAUSE_S, 0
 
 
 class Releases:
-    """A FIFO of releases (`submit(what, fn)`; FN(timeout) does one attempt)."""
+    """Releases (`submit(what, fn)`; FN(timeout) does one attempt), done in order of
+    submission; one that fails transiently goes to the back with its own pause, so
+    a release stuck behind one busy lock never holds up the others."""
 
     def __init__(self, timeout: float):
         self._timeout = timeout
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque[_Release] = collections.deque()
         self._cv = threading.Condition()
-        self._busy = 0                      # releases taken off the queue, not finished
+        self._busy = 0                      # releases taken off the queue, being tried
         self._retries = 0
         self._closed = False
+        self._warned = False
         self._thread = threading.Thread(target=self._run, name="tract-releases", daemon=True)
         self._thread.start()
 
     def submit(self, what: str, fn: Callable[[float], None]) -> None:
         """Queues FN (it never runs on the caller's thread)."""
         with self._cv:
-            self._queue.append((what, fn))
+            if self._closed:
+                log.error("TraCT %s asked for after shutdown: not done; the node agent gives "
+                          "it back once this process exits", what)
+                return
+            self._queue.append(_Release(what, fn))
+            if len(self._queue) >= WARN_QUEUED and not self._warned:
+                self._warned = True
+                log.warning("TraCT: %d pool releases wait (a stalled lock manager?); they are "
+                            "tried until they succeed", len(self._queue))
             self._cv.notify()
 
     def pending(self) -> int:
@@ -71,52 +91,64 @@ class Releases:
         return True
 
     def close(self, timeout: float) -> bool:
-        """Finishes what is queued (bounded by TIMEOUT s), then stops the thread."""
+        """Finishes what is queued (bounded by TIMEOUT s), then stops the thread: what
+        is left is logged, for the node agent once this process exits."""
         done = self.drain(timeout)
         with self._cv:
             self._closed = True
+            left = len(self._queue)
+            self._queue.clear()
             self._cv.notify_all()
+        if left:
+            log.error("TraCT: %d pool releases not done at shutdown; the node agent gives "
+                      "them back once this process exits", left)
         return done
 
+    def _next(self) -> _Release | None:
+        """The first release whose time has come, waiting for one (None: closed)."""
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                now = time.monotonic()
+                for i, rel in enumerate(self._queue):
+                    if rel.due <= now:
+                        del self._queue[i]
+                        self._busy += 1
+                        return rel
+                wait = min((rel.due for rel in self._queue), default=now + 3600) - now
+                self._cv.wait(max(wait, 0.001))
+
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                what, fn = self._queue.popleft()
-                self._busy += 1
+        while (rel := self._next()) is not None:
+            again = False
             try:
-                self._attempt(what, fn)
+                again = self._attempt(rel)
             finally:
                 with self._cv:
                     self._busy -= 1
+                    if again and not self._closed:
+                        self._queue.append(rel)
                     self._cv.notify_all()
 
-    def _attempt(self, what: str, fn: Callable[[float], None]) -> None:
-        pause, tries = FIRST_PAUSE_S, 0
-        while True:
-            try:
-                fn(self._timeout)
-                if tries:
-                    log.info("TraCT %s done after %d retries", what, tries)
-                return
-            except TRANSIENT as exc:
-                tries += 1
-                self._retries += 1
-                if tries == 1:
-                    log.warning("TraCT %s failed (%s); retrying until it succeeds", what, exc)
-                with self._cv:
-                    if self._closed:
-                        log.error("TraCT %s not done at shutdown; the node agent gives it back "
-                                  "once this process exits", what)
-                        return
-                    self._cv.wait(pause)      # a pause the shutdown can cut short
-                pause = min(pause * 2, MAX_PAUSE_S)
-            except TractError as exc:
-                log.error("TraCT %s failed for good, not retried: %s", what, exc)
-                return
-            except Exception:               # a bug: logged with its traceback, never silent
-                log.exception("TraCT %s failed", what)
-                return
+    def _attempt(self, rel: _Release) -> bool:
+        """One try of REL; whether to try it again."""
+        try:
+            rel.fn(self._timeout)
+            if rel.tries:
+                log.info("TraCT %s done after %d retries", rel.what, rel.tries)
+            return False
+        except TRANSIENT as exc:
+            rel.tries += 1
+            self._retries += 1
+            if rel.tries == 1:
+                log.warning("TraCT %s failed (%s); retrying until it succeeds", rel.what, exc)
+            rel.due = time.monotonic() + rel.pause
+            rel.pause = min(rel.pause * 2, MAX_PAUSE_S)
+            return True
+        except TractError as exc:
+            log.error("TraCT %s failed for good, not retried: %s", rel.what, exc)
+            return False
+        except Exception:               # a bug: logged with its traceback, never silent
+            log.exception("TraCT %s failed", rel.what)
+            return False

@@ -84,6 +84,7 @@ PARAMS_KEY = "tract_ticket"
 # how often (at most) a prefill instance at its handoff bound reads its records
 # to find those acknowledged since (each is a lock-free read of one record)
 PRUNE_INTERVAL_S = 0.1
+DENIED_LOG_S = 10.0        # a flood at the handoff bound logs at most this often
 
 
 # ---- what the scheduler tells the worker each step ----
@@ -171,9 +172,10 @@ class TractConnector(KVConnectorBase_V1):
             self._loading_done: dict[str, _Request] = {}   # finished while their load ran
             self._pending_loads: list[LoadSpec] = []
             self._matched: set[str] = set()     # pinned this step, no vLLM pages yet
-            # this instance's published handoffs not known released: (ticket, expiry)
+            # this instance's published handoffs not known released
             self._handoffs: collections.deque = collections.deque()
             self._pruned_at = 0.0
+            self._denied, self._denied_logged = 0, -DENIED_LOG_S
         else:
             self._layers: dict[str, int] = {}
             self._flat: dict[str, torch.Tensor] = {}
@@ -393,9 +395,14 @@ class TractConnector(KVConnectorBase_V1):
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
             return False, None
         if not self._handoff_room():
+            self._denied += 1
+            if time.monotonic() - self._denied_logged < DENIED_LOG_S:
+                return False, None
+            self._denied_logged = time.monotonic()
             log.warning("TraCT: %d handoffs of this instance in flight (max_handoffs): request "
-                        "%s answered without one, its decode computes the prompt",
-                        len(self._handoffs), request.request_id)
+                        "%s answered without one, its decode computes the prompt (%d so far; "
+                        "logged at most every %.0f s)", len(self._handoffs), request.request_id,
+                        self._denied, DENIED_LOG_S)
             return False, None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         try:
@@ -409,7 +416,7 @@ class TractConnector(KVConnectorBase_V1):
             log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
                         request.request_id, exc)
             return False, None
-        self._handoffs.append((ticket, time.monotonic() + self.settings.handoff_ttl_s))
+        self._handoffs.append(ticket)
         raw = ticket.to_dict() | {"region": self.pool.info.uuid,
                                   "model": self.identity.digest.hex()}
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
@@ -418,26 +425,23 @@ class TractConnector(KVConnectorBase_V1):
                        "tp_size": 1, PARAMS_KEY: raw}
 
     def _handoff_room(self) -> bool:
-        """Whether this instance may publish one more handoff (max_handoffs): the
-        ones known released (expired, or acknowledged: their record is gone) are
-        forgotten first."""
-        cap = self.settings.max_handoffs
-        now = time.monotonic()
-        live = self._handoffs
-        while live and live[0][1] <= now:
-            live.popleft()                    # expired: the agents reclaim it
-        if len(live) < cap or now - self._pruned_at < PRUNE_INTERVAL_S:
-            return len(live) < cap
+        """Whether this instance may publish one more handoff (max_handoffs). One
+        stops counting once its record is gone (acknowledged, or expired and
+        reclaimed: until then its pins hold, whatever the clock says), as a
+        lock-free read of each record finds, at most every PRUNE_INTERVAL_S."""
+        cap, now = self.settings.max_handoffs, time.monotonic()
+        if len(self._handoffs) < cap or now - self._pruned_at < PRUNE_INTERVAL_S:
+            return len(self._handoffs) < cap
         self._pruned_at = now
         kept = collections.deque()
-        for ticket, expiry in live:
+        for ticket in self._handoffs:
             try:
                 self.pool.handoffs.open(ticket)     # metadata only, no lock
-                kept.append((ticket, expiry))
+                kept.append(ticket)
             except HandoffError:
-                pass                                # acknowledged (or reclaimed)
+                pass                                # released
             except TractError:
-                kept.append((ticket, expiry))
+                kept.append(ticket)
         self._handoffs = kept
         return len(kept) < cap
 
@@ -447,8 +451,11 @@ class TractConnector(KVConnectorBase_V1):
             return
         lookup, st.lookup = st.lookup, None
         if lookup.hits:
+            # resumable: a retry after a timeout partway unpins only what is left
+            done = np.zeros(lookup.hits, np.uint8)
             self.releases.submit(f"unpin of {lookup.hits} blocks",
-                                 lambda timeout: self.pool.index.unpin(lookup, timeout=timeout))
+                                 lambda timeout: self.pool.index.unpin(lookup, timeout=timeout,
+                                                                       done=done))
 
     def _release_handoff(self, ticket: Ticket) -> None:
         """Acknowledges a handoff this instance will not load (queued)."""

@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 
 # the per-key status that put and reserve return (enum tract_put_status,
 # native/tract.h); PUT_STATUS names them, by value (PUT_STATUS[status])
-PUT_STORED, PUT_WAS_READY, PUT_WAS_PENDING, PUT_NO_ROOM, PUT_CLAIMED = (
+PUT_STORED, PUT_WAS_READY, PUT_WAS_PENDING, PUT_NO_ROOM, PUT_CLAIMED, PUT_BURIED = (
     lib.TRACT_PUT_STORED, lib.TRACT_PUT_WAS_READY, lib.TRACT_PUT_WAS_PENDING,
-    lib.TRACT_PUT_NO_ROOM, lib.TRACT_PUT_CLAIMED)
+    lib.TRACT_PUT_NO_ROOM, lib.TRACT_PUT_CLAIMED, lib.TRACT_PUT_BURIED)
 _PUT_NAMES = {"TRACT_PUT_STORED": "stored", "TRACT_PUT_WAS_READY": "already_ready",
               "TRACT_PUT_WAS_PENDING": "already_pending", "TRACT_PUT_NO_ROOM": "no_room",
-              "TRACT_PUT_CLAIMED": "claimed"}
+              "TRACT_PUT_CLAIMED": "claimed", "TRACT_PUT_BURIED": "buried"}
 _PUT_ENUM = ffi.typeof("enum tract_put_status").elements          # value -> C name
 if sorted(_PUT_ENUM) != list(range(len(_PUT_ENUM))) or set(_PUT_ENUM.values()) != set(_PUT_NAMES):
     raise ImportError(f"enum tract_put_status (native/tract.h) is {_PUT_ENUM}: "
@@ -124,12 +124,30 @@ class PrefixIndex:
         h = hits[0]
         return Lookup(keys, h, slots[:h], tokens[:h], sums[:h], tags[:h])
 
-    def unpin(self, lookup_or_hashes, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        """Unpins the blocks of a Lookup (or keys this node pinned)."""
+    def unpin(self, lookup_or_hashes, timeout: float = DEFAULT_TIMEOUT_S,
+              done: np.ndarray | None = None) -> None:
+        """Unpins the blocks of a Lookup (or keys this node pinned).
+
+        DONE (uint8, one per key, zeros at first) makes it resumable: only keys
+        whose entry is 0 are unpinned, and each one given back is marked 1, so
+        after a LockTimeout partway the same call again unpins exactly the rest
+        (never a key twice: pins are counted per node, and a second unpin would
+        take another request's pin)."""
         keys = (lookup_or_hashes.keys[:lookup_or_hashes.hits]
                 if isinstance(lookup_or_hashes, Lookup) else as_keys(lookup_or_hashes))
-        rc = lib.tract_index_unpin(self._pool._r(), ffi.from_buffer(keys), len(keys),
-                                   int(timeout * 1e9))
+        if done is None:
+            rc = lib.tract_index_unpin(self._pool._r(), ffi.from_buffer(keys), len(keys),
+                                       int(timeout * 1e9))
+        else:
+            if done.shape != (len(keys),) or done.dtype != np.uint8:
+                raise UsageError("done must be a uint8 array with one entry per key",
+                                 "pass np.zeros(len(keys), np.uint8)")
+            todo = np.flatnonzero(done == 0)
+            rest = np.ascontiguousarray(keys[todo])
+            marks = np.zeros(len(todo), np.uint8)
+            rc = lib.tract_index_unpin_marked(self._pool._r(), ffi.from_buffer(rest), len(todo),
+                                              ffi.from_buffer(marks), int(timeout * 1e9))
+            done[todo] = marks
         if rc == lib.TRACT_E_CORRUPT:
             raise CorruptRegion("a key was not pinned by this node", "unpin only what lookup pinned")
         raise_for(rc, f"{self._pool.path} index unpin")

@@ -30,12 +30,37 @@ SAFETENSORS_MAX_HEADER = 100 << 20       # the safetensors format's own bound
 WEIGHTS_DIGESTS = ("sampled", "full")
 
 
+def weight_files(directory: str) -> list[str]:
+    """The weight files a loader reads from DIRECTORY, sorted: those a safetensors
+    index (`model.safetensors.index.json`) names, else every `.safetensors` file,
+    else every other weight file; never what lies beside them (`training_args.bin`,
+    an optimizer state, a second format), so a host holding the whole repository
+    and one holding what the loader downloaded agree."""
+    present = sorted(n for n in os.listdir(directory) if n.endswith(WEIGHT_SUFFIXES))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                named = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise TractError(f"{index} is not a safetensors index (no weight_map)",
+                             "check the checkpoint") from None
+        missing = sorted(n for n in named if n not in present)
+        if missing:
+            raise TractError(f"{directory} lacks {', '.join(missing[:3])}, which its "
+                             "safetensors index names", "complete the checkpoint's download")
+        return sorted(named)
+    safetensors = [n for n in present if n.endswith(".safetensors")]
+    return safetensors or [n for n in present if n not in ("training_args.bin",)
+                           and not n.startswith(("optimizer", "scheduler", "rng_state"))]
+
+
 def weights_fingerprint(directory: str, mode: str = "sampled") -> tuple[int, int, str]:
     """(weight files, tensors, hex digest) of the weight files in DIRECTORY."""
     if mode not in WEIGHTS_DIGESTS:
         raise TractError(f"weights digest {mode!r} is unknown",
                          f"use {' or '.join(WEIGHTS_DIGESTS)}")
-    names = sorted(n for n in os.listdir(directory) if n.endswith(WEIGHT_SUFFIXES))
+    names = weight_files(directory)
     if not names:
         raise TractError(f"{directory} has no weight files ({', '.join(WEIGHT_SUFFIXES)})",
                          "serve a checkpoint directory with its weights")
