@@ -412,6 +412,34 @@ static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 static int resume_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
 			 uint64_t timeout_ns);
 
+/* one resumed acknowledgement at a time in a process: two threads must not
+ * both finish one record's release */
+static pthread_mutex_t resume_ack_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* Finishes this process's acknowledgement of record rec that timed out partway
+ * (ACKED, released by this pid, the same request): only the retry of that same
+ * acknowledgement calls it.  TRACT_OK once done, TRACT_E_NOT_FOUND if there is
+ * nothing of it to finish. */
+int tract_handoff_ack_resume(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			     uint64_t timeout_ns)
+{
+	if (!r || !request_id)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	pthread_mutex_lock(&resume_ack_mu);
+	struct tract_transfer_record t;
+	observe_record(r, rec, &t);
+	int rc = TRACT_E_NOT_FOUND;
+	if (t.state == REC_ACKED && !memcmp(t.request_id, request_id, 16) &&
+	    t.releaser_node == r->node_id + 1 && t.releaser_pid == (uint32_t)getpid()) {
+		rc = resume_record(r, rec, &t, timeout_ns);
+		rc = rc < 0 ? rc : rc ? TRACT_OK : TRACT_E_NOT_FOUND;
+	}
+	pthread_mutex_unlock(&resume_ack_mu);
+	return rc;
+}
+
 /* Acknowledges a handoff: its pins and slots are released, the record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns)
 {
@@ -421,17 +449,6 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 		return TRACT_E_RANGE;
 	struct tract_transfer_record t;
 	int rc = transition(r, rec, request_id, REC_PUBLISHED, REC_ACKED, 0, &t, timeout_ns);
-	if (rc == TRACT_E_NOT_FOUND) {
-		/* this process's own acknowledgement of it that timed out partway (ACKED,
-		 * released by this pid): an acknowledgement retried finishes it, from
-		 * where it stopped, instead of leaving it to this process's death */
-		observe_record(r, rec, &t);
-		if (t.state != REC_ACKED || memcmp(t.request_id, request_id, 16) ||
-		    t.releaser_node != r->node_id + 1 || t.releaser_pid != (uint32_t)getpid())
-			return TRACT_E_NOT_FOUND;
-		rc = resume_record(r, rec, &t, timeout_ns);
-		return rc < 0 ? rc : rc ? TRACT_OK : TRACT_E_NOT_FOUND;
-	}
 	if (rc)
 		return rc;
 	rc = release_resources(r, rec, &t, timeout_ns);
@@ -535,7 +552,8 @@ static int resume_record(tract_region *r, uint32_t rec, const struct tract_trans
 	struct tract_transfer_record now;
 	observe_record(r, rec, &now);
 	int mine = now.state == t->state && now.releaser_node == t->releaser_node &&
-		   now.releaser_pid == t->releaser_pid;
+		   now.releaser_pid == t->releaser_pid &&
+		   !memcmp(now.request_id, t->request_id, 16);
 	if (mine) {
 		/* this process releases it now, as a process of this node: if it
 		 * dies too, this node's agent resumes it (a dead host's release

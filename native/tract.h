@@ -723,6 +723,11 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 /* Acknowledges a handoff: pins and slots released, record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns);
 
+/* Finishes this process's own acknowledgement of record rec that timed out
+ * partway (its retry; never proof that a load outlived the record). */
+int tract_handoff_ack_resume(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			     uint64_t timeout_ns);
+
 /* Reclaims records expired at now_ns; *count gets how many. */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
 

@@ -229,7 +229,7 @@ def test_put_status_names_enum_tract_put_status():
     assert values == list(range(len(index.PUT_STATUS)))
     expected = {"TRACT_PUT_STORED": "stored", "TRACT_PUT_WAS_READY": "already_ready",
                 "TRACT_PUT_WAS_PENDING": "already_pending", "TRACT_PUT_NO_ROOM": "no_room",
-                "TRACT_PUT_CLAIMED": "claimed"}
+                "TRACT_PUT_CLAIMED": "claimed", "TRACT_PUT_BURIED": "buried"}
     assert set(c_names) == set(expected)
     for n in c_names:
         assert index.PUT_STATUS[getattr(lib, n)] == expected[n]

@@ -68,16 +68,18 @@ def served_model_identity(vllm_config: "VllmConfig", model_id: str | None = None
     directory = checkpoint_dir(mc.model, getattr(mc, "revision", None),
                                getattr(load, "download_dir", None))
     if load_format == "dummy":
-        # random weights, not the files': their own identity (vLLM's seed decides them)
-        files, tensors, weights = 0, 0, f"dummy|{mc.seed}"
+        # random weights, not the files': their own identity (vLLM draws them from a
+        # fixed seed, on the device, so the device kind tells them apart)
+        files, tensors, weights = 0, 0, f"dummy|{vllm_config.device_config.device_type}"
     else:
         files, tensors, weights = weights_fingerprint(directory, weights_digest)
     doc = {
         "format": "tract-model-identity-v2",
         "weights": weights,
         "load_format": load_format,
-        "config": checkpoint_config(directory),
-        "hf_overrides": _overrides(getattr(mc, "hf_overrides", None)),
+        "config": checkpoint_config(_config_dir(mc, directory),
+                                    str(getattr(mc, "config_format", "auto"))),
+        "hf_overrides": _overrides(getattr(mc, "hf_overrides", None), model_id),
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
         "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
@@ -104,20 +106,37 @@ def checkpoint_dir(model: str, revision: str | None = None,
                          "serve a local checkpoint directory (--model DIR)") from None
 
 
-def _overrides(ov):
-    """vLLM's hf_overrides as identity: a dict as it is, a function by its name
-    (never its repr, which holds an address that differs in every process)."""
+def _overrides(ov, model_id: str | None):
+    """vLLM's hf_overrides as identity: a dict as it is; a function cannot be told
+    apart from another (its name is no content), so it needs a model_id."""
     if callable(ov):
-        return f"{getattr(ov, '__module__', '')}.{getattr(ov, '__qualname__', repr(type(ov)))}"
+        if not model_id:
+            raise TractError("vLLM's hf_overrides is a function, which the model's identity "
+                             "cannot see into", 'set kv_connector_extra_config "model_id" to a '
+                             "name that changes whenever the overrides or weights do")
+        return "function"
     return ov or {}
 
 
-def checkpoint_config(directory: str) -> dict:
+def _config_dir(mc, weights_dir: str) -> str:
+    """Where vLLM reads the model's config: --hf-config-path when set (a directory,
+    or a hub name in the local cache), else the weights' directory."""
+    path = getattr(mc, "hf_config_path", None)
+    if not path or path == mc.model:
+        return weights_dir
+    return checkpoint_dir(path)
+
+
+def checkpoint_config(directory: str, config_format: str = "auto") -> dict:
     """The checkpoint's config.json as it computes: the file, the same on every host
     that holds the checkpoint (vLLM's runtime config adds defaults that change with
     library versions), less its keys that name a path or a library version; the
     overrides vLLM applies enter the identity on their own (`hf_overrides`)."""
+    # Mistral's format keeps it in params.json (vLLM's config_format "mistral", or
+    # "auto" with no config.json)
     path = os.path.join(directory, "config.json")
+    if "mistral" in config_format or not os.path.isfile(path):
+        path = os.path.join(directory, "params.json")
     try:
         with open(path) as f:
             d = json.load(f)
@@ -125,5 +144,6 @@ def checkpoint_config(directory: str) -> dict:
             raise ValueError
     except (OSError, ValueError):
         raise TractError(f"cannot read {path} to identify the model",
-                         "serve a checkpoint directory with its config.json") from None
+                         "serve a checkpoint directory with its config.json (or params.json)") \
+            from None
     return {k: v for k, v in d.items() if not k.startswith("_") and k not in _PATH_KEYS}

@@ -42,7 +42,8 @@ class _Release:
 class Releases:
     """Releases (`submit(what, fn)`; FN(timeout) does one attempt), done in order of
     submission; one that fails transiently goes to the back with its own pause, so
-    a release stuck behind one busy lock never holds up the others."""
+    a release stuck behind one busy lock does not hold up the others beyond one
+    attempt's timeout at a time."""
 
     def __init__(self, timeout: float):
         self._timeout = timeout
@@ -67,7 +68,7 @@ class Releases:
                 self._warned = True
                 log.warning("TraCT: %d pool releases wait (a stalled lock manager?); they are "
                             "tried until they succeed", len(self._queue))
-            self._cv.notify()
+            self._cv.notify_all()         # the worker, not only a drain() waiter
 
     def pending(self) -> int:
         """Releases not yet done (queued or being tried)."""

@@ -463,8 +463,10 @@ class TractConnector(KVConnectorBase_V1):
                              lambda timeout: self._ack_once(ticket, timeout))
 
     def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
+        """One attempt of a queued acknowledgement (resuming its own earlier
+        attempt that timed out partway)."""
         try:
-            self.pool.handoffs.ack(ticket, timeout=timeout, read=read)
+            self.pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
         except HandoffError as exc:            # gone already: expired and reclaimed
             log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
 
@@ -656,9 +658,7 @@ class TractConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
-        if not self.releases.close(timeout=max(5.0, 2 * self.timeout)):
-            log.error("TraCT: %d pool releases not done at shutdown; the node agent gives "
-                      "them back once this process exits", self.releases.pending())
+        self.releases.close(timeout=max(5.0, 2 * self.timeout))    # logs what is left
 
 
 @dataclass

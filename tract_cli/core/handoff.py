@@ -248,13 +248,20 @@ class Handoffs:
         self._pool.invalidate_slots([rec.tail_slot])
         return self._pool.slots_array()[rec.tail_slot]
 
-    def ack(self, ticket: Ticket, timeout: float = DEFAULT_TIMEOUT_S, read=None) -> None:
+    def ack(self, ticket: Ticket, timeout: float = DEFAULT_TIMEOUT_S, read=None,
+            resume: bool = False) -> None:
         """Done with the blocks: pins and slots are released, the record freed.
         READ: the slots this node loaded from (a `Received`'s, with its tail
         slot); if the record expired and was reclaimed meanwhile, those loads
-        may have outlived it, so the node's payload ledger forgets them."""
-        rc = lib.tract_handoff_ack(self._pool._r(), ticket.record,
-                                   bytes.fromhex(ticket.request_id), int(timeout * 1e9))
+        may have outlived it, so the node's payload ledger forgets them.
+        RESUME: this is the retry of this process's own acknowledgement of the
+        ticket that timed out partway; if the record is ACKED by this process,
+        finish that release (no proof that any load outlived the record)."""
+        rid = bytes.fromhex(ticket.request_id)
+        rc = lib.tract_handoff_ack(self._pool._r(), ticket.record, rid, int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND and resume:
+            rc = lib.tract_handoff_ack_resume(self._pool._r(), ticket.record, rid,
+                                              int(timeout * 1e9))
         if rc == lib.TRACT_E_NOT_FOUND and read is not None:
             self._pool.forget_payload(read)
         if rc == lib.TRACT_E_NOT_FOUND:
