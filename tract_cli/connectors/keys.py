@@ -37,7 +37,7 @@ def prompt_keys(info, model_tag: bytes, block_tokens: int, tokens,
     identity tag is MODEL_TAG (16 bytes) and a tenant's SALT (at most MAX_SALT_BYTES)."""
     arr = np.asarray(tokens, dtype=np.int32)
     vllm = info.hash_scheme == "vllm"
-    root = pool_root(info, salt, None if vllm else model_tag)
+    root = pool_root(info, salt, model_tag)      # (the vLLM scheme's root takes no tag)
     hashes = request_keys(info, arr, block_tokens, salt, root=root)
     keys = as_keys(hashes) if len(hashes) else np.zeros((0, 16), np.uint8)
     tail = arr.size % block_tokens

@@ -457,10 +457,11 @@ class TractConnector(KVConnectorBase_V1):
                                  lambda timeout: self.pool.index.unpin(lookup, timeout=timeout,
                                                                        done=done))
 
-    def _release_handoff(self, ticket: Ticket) -> None:
-        """Acknowledges a handoff this instance will not load (queued)."""
+    def _release_handoff(self, ticket: Ticket, read=None) -> None:
+        """Acknowledges a handoff (queued): one this instance will not load, or the
+        retry of one whose acknowledgement timed out (READ: the slots it loaded)."""
         self.releases.submit(f"acknowledgement of handoff {ticket.record}",
-                             lambda timeout: self._ack_once(ticket, timeout))
+                             lambda timeout: self._ack_once(ticket, timeout, read))
 
     def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
         """One attempt of a queued acknowledgement (resuming its own earlier
@@ -591,8 +592,7 @@ class TractConnector(KVConnectorBase_V1):
         except TractError as exc:
             log.warning("TraCT handoff %d not acknowledged yet (%s): its load is recomputed",
                         ticket.record, exc)
-            self.releases.submit(f"acknowledgement of handoff {ticket.record}",
-                                 lambda timeout: self._ack_once(ticket, timeout, read))
+            self._release_handoff(ticket, read)
             return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
