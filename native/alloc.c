@@ -173,7 +173,9 @@ static void intent_end(tract_region *r)
 }
 
 /* pops n slots from the node's free list into out (NULL: they stay where
- * they were, past the list's end) (internal) */
+ * they were, past the list's end), in list order: a claimed batch is listed
+ * ascending, so a request's blocks lie forward in the region, the direction
+ * the hardware prefetcher follows when they are copied (internal) */
 static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
 {
 	uint32_t *fl = free_list(r);
@@ -183,7 +185,7 @@ static void pop_local(tract_region *r, uint32_t n, uint32_t *out)
 	 * payload.c), the count once after: a death in between leaves the list
 	 * whole, and repair_local gives the bits back */
 	for (uint32_t i = 0; i < n; i++) {
-		uint32_t s = fl[end - 1 - i];
+		uint32_t s = fl[end - n + i];
 		__atomic_fetch_and(&fb[s / 8], (uint8_t)~(1u << (s % 8)), __ATOMIC_RELEASE);
 		if (out)
 			out[i] = s;

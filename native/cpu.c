@@ -4,7 +4,8 @@
  * Features are detected once (pthread_once).  Environment overrides exist
  * for testing: TRACT_NO_MOVNT=1 disables non-temporal copies,
  * TRACT_MOVNT_THRESHOLD=<bytes> moves the threshold, TRACT_NO_AVX512=1 and
- * TRACT_NO_AVX2=1 hide those extensions from the copy routine.
+ * TRACT_NO_AVX2=1 hide those extensions from the copy routine, TRACT_NO_PCLMUL=1
+ * the carry-less multiply from the CRC (crc.c), TRACT_NO_SSE42=1 its crc32.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -59,6 +60,8 @@ static void detect(void)
 			f |= TRACT_CPU_HYPERVISOR;
 		if (c & (1u << 20))
 			f |= TRACT_CPU_SSE42;
+		if (c & (1u << 1))
+			f |= TRACT_CPU_PCLMUL;
 		int osxsave = (c >> 27) & 1;
 		uint64_t xcr0 = osxsave ? xgetbv0() : 0;
 		if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
@@ -70,15 +73,21 @@ static void detect(void)
 				f |= TRACT_CPU_AVX2;
 			if ((b & (1u << 16)) && (xcr0 & 0xe6) == 0xe6)
 				f |= TRACT_CPU_AVX512F;
+			/* 512-bit carry-less multiply: VPCLMULQDQ with AVX-512F and
+			 * AVX-512BW (the byte-granular loads of the CRC's tail) */
+			if ((c & (1u << 10)) && (b & (1u << 30)) && (f & TRACT_CPU_AVX512F))
+				f |= TRACT_CPU_VPCLMUL512;
 		}
 	}
 #endif
 	if (env_flag("TRACT_NO_AVX512"))
-		f &= ~(uint32_t)TRACT_CPU_AVX512F;
+		f &= ~(uint32_t)(TRACT_CPU_AVX512F | TRACT_CPU_VPCLMUL512);
+	if (env_flag("TRACT_NO_PCLMUL"))
+		f &= ~(uint32_t)(TRACT_CPU_PCLMUL | TRACT_CPU_VPCLMUL512);
 	if (env_flag("TRACT_NO_SSE42"))
 		f &= ~(uint32_t)TRACT_CPU_SSE42;
 	if (env_flag("TRACT_NO_AVX2"))
-		f &= ~(uint32_t)(TRACT_CPU_AVX2 | TRACT_CPU_AVX512F);
+		f &= ~(uint32_t)(TRACT_CPU_AVX2 | TRACT_CPU_AVX512F | TRACT_CPU_VPCLMUL512);
 	features = f;
 
 	const char *mu = getenv("TRACT_MUTANT");

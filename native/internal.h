@@ -445,6 +445,10 @@ int tract_index_tag_live(tract_region *r, uint64_t tag, uint32_t slot, int obser
 /* reflected CRC-32 of a buffer with a given polynomial, bit by bit (internal) */
 uint32_t tract_crc_bitwise(uint32_t poly, const void *buf, uint64_t len);
 
+/* copies n bytes advancing the CRC-32C register over them; flush_mode < 0:
+ * plain stores, else streaming ones into the region (crc.c) (internal) */
+uint32_t tract_crc32c_copy(uint32_t reg, void *dst, const void *src, uint64_t n, int flush_mode);
+
 /* util.c: used by every part, owned by none (internal) */
 /* CLOCK_REALTIME in ns */
 uint64_t tract_now_ns(void);

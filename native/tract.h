@@ -129,7 +129,9 @@ enum {
 	TRACT_CPU_AVX512F = 16,
 	TRACT_CPU_HYPERVISOR = 32,
 	TRACT_CPU_X86_64 = 64,
-	TRACT_CPU_SSE42 = 128
+	TRACT_CPU_SSE42 = 128,
+	TRACT_CPU_PCLMUL = 256,       /* carry-less multiply (the CRC's folding) */
+	TRACT_CPU_VPCLMUL512 = 512    /* its 512-bit form, with AVX-512F/BW */
 };
 
 /* attach flags */
@@ -737,6 +739,47 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);
+
+/* ---- an engine's paged KV cache to and from slots (kvpages.c) ---- */
+
+/* Where an engine keeps the KV of a region block: one tensor per layer
+ * (bases), pages page_stride bytes apart; sub-block j of a page (one of subs
+ * region blocks a page holds) is runs run_first[j] .. run_first[j+1]-1, each
+ * (run_off: bytes from its page's start, run_len: bytes, run_pos: bytes
+ * from the chunk's start), in the order the block's layer chunk (layer_bytes)
+ * holds them; elem_token (subs x the chunk's elements; NULL: partial blocks
+ * refused) names each element's token. */
+struct tract_kv_pages {
+	uint32_t layers;
+	uint32_t subs;
+	uint64_t layer_bytes;
+	uint64_t page_stride;
+	uint64_t tensor_bytes;
+	const uint64_t *bases;
+	const uint32_t *run_first;
+	const uint64_t *run_off;
+	const uint64_t *run_len;
+	const uint64_t *run_pos;
+	const uint16_t *elem_token;
+	uint32_t elem_bytes;
+	uint32_t block_tokens;
+};
+
+/* Copies n blocks from the engine's pages (pages[i], sub-block subs[i]) into
+ * their claimed slots with streaming stores, on the device at return, and
+ * gives each block's CRC-32C (crcs); tokens[i] (NULL: all full) below the
+ * block's tokens zeroes the rest.  One call, no lock, the GIL released.
+ * crcs NULL: memcpy of the same runs only (no checksum, no write-back), the
+ * reference a benchmark measures the copy against. */
+int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv, uint32_t n, const uint32_t *slots,
+		  const uint64_t *pages, const uint32_t *subs, const uint32_t *tokens,
+		  uint32_t *crcs);
+
+/* Copies n blocks from their slots (acquired: tract_payload_acquire) into the
+ * engine's pages and gives the CRC-32C of each as read.  crcs NULL: memcpy
+ * of the same runs only, the reference a benchmark measures it against. */
+int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv, uint32_t n, const uint32_t *slots,
+		  const uint64_t *pages, const uint32_t *subs, uint32_t *crcs);
 
 /* ---- the index as `tract check` audits and repairs it (audit.c) ---- */
 

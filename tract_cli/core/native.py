@@ -41,7 +41,8 @@ FLUSH_MODE_NAMES = {v: k for k, v in FLUSH_MODES.items()}
 CPU_FEATURES = {"clflush": lib.TRACT_CPU_CLFLUSH, "clflushopt": lib.TRACT_CPU_CLFLUSHOPT,
                 "clwb": lib.TRACT_CPU_CLWB, "avx2": lib.TRACT_CPU_AVX2,
                 "avx512f": lib.TRACT_CPU_AVX512F, "hypervisor": lib.TRACT_CPU_HYPERVISOR,
-                "x86_64": lib.TRACT_CPU_X86_64, "sse4_2": lib.TRACT_CPU_SSE42}
+                "x86_64": lib.TRACT_CPU_X86_64, "sse4_2": lib.TRACT_CPU_SSE42,
+                "pclmulqdq": lib.TRACT_CPU_PCLMUL, "vpclmulqdq_512": lib.TRACT_CPU_VPCLMUL512}
 
 
 def cpu_features() -> set[str]:

@@ -1,0 +1,260 @@
+/*
+ * kvpages.c -- an engine's paged KV cache to and from region slots, in one
+ * call per batch of blocks (docs/ARCHITECTURE.md §12, docs/VLLM.md "The data
+ * path").
+ *
+ * An engine keeps each layer's KV in its own tensor of pages; a region block
+ * holds every layer of g tokens, as `layers` chunks of layer_bytes each.  The
+ * chunk of a layer is the bytes of that layer's page (sub-block `sub` of it,
+ * when a page holds several region blocks) in the order the page holds them:
+ * a list of runs (offset in page 0, length), the same for every layer and
+ * every page.  With one region block per page and a CPU page layout the list
+ * is one run (the page), with FlashAttention's two (K, V): save and load are
+ * then one contiguous copy per (layer, page).
+ *
+ * The CRC-32C of each block is computed as it is copied, from the registers
+ * the copy holds the bytes in (crc.c's tract_crc32c_copy: carry-less
+ * multiply folding, at memory speed where the CPU has it).  A save writes
+ * the region with streaming stores (on the device when the call returns: the
+ * commit skips its write-back, TRACT_COMMIT_STREAMED); a load reads it with
+ * plain loads after the caller's tract_payload_acquire, through the simulated
+ * cache in simulator mode.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* checks the page description once per call: TRACT_OK or TRACT_E_INVAL (internal) */
+static int check_pages(const tract_region *r, const struct tract_kv_pages *kv)
+{
+	if (!kv->layers || !kv->subs || !kv->bases || !kv->run_first || !kv->run_off ||
+	    !kv->run_len || !kv->run_pos || !kv->layer_bytes || !kv->page_stride || !kv->elem_bytes ||
+	    !kv->block_tokens || kv->layer_bytes % kv->elem_bytes)
+		return TRACT_E_INVAL;
+	if ((uint64_t)kv->layers * kv->layer_bytes != r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	if (kv->run_first[0] != 0)
+		return TRACT_E_INVAL;
+	for (uint32_t j = 0; j < kv->subs; j++) {
+		if (kv->run_first[j + 1] < kv->run_first[j])
+			return TRACT_E_INVAL;
+		uint64_t sum = 0;
+		for (uint32_t i = kv->run_first[j]; i < kv->run_first[j + 1]; i++) {
+			if (kv->run_pos[i] != sum || !kv->run_len[i] || kv->run_len[i] > kv->tensor_bytes ||
+			    kv->run_off[i] > kv->tensor_bytes - kv->run_len[i])
+				return TRACT_E_INVAL;
+			sum += kv->run_len[i];
+		}
+		if (sum != kv->layer_bytes)
+			return TRACT_E_INVAL;
+	}
+	return TRACT_OK;
+}
+
+/* checks one block's slot, page and sub-block against the region and the
+ * engine's tensors (internal) */
+static int check_block(const tract_region *r, const struct tract_kv_pages *kv, uint32_t slot,
+		       uint64_t page, uint32_t sub)
+{
+	if (slot >= r->hdr.slot_count || sub >= kv->subs)
+		return TRACT_E_RANGE;
+	if (page > kv->tensor_bytes / kv->page_stride)
+		return TRACT_E_RANGE;
+	uint64_t at = page * kv->page_stride;
+	for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++)
+		if (at > kv->tensor_bytes - kv->run_off[i] - kv->run_len[i])
+			return TRACT_E_RANGE;
+	return TRACT_OK;
+}
+
+/* the region offset of a slot's payload (internal) */
+static uint64_t slot_offset(const tract_region *r, uint32_t slot)
+{
+	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slot * r->hdr.slot_stride;
+}
+
+/* one block, layer chunk by layer chunk, run by run, its CRC carried
+ * through (save: page -> region, streaming stores; load: region -> page)
+ * (internal) */
+static uint32_t move_block(tract_region *r, const struct tract_kv_pages *kv, uint8_t *slot_base,
+			   uint64_t page, uint32_t sub, int save)
+{
+	uint32_t reg = 0xFFFFFFFFu;
+	for (uint32_t l = 0; l < kv->layers; l++) {
+		uint8_t *eng = (uint8_t *)(uintptr_t)kv->bases[l] + page * kv->page_stride;
+		uint8_t *chunk = slot_base + (uint64_t)l * kv->layer_bytes;
+		for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++) {
+			uint8_t *e = eng + kv->run_off[i], *c = chunk + kv->run_pos[i];
+			reg = save ? tract_crc32c_copy(reg, c, e, kv->run_len[i], r->flush_mode)
+				   : tract_crc32c_copy(reg, e, c, kv->run_len[i], -1);
+		}
+	}
+	return ~reg;
+}
+
+/* the simulator's path for one block: every region access through the
+ * simulated cache (a save as tract_copy_in's streaming stores, a load may see
+ * a stale line) and the CRC over what was stored or loaded (internal) */
+static uint32_t move_block_sim(tract_region *r, const struct tract_kv_pages *kv,
+			       uint64_t slot_off, uint64_t page, uint32_t sub, int save)
+{
+	uint32_t reg = 0xFFFFFFFFu;
+	for (uint32_t l = 0; l < kv->layers; l++) {
+		uint64_t pos = 0;
+		for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++) {
+			uint8_t *eng = (uint8_t *)(uintptr_t)kv->bases[l] + page * kv->page_stride +
+				       kv->run_off[i];
+			uint64_t off = slot_off + (uint64_t)l * kv->layer_bytes + pos;
+			if (save) {
+				r->ops->invalidate(r, off, kv->run_len[i]);
+				memcpy(r->base + off, eng, kv->run_len[i]);
+			} else {
+				r->ops->load(r, off, eng, kv->run_len[i]);
+			}
+			/* the CRC of what was stored, or of what the loads saw */
+			reg = tract_crc32c_copy(reg, NULL, eng, kv->run_len[i], -1);
+			pos += kv->run_len[i];
+		}
+	}
+	return ~reg;
+}
+
+/* a partial block (its first `used` tokens): gathered into BUF, every element
+ * of a later token zeroed (an engine page may hold another request's KV
+ * there, which must not reach the pool), checksummed, then copied into the
+ * slot as tract_copy_in does (internal) */
+static uint32_t save_partial(tract_region *r, const struct tract_kv_pages *kv, uint8_t *buf,
+			     uint64_t slot_off, uint64_t page, uint32_t sub, uint32_t used)
+{
+	uint64_t elems = kv->layer_bytes / kv->elem_bytes;
+	const uint16_t *tok = kv->elem_token + (uint64_t)sub * elems;
+	for (uint32_t l = 0; l < kv->layers; l++) {
+		uint8_t *chunk = buf + (uint64_t)l * kv->layer_bytes;
+		uint64_t pos = 0;
+		for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++) {
+			memcpy(chunk + pos, (const uint8_t *)(uintptr_t)kv->bases[l] +
+				       page * kv->page_stride + kv->run_off[i], kv->run_len[i]);
+			pos += kv->run_len[i];
+		}
+		for (uint64_t e = 0; e < elems; e++)
+			if (tok[e] >= used)
+				memset(chunk + e * kv->elem_bytes, 0, kv->elem_bytes);
+	}
+	uint32_t crc = tract_crc32c(buf, r->hdr.block_bytes);
+	tract_copy_in(r, slot_off, buf, r->hdr.block_bytes);
+	return crc;
+}
+
+/* memcpy of every run of n blocks, no checksum, no write-back: the
+ * reference a benchmark sets the kernel against (the same buffers, the same
+ * runs, the same order); not a save another host can read (internal) */
+static void copy_reference(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
+			   const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
+			   int save)
+{
+	for (uint32_t b = 0; b < n; b++) {
+		uint8_t *slot_base = r->base + slot_offset(r, slots[b]);
+		for (uint32_t l = 0; l < kv->layers; l++) {
+			uint8_t *eng = (uint8_t *)(uintptr_t)kv->bases[l] + pages[b] * kv->page_stride;
+			uint8_t *chunk = slot_base + (uint64_t)l * kv->layer_bytes;
+			for (uint32_t i = kv->run_first[subs[b]]; i < kv->run_first[subs[b] + 1]; i++) {
+				uint8_t *e = eng + kv->run_off[i], *c = chunk + kv->run_pos[i];
+				if (save)
+					memcpy(c, e, kv->run_len[i]);
+				else
+					memcpy(e, c, kv->run_len[i]);
+			}
+		}
+	}
+}
+
+/* the arguments common to save and load: TRACT_OK or the error (internal) */
+static int check_call(const tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
+		      const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
+		      const uint32_t *crcs)
+{
+	(void)crcs;
+	if (!r || !kv || ((!slots || !pages || !subs) && n))
+		return TRACT_E_INVAL;
+	int rc = check_pages(r, kv);
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < n; i++)
+		if ((rc = check_block(r, kv, slots[i], pages[i], subs[i])))
+			return rc;
+	return TRACT_OK;
+}
+
+/* Copies n blocks from the engine's pages into their (claimed) slots, with
+ * streaming stores, and gives each block's CRC-32C; a block of fewer than
+ * block_tokens tokens (tokens[i]; NULL: all full) has the rest zeroed. */
+int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
+		  uint32_t n, const uint32_t *slots,
+		  const uint64_t *pages, const uint32_t *subs, const uint32_t *tokens,
+		  uint32_t *crcs)
+{
+	int rc = check_call(r, kv, n, slots, pages, subs, crcs);
+	if (rc)
+		return rc;
+	if (r->flags & TRACT_ATTACH_READONLY)
+		return TRACT_E_INVAL;
+	if (!crcs) {
+		copy_reference(r, kv, n, slots, pages, subs, 1);
+		return TRACT_OK;
+	}
+	uint8_t *buf = NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		if (!tokens)
+			break;
+		if (!tokens[i] || tokens[i] > kv->block_tokens)
+			return TRACT_E_INVAL;
+		if (tokens[i] < kv->block_tokens && !kv->elem_token)
+			return TRACT_E_INVAL;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t off = slot_offset(r, slots[i]);
+		tract_payload_forget_range(r, off, r->hdr.block_bytes);
+		if (tokens && tokens[i] < kv->block_tokens) {
+			if (!buf && !(buf = malloc(r->hdr.block_bytes)))
+				return TRACT_E_NOMEM;
+			crcs[i] = save_partial(r, kv, buf, off, pages[i], subs[i], tokens[i]);
+		} else if (r->sim) {
+			crcs[i] = move_block_sim(r, kv, off, pages[i], subs[i], 1);
+		} else {
+			crcs[i] = move_block(r, kv, r->base + off, pages[i], subs[i], 1);
+		}
+	}
+	free(buf);
+#if defined(__x86_64__)
+	_mm_sfence();    /* the streaming stores drain before any later store (the commit's) */
+#endif
+	__sync_synchronize();
+	return TRACT_OK;
+}
+
+/* Copies n blocks from their slots into the engine's pages and gives the
+ * CRC-32C of each as read (the caller compares them with the recorded ones);
+ * the caller acquired the slots (tract_payload_acquire). */
+int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
+		  uint32_t n, const uint32_t *slots,
+		  const uint64_t *pages, const uint32_t *subs, uint32_t *crcs)
+{
+	int rc = check_call(r, kv, n, slots, pages, subs, crcs);
+	if (rc)
+		return rc;
+	if (!crcs) {
+		copy_reference(r, kv, n, slots, pages, subs, 0);
+		return TRACT_OK;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t off = slot_offset(r, slots[i]);
+		crcs[i] = r->sim ? move_block_sim(r, kv, off, pages[i], subs[i], 0)
+				 : move_block(r, kv, r->base + off, pages[i], subs[i], 0);
+	}
+	return TRACT_OK;
+}

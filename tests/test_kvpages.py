@@ -1,0 +1,191 @@
+"""The engine data path (core/kvpages.py, native/kvpages.c): blocks move
+between an engine's per-layer page tensors and region slots in the page's own
+order, checksummed as they copy, in every layout an engine connector meets."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tract_cli.core.errors import UsageError
+from tract_cli.core.kvpages import PageLayout, PagedKV
+from tract_cli.core.pool import Pool
+
+PAGES = 24
+
+
+def _layouts(g: int, heads: int, dim: int) -> dict:
+    """Page layouts (offsets [2, B, heads, dim] within a page, page stride) as
+    engines make them: canonical token-major, FlashAttention's K|V planes, a
+    CPU kernel's packing (K in dimension pairs, V in token pairs, as vLLM's AMX
+    layout), and a random permutation, each with two region blocks per page."""
+    B = 2 * g
+    page = 2 * B * heads * dim
+    kv, t, h, d = np.meshgrid(np.arange(2), np.arange(B), np.arange(heads), np.arange(dim),
+                              indexing="ij")
+    canonical = ((kv * B + t) * heads + h) * dim + d
+    plane = B * heads * dim
+    flash = kv * PAGES * plane + (t * heads + h) * dim + d       # [2, pages, B, heads, dim]
+    # per head: K as [dim/2][B][2], V as [B/2][dim][2]
+    k_amx = h * (B * dim) + (d // 2) * (B * 2) + t * 2 + d % 2
+    v_amx = heads * B * dim + h * (B * dim) + (t // 2) * (dim * 2) + d * 2 + t % 2
+    amx = np.where(kv == 0, k_amx, v_amx)
+    rnd = np.random.default_rng(7).permutation(page).reshape(2, B, heads, dim)
+    return {"canonical": (canonical, page), "flash": (flash, plane), "amx": (amx, page),
+            "random": (rnd, page)}
+
+
+@pytest.fixture
+def pool(managed_region):
+    p = Pool.attach(managed_region, node=1)
+    yield p
+    p.close()
+
+
+def _tensors(pool, layout_name: str, seed: int = 0):
+    g = pool.geometry
+    offsets, stride = _layouts(g.block_tokens, g.num_kv_heads, g.head_dim)[layout_name]
+    layout = PageLayout(offsets.astype(np.int64), stride, g.block_tokens, 4)
+    elems = 2 * PAGES * stride if layout_name == "flash" else PAGES * stride
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(elems, generator=gen) for _ in range(g.num_layers)]
+    return layout, tensors
+
+
+def _claim(pool, n: int, seed: int = 1):
+    keys = np.random.default_rng(seed).integers(0, 256, (n, 16), dtype=np.uint8)
+    status, slots = pool.index.reserve(keys, timeout=10)
+    return keys, status, slots
+
+
+@pytest.mark.parametrize("name", ["canonical", "flash", "amx", "random"])
+def test_blocks_round_trip_in_the_page_order_with_their_checksums(pool, name):
+    layout, tensors = _tensors(pool, name)
+    assert (layout.digest is None) == (name in ("canonical", "flash"))
+    kv = PagedKV(pool, layout, tensors)
+    n = 10
+    keys, status, slots = _claim(pool, n)
+    pages = np.array([3, 3, 7, 0, 23, 23, 11, 5, 9, 2])
+    subs = np.array([0, 1, 1, 0, 0, 1, 0, 1, 0, 1])
+    crcs = kv.save(slots, pages, subs)
+    assert np.array_equal(crcs, pool.checksum_slots(slots))
+    area = pool.slots_tensor().reshape(pool.info.slot_count, pool.geometry.num_layers, -1)
+    index = torch.from_numpy(layout.gather_index(pages, subs))
+    for layer, t in enumerate(tensors):
+        assert torch.equal(area[torch.from_numpy(slots.astype(np.int64)), layer], t[index])
+    back = [torch.zeros_like(t) for t in tensors]
+    got = PagedKV(pool, layout, back).load(slots, pages, subs)
+    assert np.array_equal(got, crcs)
+    for t, b in zip(tensors, back):
+        assert torch.equal(b[index], t[index])
+        # nothing outside the loaded blocks was written
+        mask = torch.ones_like(b, dtype=torch.bool)
+        mask[index.reshape(-1)] = False
+        assert not b[mask].any()
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_a_partial_block_keeps_only_its_tokens_and_its_checksum_covers_the_zeros(pool):
+    layout, tensors = _tensors(pool, "amx")
+    kv = PagedKV(pool, layout, tensors)
+    keys, status, slots = _claim(pool, 2, seed=2)
+    crcs = kv.save(slots, np.array([4, 4]), np.array([0, 1]), tokens=np.array([16, 5]))
+    assert np.array_equal(crcs, pool.checksum_slots(slots))
+    g = pool.geometry
+    block = pool.slot_tensor(int(slots[1]))          # (layer, K|V, token, head, dim) view
+    flat = block.reshape(g.num_layers, -1)
+    tokens = torch.from_numpy(layout.elem_token[1].astype(np.int64))
+    assert not flat[:, tokens >= 5].any()
+    assert flat[:, tokens < 5].abs().sum() > 0
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_a_wrong_byte_in_a_slot_shows_in_the_load_checksum(pool):
+    layout, tensors = _tensors(pool, "canonical")
+    kv = PagedKV(pool, layout, tensors)
+    keys, status, slots = _claim(pool, 3, seed=3)
+    crcs = kv.save(slots, np.array([1, 2, 3]), np.array([0, 0, 0]))
+    pool.slot_tensor(int(slots[1])).reshape(-1)[100] += 1.0
+    got = kv.load(slots, np.array([1, 2, 3]), np.array([0, 0, 0]))
+    assert got[0] == crcs[0] and got[2] == crcs[2]
+    assert got[1] != crcs[1]
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_the_reference_copy_moves_the_same_bytes_without_a_checksum(pool):
+    layout, tensors = _tensors(pool, "amx")
+    kv = PagedKV(pool, layout, tensors)
+    keys, status, slots = _claim(pool, 4, seed=4)
+    pages, subs = np.array([1, 2, 3, 4]), np.array([0, 1, 0, 1])
+    assert kv.save(slots, pages, subs, checksum=False) is None
+    first = pool.checksum_slots(slots)
+    assert np.array_equal(kv.save(slots, pages, subs), first)
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_bad_blocks_and_layouts_are_refused(pool):
+    layout, tensors = _tensors(pool, "canonical")
+    kv = PagedKV(pool, layout, tensors)
+    keys, status, slots = _claim(pool, 1, seed=5)
+    with pytest.raises(UsageError, match="outside the pool or the engine"):
+        kv.save(slots, np.array([PAGES]), np.array([0]))
+    with pytest.raises(UsageError, match="outside the pool or the engine"):
+        kv.save(slots, np.array([0]), np.array([2]))
+    with pytest.raises(UsageError, match="outside the pool or the engine"):
+        kv.load(np.array([pool.info.slot_count]), np.array([0]), np.array([0]))
+    with pytest.raises(UsageError, match="differ in length"):
+        kv.save(slots, np.array([0, 1]), np.array([0]))
+    with pytest.raises(UsageError, match="layer tensors"):
+        PagedKV(pool, layout, tensors[:1])
+    with pytest.raises(UsageError, match="not alike"):
+        PagedKV(pool, layout, [tensors[0], tensors[1][:-4]])
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_the_simulator_path_round_trips(managed_region):
+    with Pool.attach(managed_region, node=2, simulate=True) as pool:
+        layout, tensors = _tensors(pool, "amx", seed=9)
+        kv = PagedKV(pool, layout, tensors)
+        keys, status, slots = _claim(pool, 3, seed=6)
+        pages, subs = np.array([5, 6, 6]), np.array([1, 0, 1])
+        crcs = kv.save(slots, pages, subs)
+        assert np.array_equal(crcs, pool.checksum_slots(slots))
+        back = [torch.zeros_like(t) for t in tensors]
+        assert np.array_equal(PagedKV(pool, layout, back).load(slots, pages, subs), crcs)
+        index = torch.from_numpy(layout.gather_index(pages, subs))
+        assert all(torch.equal(b[index], t[index]) for b, t in zip(back, tensors))
+        pool.index.commit(keys, status, slots, publish=False)
+
+
+CRC_PATHS = """
+import numpy as np
+from tract_cli.core.native import lib, ffi
+def ref(data):
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 & -(c & 1))
+    return c ^ 0xFFFFFFFF
+rng = np.random.default_rng(0)
+buf = rng.integers(0, 256, 9000, dtype=np.uint8).tobytes()
+bad = 0
+for n in list(range(0, 300)) + [511, 512, 513, 1000, 4096, 8191]:
+    for off in (0, 1, 7):
+        bad += lib.tract_crc32c(buf[off:off + n], n) != ref(buf[off:off + n])
+print(bad)
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"TRACT_NO_AVX512": "1"}, {"TRACT_NO_PCLMUL": "1"},
+                                 {"TRACT_NO_SSE42": "1"}])
+def test_every_crc_path_gives_crc32c(env):
+    """The folding paths (512- and 128-bit carry-less multiply), the crc32
+    instruction and the bitwise path agree with the definition at every length
+    and alignment around their thresholds."""
+    out = subprocess.run([sys.executable, "-c", CRC_PATHS], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"]

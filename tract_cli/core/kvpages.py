@@ -1,0 +1,205 @@
+"""An engine's paged KV cache to and from region slots: the data path of an
+engine connector, one C call per batch of blocks (native/kvpages.c).
+
+A `PageLayout` says where an engine keeps each KV element of a page: the
+element offset of every `(K|V, token, kv_head, dim)` of page 0 in one layer's
+tensor (`offsets`, int64 [2, B, heads, dim]) and the stride from one page to
+the next.  A region block of `g` tokens is sub-block `j` of a page (`B = r*g`);
+it holds, for each layer, that sub-block's elements *in the order the page
+holds them* (ascending offset).  So with one region block per page, a CPU
+page layout copies as one run per (layer, page), FlashAttention's as two
+(K, V), whatever the kernel's packing inside the page.
+
+The order is part of the block's identity: `layout_digest` names it (None
+when it is the region's canonical `[K|V][token][head][dim]` order, which the
+reference engine and FlashAttention's layout both are), and an engine
+connector mixes it into its keys, so a reader of another layout finds no
+block written in this one (a miss, computed; never a misread).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.native import ffi, lib, raise_for
+
+
+@dataclass
+class PageLayout:
+    """An engine's page layout and the region order it implies (see the module
+    docstring): runs, each element's token, and the gather index per sub-block."""
+
+    offsets: np.ndarray          # int64 [2, B, heads, dim]: element offset within page 0
+    page_stride: int             # elements from one page to the next
+    block_tokens: int            # g
+    elem_bytes: int
+    runs: list = field(init=False)          # per sub-block: (offsets, lengths) in elements
+    index: np.ndarray = field(init=False)   # [r, block elements]: page offsets, region order
+    elem_token: np.ndarray = field(init=False)   # uint16 [r, block elements]
+    digest: bytes | None = field(init=False)     # None: the canonical order
+
+    def __post_init__(self):
+        two, page_tokens, heads, dim = self.offsets.shape
+        if two != 2 or page_tokens % self.block_tokens:
+            raise TractError(f"the engine's block size {page_tokens} is not a multiple of the "
+                             f"region's {self.block_tokens} tokens per block",
+                             f"serve with a block size that is a multiple of {self.block_tokens},"
+                             " or format the region with `tract init --block-tokens` dividing it")
+        g, r = self.block_tokens, page_tokens // self.block_tokens
+        # per sub-block: its elements in canonical order (K|V, token, head, dim)
+        per = self.offsets.reshape(2, r, g, heads, dim).transpose(1, 0, 2, 3, 4).reshape(r, -1)
+        tokens = np.broadcast_to(np.arange(g).reshape(1, g, 1, 1), (2, g, heads, dim)).ravel()
+        order = np.argsort(per, axis=1, kind="stable")
+        self.index = np.ascontiguousarray(np.take_along_axis(per, order, axis=1))
+        self.elem_token = np.ascontiguousarray(tokens[order].astype(np.uint16))
+        self.runs = []
+        for j in range(r):
+            e = self.index[j]
+            breaks = np.flatnonzero(np.diff(e) != 1) + 1
+            starts = np.concatenate([[0], breaks])
+            ends = np.concatenate([breaks, [e.size]])
+            self.runs.append((e[starts], ends - starts))
+        identity = np.arange(per.shape[1])
+        if all(np.array_equal(o, identity) for o in order):
+            self.digest = None
+        else:
+            h = hashlib.sha256(b"tract-page-order-v1")
+            h.update(np.array([g, r, heads, dim, self.elem_bytes], np.int64).tobytes())
+            h.update(np.ascontiguousarray(order, dtype=np.int64).tobytes())
+            self.digest = h.digest()
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.offsets.shape[1] // self.block_tokens
+
+    @property
+    def run_count(self) -> int:
+        return sum(len(o) for o, _ in self.runs)
+
+    def gather_index(self, pages: np.ndarray, subs: np.ndarray) -> np.ndarray:
+        """[n, block elements] offsets, in one layer's tensor, of region blocks
+        (page, sub), in the region's order (a torch gather's index)."""
+        return pages.astype(np.int64)[:, None] * self.page_stride + self.index[subs]
+
+
+class PagedKV:
+    """Moves blocks between one engine's layer tensors and a pool's slots (one
+    C call per batch; the GIL released while it copies).  TENSORS are the
+    engine's per-layer KV tensors, in the region's layer order, contiguous, on
+    the CPU, alike; they must outlive this object."""
+
+    def __init__(self, pool, layout: PageLayout, tensors: list):
+        g = pool.geometry
+        if len(tensors) != g.num_layers:
+            raise UsageError(f"{len(tensors)} layer tensors for a region of {g.num_layers} layers",
+                             "pass every attention layer's KV cache")
+        first = tensors[0]
+        nbytes = first.numel() * first.element_size()
+        if first.element_size() != layout.elem_bytes:
+            raise UsageError(f"KV elements of {first.element_size()} bytes, the layout says "
+                             f"{layout.elem_bytes}", "describe the engine's own KV dtype")
+        for t in tensors:
+            if (t.device.type != "cpu" or not t.is_contiguous() or t.dtype != first.dtype
+                    or t.numel() != first.numel()):
+                raise UsageError("the engine's KV layer tensors are not alike contiguous CPU "
+                                 "tensors", "pass each layer's whole KV cache tensor")
+        layer_bytes = pool.info.block_bytes // g.num_layers
+        if layout.index.shape[1] * layout.elem_bytes != layer_bytes:
+            raise UsageError(f"a page's sub-block holds {layout.index.shape[1]} elements, a region "
+                             f"block's layer {layer_bytes // layout.elem_bytes}",
+                             "format the region for this model")
+        self.pool, self.layout, self._tensors = pool, layout, list(tensors)
+        eb = layout.elem_bytes
+        counts = np.array([len(o) for o, _ in layout.runs], np.uint32)
+        # kept alive as long as the struct that points into them
+        self._arrays = {
+            "bases": np.array([t.data_ptr() for t in tensors], np.uint64),
+            "run_first": np.concatenate([[0], np.cumsum(counts)]).astype(np.uint32),
+            "run_off": np.concatenate([o for o, _ in layout.runs]).astype(np.uint64) * eb,
+            "run_len": np.concatenate([n for _, n in layout.runs]).astype(np.uint64) * eb,
+            "run_pos": np.concatenate([np.cumsum(n) - n for _, n in layout.runs]).astype(
+                np.uint64) * eb,
+            "elem_token": layout.elem_token,
+        }
+        a = self._arrays
+        kv = ffi.new("struct tract_kv_pages *")
+        kv.layers, kv.subs = g.num_layers, layout.blocks_per_page
+        kv.layer_bytes, kv.page_stride = layer_bytes, layout.page_stride * eb
+        kv.tensor_bytes = nbytes
+        kv.bases = self._p("uint64_t *", a["bases"])
+        kv.run_first = self._p("uint32_t *", a["run_first"])
+        kv.run_off = self._p("uint64_t *", a["run_off"])
+        kv.run_len = self._p("uint64_t *", a["run_len"])
+        kv.run_pos = self._p("uint64_t *", a["run_pos"])
+        kv.elem_token = self._p("uint16_t *", a["elem_token"])
+        kv.elem_bytes, kv.block_tokens = eb, g.block_tokens
+        self._kv = kv
+
+    @staticmethod
+    def _p(kind: str, arr: np.ndarray):
+        return ffi.cast(kind, ffi.from_buffer(arr))
+
+    def _args(self, slots, pages, subs) -> tuple:
+        """The blocks as C arrays, in ascending slot order (the hardware prefetcher
+        follows a region read forward; a slot allocator hands slots out in any
+        order), and that order (to put each block's result back in place)."""
+        s = np.asarray(slots, dtype=np.uint32)
+        p, j = np.asarray(pages), np.asarray(subs)
+        if not (s.shape == p.shape == j.shape) or s.ndim != 1:
+            raise UsageError("slots, pages and sub-blocks differ in length",
+                             "pass one page and sub-block per slot")
+        order = np.argsort(s, kind="stable")
+        return (np.ascontiguousarray(s[order]), np.ascontiguousarray(p[order], dtype=np.uint64),
+                np.ascontiguousarray(j[order], dtype=np.uint32), order)
+
+    def save(self, slots, pages, subs, tokens=None, checksum: bool = True) -> np.ndarray | None:
+        """Copies blocks (page, sub) of every layer into SLOTS (claimed), with
+        streaming stores; TOKENS (per block; None: all full) below the block's
+        tokens zero the rest.  Returns each block's CRC-32C, computed as it
+        copies.  CHECKSUM=False: a memcpy of the same runs only (no checksum,
+        no write-back: not a save), the reference a benchmark times it against."""
+        s, p, j, order = self._args(slots, pages, subs)
+        crcs = np.zeros(max(s.size, 1), np.uint32)
+        tok = ffi.NULL
+        if tokens is not None:
+            t = np.asarray(tokens, dtype=np.uint32)
+            if t.shape != s.shape:
+                raise UsageError("one token count per block", f"pass {s.size} counts")
+            t = np.ascontiguousarray(t[order])
+            tok = self._p("uint32_t *", t)
+        rc = lib.tract_kv_save(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j), tok,
+                               self._p("uint32_t *", crcs) if checksum else ffi.NULL)
+        self._raise(rc, "save")
+        return self._in_place(crcs, order) if checksum else None
+
+    def load(self, slots, pages, subs, checksum: bool = True) -> np.ndarray | None:
+        """Copies SLOTS (acquired: `Pool.acquire_payload`) into blocks (page, sub)
+        of every layer.  Returns the CRC-32C of each block as read.  CHECKSUM=False:
+        a memcpy of the same runs only, the benchmark's reference."""
+        s, p, j, order = self._args(slots, pages, subs)
+        crcs = np.zeros(max(s.size, 1), np.uint32)
+        rc = lib.tract_kv_load(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j),
+                               self._p("uint32_t *", crcs) if checksum else ffi.NULL)
+        self._raise(rc, "load")
+        return self._in_place(crcs, order) if checksum else None
+
+    @staticmethod
+    def _in_place(crcs: np.ndarray, order: np.ndarray) -> np.ndarray:
+        out = np.empty(order.size, np.uint32)
+        out[order] = crcs[:order.size]
+        return out
+
+    def _ptrs(self, s, p, j) -> tuple:
+        if not s.size:
+            return ffi.NULL, ffi.NULL, ffi.NULL
+        return (self._p("uint32_t *", s), self._p("uint64_t *", p), self._p("uint32_t *", j))
+
+    def _raise(self, rc: int, what: str) -> None:
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError(f"a KV {what} names a slot, page or sub-block outside the pool or "
+                             "the engine's KV cache", "pass slots the index gave and pages of "
+                             "the engine's own cache")
+        raise_for(rc, f"{self.pool.path} KV {what}")
