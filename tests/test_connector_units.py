@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
+from tract_cli.connectors.paged import flash_offsets, probe_offsets
+from tract_cli.core.kvpages import PageLayout
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.errors import TractError, UsageError
 
@@ -52,10 +53,11 @@ def _cache_from_semantic(offsets, kv):
     return flat
 
 
-def test_page_map_gathers_region_blocks_in_layer_major_order():
+def test_flash_attention_blocks_gather_in_the_canonical_order():
     pages, b, h, d, g = 3, 8, 2, 4, 4
     offsets, stride = flash_offsets(pages, b, h, d)
-    pm = PageMap(offsets, stride, g)
+    pm = PageLayout(offsets, stride, g, 4)
+    assert pm.digest is None and pm.run_count == 2 * pm.blocks_per_page   # K and V planes
     rng = np.random.default_rng(0)
     kv = rng.standard_normal((2, pages, b, h, d)).astype(np.float32)   # [K|V, page, token, h, d]
     layer = kv.reshape(-1)                     # FlashAttention's [2, pages, B, H, D], flattened
@@ -68,7 +70,7 @@ def test_page_map_gathers_region_blocks_in_layer_major_order():
 def test_page_map_refuses_a_page_that_is_not_whole_blocks():
     offsets, stride = flash_offsets(1, 12, 1, 2)
     with pytest.raises(TractError, match="not a multiple of the region's 8"):
-        PageMap(offsets, stride, 8)
+        PageLayout(offsets, stride, 8, 4)
 
 
 def test_probe_measures_a_packed_layout_from_the_engine_writer():
@@ -91,9 +93,15 @@ def test_probe_measures_a_packed_layout_from_the_engine_writer():
     # the measured offsets put K[t, h, d] where the writer does
     assert offsets[0, 3, 1, 2] == 1 * 2 * b * d + (2 // 2) * b * 2 + 3 * 2 + 0
     assert offsets[1, 5, 0, 3] == 0 * 2 * b * d + b * d + 5 * d + 3
-    pm = PageMap(offsets, offsets.size, 4)
-    got = page[pm.gather_index(np.array([0]), np.array([1]))].reshape(2, 4, h, d)
-    np.testing.assert_array_equal(got, kv[:, 4:8])
+    pm = PageLayout(offsets, offsets.size, 4, 2)
+    assert pm.digest is not None                  # not the canonical order: it enters the keys
+    # a region block holds its sub-block's elements in the page's own order
+    got = page[pm.gather_index(np.array([0]), np.array([1]))].reshape(-1)
+    want = kv[:, 4:8].reshape(-1)[np.argsort(offsets[:, 4:8].reshape(-1), kind="stable")]
+    np.testing.assert_array_equal(got, want)
+    tokens = np.broadcast_to(np.arange(4).reshape(1, 4, 1, 1), (2, 4, h, d)).reshape(-1)
+    np.testing.assert_array_equal(pm.elem_token[1], tokens[np.argsort(
+        offsets[:, 4:8].reshape(-1), kind="stable")])
 
 
 def test_probe_refuses_a_writer_that_leaves_holes():

@@ -98,7 +98,19 @@ def test_lock_timeouts_in_unpin_commit_and_ack_leave_nothing_behind(seen):
 
 
 def test_saved_kv_loads_back_into_vllm_pages_bytes_for_bytes(seen):
+    # saved and loaded by the worker's C path, in the page layout vLLM picked here
+    assert seen["roundtrip_errors"] == []
     assert seen["roundtrip_nonzero"] and seen["roundtrip_equal"]
+
+
+def test_a_stalled_lock_manager_delays_a_hit_never_scheduling(seen):
+    # every lock held: the hit's lookup waits off the scheduler loop, which answers
+    # "not yet" for it and schedules the request that needs no pool call
+    assert seen["stall_schedule_s"] < 1.0
+    assert seen["stall_scheduled"] == ["short"] == seen["stall_second_scheduled"]
+    assert seen["stall_hit_status"] == "WAITING"
+    assert seen["stall_loads_after"] == ["stalled-hit"]    # the locks free: it loads
+    assert seen["stall_pins_after"] == 0
 
 
 def test_chunked_prefill_saves_each_block_once_over_several_steps(seen):

@@ -60,12 +60,24 @@ def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
     return config, kv
 
 
+HANDSHAKE: dict = {}       # the worker's layout, as vLLM hands it to a scheduler at start-up
+
+
 def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
               extra: dict | None = None, **kw) -> Scheduler:
-    config, kv = configs(ckpt, pool, num_blocks, role, extra, **kw)
+    """vLLM's scheduler with TraCT's connector, handed the worker's page layout as
+    vLLM's engine core does at start-up.  Its lookups are waited for (a generous
+    lookup_wait_s) unless EXTRA says otherwise: what a step schedules is then the
+    same on a busy machine; the "not yet" answer has its own case."""
+    if "handshake" not in HANDSHAKE:
+        w, _ = worker(ckpt, pool, 16)
+        HANDSHAKE["handshake"] = w.get_handshake_metadata()
+    config, kv = configs(ckpt, pool, num_blocks, role, {"lookup_wait_s": 30} | (extra or {}),
+                         **kw)
     s = Scheduler(vllm_config=config, kv_cache_config=kv,
                   structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
                   log_stats=True)
+    s.connector.set_xfer_handshake_metadata({0: HANDSHAKE["handshake"]})
     CONNECTORS.append(s.connector)
     return s
 
@@ -86,6 +98,19 @@ def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None):
     caches = {name: torch.zeros(num_blocks, 2, PAGE, 64, dtype=torch.bfloat16) for name in LAYERS}
     w.register_kv_caches(caches)
     return w, caches
+
+
+def loaded(w, req_ids: set[str], timeout: float = 60) -> set[int]:
+    """Waits (bounded) until the worker W reports REQ_IDS' loads finished, as vLLM's
+    step output would; the vLLM pages it reports to recompute."""
+    done: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while not req_ids <= done:
+        assert time.monotonic() < deadline, f"loads of {sorted(req_ids - done)} not done " \
+                                            f"within {timeout:.0f} s"
+        done |= w.get_finished(set())[1] or set()
+        time.sleep(0.01)          # polling the loader thread's progress, bounded
+    return w.get_block_ids_with_load_errors()
 
 
 def wait_for(cond, what: str, timeout: float = 60) -> None:
@@ -198,7 +223,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     pool = Pool.attach(pool_path, node=3)
     s = scheduler(ckpt, pool_path, num_blocks=64)
     conn = s.connector
-    tag = conn.identity.tag
+    tag = conn.key_tag
 
     # 1. a prefix hit: pinned once however often it is matched, loaded asynchronously,
     #    unpinned when the worker reports the load, then scheduled past the hit
@@ -363,6 +388,7 @@ def main(ckpt: str, pool_path: str) -> dict:
                     np.array([0, 1, 0, 1], np.int64), tags=look.tags)
     w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
     w.start_load_kv(None)
+    obs["roundtrip_errors"] = sorted(loaded(w, {"loaded"}))
     obs["roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][4:6])) for n in LAYERS)
     obs["roundtrip_nonzero"] = all(bool(caches[n][4:6].abs().sum() > 0) for n in LAYERS)
     pool.index.unpin(look)
@@ -375,7 +401,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
     with every_lock_held(pool):
         w.start_load_kv(None)
-        obs["timeouts_ack_errors"] = sorted(w.get_block_ids_with_load_errors())
+        obs["timeouts_ack_errors"] = sorted(loaded(w, {"acked"}))
         obs["timeouts_ack_record_held"] = region(pool, False)["handoffs"]
     assert w.releases.drain(60), "the acknowledgement was not done within 60 s"
     obs["timeouts_after_ack"] = region(pool)
@@ -449,8 +475,39 @@ def main(ckpt: str, pool_path: str) -> dict:
     except Exception as exc:
         obs["two_groups"] = f"{type(exc).__name__}: {exc}"
 
-    obs["state_left"] = [len(conn._reqs), len(conn._loading_done), len(conn._pending_loads)]
-    for c in (conn, other, consumer.connector, producer.connector, c8, w, s9.connector, w9, c10):
+    # 12. a stalled lock manager (every lock held by another node) delays a pool hit,
+    #     never scheduling: the hit's lookup runs off the scheduler loop, which answers
+    #     vLLM "not yet" and schedules the rest; once the locks are free the hit loads
+    s12 = scheduler(ckpt, pool_path, num_blocks=64,
+                    extra={"lookup_timeout_s": 60, "lookup_wait_s": 0.002})
+    c12 = s12.connector
+    stalled = list(range(9700, 9700 + 64))
+    put_prompt(pool, tag, stalled)
+    r12, short = request("stalled-hit", stalled), request("short", list(range(20, 30)))
+    with every_lock_held(pool):
+        s12.add_request(r12)
+        s12.add_request(short)
+        t0 = time.monotonic()
+        out = s12.schedule()
+        obs["stall_schedule_s"] = time.monotonic() - t0
+        obs["stall_scheduled"] = sorted(out.num_scheduled_tokens)
+        obs["stall_hit_status"] = r12.status.name
+        s12.update_from_output(out, output([short]))
+        out = s12.schedule()                    # still held: asked again, still not yet
+        obs["stall_second_scheduled"] = sorted(out.num_scheduled_tokens)
+        s12.update_from_output(out, output([short]))
+    looking = c12.scheduler_side._reqs["stalled-hit"].looking
+    wait_for(lambda: looking is None or looking.done(), "the stalled lookup's return")
+    out = s12.schedule()
+    obs["stall_loads_after"] = [ld.req_id for ld in out.kv_connector_metadata.loads]
+    s12.update_from_output(out, output([short], finished_recving={"stalled-hit"}))
+    s12.finish_requests(["stalled-hit", "short"], RequestStatus.FINISHED_ABORTED)
+    obs["stall_pins_after"] = pins(pool, c12)
+
+    sched = conn.scheduler_side
+    obs["state_left"] = [len(sched._reqs), len(sched._loading_done), len(sched._pending_loads)]
+    for c in (conn, other, consumer.connector, producer.connector, c8, w, s9.connector, w9, c10,
+              c12):
         c.shutdown()
     pool.close()
     return obs

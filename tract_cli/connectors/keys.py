@@ -10,6 +10,7 @@ full block's key can equal it.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -52,3 +53,13 @@ def prompt_keys(info, model_tag: bytes, block_tokens: int, tokens,
         keys = tag_keys(keys, model_tag)
         tail_key = None if tail_key is None else tag_keys(tail_key, model_tag)
     return PromptKeys(keys, tail_key, tail)
+
+
+def key_tag(model_digest: bytes, layout_digest: bytes | None) -> bytes:
+    """The 16 bytes mixed into every key of an instance: its model's identity
+    and, unless its engine keeps KV pages in the region's canonical order, the
+    order it stores blocks in (core/kvpages.py): an instance of another page
+    layout never finds, so never misreads, a block stored in this one."""
+    if layout_digest is None:
+        return model_digest[:16]
+    return hashlib.sha256(b"tract-kv-tag-v1|" + model_digest + layout_digest).digest()[:16]

@@ -1,61 +1,25 @@
-"""Between an engine's paged KV cache and the region's layer-major blocks.
-
-A region block slot is `[layer][K|V][token][kv_head][head_dim]` over
-`g = block_tokens` tokens (docs/FORMAT.md §5): the same bytes whichever
-engine, attention kernel or CPU instruction set wrote them, so a CPU decode
-can read what a GPU prefill wrote, and the reference engine can check both.
+"""How vLLM's attention backends lay out a page of KV: measured or stated, as
+the element offsets the core's data path (core/kvpages.py) is built from.
 
 An engine keeps each layer's KV in pages of `B` tokens, in a layout of its
 kernel's choosing: vLLM's CPU backend, for one, packs K and V differently for
 each instruction set (AMX: K in dimension pairs `[D/2][B][2]`, V in token
 pairs `[B/2][D][2]`; AVX-512: K transposed `[D][B]`), none of them token
-major.  So the layout is not assumed: a `PageMap` is the element offset, in
-one layer's tensor, of every `(K|V, token, head, dim)` of a page, *measured*
-by letting the engine's own cache writer store known values into a scratch
-page (`probe_offsets`), or stated for a layout that is documented.  When `B`
-is a multiple of `g`, page `p` holds region blocks `p*r .. p*r + r-1`
-(`r = B / g`) and the bytes of a request's blocks of one layer are one
-gather over a precomputed index (`page_base + index[sub_block]`), so a step
-moves each layer with one batched torch gather (save) or scatter (load),
-never a Python loop per block or token.
+major.  So the layout is not assumed: the element offset, in one layer's
+tensor, of every `(K|V, token, head, dim)` of a page is *measured* by letting
+the engine's own cache writer store known values into a scratch page
+(`probe_offsets`), or stated for a layout that is documented
+(`flash_offsets`).  `core.kvpages.PageLayout` turns the offsets into the
+order a region block holds them in (the page's own) and the runs one C call
+copies.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from tract_cli.core.errors import TractError
-
-
-@dataclass
-class PageMap:
-    """Where each KV element of a page lives in one layer's (flattened) tensor."""
-
-    offsets: np.ndarray      # int64 [2, B, kv_heads, head_dim]: offset within page 0
-    page_stride: int         # elements from one page to the next
-    block_tokens: int        # g
-
-    def __post_init__(self):
-        two, page_tokens, _, _ = self.offsets.shape
-        if two != 2 or page_tokens % self.block_tokens:
-            raise TractError(f"the engine's block size {page_tokens} is not a multiple of the "
-                             f"region's {self.block_tokens} tokens per block",
-                             f"serve with a block size that is a multiple of {self.block_tokens},"
-                             " or format the region with `tract init --block-tokens` dividing it")
-        r, g = page_tokens // self.block_tokens, self.block_tokens
-        # index[j]: region-block order (K|V, token, head, dim) of sub-block j
-        per = self.offsets.reshape(2, r, g, *self.offsets.shape[2:]).transpose(1, 0, 2, 3, 4)
-        self.index = np.ascontiguousarray(per.reshape(r, -1))
-
-    @property
-    def blocks_per_page(self) -> int:
-        return self.offsets.shape[1] // self.block_tokens
-
-    def gather_index(self, pages: np.ndarray, subs: np.ndarray) -> np.ndarray:
-        """[n, block elements] offsets of region blocks (page, sub) of one layer."""
-        return pages.astype(np.int64)[:, None] * self.page_stride + self.index[subs]
 
 
 def probe_offsets(write: Callable, page_tokens: int, kv_heads: int, head_dim: int,

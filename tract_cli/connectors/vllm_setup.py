@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tract_cli.connectors.model_identity import ModelIdentity, served_model_identity
-from tract_cli.connectors.paged import PageMap, flash_offsets, probe_offsets
+from tract_cli.connectors.paged import flash_offsets, probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
+from tract_cli.core.kvpages import PageLayout
 from tract_cli.core.pool import Pool
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def attention_isa(vllm_config: "VllmConfig", layer_name: str) -> str:
 
 
 def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
-                    vllm_config: "VllmConfig", layer_name: str) -> PageMap:
+                    vllm_config: "VllmConfig", layer_name: str) -> PageLayout:
     """Where vLLM's attention backend keeps each KV element of a page (measured
     with the backend's own cache writer on CPUs; FlashAttention's documented
     layout on GPUs)."""
@@ -157,9 +158,10 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
 
         offsets = probe_offsets(write, page_tokens, heads, dim, kv_layer.dtype,
                                 (1, heads, page_tokens, 2 * dim))
-        return PageMap(offsets, heads * page_tokens * 2 * dim, geometry.block_tokens)
+        return PageLayout(offsets, heads * page_tokens * 2 * dim, geometry.block_tokens,
+                          kv_layer.element_size())
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (page_tokens, heads, dim):
         offsets, stride = flash_offsets(shape[1], page_tokens, heads, dim)
-        return PageMap(offsets, stride, geometry.block_tokens)
+        return PageLayout(offsets, stride, geometry.block_tokens, kv_layer.element_size())
     raise TractError(f"vLLM's KV cache on {kv_layer.device.type} has shape {list(shape)}, a "
                      "layout TraCT does not know", "serve with CPU_ATTN or FLASH_ATTN")

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import re
 
-# logging's %-formats: (blocks, bytes, request id, ms) and (blocks, bytes, ms)
-LOADED = "TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms"
-SAVED = "TraCT: saved %d blocks (%d bytes) in %.3f ms"
+# logging's %-formats: (blocks, bytes, request id, ms, copy ms, metadata ms) and
+# (blocks, bytes, ms, copy ms, metadata ms); the copy checksums as it copies, the
+# metadata is the pool's calls around it (lock round trips, handoff records)
+LOADED = ("TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms (copy %.3f ms, "
+          "checksummed as it copied; pool metadata %.3f ms)")
+SAVED = ("TraCT: saved %d blocks (%d bytes) in %.3f ms (copy %.3f ms, checksummed as it "
+         "copied; pool metadata %.3f ms)")
 
 _FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)"}
 
@@ -24,10 +28,12 @@ _LINES = {"load": _pattern(LOADED), "save": _pattern(SAVED)}
 
 
 def parse(line: str) -> tuple[str, dict] | None:
-    """("load" or "save", {"blocks", "bytes", "ms"}) of a timing line found in
-    LINE (a log line, whatever its prefix), else None."""
+    """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}) of a
+    timing line found in LINE (a log line, whatever its prefix), else None."""
     for kind, pattern in _LINES.items():
         m = pattern.search(line)
         if m:
-            return kind, {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[m.lastindex])}
+            n = m.lastindex
+            return kind, {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[n - 2]),
+                          "copy_ms": float(m[n - 1]), "meta_ms": float(m[n])}
     return None

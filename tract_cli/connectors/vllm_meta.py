@@ -1,0 +1,50 @@
+"""What the two halves of the vLLM connector tell each other: the scheduler's
+plan for a step (loads and saves, `TractConnectorMetadata`, sent with each
+step) and the worker's page layout (`TractHandshake`, sent once at start-up
+through vLLM's handshake, before any request: the scheduler's keys carry it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata)
+
+
+@dataclass
+class LoadSpec:
+    """Copy region blocks (slots) into vLLM pages; ack TICKET afterwards."""
+
+    req_id: str
+    slots: np.ndarray          # uint32 region slots, in request block order
+    checksums: np.ndarray      # uint32 recorded CRC-32C (0: none)
+    pages: np.ndarray          # int64 vLLM block id of each region block
+    subs: np.ndarray           # int64 sub-block of each region block in its page
+    ticket: dict | None = None
+    tags: np.ndarray | None = None   # uint64 payload tags (None: evict every slot)
+
+
+@dataclass
+class SaveSpec:
+    """Write the request's region blocks KEYS (from vLLM pages) into the pool."""
+
+    req_id: str
+    keys: np.ndarray           # (n, 16) uint8
+    tokens: np.ndarray         # uint32 tokens of each block (g, or fewer for a partial tail)
+    pages: np.ndarray
+    subs: np.ndarray
+
+
+@dataclass
+class TractConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class TractHandshake(KVConnectorHandshakeMetadata):
+    """The worker's KV page layout digest (hex; "" for the region's canonical
+    order): the scheduler mixes it into every key it computes."""
+
+    layout: str

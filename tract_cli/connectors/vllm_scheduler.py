@@ -1,0 +1,440 @@
+"""The scheduler half of TraCT's vLLM connector: each request's pool state,
+what to load and save each step, and the handoffs a prefill publishes
+(docs/VLLM.md; the worker half, vllm_worker.py, moves the bytes).
+
+Nothing here waits on a pool lock inside vLLM's scheduler loop beyond a
+bound: a prompt's lookup (lookup and pin, one C call) runs on this half's
+lookup thread, and `get_num_new_matched_tokens` answers "not yet" (None) if
+it is not back within `lookup_wait_s` (2 ms: a lookup of a live lock manager
+is back well within it), so vLLM asks again next step and
+schedules the others meanwhile; unpins and acknowledgements are queued
+(retry.py); a handoff's publish waits at most `step_timeout_s` (past it the
+request is answered without a ticket: the decode instance computes).  A
+stalled lock manager delays hits, never scheduling.
+
+Keys carry the worker's page layout (vllm_meta.TractHandshake): until vLLM
+has handed it over, at start-up, the pool is not used.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
+from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractConnectorMetadata
+from tract_cli.core.errors import HandoffError, TractError
+from tract_cli.core.handoff import Ticket
+from tract_cli.core.index import Lookup
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from tract_cli.connectors.model_identity import ModelIdentity
+    from tract_cli.connectors.settings import ConnectorSettings
+    from tract_cli.core.pool import Pool
+
+log = logging.getLogger("vllm.tract")
+
+PARAMS_KEY = "tract_ticket"
+# how often (at most) a prefill instance at its handoff bound reads its records
+# to find those acknowledged since (each is a lock-free read of one record)
+PRUNE_INTERVAL_S = 0.1
+DENIED_LOG_S = 10.0        # a flood at the handoff bound logs at most this often
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    prompt_len: int
+    keys: np.ndarray                   # (n_full, 16) keys of the full blocks
+    tail_key: np.ndarray | None        # (1, 16) key of the partial tail block, if any
+    tail_tokens: int
+    cacheable: bool
+    lookup: Lookup | None = None       # pins this process holds for the request
+    looking: Future | None = None      # a lookup running off the scheduler loop
+    received: Any = None               # an opened handoff (core.handoff.Received)
+    ticket: Ticket | None = None
+    matched_from: int = 0              # num_computed_tokens the last match was asked from
+    loading: bool = False              # a load was handed to the worker, not yet finished
+    saved: int = 0                     # region blocks planned for saving so far
+    tail_saved: bool = False
+    handoff_failed: bool = False
+    want_handoff: bool = False         # a prefill for a remote decode (do_remote_decode)
+    load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
+    load_failed: bool = False          # a load of it failed: compute it, never load again
+
+
+
+class SchedulerSide:
+    """Request state and the step's plan (one per engine core)."""
+
+    def __init__(self, pool: "Pool", settings: "ConnectorSettings", vllm_config: "VllmConfig",
+                 identity: "ModelIdentity", releases: Releases, engine_id: str,
+                 kv_cache_manager_of):
+        self.pool, self.settings, self.identity = pool, settings, identity
+        self.releases, self.engine_id = releases, engine_id
+        self._kv_cache_manager_of = kv_cache_manager_of   # vLLM's, set after construction
+        self.g = pool.geometry.block_tokens
+        self.page_tokens = vllm_config.cache_config.block_size
+        self.r = self.page_tokens // self.g
+        self.timeout = settings.lookup_timeout_s
+        self.layout: str | None = None      # the worker's page layout (hex; "": canonical)
+        self.key_tag: bytes | None = None
+        self._no_layout_logged = False
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="tract-lookups")
+        self._reqs: dict[str, _Request] = {}
+        self._loading_done: dict[str, _Request] = {}   # finished while their load ran
+        self._pending_loads: list[LoadSpec] = []
+        self._matched: set[str] = set()     # pinned this step, no vLLM pages yet
+        # this instance's published handoffs not known released
+        self._handoffs: collections.deque = collections.deque()
+        self._pruned_at = 0.0
+        self._denied, self._denied_logged = 0, -DENIED_LOG_S
+
+    def set_layout(self, layouts: set[str]) -> None:
+        """The workers' page layout, from vLLM's handshake: it enters every key."""
+        if len(layouts) != 1:
+            raise TractError(f"vLLM's workers keep KV pages in {len(layouts)} layouts",
+                             "serve with one worker per instance (tensor-parallel size 1)")
+        self.layout = layouts.pop()
+        self.key_tag = key_tag(self.identity.digest,
+                               bytes.fromhex(self.layout) if self.layout else None)
+        log.info("TraCT connector scheduler: worker KV page layout %s, key tag %s",
+                 self.layout[:16] or "canonical", self.key_tag.hex()[:16])
+
+    def _state(self, request: "Request") -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        tokens = request.prompt_token_ids
+        cacheable = (tokens is not None and not request.lora_request and
+                     not getattr(request, "mm_features", None))
+        if cacheable and self.key_tag is None:
+            if not self._no_layout_logged:
+                self._no_layout_logged = True
+                log.warning("TraCT: vLLM has not handed the worker's KV page layout to the "
+                            "scheduler (its KV connector handshake): the pool is not used")
+            cacheable = False
+        salt = getattr(request, "cache_salt", None)
+        if cacheable and salt and len(salt.encode()) > MAX_SALT_BYTES:
+            log.warning("request %s: its cache_salt is over %d bytes: it is computed by vLLM "
+                        "and not cached in the pool", request.request_id, MAX_SALT_BYTES)
+            cacheable = False
+        if cacheable:
+            keys, tail_key, tail = prompt_keys(self.pool.info, self.key_tag, self.g, tokens,
+                                               salt)
+        else:
+            keys = np.zeros((0, 16), np.uint8)
+            tail, tail_key = 0, None
+        params = request.kv_transfer_params or {}
+        st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable,
+                      want_handoff=bool(params.get("do_remote_decode")))
+        self._reqs[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the pool holds beyond NUM_COMPUTED_TOKENS (loaded asynchronously);
+        None while its lookup runs (vLLM asks again next step)."""
+        st = self._state(request)
+        if not st.cacheable or st.load_failed:
+            return 0, False
+        st.matched_from = num_computed_tokens
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and PARAMS_KEY in params and not st.loading:
+            if st.received is None and not st.handoff_failed:
+                self._open_handoff(request, st, params)
+            if st.received is not None:
+                count = st.received.token_count - num_computed_tokens
+                return (count, True) if count > 0 else (0, False)
+        if not self.settings.prefix_cache or not len(st.keys):
+            return 0, False
+        if st.lookup is None:
+            if st.looking is None:
+                keys = st.keys
+                st.looking = self._lookups.submit(self.pool.index.lookup, keys,
+                                                  timeout=self.timeout)
+            try:
+                st.lookup = st.looking.result(timeout=self.settings.lookup_wait_s)
+            except FutureTimeout:
+                return None, False             # not yet: vLLM schedules the others
+            except TractError as exc:
+                st.looking = None
+                log.warning("TraCT lookup of request %s failed, computing it: %s",
+                            request.request_id, exc)
+                return 0, False
+            st.looking = None
+        count = st.lookup.hits * self.g - num_computed_tokens
+        if count <= 0:
+            self._unpin(st)
+            return 0, False
+        # pinned for this step only: if vLLM gives it no pages now (a queued request),
+        # build_connector_meta gives the pins back, so pinned capacity never grows
+        # with the queue
+        self._matched.add(request.request_id)
+        return count, True
+
+    def _open_handoff(self, request: "Request", st: _Request, params: dict) -> None:
+        """Opens the handoff a prefill instance published for this prompt, if it is one."""
+        try:
+            raw = params[PARAMS_KEY]
+            if not isinstance(raw, dict):
+                raise HandoffError("the ticket is not an object", "pass it unchanged")
+            ticket = Ticket.from_dict(raw)
+            if raw.get("region") != self.pool.info.uuid:
+                raise HandoffError("the handoff is in another region",
+                                   "point prefill and decode at the same pool")
+            if raw.get("layout") != self.layout:
+                raise HandoffError("the handoff's blocks are in another KV page layout "
+                                   f"({str(raw.get('layout'))[:16] or 'canonical'}, this "
+                                   f"instance's is {self.layout[:16] or 'canonical'}: another "
+                                   "attention backend, CPU instruction set or block size)",
+                                   "pair prefill and decode instances of the same hardware "
+                                   "and --block-size")
+            if raw.get("model") != self.identity.digest.hex():
+                # the keys check below refuses it too (they carry the identity); this
+                # says why, for the operator
+                raise HandoffError("the handoff was computed by another model (model identity "
+                                   f"{str(raw.get('model'))[:16]}, this instance serves "
+                                   f"{self.identity.short()})",
+                                   "send decode requests to instances of the prefill's model")
+            expected = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
+            if ticket.blocks != len(expected):
+                raise HandoffError("the handoff is of another prompt",
+                                   "send the decode request with the prefill's prompt")
+            rec = self.pool.handoffs.open(ticket)
+            # the record's own key list, not anything the ticket says, names the blocks:
+            # only a request whose prompt (and salt) has exactly these keys loads them
+            if rec.token_count != st.prompt_len or not np.array_equal(rec.keys, expected):
+                raise HandoffError("the handoff is of another prompt (or another tenant's salt)",
+                                   "send the decode request with the prefill's prompt")
+        except (TractError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            # a ticket is network input: whatever is wrong with it, the request is computed
+            st.handoff_failed = True
+            log.warning("TraCT handoff of request %s not used, computing it: %s",
+                        request.request_id, exc)
+            return
+        st.received, st.ticket = rec, ticket
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int):
+        self._matched.discard(request.request_id)
+        st = self._reqs.get(request.request_id)
+        if st is None or st.loading:
+            return
+        if num_external_tokens == 0:
+            self._unpin(st)
+            if st.ticket is not None:              # not needed (e.g. a local hit): release now
+                self._release_handoff(st.ticket)
+                st.received = st.ticket = None
+            return
+        first = st.matched_from // self.g
+        end_tokens = st.matched_from + num_external_tokens
+        last = -(-end_tokens // self.g)
+        if st.received is not None:
+            slots, sums, tags = st.received.slots, st.received.checksums, st.received.tags
+            ticket = st.ticket.to_dict()
+            params = request.kv_transfer_params
+            if params is not None:
+                params["do_remote_prefill"] = False   # one transfer per request
+            st.received = st.ticket = None            # the worker acknowledges it now
+        else:
+            slots, sums, tags = st.lookup.slots, st.lookup.checksums, st.lookup.tags
+            ticket = None
+        page_ids = np.asarray(blocks.get_block_ids()[0], dtype=np.int64)
+        idx = np.arange(first, last, dtype=np.int64)
+        self._pending_loads.append(LoadSpec(request.request_id, slots[first:last],
+                                            sums[first:last], page_ids[idx // self.r],
+                                            idx % self.r, ticket,
+                                            None if tags is None else tags[first:last]))
+        st.loading = True
+        st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
+        st.saved = max(st.saved, min(last, len(st.keys)))
+        st.tail_saved = st.tail_saved or last > len(st.keys)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = TractConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        for req_id in self._matched:          # matched, but vLLM had no pages for it
+            st = self._reqs.get(req_id)
+            if st is not None and not st.loading:
+                self._unpin(st)
+        self._matched.clear()
+        if not self.settings.save:
+            return meta
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, done in computed.items():
+            st = self._reqs.get(req_id)
+            if st is None or not st.cacheable:
+                continue
+            end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            spec = self._plan_save(req_id, st, end)
+            if spec is not None:
+                meta.saves.append(spec)
+        return meta
+
+    def _plan_save(self, req_id: str, st: _Request, end: int) -> SaveSpec | None:
+        """The blocks of REQ_ID whose KV is complete after this step and not yet saved."""
+        full = min(end, st.prompt_len) // self.g
+        idx = list(range(st.saved, full)) if full > st.saved else []
+        with_tail = (st.tail_key is not None and not st.tail_saved and end >= st.prompt_len
+                     and st.want_handoff)
+        if not idx and not with_tail:
+            return None
+        keys = st.keys[st.saved:full]
+        tokens = np.full(len(idx), self.g, np.uint32)
+        if with_tail:
+            idx.append(len(st.keys))
+            keys = np.vstack([keys, st.tail_key])
+            tokens = np.append(tokens, np.uint32(st.tail_tokens))
+            st.tail_saved = True
+        st.saved = max(st.saved, full)
+        page_ids = np.asarray(self._kv_cache_manager_of().get_block_ids(req_id)[0],
+                              dtype=np.int64)
+        blocks = np.asarray(idx, dtype=np.int64)
+        return SaveSpec(req_id, np.ascontiguousarray(keys), tokens, page_ids[blocks // self.r],
+                        blocks % self.r)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        invalid = connector_output.invalid_block_ids or set()
+        for req_id in connector_output.finished_recving or ():
+            st = self._reqs.get(req_id) or self._loading_done.pop(req_id, None)
+            if st is not None:
+                st.loading = False
+                # a bad block stays in the index until evicted: vLLM recomputes this
+                # request, and it is not offered the same blocks again
+                st.load_failed = st.load_failed or bool(st.load_pages & invalid)
+                self._unpin(st)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+        st = self._reqs.pop(request.request_id, None)
+        self._matched.discard(request.request_id)
+        if st is None:
+            return False, None
+        if st.loading:
+            self._loading_done[request.request_id] = st   # the worker still reads its pins
+        else:
+            self._unpin(st)
+        self._forget_lookup(st)
+        if st.ticket is not None:                       # opened, never loaded
+            self._release_handoff(st.ticket)
+        # only an instance that saves publishes: its own step saved the blocks. A
+        # client of a decode-only instance asking do_remote_decode pins nothing
+        if not (self.settings.save and st.want_handoff and st.cacheable and request.status in (
+                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
+            return False, None
+        if not self._handoff_room():
+            self._denied += 1
+            if time.monotonic() - self._denied_logged < DENIED_LOG_S:
+                return False, None
+            self._denied_logged = time.monotonic()
+            log.warning("TraCT: %d handoffs of this instance in flight (max_handoffs): request "
+                        "%s answered without one, its decode computes the prompt (%d so far; "
+                        "logged at most every %.0f s)", len(self._handoffs), request.request_id,
+                        self._denied, DENIED_LOG_S)
+            return False, None
+        keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
+        try:
+            # no waiting here (the engine's scheduler loop): the step that computed the
+            # blocks committed them before its output reached the scheduler, so a block
+            # not READY now was not saved (pool full) or is another writer's: computed
+            ticket = self.pool.handoffs.publish(request.request_id, keys, st.prompt_len,
+                                                ttl=self.settings.handoff_ttl_s,
+                                                timeout=self.settings.step_timeout_s)
+        except TractError as exc:
+            log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
+                        request.request_id, exc)
+            return False, None
+        self._handoffs.append(ticket)
+        raw = ticket.to_dict() | {"region": self.pool.info.uuid,
+                                  "model": self.identity.digest.hex(), "layout": self.layout}
+        return False, {"do_remote_prefill": True, "do_remote_decode": False,
+                       "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+                       "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
+                       "tp_size": 1, PARAMS_KEY: raw}
+
+    def _handoff_room(self) -> bool:
+        """Whether this instance may publish one more handoff (max_handoffs). One
+        stops counting once its record is gone (acknowledged, or expired and
+        reclaimed: until then its pins hold, whatever the clock says), as a
+        lock-free read of each record finds, at most every PRUNE_INTERVAL_S."""
+        cap, now = self.settings.max_handoffs, time.monotonic()
+        if len(self._handoffs) < cap or now - self._pruned_at < PRUNE_INTERVAL_S:
+            return len(self._handoffs) < cap
+        self._pruned_at = now
+        kept = collections.deque()
+        for ticket in self._handoffs:
+            try:
+                self.pool.handoffs.open(ticket)     # metadata only, no lock
+                kept.append(ticket)
+            except HandoffError:
+                pass                                # released
+            except TractError:
+                kept.append(ticket)
+        self._handoffs = kept
+        return len(kept) < cap
+
+    def _forget_lookup(self, st: _Request) -> None:
+        """A lookup still running for a request that is gone: its pins are given
+        back when it returns."""
+        looking, st.looking = st.looking, None
+        if looking is None:
+            return
+
+        def unpin(done: Future) -> None:
+            try:
+                lookup = done.result()
+            except Exception:          # a failed lookup pinned nothing
+                return
+            self._unpin(_Request(0, np.zeros((0, 16), np.uint8), None, 0, False, lookup=lookup))
+
+        looking.add_done_callback(unpin)
+
+    def _unpin(self, st: _Request) -> None:
+        """Gives a request's lookup pins back (queued: never waits on a lock here)."""
+        if st.lookup is None:
+            return
+        lookup, st.lookup = st.lookup, None
+        if lookup.hits:
+            # resumable: a retry after a timeout partway unpins only what is left
+            done = np.zeros(lookup.hits, np.uint8)
+            self.releases.submit(f"unpin of {lookup.hits} blocks",
+                                 lambda timeout: self.pool.index.unpin(lookup, timeout=timeout,
+                                                                       done=done))
+
+    def shutdown(self) -> None:
+        for st in list(self._reqs.values()):
+            self._forget_lookup(st)
+        self._lookups.shutdown(wait=True)
+
+    def _release_handoff(self, ticket: Ticket, read=None) -> None:
+        """Acknowledges a handoff (queued): one this instance will not load, or the
+        retry of one whose acknowledgement timed out (READ: the slots it loaded)."""
+        self.releases.submit(f"acknowledgement of handoff {ticket.record}",
+                             lambda timeout: self._ack_once(ticket, timeout, read))
+
+    def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
+        """One attempt of a queued acknowledgement (resuming its own earlier
+        attempt that timed out partway)."""
+        try:
+            self.pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
+        except HandoffError as exc:            # gone already: expired and reclaimed
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+

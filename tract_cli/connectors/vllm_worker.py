@@ -1,0 +1,361 @@
+"""The worker half of TraCT's vLLM connector: moves KV bytes between vLLM's
+paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
+"The data path").
+
+- **Layout**: at `register_kv_caches` the attention backend's page layout is
+  measured (`vllm_setup.engine_page_map`) and told to the scheduler through
+  vLLM's handshake (its digest enters every key: core/kvpages.py).
+- **Load**: a request's blocks are copied on this worker's loader thread, one
+  C call (`PagedKV.load`, the GIL released) that checksums as it copies, while
+  the engine runs its next step; the request is reported finished
+  (`get_finished`) once its bytes are in vLLM's pages, with the pages of a bad
+  block (`get_block_ids_with_load_errors`) for vLLM to recompute from there.
+  A handoff is acknowledged on the same thread, after its copy.
+- **Save**: the step's new full blocks are claimed before the forward (one
+  reserve), copied from vLLM's pages after it in one C call that checksums as
+  it copies with streaming stores (`PagedKV.save`), and published by one
+  commit.  The claim and the commit wait at most `step_timeout_s` for a lock
+  (they are in the engine's step): past it the blocks are not saved (vLLM
+  computes as ever) and the claims are given back off the step.
+- On a GPU (FlashAttention's layout; not run where no GPU is lent) each layer
+  is gathered by torch from vLLM's pages into the slots, in the step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake
+from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
+from tract_cli.core import kvlog
+from tract_cli.core.errors import HandoffError, PoolFull, TractError
+from tract_cli.core.handoff import Ticket
+from tract_cli.core.index import PUT_CLAIMED
+from tract_cli.core.kvpages import PagedKV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from tract_cli.connectors.settings import ConnectorSettings
+    from tract_cli.core.pool import Pool
+
+log = logging.getLogger("vllm.tract")
+
+
+@dataclass
+class _SavePlan:
+    keys: np.ndarray
+    status: np.ndarray
+    slots: np.ndarray
+    tokens: np.ndarray
+    pages: np.ndarray
+    subs: np.ndarray
+    mine: np.ndarray                  # indices this step claimed (and writes)
+    reserve_s: float = 0.0
+    slots_t: Any = None               # GPU path: their slots (torch int64)
+    index_t: Any = None               # GPU path: their elements in one layer's tensor
+    layers_done: set = field(default_factory=set)
+    copy_s: float = 0.0
+
+
+class WorkerSide:
+    """Data movement between vLLM's KV cache tensors and the pool (one per worker)."""
+
+    def __init__(self, pool: "Pool", settings: "ConnectorSettings", vllm_config: "VllmConfig",
+                 releases: Releases, timings: int):
+        self.pool, self.settings, self._vllm_config = pool, settings, vllm_config
+        self.releases, self._timings = releases, timings
+        self.g = pool.geometry.block_tokens
+        self.page_tokens = vllm_config.cache_config.block_size
+        self.layout = None
+        self._layers: dict[str, int] = {}
+        self._flat: dict[str, torch.Tensor] = {}
+        self._paged: PagedKV | None = None      # the CPU path
+        self._plan: _SavePlan | None = None
+        self._load_errors: set[int] = set()
+        # loads run on one thread; what it finished waits here for get_finished
+        self._loads: queue.Queue = queue.Queue()
+        self._done_lock = threading.Lock()
+        self._done: list[tuple[str, set]] = []
+        self._in_flight = 0
+        self._loader: threading.Thread | None = None
+
+    # ---- start-up ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        g = self.pool.geometry
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != g.num_layers:
+            raise ConnectorError(f"TraCT connector: vLLM registered {len(names)} KV cache layers, "
+                                 f"the region holds {g.num_layers}",
+                                 "format the region for this model (tract init --model DIR)")
+        first = kv_caches[names[0]]
+        for name in names:
+            t = kv_caches[name]
+            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+                raise ConnectorError(f"TraCT connector: KV cache layer {name} differs from "
+                                     f"{names[0]} ({list(t.shape)})",
+                                     "serve a model whose attention layers are all alike")
+        try:
+            self.layout = engine_page_map(first, self.page_tokens, g, self._vllm_config,
+                                          names[0])
+            if first.device.type == "cpu":
+                self._paged = PagedKV(self.pool, self.layout, [kv_caches[n] for n in names])
+        except TractError as exc:
+            raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
+        self._layers = {name: i for i, name in enumerate(names)}
+        self._flat = {name: kv_caches[name].view(-1) for name in names}
+        if first.device.type == "cuda":
+            # the mapping registered once (cudaHostRegister): slot views are pinned
+            # host memory, so the per-layer copies to and from the GPU are DMA
+            from tract_cli.core.gpu import CudaPool
+            self._cuda = CudaPool(self.pool, device=str(first.device))
+            self._slots_t = self._cuda.slots
+        self._device = first.device
+        log.info("TraCT connector worker: KV pages of %d tokens, %d region block(s) a page, "
+                 "%d run(s) a block's layer, %s order (%s)", self.page_tokens,
+                 self.layout.blocks_per_page, self.layout.run_count // self.layout.blocks_per_page,
+                 "the region's canonical" if self.layout.digest is None else "the engine's page",
+                 "C copy, checksummed as it copies" if self._paged else "torch gather")
+
+    def handshake(self) -> TractHandshake:
+        digest = self.layout.digest if self.layout is not None else None
+        return TractHandshake(layout=digest.hex() if digest else "")
+
+    # ---- saves ----
+
+    def bind(self, saves: list[SaveSpec]) -> None:
+        self._plan = self._reserve(saves) if saves else None
+
+    def _reserve(self, saves: list[SaveSpec]) -> _SavePlan | None:
+        """One reserve call for the step's blocks to save (duplicates within it once)."""
+        keys = np.vstack([s.keys for s in saves])
+        tokens = np.concatenate([s.tokens for s in saves])
+        pages = np.concatenate([s.pages for s in saves])
+        subs = np.concatenate([s.subs for s in saves])
+        _, first = np.unique(keys.view("V16").reshape(-1), return_index=True)
+        first.sort()
+        keys, tokens, pages, subs = keys[first], tokens[first], pages[first], subs[first]
+        t0 = time.perf_counter()
+        try:
+            status, slots = self.pool.index.reserve(keys, timeout=self.settings.step_timeout_s)
+        except PoolFull:
+            log.info("TraCT pool full: %d blocks not saved this step", len(keys))
+            return None
+        except TractError as exc:
+            log.warning("TraCT reserve failed, %d blocks not saved: %s", len(keys), exc)
+            return None
+        mine = np.flatnonzero(status == PUT_CLAIMED)
+        plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine,
+                         reserve_s=time.perf_counter() - t0)
+        if mine.size and self._paged is None:
+            plan.slots_t = torch.from_numpy(slots[mine].astype(np.int64))
+            plan.index_t = torch.from_numpy(self.layout.gather_index(
+                pages[mine], subs[mine])).to(self._device)
+        return plan
+
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """GPU path: one layer's blocks, gathered from vLLM's pages into the slots."""
+        plan = self._plan
+        if plan is None or plan.slots_t is None:
+            return
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            return
+        t0 = time.perf_counter()
+        block = self._slots_t.shape[2:]
+        src = kv_layer.view(-1)[plan.index_t].to("cpu")
+        self._slots_t[plan.slots_t, layer] = src.view(-1, *block)
+        plan.layers_done.add(layer)
+        plan.copy_s += time.perf_counter() - t0
+
+    def wait_for_save(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        mine = plan.mine
+        sums = None
+        complete = True
+        try:
+            t0 = time.perf_counter()
+            if mine.size and self._paged is not None:
+                # one C call: every layer of every claimed block, checksummed as it copies
+                crcs = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
+                                        plan.tokens[mine])
+                plan.copy_s = time.perf_counter() - t0
+                sums = np.zeros(len(plan.keys), np.uint32)
+                sums[mine] = crcs
+            elif mine.size:
+                complete = len(plan.layers_done) == len(self._layers)
+                if complete:
+                    self._zero_partial_tails(plan)
+                    sums = np.zeros(len(plan.keys), np.uint32)
+                    sums[mine] = self.pool.checksum_slots(plan.slots[mine])
+            t1 = time.perf_counter()
+            self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
+                                   tokens=plan.tokens,
+                                   checksums=sums if self.settings.checksums else None,
+                                   streamed=self._paged is not None,
+                                   timeout=self.settings.step_timeout_s)
+            commit_s = time.perf_counter() - t1
+        except TractError as exc:
+            # never leave claims PENDING behind a live process: abandoned off this step,
+            # tried again until it succeeds
+            log.warning("TraCT commit of %d blocks failed, abandoning them: %s", mine.size, exc)
+            self.releases.submit(
+                f"abandon of {mine.size} claimed blocks",
+                lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
+                                                       publish=False, timeout=timeout))
+            return
+        if mine.size:
+            log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
+                    (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
+                    (plan.reserve_s + commit_s) * 1e3)
+
+    def _zero_partial_tails(self, plan: _SavePlan) -> None:
+        """GPU path: clears a partial tail's slot past its tokens (vLLM's page may hold
+        another request's stale KV there, which must not reach the pool)."""
+        for i in np.flatnonzero(plan.tokens[plan.mine] < self.g):
+            slot, used = int(plan.slots[plan.mine[i]]), int(plan.tokens[plan.mine[i]])
+            # the slot's elements in region order: zero those of later tokens
+            stale = torch.from_numpy(self.layout.elem_token[int(plan.subs[plan.mine[i]])] >= used)
+            self._slots_t[slot].view(len(self._layers), -1)[:, stale] = 0
+
+    # ---- loads ----
+
+    def start_loads(self, loads: list[LoadSpec]) -> None:
+        if not loads:
+            return
+        if self._paged is None:            # GPU path: in the step
+            for spec in loads:
+                self._finish(spec.req_id, self._load(spec))
+            return
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
+                                            daemon=True)
+            self._loader.start()
+        with self._done_lock:
+            self._in_flight += len(loads)
+        for spec in loads:
+            self._loads.put(spec)
+
+    def _load_loop(self) -> None:
+        while True:
+            spec = self._loads.get()
+            if spec is None:
+                return
+            self._finish(spec.req_id, self._load(spec))
+
+    def _finish(self, req_id: str, bad_pages: set) -> None:
+        with self._done_lock:
+            self._done.append((req_id, bad_pages))
+            self._in_flight = max(0, self._in_flight - 1)
+
+    def loads_in_flight(self) -> int:
+        with self._done_lock:
+            return self._in_flight
+
+    def _load(self, spec: LoadSpec) -> set:
+        """Copies one request's blocks into vLLM's pages (all layers), then acks a
+        handoff; the vLLM pages to recompute (from the first bad block on)."""
+        n = len(spec.slots)
+        valid = n
+        t0 = time.perf_counter()
+        copy_s = 0.0
+        try:
+            if spec.ticket is not None:          # still published: its pins hold the slots
+                self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
+            self.pool.acquire_payload(spec.slots, spec.tags)
+            if self._paged is not None:
+                t1 = time.perf_counter()
+                crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
+                copy_s = time.perf_counter() - t1
+                if self.settings.checksums:
+                    bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
+                    if bad.size:
+                        valid = int(bad[0])
+                        log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
+                                    "recomputes from there", valid, spec.req_id)
+            else:
+                valid = self._load_torch(spec)
+        except Exception as exc:      # a pool or a torch error: recomputed, never fatal
+            log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id,
+                        exc)
+            valid = 0
+        if spec.ticket is not None and not self._ack_loaded(Ticket.from_dict(spec.ticket),
+                                                            spec.slots):
+            valid = 0                            # expired meanwhile: its slots may be reused
+        bad_pages = {int(p) for p in np.unique(spec.pages[valid:])} if valid < n else set()
+        total = time.perf_counter() - t0
+        log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
+                spec.req_id, total * 1e3, copy_s * 1e3, (total - copy_s) * 1e3)
+        return bad_pages
+
+    def _load_torch(self, spec: LoadSpec) -> int:
+        """GPU path: checksums first, then one torch scatter per layer; the blocks
+        that stand."""
+        n = valid = len(spec.slots)
+        if self.settings.checksums and n:
+            sums = self.pool.checksum_slots(spec.slots)
+            bad = np.flatnonzero((spec.checksums != 0) & (sums != spec.checksums))
+            if bad.size:
+                valid = int(bad[0])
+        if valid:
+            slots = torch.from_numpy(spec.slots[:valid].astype(np.int64))
+            index = torch.from_numpy(self.layout.gather_index(
+                spec.pages[:valid], spec.subs[:valid])).to(self._device)
+            for name, layer in self._layers.items():
+                src = self._slots_t[slots, layer].reshape(valid, -1)
+                self._flat[name][index] = src.to(self._device)
+        return valid
+
+    def _ack_loaded(self, ticket: Ticket, read: np.ndarray) -> bool:
+        """Acknowledges a handoff this worker loaded from; whether the load stands.
+        Acknowledged is proof the record outlived the copy; an acknowledgement that
+        timed out proves nothing (the load is recomputed) and is retried off the
+        engine's path until it succeeds."""
+        try:
+            self.pool.handoffs.ack(ticket, timeout=self.settings.lookup_timeout_s, read=read)
+            return True
+        except HandoffError as exc:
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+            return False
+        except TractError as exc:
+            log.warning("TraCT handoff %d not acknowledged yet (%s): its load is recomputed",
+                        ticket.record, exc)
+            self.releases.submit(f"acknowledgement of handoff {ticket.record}",
+                                 lambda timeout: self._ack_once(ticket, timeout, read))
+            return False
+
+    def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
+        try:
+            self.pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
+        except HandoffError as exc:            # gone already: expired and reclaimed
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+
+    def finished(self) -> set[str] | None:
+        """The requests whose loads finished since the last call; their bad pages
+        go to `load_errors` (asked right after, in the same step's output)."""
+        with self._done_lock:
+            done, self._done = self._done, []
+        for _, bad in done:
+            self._load_errors |= bad
+        return {req_id for req_id, _ in done} or None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loads.put(None)
+            self._loader.join(timeout=max(5.0, 2 * self.settings.lookup_timeout_s))
