@@ -20,8 +20,10 @@ A P/D request is what a proxy does: the prefill request (`max_tokens: 1`,
 the first to the first streamed token of the second.  Its parts: `prefill`
 (the prefill request's latency, KV save included) and `decode` (the rest: KV
 load and the decode instance's first step).  The connector's own figures,
-`kv save` and `kv load` (from its log lines), are set against a `memcpy` of
-the same bytes measured in this process.  Prompts are random token ids, a
+`kv save` and `kv load` (from its log lines, with their parts: the copy,
+which checksums as it copies, and the pool's metadata calls), are set against
+a `memcpy` of the same bytes between the same buffers, which the connector
+times right after each copy when its timings are on.  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
 """
 from __future__ import annotations
@@ -247,28 +249,43 @@ def _model(server) -> str:
 
 
 def _connector_figures(decode_log: str, prefill_log: str) -> dict:
-    """The connector's own load and save timings (its INFO lines), per request."""
-    rows = {"load": [], "save": []}
-    for path, kind in ((decode_log, "load"), (prefill_log, "save")):
+    """The connector's own load and save timings (its INFO lines), per request, and
+    its memcpy of the same bytes between the same buffers (the reference)."""
+    rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": []}
+    for path, kinds in ((decode_log, ("load", "load_memcpy")),
+                        (prefill_log, ("save", "save_memcpy"))):
         for line in open(path, errors="replace"):
             got = kvlog.parse(line)
-            if got and got[0] == kind:
-                rows[kind].append(got[1])
-    return {"loads": rows["load"][1:], "saves": rows["save"][1:]}      # the first is the warm-up
+            if got and got[0] in kinds:
+                rows[got[0]].append(got[1])
+    # the first of each is the warm-up request's
+    return {"loads": rows["load"][1:], "saves": rows["save"][1:],
+            "loads_memcpy": rows["load_memcpy"][1:], "saves_memcpy": rows["save_memcpy"][1:]}
 
 
 def _memcpy_figures(kv: dict) -> dict:
-    """memcpy of the same byte counts in this process, one copy per request
-    (`stats.memcpy_reference`): the reference."""
+    """Per kind (loads, saves): the connector's time, its parts (the copy, which
+    checksums as it copies, and the pool's metadata calls) and the memcpy of the same
+    bytes between the same buffers it timed beside each copy (scaled to the blocks
+    of the rows where a save's partial blocks had none); also a memcpy of the byte
+    count between private buffers in this process (`stats.memcpy_reference`)."""
     out = {}
     for kind in ("loads", "saves"):
         rows = kv.get(kind) or []
         if not rows:
             continue
-        memcpy_ms = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         tract = sum(r["ms"] for r in rows)
-        out[kind] = {"tract_ms": tract, "memcpy_ms": memcpy_ms,
-                     "ratio": tract / max(memcpy_ms, 1e-9), "bytes": sum(r["bytes"] for r in rows)}
+        copy = sum(r.get("copy_ms", 0.0) for r in rows)
+        refs = kv.get(kind + "_memcpy") or []
+        ref_blocks = sum(r["blocks"] for r in refs)
+        same = (sum(r["ms"] for r in refs) * sum(r["blocks"] for r in rows) / ref_blocks
+                if ref_blocks else None)
+        private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
+        out[kind] = {"tract_ms": tract, "copy_ms": copy, "meta_ms": tract - copy,
+                     "memcpy_ms": same, "private_memcpy_ms": private,
+                     "ratio": tract / same if same else None,
+                     "copy_ratio": copy / same if same else None,
+                     "bytes": sum(r["bytes"] for r in rows)}
     return out
 
 

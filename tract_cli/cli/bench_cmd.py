@@ -178,9 +178,13 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
     for kind, fig in res["memcpy"].items():
+        ms = lambda v: format_duration(v / 1e3)
+        same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
+                f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
+                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x")
         render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
-                            f"{format_duration(fig['tract_ms'] / 1e3)}; memcpy of the same bytes "
-                            f"{format_duration(fig['memcpy_ms'] / 1e3)} ({fig['ratio']:.1f}x)")
+                            f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
+                            f"copied; pool metadata {ms(fig['meta_ms'])}); {same}")
     if json_file:
         try:
             with open(json_file, "w") as f:

@@ -192,6 +192,10 @@ class WorkerSide:
                 crcs = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
                                         plan.tokens[mine])
                 plan.copy_s = time.perf_counter() - t0
+                # (full blocks only: a partial one's slot holds zeros past its tokens,
+                # which a plain copy of the page would overwrite)
+                full = mine[plan.tokens[mine] == self.g]
+                self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
                 sums = np.zeros(len(plan.keys), np.uint32)
                 sums[mine] = crcs
             elif mine.size:
@@ -220,6 +224,17 @@ class WorkerSide:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
                     (plan.reserve_s + commit_s) * 1e3)
+
+    def _reference(self, kind: str, slots, pages, subs) -> None:
+        """With the timings on (`tract bench --engine vllm`): a plain memcpy of the
+        same bytes between the same buffers, right after the real copy, timed and
+        logged as the reference the copy is measured against.  It writes the bytes
+        the copy just wrote (a save's: into slots still claimed, before the commit)."""
+        if self._timings != logging.INFO or not len(slots):
+            return
+        t0 = time.perf_counter()
+        getattr(self._paged, kind)(slots, pages, subs, checksum=False)
+        log.info(kvlog.REFERENCE, kind, len(slots), (time.perf_counter() - t0) * 1e3)
 
     def _zero_partial_tails(self, plan: _SavePlan) -> None:
         """GPU path: clears a partial tail's slot past its tokens (vLLM's page may hold
@@ -279,6 +294,7 @@ class WorkerSide:
                 t1 = time.perf_counter()
                 crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
                 copy_s = time.perf_counter() - t1
+                self._reference("load", spec.slots, spec.pages, spec.subs)
                 if self.settings.checksums:
                     bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
                     if bad.size:
