@@ -38,11 +38,16 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 	int err = TRACT_OK;
 	struct stripe_groups g;
 	tract_groups_init(&g, refs, n, NULL, NULL);
+	/* a pipelined walk: the next stripe's lock is requested while this one
+	 * is held, so a put waits for about one grant, not one per stripe */
+	struct stripe_walk walk;
+	tract_walk_init(&walk, r, set, timeout_ns);
 	while (tract_groups_next(&g)) {
 		uint32_t nfreed = 0;
 		struct stripe_ctx c;
-		int rc = tract_stripe_enter(r, g.stripe, timeout_ns, &c, set);
+		int rc = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc < 0) {
+			tract_walk_end(&walk);
 			free(set);
 			free(freed);
 			free(owners);
@@ -95,14 +100,19 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 			tract_journal_claims(r, key, 1, &status[idx], PUT_CLAIMED, NULL, 0);
 		}
 		tract_stripe_leave(&c);
-		/* the allocator lock, with no stripe lock held; a failure (the lock
-		 * timed out) leaves the evicted blocks' slots journaled, for the
-		 * node's agent to free once this process is gone, and is reported:
-		 * the put is abandoned with it */
-		if (nfreed && (rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns)) < 0 &&
-		    !err)
-			err = rc;
+		/* the allocator lock, with no stripe lock held or requested (the
+		 * walk's request of the next stripe withdrawn first); a failure (the
+		 * lock timed out) leaves the evicted blocks' slots journaled, for
+		 * the node's agent to free once this process is gone, and is
+		 * reported: the put is abandoned with it */
+		if (nfreed) {
+			tract_walk_end(&walk);
+			if ((rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns)) < 0 &&
+			    !err)
+				err = rc;
+		}
 	}
+	tract_walk_end(&walk);
 	free(set);
 	free(freed);
 	free(owners);
@@ -122,12 +132,14 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 {
 	int rc = TRACT_OK;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	/* the stripes with a claim of this put, one at a time */
+	/* the stripes with a claim of this put, in a pipelined walk */
 	struct stripe_groups g;
 	tract_groups_init(&g, refs, n, claimed, status);
+	struct stripe_walk walk;          /* pipelined, as claim_all's */
+	tract_walk_init(&walk, r, set, timeout_ns);
 	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_stripe_enter(r, g.stripe, timeout_ns, &c, set);
+		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			continue;
@@ -180,6 +192,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 		}
 		tract_stripe_leave(&c);
 	}
+	tract_walk_end(&walk);
 	free(set);
 	return rc;
 }

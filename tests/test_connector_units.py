@@ -286,3 +286,21 @@ def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):
     (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"a": "gone.safetensors"}}')
     with pytest.raises(TractError, match="lacks gone.safetensors"):
         weight_files(str(ckpt))
+
+
+def test_the_connector_timing_lines_parse_back_with_their_parts():
+    from tract_cli.bench.vllm_bench import _memcpy_figures
+    from tract_cli.core import kvlog
+    load = kvlog.parse("(Worker pid=1) INFO x " + kvlog.LOADED % (6, 49152, "cmpl-1", 2.5, 1.5, 1.0))
+    assert load == ("load", {"blocks": 6, "bytes": 49152, "ms": 2.5, "copy_ms": 1.5,
+                             "meta_ms": 1.0})
+    save = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0))
+    assert save[0] == "save" and save[1]["copy_ms"] == 2.0
+    ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 1.1))
+    assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "copy_warm_ms": 1.1})
+    assert kvlog.parse("INFO something else") is None
+    # a save's reference covers its full blocks only: scaled to the blocks saved
+    fig = _memcpy_figures({"saves": [save[1]], "saves_memcpy": [ref[1]]})["saves"]
+    assert fig["memcpy_ms"] == pytest.approx(7 / 6)
+    assert fig["copy_ratio"] == pytest.approx(2.0 / (7 / 6)) and fig["meta_ms"] == 1.0
+    assert fig["warm_copy_ratio"] == pytest.approx(1.1)

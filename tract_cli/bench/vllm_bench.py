@@ -48,6 +48,7 @@ CONFIGS = ("tract", "example", "mono", "prefix")
 # the rows of a run: "prefix" gives two, a miss and the hit that follows it
 ROWS = ("tract", "example", "mono", "prefix-miss", "prefix-hit")
 EXAMPLE = {"kv_connector": "ExampleConnector"}
+VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
 
 
 def _port() -> int:
@@ -91,7 +92,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
     reqs = prompts(lengths, per_length, vocab, seed)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
-            "--no-enable-prefix-caching")
+            "--no-enable-prefix-caching", "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, texts, kv = [], {}, {}
     pool, flush_mode = None, None
@@ -183,11 +184,15 @@ def _cores(role: str) -> dict:
 
 
 def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
-    """A temporary region in /dev/shm for the checkpoint's KV (4 nodes), large enough
-    for every prompt of the run twice over: a save is never skipped for room."""
-    from tract_cli.core.geometry import load_model
+    """A temporary region in /dev/shm for the checkpoint's KV (4 nodes, blocks of
+    VLLM_BLOCK tokens), large enough for every prompt of the run twice over: a save
+    is never skipped for room."""
+    from tract_cli.core.geometry import load_model, with_block_tokens
     from tract_cli.core.region import FormatOptions, format_region
-    profile = load_model(model_dir)
+    # one region block per vLLM page (VLLM_BLOCK tokens): a block's layer is one
+    # contiguous run of the page, and a handoff's key list (one slot) holds the
+    # longest prompt (docs/VLLM.md, "The data path")
+    profile = with_block_tokens(load_model(model_dir), VLLM_BLOCK)
     need = sum(lengths) * requests * profile.geometry.bytes_per_token * 2 + (256 << 20)
     size = -(-need // (2 << 20)) * (2 << 20)
     path = f"/dev/shm/tract-bench-vllm-{os.getpid()}.pool"
@@ -278,13 +283,16 @@ def _memcpy_figures(kv: dict) -> dict:
         copy = sum(r.get("copy_ms", 0.0) for r in rows)
         refs = kv.get(kind + "_memcpy") or []
         ref_blocks = sum(r["blocks"] for r in refs)
-        same = (sum(r["ms"] for r in refs) * sum(r["blocks"] for r in rows) / ref_blocks
-                if ref_blocks else None)
+        scale = sum(r["blocks"] for r in rows) / ref_blocks if ref_blocks else None
+        same = sum(r["ms"] for r in refs) * scale if scale else None
+        warm = sum(r.get("copy_warm_ms", 0.0) for r in refs) if refs else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         out[kind] = {"tract_ms": tract, "copy_ms": copy, "meta_ms": tract - copy,
                      "memcpy_ms": same, "private_memcpy_ms": private,
                      "ratio": tract / same if same else None,
                      "copy_ratio": copy / same if same else None,
+                     # the checksummed copy against memcpy, both of the same warm bytes
+                     "warm_copy_ratio": warm / (same / scale) if same and warm else None,
                      "bytes": sum(r["bytes"] for r in rows)}
     return out
 

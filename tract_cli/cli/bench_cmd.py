@@ -181,7 +181,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
         ms = lambda v: format_duration(v / 1e3)
         same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
                 f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
-                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x")
+                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
+                f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
         render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
                             f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
                             f"copied; pool metadata {ms(fig['meta_ms'])}); {same}")

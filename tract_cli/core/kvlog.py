@@ -16,9 +16,11 @@ LOADED = ("TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms (copy %.3
 SAVED = ("TraCT: saved %d blocks (%d bytes) in %.3f ms (copy %.3f ms, checksummed as it "
          "copied; pool metadata %.3f ms)")
 
-# (load|save, blocks, ms): with the timings on, the connector also times a plain
-# memcpy of the same bytes between the same buffers, right after its own copy
-REFERENCE = "TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms"
+# (load|save, blocks, ms, ms): with the timings on, the connector also times a
+# plain memcpy of the same bytes between the same buffers right after its own
+# copy, then its own copy once more: both with the bytes as warm in the caches
+REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms (the "
+             "checksummed copy again, as warm: %.3f ms)")
 
 _FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)"}
 
@@ -34,11 +36,12 @@ _REFERENCE = _pattern(REFERENCE)
 
 def parse(line: str) -> tuple[str, dict] | None:
     """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}), or
-    ("load_memcpy" or "save_memcpy", {"blocks", "ms"}), of a timing line found in
+    ("load_memcpy" or "save_memcpy", {"blocks", "ms", "copy_warm_ms"}), of a timing line found in
     LINE (a log line, whatever its prefix), else None."""
     m = _REFERENCE.search(line)
     if m:
-        return m[1] + "_memcpy", {"blocks": int(m[2]), "ms": float(m[3])}
+        return m[1] + "_memcpy", {"blocks": int(m[2]), "ms": float(m[3]),
+                                  "copy_warm_ms": float(m[4])}
     for kind, pattern in _LINES.items():
         m = pattern.search(line)
         if m:
