@@ -237,19 +237,25 @@ uint32_t tract_crc32c_copy(uint32_t reg, void *dst, const void *src, uint64_t n,
 {
 	uint8_t *d = dst;
 	const uint8_t *s = src;
-	if (flush_mode < 0 || n < 128)
+	uint64_t head = (64 - ((uintptr_t)d & 63)) & 63;
+	if (head > n)
+		head = n;
+	/* only the folding paths stream (crc_hw and the bitwise path store
+	 * plainly), and TRACT_NO_MOVNT or the threshold may refuse streaming */
+	uint32_t f = tract_cpu_features();
+	int streams = flush_mode >= 0 && (f & TRACT_CPU_SSE42) && (f & TRACT_CPU_PCLMUL) &&
+		      n - head >= 128 && n >= tract_movnt_threshold();
+	if (!streams) {
 		reg = crc_update(reg, d, s, n, 0);
-	else {
-		/* streaming stores need a 64-aligned destination: the head goes plain */
-		uint64_t head = (64 - ((uintptr_t)d & 63)) & 63;
-		reg = crc_update(reg, d, s, head, 0);
-		reg = crc_update(reg, d + head, s + head, n - head, 1);
-		tract_flush_lines(flush_mode, d, head);
+		if (flush_mode >= 0)      /* all of it went through the cache */
+			tract_flush_lines(flush_mode, d, n);
+		return reg;
 	}
-	if (flush_mode >= 0) {
-		/* what went plain at the end: under 128 bytes (fold_sse's and crc_hw's tails) */
-		uint64_t tail = n < 128 ? n : 128;
-		tract_flush_lines(flush_mode, d + n - tail, tail);
-	}
+	/* streaming stores need a 64-aligned destination: the head goes plain */
+	reg = crc_update(reg, d, s, head, 0);
+	reg = crc_update(reg, d + head, s + head, n - head, 1);
+	tract_flush_lines(flush_mode, d, head);
+	/* what went plain at the end: under 128 bytes (fold_sse's and crc_hw's tails) */
+	tract_flush_lines(flush_mode, d + n - 128, 128);
 	return reg;
 }

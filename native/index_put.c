@@ -141,8 +141,11 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 		struct stripe_ctx c;
 		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
+			/* the first stripe not granted ends it: a call waits at most
+			 * about one lock timeout; the claims of this stripe and those
+			 * after stay CLAIMED, for the caller's retry */
 			rc = rc2;
-			continue;
+			break;
 		}
 		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;

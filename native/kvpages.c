@@ -29,6 +29,10 @@
 #include <immintrin.h>
 #endif
 
+/* runs shorter than this on average go through a bounce buffer: each would
+ * otherwise be a copy too short to stream or to fold its checksum */
+#define BOUNCE_RUN_BYTES 1024
+
 /* checks the page description once per call: TRACT_OK or TRACT_E_INVAL (internal) */
 static int check_pages(const tract_region *r, const struct tract_kv_pages *kv)
 {
@@ -78,17 +82,41 @@ static uint64_t slot_offset(const tract_region *r, uint32_t slot)
 	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slot * r->hdr.slot_stride;
 }
 
-/* one block, layer chunk by layer chunk, run by run, its CRC carried
- * through (save: page -> region, streaming stores; load: region -> page)
- * (internal) */
+/* whether sub-block sub's runs are many and short: a layer chunk of it then
+ * goes through a bounce buffer (internal) */
+static int bounced(const struct tract_kv_pages *kv, uint32_t sub)
+{
+	uint32_t runs = kv->run_first[sub + 1] - kv->run_first[sub];
+	return runs > 1 && kv->layer_bytes / runs < BOUNCE_RUN_BYTES;
+}
+
+/* one block, layer chunk by layer chunk, its CRC carried through (save: page
+ * -> region, streaming stores; load: region -> page).  A chunk of few long
+ * runs is copied run by run; one of many short runs (a packed page layout
+ * with several region blocks a page) is gathered into BUF (layer_bytes, in
+ * cache) and copied as one, or copied out as one and scattered (internal) */
 static uint32_t move_block(tract_region *r, const struct tract_kv_pages *kv, uint8_t *slot_base,
-			   uint64_t page, uint32_t sub, int save)
+			   uint64_t page, uint32_t sub, int save, uint8_t *buf)
 {
 	uint32_t reg = 0xFFFFFFFFu;
+	uint32_t first = kv->run_first[sub], end = kv->run_first[sub + 1];
+	int bounce = buf && bounced(kv, sub);
 	for (uint32_t l = 0; l < kv->layers; l++) {
 		uint8_t *eng = (uint8_t *)(uintptr_t)kv->bases[l] + page * kv->page_stride;
 		uint8_t *chunk = slot_base + (uint64_t)l * kv->layer_bytes;
-		for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++) {
+		if (bounce && save) {
+			for (uint32_t i = first; i < end; i++)
+				memcpy(buf + kv->run_pos[i], eng + kv->run_off[i], kv->run_len[i]);
+			reg = tract_crc32c_copy(reg, chunk, buf, kv->layer_bytes, r->flush_mode);
+			continue;
+		}
+		if (bounce) {
+			reg = tract_crc32c_copy(reg, buf, chunk, kv->layer_bytes, -1);
+			for (uint32_t i = first; i < end; i++)
+				memcpy(eng + kv->run_off[i], buf + kv->run_pos[i], kv->run_len[i]);
+			continue;
+		}
+		for (uint32_t i = first; i < end; i++) {
 			uint8_t *e = eng + kv->run_off[i], *c = chunk + kv->run_pos[i];
 			reg = save ? tract_crc32c_copy(reg, c, e, kv->run_len[i], r->flush_mode)
 				   : tract_crc32c_copy(reg, e, c, kv->run_len[i], -1);
@@ -204,37 +232,46 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
 	if (r->flags & TRACT_ATTACH_READONLY)
 		return TRACT_E_INVAL;
 	if (!crcs) {
+		/* a memcpy of the pages, so of a partial block's stale tokens too */
+		if (tokens)
+			return TRACT_E_INVAL;
 		copy_reference(r, kv, n, slots, pages, subs, 1);
 		return TRACT_OK;
 	}
 	uint8_t *buf = NULL;
+	/* one chunk's bounce buffer, if the layout needs it (NULL: run by run) */
+	uint8_t *bounce = n && !r->sim ? malloc(kv->layer_bytes) : NULL;
 	for (uint32_t i = 0; i < n; i++) {
 		if (!tokens)
 			break;
-		if (!tokens[i] || tokens[i] > kv->block_tokens)
+		if (!tokens[i] || tokens[i] > kv->block_tokens ||
+		    (tokens[i] < kv->block_tokens && !kv->elem_token)) {
+			free(bounce);
 			return TRACT_E_INVAL;
-		if (tokens[i] < kv->block_tokens && !kv->elem_token)
-			return TRACT_E_INVAL;
+		}
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t off = slot_offset(r, slots[i]);
 		tract_payload_forget_range(r, off, r->hdr.block_bytes);
 		if (tokens && tokens[i] < kv->block_tokens) {
-			if (!buf && !(buf = malloc(r->hdr.block_bytes)))
-				return TRACT_E_NOMEM;
+			if (!buf && !(buf = malloc(r->hdr.block_bytes))) {
+				rc = TRACT_E_NOMEM;      /* the blocks before it: fenced below */
+				break;
+			}
 			crcs[i] = save_partial(r, kv, buf, off, pages[i], subs[i], tokens[i]);
 		} else if (r->sim) {
 			crcs[i] = move_block_sim(r, kv, off, pages[i], subs[i], 1);
 		} else {
-			crcs[i] = move_block(r, kv, r->base + off, pages[i], subs[i], 1);
+			crcs[i] = move_block(r, kv, r->base + off, pages[i], subs[i], 1, bounce);
 		}
 	}
 	free(buf);
+	free(bounce);
 #if defined(__x86_64__)
 	_mm_sfence();    /* the streaming stores drain before any later store (the commit's) */
 #endif
 	__sync_synchronize();
-	return TRACT_OK;
+	return rc;
 }
 
 /* Copies n blocks from their slots into the engine's pages and gives the
@@ -251,10 +288,12 @@ int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
 		copy_reference(r, kv, n, slots, pages, subs, 0);
 		return TRACT_OK;
 	}
+	uint8_t *bounce = n && !r->sim ? malloc(kv->layer_bytes) : NULL;
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t off = slot_offset(r, slots[i]);
 		crcs[i] = r->sim ? move_block_sim(r, kv, off, pages[i], subs[i], 0)
-				 : move_block(r, kv, r->base + off, pages[i], subs[i], 0);
+				 : move_block(r, kv, r->base + off, pages[i], subs[i], 0, bounce);
 	}
+	free(bounce);
 	return TRACT_OK;
 }

@@ -304,3 +304,20 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert fig["memcpy_ms"] == pytest.approx(7 / 6)
     assert fig["copy_ratio"] == pytest.approx(2.0 / (7 / 6)) and fig["meta_ms"] == 1.0
     assert fig["warm_copy_ratio"] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("scheme", ["tract", "vllm"])
+def test_the_page_layout_enters_every_key(region_path, scheme):
+    """An instance of another page layout computes other keys for the same prompt
+    and model (so never finds, and never misreads, a block stored in this one);
+    the canonical order keeps the model's own tag."""
+    from tract_cli.connectors.keys import key_tag, prompt_keys
+    from tract_cli.core.pool import Pool
+    model = bytes(range(32))
+    canonical, amx, other = key_tag(model, None), key_tag(model, b"a" * 32), key_tag(model, b"b" * 32)
+    assert canonical == model[:16] and len({canonical, amx, other}) == 3
+    with Pool.create(region_path, 16 << 20, "tiny", nodes=2, hash_scheme=scheme) as pool:
+        one = prompt_keys(pool.info, amx, 16, list(range(40)))
+        two = prompt_keys(pool.info, other, 16, list(range(40)))
+    assert not (one.keys == two.keys).all(axis=1).any()
+    assert not np.array_equal(one.tail_key, two.tail_key)

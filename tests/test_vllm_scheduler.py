@@ -103,14 +103,24 @@ def test_saved_kv_loads_back_into_vllm_pages_bytes_for_bytes(seen):
     assert seen["roundtrip_nonzero"] and seen["roundtrip_equal"]
 
 
-def test_a_stalled_lock_manager_delays_a_hit_never_scheduling(seen):
-    # every lock held: the hit's lookup waits off the scheduler loop, which answers
-    # "not yet" for it and schedules the request that needs no pool call
-    assert seen["stall_schedule_s"] < 1.0
-    assert seen["stall_scheduled"] == ["short"] == seen["stall_second_scheduled"]
-    assert seen["stall_hit_status"] == "WAITING"
-    assert seen["stall_loads_after"] == ["stalled-hit"]    # the locks free: it loads
+def test_a_stalled_lock_manager_delays_the_pool_never_scheduling(seen):
+    # every lock held: the pool's requests wait off the scheduler loop, which
+    # answers "not yet" for them and schedules the request that needs no pool call
+    assert seen["stall_schedule_s"] < 1.0 and seen["stall_max_schedule_s"] < 1.0
+    assert seen["stall_scheduled"] == ["short"]
+    assert seen["stall_waiting"] == ["WAITING", "WAITING"]
+    # past lookup_patience_s (0.5 s) both are computed, not loaded
+    first, last = seen["stall_scheduled_after_s"]
+    assert 0.4 <= first and last < 5.0
+    assert seen["stall_loads"] == []
+    # the locks free: nothing stays pinned, and a hit loads again
+    assert seen["stall_loads_after"] == ["after-stall"]
     assert seen["stall_pins_after"] == 0
+
+
+def test_a_ticket_of_another_page_layout_is_refused_and_no_layout_no_pool(seen):
+    assert seen["layout_ticket_refused"] == [True, True]
+    assert seen["no_handshake_match"] == [0, False] and seen["no_handshake_key_tag"] is None
 
 
 def test_chunked_prefill_saves_each_block_once_over_several_steps(seen):

@@ -64,7 +64,7 @@ HANDSHAKE: dict = {}       # the worker's layout, as vLLM hands it to a schedule
 
 
 def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
-              extra: dict | None = None, **kw) -> Scheduler:
+              extra: dict | None = None, handshake: bool = True, **kw) -> Scheduler:
     """vLLM's scheduler with TraCT's connector, handed the worker's page layout as
     vLLM's engine core does at start-up.  Its lookups are waited for (a generous
     lookup_wait_s) unless EXTRA says otherwise: what a step schedules is then the
@@ -77,7 +77,8 @@ def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
     s = Scheduler(vllm_config=config, kv_cache_config=kv,
                   structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
                   log_stats=True)
-    s.connector.set_xfer_handshake_metadata({0: HANDSHAKE["handshake"]})
+    if handshake:
+        s.connector.set_xfer_handshake_metadata({0: HANDSHAKE["handshake"]})
     CONNECTORS.append(s.connector)
     return s
 
@@ -287,6 +288,22 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["pd_params"] = params[0] if params else None
     obs["pd_pins"] = pins(pool, conn)
 
+    # 4b. a ticket naming another KV page layout is refused (its blocks are in an
+    #     order this instance does not read), and a scheduler never handed its
+    #     worker's layout uses no pool
+    if obs["pd_params"]:
+        forged = json.loads(json.dumps(obs["pd_params"]))
+        forged["tract_ticket"]["layout"] = "ab" * 32
+        r4b = request("other-layout", pd, params=forged)
+        conn.get_num_new_matched_tokens(r4b, 0)
+        st4b = conn.scheduler_side._reqs["other-layout"]
+        obs["layout_ticket_refused"] = [st4b.handoff_failed, st4b.received is None]
+        conn.request_finished(r4b, [])
+    blind = scheduler(ckpt, pool_path, num_blocks=64, handshake=False)
+    obs["no_handshake_match"] = list(blind.connector.get_num_new_matched_tokens(
+        request("blind", hit), 0))
+    obs["no_handshake_key_tag"] = blind.connector.key_tag
+
     # 5. a request vLLM has no pages for keeps no pins while it waits: a long prompt
     #    takes 60 of the 64 pages, then a pool hit of 10 pages cannot be given pages
     big = request("big", list(range(1000, 1000 + 60 * PAGE)))
@@ -475,39 +492,69 @@ def main(ckpt: str, pool_path: str) -> dict:
     except Exception as exc:
         obs["two_groups"] = f"{type(exc).__name__}: {exc}"
 
-    # 12. a stalled lock manager (every lock held by another node) delays a pool hit,
-    #     never scheduling: the hit's lookup runs off the scheduler loop, which answers
-    #     vLLM "not yet" and schedules the rest; once the locks are free the hit loads
+    # 12. a stalled lock manager (every lock held by another node) delays the pool's
+    #     requests by at most lookup_patience_s, never scheduling: lookups run off
+    #     the scheduler loop, which answers vLLM "not yet" and schedules the rest at
+    #     once; past the patience the pool's requests (a hit and a miss) are
+    #     computed; once the locks are free, nothing stays pinned and hits load again
+    patience = 0.5
     s12 = scheduler(ckpt, pool_path, num_blocks=64,
-                    extra={"lookup_timeout_s": 60, "lookup_wait_s": 0.002})
+                    extra={"lookup_timeout_s": 60, "lookup_wait_s": 0.002,
+                           "lookup_patience_s": patience})
     c12 = s12.connector
     stalled = list(range(9700, 9700 + 64))
     put_prompt(pool, tag, stalled)
-    r12, short = request("stalled-hit", stalled), request("short", list(range(20, 30)))
+    r12, miss = request("stalled-hit", stalled), request("stalled-miss", list(range(9800, 9864)))
+    short = request("short", list(range(20, 30)))
     with every_lock_held(pool):
-        s12.add_request(r12)
-        s12.add_request(short)
+        for r in (r12, miss, short):
+            s12.add_request(r)
         t0 = time.monotonic()
         out = s12.schedule()
         obs["stall_schedule_s"] = time.monotonic() - t0
         obs["stall_scheduled"] = sorted(out.num_scheduled_tokens)
-        obs["stall_hit_status"] = r12.status.name
+        obs["stall_waiting"] = [r12.status.name, miss.status.name]
         s12.update_from_output(out, output([short]))
-        out = s12.schedule()                    # still held: asked again, still not yet
-        obs["stall_second_scheduled"] = sorted(out.num_scheduled_tokens)
-        s12.update_from_output(out, output([short]))
-    looking = c12.scheduler_side._reqs["stalled-hit"].looking
-    wait_for(lambda: looking is None or looking.done(), "the stalled lookup's return")
-    out = s12.schedule()
-    obs["stall_loads_after"] = [ld.req_id for ld in out.kv_connector_metadata.loads]
-    s12.update_from_output(out, output([short], finished_recving={"stalled-hit"}))
-    s12.finish_requests(["stalled-hit", "short"], RequestStatus.FINISHED_ABORTED)
+        deadline, late = time.monotonic() + 30, {}
+        while len(late) < 2:                    # bounded: each step's schedule is timed
+            assert time.monotonic() < deadline, "the stalled requests were never scheduled"
+            t1 = time.monotonic()
+            out = s12.schedule()
+            obs["stall_max_schedule_s"] = max(obs.get("stall_max_schedule_s", 0),
+                                              time.monotonic() - t1)
+            for rid in ("stalled-hit", "stalled-miss"):
+                if out.num_scheduled_tokens.get(rid) and rid not in late:
+                    late[rid] = time.monotonic() - t0
+            obs.setdefault("stall_loads", []).extend(ld.req_id for ld in
+                                                     out.kv_connector_metadata.loads)
+            s12.update_from_output(out, output([r for r in (short, r12, miss)
+                                                if out.num_scheduled_tokens.get(r.request_id)]))
+            time.sleep(0.01)      # one engine step's pace, while the locks stay held
+        obs["stall_scheduled_after_s"] = sorted(late.values())
+    s12.finish_requests(["stalled-hit", "stalled-miss", "short"], RequestStatus.FINISHED_ABORTED)
+    wait_for(lambda: pins(pool, c12) == 0, "the stalled lookups' pins given back")
+    side = c12.scheduler_side
+    wait_for(lambda: time.monotonic() >= side._stalled_until, "the end of the stall window")
+    again = request("after-stall", stalled)
+    s12.add_request(again)
+    deadline = time.monotonic() + 30
+    while True:                 # its lookup may take more than one step (lookup_wait_s)
+        out = s12.schedule()
+        loads = [ld.req_id for ld in out.kv_connector_metadata.loads]
+        if loads or out.num_scheduled_tokens.get("after-stall"):
+            break
+        assert time.monotonic() < deadline, "the request after the stall was never scheduled"
+        s12.update_from_output(out, output([]))
+        time.sleep(0.01)          # one engine step's pace
+    obs["stall_loads_after"] = loads
+    s12.update_from_output(out, output([], finished_recving={"after-stall"}))
+    s12.finish_requests("after-stall", RequestStatus.FINISHED_ABORTED)
     obs["stall_pins_after"] = pins(pool, c12)
 
     sched = conn.scheduler_side
     obs["state_left"] = [len(sched._reqs), len(sched._loading_done), len(sched._pending_loads)]
     for c in (conn, other, consumer.connector, producer.connector, c8, w, s9.connector, w9, c10,
-              c12):
+              c12, blind.connector):
         c.shutdown()
     pool.close()
     return obs

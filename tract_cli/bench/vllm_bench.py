@@ -35,6 +35,7 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -155,7 +156,8 @@ def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         return {role: VllmServer(model_dir, _port(), pool=pool, node=node, args=args,
                                  kv_cache_gib=gib,
                                  log_path=os.path.join(work, f"{config}-{role}.log"),
-                                 env={"TRACT_CONNECTOR_TIMINGS": "1"} | _cores(role))
+                                 env={"TRACT_CONNECTOR_TIMINGS": "1",
+                                      "TRACT_CONNECTOR_REFERENCE": "1"} | _cores(role))
                 for role, node in (("prefill", 1), ("decode", 2))}
     store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
     out = {}
@@ -230,6 +232,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         return {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
     p, d = servers["prefill"], servers["decode"]
     model = _model(p)
+    external = _external_tokens(d)
     t0 = time.monotonic()
     out = post_json(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
                                                    "kv_transfer_params": {"do_remote_decode": True}})
@@ -240,8 +243,22 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     if config == "example":
         shutil.rmtree(p.store, ignore_errors=True)    # the next prompt starts from empty storage
         os.makedirs(p.store, exist_ok=True)
+    # handed over: the decode instance took prompt tokens from its KV connector (a
+    # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
-            "handed_over": bool(params), "text": text}
+            "handed_over": _external_tokens(d) > external, "text": text}
+
+
+def _external_tokens(server) -> float:
+    """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
+    `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "vllm:prompt_tokens_by_source_total"
+               and sample.labels.get("source") == "external_kv_transfer")
 
 
 _models: dict = {}

@@ -5,9 +5,11 @@ what to load and save each step, and the handoffs a prefill publishes
 Nothing here waits on a pool lock inside vLLM's scheduler loop beyond a
 bound: a prompt's lookup (lookup and pin, one C call) runs on this half's
 lookup thread, and `get_num_new_matched_tokens` answers "not yet" (None) if
-it is not back within `lookup_wait_s` (2 ms: a lookup of a live lock manager
-is back well within it), so vLLM asks again next step and
-schedules the others meanwhile; unpins and acknowledgements are queued
+it is not back within `lookup_wait_s` (2 ms, waited only by the call that
+starts it), so vLLM asks again next step and
+schedules the others meanwhile; a lookup not back within
+`lookup_patience_s` is given up (the request computed, new requests not
+looked up for as long again); unpins and acknowledgements are queued
 (retry.py); a handoff's publish waits at most `step_timeout_s` (past it the
 request is answered without a ticket: the decode instance computes).  A
 stalled lock manager delays hits, never scheduling.
@@ -65,6 +67,8 @@ class _Request:
     cacheable: bool
     lookup: Lookup | None = None       # pins this process holds for the request
     looking: Future | None = None      # a lookup running off the scheduler loop
+    asked_at: float = 0.0              # when it was started
+    idle_steps: int = 0                # steps it has been back and not asked for
     received: Any = None               # an opened handoff (core.handoff.Received)
     ticket: Ticket | None = None
     matched_from: int = 0              # num_computed_tokens the last match was asked from
@@ -99,6 +103,9 @@ class SchedulerSide:
         self._loading_done: dict[str, _Request] = {}   # finished while their load ran
         self._pending_loads: list[LoadSpec] = []
         self._matched: set[str] = set()     # pinned this step, no vLLM pages yet
+        self._looking: set[str] = set()     # requests with a lookup on the lookup thread
+        self._stalled_until = 0.0           # no new lookups before (a lookup ran out of patience)
+        self._stall_logged = -DENIED_LOG_S
         # this instance's published handoffs not known released
         self._handoffs: collections.deque = collections.deque()
         self._pruned_at = 0.0
@@ -163,20 +170,9 @@ class SchedulerSide:
         if not self.settings.prefix_cache or not len(st.keys):
             return 0, False
         if st.lookup is None:
-            if st.looking is None:
-                keys = st.keys
-                st.looking = self._lookups.submit(self.pool.index.lookup, keys,
-                                                  timeout=self.timeout)
-            try:
-                st.lookup = st.looking.result(timeout=self.settings.lookup_wait_s)
-            except FutureTimeout:
-                return None, False             # not yet: vLLM schedules the others
-            except TractError as exc:
-                st.looking = None
-                log.warning("TraCT lookup of request %s failed, computing it: %s",
-                            request.request_id, exc)
-                return 0, False
-            st.looking = None
+            got = self._lookup_result(request.request_id, st)
+            if got is not True:
+                return got
         count = st.lookup.hits * self.g - num_computed_tokens
         if count <= 0:
             self._unpin(st)
@@ -186,6 +182,50 @@ class SchedulerSide:
         # with the queue
         self._matched.add(request.request_id)
         return count, True
+
+    def _lookup_result(self, req_id: str, st: _Request):
+        """The request's lookup, run on the lookup thread: True once st.lookup
+        holds it, else vLLM's answer meanwhile: (None, False), not yet; (0, False),
+        compute it without the pool.  Only a lookup started by this call is waited
+        for (lookup_wait_s); one that is not back within lookup_patience_s is given
+        up (its pins given back when it returns), and for as long again new
+        requests are not looked up: a stalled lock manager delays each request by
+        at most the patience and never fills the lookup queue."""
+        now = time.monotonic()
+        wait = 0.0
+        if st.looking is None:
+            if now < self._stalled_until:
+                return 0, False
+            st.looking = self._lookups.submit(self.pool.index.lookup, st.keys,
+                                              timeout=self.timeout)
+            st.asked_at, st.idle_steps = now, 0
+            self._looking.add(req_id)
+            wait = self.settings.lookup_wait_s
+        try:
+            st.lookup = st.looking.result(timeout=wait)
+        except FutureTimeout:
+            now = time.monotonic()
+            if now - st.asked_at < self.settings.lookup_patience_s:
+                return None, False             # not yet: vLLM schedules the others
+            self._forget_lookup(st)
+            self._looking.discard(req_id)
+            self._stalled_until = now + self.settings.lookup_patience_s
+            if now - self._stall_logged >= DENIED_LOG_S:
+                self._stall_logged = now
+                log.warning("TraCT lookup of request %s not back within %.3f s (lookup_"
+                            "patience_s): computed without the pool, and new requests are "
+                            "for %.3f s (a stalled lock manager? `tract inspect --locks`)",
+                            req_id, self.settings.lookup_patience_s,
+                            self.settings.lookup_patience_s)
+            return 0, False
+        except Exception as exc:               # a pool error, or any other: computed
+            st.looking = None
+            self._looking.discard(req_id)
+            log.warning("TraCT lookup of request %s failed, computing it: %s", req_id, exc)
+            return 0, False
+        st.looking = None
+        self._looking.discard(req_id)
+        return True
 
     def _open_handoff(self, request: "Request", st: _Request, params: dict) -> None:
         """Opens the handoff a prefill instance published for this prompt, if it is one."""
@@ -273,6 +313,18 @@ class SchedulerSide:
             if st is not None and not st.loading:
                 self._unpin(st)
         self._matched.clear()
+        # a lookup back with its pins that vLLM has not asked for since (it stopped
+        # short of the request in its queue): given back after a second step, so
+        # pins never grow with the queue; asked again, it is looked up again
+        for req_id in list(self._looking):
+            st = self._reqs.get(req_id)
+            if st is None or st.looking is None:
+                self._looking.discard(req_id)
+            elif st.looking.done():
+                st.idle_steps += 1
+                if st.idle_steps >= 2:
+                    self._forget_lookup(st)
+                    self._looking.discard(req_id)
         if not self.settings.save:
             return meta
         cached = scheduler_output.scheduled_cached_reqs
@@ -333,6 +385,7 @@ class SchedulerSide:
         else:
             self._unpin(st)
         self._forget_lookup(st)
+        self._looking.discard(request.request_id)
         if st.ticket is not None:                       # opened, never loaded
             self._release_handoff(st.ticket)
         # only an instance that saves publishes: its own step saved the blocks. A
@@ -395,7 +448,7 @@ class SchedulerSide:
         """A lookup still running for a request that is gone: its pins are given
         back when it returns."""
         looking, st.looking = st.looking, None
-        if looking is None:
+        if looking is None or looking.cancel():     # cancelled before it ran: no pins
             return
 
         def unpin(done: Future) -> None:
@@ -422,7 +475,7 @@ class SchedulerSide:
     def shutdown(self) -> None:
         for st in list(self._reqs.values()):
             self._forget_lookup(st)
-        self._lookups.shutdown(wait=True)
+        self._lookups.shutdown(wait=True, cancel_futures=True)
 
     def _release_handoff(self, ticket: Ticket, read=None) -> None:
         """Acknowledges a handoff (queued): one this instance will not load, or the

@@ -23,6 +23,7 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
     from tract_cli.core.pool import Pool
 
 log = logging.getLogger("vllm.tract")
+
+# TRACT_CONNECTOR_REFERENCE=1 (what `tract bench --engine vllm` sets): time a memcpy
+# of the same bytes beside every copy (_reference), at the cost of two more copies
+REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 
 
 @dataclass
@@ -85,7 +90,6 @@ class WorkerSide:
         self._loads: queue.Queue = queue.Queue()
         self._done_lock = threading.Lock()
         self._done: list[tuple[str, set]] = []
-        self._in_flight = 0
         self._loader: threading.Thread | None = None
 
     # ---- start-up ----
@@ -226,13 +230,13 @@ class WorkerSide:
                     (plan.reserve_s + commit_s) * 1e3)
 
     def _reference(self, kind: str, slots, pages, subs) -> None:
-        """With the timings on (`tract bench --engine vllm`): a plain memcpy of the
+        """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the
         same bytes between the same buffers, right after the real copy, then the
         real (checksummed) copy once more, each timed: the two with the bytes
         equally warm in the caches, the reference the copy is measured against.
         Both write the bytes the copy just wrote (a save's into slots still
         claimed, before the commit)."""
-        if self._timings != logging.INFO or not len(slots):
+        if not REFERENCE or not len(slots):
             return
         copy = getattr(self._paged, kind)
         t0 = time.perf_counter()
@@ -258,14 +262,12 @@ class WorkerSide:
             return
         if self._paged is None:            # GPU path: in the step
             for spec in loads:
-                self._finish(spec.req_id, self._load(spec))
+                self._finish(spec.req_id, self._load(spec)[0])
             return
         if self._loader is None:
             self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
                                             daemon=True)
             self._loader.start()
-        with self._done_lock:
-            self._in_flight += len(loads)
         for spec in loads:
             self._loads.put(spec)
 
@@ -274,24 +276,26 @@ class WorkerSide:
             spec = self._loads.get()
             if spec is None:
                 return
-            self._finish(spec.req_id, self._load(spec))
+            bad, reference = self._load(spec)
+            # off the load's timing, before it is reported (vLLM then reads the
+            # pages), and only into pages that stand (those to recompute are vLLM's)
+            if reference is not None and not bad:
+                self._reference("load", *reference)
+            self._finish(spec.req_id, bad)
 
     def _finish(self, req_id: str, bad_pages: set) -> None:
         with self._done_lock:
             self._done.append((req_id, bad_pages))
-            self._in_flight = max(0, self._in_flight - 1)
 
-    def loads_in_flight(self) -> int:
-        with self._done_lock:
-            return self._in_flight
-
-    def _load(self, spec: LoadSpec) -> set:
+    def _load(self, spec: LoadSpec) -> tuple[set, tuple | None]:
         """Copies one request's blocks into vLLM's pages (all layers), then acks a
-        handoff; the vLLM pages to recompute (from the first bad block on)."""
+        handoff: the vLLM pages to recompute (from the first bad block on), and
+        what the benchmark's reference copy would copy again (None: nothing)."""
         n = len(spec.slots)
         valid = n
         t0 = time.perf_counter()
         copy_s = 0.0
+        reference = None
         try:
             if spec.ticket is not None:          # still published: its pins hold the slots
                 self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
@@ -300,7 +304,7 @@ class WorkerSide:
                 t1 = time.perf_counter()
                 crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
                 copy_s = time.perf_counter() - t1
-                self._reference("load", spec.slots, spec.pages, spec.subs)
+                reference = (spec.slots, spec.pages, spec.subs)
                 if self.settings.checksums:
                     bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
                     if bad.size:
@@ -320,7 +324,7 @@ class WorkerSide:
         total = time.perf_counter() - t0
         log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
                 spec.req_id, total * 1e3, copy_s * 1e3, (total - copy_s) * 1e3)
-        return bad_pages
+        return bad_pages, reference
 
     def _load_torch(self, spec: LoadSpec) -> int:
         """GPU path: checksums first, then one torch scatter per layer; the blocks
@@ -378,6 +382,15 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
-        if self._loader is not None:
-            self._loads.put(None)
-            self._loader.join(timeout=max(5.0, 2 * self.settings.lookup_timeout_s))
+        """Stops the loader: loads not started are dropped, the one running is
+        waited for (it writes into vLLM's tensors, which must outlive it; its
+        only lock wait, the acknowledgement, is bounded by lookup_timeout_s)."""
+        if self._loader is None:
+            return
+        while True:
+            try:
+                self._loads.get_nowait()
+            except queue.Empty:
+                break
+        self._loads.put(None)
+        self._loader.join()

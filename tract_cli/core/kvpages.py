@@ -49,6 +49,9 @@ class PageLayout:
                              f"serve with a block size that is a multiple of {self.block_tokens},"
                              " or format the region with `tract init --block-tokens` dividing it")
         g, r = self.block_tokens, page_tokens // self.block_tokens
+        if g > np.iinfo(np.uint16).max:      # elem_token names tokens in 16 bits
+            raise TractError(f"{g} tokens per block is more than a page layout can name",
+                             "format the region with at most 65535 tokens per block")
         # per sub-block: its elements in canonical order (K|V, token, head, dim)
         per = self.offsets.reshape(2, r, g, heads, dim).transpose(1, 0, 2, 3, 4).reshape(r, -1)
         tokens = np.broadcast_to(np.arange(g).reshape(1, g, 1, 1), (2, g, heads, dim)).ravel()
