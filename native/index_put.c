@@ -141,11 +141,15 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 		struct stripe_ctx c;
 		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
 		if (rc2 < 0) {
-			/* the first stripe not granted ends it: a call waits at most
-			 * about one lock timeout; the claims of this stripe and those
-			 * after stay CLAIMED, for the caller's retry */
-			rc = rc2;
-			break;
+			if (rc != TRACT_E_CORRUPT)
+				rc = rc2;
+			/* a publish stops at the first stripe not granted (it runs in an
+			 * engine's step: one lock timeout, not one per stripe; the claims
+			 * of this stripe and those after stay CLAIMED, for the caller's
+			 * abandon); an abandon goes on to free what it can */
+			if (publish)
+				break;
+			continue;
 		}
 		for (uint32_t k = g.first; k < g.end; k++) {
 			uint32_t idx = refs[k].idx;

@@ -90,6 +90,15 @@ static int bounced(const struct tract_kv_pages *kv, uint32_t sub)
 	return runs > 1 && kv->layer_bytes / runs < BOUNCE_RUN_BYTES;
 }
 
+/* whether any sub-block of the layout goes through a bounce buffer (internal) */
+static int any_bounced(const struct tract_kv_pages *kv)
+{
+	for (uint32_t j = 0; j < kv->subs; j++)
+		if (bounced(kv, j))
+			return 1;
+	return 0;
+}
+
 /* one block, layer chunk by layer chunk, its CRC carried through (save: page
  * -> region, streaming stores; load: region -> page).  A chunk of few long
  * runs is copied run by run; one of many short runs (a packed page layout
@@ -240,7 +249,7 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
 	}
 	uint8_t *buf = NULL;
 	/* one chunk's bounce buffer, if the layout needs it (NULL: run by run) */
-	uint8_t *bounce = n && !r->sim ? malloc(kv->layer_bytes) : NULL;
+	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
 	for (uint32_t i = 0; i < n; i++) {
 		if (!tokens)
 			break;
@@ -288,7 +297,7 @@ int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
 		copy_reference(r, kv, n, slots, pages, subs, 0);
 		return TRACT_OK;
 	}
-	uint8_t *bounce = n && !r->sim ? malloc(kv->layer_bytes) : NULL;
+	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t off = slot_offset(r, slots[i]);
 		crcs[i] = r->sim ? move_block_sim(r, kv, off, pages[i], subs[i], 0)

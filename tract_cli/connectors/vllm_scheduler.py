@@ -67,8 +67,9 @@ class _Request:
     cacheable: bool
     lookup: Lookup | None = None       # pins this process holds for the request
     looking: Future | None = None      # a lookup running off the scheduler loop
-    asked_at: float = 0.0              # when it was started
-    idle_steps: int = 0                # steps it has been back and not asked for
+    first_asked: float = 0.0           # when vLLM first asked for its match
+    started: list | None = None        # [when the lookup thread took its lookup up]
+    idle_steps: int = 0                # steps its lookup has been back and not asked for
     received: Any = None               # an opened handoff (core.handoff.Received)
     ticket: Ticket | None = None
     matched_from: int = 0              # num_computed_tokens the last match was asked from
@@ -187,36 +188,50 @@ class SchedulerSide:
         """The request's lookup, run on the lookup thread: True once st.lookup
         holds it, else vLLM's answer meanwhile: (None, False), not yet; (0, False),
         compute it without the pool.  Only a lookup started by this call is waited
-        for (lookup_wait_s); one that is not back within lookup_patience_s is given
-        up (its pins given back when it returns), and for as long again new
-        requests are not looked up: a stalled lock manager delays each request by
-        at most the patience and never fills the lookup queue."""
+        for (lookup_wait_s).  A request not matched within lookup_patience_s of
+        vLLM's first ask is computed without the pool (a lookup still out gives
+        its pins back when it returns); if its lookup itself ran that long, new
+        requests are not looked up for as long again: a stalled lock manager
+        delays each request by at most the patience and never fills the lookup
+        queue."""
         now = time.monotonic()
+        patience = self.settings.lookup_patience_s
         wait = 0.0
+        if not st.first_asked:
+            st.first_asked = now
         if st.looking is None:
-            if now < self._stalled_until:
+            if now < self._stalled_until or now - st.first_asked >= patience:
                 return 0, False
-            st.looking = self._lookups.submit(self.pool.index.lookup, st.keys,
-                                              timeout=self.timeout)
-            st.asked_at, st.idle_steps = now, 0
+            started = st.started = [0.0]          # when the lookup thread takes it up
+
+            def lookup(keys):
+                started[0] = time.monotonic()
+                return self.pool.index.lookup(keys, timeout=self.timeout)
+
+            st.looking = self._lookups.submit(lookup, st.keys)
+            st.idle_steps = 0
             self._looking.add(req_id)
             wait = self.settings.lookup_wait_s
         try:
             st.lookup = st.looking.result(timeout=wait)
         except FutureTimeout:
             now = time.monotonic()
-            if now - st.asked_at < self.settings.lookup_patience_s:
+            if now - st.first_asked < patience:
                 return None, False             # not yet: vLLM schedules the others
+            # given up: computed without the pool; a lookup that has *run* this long
+            # (not one queued behind others) means stalled locks: new requests are
+            # not looked up for as long again
+            running = st.started[0] and now - st.started[0] >= patience
             self._forget_lookup(st)
             self._looking.discard(req_id)
-            self._stalled_until = now + self.settings.lookup_patience_s
-            if now - self._stall_logged >= DENIED_LOG_S:
+            if running:
+                self._stalled_until = now + patience
+            if running and now - self._stall_logged >= DENIED_LOG_S:
                 self._stall_logged = now
                 log.warning("TraCT lookup of request %s not back within %.3f s (lookup_"
                             "patience_s): computed without the pool, and new requests are "
-                            "for %.3f s (a stalled lock manager? `tract inspect --locks`)",
-                            req_id, self.settings.lookup_patience_s,
-                            self.settings.lookup_patience_s)
+                            "not looked up for %.3f s (a stalled lock manager? `tract "
+                            "inspect --locks`)", req_id, patience, patience)
             return 0, False
         except Exception as exc:               # a pool error, or any other: computed
             st.looking = None
@@ -225,6 +240,7 @@ class SchedulerSide:
             return 0, False
         st.looking = None
         self._looking.discard(req_id)
+        st.first_asked = 0.0                   # answered: its patience starts again
         return True
 
     def _open_handoff(self, request: "Request", st: _Request, params: dict) -> None:
@@ -275,6 +291,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None or st.loading:
             return
+        st.first_asked = 0.0                   # scheduled: a later wait (preempted) is new
         if num_external_tokens == 0:
             self._unpin(st)
             if st.ticket is not None:              # not needed (e.g. a local hit): release now

@@ -229,22 +229,32 @@ class WorkerSide:
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
                     (plan.reserve_s + commit_s) * 1e3)
 
-    def _reference(self, kind: str, slots, pages, subs) -> None:
+    def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the
         same bytes between the same buffers, right after the real copy, then the
         real (checksummed) copy once more, each timed: the two with the bytes
         equally warm in the caches, the reference the copy is measured against.
         Both write the bytes the copy just wrote (a save's into slots still
-        claimed, before the commit)."""
+        claimed, before the commit; a load's while its pins or handoff still hold
+        the slots, and its second copy's checksums must equal the first's, CRCS).
+        Returns the seconds it took (kept out of the copy's own timing)."""
         if not REFERENCE or not len(slots):
-            return
+            return 0.0
         copy = getattr(self._paged, kind)
         t0 = time.perf_counter()
-        copy(slots, pages, subs, checksum=False)
-        t1 = time.perf_counter()
-        copy(slots, pages, subs)
-        log.info(kvlog.REFERENCE, kind, len(slots), (t1 - t0) * 1e3,
-                 (time.perf_counter() - t1) * 1e3)
+        try:
+            copy(slots, pages, subs, checksum=False)
+            t1 = time.perf_counter()
+            again = copy(slots, pages, subs)
+            t2 = time.perf_counter()
+        except TractError as exc:
+            log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
+            return time.perf_counter() - t0
+        if crcs is not None and not np.array_equal(again, crcs):
+            raise TractError("the reference copy read other bytes than the load",
+                             "report it: the slots changed under a held pin")
+        log.info(kvlog.REFERENCE, kind, len(slots), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        return t2 - t0
 
     def _zero_partial_tails(self, plan: _SavePlan) -> None:
         """GPU path: clears a partial tail's slot past its tokens (vLLM's page may hold
@@ -262,7 +272,7 @@ class WorkerSide:
             return
         if self._paged is None:            # GPU path: in the step
             for spec in loads:
-                self._finish(spec.req_id, self._load(spec)[0])
+                self._finish(spec.req_id, self._load(spec))
             return
         if self._loader is None:
             self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
@@ -276,26 +286,26 @@ class WorkerSide:
             spec = self._loads.get()
             if spec is None:
                 return
-            bad, reference = self._load(spec)
-            # off the load's timing, before it is reported (vLLM then reads the
-            # pages), and only into pages that stand (those to recompute are vLLM's)
-            if reference is not None and not bad:
-                self._reference("load", *reference)
-            self._finish(spec.req_id, bad)
+            bad = set(int(p) for p in np.unique(spec.pages))    # if _load itself failed
+            try:
+                bad = self._load(spec)
+            except Exception as exc:      # never kill the loader: later loads wait on it
+                log.warning("TraCT load of request %s failed, vLLM recomputes it: %s",
+                            spec.req_id, exc)
+            finally:
+                self._finish(spec.req_id, bad)
 
     def _finish(self, req_id: str, bad_pages: set) -> None:
         with self._done_lock:
             self._done.append((req_id, bad_pages))
 
-    def _load(self, spec: LoadSpec) -> tuple[set, tuple | None]:
+    def _load(self, spec: LoadSpec) -> set:
         """Copies one request's blocks into vLLM's pages (all layers), then acks a
-        handoff: the vLLM pages to recompute (from the first bad block on), and
-        what the benchmark's reference copy would copy again (None: nothing)."""
+        handoff; the vLLM pages to recompute (from the first bad block on)."""
         n = len(spec.slots)
         valid = n
         t0 = time.perf_counter()
-        copy_s = 0.0
-        reference = None
+        copy_s = reference_s = 0.0
         try:
             if spec.ticket is not None:          # still published: its pins hold the slots
                 self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
@@ -304,13 +314,17 @@ class WorkerSide:
                 t1 = time.perf_counter()
                 crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
                 copy_s = time.perf_counter() - t1
-                reference = (spec.slots, spec.pages, spec.subs)
                 if self.settings.checksums:
                     bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
                     if bad.size:
                         valid = int(bad[0])
                         log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
                                     "recomputes from there", valid, spec.req_id)
+                if valid == n:
+                    # before the acknowledgement (the pins still hold the slots), and
+                    # off the load's time
+                    reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,
+                                                  crcs)
             else:
                 valid = self._load_torch(spec)
         except Exception as exc:      # a pool or a torch error: recomputed, never fatal
@@ -321,10 +335,10 @@ class WorkerSide:
                                                             spec.slots):
             valid = 0                            # expired meanwhile: its slots may be reused
         bad_pages = {int(p) for p in np.unique(spec.pages[valid:])} if valid < n else set()
-        total = time.perf_counter() - t0
+        total = time.perf_counter() - t0 - reference_s
         log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
                 spec.req_id, total * 1e3, copy_s * 1e3, (total - copy_s) * 1e3)
-        return bad_pages, reference
+        return bad_pages
 
     def _load_torch(self, spec: LoadSpec) -> int:
         """GPU path: checksums first, then one torch scatter per layer; the blocks
