@@ -82,3 +82,19 @@ def test_an_agent_that_fails_to_start_gives_the_node_back(region, monkeypatch):
     monkeypatch.undo()
     agent = Agent(region, 1).start()          # the node's mutex is free again
     agent.stop()
+
+
+def test_a_stop_flag_is_set_by_a_handler_without_any_lock():
+    """The agent's SIGTERM handler only sets a flag (core/stopflag.py): an Event
+    set from the handler deadlocked when SIGTERM landed inside that Event's own
+    wait (tests/test_dead_host.py saw the agent never stop)."""
+    import inspect as pyinspect
+    import time
+
+    from tract_cli.core.stopflag import StopFlag
+    flag = StopFlag()
+    t0 = time.monotonic()
+    assert flag.wait(0.12) is False and time.monotonic() - t0 >= 0.12
+    assert "Lock" not in pyinspect.getsource(StopFlag.request)
+    flag.request(15, None)
+    assert flag.is_set() and flag.wait(10) is True

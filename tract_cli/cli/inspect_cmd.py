@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 
 import typer
 from rich.live import Live
 
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
+from tract_cli.core.stopflag import StopFlag
 from tract_cli.core.units import format_duration
 from tract_cli.inspect import snapshot
 from tract_cli.inspect.render import render as render_snapshot
@@ -49,9 +49,8 @@ def inspect(
         # KeyboardInterrupt wherever the main thread happens to be: raised
         # inside Rich's locking, it left the refresh thread blocked on a lock
         # never released, and the view hung instead of exiting
-        stop = threading.Event()
-        handler = lambda signum, frame: stop.set()
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        stop = StopFlag()           # (an Event set in the handler could deadlock)
+        old = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             print(f"tract inspect: watching {pool} every {format_duration(interval)}; "
                   "Ctrl-C to stop", file=sys.stderr, flush=True)

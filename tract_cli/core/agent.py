@@ -42,6 +42,7 @@ from tract_cli.core.nodes import (FLAG_AUTOSTOP, FLAG_MANAGER, FLAG_STANDBY, NOD
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.recovery import NodeRecovery, declare_dead, recover_host, recover_node, rejoin
+from tract_cli.core.stopflag import StopFlag
 
 HEARTBEAT_S = 0.1
 RECLAIM_S = 0.5
@@ -557,7 +558,7 @@ class Agent:
         lib.tract_manager_stats(self._manager, out)
         return dict(zip(("scans", "grants", "releases", "sleeps", "repairs", "revoked"), list(out)))
 
-    def wait(self, stop: threading.Event) -> None:
+    def wait(self, stop: "StopFlag") -> None:
         """Blocks until STOP is set (SIGTERM / Ctrl-C in the CLI) or the agent
         decided to stop by itself (`exit_reason`)."""
         while not stop.wait(0.1) and not self.exited.is_set():
@@ -666,9 +667,9 @@ def run_foreground(opts: AgentOptions) -> None:
     log_to_stderr()
     opts.check()
     node, manager, idle_exit = opts.node, opts.manager, opts.idle_exit
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag()               # (an Event set in the handler could deadlock)
+    signal.signal(signal.SIGTERM, stop.request)
+    signal.signal(signal.SIGINT, stop.request)
     a = Agent(opts.pool, node, manager, simulate=opts.simulate or None,
               flush_mode=opts.flush_mode, heartbeat_s=opts.heartbeat_ms / 1000,
               takeover_after_s=opts.takeover_after, idle_exit_s=idle_exit,
