@@ -153,3 +153,18 @@ class Releases:
         except Exception:               # a bug: logged with its traceback, never silent
             log.exception("TraCT %s failed", rel.what)
             return False
+
+
+def queue_ack(releases: Releases, pool, ticket, read=None) -> None:
+    """Queues the acknowledgement of handoff TICKET on RELEASES (READ: the slots a
+    worker loaded; None: an instance that will not load it), each attempt resuming
+    the one before it that timed out partway; a record already gone is logged."""
+    from tract_cli.core.errors import HandoffError
+
+    def attempt(timeout: float) -> None:
+        try:
+            pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
+        except HandoffError as exc:            # gone already: expired and reclaimed
+            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+
+    releases.submit(f"acknowledgement of handoff {ticket.record}", attempt)

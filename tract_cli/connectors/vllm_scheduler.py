@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
-from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractConnectorMetadata
 from tract_cli.core.errors import HandoffError, TractError
 from tract_cli.core.handoff import Ticket
@@ -322,7 +322,7 @@ class SchedulerSide:
         st.saved = max(st.saved, min(last, len(st.keys)))
         st.tail_saved = st.tail_saved or last > len(st.keys)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TractConnectorMetadata:
         meta = TractConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         for req_id in self._matched:          # matched, but vLLM had no pages for it
@@ -494,17 +494,7 @@ class SchedulerSide:
             self._forget_lookup(st)
         self._lookups.shutdown(wait=True, cancel_futures=True)
 
-    def _release_handoff(self, ticket: Ticket, read=None) -> None:
-        """Acknowledges a handoff (queued): one this instance will not load, or the
-        retry of one whose acknowledgement timed out (READ: the slots it loaded)."""
-        self.releases.submit(f"acknowledgement of handoff {ticket.record}",
-                             lambda timeout: self._ack_once(ticket, timeout, read))
-
-    def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
-        """One attempt of a queued acknowledgement (resuming its own earlier
-        attempt that timed out partway)."""
-        try:
-            self.pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
-        except HandoffError as exc:            # gone already: expired and reclaimed
-            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
+    def _release_handoff(self, ticket: Ticket) -> None:
+        """Acknowledges (queued) a handoff this instance will not load."""
+        queue_ack(self.releases, self.pool, ticket)
 

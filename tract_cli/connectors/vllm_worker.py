@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
@@ -372,15 +372,8 @@ class WorkerSide:
         except TractError as exc:
             log.warning("TraCT handoff %d not acknowledged yet (%s): its load is recomputed",
                         ticket.record, exc)
-            self.releases.submit(f"acknowledgement of handoff {ticket.record}",
-                                 lambda timeout: self._ack_once(ticket, timeout, read))
+            queue_ack(self.releases, self.pool, ticket, read)
             return False
-
-    def _ack_once(self, ticket: Ticket, timeout: float, read=None) -> None:
-        try:
-            self.pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
-        except HandoffError as exc:            # gone already: expired and reclaimed
-            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
 
     def finished(self) -> set[str] | None:
         """The requests whose loads finished since the last call; their bad pages
