@@ -17,9 +17,10 @@
  * still running, paused or unaware -- never admits two holders
  * (tests/model/takeover.pml).
  *
- * It polls continuously while any request is pending and backs off when
- * idle (yield, then sleeps growing up to idle_sleep_max_ns), so on a small
- * machine it does not steal a core from the workers.
+ * It scans again at once after a scan that granted or released; while a
+ * request or grant is live it spins briefly, then sleeps up to 20 us between
+ * scans; when idle it sleeps growing up to idle_sleep_max_ns.  So on a small
+ * machine it does not steal a core from the workers, and is woken promptly.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -111,7 +112,10 @@ static int line_is_mine(const struct tract_manager *m, const struct tract_lock_m
 	       l->granted_req == g->req && l->grant_seq == g->seq && l->inherited == g->inherit;
 }
 
-/* one pass over every lock; returns 1 if any request or grant is live (internal) */
+/* one pass over every lock; returns SCAN_WROTE if it granted or released,
+ * SCAN_BUSY if a request or grant is live, else SCAN_IDLE (internal) */
+enum { SCAN_IDLE, SCAN_BUSY, SCAN_WROTE };
+
 static int scan(struct tract_manager *m)
 {
 	tract_region *r = m->r;
@@ -122,7 +126,7 @@ static int scan(struct tract_manager *m)
 		if (current > m->token) {
 			__atomic_store_n(&m->by, current, __ATOMIC_RELAXED);
 			__atomic_store_n(&m->superseded, 1, __ATOMIC_RELEASE);
-			return 0;
+			return SCAN_IDLE;
 		}
 	}
 	const struct tract_section *sec = tract_sec(r, TRACT_SEC_LOCKS);
@@ -191,22 +195,34 @@ static int scan(struct tract_manager *m)
 	if (wrote)
 		r->ops->fence(r);
 	__atomic_fetch_add(&m->scans, 1, __ATOMIC_RELAXED);   /* read by stats */
-	return busy;
+	return wrote ? SCAN_WROTE : busy ? SCAN_BUSY : SCAN_IDLE;
 }
+
+/* while a grant or request is live and a scan changed nothing, the manager
+ * waits at most this long before the next scan: it spins first (a grant
+ * within microseconds where a core is free), then sleeps, so that on cores
+ * shared with busy workers it is a short sleeper the scheduler wakes promptly,
+ * not a spinner that waits a whole slice for each scan (internal) */
+#define BUSY_SLEEP_MAX_NS 20000ULL
 
 /* the manager thread (internal) */
 static void *run(void *arg)
 {
 	struct tract_manager *m = arg;
-	uint32_t round = 0;
+	uint32_t idle_round = 0, busy_round = 0;
 	while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE) &&
 	       !__atomic_load_n(&m->superseded, __ATOMIC_RELAXED)) {
-		if (scan(m)) {
-			round = 0;
+		int got = scan(m);
+		if (got == SCAN_WROTE) {
+			idle_round = busy_round = 0;
+		} else if (got == SCAN_BUSY) {
+			idle_round = 0;
+			tract_backoff(&busy_round, BUSY_SLEEP_MAX_NS);
 		} else {
-			if (round >= 128)
+			busy_round = 0;
+			if (idle_round >= 64)
 				__atomic_fetch_add(&m->sleeps, 1, __ATOMIC_RELAXED);
-			tract_backoff(&round, m->idle_sleep_max_ns);
+			tract_backoff(&idle_round, m->idle_sleep_max_ns);
 		}
 	}
 	return NULL;

@@ -30,7 +30,12 @@ uint64_t tract_mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
-/* waits politely: spins first, then yields, then sleeps up to max_ns (internal) */
+/* waits politely: spins briefly, then sleeps, growing from 1 us up to
+ * max_ns (internal).  No sched_yield step: on a core that another busy thread
+ * shares (an engine's step loop, its OpenMP workers) a yield hands that thread
+ * a whole scheduler slice (milliseconds under EEVDF) per round, while a short
+ * sleeper is woken, and preempts it, within tens of microseconds -- a lock
+ * grant inside a busy vLLM took 1-5 ms a stripe with the yields */
 void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
 {
 	uint32_t n = (*round)++;
@@ -41,11 +46,7 @@ void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
 #endif
 		return;
 	}
-	if (n < 128) {
-		sched_yield();
-		return;
-	}
-	uint64_t ns = 1000ULL << (n - 128 < 10 ? n - 128 : 10);
+	uint64_t ns = 1000ULL << (n - 64 < 10 ? n - 64 : 10);
 	if (ns > max_sleep_ns)
 		ns = max_sleep_ns;
 	struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
