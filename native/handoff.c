@@ -311,6 +311,25 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 	return TRACT_OK;
 }
 
+/* Whether record rec is still published for request_id (no lock).  Every
+ * release of a record's slots (acknowledge, reclaim) first moves the record
+ * off PUBLISHED, under the transfer lock, and publishes that before it
+ * unpins or frees anything; so a copy of the blocks whose loads all precede
+ * an observation of PUBLISHED (observe's fence orders them) read the slots
+ * before any release, whatever happens after: proof the copy stands, without
+ * a lock round trip on the load's path. */
+int tract_handoff_check(tract_region *r, uint32_t rec, const uint8_t *request_id)
+{
+	if (!r || !request_id)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	struct tract_transfer_record t;
+	observe_record(r, rec, &t);
+	return t.state == REC_PUBLISHED && !memcmp(t.request_id, request_id, 16) ?
+	       TRACT_OK : TRACT_E_NOT_FOUND;
+}
+
 /* the progress of a release, published in its record (internal) */
 struct release_ctx {
 	uint32_t rec;

@@ -47,6 +47,42 @@ static int gives_back(const void *arg, uint32_t idx)
 	return idx >= p->keep && p->pinned[idx];
 }
 
+/*
+ * How many leading keys are READY, found by probing each key's stripe
+ * WITHOUT its lock (every line observed): a hint, which a lock holder's
+ * update in flight can make wrong either way.  A lookup takes it first and
+ * locks only the stripes of the keys it names: a miss (0) takes no lock at
+ * all, so the common case of a prompt the pool does not hold costs a few
+ * line reads instead of a grant per stripe, and a hint that is too long is
+ * corrected under the locks.  One that is too short loses hits (computed
+ * again), never correctness (internal).
+ */
+static uint32_t peek_leading_ready(tract_region *r, const uint8_t *keys, uint32_t n)
+{
+	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	uint64_t buckets = tract_index_buckets(r);
+	for (uint32_t i = 0; i < n; i++) {
+		const uint8_t *key = keys + (uint64_t)i * 16;
+		uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
+		int ready = 0;
+		for (uint64_t k = 0; k < size; k++) {
+			uint64_t b = first + ((home + k) & (size - 1));
+			struct tract_bucket bk;
+			tract_observe_line(r, base + b * TRACT_LINE, &bk);
+			if (bk.state == TRACT_BUCKET_EMPTY)
+				break;
+			if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
+				continue;
+			ready = bk.state == TRACT_BUCKET_READY && bk.slot >= 1 &&
+				bk.slot <= r->hdr.slot_count;
+			break;
+		}
+		if (!ready || first + size > buckets)
+			return i;
+	}
+	return n;
+}
+
 /* Finds, pins and touches the longest run of leading READY keys. */
 int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
 		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,
@@ -57,6 +93,12 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		return rc;
 	if ((!keys && n) || !hits)
 		return TRACT_E_INVAL;
+	/* only the keys a lockless look finds READY are looked up under locks */
+	n = peek_leading_ready(r, keys, n);
+	if (!n) {
+		*hits = 0;
+		return TRACT_OK;
+	}
 	struct keyref *refs = tract_group_keys(r, keys, n);
 	uint8_t *pinned = calloc((size_t)n + 1, 1);
 	uint64_t *hit = malloc(((size_t)n + 1) * sizeof(*hit));   /* a group's buckets, in touch order */

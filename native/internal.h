@@ -456,6 +456,7 @@ uint64_t tract_now_ns(void);
 uint64_t tract_mono_ns(void);
 /* waits politely: spins first, then yields, then sleeps up to max_ns */
 void tract_backoff(uint32_t *round, uint64_t max_sleep_ns);
+void tract_backoff_end(void);
 /* TRACT_E_SYS with errno set to a pthread return code */
 int tract_sys_error(int pthread_rc);
 /* initializes a robust, process-shared mutex */

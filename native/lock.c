@@ -197,12 +197,14 @@ int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q
 			floor = current > m.token ? current : m.token + 1;
 		}
 		if (tract_mono_ns() - q->start > timeout_ns) {
+			tract_backoff_end();
 			describe_wait(r, lock_id, 2, wait);
 			tract_lock_cancel(r, lock_id, q);
 			return TRACT_E_TIMEOUT;
 		}
 		tract_backoff(&round, MAX_SLEEP_NS);
 	}
+	tract_backoff_end();
 	lm->acquired++;
 	lm->wait_ns += tract_mono_ns() - q->start;
 	pthread_mutex_lock(&r->held_mu);

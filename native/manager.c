@@ -225,6 +225,7 @@ static void *run(void *arg)
 			tract_backoff(&idle_round, m->idle_sleep_max_ns);
 		}
 	}
+	tract_backoff_end();
 	return NULL;
 }
 

@@ -722,6 +722,12 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,
 		       uint32_t *tail_slot, uint32_t *tail_tokens);
 
+/* Whether record rec is still published for request_id, observed without a
+ * lock: TRACT_OK, or TRACT_E_NOT_FOUND.  Called after copying a handoff's
+ * blocks (its fence orders the copy's loads first), OK proves the copy read
+ * them before any release of their slots (a release follows PUBLISHED's end). */
+int tract_handoff_check(tract_region *r, uint32_t rec, const uint8_t *request_id);
+
 /* Acknowledges a handoff: pins and slots released, record freed. */
 int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, uint64_t timeout_ns);
 

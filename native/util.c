@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -30,12 +31,17 @@ uint64_t tract_mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+/* the thread's timer slack before its current wait lowered it; -1: not lowered */
+static __thread long saved_slack = -1;
+
 /* waits politely: spins briefly, then sleeps, growing from 1 us up to
  * max_ns (internal).  No sched_yield step: on a core that another busy thread
  * shares (an engine's step loop, its OpenMP workers) a yield hands that thread
  * a whole scheduler slice (milliseconds under EEVDF) per round, while a short
  * sleeper is woken, and preempts it, within tens of microseconds -- a lock
- * grant inside a busy vLLM took 1-5 ms a stripe with the yields */
+ * grant inside a busy vLLM took 1-5 ms a stripe with the yields.  The sleeps
+ * run with a timer slack of 1 us (Linux's default, 50 us, would stretch each
+ * 1-20 us sleep to ~60 us); tract_backoff_end gives the thread its own back */
 void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
 {
 	uint32_t n = (*round)++;
@@ -46,11 +52,26 @@ void tract_backoff(uint32_t *round, uint64_t max_sleep_ns)
 #endif
 		return;
 	}
+	if (saved_slack < 0) {
+		long slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+		if (slack >= 0 && prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0)
+			saved_slack = slack;
+	}
 	uint64_t ns = 1000ULL << (n - 64 < 10 ? n - 64 : 10);
 	if (ns > max_sleep_ns)
 		ns = max_sleep_ns;
 	struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
 	nanosleep(&ts, NULL);
+}
+
+/* the end of a wait that used tract_backoff: the thread's timer slack as it
+ * was before (internal) */
+void tract_backoff_end(void)
+{
+	if (saved_slack >= 0) {
+		prctl(PR_SET_TIMERSLACK, (unsigned long)saved_slack, 0, 0, 0);
+		saved_slack = -1;
+	}
 }
 
 /* TRACT_E_SYS for a pthread return code: pthread calls return their error

@@ -60,7 +60,12 @@ def test_wrong_ticket_and_double_ack_are_errors(region):
             forged = Ticket(ticket.record, "00" * 16, ticket.blocks, ticket.tokens)
             with pytest.raises(HandoffError, match="not published"):
                 decode.handoffs.open(forged)
+            # the lockless check a load's proof rests on: published for this
+            # request only, and no longer once acknowledged
+            assert decode.handoffs.still_published(ticket)
+            assert not decode.handoffs.still_published(forged)
             decode.handoffs.ack(ticket)
+            assert not decode.handoffs.still_published(ticket)
             with pytest.raises(HandoffError, match="no longer published"):
                 decode.handoffs.ack(ticket)
     with pytest.raises(Exception, match="malformed"):

@@ -400,3 +400,50 @@ def test_an_unpin_that_timed_out_partway_gives_back_only_the_rest_when_retried(
         assert take(p)["index"]["pins_total"] == 24        # b's pins, every one
         p.index.unpin(b)
         assert take(p)["index"]["pins_total"] == 0
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_lookup_locks_only_the_stripes_of_what_a_lockless_look_finds(region_path, simulate):
+    """A lookup first looks without locks for the leading READY keys, then pins
+    under the locks only those: a prompt the pool does not hold takes no lock (it
+    is answered while another node holds every lock), one it holds waits for the
+    locks as ever, and one whose head it holds locks only for that head."""
+    from tract_cli.core.locks import stripe_lock
+    Pool.create(region_path, 8 << 20, "tiny", nodes=4, index_stripes=4).close()
+    with RunningAgent(region_path, 0, manager=True), \
+            Pool.attach(region_path, node=1, simulate=simulate) as p, \
+            Pool.attach(region_path, node=2, simulate=simulate) as other:
+        held = chain(p, 91, 6)
+        p.index.put(held, blocks_for(p, held))
+        absent = chain(p, 92, 6)
+        stripes = range(p.info.index_stripes)
+        for s in stripes:
+            other.locks.acquire(stripe_lock(s), timeout=30)
+        try:
+            assert p.index.lookup(absent, timeout=0.3).hits == 0     # no lock taken
+            with pytest.raises(LockTimeout):
+                p.index.lookup(held, timeout=0.3)                    # a hit: locks
+        finally:
+            for s in stripes:
+                other.locks.release(stripe_lock(s))
+        hit = p.index.lookup(held)
+        assert hit.hits == 6
+        p.index.unpin(hit)
+        # a prompt that shares the first 3 blocks only: the look stops at the 4th,
+        # so the stripes of the other keys are not locked (held here: no timeout)
+        per = p.info.section("buckets").count // p.info.index_stripes
+        head = {int(h) // per for h in p.index.key_homes(held[:3])}
+        rest = chain(p, 93, 6, prefix_seed=91, prefix_blocks=3)
+        assert (rest[:3] == held[:3]).all()
+        tail_only = {int(h) // per for h in p.index.key_homes(rest[3:])} - head
+        assert tail_only, "the seeds must put a later key in a stripe of its own"
+        for s in tail_only:
+            other.locks.acquire(stripe_lock(s), timeout=30)
+        try:
+            part = p.index.lookup(rest, timeout=5)
+            assert part.hits == 3
+            p.index.unpin(part)
+        finally:
+            for s in tail_only:
+                other.locks.release(stripe_lock(s))
+    check_index(region_path)

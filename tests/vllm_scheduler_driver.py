@@ -409,8 +409,9 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][4:6])) for n in LAYERS)
     obs["roundtrip_nonzero"] = all(bool(caches[n][4:6].abs().sum() > 0) for n in LAYERS)
     pool.index.unpin(look)
-    # ... ack: a handoff loaded while every lock is held is not acknowledged in time:
-    # the load does not stand (recomputed) and the ack is retried until it succeeds
+    # ... ack: a handoff loaded while every lock is held stands (its record is still
+    # published after the copy: read without a lock), and its acknowledgement, which
+    # cannot get the transfer lock, is retried off the engine's path until it succeeds
     ticket = pool.handoffs.publish("acked", keys, len(saved))
     rec = pool.handoffs.open(ticket)
     load = LoadSpec("acked", rec.slots, rec.checksums, np.array([6, 6, 7, 7], np.int64),
@@ -420,8 +421,30 @@ def main(ckpt: str, pool_path: str) -> dict:
         w.start_load_kv(None)
         obs["timeouts_ack_errors"] = sorted(loaded(w, {"acked"}))
         obs["timeouts_ack_record_held"] = region(pool, False)["handoffs"]
+    obs["timeouts_ack_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][6:8]))
+                                    for n in LAYERS)
     assert w.releases.drain(60), "the acknowledgement was not done within 60 s"
     obs["timeouts_after_ack"] = region(pool)
+    # ... a handoff released while its blocks are copied (here acknowledged by
+    # another party right after the copy, as an expired record's reclaim would):
+    # the copy may have read reused slots, so the load does not stand
+    ticket = pool.handoffs.publish("released", keys, len(saved))
+    rec = pool.handoffs.open(ticket)
+    load = LoadSpec("released", rec.slots, rec.checksums, np.array([6, 6, 7, 7], np.int64),
+                    np.array([0, 1, 0, 1], np.int64), ticket.to_dict(), rec.tags)
+    real_load = w.worker_side._paged.load
+
+    def load_then_release(*args, **kw):
+        crcs = real_load(*args, **kw)
+        pool.handoffs.ack(ticket)
+        return crcs
+
+    w.worker_side._paged.load = load_then_release
+    w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
+    w.start_load_kv(None)
+    obs["released_errors"] = sorted(loaded(w, {"released"}))
+    w.worker_side._paged.load = real_load
+    obs["released_after"] = region(pool)
 
     # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
     #    it completed, once each, the tail with the last chunk; the worker runs every

@@ -10,7 +10,9 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   the engine runs its next step; the request is reported finished
   (`get_finished`) once its bytes are in vLLM's pages, with the pages of a bad
   block (`get_block_ids_with_load_errors`) for vLLM to recompute from there.
-  A handoff is acknowledged on the same thread, after its copy.
+  A handoff's copy stands if its record is still published after it (read
+  without a lock); it is acknowledged on the same thread after the request is
+  reported, off the request's path.
 - **Save**: the step's new full blocks are claimed before the forward (one
   reserve), copied from vLLM's pages after it in one C call that checksums as
   it copies with streaming stores (`PagedKV.save`), and published by one
@@ -273,6 +275,8 @@ class WorkerSide:
         if self._paged is None:            # GPU path: in the step
             for spec in loads:
                 self._finish(spec.req_id, self._load(spec))
+                if spec.ticket is not None:
+                    self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
             return
         if self._loader is None:
             self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
@@ -294,21 +298,29 @@ class WorkerSide:
                             spec.req_id, exc)
             finally:
                 self._finish(spec.req_id, bad)
+            # the handoff's acknowledgement after the request is reported (its
+            # copy was proven by still_published): off the request's path
+            if spec.ticket is not None:
+                self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
 
     def _finish(self, req_id: str, bad_pages: set) -> None:
         with self._done_lock:
             self._done.append((req_id, bad_pages))
 
     def _load(self, spec: LoadSpec) -> set:
-        """Copies one request's blocks into vLLM's pages (all layers), then acks a
-        handoff; the vLLM pages to recompute (from the first bad block on)."""
+        """Copies one request's blocks into vLLM's pages (all layers); the vLLM
+        pages to recompute (from the first bad block on).  A handoff's copy
+        stands if its record is still published after it (observed without a
+        lock: no release of the slots can have preceded the copy); its
+        acknowledgement follows (the caller's, after reporting the load)."""
         n = len(spec.slots)
         valid = n
         t0 = time.perf_counter()
         copy_s = reference_s = 0.0
+        ticket = Ticket.from_dict(spec.ticket) if spec.ticket is not None else None
         try:
-            if spec.ticket is not None:          # still published: its pins hold the slots
-                self.pool.handoffs.open(Ticket.from_dict(spec.ticket))
+            if ticket is not None:               # still published: its pins hold the slots
+                self.pool.handoffs.open(ticket)
             self.pool.acquire_payload(spec.slots, spec.tags)
             if self._paged is not None:
                 t1 = time.perf_counter()
@@ -321,19 +333,22 @@ class WorkerSide:
                         log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
                                     "recomputes from there", valid, spec.req_id)
                 if valid == n:
-                    # before the acknowledgement (the pins still hold the slots), and
-                    # off the load's time
+                    # while the pins or the record still hold the slots (before the
+                    # check below), and off the load's time
                     reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,
                                                   crcs)
             else:
                 valid = self._load_torch(spec)
+            if ticket is not None and not self.pool.handoffs.still_published(ticket):
+                # expired and reclaimed (or acknowledged by another) meanwhile: its
+                # slots may have been reused under the copy
+                log.warning("TraCT handoff %d of request %s was released during its load: "
+                            "vLLM recomputes it", ticket.record, spec.req_id)
+                valid = 0
         except Exception as exc:      # a pool or a torch error: recomputed, never fatal
             log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id,
                         exc)
             valid = 0
-        if spec.ticket is not None and not self._ack_loaded(Ticket.from_dict(spec.ticket),
-                                                            spec.slots):
-            valid = 0                            # expired meanwhile: its slots may be reused
         bad_pages = {int(p) for p in np.unique(spec.pages[valid:])} if valid < n else set()
         total = time.perf_counter() - t0 - reference_s
         log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
@@ -358,22 +373,18 @@ class WorkerSide:
                 self._flat[name][index] = src.to(self._device)
         return valid
 
-    def _ack_loaded(self, ticket: Ticket, read: np.ndarray) -> bool:
-        """Acknowledges a handoff this worker loaded from; whether the load stands.
-        Acknowledged is proof the record outlived the copy; an acknowledgement that
-        timed out proves nothing (the load is recomputed) and is retried off the
-        engine's path until it succeeds."""
+    def _ack_loaded(self, ticket: Ticket, read: np.ndarray) -> None:
+        """Acknowledges a handoff this worker loaded from (its load already
+        stands or was refused: this only gives the pins and slots back).  One
+        that times out is retried off the engine's path until it succeeds."""
         try:
             self.pool.handoffs.ack(ticket, timeout=self.settings.lookup_timeout_s, read=read)
-            return True
         except HandoffError as exc:
             log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
-            return False
         except TractError as exc:
-            log.warning("TraCT handoff %d not acknowledged yet (%s): its load is recomputed",
+            log.warning("TraCT handoff %d not acknowledged yet (%s): retried in the background",
                         ticket.record, exc)
             queue_ack(self.releases, self.pool, ticket, read)
-            return False
 
     def finished(self) -> set[str] | None:
         """The requests whose loads finished since the last call; their bad pages

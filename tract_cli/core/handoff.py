@@ -248,6 +248,19 @@ class Handoffs:
         self._pool.invalidate_slots([rec.tail_slot])
         return self._pool.slots_array()[rec.tail_slot]
 
+    def still_published(self, ticket: Ticket) -> bool:
+        """Whether the ticket's record is still published, read without a lock
+        (one C call).  Asked after copying its blocks, True proves the copy
+        read them before any release of their slots (an acknowledgement or a
+        reclaim moves the record off PUBLISHED before it releases anything), so
+        the copy stands whatever happens to the record afterwards."""
+        rc = lib.tract_handoff_check(self._pool._r(), ticket.record,
+                                     bytes.fromhex(ticket.request_id))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            return False
+        raise_for(rc, f"{self._pool.path} handoff check")
+        return True
+
     def ack(self, ticket: Ticket, timeout: float = DEFAULT_TIMEOUT_S, read=None,
             resume: bool = False) -> None:
         """Done with the blocks: pins and slots are released, the record freed.
