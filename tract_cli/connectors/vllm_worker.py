@@ -13,10 +13,10 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   A handoff's copy stands if its record is still published after it (read
   without a lock); it is acknowledged on the same thread after the request is
   reported, off the request's path.
-- **Save**: the step's new full blocks are claimed before the forward (one
-  reserve), copied from vLLM's pages after it in one C call that checksums as
-  it copies with streaming stores (`PagedKV.save`), and published by one
-  commit.  The claim and the commit wait at most `step_timeout_s` for a lock
+- **Save**: the step's new full blocks are claimed during the forward (one
+  reserve, on a thread of its own), copied from vLLM's pages after it in one C
+  call that checksums as it copies with streaming stores (`PagedKV.save`), and
+  published by one commit.  The claim and the commit wait at most `step_timeout_s` for a lock
   (they are in the engine's step): past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back off the step.
 - On a GPU (FlashAttention's layout; not run where no GPU is lent) each layer
@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,9 @@ class WorkerSide:
         self._flat: dict[str, torch.Tensor] = {}
         self._paged: PagedKV | None = None      # the CPU path
         self._plan: _SavePlan | None = None
+        # CPU path: the step's reserve, running on its own thread during the forward
+        self._reserving: Future | None = None
+        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="tract-reserve")
         self._load_errors: set[int] = set()
         # loads run on one thread; what it finished waits here for get_finished
         self._loads: queue.Queue = queue.Queue()
@@ -140,7 +144,15 @@ class WorkerSide:
     # ---- saves ----
 
     def bind(self, saves: list[SaveSpec]) -> None:
-        self._plan = self._reserve(saves) if saves else None
+        """Claims the step's blocks to save.  On the CPU path on a thread of its
+        own, during the forward (nothing needs the slots before wait_for_save):
+        its lock round trips overlap the engine's compute instead of adding to
+        the step; on a GPU in the step (save_layer needs the slots)."""
+        self._plan = None
+        if saves and self._paged is not None:
+            self._reserving = self._reserver.submit(self._reserve, saves)
+        elif saves:
+            self._plan = self._reserve(saves)
 
     def _reserve(self, saves: list[SaveSpec]) -> _SavePlan | None:
         """One reserve call for the step's blocks to save (duplicates within it once)."""
@@ -186,6 +198,18 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         plan, self._plan = self._plan, None
+        if self._reserving is not None:
+            reserving, self._reserving = self._reserving, None
+            t0 = time.perf_counter()
+            try:
+                # bounded: the reserve waits at most step_timeout_s for a lock
+                plan = reserving.result()
+            except Exception as exc:     # never into the engine: the blocks are not saved
+                log.warning("TraCT reserve failed, the step's blocks are not saved: %s", exc)
+                plan = None
+            if plan is not None:
+                # what the step waited for: the part of the reserve the forward did not hide
+                plan.reserve_s = time.perf_counter() - t0
         if plan is None:
             return
         mine = plan.mine
@@ -403,6 +427,7 @@ class WorkerSide:
         """Stops the loader: loads not started are dropped, the one running is
         waited for (it writes into vLLM's tensors, which must outlive it; its
         only lock wait, the acknowledgement, is bounded by lookup_timeout_s)."""
+        self._reserver.shutdown(wait=True)
         if self._loader is None:
             return
         while True:
