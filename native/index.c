@@ -47,6 +47,31 @@ static int gives_back(const void *arg, uint32_t idx)
 	return idx >= p->keep && p->pinned[idx];
 }
 
+/* whether KEY is READY, its probe path observed without the stripe's lock
+ * (home_observed: its home line was invalidated and fenced already) (internal) */
+static int peek_ready(tract_region *r, const uint8_t *key, int home_observed)
+{
+	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
+	if (first + size > tract_index_buckets(r))
+		return 0;
+	for (uint64_t k = 0; k < size; k++) {
+		uint64_t b = first + ((home + k) & (size - 1));
+		struct tract_bucket bk;
+		if (k == 0 && home_observed)
+			r->ops->load(r, base + b * TRACT_LINE, &bk, sizeof(bk));
+		else
+			tract_observe_line(r, base + b * TRACT_LINE, &bk);
+		if (bk.state == TRACT_BUCKET_EMPTY)
+			return 0;
+		if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
+			continue;
+		return bk.state == TRACT_BUCKET_READY && bk.slot >= 1 &&
+		       bk.slot <= r->hdr.slot_count;
+	}
+	return 0;
+}
+
 /*
  * How many leading keys are READY, found by probing each key's stripe
  * WITHOUT its lock (every line observed): a hint, which a lock holder's
@@ -59,27 +84,21 @@ static int gives_back(const void *arg, uint32_t idx)
  */
 static uint32_t peek_leading_ready(tract_region *r, const uint8_t *keys, uint32_t n)
 {
+	/* the first key alone (a miss costs one observe); past it, the home
+	 * lines of the rest invalidated together and fenced once, as
+	 * tract_index_tags does */
+	if (!n || !peek_ready(r, keys, 0))
+		return 0;
 	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
-	uint64_t buckets = tract_index_buckets(r);
-	for (uint32_t i = 0; i < n; i++) {
+	for (uint32_t i = 1; i < n; i++) {
 		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
-		int ready = 0;
-		for (uint64_t k = 0; k < size; k++) {
-			uint64_t b = first + ((home + k) & (size - 1));
-			struct tract_bucket bk;
-			tract_observe_line(r, base + b * TRACT_LINE, &bk);
-			if (bk.state == TRACT_BUCKET_EMPTY)
-				break;
-			if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
-				continue;
-			ready = bk.state == TRACT_BUCKET_READY && bk.slot >= 1 &&
-				bk.slot <= r->hdr.slot_count;
-			break;
-		}
-		if (!ready || first + size > buckets)
-			return i;
+		uint64_t home = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
+		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
 	}
+	r->ops->fence(r);
+	for (uint32_t i = 1; i < n; i++)
+		if (!peek_ready(r, keys + (uint64_t)i * 16, 1))
+			return i;
 	return n;
 }
 

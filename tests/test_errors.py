@@ -32,12 +32,15 @@ def test_every_code_raises_its_own_class_with_one_line(name, code):
 
 
 def test_a_lock_timeout_inside_a_lookup_is_a_lock_timeout(region_path):
-    """No agent runs, so no manager grants the stripe locks: the lookup's
-    bounded wait ends, and it ends as LockTimeout, not as a TractError whose
-    text says so."""
+    """Once the agent is gone no manager grants the stripe locks: the lookup of
+    blocks the pool holds (a miss takes no lock) waits, bounded, and ends as
+    LockTimeout, not as a TractError whose text says so."""
+    from agents import RunningAgent
     Pool.create(region_path, 16 << 20, "tiny", nodes=2).close()
     with Pool.attach(region_path, node=1) as p:
         keys = block_hashes(np.arange(32, dtype=np.int32), root=pool_root(p.info))
+        with RunningAgent(region_path, 0, manager=True):
+            p.index.put(keys, np.zeros((len(keys), p.info.block_bytes), np.uint8))
         with pytest.raises(LockTimeout):
             p.index.lookup(keys, timeout=0.3)
 

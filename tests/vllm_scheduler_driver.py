@@ -386,6 +386,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     w.bind_connector_metadata(TractConnectorMetadata(saves=[spec]))
     for name in LAYERS:
         w.save_kv_layer(name, caches[name], None)
+    # the claim runs during the forward, on its own thread: done before the locks go
+    wait_for(lambda: w.worker_side._reserving.done(), "the save's reserve")
     with every_lock_held(pool):
         w.wait_for_save()
         wait_for(lambda: w.releases.retries >= 1, "the abandon's first retry")
@@ -420,6 +422,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     with every_lock_held(pool):
         w.start_load_kv(None)
         obs["timeouts_ack_errors"] = sorted(loaded(w, {"acked"}))
+        # the acknowledgement after it times out on the held locks and is queued
+        wait_for(lambda: w.releases.pending() >= 1, "the acknowledgement queued for retry")
         obs["timeouts_ack_record_held"] = region(pool, False)["handoffs"]
     obs["timeouts_ack_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][6:8]))
                                     for n in LAYERS)

@@ -148,11 +148,36 @@ class WorkerSide:
         own, during the forward (nothing needs the slots before wait_for_save):
         its lock round trips overlap the engine's compute instead of adding to
         the step; on a GPU in the step (save_layer needs the slots)."""
-        self._plan = None
+        self._drop_pending_save("a step that never waited for its save")
         if saves and self._paged is not None:
             self._reserving = self._reserver.submit(self._reserve, saves)
         elif saves:
             self._plan = self._reserve(saves)
+
+    def _drop_pending_save(self, why: str) -> None:
+        """Gives back, off the step, the claims of a save bound and never waited
+        for (vLLM calls wait_for_save after every forward, so only a step that
+        failed, or shutdown, leaves one): a claim left PENDING in a live process
+        would stay so until it dies."""
+        plan, self._plan = self._plan, None
+        reserving, self._reserving = self._reserving, None
+        if plan is not None:
+            self._abandon(plan, why)
+        if reserving is not None:
+            def abandon_when_done(done: Future) -> None:
+                if not done.cancelled() and done.exception() is None and done.result():
+                    self._abandon(done.result(), why)
+            reserving.add_done_callback(abandon_when_done)
+
+    def _abandon(self, plan: _SavePlan, why: str) -> None:
+        """The plan's claims given back off the step, retried until it succeeds."""
+        if not plan.mine.size:
+            return
+        log.warning("TraCT: %d claimed blocks abandoned (%s)", plan.mine.size, why)
+        self.releases.submit(
+            f"abandon of {plan.mine.size} claimed blocks",
+            lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
+                                                   publish=False, timeout=timeout))
 
     def _reserve(self, saves: list[SaveSpec]) -> _SavePlan | None:
         """One reserve call for the step's blocks to save (duplicates within it once)."""
@@ -244,11 +269,7 @@ class WorkerSide:
         except TractError as exc:
             # never leave claims PENDING behind a live process: abandoned off this step,
             # tried again until it succeeds
-            log.warning("TraCT commit of %d blocks failed, abandoning them: %s", mine.size, exc)
-            self.releases.submit(
-                f"abandon of {mine.size} claimed blocks",
-                lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
-                                                       publish=False, timeout=timeout))
+            self._abandon(plan, f"its commit failed: {exc}")
             return
         if mine.size:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
@@ -325,7 +346,11 @@ class WorkerSide:
             # the handoff's acknowledgement after the request is reported (its
             # copy was proven by still_published): off the request's path
             if spec.ticket is not None:
-                self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
+                try:
+                    self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
+                except Exception as exc:     # never kill the loader (the record expires)
+                    log.warning("TraCT acknowledgement of request %s failed: %s",
+                                spec.req_id, exc)
 
     def _finish(self, req_id: str, bad_pages: set) -> None:
         with self._done_lock:
@@ -365,10 +390,12 @@ class WorkerSide:
                 valid = self._load_torch(spec)
             if ticket is not None and not self.pool.handoffs.still_published(ticket):
                 # expired and reclaimed (or acknowledged by another) meanwhile: its
-                # slots may have been reused under the copy
+                # slots may have been reused under the copy, whose lines this host
+                # may cache: the node's payload ledger stops vouching for them now
                 log.warning("TraCT handoff %d of request %s was released during its load: "
                             "vLLM recomputes it", ticket.record, spec.req_id)
                 valid = 0
+                self.pool.forget_payload(spec.slots)
         except Exception as exc:      # a pool or a torch error: recomputed, never fatal
             log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id,
                         exc)
@@ -427,6 +454,7 @@ class WorkerSide:
         """Stops the loader: loads not started are dropped, the one running is
         waited for (it writes into vLLM's tensors, which must outlive it; its
         only lock wait, the acknowledgement, is bounded by lookup_timeout_s)."""
+        self._drop_pending_save("shutdown")
         self._reserver.shutdown(wait=True)
         if self._loader is None:
             return
