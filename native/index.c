@@ -47,29 +47,53 @@ static int gives_back(const void *arg, uint32_t idx)
 	return idx >= p->keep && p->pinned[idx];
 }
 
-/* whether KEY is READY, its probe path observed without the stripe's lock
- * (home_observed: its home line was invalidated and fenced already) (internal) */
-static int peek_ready(tract_region *r, const uint8_t *key, int home_observed)
+/* finds KEY's bucket by probing its stripe WITHOUT the stripe's lock, every
+ * line observed (home_observed: its home line was invalidated and fenced
+ * already, as a batch); 1 and the bucket (index *b, copy *out) if a live
+ * bucket holds the key, 0 if the probe ends first.  What a lock holder has
+ * in flight may make the answer stale either way: callers use it as a hint,
+ * or only for buckets that cannot change (pinned) (internal) */
+static int find_unlocked(tract_region *r, const uint8_t *key, int home_observed, uint64_t *b,
+			 struct tract_bucket *out)
 {
 	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
 	uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
 	if (first + size > tract_index_buckets(r))
 		return 0;
 	for (uint64_t k = 0; k < size; k++) {
-		uint64_t b = first + ((home + k) & (size - 1));
-		struct tract_bucket bk;
+		*b = first + ((home + k) & (size - 1));
 		if (k == 0 && home_observed)
-			r->ops->load(r, base + b * TRACT_LINE, &bk, sizeof(bk));
+			r->ops->load(r, base + *b * TRACT_LINE, out, sizeof(*out));
 		else
-			tract_observe_line(r, base + b * TRACT_LINE, &bk);
-		if (bk.state == TRACT_BUCKET_EMPTY)
+			tract_observe_line(r, base + *b * TRACT_LINE, out);
+		if (out->state == TRACT_BUCKET_EMPTY)
 			return 0;
-		if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
-			continue;
-		return bk.state == TRACT_BUCKET_READY && bk.slot >= 1 &&
-		       bk.slot <= r->hdr.slot_count;
+		if (out->state != TRACT_BUCKET_TOMBSTONE && !memcmp(out->key, key, 16))
+			return 1;
 	}
 	return 0;
+}
+
+/* the home bucket lines of n keys invalidated as one batch and fenced once,
+ * for find_unlocked(home_observed = 1) on each (internal) */
+static void observe_homes(tract_region *r, const uint8_t *keys, uint32_t n)
+{
+	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
+	for (uint32_t i = 0; i < n; i++) {
+		const uint8_t *key = keys + (uint64_t)i * 16;
+		uint64_t home = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
+		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
+	}
+	r->ops->fence(r);
+}
+
+/* whether KEY is READY in a slot of the pool, looked at without a lock (internal) */
+static int peek_ready(tract_region *r, const uint8_t *key, int home_observed)
+{
+	uint64_t b;
+	struct tract_bucket bk;
+	return find_unlocked(r, key, home_observed, &b, &bk) && bk.state == TRACT_BUCKET_READY &&
+	       bk.slot >= 1 && bk.slot <= r->hdr.slot_count;
 }
 
 /*
@@ -89,13 +113,7 @@ static uint32_t peek_leading_ready(tract_region *r, const uint8_t *keys, uint32_
 	 * tract_index_tags does */
 	if (!n || !peek_ready(r, keys, 0))
 		return 0;
-	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
-	for (uint32_t i = 1; i < n; i++) {
-		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t home = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
-		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
-	}
-	r->ops->fence(r);
+	observe_homes(r, keys + 16, n - 1);
 	for (uint32_t i = 1; i < n; i++)
 		if (!peek_ready(r, keys + (uint64_t)i * 16, 1))
 			return i;
@@ -251,33 +269,14 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 {
 	if (!r || ((!keys || !slots || !tags) && n))
 		return TRACT_E_INVAL;
-	uint64_t size = tract_index_stripe_size(r), base = tract_sec(r, TRACT_SEC_BUCKETS)->offset;
-	/* the home buckets of all keys: one batch of evictions, one fence */
+	observe_homes(r, keys, n);      /* one batch of evictions, one fence */
 	for (uint32_t i = 0; i < n; i++) {
-		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t home = (uint64_t)tract_key_stripe(r, key) * size + tract_key_home(r, key);
-		r->ops->invalidate(r, base + home * TRACT_LINE, TRACT_LINE);
-	}
-	r->ops->fence(r);
-	for (uint32_t i = 0; i < n; i++) {
-		const uint8_t *key = keys + (uint64_t)i * 16;
-		uint64_t first = (uint64_t)tract_key_stripe(r, key) * size, home = tract_key_home(r, key);
+		uint64_t b;
+		struct tract_bucket bk;
 		tags[i] = 0;
-		for (uint64_t k = 0; k < size; k++) {
-			uint64_t b = first + ((home + k) & (size - 1));
-			struct tract_bucket bk;
-			if (k == 0)
-				r->ops->load(r, base + b * TRACT_LINE, &bk, sizeof(bk));
-			else
-				tract_observe_line(r, base + b * TRACT_LINE, &bk);
-			if (bk.state == TRACT_BUCKET_EMPTY)
-				break;
-			if (bk.state == TRACT_BUCKET_TOMBSTONE || memcmp(bk.key, key, 16))
-				continue;
-			if (bk.state == TRACT_BUCKET_READY && bk.slot == slots[i] + 1)
-				tags[i] = payload_tag(b, &bk);
-			break;
-		}
+		if (find_unlocked(r, keys + (uint64_t)i * 16, 1, &b, &bk) &&
+		    bk.state == TRACT_BUCKET_READY && bk.slot == slots[i] + 1)
+			tags[i] = payload_tag(b, &bk);
 	}
 	return TRACT_OK;
 }
