@@ -451,11 +451,16 @@ def test_a_lookup_locks_only_the_stripes_of_what_a_lockless_look_finds(region_pa
         finally:
             for s in tail_only:
                 other.locks.release(stripe_lock(s))
-        # the look observes: blocks another host put after this one looked (its
-        # lines cached here, under the simulator) are found
+        # the look observes: blocks another host put after this one looked (their
+        # lines cached here, under the simulator) are found -- the first key's
+        # probe, and the batch of home lines of the keys after it
         fresh = chain(p, 94, 4)
         assert p.index.lookup(fresh).hits == 0
-        other.index.put(fresh, blocks_for(other, fresh))
+        other.index.put(fresh[:1], blocks_for(other, fresh[:1]))
+        got = p.index.lookup(fresh)                 # caches the later keys' home lines
+        assert got.hits == 1
+        p.index.unpin(got)
+        other.index.put(fresh[1:], blocks_for(other, fresh[1:]))
         got = p.index.lookup(fresh)
         assert got.hits == 4
         p.index.unpin(got)

@@ -105,6 +105,11 @@ def test_a_handoff_released_during_its_copy_is_recomputed(seen):
     assert seen["released_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
+def test_a_save_never_waited_for_gives_its_claims_back(seen):
+    assert seen["dropped_pending"] == 4                   # claimed during "the forward"
+    assert seen["dropped_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+
+
 def test_saved_kv_loads_back_into_vllm_pages_bytes_for_bytes(seen):
     # saved and loaded by the worker's C path, in the page layout vLLM picked here
     assert seen["roundtrip_errors"] == []

@@ -449,6 +449,17 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["released_errors"] = sorted(loaded(w, {"released"}))
     w.worker_side._paged.load = real_load
     obs["released_after"] = region(pool)
+    # ... a save bound and never waited for (a step that failed before its end):
+    # the next step's bind gives its claims back off the step
+    dropped = prompt_keys(pool.info, tag, 16, list(range(9000, 9000 + 64))).keys
+    w.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+        "dropped", dropped, np.full(4, 16, np.uint32), np.array([0, 0, 1, 1], np.int64),
+        np.array([0, 1, 0, 1], np.int64))]))
+    wait_for(lambda: w.worker_side._reserving.done(), "the dropped save's reserve")
+    obs["dropped_pending"] = region(pool, False)["pending"]
+    w.bind_connector_metadata(TractConnectorMetadata(saves=[]))
+    assert w.releases.drain(60), "the abandon was not done within 60 s"
+    obs["dropped_after"] = region(pool)
 
     # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
     #    it completed, once each, the tail with the last chunk; the worker runs every

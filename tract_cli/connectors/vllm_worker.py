@@ -11,13 +11,14 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   (`get_finished`) once its bytes are in vLLM's pages, with the pages of a bad
   block (`get_block_ids_with_load_errors`) for vLLM to recompute from there.
   A handoff's copy stands if its record is still published after it (read
-  without a lock); it is acknowledged on the same thread after the request is
+  without a lock); its acknowledgement is queued once the request is
   reported, off the request's path.
 - **Save**: the step's new full blocks are claimed during the forward (one
   reserve, on a thread of its own), copied from vLLM's pages after it in one C
   call that checksums as it copies with streaming stores (`PagedKV.save`), and
-  published by one commit.  The claim and the commit wait at most `step_timeout_s` for a lock
-  (they are in the engine's step): past it the blocks are not saved (vLLM
+  published by one commit.  The commit (in the engine's step) waits at most
+  `step_timeout_s` for a lock, and the claim as long (the step waits for it
+  only past the forward): past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back off the step.
 - On a GPU (FlashAttention's layout; not run where no GPU is lent) each layer
   is gathered by torch from vLLM's pages into the slots, in the step.
@@ -40,7 +41,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
-from tract_cli.core.errors import HandoffError, PoolFull, TractError
+from tract_cli.core.errors import PoolFull, TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.kvpages import PagedKV
@@ -321,7 +322,7 @@ class WorkerSide:
             for spec in loads:
                 self._finish(spec.req_id, self._load(spec))
                 if spec.ticket is not None:
-                    self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
+                    self._queue_ack(spec)
             return
         if self._loader is None:
             self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
@@ -343,14 +344,11 @@ class WorkerSide:
                             spec.req_id, exc)
             finally:
                 self._finish(spec.req_id, bad)
-            # the handoff's acknowledgement after the request is reported (its
-            # copy was proven by still_published): off the request's path
+            # the handoff's acknowledgement once the request is reported (its copy
+            # was proven by still_published): queued, off this thread, so the next
+            # load never waits behind it
             if spec.ticket is not None:
-                try:
-                    self._ack_loaded(Ticket.from_dict(spec.ticket), spec.slots)
-                except Exception as exc:     # never kill the loader (the record expires)
-                    log.warning("TraCT acknowledgement of request %s failed: %s",
-                                spec.req_id, exc)
+                self._queue_ack(spec)
 
     def _finish(self, req_id: str, bad_pages: set) -> None:
         with self._done_lock:
@@ -424,18 +422,14 @@ class WorkerSide:
                 self._flat[name][index] = src.to(self._device)
         return valid
 
-    def _ack_loaded(self, ticket: Ticket, read: np.ndarray) -> None:
-        """Acknowledges a handoff this worker loaded from (its load already
-        stands or was refused: this only gives the pins and slots back).  One
-        that times out is retried off the engine's path until it succeeds."""
+    def _queue_ack(self, spec: LoadSpec) -> None:
+        """Queues the acknowledgement of the handoff SPEC loaded from (its load
+        stands or was refused already: this only gives the pins and slots back),
+        tried on the releases thread until it succeeds."""
         try:
-            self.pool.handoffs.ack(ticket, timeout=self.settings.lookup_timeout_s, read=read)
-        except HandoffError as exc:
-            log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
-        except TractError as exc:
-            log.warning("TraCT handoff %d not acknowledged yet (%s): retried in the background",
-                        ticket.record, exc)
-            queue_ack(self.releases, self.pool, ticket, read)
+            queue_ack(self.releases, self.pool, Ticket.from_dict(spec.ticket), spec.slots)
+        except Exception as exc:      # never into the loader or the step: the record expires
+            log.warning("TraCT acknowledgement of request %s not queued: %s", spec.req_id, exc)
 
     def finished(self) -> set[str] | None:
         """The requests whose loads finished since the last call; their bad pages
@@ -451,9 +445,10 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
-        """Stops the loader: loads not started are dropped, the one running is
-        waited for (it writes into vLLM's tensors, which must outlive it; its
-        only lock wait, the acknowledgement, is bounded by lookup_timeout_s)."""
+        """Gives back the claims of a save bound and never waited for (waiting for
+        a reserve in flight, bounded by step_timeout_s), then stops the loader:
+        loads not started are dropped, the one running is waited for (it writes
+        into vLLM's tensors, which must outlive it; it waits for no lock)."""
         self._drop_pending_save("shutdown")
         self._reserver.shutdown(wait=True)
         if self._loader is None:
