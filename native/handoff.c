@@ -263,6 +263,18 @@ out:
 	return rc;
 }
 
+/* observes record rec without a lock into *t: TRACT_OK if it is published
+ * for request_id, TRACT_E_NOT_FOUND if not, TRACT_E_RANGE past the table (internal) */
+static int observe_published(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			     struct tract_transfer_record *t)
+{
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	observe_record(r, rec, t);
+	return t->state == REC_PUBLISHED && !memcmp(t->request_id, request_id, 16) ?
+	       TRACT_OK : TRACT_E_NOT_FOUND;
+}
+
 /* Reads a published record and its key list: the keys (16 bytes each; keys may be
  * NULL), slots, checksums and token counts of its blocks (cap entries at most)
  * and the tail. */
@@ -273,12 +285,10 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 {
 	if (!r || !request_id || !block_count || !token_count || !tail_slot || !tail_tokens)
 		return TRACT_E_INVAL;
-	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
-		return TRACT_E_RANGE;
 	struct tract_transfer_record t;
-	observe_record(r, rec, &t);
-	if (t.state != REC_PUBLISHED || memcmp(t.request_id, request_id, 16))
-		return TRACT_E_NOT_FOUND;
+	int got = observe_published(r, rec, request_id, &t);
+	if (got)
+		return got;
 	if (!record_sane(r, &t))
 		return TRACT_E_CORRUPT;
 	if (t.block_count > cap)
@@ -322,12 +332,8 @@ int tract_handoff_check(tract_region *r, uint32_t rec, const uint8_t *request_id
 {
 	if (!r || !request_id)
 		return TRACT_E_INVAL;
-	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
-		return TRACT_E_RANGE;
 	struct tract_transfer_record t;
-	observe_record(r, rec, &t);
-	return t.state == REC_PUBLISHED && !memcmp(t.request_id, request_id, 16) ?
-	       TRACT_OK : TRACT_E_NOT_FOUND;
+	return observe_published(r, rec, request_id, &t);
 }
 
 /* the progress of a release, published in its record (internal) */
