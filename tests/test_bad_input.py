@@ -85,6 +85,7 @@ CASES = [
     ("bench --workload nope", 2, "nope"),
     ("bench --pool {OTHER}", 1, "no TraCT region"),
     ("bench --qps -1", 2, "qps"),
+    ("bench --engine vllm --model {MISSING} --load-mode lazy", 2, "--load-mode 'lazy'"),
     # serve
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --port 99999", 2, "port"),
     ("serve-decode --pool {R} --node 1", 2, "--prefill"),

@@ -21,6 +21,9 @@ def test_settings_defaults_follow_the_role():
                                                                      True)
     assert ConnectorSettings.parse({"pool": "p", "node": 0}, "kv_consumer").save is False
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "save": True}, "kv_consumer").save
+    assert s.load_mode == "sync"
+    assert ConnectorSettings.parse({"pool": "p", "node": 0, "load_mode": "async"},
+                                   "kv_both").load_mode == "async"
 
 
 @pytest.mark.parametrize("extra, role, words", [
@@ -38,6 +41,7 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "model_id": ""}, "kv_both", "model_id must be a non-empty"),
     ({"pool": "p", "node": 1, "model_id": 7}, "kv_both", "model_id must be a non-empty"),
     ({"pool": "p", "node": 1, "weights_digest": "some"}, "kv_both", "weights_digest 'some'"),
+    ({"pool": "p", "node": 1, "load_mode": "lazy"}, "kv_both", "load_mode 'lazy' is unknown"),
 ])
 def test_bad_settings_are_one_line_saying_what_to_fix(extra, role, words):
     with pytest.raises(UsageError) as exc:
@@ -294,16 +298,20 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     load = kvlog.parse("(Worker pid=1) INFO x " + kvlog.LOADED % (6, 49152, "cmpl-1", 2.5, 1.5, 1.0))
     assert load == ("load", {"blocks": 6, "bytes": 49152, "ms": 2.5, "copy_ms": 1.5,
                              "meta_ms": 1.0})
-    save = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0))
-    assert save[0] == "save" and save[1]["copy_ms"] == 2.0
+    save = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.75))
+    assert save[0] == "save" and save[1]["copy_ms"] == 2.0 and save[1]["meta_ms"] == 1.0
+    assert save[1]["claim_wait_ms"] == 0.25 and save[1]["commit_ms"] == 0.75
     ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 1.1))
     assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "copy_warm_ms": 1.1})
+    assert kvlog.parse("INFO " + kvlog.PUBLISHED % ("cmpl-2", 13, 0.5)) == (
+        "publish", {"blocks": 13, "ms": 0.5})
     assert kvlog.parse("INFO something else") is None
     # a save's reference covers its full blocks only: scaled to the blocks saved
     fig = _memcpy_figures({"saves": [save[1]], "saves_memcpy": [ref[1]]})["saves"]
     assert fig["memcpy_ms"] == pytest.approx(7 / 6)
     assert fig["copy_ratio"] == pytest.approx(2.0 / (7 / 6)) and fig["meta_ms"] == 1.0
     assert fig["warm_copy_ratio"] == pytest.approx(1.1)
+    assert (fig["claim_wait_ms"], fig["commit_ms"]) == (0.25, 0.75)
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])

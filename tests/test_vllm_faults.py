@@ -38,9 +38,12 @@ TTL_S = 4.0
 def sim(tmp_path_factory, vllm_checkpoint, vllm_mono):
     """Prefill and decode instances of their own (the simulator, TTL_S, no
     checksums), since a test here kills one; the session's checkpoint and
-    monolithic vLLM."""
+    monolithic vLLM.  Their loads are asynchronous (load_mode async): the real
+    engine runs that lifecycle here, and test_vllm.py's the default, synchronous
+    one."""
     st = start_stack(tmp_path_factory.mktemp("vllm-sim"), "24M",
-                     {"handoff_ttl_s": TTL_S, "simulate": True, "checksums": False},
+                     {"handoff_ttl_s": TTL_S, "simulate": True, "checksums": False,
+                      "load_mode": "async"},
                      name="vllm-sim",
                      ckpt=vllm_checkpoint, mono=vllm_mono)
     try:

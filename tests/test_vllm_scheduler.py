@@ -60,6 +60,31 @@ def test_a_failed_load_is_recomputed_and_not_offered_again(seen):
     assert seen["bad_pins_after"] == 0
 
 
+def test_a_synchronous_hit_is_copied_in_the_step_that_computes_the_rest(seen):
+    # load_mode sync (the default): no waiting for remote KV, the 4 tokens past
+    # the hit scheduled in the same step as its 6 blocks' copy
+    assert seen["sync_status"] == "RUNNING"
+    assert seen["sync_loads"] == [[6, True]] and seen["sync_step"] == [4, True]
+    assert seen["sync_pins_in_step"] == 6
+    assert seen["sync_pins_after"] == 0              # the step's output reported the copy
+    assert seen["sync_computed"] == 100
+    # a hit of the whole prompt leaves vLLM its last token to compute
+    assert seen["sync_whole"] == [[6], 1]
+
+
+def test_a_failed_synchronous_load_is_recomputed_and_not_offered_again(seen):
+    # 80 of 90 tokens loaded with the 10 others; the load's pages failed: vLLM
+    # computes all 90 next step, without the pool
+    assert seen["sync_bad"] == [10, 90, [], [0, False]]
+    assert seen["sync_pins_end"] == 0 and seen["sync_state_left"] == [0, 0]
+
+
+def test_a_synchronous_load_is_copied_before_start_load_kv_returns(seen):
+    # reported with the step's output (worker meta), once, never by get_finished
+    assert seen["sync_roundtrip"] == [[], [], ["loaded-sync"], True]
+    assert seen["sync_roundtrip_equal"]
+
+
 def test_a_prefill_for_a_remote_decode_publishes_a_handoff(seen):
     params = seen["pd_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False

@@ -31,6 +31,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tract_cli.connectors.keys import prompt_keys
 from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractConnectorMetadata
+from tract_cli.connectors.vllm_meta import TractWorkerMeta
 from tract_cli.core.pool import Pool
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
@@ -68,12 +69,15 @@ def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
     """vLLM's scheduler with TraCT's connector, handed the worker's page layout as
     vLLM's engine core does at start-up.  Its lookups are waited for (a generous
     lookup_wait_s) unless EXTRA says otherwise: what a step schedules is then the
-    same on a busy machine; the "not yet" answer has its own case."""
+    same on a busy machine; the "not yet" answer has its own case.  Loads are
+    asynchronous unless EXTRA sets load_mode "sync"."""
     if "handshake" not in HANDSHAKE:
         w, _ = worker(ckpt, pool, 16)
         HANDSHAKE["handshake"] = w.get_handshake_metadata()
-    config, kv = configs(ckpt, pool, num_blocks, role, {"lookup_wait_s": 30} | (extra or {}),
-                         **kw)
+    # the cases below follow an asynchronous load's lifecycle unless EXTRA asks
+    # for the default, synchronous one (its own case)
+    config, kv = configs(ckpt, pool, num_blocks, role,
+                         {"lookup_wait_s": 30, "load_mode": "async"} | (extra or {}), **kw)
     s = Scheduler(vllm_config=config, kv_cache_config=kv,
                   structured_output_manager=StructuredOutputManager(config), block_size=PAGE,
                   log_stats=True)
@@ -141,11 +145,14 @@ def request(rid: str, tokens: list[int], max_tokens: int = 4, params=None) -> Re
     return req
 
 
-def output(reqs, finished_recving=None, invalid=None) -> ModelRunnerOutput:
+def output(reqs, finished_recving=None, invalid=None, synced=None) -> ModelRunnerOutput:
     """A step's output: a sampled token for each of REQS whose prompt is all
-    computed (none for a prefill chunk short of its end)."""
+    computed (none for a prefill chunk short of its end); SYNCED, the requests
+    whose synchronous loads the worker reports copied in the step."""
     ids = [r.request_id for r in reqs]
-    kvo = KVConnectorOutput(finished_recving=finished_recving, invalid_block_ids=invalid or set())
+    kvo = KVConnectorOutput(finished_recving=finished_recving, invalid_block_ids=invalid or set(),
+                            kv_connector_worker_meta=TractWorkerMeta(set(synced))
+                            if synced else None)
     sampled = [[5] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in reqs]
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=sampled, logprobs=None,
@@ -272,6 +279,51 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["bad_rematch"] = list(conn.get_num_new_matched_tokens(r3, 0))
     s.finish_requests("bad", RequestStatus.FINISHED_ABORTED)
     obs["bad_pins_after"] = pins(pool, conn)
+
+    # 3s. synchronous loads (the default load_mode): a hit is copied in the step that
+    #     computes the rest of its prompt, and its pins are given back when that
+    #     step's output reports the copy; a whole-prompt hit leaves vLLM its last
+    #     token; a block that fails is recomputed and not offered again
+    ss = scheduler(ckpt, pool_path, num_blocks=64, extra={"load_mode": "sync"})
+    cs = ss.connector
+    sync = list(range(1200, 1200 + 100))             # 6 full region blocks + 4 tokens
+    put_prompt(pool, tag, sync)
+    rs = request("sync", sync)
+    ss.add_request(rs)
+    out = ss.schedule()
+    obs["sync_status"] = rs.status.name
+    obs["sync_loads"] = [[len(ld.slots), ld.sync] for ld in out.kv_connector_metadata.loads]
+    obs["sync_step"] = [out.num_scheduled_tokens.get("sync"), out.has_sync_kv_loads]
+    obs["sync_pins_in_step"] = pins(pool, cs)
+    ss.update_from_output(out, output([rs], synced={"sync"}))
+    obs["sync_pins_after"] = pins(pool, cs)
+    obs["sync_computed"] = rs.num_computed_tokens
+    ss.finish_requests("sync", RequestStatus.FINISHED_ABORTED)
+    whole = list(range(1400, 1400 + 96))             # exactly 6 full region blocks
+    put_prompt(pool, tag, whole)
+    rw = request("whole", whole)
+    ss.add_request(rw)
+    out = ss.schedule()
+    obs["sync_whole"] = [[len(ld.slots) for ld in out.kv_connector_metadata.loads],
+                         out.num_scheduled_tokens.get("whole")]
+    ss.update_from_output(out, output([rw], synced={"whole"}))
+    ss.finish_requests("whole", RequestStatus.FINISHED_ABORTED)
+    sbad = list(range(1600, 1600 + 90))              # 5 full region blocks + 10 tokens
+    put_prompt(pool, tag, sbad)
+    rb = request("sync-bad", sbad)
+    ss.add_request(rb)
+    out = ss.schedule()
+    pages = set(out.kv_connector_metadata.loads[0].pages.tolist())
+    first = out.num_scheduled_tokens.get("sync-bad")
+    ss.update_from_output(out, output([rb], invalid=pages, synced={"sync-bad"}))
+    out = ss.schedule()
+    obs["sync_bad"] = [first, out.num_scheduled_tokens.get("sync-bad"),
+                       [len(ld.slots) for ld in out.kv_connector_metadata.loads],
+                       list(cs.get_num_new_matched_tokens(rb, 0))]
+    ss.finish_requests("sync-bad", RequestStatus.FINISHED_ABORTED)
+    ss.update_from_output(out, output([]))
+    obs["sync_pins_end"] = pins(pool, cs)
+    obs["sync_state_left"] = [len(cs.scheduler_side._reqs), len(cs.scheduler_side._loading_done)]
 
     # 4. a prefill for a remote decode: the handoff is published when it finishes and its
     #    kv_transfer_params carry the ticket; the blocks stay pinned for the decode side
@@ -410,6 +462,19 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["roundtrip_errors"] = sorted(loaded(w, {"loaded"}))
     obs["roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][4:6])) for n in LAYERS)
     obs["roundtrip_nonzero"] = all(bool(caches[n][4:6].abs().sum() > 0) for n in LAYERS)
+    # ... and synchronously (load_mode sync): copied in start_load_kv itself, before
+    # the forward, and reported with the step's output, not by get_finished
+    load = LoadSpec("loaded-sync", look.slots, look.checksums, np.array([8, 8, 9, 9], np.int64),
+                    np.array([0, 1, 0, 1], np.int64), tags=look.tags, sync=True)
+    w.bind_connector_metadata(TractConnectorMetadata(loads=[load]))
+    w.start_load_kv(None)
+    meta = w.build_connector_worker_meta()
+    obs["sync_roundtrip"] = [sorted(w.get_block_ids_with_load_errors()),
+                             sorted(w.get_finished(set())[1] or ()),
+                             sorted(meta.loaded) if meta else None,
+                             w.build_connector_worker_meta() is None]
+    obs["sync_roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][8:10]))
+                                      for n in LAYERS)
     pool.index.unpin(look)
     # ... ack: a handoff loaded while every lock is held stands (its record is still
     # published after the copy: read without a lock), and its acknowledgement, which
@@ -591,8 +656,8 @@ def main(ckpt: str, pool_path: str) -> dict:
 
     sched = conn.scheduler_side
     obs["state_left"] = [len(sched._reqs), len(sched._loading_done), len(sched._pending_loads)]
-    for c in (conn, other, consumer.connector, producer.connector, c8, w, s9.connector, w9, c10,
-              c12, blind.connector):
+    for c in (conn, cs, other, consumer.connector, producer.connector, c8, w, s9.connector, w9,
+              c10, c12, blind.connector):
         c.shutdown()
     pool.close()
     return obs

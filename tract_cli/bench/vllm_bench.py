@@ -78,8 +78,10 @@ def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[
 
 
 def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
-        configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2) -> dict:
-    """Runs each configuration over the same prompts; returns records and summaries."""
+        configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
+        load_mode: str = "sync") -> dict:
+    """Runs each configuration over the same prompts; returns records and summaries.
+    LOAD_MODE: the TraCT connector's (docs/VLLM.md, "Configuration")."""
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
     for c in configs:
@@ -106,7 +108,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     remove_region(pool)
                 pool = _tract_region(model_dir, lengths, per_length + 1)
                 flush_mode = _flush_mode(pool)
-            servers = _start(config, model_dir, work, args, kv_cache_gib, pool)
+            servers = _start(config, model_dir, work, args, kv_cache_gib, pool, load_mode)
             try:
                 for s in servers.values():
                     s.wait_ready()
@@ -135,7 +137,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         mono = texts[rec["request"]].get("mono")
         rec["verified"] = None if mono is None else texts[rec["request"]][rec["config"]] == mono
     return {"records": records, "summaries": summarize(records), "kv": kv,
-            "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode}
+            "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode}
 
 
 def _flush_mode(path: str) -> str:
@@ -147,14 +149,14 @@ def _flush_mode(path: str) -> str:
 
 
 def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
-           pool: str | None) -> dict:
+           pool: str | None, load_mode: str = "sync") -> dict:
     from tract_cli.serve.vllm_engine import VllmServer
     if config == "mono":
         return {"mono": VllmServer(model_dir, _port(), args=args, kv_cache_gib=gib,
                                    log_path=os.path.join(work, "mono.log"))}
     if config in ("tract", "prefix"):
         return {role: VllmServer(model_dir, _port(), pool=pool, node=node, args=args,
-                                 kv_cache_gib=gib,
+                                 kv_cache_gib=gib, extra={"load_mode": load_mode},
                                  log_path=os.path.join(work, f"{config}-{role}.log"),
                                  env={"TRACT_CONNECTOR_TIMINGS": "1",
                                       "TRACT_CONNECTOR_REFERENCE": "1"} | _cores(role))
@@ -273,16 +275,17 @@ def _model(server) -> str:
 def _connector_figures(decode_log: str, prefill_log: str) -> dict:
     """The connector's own load and save timings (its INFO lines), per request, and
     its memcpy of the same bytes between the same buffers (the reference)."""
-    rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": []}
+    rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": [], "publish": []}
     for path, kinds in ((decode_log, ("load", "load_memcpy")),
-                        (prefill_log, ("save", "save_memcpy"))):
+                        (prefill_log, ("save", "save_memcpy", "publish"))):
         for line in open(path, errors="replace"):
             got = kvlog.parse(line)
             if got and got[0] in kinds:
                 rows[got[0]].append(got[1])
     # the first of each is the warm-up request's
     return {"loads": rows["load"][1:], "saves": rows["save"][1:],
-            "loads_memcpy": rows["load_memcpy"][1:], "saves_memcpy": rows["save_memcpy"][1:]}
+            "loads_memcpy": rows["load_memcpy"][1:], "saves_memcpy": rows["save_memcpy"][1:],
+            "publishes": rows["publish"][1:]}
 
 
 def _memcpy_figures(kv: dict) -> dict:
@@ -305,6 +308,9 @@ def _memcpy_figures(kv: dict) -> dict:
         warm = sum(r.get("copy_warm_ms", 0.0) for r in refs) if refs else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         out[kind] = {"tract_ms": tract, "copy_ms": copy, "meta_ms": tract - copy,
+                     # a save's metadata: the claim's wait past the forward, the commit
+                     "claim_wait_ms": sum(r.get("claim_wait_ms", 0.0) for r in rows),
+                     "commit_ms": sum(r.get("commit_ms", 0.0) for r in rows),
                      "memcpy_ms": same, "private_memcpy_ms": private,
                      "ratio": tract / same if same else None,
                      "copy_ratio": copy / same if same else None,

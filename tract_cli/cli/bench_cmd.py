@@ -73,6 +73,9 @@ def bench(
                                            help="With --engine vllm: tract, example (vLLM's "
                                                 "ExampleConnector on /dev/shm), mono, prefix "
                                                 "(a pool hit against a miss; repeatable)."),
+    load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
+                                  "connector's load_mode, sync (hits copied in the step that "
+                                  "computes the rest) or async (on its loader thread)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""
     # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
@@ -81,7 +84,8 @@ def bench(
     if engine not in ("reference", "vllm"):
         raise UsageError(f"--engine {engine!r} is not reference or vllm", "pass --engine vllm")
     if engine == "vllm":
-        _bench_vllm(model, input_len, requests, output_len, vllm_configs, seed, json_file, plot)
+        _bench_vllm(model, input_len, requests, output_len, vllm_configs, seed, json_file, plot,
+                    load_mode)
         return
     for t in transports:
         if t not in ALL_TRANSPORTS:
@@ -148,9 +152,14 @@ def bench(
         raise typer.Exit(1)
 
 
-def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot) -> None:
+def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot,
+                load_mode) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
+    from tract_cli.connectors.settings import LOAD_MODES
     from tract_cli.serve.vllm_engine import check_model_dir
+    if load_mode not in LOAD_MODES:
+        raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
+                         "pass --load-mode sync or --load-mode async")
     check_model_dir(model)
     if plot:
         _check_plot_dependency()
@@ -158,10 +167,12 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     if any(n < 1 for n in lengths) or output_len < 1:
         raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
     per = requests or 4
-    res = vllm_bench.run(model, lengths, per, output_len, configs, seed, render.stderr.file)
+    res = vllm_bench.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
+                         load_mode=load_mode)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
-                        f"{res['flush_mode'] or 'n/a (no TraCT configuration)'})")
+                        f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
+                        f"{load_mode})")
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
                 "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right")
@@ -183,9 +194,19 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                 f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
                 f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
                 f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
+        meta = ms(fig['meta_ms'])
+        if kind == "saves":
+            meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
+                     f"commit {ms(fig['commit_ms'])}")
         render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
                             f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
-                            f"copied; pool metadata {ms(fig['meta_ms'])}); {same}")
+                            f"copied; pool metadata {meta}); {same}")
+    publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
+    if publishes:
+        render.stdout.print(f"TraCT handoff publish (the prefill instance's scheduler loop): "
+                            f"{len(publishes)} handoffs, mean "
+                            f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
+                            f"{format_duration(max(publishes) / 1e3)}")
     if json_file:
         try:
             with open(json_file, "w") as f:

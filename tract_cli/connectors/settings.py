@@ -13,6 +13,7 @@ from tract_cli.core.cpu import FLUSH_MODES
 from tract_cli.core.weights import WEIGHTS_DIGESTS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_MODES = ("sync", "async")
 
 
 
@@ -36,6 +37,7 @@ class ConnectorSettings:
     max_handoffs: int = 64         # this instance's P/D handoffs in flight at once (past it: none)
     model_id: str | None = None    # the operator's name for the weights, mixed into every key
     weights_digest: str = "sampled"  # how the weights enter the model's identity: sampled | full
+    load_mode: str = "sync"        # copy hits in the step that computes the rest | on a thread
 
     @classmethod
     def parse(cls, extra: dict | None, role: str) -> "ConnectorSettings":
@@ -80,7 +82,8 @@ class ConnectorSettings:
                 raise UsageError("kv_connector_extra_config model_id must be a non-empty string "
                                  "of at most 1024 characters", 'e.g. "model_id": "llama-3-8b@a1b2c3"')
             out["model_id"] = value
-        for key, choices in (("weights_digest", WEIGHTS_DIGESTS), ("flush_mode", FLUSH_MODES)):
+        for key, choices in (("weights_digest", WEIGHTS_DIGESTS), ("flush_mode", FLUSH_MODES),
+                             ("load_mode", LOAD_MODES)):
             if key in extra:
                 out[key] = _choice(extra, key, choices)
         return cls(**out)

@@ -54,7 +54,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole,
+                                                               KVConnectorWorkerMetadata)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tract_cli.connectors.retry import Releases
@@ -82,7 +83,8 @@ __all__ = ["LoadSpec", "PARAMS_KEY", "SaveSpec", "TractConnector", "TractConnect
 # a child of vLLM's logger: our lines appear in its log, in its format
 log = logging.getLogger("vllm.tract")
 
-# TRACT_CONNECTOR_TIMINGS=1: one INFO line per load and per save with its time
+# TRACT_CONNECTOR_TIMINGS=1: one INFO line per load, per save and per handoff
+# publish with its time
 # (what `tract bench --engine vllm` reads); otherwise those lines are DEBUG
 TIMINGS = logging.INFO if os.environ.get("TRACT_CONNECTOR_TIMINGS") == "1" else logging.DEBUG
 
@@ -111,7 +113,7 @@ class TractConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.pool, self.settings, vllm_config,
                                                 self.identity, self.releases, ktc.engine_id,
-                                                lambda: self._kv_cache_manager)
+                                                lambda: self._kv_cache_manager, TIMINGS)
         else:
             self.worker_side = WorkerSide(self.pool, self.settings, vllm_config, self.releases,
                                           TIMINGS)
@@ -179,7 +181,9 @@ class TractConnector(KVConnectorBase_V1):
             self.worker_side.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return        # loads are asynchronous: done before the request is scheduled
+        # a synchronous load was copied in start_load_kv, before the forward;
+        # an asynchronous one before the request was scheduled
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
@@ -193,6 +197,9 @@ class TractConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.worker_meta() if self.worker_side is not None else None
 
     def shutdown(self):
         if self.scheduler_side is not None:

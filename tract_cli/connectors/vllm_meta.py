@@ -1,6 +1,7 @@
 """What the two halves of the vLLM connector tell each other: the scheduler's
 plan for a step (loads and saves, `TractConnectorMetadata`, sent with each
-step) and the worker's page layout (`TractHandshake`, sent once at start-up
+step), the synchronous loads the worker did in it (`TractWorkerMeta`, back
+with the step's output) and the worker's page layout (`TractHandshake`, sent once at start-up
 through vLLM's handshake, before any request: the scheduler's keys carry it).
 """
 from __future__ import annotations
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
-                                                               KVConnectorMetadata)
+                                                               KVConnectorMetadata,
+                                                               KVConnectorWorkerMetadata)
 
 
 @dataclass
@@ -23,6 +25,7 @@ class LoadSpec:
     subs: np.ndarray           # int64 sub-block of each region block in its page
     ticket: dict | None = None
     tags: np.ndarray | None = None   # uint64 payload tags (None: evict every slot)
+    sync: bool = False         # copied in the step, before its forward (load_mode sync)
 
 
 @dataclass
@@ -40,6 +43,23 @@ class SaveSpec:
 class TractConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class TractWorkerMeta(KVConnectorWorkerMetadata):
+    """The worker's word to the scheduler after a step: the requests whose
+    synchronous loads (LoadSpec.sync) it copied in that step (their pages that
+    failed go with the step's invalid_block_ids, as an asynchronous load's),
+    so the scheduler gives their pins back.  Asynchronous loads are reported
+    through get_finished instead: vLLM expects those only for requests waiting
+    for remote KV."""
+
+    loaded: set = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if isinstance(other, TractWorkerMeta):
+            return TractWorkerMeta(self.loaded | other.loaded)
+        return self
 
 
 @dataclass

@@ -31,7 +31,9 @@ import numpy as np
 
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
 from tract_cli.connectors.retry import Releases, queue_ack
-from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractConnectorMetadata
+from tract_cli.connectors.vllm_meta import (LoadSpec, SaveSpec, TractConnectorMetadata,
+                                            TractWorkerMeta)
+from tract_cli.core import kvlog
 from tract_cli.core.errors import HandoffError, TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import Lookup
@@ -88,8 +90,9 @@ class SchedulerSide:
 
     def __init__(self, pool: "Pool", settings: "ConnectorSettings", vllm_config: "VllmConfig",
                  identity: "ModelIdentity", releases: Releases, engine_id: str,
-                 kv_cache_manager_of):
+                 kv_cache_manager_of, timings: int = logging.DEBUG):
         self.pool, self.settings, self.identity = pool, settings, identity
+        self._timings = timings             # the level of the publish's timing line
         self.releases, self.engine_id = releases, engine_id
         self._kv_cache_manager_of = kv_cache_manager_of   # vLLM's, set after construction
         self.g = pool.geometry.block_tokens
@@ -166,15 +169,14 @@ class SchedulerSide:
             if st.received is None and not st.handoff_failed:
                 self._open_handoff(request, st, params)
             if st.received is not None:
-                count = st.received.token_count - num_computed_tokens
-                return (count, True) if count > 0 else (0, False)
+                return self._answer(request, num_computed_tokens, st.received.token_count)
         if not self.settings.prefix_cache or not len(st.keys):
             return 0, False
         if st.lookup is None:
             got = self._lookup_result(request.request_id, st)
             if got is not True:
                 return got
-        count = st.lookup.hits * self.g - num_computed_tokens
+        count, load_async = self._answer(request, num_computed_tokens, st.lookup.hits * self.g)
         if count <= 0:
             self._unpin(st)
             return 0, False
@@ -182,7 +184,18 @@ class SchedulerSide:
         # build_connector_meta gives the pins back, so pinned capacity never grows
         # with the queue
         self._matched.add(request.request_id)
-        return count, True
+        return count, load_async
+
+    def _answer(self, request: "Request", computed: int, end: int) -> tuple[int, bool]:
+        """vLLM's answer for a pool hit of the prompt up to token END: (tokens to
+        load, asynchronously?).  A synchronous load (load_mode sync) is copied in
+        the step that computes the rest of the prompt, so it leaves that step at
+        least the last token to compute (vLLM schedules no step of none)."""
+        load_async = self.settings.load_mode == "async"
+        if not load_async:
+            end = min(end, request.num_tokens - 1)
+        count = end - computed
+        return (count, load_async) if count > 0 else (0, False)
 
     def _lookup_result(self, req_id: str, st: _Request):
         """The request's lookup, run on the lookup thread: True once st.lookup
@@ -316,7 +329,8 @@ class SchedulerSide:
         self._pending_loads.append(LoadSpec(request.request_id, slots[first:last],
                                             sums[first:last], page_ids[idx // self.r],
                                             idx % self.r, ticket,
-                                            None if tags is None else tags[first:last]))
+                                            None if tags is None else tags[first:last],
+                                            sync=self.settings.load_mode == "sync"))
         st.loading = True
         st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
         st.saved = max(st.saved, min(last, len(st.keys)))
@@ -381,7 +395,11 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         invalid = connector_output.invalid_block_ids or set()
-        for req_id in connector_output.finished_recving or ():
+        # loads done: the asynchronous ones the worker reported finished, and the
+        # synchronous ones it copied in the step of this output
+        worker = connector_output.kv_connector_worker_meta
+        synced = worker.loaded if isinstance(worker, TractWorkerMeta) else set()
+        for req_id in set(connector_output.finished_recving or ()) | synced:
             st = self._reqs.get(req_id) or self._loading_done.pop(req_id, None)
             if st is not None:
                 st.loading = False
@@ -425,9 +443,12 @@ class SchedulerSide:
             # no waiting here (the engine's scheduler loop): the step that computed the
             # blocks committed them before its output reached the scheduler, so a block
             # not READY now was not saved (pool full) or is another writer's: computed
+            t0 = time.perf_counter()
             ticket = self.pool.handoffs.publish(request.request_id, keys, st.prompt_len,
                                                 ttl=self.settings.handoff_ttl_s,
                                                 timeout=self.settings.step_timeout_s)
+            log.log(self._timings, kvlog.PUBLISHED, request.request_id, len(keys),
+                    (time.perf_counter() - t0) * 1e3)
         except TractError as exc:
             log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
                         request.request_id, exc)

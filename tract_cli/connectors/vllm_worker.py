@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from tract_cli.connectors.retry import Releases, queue_ack
-from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake
+from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.errors import PoolFull, TractError
@@ -98,6 +98,7 @@ class WorkerSide:
         self._done_lock = threading.Lock()
         self._done: list[tuple[str, set]] = []
         self._loader: threading.Thread | None = None
+        self._sync_loaded: set[str] = set()      # copied in this step (LoadSpec.sync)
 
     # ---- start-up ----
 
@@ -275,7 +276,7 @@ class WorkerSide:
         if mine.size:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
-                    (plan.reserve_s + commit_s) * 1e3)
+                    (plan.reserve_s + commit_s) * 1e3, plan.reserve_s * 1e3, commit_s * 1e3)
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the
@@ -316,19 +317,36 @@ class WorkerSide:
     # ---- loads ----
 
     def start_loads(self, loads: list[LoadSpec]) -> None:
+        """Synchronous loads (and every load of the GPU path) are copied here,
+        before the step's forward, which computes the rest of their prompts;
+        asynchronous ones go to the loader thread."""
         if not loads:
             return
-        if self._paged is None:            # GPU path: in the step
-            for spec in loads:
-                self._finish(spec.req_id, self._load(spec))
-                if spec.ticket is not None:
-                    self._queue_ack(spec)
+        later = []
+        for spec in loads:
+            if not spec.sync and self._paged is not None:
+                later.append(spec)
+                continue
+            bad = set(int(p) for p in np.unique(spec.pages))    # if _load itself failed
+            try:
+                bad = self._load(spec)
+            except Exception as exc:      # never into the engine: recomputed
+                log.warning("TraCT load of request %s failed, vLLM recomputes it: %s",
+                            spec.req_id, exc)
+            if spec.sync:         # reported with the step's output (worker_meta)
+                self._sync_loaded.add(spec.req_id)
+                self._load_errors |= bad
+            else:
+                self._finish(spec.req_id, bad)
+            if spec.ticket is not None:
+                self._queue_ack(spec)
+        if not later:
             return
         if self._loader is None:
             self._loader = threading.Thread(target=self._load_loop, name="tract-loads",
                                             daemon=True)
             self._loader.start()
-        for spec in loads:
+        for spec in later:
             self._loads.put(spec)
 
     def _load_loop(self) -> None:
@@ -443,6 +461,14 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def worker_meta(self) -> TractWorkerMeta | None:
+        """The requests whose synchronous loads this step copied (asked after
+        load_errors, in the same step's output)."""
+        if not self._sync_loaded:
+            return None
+        loaded, self._sync_loaded = self._sync_loaded, set()
+        return TractWorkerMeta(loaded)
 
     def shutdown(self) -> None:
         """Gives back the claims of a save bound and never waited for (waiting for

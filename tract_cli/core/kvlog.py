@@ -1,6 +1,7 @@
 """The vLLM connector's timing lines (TRACT_CONNECTOR_TIMINGS=1): one per KV
-load and per save, written by `connectors/vllm.py` with these formats and read
-back by `bench/vllm_bench.py` with `parse`, so the two cannot drift apart.
+load, per save and per handoff publish, written by the connector
+(`connectors/vllm_*.py`) with these formats and read back by
+`bench/vllm_bench.py` with `parse`, so the two cannot drift apart.
 (Here because both may import core, and bench never imports connectors:
 docs/ARCHITECTURE.md §2.)
 """
@@ -9,12 +10,18 @@ from __future__ import annotations
 import re
 
 # logging's %-formats: (blocks, bytes, request id, ms, copy ms, metadata ms) and
-# (blocks, bytes, ms, copy ms, metadata ms); the copy checksums as it copies, the
-# metadata is the pool's calls around it (lock round trips, handoff records)
+# (blocks, bytes, ms, copy ms, metadata ms, claim wait ms, commit ms); the copy
+# checksums as it copies, the metadata is the pool's calls around it (lock round
+# trips, handoff records); a save's is the part of its claim (reserved during the
+# forward) the step waited for, and its commit
 LOADED = ("TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms (copy %.3f ms, "
           "checksummed as it copied; pool metadata %.3f ms)")
 SAVED = ("TraCT: saved %d blocks (%d bytes) in %.3f ms (copy %.3f ms, checksummed as it "
-         "copied; pool metadata %.3f ms)")
+         "copied; pool metadata %.3f ms: claim wait %.3f ms, commit %.3f ms)")
+
+# (request id, blocks, ms): a prefill instance's publish of a handoff, in its
+# scheduler loop (pins, the key list's slot, the record: lock round trips)
+PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 
 # (load|save, blocks, ms, ms): with the timings on, the connector also times a
 # plain memcpy of the same bytes between the same buffers right after its own
@@ -31,13 +38,18 @@ def _pattern(fmt: str) -> re.Pattern:
 
 
 _LINES = {"load": _pattern(LOADED), "save": _pattern(SAVED)}
+_PUBLISHED = _pattern(PUBLISHED)
 _REFERENCE = _pattern(REFERENCE)
 
 
 def parse(line: str) -> tuple[str, dict] | None:
-    """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}), or
+    """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}, a save's
+    also "claim_wait_ms" and "commit_ms"), ("publish", {"blocks", "ms"}), or
     ("load_memcpy" or "save_memcpy", {"blocks", "ms", "copy_warm_ms"}), of a timing line found in
     LINE (a log line, whatever its prefix), else None."""
+    m = _PUBLISHED.search(line)
+    if m:
+        return "publish", {"blocks": int(m[2]), "ms": float(m[3])}
     m = _REFERENCE.search(line)
     if m:
         return m[1] + "_memcpy", {"blocks": int(m[2]), "ms": float(m[3]),
@@ -45,7 +57,10 @@ def parse(line: str) -> tuple[str, dict] | None:
     for kind, pattern in _LINES.items():
         m = pattern.search(line)
         if m:
-            n = m.lastindex
-            return kind, {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[n - 2]),
-                          "copy_ms": float(m[n - 1]), "meta_ms": float(m[n])}
+            n = 6 if kind == "load" else 5        # the group of the metadata ms
+            row = {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[n - 2]),
+                   "copy_ms": float(m[n - 1]), "meta_ms": float(m[n])}
+            if kind == "save":
+                row |= {"claim_wait_ms": float(m[n + 1]), "commit_ms": float(m[n + 2])}
+            return kind, row
     return None
