@@ -155,7 +155,7 @@ def bench(
 def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot,
                 load_mode) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
-    from tract_cli.connectors.settings import LOAD_MODES
+    from tract_cli.core.kvpages import LOAD_MODES
     from tract_cli.serve.vllm_engine import check_model_dir
     if load_mode not in LOAD_MODES:
         raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",

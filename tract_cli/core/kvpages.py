@@ -26,6 +26,12 @@ import numpy as np
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.native import ffi, lib, raise_for
 
+# where an engine connector copies a pool hit into its pages: in the step that
+# computes the rest of the prompt (before its forward), or on a thread of its
+# own while the engine runs other requests (connectors/settings.py load_mode;
+# here because the connector and `tract bench --engine vllm` both name them)
+LOAD_MODES = ("sync", "async")
+
 
 @dataclass
 class PageLayout:
