@@ -308,15 +308,15 @@ def _memcpy_figures(kv: dict) -> dict:
         warm = sum(r.get("copy_warm_ms", 0.0) for r in refs) if refs else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         out[kind] = {"tract_ms": tract, "copy_ms": copy, "meta_ms": tract - copy,
-                     # a save's metadata: the claim's wait past the forward, the commit
-                     "claim_wait_ms": sum(r.get("claim_wait_ms", 0.0) for r in rows),
-                     "commit_ms": sum(r.get("commit_ms", 0.0) for r in rows),
                      "memcpy_ms": same, "private_memcpy_ms": private,
                      "ratio": tract / same if same else None,
                      "copy_ratio": copy / same if same else None,
                      # the checksummed copy against memcpy, both of the same warm bytes
                      "warm_copy_ratio": warm / (same / scale) if same and warm else None,
                      "bytes": sum(r["bytes"] for r in rows)}
+        if kind == "saves":      # its metadata: the claim's wait past the forward, the commit
+            out[kind] |= {"claim_wait_ms": sum(r["claim_wait_ms"] for r in rows),
+                          "commit_ms": sum(r["commit_ms"] for r in rows)}
     return out
 
 
