@@ -160,46 +160,35 @@ static void forget_slots(tract_region *r, void *arg)
 	tract_journal_slots(r, f->slots, f->n, 1);
 }
 
-/* Publishes a handoff: pins the blocks (all must be READY), stores the key
- * list and the partial tail in slots, writes a record; *rec gets its index. */
-int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
-			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
-			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)
+/*
+ * Steps 2 and 3 of a publish, for blocks this process holds one pin on each
+ * (journaled): the key list (keys with their slots, checksums, token
+ * counts) and the tail in slots of their own, then the record, under the
+ * transfer lock, in record want (UINT32_MAX: the first FREE one found);
+ * the pins become the record's.  On failure the pins stay the caller's and
+ * the slots it allocated are freed (internal).
+ */
+static int write_handoff(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
+			 uint32_t n, const uint32_t *slots, const uint32_t *tokens,
+			 const uint32_t *sums, uint64_t token_count, const void *tail,
+			 uint64_t tail_len, uint32_t tail_tokens, uint64_t ttl_ns, uint32_t want,
+			 uint32_t *rec, uint64_t timeout_ns)
 {
-	if (!r || !request_id || !rec || (!keys && n) || (tail_len && !tail) ||
-	    tail_len > r->hdr.block_bytes)
-		return TRACT_E_INVAL;
-	if ((uint64_t)n * sizeof(struct tract_key_entry) > r->hdr.block_bytes)
-		return TRACT_E_RANGE;        /* the key list must fit one slot */
-	int dup = has_duplicate_key(keys, n);
-	if (dup)
-		return dup < 0 ? dup : TRACT_E_INVAL;   /* a release counts one pin per entry */
 	struct tract_key_entry *list = calloc((size_t)n + 1, sizeof(*list));
-	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
-	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
-	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
-	int rc = (list && slots && tokens && sums) ? TRACT_OK : TRACT_E_NOMEM;
-	uint32_t hits = 0, extra[2] = {0, 0}, nextra = tail_len ? 2 : 1;
-	if (rc)
-		goto out;
-	/* 1. pin every block for the decode side (as this node) */
-	rc = tract_index_lookup(r, keys, n, slots, tokens, sums, NULL, &hits, timeout_ns);
-	if (rc)
-		goto out;
-	if (hits < n) {
-		tract_index_unpin(r, keys, hits, timeout_ns);
-		rc = TRACT_E_NOT_FOUND;
-		goto out;
-	}
-	/* 2. the key list and the tail, in slots of their own */
+	uint32_t extra[2] = {0, 0}, nextra = tail_len ? 2 : 1;
+	int rc;
+	if (!list)
+		return TRACT_E_NOMEM;
 	if ((rc = tract_alloc_journaled(r, nextra, extra, timeout_ns)) == TRACT_E_FULL) {
 		/* a pool full of cached blocks: make room as a put would (no lock is held) */
 		uint32_t evicted = 0;
 		if (tract_index_evict(r, nextra, &evicted, timeout_ns) == TRACT_OK && evicted)
 			rc = tract_alloc_journaled(r, nextra, extra, timeout_ns);
 	}
-	if (rc < 0)
-		goto unpin;
+	if (rc < 0) {
+		free(list);
+		return rc;
+	}
 	/* (journaled as ours by the allocation, until the record holds them) */
 	for (uint32_t i = 0; i < n; i++) {
 		memcpy(list[i].key, keys + (uint64_t)i * 16, 16);
@@ -211,12 +200,19 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		goto release;
 	if (tail_len && (rc = tract_copy_in(r, slot_off(r, extra[1]), tail, tail_len)) < 0)
 		goto release;
-	/* 3. the record, under the transfer lock; the pins become the record's
+	/* the record, under the transfer lock; the pins become the record's
 	 * (forgotten by this process's journal before the record can exist) */
 	if ((rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL)) < 0)
 		goto release;
-	uint32_t i;
-	rc = find_free_record(r, &i);
+	uint32_t i = want;
+	if (want == UINT32_MAX) {
+		rc = find_free_record(r, &i);
+	} else {
+		/* the caller's choice, made without the lock: still FREE under it? */
+		struct tract_transfer_record was;
+		observe_record(r, want, &was);
+		rc = was.state == REC_FREE ? TRACT_OK : TRACT_E_TABLE_FULL;
+	}
 	if (rc == TRACT_OK) {
 		/* forgotten only now that the record will hold them: a full table
 		 * leaves them journaled while the release below gives them back */
@@ -236,12 +232,15 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 		t.created_ns = tract_now_ns();
 		t.expiry_ns = t.created_ns + ttl_ns;
 		publish_record(r, i, &t);
-		r->handoff_next = i + 1;      /* next fit: the following record is likely free */
+		if (want == UINT32_MAX)
+			r->handoff_next = i + 1;      /* next fit: the following record is likely free */
 		*rec = i;
 	}
 	tract_lock_release(r, TRACT_LOCK_TRANSFER);
-	if (rc == TRACT_OK)
-		goto out;
+	if (rc == TRACT_OK) {
+		free(list);
+		return TRACT_OK;
+	}
 	tract_maybe_die(TRACT_DIE_HANDOFF_NO_RECORD);
 release:
 	/* forgotten by the journal once the free holds its locks, right before
@@ -253,14 +252,129 @@ release:
 		struct forget_ctx f = {extra, nextra};
 		tract_free_noted(r, extra, NULL, nextra, forget_slots, &f, NULL, timeout_ns);
 	}
-unpin:
-	tract_index_unpin(r, keys, n, timeout_ns);
-out:
 	free(list);
+	return rc;
+}
+
+/* the checks every publish makes of its arguments first (internal) */
+static int publish_args(const tract_region *r, const uint8_t *request_id, const uint8_t *keys,
+			uint32_t n, const void *tail, uint64_t tail_len, const uint32_t *rec)
+{
+	if (!r || !request_id || !rec || (!keys && n) || (tail_len && !tail) ||
+	    tail_len > r->hdr.block_bytes)
+		return TRACT_E_INVAL;
+	if ((uint64_t)n * sizeof(struct tract_key_entry) > r->hdr.block_bytes)
+		return TRACT_E_RANGE;        /* the key list must fit one slot */
+	int dup = has_duplicate_key(keys, n);
+	if (dup)
+		return dup < 0 ? dup : TRACT_E_INVAL;   /* a release counts one pin per entry */
+	return TRACT_OK;
+}
+
+/* Publishes a handoff: pins the blocks (all must be READY), stores the key
+ * list and the partial tail in slots, writes a record; *rec gets its index. */
+int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
+			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
+			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)
+{
+	int rc = publish_args(r, request_id, keys, n, tail, tail_len, rec);
+	if (rc)
+		return rc;
+	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t hits = 0;
+	rc = (slots && tokens && sums) ? TRACT_OK : TRACT_E_NOMEM;
+	if (rc)
+		goto out;
+	/* 1. pin every block for the decode side (as this node) */
+	rc = tract_index_lookup(r, keys, n, slots, tokens, sums, NULL, &hits, timeout_ns);
+	if (rc)
+		goto out;
+	if (hits < n) {
+		tract_index_unpin(r, keys, hits, timeout_ns);
+		rc = TRACT_E_NOT_FOUND;
+		goto out;
+	}
+	/* 2, 3. the key list, the tail, the record */
+	rc = write_handoff(r, request_id, keys, n, slots, tokens, sums, token_count, tail,
+			   tail_len, tail_tokens, ttl_ns, UINT32_MAX, rec, timeout_ns);
+	if (rc)
+		tract_index_unpin(r, keys, n, timeout_ns);
+out:
 	free(slots);
 	free(tokens);
 	free(sums);
 	return rc;
+}
+
+/*
+ * Publishes a handoff of blocks this process holds pinned already, one pin
+ * each, journaled (a pinning put's: TRACT_PUT_PIN), in record want, which
+ * the caller chose without the lock (tract_handoff_peek_free): the pins
+ * become the record's.  Each block's slot, token count and checksum are
+ * read from its bucket without a lock: a pinned READY bucket cannot change
+ * them, and every line is observed.  TRACT_E_NOT_FOUND if a key is not
+ * READY (nothing written), TRACT_E_TABLE_FULL if record want is taken by
+ * now; on any failure the pins stay the caller's, to give back.
+ */
+int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *request_id,
+				 const uint8_t *keys, uint32_t n, uint64_t token_count,
+				 uint64_t ttl_ns, uint64_t timeout_ns)
+{
+	uint32_t rec = 0;
+	int rc = publish_args(r, request_id, keys, n, NULL, 0, &rec);
+	if (rc)
+		return rc;
+	if (want >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
+	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
+	rc = (slots && tokens && sums) ? TRACT_OK : TRACT_E_NOMEM;
+	if (rc == TRACT_OK)
+		rc = tract_index_observe_pinned(r, keys, n, slots, tokens, sums);
+	if (rc == TRACT_OK)
+		rc = write_handoff(r, request_id, keys, n, slots, tokens, sums, token_count, NULL,
+				   0, 0, ttl_ns, want, &rec, timeout_ns);
+	free(slots);
+	free(tokens);
+	free(sums);
+	return rc;
+}
+
+/* A record that looked FREE from start on (wrapping), observed without a
+ * lock, skipping the n records in skip: a choice for
+ * tract_handoff_publish_pinned, which checks it under the lock.  TRACT_OK
+ * and *rec, or TRACT_E_TABLE_FULL. */
+int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *skip, uint32_t n,
+			    uint32_t *rec)
+{
+	if (!r || !rec || (!skip && n))
+		return TRACT_E_INVAL;
+	uint32_t count = tract_sec(r, TRACT_SEC_TRANSFER)->count;
+	struct tract_transfer_record t[SCAN_BATCH];
+	uint32_t at = start < count ? start : 0;
+	for (uint32_t seen = 0; seen < count;) {
+		uint32_t k = count - at < SCAN_BATCH ? count - at : SCAN_BATCH;
+		if (k > count - seen)
+			k = count - seen;
+		observe_records(r, at, k, t);
+		for (uint32_t j = 0; j < k; j++) {
+			if (t[j].state != REC_FREE)
+				continue;
+			uint32_t i = 0;
+			while (i < n && skip[i] != at + j)
+				i++;
+			if (i == n) {
+				*rec = at + j;
+				return TRACT_OK;
+			}
+		}
+		seen += k;
+		at = at + k == count ? 0 : at + k;
+	}
+	return TRACT_E_TABLE_FULL;
 }
 
 /* observes record rec without a lock into *t: TRACT_OK if it is published

@@ -281,6 +281,33 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 	return TRACT_OK;
 }
 
+/*
+ * The slot, token count and checksum of keys the caller holds pinned, read
+ * without a lock: a pinned READY bucket keeps its key, state, slot, tokens
+ * and checksum until the pin goes (eviction skips it, a put finds it READY),
+ * and every line is observed, so they are the device's; a stale bucket on
+ * the probe path can only end the probe early (NOT_FOUND: the caller's
+ * publish fails and it gives its pins back) or send it on, never match.
+ */
+int tract_index_observe_pinned(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
+			       uint32_t *tokens, uint32_t *checksums)
+{
+	if (!r || ((!keys || !slots || !tokens || !checksums) && n))
+		return TRACT_E_INVAL;
+	observe_homes(r, keys, n);      /* one batch of evictions, one fence */
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t b;
+		struct tract_bucket bk;
+		if (!find_unlocked(r, keys + (uint64_t)i * 16, 1, &b, &bk) ||
+		    bk.state != TRACT_BUCKET_READY || bk.slot < 1 || bk.slot > r->hdr.slot_count)
+			return TRACT_E_NOT_FOUND;
+		slots[i] = bk.slot - 1;
+		tokens[i] = bk.tokens;
+		checksums[i] = (bk.flags & TRACT_BUCKET_F_CHECKSUM) ? bk.checksum : 0;
+	}
+	return TRACT_OK;
+}
+
 /* true if slot still holds the READY payload of that tag: one lock-free
  * observe of the tag's bucket (observe = 0: a plain load, a hint that may be
  * stale either way).  Under a pin the bucket's state, slot and

@@ -701,6 +701,12 @@ int tract_index_read(tract_region *r, const uint32_t *slots, const uint64_t *tag
 		     void *dst, uint64_t dst_stride, uint64_t block_len, const uint32_t *checksums,
 		     uint32_t *bad);
 
+/* The slot, token count and checksum (0: none) of n keys this process holds
+ * pinned, read without a lock (a pinned READY bucket cannot change them;
+ * every line observed); TRACT_E_NOT_FOUND if one is not READY. */
+int tract_index_observe_pinned(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
+			       uint32_t *tokens, uint32_t *checksums);
+
 /* Payload tags of n blocks pinned for the caller without its own lookup (a
  * handoff's), read without stripe locks; 0 where a key is not READY at slots[i]. */
 int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots, uint32_t n,
@@ -715,6 +721,21 @@ int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_
 int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint8_t *keys,
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns);
+
+/* Publishes a handoff of blocks this process holds one pin on each
+ * (journaled: a pinning put's), in record want, chosen without the lock
+ * (tract_handoff_peek_free); the pins become the record's.  No tail.
+ * TRACT_E_NOT_FOUND: a key is not READY; TRACT_E_TABLE_FULL: record want is
+ * taken by now; on any failure the pins stay the caller's. */
+int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *request_id,
+				 const uint8_t *keys, uint32_t n, uint64_t token_count,
+				 uint64_t ttl_ns, uint64_t timeout_ns);
+
+/* A record that looks FREE, observed without a lock from start on
+ * (wrapping), none of the n in skip: TRACT_OK and *rec, or
+ * TRACT_E_TABLE_FULL. */
+int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *skip, uint32_t n,
+			    uint32_t *rec);
 
 /* Reads a published record: block keys, slots, checksums, token counts, tail slot + 1. */
 int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,

@@ -41,6 +41,7 @@ def main() -> None:
         "index_lookup_verify": lambda **kw: index_lookup_verify(pool, **kw),
         "index_release_held": lambda: index_release_held(pool),
         "handoff_publish": lambda **kw: handoff_publish(pool, **kw),
+        "handoff_publish_pinned": lambda **kw: handoff_publish_pinned(pool, **kw),
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
         "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
@@ -280,6 +281,33 @@ def handoff_publish(pool, chain: list, request: str, ttl: float = 30.0) -> dict:
     tail = tail_for(request, pool.info.bytes_per_token * (bt // 2))
     t = pool.handoffs.publish(request, keys, len(keys) * bt + bt // 2, tail=tail,
                               tail_tokens=bt // 2, ttl=ttl)
+    return t.to_dict()
+
+
+def handoff_publish_pinned(pool, chain: list, request: str, ttl: float = 30.0,
+                           ready: list | None = None, record: int | None = None) -> dict:
+    """What the vLLM connector's worker does for a P/D prefill: puts READY (another
+    request's blocks, already in the pool) first, then claims the chain's blocks
+    with pins (those READY pinned as they are), writes the claimed ones, commits
+    them pinned and publishes the handoff in RECORD (default: peek_free's)
+    with the pins it holds; returns the ticket."""
+    import numpy as np
+    from index_check import payload_for
+    from tract_cli.core.index import PUT_CLAIMED
+    if ready:
+        index_put_chains(pool, [ready])
+    keys = _chain_keys(pool, *chain)
+    bt = pool.info.geometry.block_tokens
+    status, slots = pool.index.reserve(keys, pin=True)
+    claimed = status == PUT_CLAIMED
+    for i in np.flatnonzero(claimed):
+        view = pool.slot_bytes(int(slots[i]))
+        view[:] = payload_for(keys[i].tobytes(), pool.info.block_bytes)
+        del view
+    pool.index.commit(keys, status, slots, pin=True,
+                      checksums=np.where(claimed, pool.checksum_slots(slots), 0))
+    rec = pool.handoffs.peek_free() if record is None else record
+    t = pool.handoffs.publish_pinned(rec, request, keys, len(keys) * bt, ttl=ttl)
     return t.to_dict()
 
 

@@ -210,6 +210,62 @@ def test_an_ack_killed_inside_a_release_gives_back_exactly_its_pins(region, simu
         assert check.verify(p, data=True)[0] == []
 
 
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_handoff_published_with_the_puts_own_pins_pins_nothing_twice(region, simulate):
+    """The vLLM connector's in-step publish: the prefill claims its blocks with
+    pins (a block already READY, another request's, pinned as it is), commits
+    them pinned and publishes the record with those pins, taking none more.
+    The record then holds each block once; its acknowledgement leaves nothing
+    pinned.  The prefill process dying after the publish gives back nothing:
+    its journal forgot the pins when the record took them (recovery giving
+    them back would leave the record naming unpinned blocks)."""
+    from tract_cli.core.recovery import recover_node
+    chain, ready = [5, 3, 61, 9], [5, 3, 60, 4]      # 3 shared blocks READY first
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        prefill = Worker(region, 1, simulate)
+        ticket = prefill.call("handoff_publish_pinned", chain=chain, request="pinned",
+                              ready=ready)
+        assert ticket["blocks"] == 9
+        assert pins_and_records(region) == (9, 1)        # one pin a block: the record's
+        prefill.proc.kill()
+        prefill.proc.wait(timeout=60)
+        prefill.close()
+        with Pool.attach(region, node=1, simulate=simulate) as p:
+            recover_node(p, orphans=False, timeout=30)
+        assert pins_and_records(region) == (9, 1)        # the dead publisher's journal: none
+        with Worker(region, 2, simulate) as decode:
+            assert decode.call("handoff_receive", ticket=ticket, chain=chain,
+                               request="pinned") == 9
+        assert pins_and_records(region) == (0, 0)
+    assert check_index(region)["ready"] == 10
+
+
+def test_a_pinned_publish_into_a_taken_record_leaves_the_pins_to_give_back(region):
+    """The record a pinned publish names is chosen without the lock: taken by
+    the time the lock is held, nothing is written and the caller still holds
+    its pins (journaled: a death now gives them back); a key not READY is
+    refused before anything is written."""
+    from procs_child import _chain_keys, handoff_publish_pinned
+    from tract_cli.core.errors import BlocksPending, TransferTableFull
+    with RunningAgent(region, 0, manager=True), Pool.attach(region, node=1) as p:
+        taken = Ticket.from_dict(handoff_publish_pinned(p, [7, 0, 70, 4], "first"))
+        assert p.handoffs.peek_free(taken.record) != taken.record
+        assert p.handoffs.peek_free(0, skip=range(16)) is None
+        with pytest.raises(TransferTableFull, match=f"record {taken.record} is taken"):
+            handoff_publish_pinned(p, [8, 0, 80, 4], "second", record=taken.record)
+        assert pins_and_records(region) == (8, 1)        # the 4 of "second" still held
+        keys = _chain_keys(p, 8, 0, 80, 4)
+        p.index.unpin(keys)
+        assert pins_and_records(region) == (4, 1)
+        status, slots = p.index.reserve(_chain_keys(p, 9, 0, 90, 2), pin=True)
+        with pytest.raises(BlocksPending):
+            p.handoffs.publish_pinned(p.handoffs.peek_free(), "third",
+                                      _chain_keys(p, 9, 0, 90, 2), 32)
+        p.index.commit(_chain_keys(p, 9, 0, 90, 2), status, slots, publish=False)
+        p.handoffs.ack(taken)
+    assert pins_and_records(region) == (0, 0)
+
+
 def test_a_handoff_naming_a_block_twice_is_refused(region):
     """A release gives one pin back per key-list entry, each counted from the
     owner's count when its stripe section began: a list naming a block twice

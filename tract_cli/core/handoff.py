@@ -176,6 +176,53 @@ class Handoffs:
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(rec[0], rid.hex(), len(keys), token_count)
 
+    def peek_free(self, start: int = 0, skip=()) -> int | None:
+        """A record that looks FREE, read without a lock from START on (wrapping),
+        none of SKIP: a choice for `publish_pinned`, which checks it under the
+        transfer lock (another publisher may take it first); None if none looks
+        FREE."""
+        skip_arr = np.ascontiguousarray(list(skip), dtype=np.uint32)
+        rec = ffi.new("uint32_t *")
+        rc = lib.tract_handoff_peek_free(
+            self._pool._r(), max(0, int(start)) & 0xFFFFFFFF,
+            ffi.cast("uint32_t *", ffi.from_buffer(skip_arr)) if skip_arr.size else ffi.NULL,
+            skip_arr.size, rec)
+        if rc == lib.TRACT_E_TABLE_FULL:
+            return None
+        raise_for(rc, f"{self._pool.path} handoff table")
+        return int(rec[0])
+
+    def publish_pinned(self, record: int, request_id: str | bytes, hashes, token_count: int,
+                       ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S) -> Ticket:
+        """Publishes a handoff of blocks this process holds one pin on each (a
+        pinning put's: `reserve(pin=True)` and `commit(pin=True)`) in RECORD
+        (`peek_free`'s choice): the pins become the record's.  On any failure
+        (TransferTableFull: RECORD was taken meanwhile; BlocksPending: a block is
+        not READY) the pins stay the caller's, to give back."""
+        keys = as_keys(hashes)
+        rid = request_key(request_id)
+        rc = lib.tract_handoff_publish_pinned(self._pool._r(), int(record), rid,
+                                              ffi.from_buffer(keys), len(keys), token_count,
+                                              int(ttl * 1e9), int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            raise BlocksPending("not every block of the request is READY in the pool",
+                                "publish the blocks' commit first")
+        if rc == lib.TRACT_E_TABLE_FULL:
+            raise TransferTableFull(f"handoff record {record} is taken",
+                                    "choose another with peek_free")
+        if rc == lib.TRACT_E_FULL:
+            raise PoolFull("no slot for the handoff's key list: the pool is full and every "
+                           "block in it is pinned", "acknowledge handoffs or use a larger region")
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("the request has more blocks than one key-list slot holds, or the "
+                             "record is past the table", "use a record peek_free gave")
+        if rc == lib.TRACT_E_INVAL and has_repeats(keys):
+            raise UsageError("the request names a block twice (its block hashes must be "
+                             "distinct, as chained hashes are)", "check how the block hashes "
+                             "are computed")
+        raise_for(rc, f"{self._pool.path} handoff publish")
+        return Ticket(int(record), rid.hex(), len(keys), token_count)
+
     def open(self, ticket: Ticket) -> Received:
         """Reads the record and its key list (metadata only)."""
         # no record of this pool has more blocks than its key-list slot holds:
