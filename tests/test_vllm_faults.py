@@ -23,6 +23,7 @@ import pytest
 from tests.vllm_stack import (VLLM_PY, answer_differences, assert_answers_as_mono, complete,
                               prefill_params, remove_vllm_debris, shm_names, start_stack,
                               stop_stack, tokens_by_source, vllm_shm, wait_until_released)
+from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.nodes import read_nodes
 from tract_cli.core.pids import pid_alive
@@ -124,15 +125,26 @@ def test_one_wrong_block_of_a_handoff_changes_the_answer(sim, garble):
 
 def test_a_full_pool_means_vllm_computes(sim):
     """Handoffs nobody reads keep their blocks pinned until they expire: once every
-    slot is pinned, a prefill answers without a ticket and the decode computes."""
+    slot is pinned, a prefill's handoff is not published (its ticket, promised
+    when the step was planned, names no record of it) and the decode computes."""
+    def published(params) -> bool:
+        with Pool.attach(sim["pool"], readonly=True, prefault=False, local=False) as p:
+            try:
+                p.handoffs.open(Ticket.from_dict(params["tract_ticket"]))
+                return True
+            except HandoffError:
+                return False
+
     untaken = 0
     for seed in range(100, 140):
         prompt = prompt_ids(1500, seed)
         body = complete(sim["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
         params = body.get("kv_transfer_params")
-        if not (params and "tract_ticket" in params):
+        if not (params and "tract_ticket" in params and published(params)):
+            external = tokens_by_source(sim["decode"], "external_kv_transfer")
             out = complete(sim["decode"], prompt, kv_transfer_params=params)
             assert_answers_as_mono(sim, prompt, out)
+            assert tokens_by_source(sim["decode"], "external_kv_transfer") == external
             break
         untaken += 1
     else:

@@ -90,7 +90,21 @@ def test_a_prefill_for_a_remote_decode_publishes_a_handoff(seen):
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     ticket = params["tract_ticket"]
     assert ticket["tokens"] == 40 and ticket["blocks"] == 3      # 2 full blocks + the tail
+    # published by the worker in the step that completed the prompt, in the record
+    # the scheduler chose for it then (node 1's share of the 1024 records: from 256),
+    # with the save's own pins: one a block, the record's
+    assert seen["pd_in_step"] == [ticket["record"]] == [256]
     assert seen["pd_pins"] == 3                                  # held for the decode side
+
+
+def test_a_handoff_whose_record_was_taken_is_not_published_and_holds_nothing(seen):
+    promised, before, during, opened = seen["taken_record"]
+    assert promised and before == {"pins": 0, "pending": 0, "handoffs": 0}
+    # only the other publisher's record and its 2 pins: the 3 the step's claim
+    # took for the handoff were given back
+    assert during == {"pins": 2, "pending": 0, "handoffs": 1}
+    assert opened == "not published"
+    assert seen["taken_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
 def test_a_request_without_pages_holds_no_pins_while_it_waits(seen):

@@ -205,6 +205,24 @@ def region(pool: Pool, settled: bool = True) -> dict:
             "handoffs": len(snap["handoffs"]["in_flight"])}
 
 
+STEP: dict = {}            # the worker that runs the in-step handoffs of scheduler-only cases
+
+
+def publish_in_step(out) -> None:
+    """The worker's part of a step the case runs only a scheduler for: the step's
+    in-step handoffs (SaveSpec.handoff) published, as the step's wait_for_save
+    does, before its output reaches the scheduler (their blocks are in the pool:
+    the case put them; any missing is written from the worker's zero pages)."""
+    saves = [sp for sp in out.kv_connector_metadata.saves if sp.handoff is not None]
+    if not saves:
+        return
+    if "worker" not in STEP:
+        STEP["worker"] = worker(STEP["ckpt"], STEP["pool"], 64)[0]
+    w = STEP["worker"]
+    w.bind_connector_metadata(TractConnectorMetadata(saves=saves))
+    w.wait_for_save()
+
+
 def finish(s: Scheduler, reqs: list[Request]) -> dict:
     """Runs REQS (max_tokens 1) to their end through S; their kv_transfer_params."""
     for r in reqs:
@@ -213,6 +231,7 @@ def finish(s: Scheduler, reqs: list[Request]) -> dict:
     params = {}
     for _ in range(20):
         out = s.schedule()
+        publish_in_step(out)
         loads = {ld.req_id for ld in out.kv_connector_metadata.loads}
         running = [r for r in reqs if out.num_scheduled_tokens.get(r.request_id)]
         eng = s.update_from_output(out, output(running, finished_recving=loads or None))
@@ -227,6 +246,7 @@ def finish(s: Scheduler, reqs: list[Request]) -> dict:
 
 def main(ckpt: str, pool_path: str) -> dict:
     init_none_hash(sha256)
+    STEP.update(ckpt=ckpt, pool=pool_path)
     obs = {}
     pool = Pool.attach(pool_path, node=3)
     s = scheduler(ckpt, pool_path, num_blocks=64)
@@ -334,6 +354,9 @@ def main(ckpt: str, pool_path: str) -> dict:
     out = s.schedule()                               # its full blocks are a pool hit
     s.update_from_output(out, output([], finished_recving={"pd"}))
     out = s.schedule()
+    obs["pd_in_step"] = [sp.handoff.record for sp in out.kv_connector_metadata.saves
+                         if sp.handoff is not None]
+    publish_in_step(out)
     eng = s.update_from_output(out, output([r4]))
     params = [o.kv_transfer_params for outs in eng.values() for o in outs.outputs
               if o.request_id == "pd"]
@@ -390,6 +413,39 @@ def main(ckpt: str, pool_path: str) -> dict:
     if obs["pd_params"]:                       # the decode side's part, done here
         from tract_cli.core.handoff import Ticket
         pool.handoffs.ack(Ticket.from_dict(obs["pd_params"]["tract_ticket"]))
+
+    # 6b. the record a handoff was promised is taken before its step runs (another
+    #     instance chose it too): the worker does not publish it, gives its pins
+    #     back, and the ticket the prefill answers with opens as not published
+    #     (its decode computes the prompt)
+    from tract_cli.core.errors import HandoffError
+    from tract_cli.core.handoff import Ticket
+    taken = list(range(1900, 1900 + 40))
+    put_prompt(pool, tag, taken, with_tail=True)
+    r6b = request("pd-taken", taken, max_tokens=1, params={"do_remote_decode": True})
+    s.add_request(r6b)
+    out = s.schedule()                               # its full blocks are a pool hit
+    s.update_from_output(out, output([], finished_recving={"pd-taken"}))
+    out = s.schedule()
+    promised = [sp.handoff.record for sp in out.kv_connector_metadata.saves if sp.handoff]
+    before = region(pool)
+    other_keys = prompt_keys(pool.info, b"\x01" * 16, 16, list(range(1950, 1950 + 32))).keys
+    st6b, sl6b = pool.index.reserve(other_keys, pin=True)
+    pool.index.commit(other_keys, st6b, sl6b, pin=True)
+    blocker = pool.handoffs.publish_pinned(promised[0], "blocker", other_keys, 32)
+    publish_in_step(out)
+    eng = s.update_from_output(out, output([r6b]))
+    params = [o.kv_transfer_params for outs in eng.values() for o in outs.outputs
+              if o.request_id == "pd-taken"][0]
+    try:
+        pool.handoffs.open(Ticket.from_dict(params["tract_ticket"]))
+        opened = "opened"
+    except HandoffError:
+        opened = "not published"
+    obs["taken_record"] = [promised == [params["tract_ticket"]["record"]], before,
+                           region(pool), opened]
+    pool.handoffs.ack(blocker)
+    obs["taken_after"] = region(pool)
 
     # 7. a flood of do_remote_decode requests: a decode-only instance (kv_consumer)
     #    publishes nothing; a producer publishes at most max_handoffs
@@ -657,7 +713,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     sched = conn.scheduler_side
     obs["state_left"] = [len(sched._reqs), len(sched._loading_done), len(sched._pending_loads)]
     for c in (conn, cs, other, consumer.connector, producer.connector, c8, w, s9.connector, w9,
-              c10, c12, blind.connector):
+              c10, c12, blind.connector, *([STEP["worker"]] if "worker" in STEP else [])):
         c.shutdown()
     pool.close()
     return obs

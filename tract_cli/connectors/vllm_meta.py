@@ -29,14 +29,30 @@ class LoadSpec:
 
 
 @dataclass
+class HandoffSpec:
+    """Publish the request's P/D handoff in the step that completes its prompt:
+    every block of it (KEYS, the ones this step saves and those already in
+    the pool) pinned by the save's own claim and commit, in RECORD, which the
+    scheduler chose and has already promised in the request's ticket."""
+
+    record: int
+    request_id: str            # vLLM's request id (the record holds its 16-byte key)
+    keys: np.ndarray           # (n, 16) uint8: all the prompt's blocks, the tail last
+    token_count: int           # the prompt's tokens
+    ttl_s: float
+
+
+@dataclass
 class SaveSpec:
-    """Write the request's region blocks KEYS (from vLLM pages) into the pool."""
+    """Write the request's region blocks KEYS (from vLLM pages) into the pool,
+    and publish its handoff (HANDOFF) once they and the others are in."""
 
     req_id: str
     keys: np.ndarray           # (n, 16) uint8
     tokens: np.ndarray         # uint32 tokens of each block (g, or fewer for a partial tail)
     pages: np.ndarray
     subs: np.ndarray
+    handoff: HandoffSpec | None = None
 
 
 @dataclass

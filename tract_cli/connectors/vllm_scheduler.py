@@ -10,9 +10,12 @@ starts it), so vLLM asks again next step and
 schedules the others meanwhile; a lookup not back within
 `lookup_patience_s` is given up (the request computed, new requests not
 looked up for as long again); unpins and acknowledgements are queued
-(retry.py); a handoff's publish waits at most `step_timeout_s` (past it the
-request is answered without a ticket: the decode instance computes).  A
-stalled lock manager delays hits, never scheduling.
+(retry.py); a P/D prefill's handoff is published by the worker in the step
+that completes the prompt, in a record chosen here without a lock when that
+step is planned, so `request_finished` returns its ticket with no pool call
+(only two handoffs of one step sharing a block publish there, waiting at
+most `step_timeout_s`).  A stalled lock manager delays hits, never
+scheduling.
 
 Keys carry the worker's page layout (vllm_meta.TractHandshake): until vLLM
 has handed it over, at start-up, the pool is not used.
@@ -31,11 +34,11 @@ import numpy as np
 
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
 from tract_cli.connectors.retry import Releases, queue_ack
-from tract_cli.connectors.vllm_meta import (LoadSpec, SaveSpec, TractConnectorMetadata,
-                                            TractWorkerMeta)
+from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
+                                            TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog
 from tract_cli.core.errors import HandoffError, TractError
-from tract_cli.core.handoff import Ticket
+from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.index import Lookup
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class _Request:
     want_handoff: bool = False         # a prefill for a remote decode (do_remote_decode)
     load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
     load_failed: bool = False          # a load of it failed: compute it, never load again
+    handoff: Ticket | None = None      # its handoff, published by the worker in-step (planned)
 
 
 
@@ -112,6 +116,13 @@ class SchedulerSide:
         self._stall_logged = -DENIED_LOG_S
         # this instance's published handoffs not known released
         self._handoffs: collections.deque = collections.deque()
+        # records promised to handoffs the worker publishes in a step not yet
+        # answered (request_finished): never chosen twice
+        self._planned: set[int] = set()
+        # where this instance looks for a free record first: its node's share of
+        # the table, so instances on other nodes rarely choose the same one
+        records = pool.info.section("transfer").count
+        self._record_cursor = settings.node * records // max(1, pool.info.max_nodes)
         self._pruned_at = 0.0
         self._denied, self._denied_logged = 0, -DENIED_LOG_S
 
@@ -361,15 +372,52 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        handed = set()          # the blocks of this step's in-step handoffs (each pinned once)
         for req_id, done in computed.items():
             st = self._reqs.get(req_id)
             if st is None or not st.cacheable:
                 continue
             end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             spec = self._plan_save(req_id, st, end)
+            handoff = self._plan_handoff(req_id, st, end, handed)
+            if handoff is not None:
+                spec = spec or SaveSpec(req_id, np.zeros((0, 16), np.uint8),
+                                        np.zeros(0, np.uint32), np.zeros(0, np.int64),
+                                        np.zeros(0, np.int64))
+                spec.handoff = handoff
             if spec is not None:
                 meta.saves.append(spec)
         return meta
+
+    def _plan_handoff(self, req_id: str, st: _Request, end: int, handed: set):
+        """The handoff of a prefill for a remote decode, published by the worker in
+        the step that completes its prompt, with the pins of the save's own claim
+        and commit (no lock walk of its own, and none in the scheduler loop): a
+        record is chosen now (read without a lock) and promised in the ticket
+        request_finished returns.  None where the request publishes no handoff,
+        its blocks are another in-step handoff's too (each pinned once: that one
+        publishes in request_finished), or no record looks free."""
+        if (not self.settings.save or not st.want_handoff or st.handoff is not None
+                or end < st.prompt_len or st.load_failed):
+            return None
+        keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
+        mine = set(keys.view("V16").reshape(-1).tolist())
+        if mine & handed or not self._handoff_room(planned=True):
+            return None
+        skip = self._planned | {t.record for t in self._handoffs}
+        try:
+            record = self.pool.handoffs.peek_free(self._record_cursor, skip)
+        except TractError as exc:
+            log.warning("TraCT: no handoff record looked up for request %s: %s", req_id, exc)
+            return None
+        if record is None:
+            return None
+        handed |= mine
+        self._record_cursor = record + 1
+        self._planned.add(record)
+        st.handoff = Ticket(record, request_key(req_id).hex(), len(keys), st.prompt_len)
+        return HandoffSpec(record, req_id, np.ascontiguousarray(keys), st.prompt_len,
+                           self.settings.handoff_ttl_s)
 
     def _plan_save(self, req_id: str, st: _Request, end: int) -> SaveSpec | None:
         """The blocks of REQ_ID whose KV is complete after this step and not yet saved."""
@@ -425,8 +473,20 @@ class SchedulerSide:
             self._release_handoff(st.ticket)
         # only an instance that saves publishes: its own step saved the blocks. A
         # client of a decode-only instance asking do_remote_decode pins nothing
-        if not (self.settings.save and st.want_handoff and st.cacheable and request.status in (
-                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      RequestStatus.FINISHED_STOPPED)
+        if st.handoff is not None:
+            # published by the worker in the step that completed the prompt, which
+            # ran before this call: its ticket, with no pool call here
+            self._planned.discard(st.handoff.record)
+            if not finished:
+                # aborted: given back (if the abort raced the step and the record is
+                # not there yet, it is published after and expires at its TTL)
+                self._release_handoff(st.handoff)
+                return False, None
+            self._handoffs.append(st.handoff)
+            return False, self._ticket_params(request, st.handoff)
+        if not (self.settings.save and st.want_handoff and st.cacheable and finished):
             return False, None
         if not self._handoff_room():
             self._denied += 1
@@ -454,19 +514,26 @@ class SchedulerSide:
                         request.request_id, exc)
             return False, None
         self._handoffs.append(ticket)
+        return False, self._ticket_params(request, ticket)
+
+    def _ticket_params(self, request: "Request", ticket: Ticket) -> dict:
+        """The kv_transfer_params a prefill's reply carries to the decode side."""
         raw = ticket.to_dict() | {"region": self.pool.info.uuid,
                                   "model": self.identity.digest.hex(), "layout": self.layout}
-        return False, {"do_remote_prefill": True, "do_remote_decode": False,
-                       "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                       "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
-                       "tp_size": 1, PARAMS_KEY: raw}
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+                "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
+                "tp_size": 1, PARAMS_KEY: raw}
 
-    def _handoff_room(self) -> bool:
-        """Whether this instance may publish one more handoff (max_handoffs). One
+    def _handoff_room(self, planned: bool = False) -> bool:
+        """Whether this instance may publish one more handoff (max_handoffs),
+        counting those PLANNED in-step and not answered yet. One
         stops counting once its record is gone (acknowledged, or expired and
         reclaimed: until then its pins hold, whatever the clock says), as a
         lock-free read of each record finds, at most every PRUNE_INTERVAL_S."""
         cap, now = self.settings.max_handoffs, time.monotonic()
+        if planned:
+            cap -= len(self._planned)
         if len(self._handoffs) < cap or now - self._pruned_at < PRUNE_INTERVAL_S:
             return len(self._handoffs) < cap
         self._pruned_at = now

@@ -20,6 +20,10 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   `step_timeout_s` for a lock, and the claim as long (the step waits for it
   only past the forward): past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back off the step.
+- **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
+  is published after the commit, in the record the scheduler chose, with the
+  pins the step's pinning claim and commit took (`publish_pinned`: no lock
+  walk of its own); pins no published handoff took over go back off the step.
 - On a GPU (FlashAttention's layout; not run where no GPU is lent) each layer
   is gathered by torch from vLLM's pages into the slots, in the step.
 """
@@ -43,7 +47,7 @@ from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.errors import PoolFull, TractError
 from tract_cli.core.handoff import Ticket
-from tract_cli.core.index import PUT_CLAIMED
+from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
 from tract_cli.core.kvpages import PagedKV
 
 if TYPE_CHECKING:
@@ -68,6 +72,10 @@ class _SavePlan:
     pages: np.ndarray
     subs: np.ndarray
     mine: np.ndarray                  # indices this step claimed (and writes)
+    # in-step handoffs: (spec, indices of its keys); their keys were claimed with
+    # pins (pinned: the reserve pinned those READY already, the commit pins the rest)
+    handoffs: list = field(default_factory=list)
+    pinned: bool = False
     reserve_s: float = 0.0
     slots_t: Any = None               # GPU path: their slots (torch int64)
     index_t: Any = None               # GPU path: their elements in one layer's tensor
@@ -172,7 +180,10 @@ class WorkerSide:
             reserving.add_done_callback(abandon_when_done)
 
     def _abandon(self, plan: _SavePlan, why: str) -> None:
-        """The plan's claims given back off the step, retried until it succeeds."""
+        """The plan's claims given back off the step, retried until it succeeds,
+        and the pins a pinning claim (an in-step handoff's) took or committed."""
+        self._handoffs_lost([spec for spec, _ in plan.handoffs], why)
+        self._unpin_handoff_keys(plan, np.arange(len(plan.keys)), why)
         if not plan.mine.size:
             return
         log.warning("TraCT: %d claimed blocks abandoned (%s)", plan.mine.size, why)
@@ -181,27 +192,85 @@ class WorkerSide:
             lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
                                                    publish=False, timeout=timeout))
 
+    @staticmethod
+    def _handoffs_lost(handoffs: list, why: str) -> None:
+        for spec in handoffs:
+            log.warning("TraCT handoff of request %s not published (%s), its decode computes "
+                        "the prompt", spec.request_id, why)
+
+    def _abandon_claims(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
+        """Gives back (off the step) the claims IDX of PLAN that will not be
+        written; they are then the plan's no more."""
+        keys, status, slots = plan.keys[idx], plan.status[idx].copy(), plan.slots[idx]
+        plan.status[idx] = PUT_NO_ROOM
+        log.warning("TraCT: %d claimed blocks abandoned (%s)", len(idx), why)
+        self.releases.submit(f"abandon of {len(idx)} claimed blocks",
+                             lambda timeout: self.pool.index.commit(keys, status, slots,
+                                                                    publish=False,
+                                                                    timeout=timeout))
+
+    def _unpin_handoff_keys(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
+        """Gives back (off the step) the pins a pinning claim holds on keys IDX of
+        PLAN: those READY before it (pinned by the claim) and those its commit
+        published (pinned by the commit)."""
+        if not plan.pinned or not len(idx):
+            return
+        held = idx[np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED))]
+        if not held.size:
+            return
+        keys = plan.keys[held]
+        done = np.zeros(len(keys), np.uint8)
+        log.info("TraCT: %d handoff pins given back (%s)", len(keys), why)
+        self.releases.submit(f"unpin of {len(keys)} blocks",
+                             lambda timeout: self.pool.index.unpin(keys, timeout=timeout,
+                                                                   done=done))
+
     def _reserve(self, saves: list[SaveSpec]) -> _SavePlan | None:
-        """One reserve call for the step's blocks to save (duplicates within it once)."""
-        keys = np.vstack([s.keys for s in saves])
-        tokens = np.concatenate([s.tokens for s in saves])
-        pages = np.concatenate([s.pages for s in saves])
-        subs = np.concatenate([s.subs for s in saves])
-        _, first = np.unique(keys.view("V16").reshape(-1), return_index=True)
-        first.sort()
+        """One reserve call for the step's blocks to save and the blocks of its
+        in-step handoffs (duplicates within it once); with a handoff, a pinning
+        one (each key pinned once: the scheduler gives no two handoffs of a step
+        a block in common)."""
+        handoffs = [s.handoff for s in saves if s.handoff is not None]
+        keys = np.vstack([s.keys for s in saves] + [h.keys for h in handoffs])
+        saved = sum(len(s.keys) for s in saves)
+        rest = len(keys) - saved              # a handoff's blocks: no pages to copy (-1)
+        tokens = np.concatenate([s.tokens for s in saves] + [np.zeros(rest, np.uint32)])
+        pages = np.concatenate([s.pages for s in saves] + [np.full(rest, -1, np.int64)])
+        subs = np.concatenate([s.subs for s in saves] + [np.zeros(rest, np.int64)])
+        # each key once, in order of first appearance; WHERE: the row each key went to
+        _, first, inverse = np.unique(keys.view("V16").reshape(-1), return_index=True,
+                                      return_inverse=True)
+        order = np.argsort(first)
+        row = np.empty(len(first), np.int64)
+        row[order] = np.arange(len(first))
+        where = row[inverse.reshape(-1)]
+        first = first[order]
         keys, tokens, pages, subs = keys[first], tokens[first], pages[first], subs[first]
         t0 = time.perf_counter()
         try:
-            status, slots = self.pool.index.reserve(keys, timeout=self.settings.step_timeout_s)
+            status, slots = self.pool.index.reserve(keys, pin=bool(handoffs),
+                                                    timeout=self.settings.step_timeout_s)
         except PoolFull:
             log.info("TraCT pool full: %d blocks not saved this step", len(keys))
+            self._handoffs_lost(handoffs, "the pool is full")
             return None
         except TractError as exc:
             log.warning("TraCT reserve failed, %d blocks not saved: %s", len(keys), exc)
+            self._handoffs_lost(handoffs, "its blocks' claim failed")
             return None
-        mine = np.flatnonzero(status == PUT_CLAIMED)
+        claimed = status == PUT_CLAIMED
+        mine = np.flatnonzero(claimed & (pages >= 0))
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine,
-                         reserve_s=time.perf_counter() - t0)
+                         reserve_s=time.perf_counter() - t0, pinned=bool(handoffs))
+        at = saved
+        for h in handoffs:
+            plan.handoffs.append((h, where[at:at + len(h.keys)]))
+            at += len(h.keys)
+        orphans = np.flatnonzero(claimed & (pages < 0))
+        if orphans.size:
+            # a handoff's block saved by an earlier step and evicted since: claimed
+            # here with nothing to write, so given back (its handoff is not published)
+            self._abandon_claims(plan, orphans, "a handoff block no longer in the pool")
         if mine.size and self._paged is None:
             plan.slots_t = torch.from_numpy(slots[mine].astype(np.int64))
             plan.index_t = torch.from_numpy(self.layout.gather_index(
@@ -262,11 +331,12 @@ class WorkerSide:
                     sums = np.zeros(len(plan.keys), np.uint32)
                     sums[mine] = self.pool.checksum_slots(plan.slots[mine])
             t1 = time.perf_counter()
-            self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
-                                   tokens=plan.tokens,
-                                   checksums=sums if self.settings.checksums else None,
-                                   streamed=self._paged is not None,
-                                   timeout=self.settings.step_timeout_s)
+            if mine.size or not plan.handoffs:
+                self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
+                                       pin=plan.pinned and complete, tokens=plan.tokens,
+                                       checksums=sums if self.settings.checksums else None,
+                                       streamed=self._paged is not None,
+                                       timeout=self.settings.step_timeout_s)
             commit_s = time.perf_counter() - t1
         except TractError as exc:
             # never leave claims PENDING behind a live process: abandoned off this step,
@@ -277,6 +347,34 @@ class WorkerSide:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
                     (plan.reserve_s + commit_s) * 1e3, plan.reserve_s * 1e3, commit_s * 1e3)
+        if plan.pinned:
+            self._publish_handoffs(plan, complete)
+
+    def _publish_handoffs(self, plan: _SavePlan, complete: bool) -> None:
+        """Publishes the step's in-step handoffs (their blocks are in now), each in
+        the record its ticket already names, with the pins the save's claim and
+        commit took; pins no handoff took over are given back off the step.  A
+        handoff that cannot be published is not: its decode instance finds no
+        record for the ticket and computes the prompt."""
+        kept = np.zeros(len(plan.keys), bool)
+        for spec, idx in plan.handoffs:
+            ok = complete and bool(np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all())
+            if ok:
+                t0 = time.perf_counter()
+                try:
+                    self.pool.handoffs.publish_pinned(spec.record, spec.request_id, spec.keys,
+                                                      spec.token_count, ttl=spec.ttl_s,
+                                                      timeout=self.settings.step_timeout_s)
+                    kept[idx] = True
+                    log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
+                            (time.perf_counter() - t0) * 1e3)
+                except TractError as exc:
+                    ok = False
+                    log.warning("TraCT handoff of request %s not published, its decode "
+                                "computes the prompt: %s", spec.request_id, exc)
+            else:
+                self._handoffs_lost([spec], "a block of it was not saved")
+        self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the
