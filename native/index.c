@@ -120,6 +120,20 @@ static uint32_t peek_leading_ready(tract_region *r, const uint8_t *keys, uint32_
 	return n;
 }
 
+/* How many leading keys look READY, read without a lock (a hint: what a
+ * lookup takes first; 0 is the answer its locked pass would give a prompt
+ * the pool does not hold, with no lock taken). */
+int tract_index_peek(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *ready)
+{
+	int rc = index_usable(r);
+	if (rc)
+		return rc;
+	if ((!keys && n) || !ready)
+		return TRACT_E_INVAL;
+	*ready = peek_leading_ready(r, keys, n);
+	return TRACT_OK;
+}
+
 /* Finds, pins and touches the longest run of leading READY keys. */
 int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *slots,
 		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,

@@ -646,6 +646,10 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 		       uint32_t *tokens, uint32_t *checksums, uint64_t *tags, uint32_t *hits,
 		       uint64_t timeout_ns);
 
+/* How many leading keys look READY, read without a lock: a hint (what a
+ * lookup looks at first; 0 means the lookup would find none, and take no lock). */
+int tract_index_peek(tract_region *r, const uint8_t *keys, uint32_t n, uint32_t *ready);
+
 /* Unpins keys this node pinned with tract_index_lookup. */
 int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t timeout_ns);
 

@@ -652,10 +652,11 @@ def main(ckpt: str, pool_path: str) -> dict:
         obs["two_groups"] = f"{type(exc).__name__}: {exc}"
 
     # 12. a stalled lock manager (every lock held by another node) delays the pool's
-    #     requests by at most lookup_patience_s, never scheduling: lookups run off
-    #     the scheduler loop, which answers vLLM "not yet" and schedules the rest at
-    #     once; past the patience the pool's requests (a hit and a miss) are
-    #     computed; once the locks are free, nothing stays pinned and hits load again
+    #     hits by at most lookup_patience_s, never scheduling: a prompt the pool does
+    #     not hold is answered by a look without a lock and scheduled at once, a hit's
+    #     lookup runs off the scheduler loop, which answers vLLM "not yet" and
+    #     schedules the rest; past the patience the hit is computed; once the locks
+    #     are free, nothing stays pinned and hits load again
     patience = 0.5
     s12 = scheduler(ckpt, pool_path, num_blocks=64,
                     extra={"lookup_timeout_s": 60, "lookup_wait_s": 0.002,
@@ -673,8 +674,11 @@ def main(ckpt: str, pool_path: str) -> dict:
         obs["stall_schedule_s"] = time.monotonic() - t0
         obs["stall_scheduled"] = sorted(out.num_scheduled_tokens)
         obs["stall_waiting"] = [r12.status.name, miss.status.name]
-        s12.update_from_output(out, output([short]))
-        deadline, late = time.monotonic() + 30, {}
+        late = {rid: time.monotonic() - t0 for rid in ("stalled-hit", "stalled-miss")
+                if out.num_scheduled_tokens.get(rid)}
+        s12.update_from_output(out, output([r for r in (short, r12, miss)
+                                            if out.num_scheduled_tokens.get(r.request_id)]))
+        deadline = time.monotonic() + 30
         while len(late) < 2:                    # bounded: each step's schedule is timed
             assert time.monotonic() < deadline, "the stalled requests were never scheduled"
             t1 = time.monotonic()
@@ -689,7 +693,7 @@ def main(ckpt: str, pool_path: str) -> dict:
             s12.update_from_output(out, output([r for r in (short, r12, miss)
                                                 if out.num_scheduled_tokens.get(r.request_id)]))
             time.sleep(0.01)      # one engine step's pace, while the locks stay held
-        obs["stall_scheduled_after_s"] = sorted(late.values())
+        obs["stall_scheduled_after_s"] = late
     s12.finish_requests(["stalled-hit", "stalled-miss", "short"], RequestStatus.FINISHED_ABORTED)
     wait_for(lambda: pins(pool, c12) == 0, "the stalled lookups' pins given back")
     side = c12.scheduler_side

@@ -3,8 +3,9 @@ what to load and save each step, and the handoffs a prefill publishes
 (docs/VLLM.md; the worker half, vllm_worker.py, moves the bytes).
 
 Nothing here waits on a pool lock inside vLLM's scheduler loop beyond a
-bound: a prompt's lookup (lookup and pin, one C call) runs on this half's
-lookup thread, and `get_num_new_matched_tokens` answers "not yet" (None) if
+bound: a prompt whose first block the pool does not hold is answered by a
+look without a lock (`Index.peek`); any other prompt's lookup (lookup and
+pin, one C call) runs on this half's lookup thread, and `get_num_new_matched_tokens` answers "not yet" (None) if
 it is not back within `lookup_wait_s` (2 ms, waited only by the call that
 starts it), so vLLM asks again next step and
 schedules the others meanwhile; a lookup not back within
@@ -225,6 +226,15 @@ class SchedulerSide:
             st.first_asked = now
         if st.looking is None:
             if now < self._stalled_until or now - st.first_asked >= patience:
+                return 0, False
+            # a prompt the pool does not hold is answered here, by a look without a
+            # lock (the lookup's own first step; its locked pass would find none
+            # and take no lock): no thread handoff for every new prompt
+            try:
+                if self.pool.index.peek(st.keys[:1]) == 0:
+                    return 0, False
+            except TractError as exc:
+                log.warning("TraCT lookup of request %s failed, computing it: %s", req_id, exc)
                 return 0, False
             started = st.started = [0.0]          # when the lookup thread takes it up
 

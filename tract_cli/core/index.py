@@ -109,6 +109,16 @@ class PrefixIndex:
     def _u32(self, a: np.ndarray):
         return ffi.cast("uint32_t *", ffi.from_buffer(a))
 
+    def peek(self, hashes) -> int:
+        """How many leading blocks look READY, read without a lock: a hint (what
+        `lookup` looks at first).  0 is what a lookup would answer a prompt the
+        pool does not hold, with no lock taken and nothing pinned."""
+        keys = as_keys(hashes)
+        ready = ffi.new("uint32_t *")
+        rc = lib.tract_index_peek(self._pool._r(), ffi.from_buffer(keys), len(keys), ready)
+        raise_for(rc, f"{self._pool.path} index peek")
+        return int(ready[0])
+
     def lookup(self, hashes, timeout: float = DEFAULT_TIMEOUT_S) -> Lookup:
         """Pins and returns the longest run of leading READY blocks."""
         keys = as_keys(hashes)
