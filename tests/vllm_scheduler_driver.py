@@ -187,6 +187,20 @@ def add_hit(s: Scheduler, pool: Pool, tag: bytes, rid: str, tokens: list[int]):
     return r, s.schedule()
 
 
+def prefill_step(s: Scheduler, pool: Pool, tag: bytes, rid: str, tokens: list[int]):
+    """A prefill for a remote decode (max_tokens 1) of TOKENS, its blocks put
+    first (a pool hit, loaded asynchronously), scheduled up to the step that
+    completes its prompt: (the request, that step, the records its in-step
+    handoffs were promised)."""
+    put_prompt(pool, tag, tokens, with_tail=True)
+    r = request(rid, tokens, max_tokens=1, params={"do_remote_decode": True})
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, output([], finished_recving={rid}))
+    out = s.schedule()
+    return r, out, [sp.handoff.record for sp in out.kv_connector_metadata.saves if sp.handoff]
+
+
 def pins(pool: Pool, *conns) -> int:
     """The region's pin count once every connector's queued releases are done."""
     from tract_cli.inspect.snapshot import take
@@ -306,11 +320,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     #     token; a block that fails is recomputed and not offered again
     ss = scheduler(ckpt, pool_path, num_blocks=64, extra={"load_mode": "sync"})
     cs = ss.connector
-    sync = list(range(1200, 1200 + 100))             # 6 full region blocks + 4 tokens
-    put_prompt(pool, tag, sync)
-    rs = request("sync", sync)
-    ss.add_request(rs)
-    out = ss.schedule()
+    # 6 full region blocks + 4 tokens
+    rs, out = add_hit(ss, pool, tag, "sync", list(range(1200, 1200 + 100)))
     obs["sync_status"] = rs.status.name
     obs["sync_loads"] = [[len(ld.slots), ld.sync] for ld in out.kv_connector_metadata.loads]
     obs["sync_step"] = [out.num_scheduled_tokens.get("sync"), out.has_sync_kv_loads]
@@ -319,20 +330,12 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["sync_pins_after"] = pins(pool, cs)
     obs["sync_computed"] = rs.num_computed_tokens
     ss.finish_requests("sync", RequestStatus.FINISHED_ABORTED)
-    whole = list(range(1400, 1400 + 96))             # exactly 6 full region blocks
-    put_prompt(pool, tag, whole)
-    rw = request("whole", whole)
-    ss.add_request(rw)
-    out = ss.schedule()
+    rw, out = add_hit(ss, pool, tag, "whole", list(range(1400, 1400 + 96)))   # 6 blocks exactly
     obs["sync_whole"] = [[len(ld.slots) for ld in out.kv_connector_metadata.loads],
                          out.num_scheduled_tokens.get("whole")]
     ss.update_from_output(out, output([rw], synced={"whole"}))
     ss.finish_requests("whole", RequestStatus.FINISHED_ABORTED)
-    sbad = list(range(1600, 1600 + 90))              # 5 full region blocks + 10 tokens
-    put_prompt(pool, tag, sbad)
-    rb = request("sync-bad", sbad)
-    ss.add_request(rb)
-    out = ss.schedule()
+    rb, out = add_hit(ss, pool, tag, "sync-bad", list(range(1600, 1600 + 90)))  # 5 blocks + 10
     pages = set(out.kv_connector_metadata.loads[0].pages.tolist())
     first = out.num_scheduled_tokens.get("sync-bad")
     ss.update_from_output(out, output([rb], invalid=pages, synced={"sync-bad"}))
@@ -348,14 +351,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     # 4. a prefill for a remote decode: the handoff is published when it finishes and its
     #    kv_transfer_params carry the ticket; the blocks stay pinned for the decode side
     pd = list(range(900, 900 + 40))
-    put_prompt(pool, tag, pd, with_tail=True)
-    r4 = request("pd", pd, max_tokens=1, params={"do_remote_decode": True})
-    s.add_request(r4)
-    out = s.schedule()                               # its full blocks are a pool hit
-    s.update_from_output(out, output([], finished_recving={"pd"}))
-    out = s.schedule()
-    obs["pd_in_step"] = [sp.handoff.record for sp in out.kv_connector_metadata.saves
-                         if sp.handoff is not None]
+    r4, out, obs["pd_in_step"] = prefill_step(s, pool, tag, "pd", pd)
     publish_in_step(out)
     eng = s.update_from_output(out, output([r4]))
     params = [o.kv_transfer_params for outs in eng.values() for o in outs.outputs
@@ -420,14 +416,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     #     (its decode computes the prompt)
     from tract_cli.core.errors import HandoffError
     from tract_cli.core.handoff import Ticket
-    taken = list(range(1900, 1900 + 40))
-    put_prompt(pool, tag, taken, with_tail=True)
-    r6b = request("pd-taken", taken, max_tokens=1, params={"do_remote_decode": True})
-    s.add_request(r6b)
-    out = s.schedule()                               # its full blocks are a pool hit
-    s.update_from_output(out, output([], finished_recving={"pd-taken"}))
-    out = s.schedule()
-    promised = [sp.handoff.record for sp in out.kv_connector_metadata.saves if sp.handoff]
+    r6b, out, promised = prefill_step(s, pool, tag, "pd-taken", list(range(1900, 1900 + 40)))
     before = region(pool)
     other_keys = prompt_keys(pool.info, b"\x01" * 16, 16, list(range(1950, 1950 + 32))).keys
     st6b, sl6b = pool.index.reserve(other_keys, pin=True)
