@@ -107,6 +107,12 @@ def test_a_handoff_whose_record_was_taken_is_not_published_and_holds_nothing(see
     assert seen["taken_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
+def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
+    # 3 blocks each, 2 in common: 6 pins in all, two records
+    assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
+    assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+
+
 def test_a_request_without_pages_holds_no_pins_while_it_waits(seen):
     assert seen["queued_status"] == ["RUNNING", "WAITING"]
     assert seen["queued_pins"] == 0

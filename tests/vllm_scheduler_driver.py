@@ -227,8 +227,8 @@ def publish_in_step(out) -> None:
     in-step handoffs (SaveSpec.handoff) published, as the step's wait_for_save
     does, before its output reaches the scheduler (their blocks are in the pool:
     the case put them; any missing is written from the worker's zero pages)."""
-    saves = [sp for sp in out.kv_connector_metadata.saves if sp.handoff is not None]
-    if not saves:
+    saves = out.kv_connector_metadata.saves
+    if not any(sp.handoff is not None for sp in saves):
         return
     if "worker" not in STEP:
         STEP["worker"] = worker(STEP["ckpt"], STEP["pool"], 64)[0]
@@ -457,6 +457,23 @@ def main(ckpt: str, pool_path: str) -> dict:
         if p and "tract_ticket" in p:
             from tract_cli.core.handoff import Ticket
             pool.handoffs.ack(Ticket.from_dict(p["tract_ticket"]))
+
+    # 7b. two prefills of one step that share blocks: a handoff needs a pin of each
+    #     of its blocks, and a step's pinning claim takes one, so the first is
+    #     published in the step and the second in request_finished, with a lookup
+    s7 = scheduler(ckpt, pool_path, num_blocks=64)
+    shared = list(range(2100, 2100 + 32))                  # 2 region blocks in common
+    got = finish(s7, [request("share-a", shared + list(range(2200, 2208)), 1,
+                              {"do_remote_decode": True}),
+                      request("share-b", shared + list(range(2300, 2308)), 1,
+                              {"do_remote_decode": True})])
+    tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
+               if p and "tract_ticket" in p]
+    obs["shared_handoffs"] = [len(tickets), region(pool)]
+    for t in tickets:
+        pool.handoffs.ack(t)
+    obs["shared_after"] = region(pool)
+    s7.connector.shutdown()
 
     # 8. lock timeouts injected into unpin, commit and ack (every lock held by another
     #    node): each release is retried off the request path until it succeeds

@@ -382,7 +382,7 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        handed = set()          # the blocks of this step's in-step handoffs (each pinned once)
+        handed: list = []       # the blocks of this step's in-step handoffs (each pinned once)
         for req_id, done in computed.items():
             st = self._reqs.get(req_id)
             if st is None or not st.cacheable:
@@ -399,7 +399,7 @@ class SchedulerSide:
                 meta.saves.append(spec)
         return meta
 
-    def _plan_handoff(self, req_id: str, st: _Request, end: int, handed: set):
+    def _plan_handoff(self, req_id: str, st: _Request, end: int, handed: list):
         """The handoff of a prefill for a remote decode, published by the worker in
         the step that completes its prompt, with the pins of the save's own claim
         and commit (no lock walk of its own, and none in the scheduler loop): a
@@ -411,8 +411,9 @@ class SchedulerSide:
                 or end < st.prompt_len or st.load_failed):
             return None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
-        mine = set(keys.view("V16").reshape(-1).tolist())
-        if mine & handed or not self._handoff_room(planned=True):
+        mine = np.ascontiguousarray(keys).view("V16").reshape(-1)
+        if ((handed and np.isin(mine, np.concatenate(handed)).any())
+                or not self._handoff_room(planned=True)):
             return None
         skip = self._planned | {t.record for t in self._handoffs}
         try:
@@ -422,7 +423,7 @@ class SchedulerSide:
             return None
         if record is None:
             return None
-        handed |= mine
+        handed.append(mine)
         self._record_cursor = record + 1
         self._planned.add(record)
         st.handoff = Ticket(record, request_key(req_id).hex(), len(keys), st.prompt_len)
