@@ -277,9 +277,22 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns)
 {
+	return tract_handoff_publish_in(r, UINT32_MAX, request_id, keys, n, token_count, tail,
+					tail_len, tail_tokens, ttl_ns, rec, timeout_ns);
+}
+
+/* tract_handoff_publish in record want (UINT32_MAX: the first FREE one),
+ * chosen without the lock: TRACT_E_TABLE_FULL if it is taken by now */
+int tract_handoff_publish_in(tract_region *r, uint32_t want, const uint8_t *request_id,
+			     const uint8_t *keys, uint32_t n, uint64_t token_count, const void *tail,
+			     uint64_t tail_len, uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec,
+			     uint64_t timeout_ns)
+{
 	int rc = publish_args(r, request_id, keys, n, tail, tail_len, rec);
 	if (rc)
 		return rc;
+	if (want != UINT32_MAX && want >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
 	uint32_t *slots = calloc((size_t)n + 1, sizeof(uint32_t));
 	uint32_t *tokens = calloc((size_t)n + 1, sizeof(uint32_t));
 	uint32_t *sums = calloc((size_t)n + 1, sizeof(uint32_t));
@@ -298,7 +311,7 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 	}
 	/* 2, 3. the key list, the tail, the record */
 	rc = write_handoff(r, request_id, keys, n, slots, tokens, sums, token_count, tail,
-			   tail_len, tail_tokens, ttl_ns, UINT32_MAX, rec, timeout_ns);
+			   tail_len, tail_tokens, ttl_ns, want, rec, timeout_ns);
 	if (rc)
 		tract_index_unpin(r, keys, n, timeout_ns);
 out:

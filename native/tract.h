@@ -726,6 +726,14 @@ int tract_handoff_publish(tract_region *r, const uint8_t *request_id, const uint
 			  uint32_t n, uint64_t token_count, const void *tail, uint64_t tail_len,
 			  uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec, uint64_t timeout_ns);
 
+/* tract_handoff_publish in record want (UINT32_MAX: the first FREE one),
+ * chosen without the lock (tract_handoff_peek_free): TRACT_E_TABLE_FULL if
+ * it is taken by now (nothing pinned or written). */
+int tract_handoff_publish_in(tract_region *r, uint32_t want, const uint8_t *request_id,
+			     const uint8_t *keys, uint32_t n, uint64_t token_count, const void *tail,
+			     uint64_t tail_len, uint32_t tail_tokens, uint64_t ttl_ns, uint32_t *rec,
+			     uint64_t timeout_ns);
+
 /* Publishes a handoff of blocks this process holds one pin on each
  * (journaled: a pinning put's), in record want, chosen without the lock
  * (tract_handoff_peek_free); the pins become the record's.  No tail.

@@ -79,6 +79,14 @@ def test_a_failed_synchronous_load_is_recomputed_and_not_offered_again(seen):
     assert seen["sync_pins_end"] == 0 and seen["sync_state_left"] == [0, 0]
 
 
+def test_a_failed_synchronous_load_saves_nothing_computed_on_it(seen):
+    # its pages to recompute; the step's 2 new blocks not in the pool; no handoff;
+    # only the test's own lookup pins (4) left: the handoff's were given back
+    errors, ready, left = seen["failed_sync_save"]
+    assert errors == [10, 11] and ready == 0
+    assert left == {"pins": 4, "pending": 0, "handoffs": 0}
+
+
 def test_a_synchronous_load_is_copied_before_start_load_kv_returns(seen):
     # reported with the step's output (worker meta), once, never by get_finished
     assert seen["sync_roundtrip"] == [[], [], ["loaded-sync"], True]
@@ -107,8 +115,15 @@ def test_a_handoff_whose_record_was_taken_is_not_published_and_holds_nothing(see
     assert seen["taken_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
+def test_a_handoff_aborted_while_its_step_runs_is_given_back_after_it(seen):
+    held, published, still, after = seen["aborted_handoff"]
+    assert held and published == 1 and not still
+    assert after == {"pins": 0, "pending": 0, "handoffs": 0}
+
+
 def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
-    # 3 blocks each, 2 in common: 6 pins in all, two records
+    # 3 blocks each, 2 in common: 6 pins in all, two records; the first in-step
+    assert seen["shared_in_step"] == ["share-a"]
     assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
     assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 

@@ -31,7 +31,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tract_cli.connectors.keys import prompt_keys
 from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractConnectorMetadata
-from tract_cli.connectors.vllm_meta import TractWorkerMeta
+from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
 from tract_cli.core.pool import Pool
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
@@ -230,6 +230,7 @@ def publish_in_step(out) -> None:
     saves = out.kv_connector_metadata.saves
     if not any(sp.handoff is not None for sp in saves):
         return
+    STEP.setdefault("in_step", []).extend(sp.req_id for sp in saves if sp.handoff is not None)
     if "worker" not in STEP:
         STEP["worker"] = worker(STEP["ckpt"], STEP["pool"], 64)[0]
     w = STEP["worker"]
@@ -458,6 +459,18 @@ def main(ckpt: str, pool_path: str) -> dict:
             from tract_cli.core.handoff import Ticket
             pool.handoffs.ack(Ticket.from_dict(p["tract_ticket"]))
 
+    # 6c. aborted while the step that publishes its handoff still runs (vLLM's
+    #     asynchronous scheduling): the record stays promised until the step's
+    #     output is in, then the handoff the step published is given back
+    r6c, out, promised = prefill_step(s, pool, tag, "pd-aborted", list(range(2000, 2000 + 40)))
+    s.finish_requests("pd-aborted", RequestStatus.FINISHED_ABORTED)
+    held = promised[0] in conn.scheduler_side._planned
+    publish_in_step(out)                             # the step, finishing after the abort
+    published = region(pool)["handoffs"]
+    s.update_from_output(out, output([]))
+    obs["aborted_handoff"] = [held, published, promised[0] in conn.scheduler_side._planned,
+                              region(pool)]
+
     # 7b. two prefills of one step that share blocks: a handoff needs a pin of each
     #     of its blocks, and a step's pinning claim takes one, so the first is
     #     published in the step and the second in request_finished, with a lookup
@@ -470,6 +483,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
                if p and "tract_ticket" in p]
     obs["shared_handoffs"] = [len(tickets), region(pool)]
+    obs["shared_in_step"] = [r for r in STEP["in_step"] if r.startswith("share-")]
     for t in tickets:
         pool.handoffs.ack(t)
     obs["shared_after"] = region(pool)
@@ -537,6 +551,22 @@ def main(ckpt: str, pool_path: str) -> dict:
                              w.build_connector_worker_meta() is None]
     obs["sync_roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][8:10]))
                                       for n in LAYERS)
+    # ... a synchronous load that fails (every checksum wrong) in the step that also
+    # saves the request's next 2 blocks and publishes its handoff: what the step
+    # computes on the failed load is not saved, and the handoff is not published
+    longer = prompt_keys(pool.info, tag, 16, list(range(8000, 8000 + 96))).keys
+    record = pool.handoffs.peek_free()
+    load = LoadSpec("fail-sync", look.slots, look.checksums ^ 1, np.array([10, 10, 11, 11]),
+                    np.array([0, 1, 0, 1]), tags=look.tags, sync=True)
+    save = SaveSpec("fail-sync", longer[4:6], np.full(2, 16, np.uint32), np.array([12, 12]),
+                    np.array([0, 1]), HandoffSpec(record, "fail-sync", longer, 96, 30.0))
+    w.bind_connector_metadata(TractConnectorMetadata(loads=[load], saves=[save]))
+    w.start_load_kv(None)
+    wait_for(lambda: w.worker_side._reserving.done(), "the failed step's reserve")
+    w.wait_for_save()
+    obs["failed_sync_save"] = [sorted(w.get_block_ids_with_load_errors()),
+                               pool.index.peek(longer[4:5]), region(pool)]
+    w.build_connector_worker_meta()
     pool.index.unpin(look)
     # ... ack: a handoff loaded while every lock is held stands (its record is still
     # published after the copy: read without a lock), and its acknowledgement, which

@@ -203,7 +203,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                             f"copied; pool metadata {meta}); {same}")
     publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
     if publishes:
-        render.stdout.print(f"TraCT handoff publish (the prefill instance's scheduler loop): "
+        render.stdout.print(f"TraCT handoff publish (in the prefill's step; in its scheduler "
+                            f"loop where two handoffs of a step share a block): "
                             f"{len(publishes)} handoffs, mean "
                             f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
                             f"{format_duration(max(publishes) / 1e3)}")

@@ -14,8 +14,9 @@ looked up for as long again); unpins and acknowledgements are queued
 (retry.py); a P/D prefill's handoff is published by the worker in the step
 that completes the prompt, in a record chosen here without a lock when that
 step is planned, so `request_finished` returns its ticket with no pool call
-(only two handoffs of one step sharing a block publish there, waiting at
-most `step_timeout_s`).  A stalled lock manager delays hits, never
+(only a handoff that could not be planned so, its blocks shared with another
+handoff of its step or no record looking free or max_handoffs reached when
+planned, publishes there, waiting at most `step_timeout_s`).  A stalled lock manager delays hits, never
 scheduling.
 
 Keys carry the worker's page layout (vllm_meta.TractHandshake): until vLLM
@@ -38,7 +39,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog
-from tract_cli.core.errors import HandoffError, TractError
+from tract_cli.core.errors import HandoffError, TractError, TransferTableFull
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.index import Lookup
 
@@ -120,6 +121,11 @@ class SchedulerSide:
         # records promised to handoffs the worker publishes in a step not yet
         # answered (request_finished): never chosen twice
         self._planned: set[int] = set()
+        # in-step handoffs of requests gone before their step's output came back
+        # (an abort while the step runs, with asynchronous scheduling): given
+        # back once it has (update_connector_output), their records still
+        # promised meanwhile
+        self._orphaned: list[Ticket] = []
         # where this instance looks for a free record first: its node's share of
         # the table, so instances on other nodes rarely choose the same one
         records = pool.info.section("transfer").count
@@ -170,7 +176,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens the pool holds beyond NUM_COMPUTED_TOKENS (loaded asynchronously);
+        """Tokens the pool holds beyond NUM_COMPUTED_TOKENS (loaded as load_mode says);
         None while its lookup runs (vLLM asks again next step)."""
         st = self._state(request)
         if not st.cacheable or st.load_failed:
@@ -415,16 +421,14 @@ class SchedulerSide:
         if ((handed and np.isin(mine, np.concatenate(handed)).any())
                 or not self._handoff_room(planned=True)):
             return None
-        skip = self._planned | {t.record for t in self._handoffs}
         try:
-            record = self.pool.handoffs.peek_free(self._record_cursor, skip)
+            record = self._choose_record()
         except TractError as exc:
             log.warning("TraCT: no handoff record looked up for request %s: %s", req_id, exc)
             return None
         if record is None:
             return None
         handed.append(mine)
-        self._record_cursor = record + 1
         self._planned.add(record)
         st.handoff = Ticket(record, request_key(req_id).hex(), len(keys), st.prompt_len)
         return HandoffSpec(record, req_id, np.ascontiguousarray(keys), st.prompt_len,
@@ -453,6 +457,10 @@ class SchedulerSide:
                         blocks % self.r)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        orphaned, self._orphaned = self._orphaned, []
+        for ticket in orphaned:
+            self._planned.discard(ticket.record)
+            self._release_handoff(ticket)
         invalid = connector_output.invalid_block_ids or set()
         # loads done: the asynchronous ones the worker reported finished, and the
         # synchronous ones it copied in the step of this output
@@ -489,12 +497,12 @@ class SchedulerSide:
         if st.handoff is not None:
             # published by the worker in the step that completed the prompt, which
             # ran before this call: its ticket, with no pool call here
-            self._planned.discard(st.handoff.record)
             if not finished:
-                # aborted: given back (if the abort raced the step and the record is
-                # not there yet, it is published after and expires at its TTL)
-                self._release_handoff(st.handoff)
+                # aborted, perhaps while that step still runs: given back once the
+                # next step output is in (by then the step has published it or not)
+                self._orphaned.append(st.handoff)
                 return False, None
+            self._planned.discard(st.handoff.record)
             self._handoffs.append(st.handoff)
             return False, self._ticket_params(request, st.handoff)
         if not (self.settings.save and st.want_handoff and st.cacheable and finished):
@@ -515,9 +523,16 @@ class SchedulerSide:
             # blocks committed them before its output reached the scheduler, so a block
             # not READY now was not saved (pool full) or is another writer's: computed
             t0 = time.perf_counter()
+            # in a record no planned in-step handoff was promised (with asynchronous
+            # scheduling a later step's plan precedes this call)
+            record = self._choose_record()
+            if record is None:
+                raise TransferTableFull("no handoff record looks free",
+                                        "acknowledge handoffs, or let expired ones expire")
             ticket = self.pool.handoffs.publish(request.request_id, keys, st.prompt_len,
                                                 ttl=self.settings.handoff_ttl_s,
-                                                timeout=self.settings.step_timeout_s)
+                                                timeout=self.settings.step_timeout_s,
+                                                record=record)
             log.log(self._timings, kvlog.PUBLISHED, request.request_id, len(keys),
                     (time.perf_counter() - t0) * 1e3)
         except TractError as exc:
@@ -526,6 +541,16 @@ class SchedulerSide:
             return False, None
         self._handoffs.append(ticket)
         return False, self._ticket_params(request, ticket)
+
+    def _choose_record(self) -> int | None:
+        """A handoff record that looks free (read without a lock) from this
+        instance's cursor on, none promised to a planned handoff or held by one
+        in flight; None if none looks free."""
+        skip = self._planned | {t.record for t in self._handoffs}
+        record = self.pool.handoffs.peek_free(self._record_cursor, skip)
+        if record is not None:
+            self._record_cursor = record + 1
+        return record
 
     def _ticket_params(self, request: "Request", ticket: Ticket) -> dict:
         """The kv_transfer_params a prefill's reply carries to the decode side."""
@@ -589,6 +614,9 @@ class SchedulerSide:
                                                                        done=done))
 
     def shutdown(self) -> None:
+        orphaned, self._orphaned = self._orphaned, []
+        for ticket in orphaned:           # no step runs any more: the records are final
+            self._release_handoff(ticket)
         for st in list(self._reqs.values()):
             self._forget_lookup(st)
         self._lookups.shutdown(wait=True, cancel_futures=True)

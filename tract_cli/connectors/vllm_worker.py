@@ -5,11 +5,14 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
 - **Layout**: at `register_kv_caches` the attention backend's page layout is
   measured (`vllm_setup.engine_page_map`) and told to the scheduler through
   vLLM's handshake (its digest enters every key: core/kvpages.py).
-- **Load**: a request's blocks are copied on this worker's loader thread, one
-  C call (`PagedKV.load`, the GIL released) that checksums as it copies, while
-  the engine runs its next step; the request is reported finished
-  (`get_finished`) once its bytes are in vLLM's pages, with the pages of a bad
-  block (`get_block_ids_with_load_errors`) for vLLM to recompute from there.
+- **Load**: a request's blocks are copied in one C call (`PagedKV.load`, the
+  GIL released) that checksums as it copies: with load_mode sync in
+  `start_load_kv`, before the forward of the step that computes the rest of
+  the prompt, reported with that step's output (`worker_meta`; what the step
+  computes for a request whose load failed is not saved); with async on this
+  worker's loader thread while the engine runs its next step, reported by
+  `get_finished` once its bytes are in vLLM's pages.  A bad block's pages
+  (`get_block_ids_with_load_errors`) go to vLLM to recompute from there.
   A handoff's copy stands if its record is still published after it (read
   without a lock); its acknowledgement is queued once the request is
   reported, off the request's path.
@@ -76,6 +79,7 @@ class _SavePlan:
     # pins (pinned: the reserve pinned those READY already, the commit pins the rest)
     handoffs: list = field(default_factory=list)
     pinned: bool = False
+    rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
     reserve_s: float = 0.0
     slots_t: Any = None               # GPU path: their slots (torch int64)
     index_t: Any = None               # GPU path: their elements in one layer's tensor
@@ -107,6 +111,7 @@ class WorkerSide:
         self._done: list[tuple[str, set]] = []
         self._loader: threading.Thread | None = None
         self._sync_loaded: set[str] = set()      # copied in this step (LoadSpec.sync)
+        self._sync_failed: set[str] = set()      # ... of which a block failed
 
     # ---- start-up ----
 
@@ -192,6 +197,24 @@ class WorkerSide:
             lambda timeout: self.pool.index.commit(plan.keys, plan.status, plan.slots,
                                                    publish=False, timeout=timeout))
 
+    def _drop_failed_loads(self, plan: _SavePlan, failed: set) -> None:
+        """This step computed the requests FAILED on top of a synchronous load that
+        failed (vLLM discards the step's output for them and recomputes): the
+        blocks it computed for them are not saved (their claims given back) and
+        their handoffs are not published.  (The scheduler counts those blocks as
+        saved: they are computed again, and not saved again.)"""
+        rows = [r for req in failed for r in plan.rows.get(req, ())]
+        if rows:
+            drop = np.intersect1d(np.concatenate(rows), plan.mine)
+            if drop.size:
+                plan.mine = np.setdiff1d(plan.mine, drop)
+                self._abandon_claims(plan, drop, "computed on a load that failed")
+        lost = [spec for spec, _ in plan.handoffs if spec.request_id in failed]
+        if lost:
+            self._handoffs_lost(lost, "its prompt was computed on a load that failed")
+            plan.handoffs = [(spec, idx) for spec, idx in plan.handoffs
+                             if spec.request_id not in failed]
+
     @staticmethod
     def _handoffs_lost(handoffs: list, why: str) -> None:
         for spec in handoffs:
@@ -262,7 +285,10 @@ class WorkerSide:
         mine = np.flatnonzero(claimed & (pages >= 0))
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine,
                          reserve_s=time.perf_counter() - t0, pinned=bool(handoffs))
-        at = saved
+        at = 0
+        for sv in saves:
+            plan.rows.setdefault(sv.req_id, []).append(where[at:at + len(sv.keys)])
+            at += len(sv.keys)
         for h in handoffs:
             plan.handoffs.append((h, where[at:at + len(h.keys)]))
             at += len(h.keys)
@@ -306,8 +332,11 @@ class WorkerSide:
             if plan is not None:
                 # what the step waited for: the part of the reserve the forward did not hide
                 plan.reserve_s = time.perf_counter() - t0
+        failed, self._sync_failed = self._sync_failed, set()
         if plan is None:
             return
+        if failed:
+            self._drop_failed_loads(plan, failed)
         mine = plan.mine
         sums = None
         complete = True
@@ -425,15 +454,17 @@ class WorkerSide:
             if not spec.sync and self._paged is not None:
                 later.append(spec)
                 continue
-            bad = set(int(p) for p in np.unique(spec.pages))    # if _load itself failed
             try:
                 bad = self._load(spec)
             except Exception as exc:      # never into the engine: recomputed
                 log.warning("TraCT load of request %s failed, vLLM recomputes it: %s",
                             spec.req_id, exc)
+                bad = set(np.unique(spec.pages).tolist())
             if spec.sync:         # reported with the step's output (worker_meta)
                 self._sync_loaded.add(spec.req_id)
                 self._load_errors |= bad
+                if bad:           # what this step computes on it is not saved
+                    self._sync_failed.add(spec.req_id)
             else:
                 self._finish(spec.req_id, bad)
             if spec.ticket is not None:

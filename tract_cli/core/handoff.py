@@ -136,28 +136,36 @@ class Handoffs:
 
     def publish(self, request_id: str | bytes, hashes, token_count: int, tail=None,
                 tail_tokens: int = 0, ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S,
-                wait_s: float = 0.0) -> Ticket:
-        """Pins the request's cached blocks for a decode side and writes the record.
+                wait_s: float = 0.0, record: int | None = None) -> Ticket:
+        """Pins the request's cached blocks for a decode side and writes the record
+        (in RECORD, `peek_free`'s choice, if given: TransferTableFull if it is
+        taken by now; else the first free one).
 
         Every block must be READY; a block another writer still holds PENDING
         is waited for up to WAIT_S (polling), then HandoffError.
         """
         return retry_while_pending(lambda: self._publish(request_id, hashes, token_count, tail,
-                                                         tail_tokens, ttl, timeout), wait_s)
+                                                         tail_tokens, ttl, timeout, record),
+                                   wait_s)
 
-    def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout) -> Ticket:
+    def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout,
+                 record=None) -> Ticket:
         keys = as_keys(hashes)
         rid = request_key(request_id)
         tail_buf = None if tail is None else np.ascontiguousarray(tail).view(np.uint8).reshape(-1)
         rec = ffi.new("uint32_t *")
-        rc = lib.tract_handoff_publish(
-            self._pool._r(), rid, ffi.from_buffer(keys), len(keys), token_count,
+        rc = lib.tract_handoff_publish_in(
+            self._pool._r(), 0xFFFFFFFF if record is None else int(record), rid,
+            ffi.from_buffer(keys), len(keys), token_count,
             ffi.from_buffer(tail_buf) if tail_buf is not None else ffi.NULL,
             0 if tail_buf is None else tail_buf.size, tail_tokens, int(ttl * 1e9), rec,
             int(timeout * 1e9))
         if rc == lib.TRACT_E_NOT_FOUND:
             raise BlocksPending("not every block of the request is in the pool",
                                "put the blocks before publishing the handoff")
+        if rc == lib.TRACT_E_TABLE_FULL and record is not None:
+            raise TransferTableFull(f"handoff record {record} is taken",
+                                    "choose another with peek_free")
         if rc == lib.TRACT_E_TABLE_FULL:
             raise TransferTableFull("the transfer table is full",
                                "acknowledge handoffs, or let expired ones be reclaimed")
@@ -165,7 +173,8 @@ class Handoffs:
             raise PoolFull("no slot for the handoff's key list: the pool is full and every "
                            "block in it is pinned", "acknowledge handoffs or use a larger region")
         if rc == lib.TRACT_E_RANGE:
-            raise UsageError("the request has more blocks than one key-list slot holds",
+            raise UsageError("the request has more blocks than one key-list slot holds, or "
+                             "the record is past the table",
                              "use a model with larger blocks or shorter requests")
         if rc == lib.TRACT_E_INVAL and has_repeats(keys):
             # the core refuses it before it pins anything: a release counts

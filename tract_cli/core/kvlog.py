@@ -20,7 +20,8 @@ SAVED = ("TraCT: saved %d blocks (%d bytes) in %.3f ms (copy %.3f ms, checksumme
          "copied; pool metadata %.3f ms: claim wait %.3f ms, commit %.3f ms)")
 
 # (request id, blocks, ms): a prefill instance's publish of a handoff, in its
-# scheduler loop (pins, the key list's slot, the record: lock round trips)
+# step (the key list's slot, the record: lock round trips), or in its scheduler
+# loop where two handoffs of a step share a block (with a pin walk)
 PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 
 # (load|save, blocks, ms, ms): with the timings on, the connector also times a
