@@ -42,6 +42,7 @@ def test_a_pool_hit_is_pinned_once_and_loads_asynchronously(seen):
     assert seen["hit_loads"] == [6]                  # 100 tokens: 6 full 16-token blocks
     assert seen["hit_pins_while_loading"] == 6
     assert seen["hit_pins_after_rematch"] == 6       # matching again takes no second pin
+    assert seen["hit_rematch"] == [0, False]         # ... and promises no second load
     assert seen["hit_pins_after_load"] == 0          # given back when the worker reports
     assert seen["hit_scheduled_tokens"] == 4         # then only the 4 tokens past the hit
     assert seen["hit_computed_then"] == 100          # 96 loaded, and the 4 now scheduled

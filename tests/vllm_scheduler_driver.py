@@ -278,7 +278,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["hit_status"] = r1.status.name
     obs["hit_loads"] = [len(l.slots) for l in out.kv_connector_metadata.loads]
     obs["hit_pins_while_loading"] = pins(pool, conn)
-    conn.get_num_new_matched_tokens(r1, 0)          # matching again takes no second pin
+    obs["hit_rematch"] = list(conn.get_num_new_matched_tokens(r1, 0))   # no second pin
     obs["hit_pins_after_rematch"] = pins(pool, conn)
     s.update_from_output(out, output([], finished_recving={"hit"}))
     obs["hit_pins_after_load"] = pins(pool, conn)

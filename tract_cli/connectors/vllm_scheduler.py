@@ -181,6 +181,12 @@ class SchedulerSide:
         st = self._state(request)
         if not st.cacheable or st.load_failed:
             return 0, False
+        if st.loading:
+            # a load of it is in flight, its report not in yet (a request preempted
+            # right after a synchronous load's step, with asynchronous scheduling):
+            # no second load is planned for it (update_state_after_alloc), so
+            # nothing may be promised; it is computed
+            return 0, False
         st.matched_from = num_computed_tokens
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and PARAMS_KEY in params and not st.loading:
