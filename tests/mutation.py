@@ -44,7 +44,8 @@ _HANDOFFS_SIM = ["tests/test_handoff.py::test_handoffs_between_processes[copying
 PREDICTED = {
     "SITE_LOCK_PUBLISH_LOCKED": [_NONCOH + "test_another_host_sees_the_holder_of_a_lock_as_locked",
                                  _TAKEOVER],
-    "SITE_INDEX_OBSERVE_LINE": [_INDEX_SIM],
+    "SITE_INDEX_OBSERVE_LINE": [_INDEX_SIM,
+                                _NONCOH + "test_a_stripe_line_another_host_rewrote_is_read_afresh"],
     "SITE_INDEX_PREFETCH": [_INDEX_SIM],
     "SITE_INDEX_OBSERVE_ANCHOR": [_INDEX_SIM],
     "SITE_INDEX_FLUSH_SECTION": [_INDEX_SIM, *_HANDOFFS_SIM,

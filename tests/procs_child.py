@@ -38,6 +38,7 @@ def main() -> None:
         "obj_put": lambda name, offset, size: pool.objects.put(name, offset, size),
         "obj_get": lambda name: pool.objects.get(name),
         "index_put_chains": lambda **kw: index_put_chains(pool, **kw),
+        "index_evict": lambda count: pool.index.evict(count),
         "index_lookup_verify": lambda **kw: index_lookup_verify(pool, **kw),
         "index_release_held": lambda: index_release_held(pool),
         "handoff_publish": lambda **kw: handoff_publish(pool, **kw),

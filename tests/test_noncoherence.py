@@ -68,3 +68,18 @@ def test_a_reused_handoff_record_is_read_afresh(region):
         t2 = prefill.call("handoff_publish", chain=chain2, request="second")
         assert t2["record"] == t1["record"]            # the only record, again
         assert a.call("handoff_receive", ticket=t2, chain=chain2, request="second") == 5
+
+
+def test_a_stripe_line_another_host_rewrote_is_read_afresh(region):
+    """Host A reads a bucket line under its stripe's lock (its put finds the block
+    READY: nothing written, the line stays in A's cache); host B evicts the block
+    (the line rewritten and flushed); A's next put of it must read the line
+    afresh, find it gone and store it, not trust its old copy.  (The lookups of
+    other tests look without a lock first, which observes the line and so would
+    hide a missing invalidate under the lock.)"""
+    block = [7, 0, 7, 1]                       # one block
+    with Worker(region, 1, True) as a, Worker(region, 2, True) as b:
+        assert b.call("index_put_chains", chains=[block])["stored"] == 1
+        assert a.call("index_put_chains", chains=[block])["already_ready"] == 1
+        assert b.call("index_evict", count=1) == 1
+        assert a.call("index_put_chains", chains=[block])["stored"] == 1
