@@ -160,30 +160,38 @@ class Handoffs:
             ffi.from_buffer(tail_buf) if tail_buf is not None else ffi.NULL,
             0 if tail_buf is None else tail_buf.size, tail_tokens, int(ttl * 1e9), rec,
             int(timeout * 1e9))
+        self._raise_publish(rc, keys, record, BlocksPending(
+            "not every block of the request is in the pool",
+            "put the blocks before publishing the handoff"))
+        raise_for(rc, f"{self._pool.path} handoff publish")
+        return Ticket(rec[0], rid.hex(), len(keys), token_count)
+
+    def _raise_publish(self, rc: int, keys: np.ndarray, record: int | None,
+                       not_found: Exception) -> None:
+        """The error of a publish (plain or pinned) that returned RC, if any:
+        NOT_FOUND (its blocks not READY) for TRACT_E_NOT_FOUND."""
         if rc == lib.TRACT_E_NOT_FOUND:
-            raise BlocksPending("not every block of the request is in the pool",
-                               "put the blocks before publishing the handoff")
+            raise not_found
         if rc == lib.TRACT_E_TABLE_FULL and record is not None:
             raise TransferTableFull(f"handoff record {record} is taken",
                                     "choose another with peek_free")
         if rc == lib.TRACT_E_TABLE_FULL:
             raise TransferTableFull("the transfer table is full",
-                               "acknowledge handoffs, or let expired ones be reclaimed")
+                                    "acknowledge handoffs, or let expired ones be reclaimed")
         if rc == lib.TRACT_E_FULL:
             raise PoolFull("no slot for the handoff's key list: the pool is full and every "
                            "block in it is pinned", "acknowledge handoffs or use a larger region")
         if rc == lib.TRACT_E_RANGE:
             raise UsageError("the request has more blocks than one key-list slot holds, or "
                              "the record is past the table",
-                             "use a model with larger blocks or shorter requests")
+                             "use a model with larger blocks or shorter requests, and a record "
+                             "peek_free gave")
         if rc == lib.TRACT_E_INVAL and has_repeats(keys):
             # the core refuses it before it pins anything: a release counts
             # one pin per key-list entry (looked for only once refused)
             raise UsageError("the request names a block twice (its block hashes must be "
                              "distinct, as chained hashes are)",
                              "check how the block hashes are computed")
-        raise_for(rc, f"{self._pool.path} handoff publish")
-        return Ticket(rec[0], rid.hex(), len(keys), token_count)
 
     def peek_free(self, start: int = 0, skip=()) -> int | None:
         """A record that looks FREE, read without a lock from START on (wrapping),
@@ -213,22 +221,9 @@ class Handoffs:
         rc = lib.tract_handoff_publish_pinned(self._pool._r(), int(record), rid,
                                               ffi.from_buffer(keys), len(keys), token_count,
                                               int(ttl * 1e9), int(timeout * 1e9))
-        if rc == lib.TRACT_E_NOT_FOUND:
-            raise BlocksPending("not every block of the request is READY in the pool",
-                                "publish the blocks' commit first")
-        if rc == lib.TRACT_E_TABLE_FULL:
-            raise TransferTableFull(f"handoff record {record} is taken",
-                                    "choose another with peek_free")
-        if rc == lib.TRACT_E_FULL:
-            raise PoolFull("no slot for the handoff's key list: the pool is full and every "
-                           "block in it is pinned", "acknowledge handoffs or use a larger region")
-        if rc == lib.TRACT_E_RANGE:
-            raise UsageError("the request has more blocks than one key-list slot holds, or the "
-                             "record is past the table", "use a record peek_free gave")
-        if rc == lib.TRACT_E_INVAL and has_repeats(keys):
-            raise UsageError("the request names a block twice (its block hashes must be "
-                             "distinct, as chained hashes are)", "check how the block hashes "
-                             "are computed")
+        self._raise_publish(rc, keys, record, BlocksPending(
+            "not every block of the request is READY in the pool",
+            "publish the blocks' commit first"))
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(int(record), rid.hex(), len(keys), token_count)
 
