@@ -248,6 +248,36 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 	return TRACT_OK;
 }
 
+/* A GPU path's checksum as each layer's DMA lands: see tract.h.  The write-back
+ * is tract_write_back_payload's (thread-safe: the ledger's stores are atomic,
+ * the slots' ranges disjoint), right after the register read the bytes, so the
+ * clflush mode's in-place restream reads them from this core's cache. */
+int tract_checksum_slots_part(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t off,
+			      uint64_t len, uint32_t *regs, int write_back)
+{
+	if (!r || ((!slots || !regs) && n))
+		return TRACT_E_INVAL;
+	if (off > r->hdr.block_bytes || len > r->hdr.block_bytes - off)
+		return TRACT_E_RANGE;
+	for (uint32_t i = 0; i < n; i++)
+		if (slots[i] >= r->hdr.slot_count)
+			return TRACT_E_RANGE;
+	const struct tract_section *data = tract_sec(r, TRACT_SEC_DATA);
+	uint8_t *buf = NULL;
+	if (r->sim && n && len && !(buf = malloc(len)))
+		return TRACT_E_NOMEM;
+	for (uint32_t i = 0; i < n; i++) {
+		uint64_t at = data->offset + (uint64_t)slots[i] * r->hdr.slot_stride + off;
+		if (buf)    /* the simulator: what this process's loads would see */
+			r->ops->load(r, at, buf, len);
+		regs[i] = tract_crc32c_copy(regs[i], NULL, buf ? buf : r->base + at, len, -1);
+		if (write_back)
+			tract_write_back_payload(r, at, len);
+	}
+	free(buf);
+	return TRACT_OK;
+}
+
 /* CRC-32C of each of n slots' whole payload, in place (zero-copy writers record
  * it at commit, zero-copy readers compare it before use); the caller invalidates
  * first where another host may have written the slots. */

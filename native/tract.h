@@ -349,6 +349,15 @@ uint64_t tract_payload_ledger(const tract_region *r, uint32_t slot);
 /* CRC-32C (as block checksums) of the whole payload of each of n slots, in place. */
 int tract_checksum_slots(tract_region *r, const uint32_t *slots, uint32_t n, uint32_t *out);
 
+/* Advances the CRC-32C register (no inversion: start from 0xFFFFFFFF, invert
+ * after the last part) of each of n slots, in place in regs, over bytes
+ * [off, off+len) of its payload; with write_back, then writes those bytes back
+ * to the device as a commit of a DMA'd payload would, fenced (a commit of the
+ * slots may then say TRACT_COMMIT_STREAMED).  A slot's parts go in order; other
+ * slots' parts may run on other threads at the same time. */
+int tract_checksum_slots_part(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t off,
+			      uint64_t len, uint32_t *regs, int write_back);
+
 /* ---- node-local segment (per node, in local DRAM, e.g. /dev/shm) ---- */
 
 /* Bytes a node-local segment needs for this region. */

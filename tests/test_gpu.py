@@ -8,6 +8,7 @@ import pytest
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import Pool
 from tract_cli.core.gpu import _runs, cuda_available
+from tract_cli.core.index import PUT_CLAIMED
 
 
 def test_runs_of_consecutive_slots():
@@ -15,28 +16,183 @@ def test_runs_of_consecutive_slots():
     assert _runs(np.array([], np.uint32)) == []
 
 
+@pytest.fixture
+def gpu_pool(region_path):
+    """A 64 MiB region of the tiny Llama, node 0's agent running the lock manager."""
+    from agents import RunningAgent
+    pool = Pool.create(region_path, 64 << 20, "tiny-llama")
+    agent = RunningAgent(region_path, 0, manager=True)
+    yield pool
+    agent.stop()
+    pool.close()
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of docs/ARCHITECTURE.md §12)")
-def test_gpu_put_and_load_through_registered_mapping(region_path):
+def test_gpu_put_and_load_through_registered_mapping(gpu_pool):
     import torch
 
     from tract_cli.core.gpu import CudaPool
-    with Pool.create(region_path, 64 << 20, "tiny-llama") as pool:
-        g = pool.geometry
-        cp = CudaPool(pool)
-        try:
-            kv = torch.randn((40, *g.block_shape), device="cuda")
-            keys = block_hashes(np.arange(40 * 16, dtype=np.int32), root=pool_root(pool.info))
-            status = cp.put(keys, kv)
-            assert (status == 0).all()
-            hit = pool.index.lookup(keys)
-            assert hit.hits == 40
-            cpu = np.empty((40, pool.info.block_bytes), np.uint8)
-            pool.index.read(hit, cpu)                        # CPU read of what the GPU wrote
-            assert np.array_equal(cpu.view(np.float32).reshape(kv.shape), kv.cpu().numpy())
-            back = torch.empty_like(kv)
-            cp.load(hit.slots, back)
-            cp.stream.synchronize()
-            assert torch.equal(back, kv)
-            pool.index.unpin(hit)
-        finally:
-            cp.close()
+    pool = gpu_pool
+    g = pool.geometry
+    cp = CudaPool(pool)
+    try:
+        kv = torch.randn((40, *g.block_shape), device="cuda")
+        keys = block_hashes(np.arange(40 * 16, dtype=np.int32), root=pool_root(pool.info))
+        status = cp.put(keys, kv)
+        assert (status == 0).all()
+        hit = pool.index.lookup(keys)
+        assert hit.hits == 40
+        cpu = np.empty((40, pool.info.block_bytes), np.uint8)
+        pool.index.read(hit, cpu)                        # CPU read of what the GPU wrote
+        assert np.array_equal(cpu.view(np.float32).reshape(kv.shape), kv.cpu().numpy())
+        back = torch.empty_like(kv)
+        cp.load(hit.slots, back)
+        cp.stream.synchronize()
+        assert torch.equal(back, kv)
+        pool.index.unpin(hit)
+    finally:
+        cp.close()
+
+
+# ---- the GPU paged path (core/gpupages.py): rows, runs, and the DMA itself ----
+
+def _flash_layout(block_tokens, heads, dim, pages, elem_bytes, page_tokens=None):
+    from tract_cli.connectors.paged import flash_offsets
+    from tract_cli.core.kvpages import PageLayout
+    offsets, stride = flash_offsets(pages, page_tokens or block_tokens, heads, dim)
+    return PageLayout(offsets, stride, block_tokens, elem_bytes)
+
+
+def test_rows_of_flash_and_flashinfer_layouts():
+    from tract_cli.core.gpupages import row_elements, row_table
+    from tract_cli.core.kvpages import PageLayout
+    flash = _flash_layout(16, 4, 64, pages=10, elem_bytes=2)
+    rows = row_elements(flash)
+    assert rows == 16 * 4 * 64                    # K and V of a page: two rows
+    assert row_table(flash, rows).tolist() == [[0, 10]]
+    # two region blocks a page: each takes half of K and half of V
+    half = _flash_layout(8, 4, 64, pages=10, elem_bytes=2, page_tokens=16)
+    rows = row_elements(half)
+    assert rows == 8 * 4 * 64
+    assert row_table(half, rows).tolist() == [[0, 20], [1, 21]]
+    # FlashInfer's [pages, 2, B, heads, dim]: a page is one row
+    kv, t, h, d = np.meshgrid(np.arange(2), np.arange(16), np.arange(4), np.arange(64),
+                              indexing="ij")
+    infer = PageLayout((kv * 16 * 4 * 64 + (t * 4 + h) * 64 + d).astype(np.int64),
+                       2 * 16 * 4 * 64, 16, 2)
+    assert row_element_table(infer) == (2 * 16 * 4 * 64, [[0]])
+
+
+def row_element_table(layout):
+    from tract_cli.core.gpupages import row_elements, row_table
+    rows = row_elements(layout)
+    return rows, row_table(layout, rows).tolist()
+
+
+def test_rows_of_a_transposed_layout_split_in_sub_blocks():
+    """K and V transposed (`[heads][dim][B]`, as AVX-512's K) with two region
+    blocks a page: each sub-block's elements are runs of its 8 tokens, so rows
+    of 8 elements, and the table names every element of the sub-block once."""
+    from tract_cli.core.gpupages import row_elements, row_table
+    from tract_cli.core.kvpages import PageLayout
+    B, H, D = 16, 2, 8
+    t, h, d = np.meshgrid(np.arange(B), np.arange(H), np.arange(D), indexing="ij")
+    k = (h * D + d) * B + t
+    layout = PageLayout(np.stack([k, k + H * D * B]).astype(np.int64), 2 * H * D * B, 8, 2)
+    rows = row_elements(layout)
+    assert rows == 8
+    table = row_table(layout, rows)
+    for sub in range(2):
+        named = (table[sub][:, None] * rows + np.arange(rows)).ravel()
+        assert np.array_equal(named, layout.index[sub])
+
+
+def test_runs_cut_to_a_chunk():
+    from tract_cli.core.gpupages import _runs_within, staging_capacity
+
+    class B:
+        runs = _runs(np.array([3, 4, 5, 9, 10, 11, 12], np.uint32))
+    assert list(_runs_within(B, 0, 7)) == [(0, 3, 3), (3, 9, 4)]
+    assert list(_runs_within(B, 2, 5)) == [(2, 5, 1), (3, 9, 2)]
+    assert list(_runs_within(B, 5, 7)) == [(5, 11, 2)]
+    assert staging_capacity(2048, 16, 1 << 16) == 129
+    assert staging_capacity(1 << 20, 16, 1 << 20) == 256      # bounded by 256 MiB
+
+
+def _mismatched(pool, slots, expect: np.ndarray) -> list[int]:
+    """Indices of the blocks whose slot bytes differ from EXPECT [n, block bytes]."""
+    got = np.stack([np.frombuffer(pool.slot_array(int(s)).tobytes(), np.uint8) for s in slots])
+    return [i for i in range(len(slots)) if not np.array_equal(got[i], expect[i])]
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of docs/VLLM.md)")
+def test_gpu_pages_save_and_load_by_dma(gpu_pool):
+    """FlashAttention pages on the GPU into scattered slots (runs cut by chunks
+    of a small staging buffer, a partial tail zeroed past its tokens) and back
+    into other pages, layer by layer; bytes equal, and the comparison fails
+    when one block is wrong."""
+    import torch
+
+    from tract_cli.core.gpupages import CudaPagedKV
+    pool = gpu_pool
+    g = pool.geometry
+    B, H, D, L = g.block_tokens, g.num_kv_heads, g.head_dim, g.num_layers
+    pages = 48
+    torch.manual_seed(0)
+    src = [torch.randn((2, pages, B, H, D), device="cuda") for _ in range(L)]
+    layout = _flash_layout(B, H, D, pages, elem_bytes=4)
+    kv = CudaPagedKV(pool, layout, src, capacity=5)
+    try:
+        keys = block_hashes(np.arange(40 * B, dtype=np.int32), root=pool_root(pool.info))
+        status, slots = pool.index.reserve(keys)
+        assert (status == PUT_CLAIMED).all()
+        pick = np.array([0, 1, 2, 5, 6, 7, 8, 9, 13, 20, 21, 22, 30, 31, 39])
+        page_ids = np.random.default_rng(1).permutation(pages)[:len(pick)]
+        tokens = np.full(len(pick), B, np.int64)
+        tokens[-1] = 5                           # a partial last block
+        batch = kv.batch(slots[pick], page_ids, np.zeros(len(pick), np.int64), tokens,
+                         checksum=True)
+        for layer in range(L):
+            kv.save_layer(batch, layer)
+        kv.finish()
+        # the checksum threads' CRC, layer by layer as each landed, is the slots' own
+        assert np.array_equal(kv.checksums(batch), pool.checksum_slots(slots[pick]))
+        # what each slot must hold: every layer's page in region order, tail zeroed
+        cpu = [t.cpu().numpy().reshape(-1) for t in src]
+        index = layout.gather_index(page_ids, np.zeros(len(pick), np.int64))
+        expect = np.stack([np.concatenate([c[index[i]] for c in cpu]) for i in range(len(pick))])
+        per_layer = expect.reshape(len(pick), L, -1)
+        per_layer[-1][:, layout.elem_token[0] >= 5] = 0
+        expect = expect.view(np.uint8).reshape(len(pick), -1)
+        assert _mismatched(pool, slots[pick], expect) == []
+        # the comparison can fail: one byte of one block wrong
+        pool.slot_array(int(slots[pick[3]])).reshape(-1).view(np.uint8)[100] ^= 0xFF
+        assert _mismatched(pool, slots[pick], expect) == [3]
+        pool.slot_array(int(slots[pick[3]])).reshape(-1).view(np.uint8)[100] ^= 0xFF
+        # back into other pages of other tensors, layer by layer
+        dst = [torch.zeros_like(t) for t in src]
+        kv.close()                # one registration of the mapping at a time
+        back = CudaPagedKV(pool, layout, dst, capacity=4)
+        into = (page_ids + 7) % pages
+        sums = pool.checksum_slots(slots[pick])
+        pool.slot_array(int(slots[pick[6]])).reshape(-1).view(np.uint8)[7] ^= 0x01
+        loading = back.batch(slots[pick], into, np.zeros(len(pick), np.int64), checksum=True)
+        back.load(loading)
+        for layer in range(L):
+            back.wait_layer(layer)
+        torch.cuda.current_stream().synchronize()
+        for layer in range(L):
+            got = dst[layer][:, torch.as_tensor(into, device="cuda")]
+            want = src[layer][:, torch.as_tensor(page_ids, device="cuda")].clone()
+            want[:, -1, 5:] = 0
+            if layer == 0:            # the byte changed in the slot: the block read as it is
+                assert not torch.equal(got, want)
+                got[:, 6], want[:, 6] = 0, 0
+            assert torch.equal(got, want), f"layer {layer} loaded other bytes"
+        back.finish()
+        # the load's checksums see the one block changed since, and only it
+        assert np.flatnonzero(back.checksums(loading) != sums).tolist() == [6]
+        back.close()
+        pool.index.commit(keys, status, slots, publish=False)
+    finally:
+        kv.close()

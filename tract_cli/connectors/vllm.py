@@ -181,9 +181,11 @@ class TractConnector(KVConnectorBase_V1):
             self.worker_side.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # a synchronous load was copied in start_load_kv, before the forward;
-        # an asynchronous one before the request was scheduled
-        return
+        # on the CPU a synchronous load was copied in start_load_kv, before the
+        # forward, an asynchronous one before the request was scheduled; on a GPU
+        # the layer's DMA, queued in start_load_kv, is waited for by its stream
+        if self.worker_side is not None:
+            self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:

@@ -27,8 +27,13 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   is published after the commit, in the record the scheduler chose, with the
   pins the step's pinning claim and commit took (`publish_pinned`: no lock
   walk of its own); pins no published handoff took over go back off the step.
-- On a GPU (FlashAttention's layout; not run where no GPU is lent) each layer
-  is gathered by torch from vLLM's pages into the slots, in the step.
+- On a GPU (`core/gpupages.py`): the slots are registered host memory and
+  each layer moves by DMA on a side stream: a save's as vLLM hands the layer
+  over (overlapping the rest of the forward; `wait_for_save` waits for it), a
+  load's queued in `start_load_kv` and waited for by the layer's attention
+  (`wait_layer`); the CPU checksums the slots meanwhile, and the load's
+  verdict (checksums, a handoff still published) is settled in
+  `wait_for_save`, before the step's output is reported.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from tract_cli.core import kvlog
 from tract_cli.core.errors import PoolFull, TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
+from tract_cli.core.gpupages import CudaPagedKV, staging_capacity
 from tract_cli.core.kvpages import PagedKV
 
 if TYPE_CHECKING:
@@ -81,10 +87,22 @@ class _SavePlan:
     pinned: bool = False
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
     reserve_s: float = 0.0
-    slots_t: Any = None               # GPU path: their slots (torch int64)
-    index_t: Any = None               # GPU path: their elements in one layer's tensor
+    batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
+    batch_rows: Any = None            # ... their rows (mine when the batch was made)
+    batch_sums: Any = None            # ... their checksums, in batch_rows' order
     layers_done: set = field(default_factory=set)
+    gpu_failed: bool = False          # GPU path: a layer's copy could not be queued
     copy_s: float = 0.0
+
+
+@dataclass
+class _GpuLoad:
+    """A GPU load queued in start_load_kv, settled in wait_for_save."""
+    spec: LoadSpec
+    ticket: Ticket | None
+    batch: Any                        # its blocks (checksummed by the checksum threads)
+    started: float
+    queue_s: float
 
 
 class WorkerSide:
@@ -98,8 +116,9 @@ class WorkerSide:
         self.page_tokens = vllm_config.cache_config.block_size
         self.layout = None
         self._layers: dict[str, int] = {}
-        self._flat: dict[str, torch.Tensor] = {}
         self._paged: PagedKV | None = None      # the CPU path
+        self._gpu: CudaPagedKV | None = None    # the GPU path
+        self._gpu_loads: list[_GpuLoad] = []
         self._plan: _SavePlan | None = None
         # CPU path: the step's reserve, running on its own thread during the forward
         self._reserving: Future | None = None
@@ -135,22 +154,26 @@ class WorkerSide:
                                           names[0])
             if first.device.type == "cpu":
                 self._paged = PagedKV(self.pool, self.layout, [kv_caches[n] for n in names])
+            if first.device.type == "cuda":
+                # the mapping registered once (cudaHostRegister): each layer moves by
+                # DMA through a staging buffer sized for one step's blocks
+                layer_bytes = self.pool.info.block_bytes // g.num_layers
+                capacity = staging_capacity(
+                    self._vllm_config.scheduler_config.max_num_batched_tokens,
+                    g.block_tokens, layer_bytes)
+                self._gpu = CudaPagedKV(self.pool, self.layout, [kv_caches[n] for n in names],
+                                        capacity)
+                log.info("TraCT connector worker: %.1f MiB of GPU staging (%d blocks of a "
+                         "layer), beyond what vLLM profiled", self._gpu.staging_bytes / 2**20,
+                         capacity)
         except TractError as exc:
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
         self._layers = {name: i for i, name in enumerate(names)}
-        self._flat = {name: kv_caches[name].view(-1) for name in names}
-        if first.device.type == "cuda":
-            # the mapping registered once (cudaHostRegister): slot views are pinned
-            # host memory, so the per-layer copies to and from the GPU are DMA
-            from tract_cli.core.gpu import CudaPool
-            self._cuda = CudaPool(self.pool, device=str(first.device))
-            self._slots_t = self._cuda.slots
-        self._device = first.device
         log.info("TraCT connector worker: KV pages of %d tokens, %d region block(s) a page, "
                  "%d run(s) a block's layer, %s order (%s)", self.page_tokens,
                  self.layout.blocks_per_page, self.layout.run_count // self.layout.blocks_per_page,
                  "the region's canonical" if self.layout.digest is None else "the engine's page",
-                 "C copy, checksummed as it copies" if self._paged else "torch gather")
+                 "C copy, checksummed as it copies" if self._paged else "GPU DMA, layer by layer")
 
     def handshake(self) -> TractHandshake:
         digest = self.layout.digest if self.layout is not None else None
@@ -159,15 +182,30 @@ class WorkerSide:
     # ---- saves ----
 
     def bind(self, saves: list[SaveSpec]) -> None:
-        """Claims the step's blocks to save.  On the CPU path on a thread of its
-        own, during the forward (nothing needs the slots before wait_for_save):
-        its lock round trips overlap the engine's compute instead of adding to
-        the step; on a GPU in the step (save_layer needs the slots)."""
+        """Claims the step's blocks to save, on a thread of its own during the
+        forward: its lock round trips overlap the engine's compute instead of
+        adding to the step (the CPU path needs the slots in wait_for_save, the
+        GPU path at the first layer's save_layer)."""
         self._drop_pending_save("a step that never waited for its save")
-        if saves and self._paged is not None:
+        if saves:
             self._reserving = self._reserver.submit(self._reserve, saves)
-        elif saves:
-            self._plan = self._reserve(saves)
+
+    def _claimed(self) -> _SavePlan | None:
+        """The step's save plan, waiting for its claim (bounded: the reserve
+        waits at most step_timeout_s for a lock); None if none or it failed."""
+        if self._reserving is not None:
+            reserving, self._reserving = self._reserving, None
+            t0 = time.perf_counter()
+            try:
+                plan = reserving.result()
+            except Exception as exc:     # never into the engine: the blocks are not saved
+                log.warning("TraCT reserve failed, the step's blocks are not saved: %s", exc)
+                plan = None
+            if plan is not None:
+                # what the step waited for: the part of the reserve the forward did not hide
+                plan.reserve_s = time.perf_counter() - t0
+            self._plan = plan
+        return self._plan
 
     def _drop_pending_save(self, why: str) -> None:
         """Gives back, off the step, the claims of a save bound and never waited
@@ -187,6 +225,8 @@ class WorkerSide:
     def _abandon(self, plan: _SavePlan, why: str) -> None:
         """The plan's claims given back off the step, retried until it succeeds,
         and the pins a pinning claim (an in-step handoff's) took or committed."""
+        if plan.batch is not None:     # no DMA or write-back may still touch slots given back
+            self._gpu.quiesce(plan.batch)
         self._handoffs_lost([spec for spec, _ in plan.handoffs], why)
         self._unpin_handoff_keys(plan, np.arange(len(plan.keys)), why)
         if not plan.mine.size:
@@ -297,44 +337,52 @@ class WorkerSide:
             # a handoff's block saved by an earlier step and evicted since: claimed
             # here with nothing to write, so given back (its handoff is not published)
             self._abandon_claims(plan, orphans, "a handoff block no longer in the pool")
-        if mine.size and self._paged is None:
-            plan.slots_t = torch.from_numpy(slots[mine].astype(np.int64))
-            plan.index_t = torch.from_numpy(self.layout.gather_index(
-                pages[mine], subs[mine])).to(self._device)
         return plan
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """GPU path: one layer's blocks, gathered from vLLM's pages into the slots."""
-        plan = self._plan
-        if plan is None or plan.slots_t is None:
+        """GPU path: queues one layer's claimed blocks from vLLM's pages into
+        their slots (DMA on the side stream, after the layer's attention)."""
+        if self._gpu is None:
             return
+        plan = self._claimed()
         layer = self._layers.get(layer_name)
-        if layer is None:
+        if plan is None or not plan.mine.size or plan.gpu_failed or layer is None:
             return
         t0 = time.perf_counter()
-        block = self._slots_t.shape[2:]
-        src = kv_layer.view(-1)[plan.index_t].to("cpu")
-        self._slots_t[plan.slots_t, layer] = src.view(-1, *block)
-        plan.layers_done.add(layer)
+        mine = plan.mine
+        try:
+            if plan.batch is None:
+                # checksummed and written back by the checksum threads as each layer lands
+                plan.batch = self._gpu.batch(plan.slots[mine], plan.pages[mine],
+                                             plan.subs[mine], plan.tokens[mine], checksum=True)
+                plan.batch_rows = mine.copy()
+            self._gpu.save_layer(plan.batch, layer)
+            plan.layers_done.add(layer)
+        except Exception as exc:       # never into the engine: the blocks are not saved
+            log.warning("TraCT save of layer %s failed, the step's blocks are not saved: %s",
+                        layer_name, exc)
+            plan.gpu_failed = True
         plan.copy_s += time.perf_counter() - t0
 
     def wait_for_save(self) -> None:
-        plan, self._plan = self._plan, None
-        if self._reserving is not None:
-            reserving, self._reserving = self._reserving, None
-            t0 = time.perf_counter()
-            try:
-                # bounded: the reserve waits at most step_timeout_s for a lock
-                plan = reserving.result()
-            except Exception as exc:     # never into the engine: the blocks are not saved
-                log.warning("TraCT reserve failed, the step's blocks are not saved: %s", exc)
-                plan = None
-            if plan is not None:
-                # what the step waited for: the part of the reserve the forward did not hide
-                plan.reserve_s = time.perf_counter() - t0
+        self._settle_gpu_loads()
+        plan = self._claimed()
+        self._plan = None
         failed, self._sync_failed = self._sync_failed, set()
         if plan is None:
             return
+        if plan.batch is not None:
+            # the DMA queued layer by layer and its checksums and write-back: done
+            # before the slots are committed or (a failed load's) given back
+            t0 = time.perf_counter()
+            try:
+                self._gpu.finish()
+                plan.batch_sums = self._gpu.checksums(plan.batch)
+            except Exception as exc:   # a CUDA error: nothing of this step is saved
+                log.warning("TraCT save failed, the step's blocks are not saved: %s", exc)
+                plan.gpu_failed = True
+                self._gpu.quiesce(plan.batch)
+            plan.copy_s += time.perf_counter() - t0
         if failed:
             self._drop_failed_loads(plan, failed)
         mine = plan.mine
@@ -354,17 +402,18 @@ class WorkerSide:
                 sums = np.zeros(len(plan.keys), np.uint32)
                 sums[mine] = crcs
             elif mine.size:
-                complete = len(plan.layers_done) == len(self._layers)
-                if complete:
-                    self._zero_partial_tails(plan)
+                complete = len(plan.layers_done) == len(self._layers) and not plan.gpu_failed
+                if complete:         # the CPU's CRC-32C of what the DMA wrote
                     sums = np.zeros(len(plan.keys), np.uint32)
-                    sums[mine] = self.pool.checksum_slots(plan.slots[mine])
+                    sums[plan.batch_rows] = plan.batch_sums
             t1 = time.perf_counter()
             if mine.size or not plan.handoffs:
                 self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
                                        pin=plan.pinned and complete, tokens=plan.tokens,
                                        checksums=sums if self.settings.checksums else None,
-                                       streamed=self._paged is not None,
+                                       # the CPU path's copy streams; the GPU's
+                                       # checksum threads wrote every layer back
+                                       streamed=self._paged is not None or complete,
                                        timeout=self.settings.step_timeout_s)
             commit_s = time.perf_counter() - t1
         except TractError as exc:
@@ -432,22 +481,18 @@ class WorkerSide:
         log.info(kvlog.REFERENCE, kind, len(slots), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
         return t2 - t0
 
-    def _zero_partial_tails(self, plan: _SavePlan) -> None:
-        """GPU path: clears a partial tail's slot past its tokens (vLLM's page may hold
-        another request's stale KV there, which must not reach the pool)."""
-        for i in np.flatnonzero(plan.tokens[plan.mine] < self.g):
-            slot, used = int(plan.slots[plan.mine[i]]), int(plan.tokens[plan.mine[i]])
-            # the slot's elements in region order: zero those of later tokens
-            stale = torch.from_numpy(self.layout.elem_token[int(plan.subs[plan.mine[i]])] >= used)
-            self._slots_t[slot].view(len(self._layers), -1)[:, stale] = 0
-
     # ---- loads ----
 
     def start_loads(self, loads: list[LoadSpec]) -> None:
-        """Synchronous loads (and every load of the GPU path) are copied here,
-        before the step's forward, which computes the rest of their prompts;
-        asynchronous ones go to the loader thread."""
+        """Synchronous loads are copied here, before the step's forward, which
+        computes the rest of their prompts; asynchronous ones go to the loader
+        thread.  On a GPU every load is queued here, layer by layer, and settled
+        in wait_for_save."""
         if not loads:
+            return
+        if self._gpu is not None:
+            for spec in loads:
+                self._start_gpu_load(spec)
             return
         later = []
         for spec in loads:
@@ -460,15 +505,7 @@ class WorkerSide:
                 log.warning("TraCT load of request %s failed, vLLM recomputes it: %s",
                             spec.req_id, exc)
                 bad = set(np.unique(spec.pages).tolist())
-            if spec.sync:         # reported with the step's output (worker_meta)
-                self._sync_loaded.add(spec.req_id)
-                self._load_errors |= bad
-                if bad:           # what this step computes on it is not saved
-                    self._sync_failed.add(spec.req_id)
-            else:
-                self._finish(spec.req_id, bad)
-            if spec.ticket is not None:
-                self._queue_ack(spec)
+            self._report(spec, bad)
         if not later:
             return
         if self._loader is None:
@@ -477,6 +514,100 @@ class WorkerSide:
             self._loader.start()
         for spec in later:
             self._loads.put(spec)
+
+    def _report(self, spec: LoadSpec, bad: set) -> None:
+        """A load copied in this step: a synchronous one reported with the step's
+        output (worker_meta), an asynchronous one by get_finished; then its
+        handoff's acknowledgement is queued."""
+        if spec.sync:
+            self._sync_loaded.add(spec.req_id)
+            self._load_errors |= bad
+            if bad:               # what this step computes on it is not saved
+                self._sync_failed.add(spec.req_id)
+        else:
+            self._finish(spec.req_id, bad)
+        if spec.ticket is not None:
+            self._queue_ack(spec)
+
+    def _start_gpu_load(self, spec: LoadSpec) -> None:
+        """GPU path: queues the request's blocks into its pages (every layer, by
+        DMA on the side stream) and checksums the slots on the CPU while the DMA
+        runs; the verdict waits for _settle_gpu_loads."""
+        t0 = time.perf_counter()
+        ticket = Ticket.from_dict(spec.ticket) if spec.ticket is not None else None
+        try:
+            if ticket is not None:               # still published: its pins hold the slots
+                self.pool.handoffs.open(ticket)
+            self.pool.acquire_payload(spec.slots, spec.tags)
+            batch = self._gpu.batch(spec.slots, spec.pages, spec.subs,
+                                    checksum=self.settings.checksums)
+            self._gpu.load(batch)         # and its checksums, on the checksum threads
+            queued = time.perf_counter() - t0
+        except Exception as exc:      # a pool or a CUDA error: recomputed, never fatal
+            log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id,
+                        exc)
+            self._report(spec, {int(p) for p in np.unique(spec.pages)})
+            return
+        self._gpu_loads.append(_GpuLoad(spec, ticket, batch, t0, queued))
+
+    def _settle_gpu_loads(self) -> None:
+        """GPU path: waits for the loads queued this step, then judges each (its
+        checksums; a handoff's record still published after the copy) and
+        reports it, before the step's output is asked for."""
+        loads, self._gpu_loads = self._gpu_loads, []
+        if not loads:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._gpu.finish()
+            broken = None
+        except Exception as exc:      # a CUDA error: every load of the step recomputed
+            broken = exc
+        wait_s = time.perf_counter() - t0
+        for load in loads:
+            spec, n = load.spec, len(load.spec.slots)
+            sums, failed = None, broken
+            try:
+                sums = self._gpu.checksums(load.batch)
+            except Exception as exc:  # the blocks cannot be vouched for: recomputed
+                failed = failed or exc
+            valid = 0 if failed is not None else n
+            if failed is not None:
+                log.warning("TraCT load of request %s failed, vLLM recomputes it: %s",
+                            spec.req_id, failed)
+            if valid and sums is not None:
+                bad = np.flatnonzero((spec.checksums != 0) & (sums != spec.checksums))
+                if bad.size:
+                    valid = int(bad[0])
+                    log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
+                                "recomputes from there", valid, spec.req_id)
+            if load.ticket is not None and valid:
+                try:
+                    published = self.pool.handoffs.still_published(load.ticket)
+                except TractError:
+                    published = False
+                if not published:
+                    log.warning("TraCT handoff %d of request %s was released during its "
+                                "load: vLLM recomputes it", load.ticket.record, spec.req_id)
+                    valid = 0
+                    try:
+                        self.pool.forget_payload(spec.slots)
+                    except TractError as exc:
+                        log.warning("TraCT payload ledger not updated: %s", exc)
+            bad_pages = {int(p) for p in np.unique(spec.pages[valid:])} if valid < n else set()
+            total = time.perf_counter() - load.started
+            # copy: queueing it and the wait for its DMA (the checksum ran meanwhile)
+            copy_s = load.queue_s + wait_s
+            log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
+                    spec.req_id, total * 1e3, copy_s * 1e3, (total - copy_s) * 1e3)
+            self._report(spec, bad_pages)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """GPU path: vLLM's stream waits for this layer of the step's loads."""
+        if self._gpu is not None:
+            layer = self._layers.get(layer_name)
+            if layer is not None:
+                self._gpu.wait_layer(layer)
 
     def _load_loop(self) -> None:
         while True:
@@ -516,23 +647,20 @@ class WorkerSide:
             if ticket is not None:               # still published: its pins hold the slots
                 self.pool.handoffs.open(ticket)
             self.pool.acquire_payload(spec.slots, spec.tags)
-            if self._paged is not None:
-                t1 = time.perf_counter()
-                crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
-                copy_s = time.perf_counter() - t1
-                if self.settings.checksums:
-                    bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
-                    if bad.size:
-                        valid = int(bad[0])
-                        log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
-                                    "recomputes from there", valid, spec.req_id)
-                if valid == n:
-                    # while the pins or the record still hold the slots (before the
-                    # check below), and off the load's time
-                    reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,
-                                                  crcs)
-            else:
-                valid = self._load_torch(spec)
+            t1 = time.perf_counter()
+            crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
+            copy_s = time.perf_counter() - t1
+            if self.settings.checksums:
+                bad = np.flatnonzero((spec.checksums != 0) & (crcs != spec.checksums))
+                if bad.size:
+                    valid = int(bad[0])
+                    log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
+                                "recomputes from there", valid, spec.req_id)
+            if valid == n:
+                # while the pins or the record still hold the slots (before the
+                # check below), and off the load's time
+                reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,
+                                              crcs)
             if ticket is not None and not self.pool.handoffs.still_published(ticket):
                 # expired and reclaimed (or acknowledged by another) meanwhile: its
                 # slots may have been reused under the copy, whose lines this host
@@ -550,24 +678,6 @@ class WorkerSide:
         log.log(self._timings, kvlog.LOADED, valid, valid * self.pool.info.block_bytes,
                 spec.req_id, total * 1e3, copy_s * 1e3, (total - copy_s) * 1e3)
         return bad_pages
-
-    def _load_torch(self, spec: LoadSpec) -> int:
-        """GPU path: checksums first, then one torch scatter per layer; the blocks
-        that stand."""
-        n = valid = len(spec.slots)
-        if self.settings.checksums and n:
-            sums = self.pool.checksum_slots(spec.slots)
-            bad = np.flatnonzero((spec.checksums != 0) & (sums != spec.checksums))
-            if bad.size:
-                valid = int(bad[0])
-        if valid:
-            slots = torch.from_numpy(spec.slots[:valid].astype(np.int64))
-            index = torch.from_numpy(self.layout.gather_index(
-                spec.pages[:valid], spec.subs[:valid])).to(self._device)
-            for name, layer in self._layers.items():
-                src = self._slots_t[slots, layer].reshape(valid, -1)
-                self._flat[name][index] = src.to(self._device)
-        return valid
 
     def _queue_ack(self, spec: LoadSpec) -> None:
         """Queues the acknowledgement of the handoff SPEC loaded from (its load
@@ -606,6 +716,9 @@ class WorkerSide:
         into vLLM's tensors, which must outlive it; it waits for no lock)."""
         self._drop_pending_save("shutdown")
         self._reserver.shutdown(wait=True)
+        if self._gpu is not None:      # the DMA in flight done, the mapping unregistered
+            self._settle_gpu_loads()      # their acknowledgements queued
+            self._gpu.close()
         if self._loader is None:
             return
         while True:

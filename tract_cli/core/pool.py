@@ -489,6 +489,26 @@ class Pool:
         area = self.slots_tensor() if torch else self.slots_array()
         return BlockTable(area, np.asarray(slots, dtype=np.uint32))
 
+    def advance_checksums(self, slots, regs: np.ndarray, offset: int, length: int,
+                          write_back: bool = False) -> None:
+        """Advances each slot's CRC-32C register (REGS, uint32, in place; start
+        from 0xFFFFFFFF, invert after the last part) over bytes [OFFSET,
+        OFFSET+LENGTH) of its payload (one C call, the GIL released): a GPU
+        path checksums each layer as its DMA lands.  WRITE_BACK: then writes
+        those bytes back to the device, fenced, as a commit of DMA'd slots
+        would (the commit may then say streamed)."""
+        arr = np.ascontiguousarray(slots, dtype=np.uint32)
+        if regs.dtype != np.uint32 or regs.shape != arr.shape or not regs.flags.c_contiguous:
+            raise UsageError("one contiguous uint32 register per slot", f"pass {arr.size} registers")
+        u32 = lambda a: ffi.cast("uint32_t *", ffi.from_buffer(a))
+        rc = lib.tract_checksum_slots_part(self._r(), u32(arr) if arr.size else ffi.NULL, arr.size,
+                                           offset, length, u32(regs) if arr.size else ffi.NULL,
+                                           int(write_back))
+        if rc == lib.TRACT_E_RANGE:
+            raise UsageError("a slot id or byte range is outside the pool's slots",
+                             "use slot ids the index returned and ranges within a block")
+        raise_for(rc, self.path)
+
     def slots_tensor(self):
         """Zero-copy torch tensor over every slot, made once per Pool: shape
         (slot_count, layer, K|V, token, kv_head, head_dim); `t[ids]` gathers

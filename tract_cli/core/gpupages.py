@@ -1,0 +1,383 @@
+"""An engine's paged KV cache on a GPU to and from region slots by DMA, layer
+by layer, on a side stream (the GPU twin of core/kvpages.py's `PagedKV`).
+
+The region's mapping is registered once (`CudaPool`), so a slot is page-locked
+host memory the GPU's copy engines reach directly.  One layer of a batch of
+blocks moves in two steps, both queued on the side stream:
+
+- **on the GPU**, between the engine's pages and a staging buffer of that
+  layer's blocks in region order: one `index_select` (save) or `index_copy_`
+  (load) over *rows*, the longest stretch of elements every run of the page
+  layout is made of (FlashAttention's `[2, pages, B, heads, dim]`: two rows
+  of `B*heads*dim` a block, K and V; FlashInfer's `[pages, 2, B, heads, dim]`:
+  one).  The row table is uploaded once; a step uploads its pages only.
+- **by DMA**, between the staging buffer and the slots: one pitched copy
+  (`cudaMemcpy2DAsync`) per run of consecutive slots, the batch taken in slot
+  order.  Nothing goes through pageable memory.
+
+A save queues each layer as the engine hands it over (after that layer's
+attention wrote its pages: the side stream waits for the engine's stream
+first), so the DMA overlaps the rest of the forward; `finish` waits for it.
+A load queues every layer at once and records an event per layer, which the
+engine's stream waits for before that layer's attention (`wait_layer`).
+
+The staging buffer is allocated once, `capacity` blocks of one layer; a
+batch larger than that moves in chunks of it.
+
+The checksums are the CPU's CRC-32C of the slots, the same a CPU reader
+checks, computed off the engine's thread by a few checksum threads (each
+owns a share of the batch's slots, so a slot's layers go in order): a save's
+layer as soon as its DMA landed (an event per layer), each slot's register
+carried from layer to layer (`Pool.advance_checksums`), and written back to
+the device right after, as a commit of DMA'd slots must (DDIO may leave the
+DMA's lines dirty in the last-level cache), so the commit says `streamed`;
+a load's whole blocks at once, while the DMA reads the same slots.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tract_cli.core.cudart import CudaRuntime
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.gpu import CudaPool, _runs
+from tract_cli.core.kvpages import PageLayout
+from tract_cli.core.native import ffi
+
+
+def row_elements(layout: PageLayout) -> int:
+    """The longest stretch R of elements such that every run of every
+    sub-block, and the page stride, are whole rows of R (offsets and lengths
+    multiples of R): a block's layer is then `elements / R` rows."""
+    parts = [np.asarray([layout.page_stride], np.int64)]
+    for offsets, lengths in layout.runs:
+        parts += [np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)]
+    r = int(np.gcd.reduce(np.concatenate(parts)))
+    return max(r, 1)
+
+
+def row_table(layout: PageLayout, rows: int) -> np.ndarray:
+    """int64 [sub-blocks, rows a block's layer]: the row (of ROWS elements), in
+    page 0 of one layer's tensor, of each row of a region block, region order."""
+    per = layout.index.reshape(layout.index.shape[0], -1, rows)
+    table = per[:, :, 0] // rows
+    expect = table[:, :, None] * rows + np.arange(rows)
+    if not np.array_equal(per, expect):
+        raise TractError("the page layout's runs are not whole rows",
+                         "report the attention backend: the GPU path cannot move it")
+    return np.ascontiguousarray(table, dtype=np.int64)
+
+
+# checksum threads of a CudaPagedKV: a GPU host's cores are mostly idle while
+# it serves, and one core's CRC-32C (~10 GB/s) is slower than the DMA (~45 GB/s)
+CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# what a checksum thread is handed at a time, at least (a group of layers)
+CHECKSUM_TASK_BYTES = 4 << 20
+
+
+class _Batch:
+    """A batch of blocks in slot order, its rows on the GPU, and (checksummed)
+    each block's CRC register and the checksum threads' work on it."""
+
+    def __init__(self, slots, order, rows_t, tails, checksum: bool):
+        self.slots, self.order, self.rows_t, self.tails = slots, order, rows_t, tails
+        self.runs = _runs(slots)
+        self.regs = np.full(len(slots), 0xFFFFFFFF, np.uint32) if checksum else None
+        self.pending: list = []
+        # a save's layers landed and not yet handed to the checksum threads:
+        # (first, last, the event after the last) -- handed over in groups
+        self.unsummed: tuple | None = None
+
+
+class CudaPagedKV:
+    """Moves blocks between an engine's per-layer CUDA KV tensors (region layer
+    order, contiguous, alike) and a pool's slots.  CAPACITY: blocks a staging
+    buffer of one layer holds (what one step saves, typically).  The tensors
+    must outlive this object.  CUDA_POOL: the pool's registration to share
+    (None: one of its own, which close() unregisters)."""
+
+    def __init__(self, pool, layout: PageLayout, tensors: list, capacity: int,
+                 cuda_pool: CudaPool | None = None):
+        import torch
+        g = pool.geometry
+        if len(tensors) != g.num_layers:
+            raise UsageError(f"{len(tensors)} layer tensors for a region of {g.num_layers} layers",
+                             "pass every attention layer's KV cache")
+        first = tensors[0]
+        if first.device.type != "cuda":
+            raise UsageError("the engine's KV tensors are not on a CUDA device",
+                             "use PagedKV (core/kvpages.py) for CPU tensors")
+        for t in tensors:
+            if (t.device != first.device or not t.is_contiguous() or t.dtype != first.dtype
+                    or t.numel() != first.numel()):
+                raise UsageError("the engine's KV layer tensors are not alike contiguous tensors "
+                                 "on one GPU", "pass each layer's whole KV cache tensor")
+        if first.element_size() != layout.elem_bytes:
+            raise UsageError(f"KV elements of {first.element_size()} bytes, the layout says "
+                             f"{layout.elem_bytes}", "describe the engine's own KV dtype")
+        self.layer_bytes = pool.info.block_bytes // g.num_layers
+        elements = self.layer_bytes // layout.elem_bytes
+        if layout.index.shape[1] != elements:
+            raise UsageError(f"a page's sub-block holds {layout.index.shape[1]} elements, a region "
+                             f"block's layer {elements}", "format the region for this model")
+        self.rows = row_elements(layout)
+        if first.numel() % self.rows:
+            raise UsageError("the engine's KV tensor is not a whole number of the layout's rows",
+                             "report the attention backend: the GPU path cannot move it")
+        self.pool, self.layout, self.device = pool, layout, first.device
+        self._owns = cuda_pool is None
+        self.cuda = cuda_pool if cuda_pool is not None else CudaPool(pool, device=str(first.device))
+        try:
+            self.runtime = CudaRuntime()
+            self._views = [t.view(-1, self.rows) for t in tensors]
+            self._table = torch.from_numpy(row_table(layout, self.rows)).to(self.device)
+            self._page_rows = layout.page_stride // self.rows
+            # the engine's pages: those whose every element lies in the tensor
+            self.pages = (first.numel() - int(layout.index.max()) - 1) // layout.page_stride + 1
+            # elements' tokens, to zero a partial block past its tokens (vLLM's page
+            # may hold another request's stale KV there, which must not reach the pool)
+            self._elem_token = torch.from_numpy(layout.elem_token.astype(np.int32)).to(self.device)
+            self.capacity = max(1, int(capacity))
+            self._staging = torch.empty((self.capacity, elements), dtype=first.dtype,
+                                        device=self.device)
+        except BaseException:
+            if self._owns:
+                self.cuda.close()
+            raise
+        self.stream = self.cuda.stream
+        self._mapping = int(ffi.cast("uintptr_t", pool._base))
+        self._stride = pool.info.slot_stride
+        self._data = pool.slot_offset(0)
+        self._events: dict[int, object] = {}
+        self._crc = [ThreadPoolExecutor(1, thread_name_prefix=f"tract-crc{k}")
+                     for k in range(CHECKSUM_THREADS)]
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.capacity * self.layer_bytes
+
+    # ---- batches ----
+
+    def batch(self, slots, pages, subs, tokens=None, checksum: bool = False) -> _Batch:
+        """The blocks (page, sub) to move to or from SLOTS, in slot order (so
+        consecutive slots are one pitched copy), their rows on the GPU, and the
+        partial blocks (TOKENS below the block's) to zero past their tokens;
+        CHECKSUM: their CRC-32C computed (and a save's written back) as they
+        move (`checksums`)."""
+        import torch
+        s = np.asarray(slots, dtype=np.uint32)
+        p, j = np.asarray(pages, dtype=np.int64), np.asarray(subs, dtype=np.int64)
+        if not (s.shape == p.shape == j.shape) or s.ndim != 1:
+            raise UsageError("slots, pages and sub-blocks differ in length",
+                             "pass one page and sub-block per slot")
+        if s.size and int(s.max()) >= self.pool.info.slot_count:
+            raise UsageError("a slot id is outside the pool", "use slot ids the index returned")
+        if s.size and (p.min() < 0 or p.max() >= self.pages or j.min() < 0
+                       or j.max() >= self.layout.blocks_per_page):
+            raise UsageError("a page or sub-block is outside the engine's KV cache",
+                             "pass pages of the engine's own cache")
+        order = np.argsort(s, kind="stable")
+        s, p, j = s[order], p[order], j[order]
+        tails = None
+        if tokens is not None:
+            t = np.asarray(tokens, dtype=np.int64)[order]
+            part = np.flatnonzero(t < self.pool.geometry.block_tokens)
+            if part.size:
+                tails = (part, t[part], j[part])
+        with torch.cuda.stream(self.stream):
+            # allocated on the side stream, which uses them: never freed under it
+            pages_t = torch.from_numpy(p).to(self.device)
+            subs_t = torch.from_numpy(j).to(self.device)
+            rows_t = pages_t[:, None] * self._page_rows + self._table[subs_t]
+        return _Batch(s, order, rows_t, tails, checksum)
+
+    def _slot_address(self, slot: int, layer: int) -> int:
+        return self._mapping + self._data + slot * self._stride + layer * self.layer_bytes
+
+    def _chunks(self, n: int):
+        for start in range(0, n, self.capacity):
+            yield start, min(n, start + self.capacity)
+
+    # ---- save ----
+
+    def save_layer(self, batch: _Batch, layer: int) -> None:
+        """Queues LAYER of the batch's blocks from the engine's pages into their
+        slots, after what the engine's stream queued so far (its attention wrote
+        them)."""
+        import torch
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        view, staging = self._views[layer], self._staging
+        with torch.cuda.stream(self.stream):
+            for start, end in self._chunks(len(batch.slots)):
+                n = end - start
+                rows = batch.rows_t[start:end].reshape(-1)
+                torch.index_select(view, 0, rows, out=staging[:n].view(-1, self.rows))
+                self._zero_tails(batch, start, end)
+                self._copy_runs(batch, start, end, layer, to_slots=True)
+            if batch.regs is not None:
+                landed = torch.cuda.Event()
+                landed.record(self.stream)
+                self._layer_landed(batch, layer, landed)
+
+    def _zero_tails(self, batch: _Batch, start: int, end: int) -> None:
+        if batch.tails is None:
+            return
+        part, used, subs = batch.tails
+        inside = (part >= start) & (part < end)
+        if not inside.any():
+            return
+        import torch
+        at = torch.from_numpy(part[inside] - start).to(self.device)
+        used_t = torch.from_numpy(used[inside]).to(self.device)
+        sub_t = torch.from_numpy(subs[inside]).to(self.device)
+        stale = self._elem_token[sub_t] >= used_t[:, None]
+        # zeros, as the CPU path writes (a product with 0 would keep -0.0's sign)
+        self._staging[at] = self._staging[at].masked_fill(stale, 0)
+
+    def finish(self) -> None:
+        """Waits for every copy queued (a save's, before its commit)."""
+        self.stream.synchronize()
+        self._events.clear()
+
+    def _layer_landed(self, batch: _Batch, layer: int, landed) -> None:
+        """Hands a save's landed layers to the checksum threads in groups of
+        consecutive layers of about CHECKSUM_TASK_BYTES a thread (a task per
+        layer costs more in Python than its checksum, for short prompts)."""
+        group = batch.unsummed
+        if group is not None and layer == group[1] + 1:
+            group = (group[0], layer, landed)
+        else:
+            self._sum_landed(batch)
+            group = (layer, layer, landed)
+        batch.unsummed = group
+        share = math.ceil(len(batch.slots) / len(self._crc)) * self.layer_bytes
+        if (group[1] - group[0] + 1) * share >= CHECKSUM_TASK_BYTES:
+            self._sum_landed(batch)
+
+    def _sum_landed(self, batch: _Batch) -> None:
+        group, batch.unsummed = batch.unsummed, None
+        if group is not None:
+            first, last, landed = group
+            self._checksum(batch, landed, first * self.layer_bytes,
+                           (last - first + 1) * self.layer_bytes, True)
+
+    def _checksum(self, batch: _Batch, landed, offset: int, length: int,
+                  write_back: bool) -> None:
+        """Each checksum thread advances its share of the batch's registers over
+        [OFFSET, OFFSET+LENGTH) of the slots once LANDED (an event; None: now)."""
+        n = len(batch.slots)
+        shares = np.linspace(0, n, len(self._crc) + 1).astype(np.int64)
+        for worker, lo, hi in zip(self._crc, shares[:-1], shares[1:]):
+            if hi > lo:
+                batch.pending.append(worker.submit(self._advance, batch, int(lo), int(hi),
+                                                   landed, offset, length, write_back))
+
+    def _advance(self, batch: _Batch, lo: int, hi: int, landed, offset: int, length: int,
+                 write_back: bool) -> None:
+        if landed is not None:
+            landed.synchronize()          # the GIL released while it waits
+        self.pool.advance_checksums(batch.slots[lo:hi], batch.regs[lo:hi], offset, length,
+                                    write_back)
+
+    def checksums(self, batch: _Batch) -> np.ndarray | None:
+        """Waits for the batch's checksum threads (after finish: a save's
+        layers all queued); each block's CRC-32C in the caller's order, None
+        if not checksummed.  Raises what a checksum thread raised."""
+        self._sum_landed(batch)
+        pending, batch.pending = batch.pending, []
+        errors = []
+        for done in pending:
+            try:
+                done.result()
+            except Exception as exc:      # every thread waited for before raising
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        if batch.regs is None:
+            return None
+        out = np.empty(len(batch.slots), np.uint32)
+        out[batch.order] = ~batch.regs
+        return out
+
+    def quiesce(self, batch: _Batch) -> None:
+        """Nothing of the batch in flight after this (its DMA, its checksum
+        threads' reads and write-backs): before its slots are given back."""
+        self.finish()
+        try:
+            self.checksums(batch)
+        except Exception:                 # the slots are given back regardless
+            pass
+
+    # ---- load ----
+
+    def load(self, batch: _Batch) -> None:
+        """Queues every layer of the batch's slots into the engine's pages; the
+        engine's stream waits for a layer with wait_layer before using it."""
+        import torch
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        staging = self._staging
+        with torch.cuda.stream(self.stream):
+            for layer, view in enumerate(self._views):
+                for start, end in self._chunks(len(batch.slots)):
+                    n = end - start
+                    self._copy_runs(batch, start, end, layer, to_slots=False)
+                    rows = batch.rows_t[start:end].reshape(-1)
+                    view.index_copy_(0, rows, staging[:n].view(-1, self.rows))
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self._events[layer] = event
+        if batch.regs is not None:     # the slots are pinned: read beside the DMA
+            self._checksum(batch, None, 0, self.pool.info.block_bytes, False)
+
+    def wait_layer(self, layer: int) -> None:
+        """The engine's stream waits for LAYER of the loads queued (no-op if none)."""
+        import torch
+        event = self._events.get(layer)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # ---- the DMA ----
+
+    def _copy_runs(self, batch: _Batch, start: int, end: int, layer: int,
+                   to_slots: bool) -> None:
+        """One pitched copy per run of consecutive slots within [START, END)
+        between the slots' LAYER and the staging buffer's rows."""
+        stage = self._staging.data_ptr()
+        stream = self.stream.cuda_stream
+        lb = self.layer_bytes
+        for i, first, n in _runs_within(batch, start, end):
+            slot_at = self._slot_address(first, layer)
+            stage_at = stage + (i - start) * lb
+            if to_slots:
+                self.runtime.memcpy2d_async(slot_at, self._stride, stage_at, lb, lb, n, stream)
+            else:
+                self.runtime.memcpy2d_async(stage_at, lb, slot_at, self._stride, lb, n, stream)
+
+    def close(self) -> None:
+        """Waits for the copies in flight, then unregisters the mapping (if its own)."""
+        if self.cuda is not None:
+            self.stream.synchronize()
+            for worker in self._crc:
+                worker.shutdown(wait=True)
+            if self._owns:
+                self.cuda.close()
+            self.cuda = None
+
+
+def _runs_within(batch: _Batch, start: int, end: int):
+    """The batch's runs of consecutive slots cut to [START, END)."""
+    for i, first, n in batch.runs:
+        lo, hi = max(i, start), min(i + n, end)
+        if lo < hi:
+            yield lo, first + (lo - i), hi - lo
+
+
+def staging_capacity(max_tokens: int, block_tokens: int, layer_bytes: int,
+                     limit_bytes: int = 256 << 20) -> int:
+    """Blocks of staging for a step of MAX_TOKENS new tokens (their full blocks
+    and a partial one), at most LIMIT_BYTES of one layer's blocks."""
+    blocks = math.ceil(max_tokens / block_tokens) + 1
+    return max(1, min(blocks, limit_bytes // max(layer_bytes, 1)))
