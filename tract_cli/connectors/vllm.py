@@ -178,7 +178,11 @@ class TractConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, TractConnectorMetadata):
-            self.worker_side.start_loads(meta.loads)
+            # a FULL CUDA graph's replay runs no attention wrapper, so no
+            # wait_for_layer_load: the step's stream then waits for every layer
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            self.worker_side.start_loads(meta.loads,
+                                         whole=getattr(mode, "name", "") == "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # on the CPU a synchronous load was copied in start_load_kv, before the

@@ -483,16 +483,19 @@ class WorkerSide:
 
     # ---- loads ----
 
-    def start_loads(self, loads: list[LoadSpec]) -> None:
+    def start_loads(self, loads: list[LoadSpec], whole: bool = False) -> None:
         """Synchronous loads are copied here, before the step's forward, which
         computes the rest of their prompts; asynchronous ones go to the loader
         thread.  On a GPU every load is queued here, layer by layer, and settled
-        in wait_for_save."""
+        in wait_for_save; WHOLE (a step replayed as one CUDA graph, which calls
+        no wait_for_layer_load): vLLM's stream waits for every layer at once."""
         if not loads:
             return
         if self._gpu is not None:
             for spec in loads:
                 self._start_gpu_load(spec)
+            if whole:
+                self._gpu.wait_all()
             return
         later = []
         for spec in loads:

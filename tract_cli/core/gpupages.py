@@ -332,6 +332,12 @@ class CudaPagedKV:
         if batch.regs is not None:     # the slots are pinned: read beside the DMA
             self._checksum(batch, None, 0, self.pool.info.block_bytes, False)
 
+    def wait_all(self) -> None:
+        """The engine's stream waits for every layer of the loads queued."""
+        import torch
+        if self._events:
+            torch.cuda.current_stream(self.device).wait_event(self._events[max(self._events)])
+
     def wait_layer(self, layer: int) -> None:
         """The engine's stream waits for LAYER of the loads queued (no-op if none)."""
         import torch
