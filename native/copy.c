@@ -255,7 +255,7 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 int tract_checksum_slots_part(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t off,
 			      uint64_t len, uint32_t *regs, int write_back)
 {
-	if (!r || ((!slots || !regs) && n))
+	if (!r || ((!slots || !regs) && n) || (write_back && (r->flags & TRACT_ATTACH_READONLY)))
 		return TRACT_E_INVAL;
 	if (off > r->hdr.block_bytes || len > r->hdr.block_bytes - off)
 		return TRACT_E_RANGE;

@@ -150,6 +150,11 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         page_ids = np.random.default_rng(1).permutation(pages)[:len(pick)]
         tokens = np.full(len(pick), B, np.int64)
         tokens[-1] = 5                           # a partial last block
+        # the engine's stream is busy, then changes the pages: a save that did not
+        # wait for the engine's stream would copy them as they were
+        torch.cuda._sleep(100_000_000)
+        for t in src:
+            t.neg_()
         batch = kv.batch(slots[pick], page_ids, np.zeros(len(pick), np.int64), tokens,
                          checksum=True)
         for layer in range(L):
@@ -177,12 +182,16 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         sums = pool.checksum_slots(slots[pick])
         pool.slot_array(int(slots[pick[6]])).reshape(-1).view(np.uint8)[7] ^= 0x01
         loading = back.batch(slots[pick], into, np.zeros(len(pick), np.int64), checksum=True)
+        with torch.cuda.stream(back.stream):      # the copies run late: a layer read
+            torch.cuda._sleep(100_000_000)        # without waiting would find zeros
         back.load(loading)
+        gathered = []
         for layer in range(L):
             back.wait_layer(layer)
+            gathered.append(dst[layer][:, torch.as_tensor(into, device="cuda")])
         torch.cuda.current_stream().synchronize()
         for layer in range(L):
-            got = dst[layer][:, torch.as_tensor(into, device="cuda")]
+            got = gathered[layer]
             want = src[layer][:, torch.as_tensor(page_ids, device="cuda")].clone()
             want[:, -1, 5:] = 0
             if layer == 0:            # the byte changed in the slot: the block read as it is
@@ -226,3 +235,33 @@ def test_checksums_advanced_layer_by_layer_equal_the_whole(managed_region, simul
         with pytest.raises(UsageError, match="outside"):
             pool.advance_checksums(slots, regs, part, pool.info.block_bytes)
         pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_the_worker_around_the_gpu_path_with_the_cpu_standing_in(region_path):
+    """The connector's worker half on its GPU path (tests/gpu_worker_driver.py, in
+    vLLM's environment, tests/fake_cuda.py standing the CPU in for CUDA): layers
+    saved as handed over; a step whose forward handed over none (a FULL CUDA
+    graph's replay) saved whole in wait_for_save; a layer out of order leaves
+    the step unsaved and its claims given back; a block that fails its checksum
+    is reported with its pages from there on, before wait_for_save (speculative
+    decoding's order), and the blocks before it load intact."""
+    import json
+    import os
+    import subprocess
+
+    from agents import RunningAgent
+    from tests.vllm_stack import ROOT, VLLM_PY
+    if not os.path.exists(VLLM_PY):
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
+    Pool.create(region_path, 64 << 20, "tiny-llama").close()
+    with RunningAgent(region_path, 0, manager=True):
+        out = subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "gpu_worker_driver.py"),
+                              region_path], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT)
+    assert out.returncode == 0, f"the driver failed: {out.stderr[-3000:]}"
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["in_order"] == {"hits": 4, "bytes_equal": True, "checksums_equal": True}
+    assert seen["no_layer_handed_over"] == {"hits": 3, "bytes_equal": True,
+                                            "checksums_equal": True}
+    assert seen["out_of_order"] == {"hits": 0, "claimable_again": True}
+    assert seen["load"] == {"errors": [22, 23], "reported": ["d"], "good_blocks_equal": True}

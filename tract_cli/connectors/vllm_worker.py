@@ -345,8 +345,19 @@ class WorkerSide:
         if self._gpu is None:
             return
         plan = self._claimed()
+        if plan is not None:
+            self._save_layer(plan, layer_name)
+
+    def _save_layer(self, plan: _SavePlan, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if plan is None or not plan.mine.size or plan.gpu_failed or layer is None:
+        if not plan.mine.size or plan.gpu_failed or layer is None:
+            return
+        if layer != len(plan.layers_done):
+            # each slot's checksum is carried from layer to layer, in order: a
+            # layer out of order (or twice) leaves the step's blocks unsaved
+            log.warning("TraCT: vLLM handed over layer %s out of order, the step's blocks "
+                        "are not saved", layer_name)
+            plan.gpu_failed = True
             return
         t0 = time.perf_counter()
         mine = plan.mine
@@ -371,6 +382,13 @@ class WorkerSide:
         failed, self._sync_failed = self._sync_failed, set()
         if plan is None:
             return
+        if self._gpu is not None and plan.mine.size and not plan.layers_done \
+                and not plan.gpu_failed:
+            # no layer handed over during the forward (a step vLLM replayed as one
+            # FULL CUDA graph runs no attention wrapper): every layer now, after
+            # the forward the engine's stream has queued
+            for name in self._layers:        # in layer order
+                self._save_layer(plan, name)
         if plan.batch is not None:
             # the DMA queued layer by layer and its checksums and write-back: done
             # before the slots are committed or (a failed load's) given back
@@ -383,6 +401,9 @@ class WorkerSide:
                 plan.gpu_failed = True
                 self._gpu.quiesce(plan.batch)
             plan.copy_s += time.perf_counter() - t0
+            if len(plan.layers_done) != len(self._layers) and not plan.gpu_failed:
+                log.warning("TraCT: %d of %d layers handed over, the step's blocks are not "
+                            "saved", len(plan.layers_done), len(self._layers))
         if failed:
             self._drop_failed_loads(plan, failed)
         mine = plan.mine
@@ -584,7 +605,7 @@ class WorkerSide:
                     valid = int(bad[0])
                     log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
                                 "recomputes from there", valid, spec.req_id)
-            if load.ticket is not None and valid:
+            if load.ticket is not None:
                 try:
                     published = self.pool.handoffs.still_published(load.ticket)
                 except TractError:
@@ -694,6 +715,9 @@ class WorkerSide:
     def finished(self) -> set[str] | None:
         """The requests whose loads finished since the last call; their bad pages
         go to `load_errors` (asked right after, in the same step's output)."""
+        # GPU loads are settled before any of the step's output is asked for:
+        # with speculative decoding vLLM asks before wait_for_save
+        self._settle_gpu_loads()
         with self._done_lock:
             done, self._done = self._done, []
         for _, bad in done:
@@ -701,12 +725,14 @@ class WorkerSide:
         return {req_id for req_id, _ in done} or None
 
     def load_errors(self) -> set[int]:
+        self._settle_gpu_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def worker_meta(self) -> TractWorkerMeta | None:
         """The requests whose synchronous loads this step copied (asked after
         load_errors, in the same step's output)."""
+        self._settle_gpu_loads()
         if not self._sync_loaded:
             return None
         loaded, self._sync_loaded = self._sync_loaded, set()

@@ -71,6 +71,9 @@ def row_table(layout: PageLayout, rows: int) -> np.ndarray:
     return np.ascontiguousarray(table, dtype=np.int64)
 
 
+# False only where tests stand the CPU in for CUDA (tests/fake_cuda.py)
+ON_CUDA_ONLY = True
+
 # checksum threads of a CudaPagedKV: a GPU host's cores are mostly idle while
 # it serves, and one core's CRC-32C (~10 GB/s) is slower than the DMA (~45 GB/s)
 CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -107,7 +110,7 @@ class CudaPagedKV:
             raise UsageError(f"{len(tensors)} layer tensors for a region of {g.num_layers} layers",
                              "pass every attention layer's KV cache")
         first = tensors[0]
-        if first.device.type != "cuda":
+        if first.device.type != "cuda" and ON_CUDA_ONLY:
             raise UsageError("the engine's KV tensors are not on a CUDA device",
                              "use PagedKV (core/kvpages.py) for CPU tensors")
         for t in tensors:
@@ -152,7 +155,11 @@ class CudaPagedKV:
         self._stride = pool.info.slot_stride
         self._data = pool.slot_offset(0)
         self._events: dict[int, object] = {}
-        self._crc = [ThreadPoolExecutor(1, thread_name_prefix=f"tract-crc{k}")
+        # each on the engine's device: an event waited for on a thread with no
+        # device set would open a context on GPU 0
+        self._crc = [ThreadPoolExecutor(1, thread_name_prefix=f"tract-crc{k}",
+                                        initializer=torch.cuda.set_device,
+                                        initargs=(self.device,))
                      for k in range(CHECKSUM_THREADS)]
 
     @property
@@ -305,7 +312,10 @@ class CudaPagedKV:
     def quiesce(self, batch: _Batch) -> None:
         """Nothing of the batch in flight after this (its DMA, its checksum
         threads' reads and write-backs): before its slots are given back."""
-        self.finish()
+        try:
+            self.finish()
+        except Exception:                 # a CUDA error: nothing more will run on it
+            pass
         try:
             self.checksums(batch)
         except Exception:                 # the slots are given back regardless

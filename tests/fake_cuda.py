@@ -1,0 +1,60 @@
+"""CUDA stood in for by the CPU, for testing the logic around the GPU path
+where no GPU is lent (the GPU itself: tests/test_gpu.py on a GPU host).
+
+`install()` makes `core/gpupages.py` run on CPU tensors: streams and events
+that are already done (every copy here is synchronous), a pitched copy that
+is a row-by-row memmove between the same addresses, and no registration.
+The gather and scatter are the real torch code; only the device is not.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Registration:
+    def __init__(self, pool, device="cuda"):
+        self.stream = _Stream()
+
+    def close(self) -> None:
+        pass
+
+
+class _Runtime:
+    def memcpy2d_async(self, dst, dpitch, src, spitch, width, height, stream) -> None:
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+def install() -> None:
+    import torch
+
+    import tract_cli.core.gpupages as gpupages
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda device=None: _Stream()
+    torch.cuda.Event = _Event
+    torch.cuda.set_device = lambda device: None
+    gpupages.CudaPool = _Registration
+    gpupages.CudaRuntime = _Runtime
+    gpupages.ON_CUDA_ONLY = False
