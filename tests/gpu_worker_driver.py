@@ -24,7 +24,6 @@ import fake_cuda  # noqa: E402
 
 fake_cuda.install()
 
-from tract_cli.connectors.paged import flash_offsets  # noqa: E402
 from tract_cli.connectors.retry import Releases  # noqa: E402
 from tract_cli.connectors.settings import ConnectorSettings  # noqa: E402
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec  # noqa: E402
@@ -32,7 +31,7 @@ from tract_cli.connectors.vllm_worker import WorkerSide  # noqa: E402
 from tract_cli.core.gpupages import CudaPagedKV  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
-from tract_cli.core.kvpages import PageLayout  # noqa: E402
+from tract_cli.core.kvpages import PageLayout, flash_offsets  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 
 PAGES = 32

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tract_cli.connectors.paged import flash_offsets, probe_offsets
-from tract_cli.core.kvpages import PageLayout
+from tract_cli.connectors.paged import probe_offsets
+from tract_cli.core.kvpages import PageLayout, flash_offsets
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.errors import TractError, UsageError
 

@@ -57,8 +57,7 @@ def test_gpu_put_and_load_through_registered_mapping(gpu_pool):
 # ---- the GPU paged path (core/gpupages.py): rows, runs, and the DMA itself ----
 
 def _flash_layout(block_tokens, heads, dim, pages, elem_bytes, page_tokens=None):
-    from tract_cli.connectors.paged import flash_offsets
-    from tract_cli.core.kvpages import PageLayout
+    from tract_cli.core.kvpages import PageLayout, flash_offsets
     offsets, stride = flash_offsets(pages, page_tokens or block_tokens, heads, dim)
     return PageLayout(offsets, stride, block_tokens, elem_bytes)
 

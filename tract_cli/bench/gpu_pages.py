@@ -38,9 +38,8 @@ def _setup(path: str, model: str, tokens: int, flush_mode: str):
     prompt's KV in GPU pages (random), and the prompt's block keys."""
     import torch
 
-    from tract_cli.connectors.paged import flash_offsets
     from tract_cli.core.hashing import block_hashes, pool_root
-    from tract_cli.core.kvpages import PageLayout
+    from tract_cli.core.kvpages import PageLayout, flash_offsets
     from tract_cli.core.pool import Pool
     from tract_cli.core.geometry import load_model
     g = load_model(model).geometry
@@ -84,7 +83,7 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int) -> list[tuple[st
         pages = np.arange(n, dtype=np.int64)
         subs = np.zeros(n, np.int64)
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        stride, base = pool.info.slot_stride, out._slot_address(0, 0)
+        stride, base = pool.info.slot_stride, out.slot_address(0, 0)
         gbps = lambda ms: nbytes / ms / 1e6
 
         def reference(to_slots: bool) -> None:

@@ -9,7 +9,7 @@ major.  So the layout is not assumed: the element offset, in one layer's
 tensor, of every `(K|V, token, head, dim)` of a page is *measured* by letting
 the engine's own cache writer store known values into a scratch page
 (`probe_offsets`), or stated for a layout that is documented
-(`flash_offsets`).  `core.kvpages.PageLayout` turns the offsets into the
+(`core.kvpages.flash_offsets`).  `core.kvpages.PageLayout` turns the offsets into the
 order a region block holds them in (the page's own) and the runs one C call
 copies.
 """
@@ -64,11 +64,3 @@ def probe_offsets(write: Callable, page_tokens: int, kv_heads: int, head_dim: in
         raise TractError("the engine's KV page layout is not a permutation of its elements",
                          "report the attention backend; TraCT cannot map its layout")
     return out
-
-
-def flash_offsets(pages: int, page_tokens: int, kv_heads: int, head_dim: int) -> tuple:
-    """FlashAttention's documented `[2, pages, B, heads, dim]`: (offsets, page stride)."""
-    kv, t, h, d = np.meshgrid(np.arange(2), np.arange(page_tokens), np.arange(kv_heads),
-                              np.arange(head_dim), indexing="ij")
-    page = page_tokens * kv_heads * head_dim
-    return (kv * pages * page + (t * kv_heads + h) * head_dim + d).astype(np.int64), page

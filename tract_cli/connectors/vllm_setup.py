@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tract_cli.connectors.model_identity import ModelIdentity, served_model_identity
-from tract_cli.connectors.paged import flash_offsets, probe_offsets
+from tract_cli.connectors.paged import probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
-from tract_cli.core.kvpages import PageLayout
+from tract_cli.core.kvpages import PageLayout, flash_offsets
 from tract_cli.core.pool import Pool
 
 if TYPE_CHECKING:

@@ -201,7 +201,7 @@ class CudaPagedKV:
             rows_t = pages_t[:, None] * self._page_rows + self._table[subs_t]
         return _Batch(s, order, rows_t, tails, checksum)
 
-    def _slot_address(self, slot: int, layer: int) -> int:
+    def slot_address(self, slot: int, layer: int) -> int:
         return self._mapping + self._data + slot * self._stride + layer * self.layer_bytes
 
     def _chunks(self, n: int):
@@ -365,7 +365,7 @@ class CudaPagedKV:
         stream = self.stream.cuda_stream
         lb = self.layer_bytes
         for i, first, n in _runs_within(batch, start, end):
-            slot_at = self._slot_address(first, layer)
+            slot_at = self.slot_address(first, layer)
             stage_at = stage + (i - start) * lb
             if to_slots:
                 self.runtime.memcpy2d_async(slot_at, self._stride, stage_at, lb, lb, n, stream)

@@ -33,6 +33,14 @@ from tract_cli.core.native import ffi, lib, raise_for
 LOAD_MODES = ("sync", "async")
 
 
+def flash_offsets(pages: int, page_tokens: int, kv_heads: int, head_dim: int) -> tuple:
+    """FlashAttention's documented `[2, pages, B, heads, dim]`: (offsets, page stride)."""
+    kv, t, h, d = np.meshgrid(np.arange(2), np.arange(page_tokens), np.arange(kv_heads),
+                              np.arange(head_dim), indexing="ij")
+    page = page_tokens * kv_heads * head_dim
+    return (kv * pages * page + (t * kv_heads + h) * head_dim + d).astype(np.int64), page
+
+
 @dataclass
 class PageLayout:
     """An engine's page layout and the region order it implies (see the module
