@@ -211,10 +211,19 @@ def main(argv=None) -> None:
     parser.add_argument("--flush-mode", default="none")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    from tract_cli.core.errors import TractError
     from tract_cli.core.gpu import cuda_available
+    if args.tokens < 16 or args.repeats < 1:
+        raise SystemExit("gpu_pages: --tokens must be at least one block (16) and --repeats "
+                         "at least 1")
     if not cuda_available():
-        raise SystemExit("no CUDA GPU here: this benchmark measures the GPU path")
-    for name, value in run(args.model, args.tokens, args.flush_mode, args.repeats):
+        raise SystemExit("gpu_pages: no CUDA GPU here: this benchmark measures the GPU path; "
+                         "run it on a GPU host")
+    try:
+        rows = run(args.model, args.tokens, args.flush_mode, args.repeats)
+    except TractError as exc:
+        raise SystemExit(f"gpu_pages: {exc.problem}; {exc.fix}") from None
+    for name, value in rows:
         print(f"{name:46} {value}")
 
 
