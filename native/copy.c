@@ -250,8 +250,12 @@ int tract_copy_out(tract_region *r, void *dst, uint64_t src_off, uint64_t len, i
 
 /* A GPU path's checksum as each layer's DMA lands: see tract.h.  The write-back
  * is tract_write_back_payload's (thread-safe: the ledger's stores are atomic,
- * the slots' ranges disjoint), right after the register read the bytes, so the
- * clflush mode's in-place restream reads them from this core's cache. */
+ * the slots' ranges disjoint), right after the register read the bytes.  In
+ * clflush mode the two are one pass: the checksum's copy routine streams the
+ * bytes back in place as it reads them (each 64-byte piece loaded before its
+ * own non-temporal store: what write-back's restream does, read once instead
+ * of twice), its unaligned head and short tail written back with clflush by
+ * the routine, and one fence at the end. */
 int tract_checksum_slots_part(tract_region *r, const uint32_t *slots, uint32_t n, uint64_t off,
 			      uint64_t len, uint32_t *regs, int write_back)
 {
@@ -266,14 +270,24 @@ int tract_checksum_slots_part(tract_region *r, const uint32_t *slots, uint32_t n
 	uint8_t *buf = NULL;
 	if (r->sim && n && len && !(buf = malloc(len)))
 		return TRACT_E_NOMEM;
+	int fused = write_back && !r->sim && r->flush_mode == TRACT_FLUSH_CLFLUSH &&
+		    !tract_payload_strict();
 	for (uint32_t i = 0; i < n; i++) {
 		uint64_t at = data->offset + (uint64_t)slots[i] * r->hdr.slot_stride + off;
+		if (fused) {
+			tract_payload_forget_range(r, at, len);
+			regs[i] = tract_crc32c_copy(regs[i], r->base + at, r->base + at, len,
+						    TRACT_FLUSH_CLFLUSH);
+			continue;
+		}
 		if (buf)    /* the simulator: what this process's loads would see */
 			r->ops->load(r, at, buf, len);
 		regs[i] = tract_crc32c_copy(regs[i], NULL, buf ? buf : r->base + at, len, -1);
 		if (write_back)
 			tract_write_back_payload(r, at, len);
 	}
+	if (fused)
+		__sync_synchronize();   /* mfence: the streaming stores drain before anything later */
 	free(buf);
 	return TRACT_OK;
 }

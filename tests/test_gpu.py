@@ -206,14 +206,17 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         kv.close()
 
 
-@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "simulator"])
-def test_checksums_advanced_layer_by_layer_equal_the_whole(managed_region, simulate):
+@pytest.mark.parametrize("simulate,flush", [(False, None), (True, None), (False, "clflush")],
+                         ids=["plain", "simulator", "clflush"])
+def test_checksums_advanced_layer_by_layer_equal_the_whole(managed_region, simulate, flush):
     """What the GPU path's checksum threads compute (each slot's register
-    carried over its layers, written back as it goes) is the block's CRC-32C,
-    in plain mode and through the simulator's loads; a range past the block is
-    refused, and a changed byte changes only its block's checksum."""
+    carried over its layers, written back as it goes: in clflush mode streamed
+    back in place as the checksum reads it) is the block's CRC-32C, and the
+    bytes are as they were, in plain mode and through the simulator's loads; a
+    range past the block is refused, and a changed byte changes only its
+    block's checksum."""
     from tract_cli.core.errors import UsageError
-    with Pool.attach(managed_region, node=2, simulate=simulate) as pool:
+    with Pool.attach(managed_region, node=2, simulate=simulate, flush_mode=flush) as pool:
         keys = block_hashes(np.arange(5 * 16, dtype=np.int32) + 7, root=pool_root(pool.info))
         status, slots = pool.index.reserve(keys)
         rng = np.random.default_rng(3)
@@ -221,12 +224,16 @@ def test_checksums_advanced_layer_by_layer_equal_the_whole(managed_region, simul
             pool.slot_array(int(s)).reshape(-1).view(np.uint8)[:] = rng.integers(
                 0, 256, pool.info.block_bytes, dtype=np.uint8)
         whole = pool.checksum_slots(slots)
+        before = np.stack([pool.slot_array(int(s)).reshape(-1).view(np.uint8).copy()
+                           for s in slots])
         layers = pool.geometry.num_layers
         part = pool.info.block_bytes // layers
         regs = np.full(len(slots), 0xFFFFFFFF, np.uint32)
         for layer in range(layers):
             pool.advance_checksums(slots, regs, layer * part, part, write_back=True)
         assert np.array_equal(~regs, whole)
+        assert all(np.array_equal(pool.slot_array(int(s)).reshape(-1).view(np.uint8), b)
+                   for s, b in zip(slots, before))
         pool.slot_array(int(slots[2])).reshape(-1).view(np.uint8)[part + 3] ^= 0x10
         again = np.full(len(slots), 0xFFFFFFFF, np.uint32)
         pool.advance_checksums(slots, again, 0, pool.info.block_bytes)
