@@ -570,6 +570,10 @@ class WorkerSide:
         except Exception as exc:      # a pool or a CUDA error: recomputed, never fatal
             log.warning("TraCT load of request %s failed, vLLM recomputes it: %s", spec.req_id,
                         exc)
+            try:                      # nothing of it may land on the pages vLLM recomputes
+                self._gpu.finish()
+            except Exception:         # a CUDA error: nothing more runs on the stream
+                pass
             self._report(spec, {int(p) for p in np.unique(spec.pages)})
             return
         self._gpu_loads.append(_GpuLoad(spec, ticket, batch, t0, queued))
