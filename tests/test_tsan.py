@@ -51,14 +51,47 @@ def core_under_tsan() -> subprocess.CompletedProcess:
 CORE = Check("tsan: the core's threaded paths", core_under_tsan, cost=20)
 
 
+# the writer thread writes x, says so, and stays alive until main has written
+# x too; the flags are relaxed atomics (no happens-before for TSan); every
+# wait is bounded (exit 3: the other thread never came)
+RACE = r"""
+#include <pthread.h>
+#include <sched.h>
+static int x, wrote, done;
+static int wait_for(int *flag) {
+    for (long i = 0; i < 100000000L; i++) {
+        if (__atomic_load_n(flag, __ATOMIC_RELAXED)) return 1;
+        sched_yield();
+    }
+    return 0;
+}
+static void *f(void *a) {
+    (void)a;
+    x++;
+    __atomic_store_n(&wrote, 1, __ATOMIC_RELAXED);
+    return (void *)(long)wait_for(&done);
+}
+int main(void) {
+    pthread_t t;
+    void *ok;
+    pthread_create(&t, 0, f, 0);
+    if (!wait_for(&wrote)) return 3;
+    x++;
+    __atomic_store_n(&done, 1, __ATOMIC_RELAXED);
+    pthread_join(t, &ok);
+    return ok ? 0 : 3;
+}
+"""
+
+
 def test_tsan_catches_a_race_here(tmp_path):
     """The toolchain works on this machine: a deliberate race is reported
-    (so a clean run of the core below means something)."""
+    (so a clean run of the core below means something).  Both writes happen
+    while both threads live (relaxed flags order them in time, not for
+    ThreadSanitizer): a race with a thread that already exited can go
+    unreported when its history is recycled, which made this test flaky."""
     src = tmp_path / "race.c"
-    src.write_text("#include <pthread.h>\nstatic int x;\n"
-                   "static void *f(void *a) { (void)a; x++; return 0; }\n"
-                   "int main(void) { pthread_t t; pthread_create(&t, 0, f, 0); x++;\n"
-                   "  pthread_join(t, 0); return 0; }\n")
+    src.write_text(RACE)
     res = _run(_build(tmp_path, [str(src)], "race"))
     assert res.returncode == 66 and "data race" in res.stderr, res.stderr[-2000:]
 
