@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tract_cli.bench import peers
-from tract_cli.bench.workloads import static
+from tract_cli.bench.workload.workloads import static
 
 TRACE = "tests/data/mooncake_trace_slice.jsonl"
 
@@ -29,7 +29,7 @@ def test_static_workload_is_seeded_and_shares_its_prefix():
 
 def test_a_peer_checks_the_stand_in_the_runner_stamps(tmp_path):
     """One stand-in KV (bench/standin.py): what the runner's side stamps passes a
-    peer's check, run as peers.py runs the adapters (python -I, peer_common by
+    peer's check, run as peers/ runs the adapters (python -I, adapter_common by
     path, nothing of TraCT), and a byte flipped in a middle block (neither the
     first nor the last) fails it."""
     import numpy as np
@@ -43,9 +43,9 @@ def test_a_peer_checks_the_stand_in_the_runner_stamps(tmp_path):
     exp = {"rid": "req-1", "keys": keys.tobytes().hex(), "blocks": n, "block_bytes": bb,
            "tail_bytes": tb, "slot": 0, "decode_s": 0.0, "arrival": 0.0, "tokens": 1,
            "output_len": 1, "compute_s": 0.0}
-    bench = os.path.dirname(standin.__file__)
-    code = (f"import sys; sys.path.append({bench!r})\n"
-            "import json, numpy as np, peer_common as p\n"
+    adapters = os.path.join(os.path.dirname(standin.__file__), "peers")
+    code = (f"import sys; sys.path.append({adapters!r})\n"
+            "import json, numpy as np, adapter_common as p\n"
             f"buf = np.fromfile({str(tmp_path / 'kv')!r}, np.uint8)\n"
             "exp = json.loads(sys.argv[1])\n"
             "ok = p.record(buf, buf.size, exp, {})['ok']\n"
@@ -92,7 +92,7 @@ def run_worker_loops(path: str, transport: str, requests) -> list[dict]:
     import time
     from multiprocessing import Pipe
 
-    from tract_cli.bench import runner
+    from tract_cli.bench.workload import runner
     compute = runner.Compute(1e9, 0.0)
     longest = max(len(r.tokens) for r in requests)
     inbox, results, ready = queue.Queue(), queue.Queue(), queue.Queue()
@@ -123,8 +123,9 @@ def test_a_corrupt_middle_block_fails_verification(managed_region, monkeypatch, 
     received bytes (tcp): that request, and only it, is not verified, and the
     transport's summary says so ("verified" NO, `tract bench` exits 1).  The
     check used to look at the first and last block and the tail only."""
-    from tract_cli.bench import stats, transports
-    from tract_cli.bench.driver import TransportResult
+    from tract_cli.bench import stats
+    from tract_cli.bench.workload import transports
+    from tract_cli.bench.workload.driver import TransportResult
     reqs = static(200, 3, seed=7)                   # 12 blocks of 16 tokens and a tail each
     bad = reqs[1].rid
     decode = transports.SIDES[transport][1]
@@ -328,9 +329,9 @@ def test_ttft_is_made_of_its_timed_stages_and_compute_is_the_model():
     the harness adds between stages (the control message to the decode
     worker) -- bounding that is a wall-clock assertion, which on a busy 2-core
     machine is noise; the benchmark reports it (docs/BENCHMARKS.md)."""
-    from tract_cli.bench import runner, session
+    from tract_cli.bench.workload import runner, session
     from tract_cli.bench.stats import STAGES
-    from tract_cli.bench.workloads import Request
+    from tract_cli.bench.workload.workloads import Request
     from tract_cli.core.geometry import load_model
     profile = load_model("llama-3-8b")
     base = static(1500, 3, seed=5)

@@ -293,7 +293,7 @@ def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):
 
 
 def test_the_connector_timing_lines_parse_back_with_their_parts():
-    from tract_cli.bench.vllm_bench import _memcpy_figures
+    from tract_cli.bench.engine.vllm_runs import _memcpy_figures
     from tract_cli.core import kvlog
     load = kvlog.parse("(Worker pid=1) INFO x " + kvlog.LOADED % (6, 49152, "cmpl-1", 2.5, 1.5, 1.0))
     assert load == ("load", {"blocks": 6, "bytes": 49152, "ms": 2.5, "copy_ms": 1.5,

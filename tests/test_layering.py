@@ -65,7 +65,7 @@ FACE_IMPORTS: dict = {
     ("bench", "inspect"):
         "`microbench inspect` times inspect's own snapshot of a region under load",
     ("bench", "provision"):
-        "a report names the CPU it was measured on (bench/session.py: provision/cpu.py)",
+        "a report names the CPU it was measured on (bench/workload/session.py: provision/cpu.py)",
 }
 # the top face: it may import every face but these (the engine imports connectors)
 TOP, NOT_IMPORTED_BY_TOP = "cli", ("connectors",)
@@ -74,7 +74,7 @@ TRACT_SCRIPT = "tract"
 
 # (file, rule, name) -> why it is allowed
 ALLOWED: dict = {
-    ("tract_cli/bench/micro.py", "foreign binding", "cffi"):
+    ("tract_cli/bench/micro/region.py", "foreign binding", "cffi"):
         "the copy benchmarks' reference is glibc memcpy itself, measured through an FFI "
         "of its own (dlopen(None)) so that the core's C library plays no part in it",
 }

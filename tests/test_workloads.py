@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tract_cli.bench import prefix_sim, workloads
+from tract_cli.bench.workload import prefix_sim, workloads
 from tract_cli.core.errors import UsageError
 from tract_cli.core.hashing import block_hashes
 

@@ -1,12 +1,12 @@
 """The stand-in KV, one definition for both sides of every handoff: the
-runner's prefill and decode workers (`tract_cli.bench.runner`) and the peer
-adapters (peer_common.py, in the peers' own virtual environments) import this
+runner's prefill and decode workers (`tract_cli.bench.workload.runner`) and the peer
+adapters (peers/adapter_common.py, in the peers' own virtual environments) import this
 module, so the stamps one side writes and the checks the other makes cannot
 drift apart.
 
 Standalone on purpose: numpy and the standard library only, nothing of TraCT.
-The peers import it by path, as `standin` (their directory is appended to
-sys.path, as for peer_common), the rest of bench as `tract_cli.bench.standin`.
+The peers import it by path, as `standin` (adapter_common.py appends this
+folder to sys.path), the rest of bench as `tract_cli.bench.standin`.
 
 A request's KV is its blocks then its tail: a fixed function of the byte's
 position (`pattern_at`), each block's key stamped into its first 16 bytes,

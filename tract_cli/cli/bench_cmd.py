@@ -10,8 +10,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from tract_cli.bench import peers, runner, session, stats, vllm_bench, workloads
-from tract_cli.bench.transports import TRANSPORTS
+from tract_cli.bench import peers, stats
+from tract_cli.bench.engine import vllm_runs
+from tract_cli.bench.workload import runner, session, workloads
+from tract_cli.bench.workload.transports import TRANSPORTS
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
@@ -69,7 +71,7 @@ def bench(
     engine: str = typer.Option("reference", "--engine", help="reference (modelled or reference-"
                                "engine compute) or vllm (real vLLM prefill/decode pairs on the "
                                "--model checkpoint; docs/VLLM.md)."),
-    vllm_configs: List[str] = typer.Option(list(vllm_bench.CONFIGS), "--vllm-config",
+    vllm_configs: List[str] = typer.Option(list(vllm_runs.CONFIGS), "--vllm-config",
                                            help="With --engine vllm: tract, example (vLLM's "
                                                 "ExampleConnector on /dev/shm), mono, prefix "
                                                 "(a pool hit against a miss; repeatable)."),
@@ -167,7 +169,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     if any(n < 1 for n in lengths) or output_len < 1:
         raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
     per = requests or 4
-    res = vllm_bench.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
+    res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
@@ -216,7 +218,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
             raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
     if plot:
         from tract_cli.bench.plot import plot_vllm
-        plot_vllm(res, plot, vllm_bench.ROWS)
+        plot_vllm(res, plot, vllm_runs.ROWS)
     if any(s["verified"] is False for s in res["summaries"]):
         raise typer.Exit(1)
 

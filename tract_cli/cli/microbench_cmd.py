@@ -6,10 +6,10 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from tract_cli.bench import micro_index as indexbench
-from tract_cli.bench import micro_inspect as inspectbench
-from tract_cli.bench import micro_locks as lockbench
-from tract_cli.bench import micro
+from tract_cli.bench.micro import index as indexbench
+from tract_cli.bench.micro import snapshot as inspectbench
+from tract_cli.bench.micro import locks as lockbench
+from tract_cli.bench.micro import region as micro
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
 from tract_cli.core.region import DEFAULT_INDEX_STRIPES
@@ -218,7 +218,7 @@ def serve(
     in one process (real compute of the reference engine)."""
     from rich.progress import Progress
 
-    from tract_cli.bench import micro_serve as serving
+    from tract_cli.bench.micro import serve as serving
     if rounds < 1 or any(n < 1 for n in input_len):
         raise UsageError("--rounds and --input-len must be positive", "e.g. --input-len 1500")
     with Progress(console=render.stderr, transient=True) as prog:

@@ -1,7 +1,7 @@
 """The vLLM connector's timing lines (TRACT_CONNECTOR_TIMINGS=1): one per KV
 load, per save and per handoff publish, written by the connector
 (`connectors/vllm_*.py`) with these formats and read back by
-`bench/vllm_bench.py` with `parse`, so the two cannot drift apart.
+`bench/engine/vllm_runs.py` with `parse`, so the two cannot drift apart.
 (Here because both may import core, and bench never imports connectors:
 docs/ARCHITECTURE.md §2.)
 """

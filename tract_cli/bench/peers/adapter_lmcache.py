@@ -1,6 +1,6 @@
 """The LMCache peer adapter (LMCache 0.5.6), two paths: run by the peer's own
 Python as `receiver` (decode side) or `sender` (prefill side), driven by
-`tract bench` over JSON lines on stdin/stdout (as peer_nixl.py). The path is
+`tract bench` over JSON lines on stdin/stdout (as adapter_nixl.py). The path is
 `TRACT_LMCACHE_PATH`: `lm` (default) or `pd`.
 
 **`pd`: LMCache's PD disaggregation backend (`PDBackend`) over NIXL/UCX with
@@ -33,7 +33,7 @@ configured with that `remote_url` does:
 - receiver: `get`s every chunk (the server streams it into a fresh memory
   object) and copies it into the request's receive slot (LMCache's retrieve
   copy into the engine's KV), then verifies and prints the record
-  (peer_common.py).
+  (adapter_common.py).
 
 The server keeps every object (0.5.6 has no eviction and no delete): the
 driver refuses workloads whose KV would not fit in memory.
@@ -50,8 +50,8 @@ import sys
 import threading
 import time
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (GEOMETRY, fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers/__init__.py
+from adapter_common import (GEOMETRY, fill_and_compute, main, np, out, receiver_buffer, record,  # noqa: E402
                          relayed, sender_buffer)  # (importing it takes stdout: first)
 import torch  # noqa: E402
 from lmcache.utils import CacheEngineKey  # noqa: E402

@@ -1,4 +1,5 @@
-"""The real peers the paper compares against, each in its own environment.
+"""The real peers the paper compares against, each in its own environment
+(their adapters: adapter_*.py in this folder).
 
 A peer's dependencies must not change TraCT's, so each peer gets a virtual
 environment of its own (`$TRACT_PEERS_DIR/<env>`, default
@@ -31,13 +32,13 @@ from tract_cli.core.errors import TractError
 # transport -> (environment, adapter module file, extra environment variables,
 #               whether the driver relays the sender's completions to the receiver)
 PEERS = {
-    "nixl": ("nixl", "peer_nixl.py", {}, False),
-    "nixl-tcp": ("nixl", "peer_nixl.py", {"UCX_TLS": "tcp"}, False),
-    "mooncake-tcp": ("mooncake", "peer_mooncake.py", {}, True),
+    "nixl": ("nixl", "adapter_nixl.py", {}, False),
+    "nixl-tcp": ("nixl", "adapter_nixl.py", {"UCX_TLS": "tcp"}, False),
+    "mooncake-tcp": ("mooncake", "adapter_mooncake.py", {}, True),
     # LMCache hashes with PYTHONHASHSEED-dependent builtins in places: fix it
-    "lmcache-lm": ("lmcache", "peer_lmcache.py",
+    "lmcache-lm": ("lmcache", "adapter_lmcache.py",
                    {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "ERROR"}, True),
-    "lmcache-pd": ("lmcache", "peer_lmcache.py",
+    "lmcache-pd": ("lmcache", "adapter_lmcache.py",
                    {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "ERROR",
                     "TRACT_LMCACHE_PATH": "pd", "NIXL_LOG_LEVEL": "WARN"}, True),
 }
@@ -121,7 +122,7 @@ def install(transport: str, log=sys.stderr) -> None:
 def run(transport: str, requests, geometry, compute, progress=None):
     """Runs the requests through TRANSPORT's peer: one sender (prefill) and one
     receiver (decode) process; returns a driver.TransportResult."""
-    from tract_cli.bench.driver import drive
+    from tract_cli.bench.workload.driver import drive
     from tract_cli.core.hashing import block_hashes
     env_name, script, extra_env, relay = PEERS[transport]
     py = str(python_of(env_name))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tract_cli.bench.micro import c_pointer, memcpy, release
+from tract_cli.bench.micro.region import c_pointer, memcpy, release
 from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
 from tract_cli.core.errors import UsageError

@@ -1,5 +1,5 @@
 """The GPU data path of the vLLM connector, measured on a GPU host:
-`python -m tract_cli.bench.gpu_pages [--tokens N] [--flush-mode M]`.
+`python -m tract_cli.bench.micro.gpu_pages [--tokens N] [--flush-mode M]`.
 
 A prompt's KV in FlashAttention pages on the GPU (a model profile's shape,
 random values) is saved into claimed slots and loaded back into other pages

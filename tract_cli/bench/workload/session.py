@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tract_cli.bench import peers, prefix_sim, runner, stats
+from tract_cli.bench import peers, stats
+from tract_cli.bench.workload import prefix_sim, runner
 from tract_cli.bench.regions import need_space, temp_region_path
-from tract_cli.bench.transports import kv_accounting
-from tract_cli.bench.workloads import Request
+from tract_cli.bench.workload.transports import kv_accounting
+from tract_cli.bench.workload.workloads import Request
 from tract_cli.core import medium
 from tract_cli.core.agent_launch import IDLE_EXIT_S, ensure_agent
 from tract_cli.core.errors import UsageError
@@ -199,7 +200,7 @@ def _run_on(path, keyed, profile, transports, compute, prefill_workers, decode_w
             extra_agents.append(ensure_agent(path, n, idle_exit=IDLE_EXIT_S,
                                              takeover_after=None))
         if real_compute:
-            from tract_cli.bench import real
+            from tract_cli.bench.workload import real
             cluster = real.RealCluster(path, profile.name, prefill_workers, decode_workers)
         for tr in transports:
             if real_compute and tr not in real.KV_MODES:

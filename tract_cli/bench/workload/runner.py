@@ -46,10 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tract_cli.bench import transports
-from tract_cli.bench.driver import TransportResult, drive
+from tract_cli.bench.workload import transports
+from tract_cli.bench.workload.driver import TransportResult, drive
 from tract_cli.bench.standin import Expected, sleep_until, stamp, stand_in
-from tract_cli.bench.workloads import Request
+from tract_cli.bench.workload.workloads import Request
 from tract_cli.core.errors import TractError
 
 WORKER_TIMEOUT_S = int(os.environ.get("TRACT_BENCH_WORKER_TIMEOUT_S", "600"))

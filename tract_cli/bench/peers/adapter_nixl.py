@@ -11,7 +11,7 @@ WRITEs it into the receiver's slot and, once the WRITE is DONE (the bytes are
 in the receiver's memory), notifies the request id with its timings.  The
 receiver polls its notifications (the progress thread is off: it would spin
 a core), verifies every block and the tail, and prints the record
-(peer_common.py).
+(adapter_common.py).
 
 Standalone on purpose: it must import nothing from TraCT.
 """
@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (fill_and_compute, main, out, receiver_buffer, record,  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers/__init__.py
+from adapter_common import (fill_and_compute, main, out, receiver_buffer, record,  # noqa: E402
                          sender_buffer)  # (importing it takes stdout: before the libraries)
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The Mooncake Transfer Engine peer adapter (`mooncake-transfer-engine-non-cuda`,
 protocol `tcp`, metadata by `P2PHANDSHAKE`): run by the peer's own Python,
 as `receiver` (decode side) or `sender` (prefill side), driven by
-`tract bench` over JSON lines on stdin/stdout (as peer_nixl.py).
+`tract bench` over JSON lines on stdin/stdout (as adapter_nixl.py).
 
 The receiver registers SLOTS receive buffers and prints its session id and
 buffer address.  The sender, per request: stamps the stand-in KV (made at
@@ -9,7 +9,7 @@ start, before the clock: the same bytes as the tract transports), waits out
 its modelled compute and
 `transfer_sync_write`s it into the receiver's slot, then prints the request's
 timings; the driver relays them to the receiver, which verifies every
-block and the tail and prints the record (peer_common.py).
+block and the tail and prints the record (adapter_common.py).
 
 Standalone on purpose: it must import nothing from TraCT.
 """
@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers.py
-from peer_common import (fill_and_compute, main, out, receiver_buffer, record, relayed,  # noqa: E402
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))   # after the stdlib: see peers/__init__.py
+from adapter_common import (fill_and_compute, main, out, receiver_buffer, record, relayed,  # noqa: E402
                          sender_buffer)  # (importing it takes stdout: before the libraries)
 from mooncake.engine import TransferEngine  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What the peer adapters (peer_nixl.py, peer_mooncake.py, peer_lmcache.py)
+"""What the peer adapters (adapter_nixl.py, adapter_mooncake.py, adapter_lmcache.py)
 share: the protocol channel, the stand-in KV's buffers, the sender's
 stamp-and-compute step, the receiver's check and record, and the command line.
 Standalone like them: numpy only, nothing of TraCT (they run in the peer's own
@@ -11,6 +11,7 @@ whatever the peer libraries print to stderr, so import it before them.
 import argparse
 import json
 import os
+import sys
 import time
 
 # the protocol owns the original stdout; whatever the libraries print goes to stderr
@@ -24,8 +25,10 @@ import numpy as np  # noqa: E402
 GEOMETRY = {"block_bytes": 0, "block_tokens": 0}
 
 
-# the stand-in KV, the runner's own (standin.py: numpy only, imported by path
-# as this module is): the sender stamps it, the receiver checks it
+# the stand-in KV, the runner's own (bench/standin.py, one folder up: numpy
+# only, imported by path as this module is): the sender stamps it, the
+# receiver checks it; appended after the stdlib and site-packages, like ours
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from standin import Expected, same, sleep_until, stamp, stand_in  # noqa: E402,F401
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tract_cli.bench.workloads import arrivals
+from tract_cli.bench.workload.workloads import arrivals
 from tract_cli.core.errors import TractError
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tract_cli.bench.driver import TransportResult, drive
+from tract_cli.bench.workload.driver import TransportResult, drive
 from tract_cli.core.errors import TractError
 from tract_cli.serve.client import HttpError, post_json
 from tract_cli.serve.launch import WorkerProcess
