@@ -88,6 +88,7 @@ def plot_vllm(result: dict, path: str, rows) -> None:
         ax.set_ylim(0, 1.02)
     axes[0][0].set_ylabel("CDF")
     axes[0][0].legend()
-    fig.suptitle("vLLM (CPU) prefill/decode: TraCT vs ExampleConnector vs one vLLM")
+    fig.suptitle("vLLM (CPU): TTFT by KV path (" + ", ".join(
+        c for c in rows if any(r["config"] == c for r in result["records"])) + ")")
     fig.tight_layout()
     _save(plt, fig, path, 110)

@@ -15,7 +15,7 @@ from tract_cli.bench.engine import vllm_runs
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
 from tract_cli.cli import render
-from tract_cli.core.errors import UsageError
+from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.geometry import load_device, load_model
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
@@ -73,8 +73,10 @@ def bench(
                                "--model checkpoint; docs/VLLM.md)."),
     vllm_configs: List[str] = typer.Option(list(vllm_runs.CONFIGS), "--vllm-config",
                                            help="With --engine vllm: tract, example (vLLM's "
-                                                "ExampleConnector on /dev/shm), mono, prefix "
-                                                "(a pool hit against a miss; repeatable)."),
+                                                "ExampleConnector on /dev/shm), nixl, nixl-tcp "
+                                                "(vLLM's NixlConnector over UCX; needs "
+                                                "--install-peers once), mono, prefix (a pool hit "
+                                                "against a miss; repeatable)."),
     load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
                                   "connector's load_mode, sync (hits copied in the step that "
                                   "computes the rest) or async (on its loader thread)."),
@@ -87,7 +89,7 @@ def bench(
         raise UsageError(f"--engine {engine!r} is not reference or vllm", "pass --engine vllm")
     if engine == "vllm":
         _bench_vllm(model, input_len, requests, output_len, vllm_configs, seed, json_file, plot,
-                    load_mode)
+                    load_mode, install_peers)
         return
     for t in transports:
         if t not in ALL_TRANSPORTS:
@@ -155,7 +157,7 @@ def bench(
 
 
 def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot,
-                load_mode) -> None:
+                load_mode, install_peers=False) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
     from tract_cli.core.kvpages import LOAD_MODES
     from tract_cli.serve.vllm_engine import check_model_dir
@@ -169,8 +171,21 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     if any(n < 1 for n in lengths) or output_len < 1:
         raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
     per = requests or 4
+    for c in configs:
+        if c not in vllm_runs.CONFIGS:
+            raise UsageError(f"unknown vLLM configuration {c!r}",
+                             f"use {', '.join(vllm_runs.CONFIGS)}")
+    if install_peers:
+        from tract_cli.bench.engine import configs as engine_configs
+        from tract_cli.serve.vllm_engine import vllm_python
+        for c in configs:
+            engine_configs.install(c, vllm_python(), render.stderr.file)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode)
+    if not res["summaries"]:
+        raise TractError("no configuration ran: " + "; ".join(
+            f"{c}: {why}" for c, why in res["skipped"].items()),
+            "install what is missing, or pick other --vllm-config")
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
@@ -190,6 +205,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                                 f"{s['handed_over']} of {s['requests']} requests were handed "
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
+    for config, why in res["skipped"].items():
+        render.stdout.print(f"[yellow]{config} skipped: {why}")
     for kind, fig in res["memcpy"].items():
         ms = lambda v: format_duration(v / 1e3)
         same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,8 +30,12 @@ READY_TIMEOUT_S = 300
 
 
 def vllm_python() -> str:
-    """The python that runs vLLM: TRACT_VLLM_PYTHON, else this one."""
-    return os.environ.get("TRACT_VLLM_PYTHON") or sys.executable
+    """The python that runs vLLM: TRACT_VLLM_PYTHON, else this one; an absolute
+    path (symbolic links kept: a virtual environment's python is one)."""
+    given = os.environ.get("TRACT_VLLM_PYTHON") or sys.executable
+    if os.sep not in given:                 # a command name, found on PATH
+        return shutil.which(given) or given
+    return os.path.abspath(given)
 
 
 def kv_transfer_config(pool: str, node: int, role: str = "kv_both", **extra) -> dict:
@@ -45,10 +50,13 @@ class VllmServer:
     def __init__(self, model_dir: str, port: int, *, pool: str | None = None,
                  node: int | None = None, role: str = "kv_both", extra: dict | None = None,
                  host: str = "127.0.0.1", args: tuple[str, ...] = (), kv_cache_gib: float = 1,
-                 log_path: str | None = None, env: dict | None = None):
+                 log_path: str | None = None, env: dict | None = None,
+                 python: str | None = None):
+        """PYTHON: the interpreter that runs vLLM (default `vllm_python()`; the
+        benchmarks pass a vLLM with a peer's connector installed)."""
         self.url = f"http://{host}:{port}"
         self.log_path = log_path
-        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--host", host, "--port", str(port), "--enforce-eager", *args]
         if pool is not None:
             cfg = kv_transfer_config(pool, node if node is not None else 0, role, **(extra or {}))

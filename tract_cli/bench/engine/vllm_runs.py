@@ -1,19 +1,10 @@
 """`tract bench --engine vllm`: the paper's static experiment on real vLLM.
 
 The same vLLM, the same checkpoint and the same prompts through each KV path,
-one configuration at a time (so they never compete for the CPUs):
-
-- `tract`: a prefill and a decode vLLM on one TraCT region (nodes 1 and 2),
-  the KV handed over through the pool (TraCT's connector);
-- `example`: vLLM's own ExampleConnector, KV as safetensors files in
-  /dev/shm (what vLLM ships for shared storage);
-- `mono`: one vLLM computing everything (the floor: no KV moves);
-- `prefix`: the rack-wide prefix cache: a prompt computed by the prefill
-  instance (`prefix-miss`), then asked of the decode instance, which loads it
-  from the pool (`prefix-hit`).
-
-NixlConnector is not run: vLLM's CPU build has no NIXL in its environment
-(`NIXL is not available` at start), see docs/VLLM.md.
+one configuration at a time (so they never compete for the CPUs); the
+configurations, and where each runs, are configs.py's.  A configuration whose
+peer is not installed is skipped, with the reason and the command that
+installs it.
 
 A P/D request is what a proxy does: the prefill request (`max_tokens: 1`,
 `do_remote_decode`) then the decode request, streamed; TTFT is from sending
@@ -31,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -39,23 +29,14 @@ import urllib.request
 
 import numpy as np
 
+from tract_cli.bench.engine import configs as engine_configs
+from tract_cli.bench.engine.configs import CONFIGS, ROWS
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
-from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import get_json, post_json, stream_events
 
-CONFIGS = ("tract", "example", "mono", "prefix")
-# the rows of a run: "prefix" gives two, a miss and the hit that follows it
-ROWS = ("tract", "example", "mono", "prefix-miss", "prefix-hit")
-EXAMPLE = {"kv_connector": "ExampleConnector"}
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str]:
@@ -87,20 +68,28 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     for c in configs:
         if c not in CONFIGS:
             raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(CONFIGS)}")
+    configs = list(dict.fromkeys(configs))          # each once, in the order given
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     vocab = int(cfg.get("vocab_size", 1000))
     max_len = max(lengths) + output_len + 16
     if max_len > int(cfg.get("max_position_embeddings", max_len)):
         raise UsageError(f"inputs of {max(lengths)} tokens exceed the model's "
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
+    from tract_cli.serve.vllm_engine import vllm_python
+    skipped = {c: why for c in configs
+               if (why := engine_configs.unavailable(c, vllm_python())) is not None}
     reqs = prompts(lengths, per_length, vocab, seed)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
             "--no-enable-prefix-caching", "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, texts, kv = [], {}, {}
     pool, flush_mode = None, None
+    failed = True
     try:
         for config in configs:
+            if config in skipped:
+                print(f"skipping {config}: {skipped[config]}", file=log, flush=True)
+                continue
             print(f"starting {config} ...", file=log, flush=True)
             if config in ("tract", "prefix"):       # each from an empty region
                 if pool is not None:
@@ -108,7 +97,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     remove_region(pool)
                 pool = _tract_region(model_dir, lengths, per_length + 1)
                 flush_mode = _flush_mode(pool)
-            servers = _start(config, model_dir, work, args, kv_cache_gib, pool, load_mode)
+            servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
+                                           load_mode)
             try:
                 for s in servers.values():
                     s.wait_ready()
@@ -120,23 +110,24 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                         records.append({"config": row, "input_len": n, "request": i} | rec)
                         texts.setdefault(i, {})[row] = rec.pop("text")
             finally:
-                for s in servers.values():
-                    s.stop()
+                engine_configs.stop_all(servers)
                 store = getattr(servers.get("prefill"), "store", None)
                 if store:
                     shutil.rmtree(store, ignore_errors=True)
             if config == "tract":
                 kv = _connector_figures(os.path.join(work, "tract-decode.log"),
                                         os.path.join(work, "tract-prefill.log"))
+        failed = False
     finally:
         if pool is not None:
             from tract_cli.core.region import remove_region
             remove_region(pool)
-        shutil.rmtree(work, ignore_errors=True)
-    for rec in records:      # the same tokens as one vLLM: what "verified" means here
-        mono = texts[rec["request"]].get("mono")
-        rec["verified"] = None if mono is None else texts[rec["request"]][rec["config"]] == mono
-    return {"records": records, "summaries": summarize(records), "kv": kv,
+        if failed:         # the servers' logs, which the error names, are kept
+            print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    verify(records, texts)
+    return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode}
 
 
@@ -146,45 +137,6 @@ def _flush_mode(path: str) -> str:
     from tract_cli.core.pool import Pool
     with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
         return p.flush_mode
-
-
-def _start(config: str, model_dir: str, work: str, args: tuple, gib: float,
-           pool: str | None, load_mode: str = "sync") -> dict:
-    from tract_cli.serve.vllm_engine import VllmServer
-    if config == "mono":
-        return {"mono": VllmServer(model_dir, _port(), args=args, kv_cache_gib=gib,
-                                   log_path=os.path.join(work, "mono.log"))}
-    if config in ("tract", "prefix"):
-        return {role: VllmServer(model_dir, _port(), pool=pool, node=node, args=args,
-                                 kv_cache_gib=gib, extra={"load_mode": load_mode},
-                                 log_path=os.path.join(work, f"{config}-{role}.log"),
-                                 env={"TRACT_CONNECTOR_TIMINGS": "1",
-                                      "TRACT_CONNECTOR_REFERENCE": "1"} | _cores(role))
-                for role, node in (("prefill", 1), ("decode", 2))}
-    store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
-    out = {}
-    # producer/consumer: what ExampleConnector's own P/D example runs (it has no kv_both
-    # behaviour worth comparing; TraCT's kv_both adds only its prefix lookups)
-    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        cfg = EXAMPLE | {"kv_role": kv_role,
-                         "kv_connector_extra_config": {"shared_storage_path": store}}
-        out[role] = VllmServer(model_dir, _port(), args=args + ("--kv-transfer-config",
-                                                                json.dumps(cfg)),
-                               kv_cache_gib=gib, log_path=os.path.join(work, f"example-{role}.log"),
-                               env=_cores(role))
-    out["prefill"].store = store
-    return out
-
-
-def _cores(role: str) -> dict:
-    """Prefill and decode on different cores, as a deployment would place them (vLLM's
-    CPU worker otherwise binds every instance to the same first core)."""
-    cpus = sorted(allowed_cpus())          # ids need not be 0..n-1 (a cpuset)
-    if len(cpus) < 2:
-        return {}
-    half = len(cpus) // 2
-    cores = cpus[:half] if role == "prefill" else cpus[half:]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 
 
 def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
@@ -318,6 +270,14 @@ def _memcpy_figures(kv: dict) -> dict:
             out[kind] |= {"claim_wait_ms": sum(r["claim_wait_ms"] for r in rows),
                           "commit_ms": sum(r["commit_ms"] for r in rows)}
     return out
+
+
+def verify(records: list[dict], texts: dict) -> None:
+    """Sets each record's "verified": its answer's text equals one vLLM's (the
+    `mono` configuration's) for the same prompt; None where mono did not run."""
+    for rec in records:
+        mono = texts[rec["request"]].get("mono")
+        rec["verified"] = None if mono is None else texts[rec["request"]][rec["config"]] == mono
 
 
 def summarize(records: list[dict]) -> list[dict]:

@@ -1,0 +1,109 @@
+"""`tract bench --engine vllm` with the real peers on the same real vLLM: each
+configuration starts, hands the prompt over, answers as one vLLM, and leaves
+no server, region or directory behind; a peer that is not installed is
+skipped with the command that installs it.  The figures are a benchmark
+(docs/VLLM.md), not a test: one small run per configuration here."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import psutil
+import pytest
+
+from tests.vllm_stack import VLLM_PY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = os.path.join(ROOT, ".peers")
+MARK = "TRACT_TEST_VLLM_BENCH"      # in the environment of everything a bench here starts
+
+pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
+                                reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
+
+
+def _bench(args: list[str], peers_dir: str, timeout: float) -> subprocess.CompletedProcess:
+    env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
+                        "HF_HUB_OFFLINE": "1", "COLUMNS": "200", MARK: str(os.getpid())}
+    return subprocess.run([sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm",
+                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _our_processes() -> set[int]:
+    """The live processes this test's benches started (they inherit MARK), whoever
+    their parent is now."""
+    out = set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK) == str(os.getpid()):
+                out.add(proc.pid)
+        except psutil.Error:
+            continue            # gone meanwhile, or not ours to read
+    return out
+
+
+def _debris() -> set[str]:
+    return (set(glob.glob("/dev/shm/tract-bench-*")) |
+            set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*"))))
+
+
+def _nixl_missing() -> str | None:
+    from tract_cli.bench.engine import configs
+    os.environ["TRACT_PEERS_DIR"] = PEERS
+    return configs.unavailable("nixl", VLLM_PY)
+
+
+def test_nixl_runs_beside_one_vllm_and_leaves_nothing_behind(vllm_checkpoint, tmp_path):
+    why = _nixl_missing()
+    if why:
+        pytest.skip(why)
+    before_files = _debris()
+    out = tmp_path / "run.json"
+    res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
+                  "--vllm-config", "nixl", "--vllm-config", "nixl-tcp", "--vllm-config", "mono",
+                  "--json", str(out)], PEERS, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    run = json.loads(out.read_text())
+    rows = {s["config"]: s for s in run["summaries"]}
+    assert sorted(rows) == ["mono", "nixl", "nixl-tcp"]
+    for config in ("nixl", "nixl-tcp"):
+        # handed over (the decode instance took the prompt from NixlConnector) and
+        # the same answer as one vLLM
+        assert rows[config]["handed_over"] == rows[config]["requests"] == 1, rows[config]
+        assert rows[config]["verified"] is True, rows[config]
+        assert rows[config]["prefill_s"] > 0 and rows[config]["decode_s"] > 0
+    assert run["skipped"] == {}
+    for config in ("nixl", "nixl-tcp", "mono"):
+        assert config in res.stdout
+    assert _our_processes() == set(), "a process the bench started outlived it"
+    assert _debris() - before_files == set(), "the bench left files behind"
+
+
+def test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it(tmp_path,
+                                                                           vllm_checkpoint):
+    res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
+                  "--vllm-config", "nixl"], str(tmp_path / "no-peers"), timeout=300)
+    assert res.returncode == 1
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    err = lines[-1]
+    assert "Traceback" not in res.stderr
+    assert "error: no configuration ran: nixl: vLLM with nixl is not installed" in err
+    assert "tract bench --engine vllm --vllm-config nixl --install-peers" in err
+
+
+def test_an_answer_unlike_one_vllms_is_not_verified():
+    """The bench's check can fail: a configuration's answer that differs from one
+    vLLM's in one token is reported unverified."""
+    from tract_cli.bench.engine.vllm_runs import summarize, verify
+    records = [{"config": c, "input_len": 10, "request": 0, "ttft_s": 0.1, "prefill_s": None,
+                "decode_s": None} for c in ("mono", "nixl")]
+    texts = {0: {"mono": " a b c", "nixl": " a b c"}}
+    verify(records, texts)
+    assert all(r["verified"] for r in records)
+    texts[0]["nixl"] = " a b d"
+    verify(records, texts)
+    assert {s["config"]: s["verified"] for s in summarize(records)} == {"mono": True,
+                                                                         "nixl": False}

@@ -1,0 +1,153 @@
+"""The vLLM configurations `tract bench --engine vllm` compares: which servers
+each starts, with which KV connector, in which environment, on which cores.
+
+Every P/D configuration is placed alike: the prefill instance on the first half
+of the allowed CPUs, the decode instance on the second (vLLM's CPU worker
+otherwise binds every instance to the same first core), the same vLLM
+arguments, the same checkpoint.  Each peer is configured as its own
+documentation sets it up for P/D (docs/VLLM.md, "Benchmark"):
+
+- `tract`, `prefix`: TraCT's connector on a temporary region (nodes 1 and 2);
+- `example`: vLLM's ExampleConnector, KV as safetensors files in /dev/shm
+  (producer and consumer, as its own P/D example runs it);
+- `nixl`, `nixl-tcp`: vLLM's NixlConnector (`kv_producer` and `kv_consumer`:
+  vLLM 0.32 deprecates `kv_both` for it; `kv_buffer_device: cpu`, the one its
+  CPU platform supports), NIXL's UCX backend with UCX's same-host default transports, and
+  with `UCX_TLS=tcp` (the network path); each instance its own NIXL side
+  channel port.  It runs in a vLLM with NIXL installed (`peer_envs`);
+- `mono`: one vLLM (the floor: no KV moves).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+
+from tract_cli.bench.engine import peer_envs
+from tract_cli.core.cpu import allowed_cpus
+from tract_cli.core.errors import TractError
+
+# the configurations, in the order of their rows; "prefix" gives two rows
+CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix")
+ROWS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix-miss", "prefix-hit")
+# a configuration -> the peer whose vLLM overlay it runs in
+NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl"}
+# P/D configurations: a prefill and a decode instance, a request handed over
+PD = ("tract", "example", "nixl", "nixl-tcp")
+EXAMPLE = {"kv_connector": "ExampleConnector"}
+NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+
+
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free now for a server to bind later, outside the kernel's ephemeral
+    range: a port the kernel hands out (to `bind(0)`, to an outgoing connection)
+    could be taken by one of vLLM's own sockets between this check and the bind
+    (a NIXL side channel failed so: `Address already in use`).  Random in the
+    range below it, never the same twice in this process."""
+    import random
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(low, 10001))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise TractError("no free TCP port below the ephemeral range", "free some ports")
+
+
+def unavailable(config: str, vllm_python: str) -> str | None:
+    """None if CONFIG can run with the vLLM at VLLM_PYTHON, else why and what to do."""
+    peer = NEEDS_PEER.get(config)
+    return None if peer is None else peer_envs.unavailable(peer, config, vllm_python)
+
+
+def install(config: str, vllm_python: str, log) -> None:
+    """Makes what CONFIG needs beside the user's vLLM (its peer's overlay)."""
+    peer = NEEDS_PEER.get(config)
+    if peer is not None:
+        peer_envs.install(peer, config, vllm_python, log)
+
+
+def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
+          pool: str | None, load_mode: str = "sync") -> dict:
+    """The servers of CONFIG, started (not yet ready): {"mono": s} or
+    {"prefill": s, "decode": s}.  A server's `store` (ExampleConnector's
+    directory) is the caller's to remove."""
+    from tract_cli.serve.vllm_engine import VllmServer
+    log = lambda role: os.path.join(work, f"{config}-{role}.log")
+    if config == "mono":
+        return {"mono": VllmServer(model_dir, free_port(), args=args, kv_cache_gib=gib,
+                                   log_path=log("mono"))}
+    if config in ("tract", "prefix"):
+        return {role: VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
+                                 kv_cache_gib=gib, extra={"load_mode": load_mode},
+                                 log_path=log(role),
+                                 env={"TRACT_CONNECTOR_TIMINGS": "1",
+                                      "TRACT_CONNECTOR_REFERENCE": "1"} | cores(role))
+                for role, node in (("prefill", 1), ("decode", 2))}
+    out = {}
+    if config == "example":
+        store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
+        try:
+            # producer/consumer: what ExampleConnector's own P/D example runs (it has
+            # no kv_both behaviour worth comparing)
+            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+                cfg = EXAMPLE | {"kv_role": kv_role,
+                                 "kv_connector_extra_config": {"shared_storage_path": store}}
+                out[role] = VllmServer(model_dir, free_port(),
+                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
+                                       kv_cache_gib=gib, log_path=log(role), env=cores(role))
+        except BaseException:
+            stop_all(out)
+            import shutil
+            shutil.rmtree(store, ignore_errors=True)
+            raise
+        out["prefill"].store = store
+        return out
+    if config in ("nixl", "nixl-tcp"):
+        python = str(peer_envs.python_of(NEEDS_PEER[config]))
+        transport = {"UCX_TLS": "tcp"} if config == "nixl-tcp" else {}
+        try:
+            # producer and consumer: vLLM 0.32 deprecates kv_both for NixlConnector
+            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+                env = cores(role) | transport | {
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                cfg = NIXL | {"kv_role": kv_role}
+                out[role] = VllmServer(model_dir, free_port(), python=python,
+                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
+                                       kv_cache_gib=gib, log_path=log(role), env=env)
+        except BaseException:
+            stop_all(out)
+            raise
+        return out
+    raise ValueError(f"unknown configuration {config!r}")
+
+
+def stop_all(servers: dict) -> None:
+    for s in servers.values():
+        s.stop()
+
+
+def cores(role: str) -> dict:
+    """Prefill and decode on different cores, as a deployment would place them (vLLM's
+    CPU worker otherwise binds every instance to the same first core)."""
+    cpus = sorted(allowed_cpus())          # ids need not be 0..n-1 (a cpuset)
+    if len(cpus) < 2:
+        return {}
+    half = len(cpus) // 2
+    cores_ = cpus[:half] if role == "prefill" else cpus[half:]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores_))}

@@ -1,0 +1,143 @@
+"""A vLLM with a peer's KV connector installed, made without touching the user's vLLM.
+
+vLLM ships the peers' connectors (NixlConnector, LMCache's, Mooncake's) but
+not the libraries they need, and installing those into the user's vLLM
+environment would change it.  Each peer gets an overlay instead:
+`$TRACT_PEERS_DIR/vllm-<peer>`, a virtual environment of the same Python
+whose only packages are the peer's (pinned), with a `.pth` file that appends
+the user's vLLM environment (its site-packages, `TRACT_VLLM_PYTHON`'s) after
+its own.  So the overlay runs the user's very vLLM, torch and TraCT, and the
+peer's packages shadow nothing of them that the peer does not need itself.
+pip runs from the user's vLLM (`pip --python OVERLAY`): it sees the vLLM
+environment's packages through the `.pth`, installs only what is missing, and
+never removes anything outside the overlay.
+
+An overlay records the vLLM it was made over (`tract-overlay.json`); made over
+another one, it is reported stale, with the command that remakes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from tract_cli.bench.peers import peers_dir
+from tract_cli.core.errors import TractError
+
+# peer -> (pip install steps, the import that proves it works beside vLLM)
+ENGINE_PEERS = {
+    # NIXL's CPU-capable wheels, as `tract bench --transport nixl` installs them;
+    # `nixl` itself pulls nixl-cu13 too, which a CPU host does not need
+    "nixl": ([["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
+             "from nixl._api import nixl_agent"),
+}
+MARKER = "tract-overlay.json"
+PTH = "_tract_vllm_base.pth"
+
+
+def root_of(peer: str) -> pathlib.Path:
+    return peers_dir() / f"vllm-{peer}"
+
+
+def python_of(peer: str) -> pathlib.Path:
+    return root_of(peer) / "bin" / "python"
+
+
+def install_hint(peer: str, config: str) -> str:
+    return f"run `tract bench --engine vllm --vllm-config {config} --install-peers`"
+
+
+def _base_paths(vllm_python: str) -> list[str]:
+    """The site-packages directories of the vLLM environment at VLLM_PYTHON."""
+    code = ("import json, sysconfig, vllm; p = sysconfig.get_paths(); "
+            "print(json.dumps(sorted({p['purelib'], p['platlib']})))")
+    try:
+        r = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, timeout=300)
+    except OSError as exc:
+        raise TractError(f"cannot run vLLM's python {vllm_python}: {exc.strerror}",
+                         "set TRACT_VLLM_PYTHON to the python of vLLM's environment") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise TractError(f"{vllm_python} does not import vLLM ({last})",
+                         "set TRACT_VLLM_PYTHON to the python of vLLM's environment")
+    return json.loads(r.stdout)
+
+
+def _identity(python: str) -> str:
+    """PYTHON's path with its directories' links resolved but not its own (a virtual
+    environment's python is a link to the interpreter it was made from)."""
+    return os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
+
+
+_checked: dict[tuple[str, str], str | None] = {}
+
+
+def unavailable(peer: str, config: str, vllm_python: str) -> str | None:
+    """None if PEER's overlay over VLLM_PYTHON's vLLM runs, else why and how to fix it."""
+    key = (peer, vllm_python)
+    if key in _checked:
+        return _checked[key]
+    py, hint = python_of(peer), install_hint(peer, config)
+    why = None
+    if not py.exists():
+        why = f"vLLM with {peer} is not installed in {root_of(peer)}; {hint}"
+    else:
+        try:
+            made_over = json.loads((root_of(peer) / MARKER).read_text())["vllm_python"]
+        except (OSError, ValueError, KeyError, TypeError):
+            made_over = None
+        if made_over is None or _identity(made_over) != _identity(vllm_python):
+            why = (f"{root_of(peer)} was made over another vLLM ({made_over}, not "
+                   f"{vllm_python}); {hint}")
+        else:
+            r = subprocess.run([str(py), "-c", "import vllm; " + ENGINE_PEERS[peer][1]],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or ["?"])[-1]
+                why = f"{peer} does not import beside vLLM in {root_of(peer)} ({last}); {hint}"
+    _checked[key] = why
+    return why
+
+
+def install(peer: str, config: str, vllm_python: str, log=sys.stderr) -> None:
+    """Makes PEER's overlay over the vLLM at VLLM_PYTHON (a no-op when it works)."""
+    if unavailable(peer, config, vllm_python) is None:
+        return
+    _checked.pop((peer, vllm_python), None)
+    root = root_of(peer)
+    print(f"installing vLLM with {peer} into {root} (an overlay of {vllm_python}) ...",
+          file=log, flush=True)
+    paths = _base_paths(vllm_python)
+    try:
+        # the same interpreter as vLLM's; no pip of its own (pip runs from vLLM's)
+        subprocess.run([vllm_python, "-m", "venv", "--clear", "--without-pip", str(root)],
+                       check=True, capture_output=True, text=True, timeout=600)
+        site = subprocess.run([str(python_of(peer)), "-c",
+                               "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        # a .pth line that starts with `import` is run: addsitedir also reads the
+        # vLLM environment's own .pth files (an editable TraCT's among them)
+        pathlib.Path(site, PTH).write_text(
+            "".join(f"import site; site.addsitedir({p!r})\n" for p in paths))
+        for step in ENGINE_PEERS[peer][0]:
+            subprocess.run([vllm_python, "-m", "pip", "--python", str(python_of(peer)), "install",
+                            "-q", *step], check=True, capture_output=True, text=True, timeout=1800)
+        (root / MARKER).write_text(json.dumps({"vllm_python": vllm_python, "base": paths}))
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or "").strip().splitlines() if isinstance(exc.stderr, str) else []
+        tail = [ln for ln in tail if not ln.startswith("WARNING")] or tail
+        raise TractError(f"installing vLLM with {peer} failed: {tail[-1] if tail else exc}",
+                         "check network access to the package index, and that vLLM's "
+                         "environment has pip") from None
+    except subprocess.TimeoutExpired:
+        raise TractError(f"installing vLLM with {peer} took too long",
+                         "retry, or install it by hand") from None
+    why = unavailable(peer, config, vllm_python)
+    if why:
+        raise TractError(f"vLLM with {peer} was installed but does not work: {why}",
+                         "see the message")
+
+
+__all__ = ["ENGINE_PEERS", "install", "python_of", "unavailable"]
