@@ -50,36 +50,50 @@ def _debris() -> set[str]:
             set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*"))))
 
 
-def _nixl_missing() -> str | None:
+def _missing(config: str) -> str | None:
     from tract_cli.bench.engine import configs
     os.environ["TRACT_PEERS_DIR"] = PEERS
-    return configs.unavailable("nixl", VLLM_PY)
+    return configs.unavailable(config, VLLM_PY)
 
 
-def test_nixl_runs_beside_one_vllm_and_leaves_nothing_behind(vllm_checkpoint, tmp_path):
-    why = _nixl_missing()
-    if why:
-        pytest.skip(why)
+def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path):
+    """NixlConnector (both transports) and LMCache (its cache shared by two
+    instances), one short prompt each, in one bench run beside one vLLM."""
+    peers = [c for c in ("nixl", "nixl-tcp", "lmcache") if _missing(c) is None]
+    if not peers:
+        pytest.skip("; ".join(_missing(c) for c in ("nixl", "lmcache")))
     before_files = _debris()
     out = tmp_path / "run.json"
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
-                  "--vllm-config", "nixl", "--vllm-config", "nixl-tcp", "--vllm-config", "mono",
-                  "--json", str(out)], PEERS, timeout=900)
+                  *[a for c in peers + ["mono"] for a in ("--vllm-config", c)],
+                  "--json", str(out)], PEERS, timeout=1200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     run = json.loads(out.read_text())
     rows = {s["config"]: s for s in run["summaries"]}
-    assert sorted(rows) == ["mono", "nixl", "nixl-tcp"]
-    for config in ("nixl", "nixl-tcp"):
-        # handed over (the decode instance took the prompt from NixlConnector) and
+    expected = [c for c in peers if c != "lmcache"] + (
+        ["lmcache-hit", "lmcache-miss"] if "lmcache" in peers else [])
+    assert sorted(rows) == sorted(expected + ["mono"])
+    for config in expected:
         # the same answer as one vLLM
-        assert rows[config]["handed_over"] == rows[config]["requests"] == 1, rows[config]
         assert rows[config]["verified"] is True, rows[config]
-        assert rows[config]["prefill_s"] > 0 and rows[config]["decode_s"] > 0
+    for config in expected:
+        if config in ("nixl", "nixl-tcp", "lmcache-hit"):
+            # handed over: the decode instance (for LMCache, the second instance)
+            # took prompt tokens from its connector
+            assert rows[config]["handed_over"] == rows[config]["requests"] == 1, rows[config]
+    for config in ("nixl", "nixl-tcp"):
+        if config in rows:
+            assert rows[config]["prefill_s"] > 0 and rows[config]["decode_s"] > 0
+    if "lmcache" in peers:
+        hit = next(r for r in run["records"] if r["config"] == "lmcache-hit")
+        # LMCache stores whole chunks (vLLM's 128-token blocks): 2 of a 300-token prompt
+        assert hit["hit_tokens"] == 256, hit
     assert run["skipped"] == {}
-    for config in ("nixl", "nixl-tcp", "mono"):
+    for config in expected + ["mono"]:
         assert config in res.stdout
     assert _our_processes() == set(), "a process the bench started outlived it"
     assert _debris() - before_files == set(), "the bench left files behind"
+    assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
 
 
 def test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it(tmp_path,

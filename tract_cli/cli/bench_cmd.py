@@ -192,7 +192,8 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                         f"{load_mode})")
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
                 "verified"):
-        table.add_column(col, justify="left" if col in ("config", "verified") else "right")
+        table.add_column(col, justify="left" if col in ("config", "verified") else "right",
+                         no_wrap=col == "config")
     dur = lambda v: "—" if v is None else format_duration(v)
     for s in res["summaries"]:
         table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),

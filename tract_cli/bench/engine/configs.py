@@ -15,6 +15,10 @@ documentation sets it up for P/D (docs/VLLM.md, "Benchmark"):
   CPU platform supports), NIXL's UCX backend with UCX's same-host default transports, and
   with `UCX_TLS=tcp` (the network path); each instance its own NIXL side
   channel port.  It runs in a vLLM with NIXL installed (`peer_envs`);
+- `lmcache`: LMCache's cache shared by two vLLM instances (a prefix cache, as
+  `prefix`): its multiprocess server (`lmcache_server.py`) and LMCache's own
+  `LMCacheMPConnector` in each vLLM (`kv_both`), chunks of vLLM's block size;
+  the one LMCache path that runs on vLLM's CPU build (docs/VLLM.md);
 - `mono`: one vLLM (the floor: no KV moves).
 """
 from __future__ import annotations
@@ -29,10 +33,13 @@ from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError
 
 # the configurations, in the order of their rows; "prefix" gives two rows
-CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix")
-ROWS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix-miss", "prefix-hit")
+CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix", "lmcache")
+ROWS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix-miss", "prefix-hit",
+        "lmcache-miss", "lmcache-hit")
+# prefix-cache configurations: a miss on one instance, then the hit on the other
+PREFIX = {"prefix": ("prefix-miss", "prefix-hit"), "lmcache": ("lmcache-miss", "lmcache-hit")}
 # a configuration -> the peer whose vLLM overlay it runs in
-NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl"}
+NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl", "lmcache": "lmcache"}
 # P/D configurations: a prefill and a decode instance, a request handed over
 PD = ("tract", "example", "nixl", "nixl-tcp")
 EXAMPLE = {"kv_connector": "ExampleConnector"}
@@ -82,10 +89,13 @@ def install(config: str, vllm_python: str, log) -> None:
 
 
 def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
-          pool: str | None, load_mode: str = "sync") -> dict:
+          pool: str | None, load_mode: str = "sync", block_tokens: int = 128,
+          cache_bytes: int = 1 << 30) -> dict:
     """The servers of CONFIG, started (not yet ready): {"mono": s} or
-    {"prefill": s, "decode": s}.  A server's `store` (ExampleConnector's
-    directory) is the caller's to remove."""
+    {"prefill": s, "decode": s} (and {"cache": s} after them, where the
+    configuration has a cache server of its own, started and ready first).  A
+    server's `store` (ExampleConnector's directory) is the caller's to remove.
+    BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")
     if config == "mono":
@@ -133,6 +143,32 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         except BaseException:
             stop_all(out)
             raise
+        return out
+    if config == "lmcache":
+        from tract_cli.bench.engine.lmcache_server import LmcacheServer
+        python = str(peer_envs.python_of(NEEDS_PEER[config]))
+        cache = LmcacheServer(python, free_port(), free_port(), block_tokens,
+                              max(1, -(-cache_bytes // (1 << 30))),
+                              f"tract-bench-lmcache-{os.getpid()}", log("cache"))
+        try:
+            cache.wait_ready()
+            cfg = {"kv_connector": "LMCacheMPConnector",
+                   "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                   "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                 "lmcache.mp.port": cache.port,
+                                                 "lmcache.mp.mq_timeout": 60}}
+            for role in ("prefill", "decode"):
+                out[role] = VllmServer(model_dir, free_port(), python=python,
+                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
+                                       kv_cache_gib=gib, log_path=log(role),
+                                       env=cores(role) | {"LMCACHE_TRACK_USAGE": "false",
+                                                          "PYTHONHASHSEED": "0"})
+        except BaseException:
+            stop_all(out)
+            cache.stop()
+            raise
+        out["cache"] = cache
         return out
     raise ValueError(f"unknown configuration {config!r}")
 

@@ -32,6 +32,15 @@ ENGINE_PEERS = {
     # `nixl` itself pulls nixl-cu13 too, which a CPU host does not need
     "nixl": ([["nixl-cu12==1.5.1"], ["--no-deps", "nixl==1.5.1"]],
              "from nixl._api import nixl_agent"),
+    # LMCache without its dependencies, then only those vLLM's environment lacks:
+    # its own pins (numpy<=2.2.6, protobuf<7, prometheus_client, OpenTelemetry)
+    # are older than vLLM's and would shadow them, and its CUDA packages (cupy,
+    # cuda-python) are for GPUs; its multiprocess mode, the one that runs on a
+    # CPU, needs neither
+    "lmcache": ([["--no-deps", "lmcache==0.5.6"],
+                 ["sortedcontainers==2.4.0", "aiofile==3.12.3", "aiofiles==25.1.0",
+                  "redis==8.2.0", "nvtx==0.2.17", "awscrt==0.38.1"]],
+                "import lmcache.integration.vllm.lmcache_mp_connector, lmcache.cli.main"),
 }
 MARKER = "tract-overlay.json"
 PTH = "_tract_vllm_base.pth"

@@ -30,7 +30,7 @@ import urllib.request
 import numpy as np
 
 from tract_cli.bench.engine import configs as engine_configs
-from tract_cli.bench.engine.configs import CONFIGS, ROWS
+from tract_cli.bench.engine.configs import CONFIGS, PREFIX, ROWS
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
@@ -98,13 +98,15 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 pool = _tract_region(model_dir, lengths, per_length + 1)
                 flush_mode = _flush_mode(pool)
             servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
-                                           load_mode)
+                                           load_mode, VLLM_BLOCK,
+                                           _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2))
             try:
                 for s in servers.values():
                     s.wait_ready()
                 _warm(servers, config, output_len)
                 for i, (n, tokens) in enumerate(reqs):
-                    got = (_prefix(servers, tokens, output_len) if config == "prefix" else
+                    got = (_prefix(servers, tokens, output_len, PREFIX[config])
+                           if config in PREFIX else
                            {config: _one(servers, config, tokens, output_len)})
                     for row, rec in got.items():
                         records.append({"config": row, "input_len": n, "request": i} | rec)
@@ -156,24 +158,35 @@ def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
     return path
 
 
+def _kv_bytes(model_dir: str, tokens: int) -> int:
+    """The KV bytes of TOKENS tokens of the checkpoint (a cache server's size)."""
+    from tract_cli.core.geometry import load_model
+    return tokens * load_model(model_dir).geometry.bytes_per_token
+
+
 def _warm(servers: dict, config: str, output_len: int) -> None:
     """One short request through the path first (vLLM's first step pays one-time costs)."""
-    if config == "prefix":
-        _prefix(servers, list(range(3, 67)), output_len)
+    if config in PREFIX:
+        _prefix(servers, list(range(3, 67)), output_len, PREFIX[config])
     else:
         _one(servers, config, list(range(3, 67)), output_len)
 
 
-def _prefix(servers: dict, tokens: list, output_len: int) -> dict:
+def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str]) -> dict:
     """A miss (the prefill instance computes the prompt, and saves it) and then the hit
-    (the decode instance, another node, loads it from the pool): TTFT of each."""
+    (the decode instance, another node, loads it from the pool or the cache): TTFT of
+    each, as ROWS (miss, hit)."""
     out = {}
-    for row, s in (("prefix-miss", servers["prefill"]), ("prefix-hit", servers["decode"])):
+    for row, s in zip(rows, (servers["prefill"], servers["decode"])):
+        external = _external_tokens(s)
         t0 = time.monotonic()
         first, text = _first_token(s.url + "/v1/completions",
                                    {"model": _model(s), "prompt": tokens,
                                     "max_tokens": output_len, "temperature": 0})
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
+        if row == rows[1]:   # a hit: the prompt tokens it took from its connector
+            out[row] |= {"handed_over": _external_tokens(s) > external,
+                         "hit_tokens": int(_external_tokens(s) - external)}
     return out
 
 
