@@ -73,10 +73,12 @@ def plot_results(res, path: str, title: str) -> None:
 
 def plot_vllm(result: dict, path: str, rows) -> None:
     """`--engine vllm`: TTFT CDF per input length, one line per configuration
-    (ROWS, in their order)."""
+    (ROWS, in their order), on a log time axis (the paths differ by orders of
+    magnitude), the legend beside the panels."""
     plt = _pyplot()
     lengths = sorted({r["input_len"] for r in result["records"]})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(3.6 * len(lengths) + 1.8, 3.4),
+                             squeeze=False)
     for ax, n in zip(axes[0], lengths):
         for config in rows:
             t = [r["ttft_s"] * 1e3 for r in result["records"]
@@ -84,11 +86,12 @@ def plot_vllm(result: dict, path: str, rows) -> None:
             if t:
                 _cdf(ax, t, config)
         ax.set_title(f"{n} input tokens")
-        ax.set_xlabel("TTFT (ms)")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log scale)")
         ax.set_ylim(0, 1.02)
     axes[0][0].set_ylabel("CDF")
-    axes[0][0].legend()
-    fig.suptitle("vLLM (CPU): TTFT by KV path (" + ", ".join(
-        c for c in rows if any(r["config"] == c for r in result["records"])) + ")")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize="small")
+    fig.suptitle("vLLM (CPU build): TTFT CDF per KV path")
+    fig.tight_layout(rect=(0, 0, 1 - 1.7 / (3.6 * len(lengths) + 1.8), 1))
     _save(plt, fig, path, 110)

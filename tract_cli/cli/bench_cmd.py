@@ -7,10 +7,12 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from tract_cli.bench import peers, stats
+from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine import vllm_runs
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
@@ -71,12 +73,16 @@ def bench(
     engine: str = typer.Option("reference", "--engine", help="reference (modelled or reference-"
                                "engine compute) or vllm (real vLLM prefill/decode pairs on the "
                                "--model checkpoint; docs/VLLM.md)."),
-    vllm_configs: List[str] = typer.Option(list(vllm_runs.CONFIGS), "--vllm-config",
-                                           help="With --engine vllm: tract, example (vLLM's "
-                                                "ExampleConnector on /dev/shm), nixl, nixl-tcp "
-                                                "(vLLM's NixlConnector over UCX; needs "
-                                                "--install-peers once), mono, prefix (a pool hit "
-                                                "against a miss; repeatable)."),
+    vllm_configs: List[str] = typer.Option(list(engine_configs.DEFAULT), "--vllm-config",
+                                           help="With --engine vllm (repeatable): tract, example "
+                                                "(vLLM's ExampleConnector on /dev/shm), nixl, "
+                                                "nixl-tcp (vLLM's NixlConnector over UCX), "
+                                                "mooncake (vLLM's MooncakeConnector; not by "
+                                                "default: it stops at start on vLLM's CPU "
+                                                "build), mono (one vLLM), prefix (a pool hit "
+                                                "after a miss), lmcache (LMCache's shared cache: "
+                                                "a hit after a miss). The peers need "
+                                                "--install-peers once."),
     load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
                                   "connector's load_mode, sync (hits copied in the step that "
                                   "computes the rest) or async (on its loader thread)."),
@@ -176,7 +182,6 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
             raise UsageError(f"unknown vLLM configuration {c!r}",
                              f"use {', '.join(vllm_runs.CONFIGS)}")
     if install_peers:
-        from tract_cli.bench.engine import configs as engine_configs
         from tract_cli.serve.vllm_engine import vllm_python
         for c in configs:
             engine_configs.install(c, vllm_python(), render.stderr.file)
@@ -184,7 +189,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                          load_mode=load_mode)
     if not res["summaries"]:
         raise TractError("no configuration ran: " + "; ".join(
-            f"{c}: {why}" for c, why in res["skipped"].items()),
+            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
             "install what is missing, or pick other --vllm-config")
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
@@ -207,7 +212,11 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
     for config, why in res["skipped"].items():
-        render.stdout.print(f"[yellow]{config} skipped: {why}")
+        render.stdout.print(f"[yellow]{config} skipped: {escape(why)}", soft_wrap=True)
+    for config, why in res["failed"].items():   # a server's log line may hold [brackets]
+        render.stdout.print(f"[red]{config} failed: {escape(why)}", soft_wrap=True)
+    if res["logs"]:
+        render.stdout.print(f"the vLLM servers' logs: {escape(res['logs'])}", soft_wrap=True)
     for kind, fig in res["memcpy"].items():
         ms = lambda v: format_duration(v / 1e3)
         same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
@@ -237,7 +246,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
     if plot:
         from tract_cli.bench.plot import plot_vllm
         plot_vllm(res, plot, vllm_runs.ROWS)
-    if any(s["verified"] is False for s in res["summaries"]):
+    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
         raise typer.Exit(1)
 
 

@@ -19,6 +19,12 @@ documentation sets it up for P/D (docs/VLLM.md, "Benchmark"):
   `prefix`): its multiprocess server (`lmcache_server.py`) and LMCache's own
   `LMCacheMPConnector` in each vLLM (`kv_both`), chunks of vLLM's block size;
   the one LMCache path that runs on vLLM's CPU build (docs/VLLM.md);
+- `mooncake`: vLLM's MooncakeConnector (`kv_producer`, `kv_consumer`, the
+  transfer engine's `tcp` protocol: no RDMA here), the prefill instance's
+  bootstrap server on its own port, requests paired by a `transfer_id` as
+  vLLM's Mooncake proxy pairs them.  On vLLM 0.32's CPU build it stops at
+  start (its worker asks torch for the accelerator's index): the bench
+  reports that, measured, and runs the rest;
 - `mono`: one vLLM (the floor: no KV moves).
 """
 from __future__ import annotations
@@ -33,15 +39,16 @@ from tract_cli.core.cpu import allowed_cpus
 from tract_cli.core.errors import TractError
 
 # the configurations, in the order of their rows; "prefix" gives two rows
-CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix", "lmcache")
-ROWS = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix-miss", "prefix-hit",
+CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix", "lmcache")
+ROWS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix-miss", "prefix-hit",
         "lmcache-miss", "lmcache-hit")
+# what a run compares unless told: every configuration that runs on vLLM's CPU
+# build (a peer not installed is skipped, with the command that installs it)
+DEFAULT = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix", "lmcache")
 # prefix-cache configurations: a miss on one instance, then the hit on the other
 PREFIX = {"prefix": ("prefix-miss", "prefix-hit"), "lmcache": ("lmcache-miss", "lmcache-hit")}
 # a configuration -> the peer whose vLLM overlay it runs in
-NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl", "lmcache": "lmcache"}
-# P/D configurations: a prefill and a decode instance, a request handed over
-PD = ("tract", "example", "nixl", "nixl-tcp")
+NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl", "lmcache": "lmcache", "mooncake": "mooncake"}
 EXAMPLE = {"kv_connector": "ExampleConnector"}
 NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 
@@ -140,6 +147,23 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
                 out[role] = VllmServer(model_dir, free_port(), python=python,
                                        args=args + ("--kv-transfer-config", json.dumps(cfg)),
                                        kv_cache_gib=gib, log_path=log(role), env=env)
+        except BaseException:
+            stop_all(out)
+            raise
+        return out
+    if config == "mooncake":
+        python = str(peer_envs.python_of(NEEDS_PEER[config]))
+        try:
+            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+                cfg = {"kv_connector": "MooncakeConnector", "kv_role": kv_role,
+                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+                bootstrap = free_port()
+                out[role] = VllmServer(model_dir, free_port(), python=python,
+                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
+                                       kv_cache_gib=gib, log_path=log(role),
+                                       env=cores(role) | {
+                                           "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)})
+                out[role].bootstrap_url = f"http://127.0.0.1:{bootstrap}"
         except BaseException:
             stop_all(out)
             raise

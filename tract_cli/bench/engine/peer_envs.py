@@ -41,6 +41,10 @@ ENGINE_PEERS = {
                  ["sortedcontainers==2.4.0", "aiofile==3.12.3", "aiofiles==25.1.0",
                   "redis==8.2.0", "nvtx==0.2.17", "awscrt==0.38.1"]],
                 "import lmcache.integration.vllm.lmcache_mp_connector, lmcache.cli.main"),
+    # Mooncake's transfer engine without CUDA (vLLM's MooncakeConnector imports it;
+    # it links libibverbs and librdmacm)
+    "mooncake": ([["mooncake-transfer-engine-non-cuda==0.3.13.post1"]],
+                 "from mooncake.engine import TransferEngine"),
 }
 MARKER = "tract-overlay.json"
 PTH = "_tract_vllm_base.pth"

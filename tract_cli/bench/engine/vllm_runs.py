@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from tract_cli.bench.engine.configs import CONFIGS, PREFIX, ROWS
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
-from tract_cli.serve.client import get_json, post_json, stream_events
+from tract_cli.serve.client import HttpError, get_json, post_json, stream_events
 
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
 
@@ -84,7 +85,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, texts, kv = [], {}, {}
     pool, flush_mode = None, None
-    failed = True
+    failed: dict[str, str] = {}     # a configuration that could not run -> why
+    keep_logs = True
     try:
         for config in configs:
             if config in skipped:
@@ -97,40 +99,62 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     remove_region(pool)
                 pool = _tract_region(model_dir, lengths, per_length + 1)
                 flush_mode = _flush_mode(pool)
-            servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
-                                           load_mode, VLLM_BLOCK,
-                                           _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2))
+            # a configuration that fails (a peer that stops vLLM at start, a server that
+            # dies) is reported with its reason and the rest run; its rows are dropped
+            rows_before = len(records)
             try:
-                for s in servers.values():
-                    s.wait_ready()
-                _warm(servers, config, output_len)
-                for i, (n, tokens) in enumerate(reqs):
-                    got = (_prefix(servers, tokens, output_len, PREFIX[config])
-                           if config in PREFIX else
-                           {config: _one(servers, config, tokens, output_len)})
-                    for row, rec in got.items():
-                        records.append({"config": row, "input_len": n, "request": i} | rec)
-                        texts.setdefault(i, {})[row] = rec.pop("text")
-            finally:
-                engine_configs.stop_all(servers)
-                store = getattr(servers.get("prefill"), "store", None)
-                if store:
-                    shutil.rmtree(store, ignore_errors=True)
+                _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
+                            output_len, records, texts)
+            except TractError as exc:
+                failed[config] = str(exc)
+            except (HttpError, OSError) as exc:      # a server that failed a request
+                failed[config] = f"a request failed: {exc}; see the servers' logs"
+            if config in failed:
+                print(f"{config} failed: {failed[config]}", file=log, flush=True)
+                for rec in records[rows_before:]:
+                    texts[rec["request"]].pop(rec["config"], None)
+                del records[rows_before:]
+                continue
             if config == "tract":
                 kv = _connector_figures(os.path.join(work, "tract-decode.log"),
                                         os.path.join(work, "tract-prefill.log"))
-        failed = False
+        keep_logs = bool(failed)
     finally:
         if pool is not None:
             from tract_cli.core.region import remove_region
             remove_region(pool)
-        if failed:         # the servers' logs, which the error names, are kept
+        if keep_logs:      # the servers' logs, which an error names, are kept
             print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
     verify(records, texts)
     return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
+            "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode}
+
+
+def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, output_len,
+                records, texts) -> None:
+    """Starts CONFIG's servers, runs every request through them, stops them."""
+    servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
+                                   load_mode, VLLM_BLOCK,
+                                   _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2))
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        _warm(servers, config, output_len)
+        for i, (n, tokens) in enumerate(reqs):
+            got = (_prefix(servers, tokens, output_len, PREFIX[config])
+                   if config in PREFIX else
+                   {config: _one(servers, config, tokens, output_len)})
+            for row, rec in got.items():
+                records.append({"config": row, "input_len": n, "request": i} | rec)
+                texts.setdefault(i, {})[row] = rec.pop("text")
+    finally:
+        engine_configs.stop_all(servers)
+        store = getattr(servers.get("prefill"), "store", None)
+        if store:
+            shutil.rmtree(store, ignore_errors=True)
 
 
 def _flush_mode(path: str) -> str:
@@ -200,11 +224,21 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     p, d = servers["prefill"], servers["decode"]
     model = _model(p)
     external = _external_tokens(d)
+    ask, given = {"do_remote_decode": True}, None
+    if config == "mooncake":
+        # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
+        # both, and the prefill engine's id from its bootstrap server for the decode
+        transfer = f"tract-bench-{uuid.uuid4().hex}"
+        engine = get_json(p.bootstrap_url + "/query", timeout=30)["0"]["engine_id"]
+        ask = ask | {"do_remote_prefill": False, "transfer_id": transfer}
+        given = {"do_remote_prefill": True, "do_remote_decode": False,
+                 "remote_bootstrap_addr": p.bootstrap_url, "remote_engine_id": engine,
+                 "transfer_id": transfer}
     t0 = time.monotonic()
     out = post_json(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
-                                                   "kv_transfer_params": {"do_remote_decode": True}})
+                                                   "kv_transfer_params": ask})
     t1 = time.monotonic()
-    params = out.get("kv_transfer_params")
+    params = given or out.get("kv_transfer_params")
     second = base | {"model": model} | ({"kv_transfer_params": params} if params else {})
     first, text = _first_token(d.url + "/v1/completions", second)
     if config == "example":
