@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,8 @@ from tract_cli.serve.client import is_up
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
 READY_TIMEOUT_S = 300
+# a Python exception's last line, alone or after vLLM's log prefix ("... [file.py:N] ")
+_EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .*)$")
 
 
 def vllm_python() -> str:
@@ -102,6 +105,12 @@ class VllmServer:
                 if marker in line:      # the connector's own sentence, without vLLM's wrapping
                     text = line[line.index(marker):].removeprefix("ConnectorError: ")
                     return text.split("', please check")[0].strip()
+        # the root cause: the first exception a process of vLLM's logged (the engine
+        # core and the server only wrap it: "Engine core initialization failed")
+        for line in lines:
+            found = _EXCEPTION_LINE.search(line)
+            if found:
+                return found.group(1).strip()
         errors = [ln for ln in lines if "Error" in ln]
         return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()
 

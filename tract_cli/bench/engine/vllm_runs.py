@@ -72,7 +72,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     configs = list(dict.fromkeys(configs))          # each once, in the order given
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     vocab = int(cfg.get("vocab_size", 1000))
-    max_len = max(lengths) + output_len + 16
+    max_len = max(max(lengths), 2 * VLLM_BLOCK + 8) + output_len + 16   # the warm-up too
     if max_len > int(cfg.get("max_position_embeddings", max_len)):
         raise UsageError(f"inputs of {max(lengths)} tokens exceed the model's "
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
@@ -80,6 +80,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     skipped = {c: why for c in configs
                if (why := engine_configs.unavailable(c, vllm_python())) is not None}
     reqs = prompts(lengths, per_length, vocab, seed)
+    # the warm-up prompt: another seed's, so it shares no block with the measured ones
+    warm = prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)[0][1]
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
             "--no-enable-prefix-caching", "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
@@ -104,7 +106,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             rows_before = len(records)
             try:
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
-                            output_len, records, texts)
+                            warm, output_len, records, texts)
             except TractError as exc:
                 failed[config] = str(exc)
             except (HttpError, OSError) as exc:      # a server that failed a request
@@ -133,8 +135,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode}
 
 
-def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, output_len,
-                records, texts) -> None:
+def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
+                output_len, records, texts) -> None:
     """Starts CONFIG's servers, runs every request through them, stops them."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK,
@@ -142,7 +144,7 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
     try:
         for s in servers.values():
             s.wait_ready()
-        _warm(servers, config, output_len)
+        _warm(servers, config, warm, output_len)
         for i, (n, tokens) in enumerate(reqs):
             got = (_prefix(servers, tokens, output_len, PREFIX[config])
                    if config in PREFIX else
@@ -188,12 +190,14 @@ def _kv_bytes(model_dir: str, tokens: int) -> int:
     return tokens * load_model(model_dir).geometry.bytes_per_token
 
 
-def _warm(servers: dict, config: str, output_len: int) -> None:
-    """One short request through the path first (vLLM's first step pays one-time costs)."""
+def _warm(servers: dict, config: str, tokens: list, output_len: int) -> None:
+    """One request through the path first, of TOKENS (two whole blocks and some: a
+    KV path that moves whole blocks moves some), so that no measured request pays
+    the path's one-time costs (vLLM's first step, a connector's first copy)."""
     if config in PREFIX:
-        _prefix(servers, list(range(3, 67)), output_len, PREFIX[config])
+        _prefix(servers, tokens, output_len, PREFIX[config])
     else:
-        _one(servers, config, list(range(3, 67)), output_len)
+        _one(servers, config, tokens, output_len)
 
 
 def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str]) -> dict:
