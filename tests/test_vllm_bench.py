@@ -21,15 +21,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers")
 MARK = "TRACT_TEST_VLLM_BENCH"      # in the environment of everything a bench here starts
 
-pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
+needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
 
 
 def _bench(args: list[str], peers_dir: str, timeout: float) -> subprocess.CompletedProcess:
+    """`tract bench --engine vllm ARGS`; past TIMEOUT it is stopped as a user stops it
+    (SIGTERM: it stops its servers), and whatever it started is killed after that."""
     env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
                         "HF_HUB_OFFLINE": "1", "COLUMNS": "200", MARK: str(os.getpid())}
-    return subprocess.run([sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm",
-                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            for pid in _our_processes():
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.Error:
+                    pass
+        pytest.fail(f"tract bench {' '.join(args)} ran past {timeout:.0f} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _our_processes() -> set[int]:
@@ -50,18 +68,20 @@ def _debris() -> set[str]:
             set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*"))))
 
 
-def _missing(config: str) -> str | None:
+def _missing(config: str, monkeypatch) -> str | None:
     from tract_cli.bench.engine import configs
-    os.environ["TRACT_PEERS_DIR"] = PEERS
+    monkeypatch.setenv("TRACT_PEERS_DIR", PEERS)
     return configs.unavailable(config, VLLM_PY)
 
 
-def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path):
+@needs_vllm
+def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path,
+                                                                 monkeypatch):
     """NixlConnector (both transports) and LMCache (its cache shared by two
     instances), one short prompt each, in one bench run beside one vLLM."""
-    peers = [c for c in ("nixl", "nixl-tcp", "lmcache") if _missing(c) is None]
+    peers = [c for c in ("nixl", "nixl-tcp", "lmcache") if _missing(c, monkeypatch) is None]
     if not peers:
-        pytest.skip("; ".join(_missing(c) for c in ("nixl", "lmcache")))
+        pytest.skip("; ".join(_missing(c, monkeypatch) for c in ("nixl", "lmcache")))
     before_files = _debris()
     out = tmp_path / "run.json"
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
@@ -96,6 +116,7 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
 
 
+@needs_vllm
 def test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it(tmp_path,
                                                                            vllm_checkpoint):
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
@@ -123,12 +144,14 @@ def test_an_answer_unlike_one_vllms_is_not_verified():
                                                                          "nixl": False}
 
 
-def test_mooncake_runs_or_its_failure_is_reported_and_the_rest_run(vllm_checkpoint, tmp_path):
+@needs_vllm
+def test_mooncake_runs_or_its_failure_is_reported_and_the_rest_run(vllm_checkpoint, tmp_path,
+                                                                   monkeypatch):
     """vLLM's MooncakeConnector: handed over and verified where it runs; where it
     cannot (vLLM 0.32's CPU build stops it at start), the bench says why in one
     line, still runs the other configuration, exits non-zero, keeps the logs it
     names and leaves nothing running."""
-    why = _missing("mooncake")
+    why = _missing("mooncake", monkeypatch)
     if why:
         pytest.skip(why)
     before_files = _debris()

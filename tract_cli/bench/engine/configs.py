@@ -33,10 +33,10 @@ import json
 import os
 import socket
 import tempfile
+import uuid
 
 from tract_cli.bench.engine import peer_envs
 from tract_cli.core.cpu import allowed_cpus
-from tract_cli.core.errors import TractError
 
 # the configurations, in the order of their rows; "prefix" gives two rows
 CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix", "lmcache")
@@ -60,16 +60,18 @@ def free_port() -> int:
     """A port free now for a server to bind later, outside the kernel's ephemeral
     range: a port the kernel hands out (to `bind(0)`, to an outgoing connection)
     could be taken by one of vLLM's own sockets between this check and the bind
-    (a NIXL side channel failed so: `Address already in use`).  Random in the
-    range below it, never the same twice in this process."""
+    (a NIXL side channel failed so: `Address already in use`).  Random below the
+    range, or above it where too few ports lie below (a host tuned to a wide
+    range); never the same twice in this process."""
     import random
     try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    spans = [(lo, hi) for lo, hi in ((10000, low), (max(high + 1, 10000), 65536)) if hi - lo >= 1000]
     rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(10000, max(low, 10001))
+    for _ in range(1000 if spans else 0):
+        port = rng.randrange(*rng.choice(spans))
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -79,7 +81,9 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise TractError("no free TCP port below the ephemeral range", "free some ports")
+    with socket.socket() as s:     # no room outside the range: the kernel's pick
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def unavailable(config: str, vllm_python: str) -> str | None:
@@ -173,7 +177,7 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         python = str(peer_envs.python_of(NEEDS_PEER[config]))
         cache = LmcacheServer(python, free_port(), free_port(), block_tokens,
                               max(1, -(-cache_bytes // (1 << 30))),
-                              f"tract-bench-lmcache-{os.getpid()}", log("cache"))
+                              f"tract-bench-lmcache-{uuid.uuid4().hex}", log("cache"))
         try:
             cache.wait_ready()
             cfg = {"kv_connector": "LMCacheMPConnector",

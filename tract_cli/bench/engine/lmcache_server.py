@@ -36,6 +36,7 @@ class LmcacheServer:
     def __init__(self, python: str, port: int, http_port: int, chunk_tokens: int, l1_gib: int,
                  shm_name: str, log_path: str):
         self.port, self.log_path, self.shm_name = port, log_path, shm_name
+        self.chunk_tokens = chunk_tokens
         self.url = f"http://127.0.0.1:{http_port}"
         exe = os.path.join(os.path.dirname(python), "lmcache")
         cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(port),
@@ -68,6 +69,36 @@ class LmcacheServer:
         raise TractError(f"LMCache's server did not become ready within {timeout:.0f} s",
                          f"check the machine's load; its log: {self.log_path}")
 
+    def _l1(self) -> dict:
+        """The server's L1 cache state (its `/status`: objects stored, staged, locked)."""
+        from tract_cli.serve.client import get_json
+        got = get_json(self.url + "/status", timeout=30)
+        l1 = (got.get("storage_manager") or {}).get("l1_manager") if isinstance(got, dict) else None
+        if not isinstance(l1, dict) or not isinstance(l1.get("total_object_count"), int):
+            raise TractError("LMCache's server /status has no L1 object count",
+                             f"this LMCache is not the one the bench pins; its log: "
+                             f"{self.log_path}")
+        return l1
+
+    def stored_chunks(self) -> int:
+        """The chunks (objects) the cache holds now."""
+        return self._l1()["total_object_count"]
+
+    def wait_stored(self, chunks: int, timeout: float = 60) -> float:
+        """Waits (bounded) until the cache holds CHUNKS objects with no store in
+        flight; returns the seconds waited."""
+        t0 = time.monotonic()
+        while True:
+            l1 = self._l1()
+            if (l1["total_object_count"] >= chunks and not l1.get("staging_object_count")
+                    and not l1.get("write_locked_count")):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TractError(f"LMCache's server held {l1['total_object_count']} chunks, "
+                                 f"not {chunks}, {timeout:.0f} s after the miss",
+                                 f"see its log {self.log_path}")
+            time.sleep(0.002)   # polling another process's store, bounded
+
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM to its group (the server removes its segment), then SIGKILL."""
         if self.proc.poll() is None:
@@ -83,13 +114,11 @@ class LmcacheServer:
             os.killpg(self.proc.pid, signal.SIGKILL)       # anything of it still alive
         except (ProcessLookupError, PermissionError):
             pass
-        # its pool's segment, left behind only if the server was killed (the name is
-        # this run's own)
-        import glob
-        for path in glob.glob(f"/dev/shm/*{self.shm_name}*"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        # its pool's segment (LMCache names it lmcache_l1_pool_<name>), left behind
+        # only if the server was killed; the name is this run's own (a uuid)
+        try:
+            os.unlink(f"/dev/shm/lmcache_l1_pool_{self.shm_name}")
+        except OSError:
+            pass
         if not self._log.closed:
             self._log.close()

@@ -44,9 +44,14 @@ def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str
     """Streams BODY; returns (monotonic time of the first token chunk, whole text)."""
     first, text = None, []
     for chunk in stream_events(url, body | {"stream": True}, timeout):
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not choices:             # an error event, or something that is not a completion
+            why = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
+            raise TractError(f"a streamed completion failed: {str(why)[:200]}",
+                             "see the server's log")
         if first is None:
             first = time.monotonic()
-        text.append(chunk["choices"][0].get("text", ""))
+        text.append(choices[0].get("text") or "")
     if first is None:
         raise TractError("a streamed completion returned no token", "see the server's log")
     return first, "".join(text)
@@ -111,6 +116,9 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 failed[config] = str(exc)
             except (HttpError, OSError) as exc:      # a server that failed a request
                 failed[config] = f"a request failed: {exc}; see the servers' logs"
+            except (KeyError, IndexError, TypeError, ValueError) as exc:   # an odd answer
+                failed[config] = (f"a server answered what the bench cannot read "
+                                  f"({type(exc).__name__}: {exc}); see the servers' logs")
             if config in failed:
                 print(f"{config} failed: {failed[config]}", file=log, flush=True)
                 for rec in records[rows_before:]:
@@ -205,7 +213,15 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
     (the decode instance, another node, loads it from the pool or the cache): TTFT of
     each, as ROWS (miss, hit)."""
     out = {}
+    cache = servers.get("cache")
+    stored = cache.stored_chunks() if cache else None
     for row, s in zip(rows, (servers["prefill"], servers["decode"])):
+        if row == rows[1] and cache:
+            # LMCache stores asynchronously, after the miss has answered: the hit is
+            # asked once the server holds the miss's whole chunks (TraCT's save is
+            # committed before the miss answers)
+            out[rows[0]]["store_wait_s"] = cache.wait_stored(
+                stored + len(tokens) // cache.chunk_tokens)
         external = _external_tokens(s)
         t0 = time.monotonic()
         first, text = _first_token(s.url + "/v1/completions",
@@ -233,7 +249,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
         # both, and the prefill engine's id from its bootstrap server for the decode
         transfer = f"tract-bench-{uuid.uuid4().hex}"
-        engine = get_json(p.bootstrap_url + "/query", timeout=30)["0"]["engine_id"]
+        engine = _mooncake_engine(p)
         ask = ask | {"do_remote_prefill": False, "transfer_id": transfer}
         given = {"do_remote_prefill": True, "do_remote_decode": False,
                  "remote_bootstrap_addr": p.bootstrap_url, "remote_engine_id": engine,
@@ -252,6 +268,22 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
             "handed_over": _external_tokens(d) > external, "text": text}
+
+
+def _mooncake_engine(prefill) -> str:
+    """The prefill engine's id, from its Mooncake bootstrap server ({dp rank: {engine_id,
+    ...}}); its worker registers there once started, so a missing entry is waited
+    for (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = get_json(prefill.bootstrap_url + "/query", timeout=30)
+        engine = (got.get("0") or {}).get("engine_id") if isinstance(got, dict) else None
+        if isinstance(engine, str) and engine:
+            return engine
+        if time.monotonic() > deadline:
+            raise TractError(f"Mooncake's bootstrap server names no prefill engine ({got!r:.200})",
+                             "see the prefill server's log")
+        time.sleep(0.2)         # polling another process's registration, bounded
 
 
 def _external_tokens(server) -> float:

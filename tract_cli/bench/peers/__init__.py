@@ -1,5 +1,4 @@
-"""The real peers the paper compares against, each in its own environment
-(their adapters: adapter_*.py in this folder).
+"""The real peers the paper compares against, each in its own environment (adapter_*.py here).
 
 A peer's dependencies must not change TraCT's, so each peer gets a virtual
 environment of its own (`$TRACT_PEERS_DIR/<env>`, default
