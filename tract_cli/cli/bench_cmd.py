@@ -183,8 +183,11 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                              f"use {', '.join(vllm_runs.CONFIGS)}")
     if install_peers:
         from tract_cli.serve.vllm_engine import vllm_python
-        for c in configs:
-            engine_configs.install(c, vllm_python(), render.stderr.file)
+        for c in configs:            # one that cannot be installed is skipped, with why
+            try:
+                engine_configs.install(c, vllm_python(), render.stderr.file)
+            except TractError as exc:
+                render.stderr.print(f"[yellow]{c}: {escape(str(exc))}", soft_wrap=True)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode)
     if not res["summaries"]:

@@ -107,3 +107,25 @@ def is_up(url: str, timeout: float = 2) -> bool:
         return client().get(url, timeout=timeout).status_code == 200
     except (httpx.HTTPError, OSError):
         return False
+
+
+def wait_until_up(proc, url: str, timeout: float, name: str, log_path: str | None,
+                  why=lambda: "", stop=lambda: None) -> None:
+    """Waits (bounded) until URL answers 200 while PROC, the child process that serves
+    it, runs: one that exits is an error naming WHY(), one that overruns is stopped
+    (STOP()) and an error."""
+    import time
+
+    from tract_cli.core.errors import TractError
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            detail = why()
+            raise TractError(f"{name} exited with code {proc.returncode} before it was ready"
+                             + (f": {detail}" if detail else ""), f"see its log {log_path}")
+        if is_up(url, timeout=2):
+            return
+        time.sleep(0.5)     # polling another process's readiness, bounded
+    stop()
+    raise TractError(f"{name} did not become ready within {timeout:.0f} s",
+                     f"check the machine's load; its log: {log_path}")

@@ -23,7 +23,7 @@ import sys
 import time
 
 from tract_cli.core.errors import TractError, UsageError
-from tract_cli.serve.client import is_up
+from tract_cli.serve.client import wait_until_up
 
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
@@ -80,17 +80,9 @@ class VllmServer:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "VllmServer":
         """Waits until /health answers 200; a vLLM that exits is an error naming why."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise TractError(f"vLLM exited with code {self.proc.returncode} before it was "
-                                 f"ready: {self.failure()}", f"see its log {self.log_path}")
-            if is_up(self.url + "/health", timeout=2):
-                return self
-            time.sleep(0.5)     # polling another process's readiness, bounded
-        self.stop()
-        raise TractError(f"vLLM did not become ready within {timeout:.0f} s",
-                         f"check the machine's load; its log: {self.log_path}")
+        wait_until_up(self.proc, self.url + "/health", timeout, "vLLM", self.log_path,
+                      self.failure, self.stop)
+        return self
 
     def failure(self) -> str:
         """The line of vLLM's log that says why it stopped (TraCT's own, if any)."""

@@ -50,6 +50,8 @@ PREFIX = {"prefix": ("prefix-miss", "prefix-hit"), "lmcache": ("lmcache-miss", "
 # a configuration -> the peer whose vLLM overlay it runs in
 NEEDS_PEER = {"nixl": "nixl", "nixl-tcp": "nixl", "lmcache": "lmcache", "mooncake": "mooncake"}
 EXAMPLE = {"kv_connector": "ExampleConnector"}
+# a P/D pair's kv_role, where the connector has one per side
+ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 
 
@@ -109,6 +111,24 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
     BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")
+
+    def pair(cfg_of, env_of=lambda role: {}, python=None) -> dict:
+        """A prefill and a decode vLLM, CFG_OF(role) their connector's configuration,
+        ENV_OF(role) beside their cores, PYTHON their environment's; both stopped if
+        either fails to start."""
+        out = {}
+        try:
+            for role in ROLE:
+                out[role] = VllmServer(model_dir, free_port(), python=python and str(python),
+                                       args=args + ("--kv-transfer-config",
+                                                    json.dumps(cfg_of(role))),
+                                       kv_cache_gib=gib, log_path=log(role),
+                                       env=cores(role) | env_of(role))
+        except BaseException:
+            stop_all(out)
+            raise
+        return out
+
     if config == "mono":
         return {"mono": VllmServer(model_dir, free_port(), args=args, kv_cache_gib=gib,
                                    log_path=log("mono"))}
@@ -119,63 +139,39 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
                                  env={"TRACT_CONNECTOR_TIMINGS": "1",
                                       "TRACT_CONNECTOR_REFERENCE": "1"} | cores(role))
                 for role, node in (("prefill", 1), ("decode", 2))}
-    out = {}
     if config == "example":
         store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
         try:
             # producer/consumer: what ExampleConnector's own P/D example runs (it has
             # no kv_both behaviour worth comparing)
-            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                cfg = EXAMPLE | {"kv_role": kv_role,
-                                 "kv_connector_extra_config": {"shared_storage_path": store}}
-                out[role] = VllmServer(model_dir, free_port(),
-                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
-                                       kv_cache_gib=gib, log_path=log(role), env=cores(role))
+            out = pair(lambda role: EXAMPLE | {
+                "kv_role": ROLE[role], "kv_connector_extra_config": {"shared_storage_path": store}})
         except BaseException:
-            stop_all(out)
             import shutil
             shutil.rmtree(store, ignore_errors=True)
             raise
         out["prefill"].store = store
         return out
     if config in ("nixl", "nixl-tcp"):
-        python = str(peer_envs.python_of(NEEDS_PEER[config]))
         transport = {"UCX_TLS": "tcp"} if config == "nixl-tcp" else {}
-        try:
-            # producer and consumer: vLLM 0.32 deprecates kv_both for NixlConnector
-            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                env = cores(role) | transport | {
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-                cfg = NIXL | {"kv_role": kv_role}
-                out[role] = VllmServer(model_dir, free_port(), python=python,
-                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
-                                       kv_cache_gib=gib, log_path=log(role), env=env)
-        except BaseException:
-            stop_all(out)
-            raise
-        return out
+        # producer and consumer: vLLM 0.32 deprecates kv_both for NixlConnector
+        return pair(lambda role: NIXL | {"kv_role": ROLE[role]},
+                    lambda role: transport | {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                                              "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                    peer_envs.python_of(NEEDS_PEER[config]))
     if config == "mooncake":
-        python = str(peer_envs.python_of(NEEDS_PEER[config]))
-        try:
-            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                cfg = {"kv_connector": "MooncakeConnector", "kv_role": kv_role,
-                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-                bootstrap = free_port()
-                out[role] = VllmServer(model_dir, free_port(), python=python,
-                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
-                                       kv_cache_gib=gib, log_path=log(role),
-                                       env=cores(role) | {
-                                           "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)})
-                out[role].bootstrap_url = f"http://127.0.0.1:{bootstrap}"
-        except BaseException:
-            stop_all(out)
-            raise
+        bootstrap = {role: free_port() for role in ROLE}
+        out = pair(lambda role: {"kv_connector": "MooncakeConnector", "kv_role": ROLE[role],
+                                 "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
+                   lambda role: {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap[role])},
+                   peer_envs.python_of(NEEDS_PEER[config]))
+        for role, s in out.items():
+            s.bootstrap_url = f"http://127.0.0.1:{bootstrap[role]}"
         return out
     if config == "lmcache":
         from tract_cli.bench.engine.lmcache_server import LmcacheServer
-        python = str(peer_envs.python_of(NEEDS_PEER[config]))
-        cache = LmcacheServer(python, free_port(), free_port(), block_tokens,
+        python = peer_envs.python_of(NEEDS_PEER[config])
+        cache = LmcacheServer(str(python), free_port(), free_port(), block_tokens,
                               max(1, -(-cache_bytes // (1 << 30))),
                               f"tract-bench-lmcache-{uuid.uuid4().hex}", log("cache"))
         try:
@@ -186,14 +182,9 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
                    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                                  "lmcache.mp.port": cache.port,
                                                  "lmcache.mp.mq_timeout": 60}}
-            for role in ("prefill", "decode"):
-                out[role] = VllmServer(model_dir, free_port(), python=python,
-                                       args=args + ("--kv-transfer-config", json.dumps(cfg)),
-                                       kv_cache_gib=gib, log_path=log(role),
-                                       env=cores(role) | {"LMCACHE_TRACK_USAGE": "false",
-                                                          "PYTHONHASHSEED": "0"})
+            out = pair(lambda role: cfg, lambda role: {"LMCACHE_TRACK_USAGE": "false",
+                                                       "PYTHONHASHSEED": "0"}, python)
         except BaseException:
-            stop_all(out)
             cache.stop()
             raise
         out["cache"] = cache

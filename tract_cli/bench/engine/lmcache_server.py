@@ -27,7 +27,7 @@ import subprocess
 import time
 
 from tract_cli.core.errors import TractError
-from tract_cli.serve.client import is_up
+from tract_cli.serve.client import wait_until_up
 
 READY_TIMEOUT_S = 300
 
@@ -57,17 +57,9 @@ class LmcacheServer:
                              "--install-peers`") from None
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "LmcacheServer":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise TractError(f"LMCache's server exited with code {self.proc.returncode} "
-                                 f"before it was ready", f"see its log {self.log_path}")
-            if is_up(self.url + "/healthcheck", timeout=2):
-                return self
-            time.sleep(0.5)     # polling another process's readiness, bounded
-        self.stop()
-        raise TractError(f"LMCache's server did not become ready within {timeout:.0f} s",
-                         f"check the machine's load; its log: {self.log_path}")
+        wait_until_up(self.proc, self.url + "/healthcheck", timeout, "LMCache's server",
+                      self.log_path, stop=self.stop)
+        return self
 
     def _l1(self) -> dict:
         """The server's L1 cache state (its `/status`: objects stored, staged, locked)."""

@@ -4,9 +4,9 @@ under test, timed per stage.
 
 The worker loops here are the same for every transport: what differs
 (`tract-copy`, `tract-zero-copy`, `tcp`) is a prefill side and a decode side
-in `bench.transports`; the requests' clock, dispatch and collection are
-`bench.driver`'s, shared with the peers (NIXL, Mooncake, LMCache: `bench.peers`,
-in their own environments) and real compute (`bench.real`).
+in `workload.transports`; the requests' clock, dispatch and collection are
+`workload.driver`'s, shared with the peers (NIXL, Mooncake, LMCache: `bench.peers`,
+in their own environments) and real compute (`workload.real`).
 
 What is timed is the KV path, never the harness:
 
