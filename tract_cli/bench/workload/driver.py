@@ -8,7 +8,7 @@ collector thread, one per request, with PROGRESS called for each; the wall
 time from the first arrival to the last record.  A failure RECEIVE raises
 (a `TractError`) stops the arrivals and is raised once the collector ends.
 What dispatch and receive are is each driver's own: pipes and queues to the
-worker processes (runner.py), JSON lines to a peer's processes (peers.py),
+worker processes (runner.py), JSON lines to a peer's processes (bench/peers/),
 HTTP requests to the serving path (real.py).
 """
 from __future__ import annotations
