@@ -101,6 +101,7 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
             # handed over: the decode instance (for LMCache, the second instance)
             # took prompt tokens from its connector
             assert rows[config]["handed_over"] == rows[config]["requests"] == 1, rows[config]
+            assert 0 < rows[config]["kv_tokens_mean"] <= 300, rows[config]
     for config in ("nixl", "nixl-tcp"):
         if config in rows:
             assert rows[config]["prefill_s"] > 0 and rows[config]["decode_s"] > 0
@@ -111,6 +112,9 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert run["skipped"] == {}
     for config in expected + ["mono"]:
         assert config in res.stdout
+    assert "from KV path" in res.stdout          # the prompt tokens each took from its path
+    if "lmcache" in peers:
+        assert "256 tokens" in res.stdout
     assert _our_processes() == set(), "a process the bench started outlived it"
     assert _debris() - before_files == set(), "the bench left files behind"
     assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"

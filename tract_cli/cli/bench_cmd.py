@@ -199,7 +199,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
                         f"{load_mode})")
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
-                "verified"):
+                "from KV path", "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right",
                          no_wrap=col == "config")
     dur = lambda v: "—" if v is None else format_duration(v)
@@ -207,6 +207,7 @@ def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file
         table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
                       dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
                       dur(s["prefill_s"]), dur(s["decode_s"]),
+                      "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
                       "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < s["requests"]:

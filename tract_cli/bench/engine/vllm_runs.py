@@ -229,8 +229,8 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
                                     "max_tokens": output_len, "temperature": 0})
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
-            out[row] |= {"handed_over": _external_tokens(s) > external,
-                         "hit_tokens": int(_external_tokens(s) - external)}
+            taken = int(_external_tokens(s) - external)
+            out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
 
 
@@ -266,8 +266,9 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         os.makedirs(p.store, exist_ok=True)
     # handed over: the decode instance took prompt tokens from its KV connector (a
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
+    taken = int(_external_tokens(d) - external)
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
-            "handed_over": _external_tokens(d) > external, "text": text}
+            "handed_over": taken > 0, "kv_tokens": taken, "text": text}
 
 
 def _mooncake_engine(prefill) -> str:
@@ -374,9 +375,12 @@ def summarize(records: list[dict]) -> list[dict]:
         part = lambda k: (float(np.mean([r[k] for r in rows])) if rows[0][k] is not None
                           else None)
         handed = [r.get("handed_over") for r in rows if "handed_over" in r]
+        taken = [r["kv_tokens"] for r in rows if "kv_tokens" in r]
         checked = [r["verified"] for r in rows if r["verified"] is not None]
         out.append({"config": config, "input_len": n, "requests": len(rows),
                     "handed_over": sum(map(bool, handed)) if handed else None,
+                    # the prompt tokens a request took from its KV path (mean)
+                    "kv_tokens_mean": float(np.mean(taken)) if taken else None,
                     "ttft_mean_s": float(ttft.mean()), "ttft_p50_s": float(np.percentile(ttft, 50)),
                     "ttft_p90_s": float(np.percentile(ttft, 90)),
                     "ttft_p99_s": float(np.percentile(ttft, 99)),
