@@ -1,5 +1,6 @@
 """The HTTP client of TraCT's own calls to an OpenAI-style server (its workers,
-vLLM): JSON posts and gets, a streamed completion's events, a health probe.
+vLLM): JSON posts and gets, a streamed completion's events, a health probe and
+the bounded wait for a child server to answer it.
 One pooled, thread-safe httpx client per process.
 
 Its connections are TCP_NODELAY: httpx writes a request's headers and its
@@ -11,9 +12,12 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
+
+from tract_cli.core.errors import TractError
 
 # below uvicorn's keep-alive timeout (5 s): the client drops an idle connection
 # before the server may close it, so a request never goes out on one being closed
@@ -114,9 +118,6 @@ def wait_until_up(proc, url: str, timeout: float, name: str, log_path: str | Non
     """Waits (bounded) until URL answers 200 while PROC, the child process that serves
     it, runs: one that exits is an error naming WHY(), one that overruns is stopped
     (STOP()) and an error."""
-    import time
-
-    from tract_cli.core.errors import TractError
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -59,8 +59,8 @@ class VllmServer:
         benchmarks pass a vLLM with a peer's connector installed)."""
         self.url = f"http://{host}:{port}"
         self.log_path = log_path
-        cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--host", host, "--port", str(port), "--enforce-eager", *args]
+        cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", model_dir, "--host", host, "--port", str(port), "--enforce-eager", *args]
         if pool is not None:
             cfg = kv_transfer_config(pool, node if node is not None else 0, role, **(extra or {}))
             cmd += ["--kv-transfer-config", json.dumps(cfg)]

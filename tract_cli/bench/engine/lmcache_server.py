@@ -27,7 +27,7 @@ import subprocess
 import time
 
 from tract_cli.core.errors import TractError
-from tract_cli.serve.client import wait_until_up
+from tract_cli.serve.client import get_json, wait_until_up
 
 READY_TIMEOUT_S = 300
 
@@ -63,7 +63,6 @@ class LmcacheServer:
 
     def _l1(self) -> dict:
         """The server's L1 cache state (its `/status`: objects stored, staged, locked)."""
-        from tract_cli.serve.client import get_json
         got = get_json(self.url + "/status", timeout=30)
         l1 = (got.get("storage_manager") or {}).get("l1_manager") if isinstance(got, dict) else None
         if not isinstance(l1, dict) or not isinstance(l1.get("total_object_count"), int):

@@ -61,7 +61,7 @@ def python_of(peer: str) -> pathlib.Path:
     return root_of(peer) / "bin" / "python"
 
 
-def install_hint(peer: str, config: str) -> str:
+def install_hint(config: str) -> str:
     return f"run `tract bench --engine vllm --vllm-config {config} --install-peers`"
 
 
@@ -114,7 +114,7 @@ def unavailable(peer: str, config: str, vllm_python: str) -> str | None:
 
 
 def _why_not(peer: str, config: str, vllm_python: str) -> str | None:
-    py, hint = python_of(peer), install_hint(peer, config)
+    py, hint = python_of(peer), install_hint(config)
     if not py.exists():
         return f"vLLM with {peer} is not installed in {root_of(peer)}; {hint}"
     try:

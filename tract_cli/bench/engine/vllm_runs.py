@@ -87,6 +87,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     reqs = prompts(lengths, per_length, vocab, seed)
     # the warm-up prompt: another seed's, so it shares no block with the measured ones
     warm = prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)[0][1]
+    # what a configuration's own cache server must hold: every prompt's KV twice over
+    cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
             "--no-enable-prefix-caching", "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
@@ -111,7 +113,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             rows_before = len(records)
             try:
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
-                            warm, output_len, records, texts)
+                            warm, output_len, cache_bytes, records, texts)
             except TractError as exc:
                 failed[config] = str(exc)
             except (HttpError, OSError) as exc:      # a server that failed a request
@@ -144,11 +146,10 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
-                output_len, records, texts) -> None:
+                output_len, cache_bytes, records, texts) -> None:
     """Starts CONFIG's servers, runs every request through them, stops them."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
-                                   load_mode, VLLM_BLOCK,
-                                   _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2))
+                                   load_mode, VLLM_BLOCK, cache_bytes)
     try:
         for s in servers.values():
             s.wait_ready()
