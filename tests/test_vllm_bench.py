@@ -181,3 +181,80 @@ def test_mooncake_runs_or_its_failure_is_reported_and_the_rest_run(vllm_checkpoi
     import shutil
     shutil.rmtree(kept)
     assert _debris() - before_files == set(), "the bench left files behind"
+
+
+def test_a_workload_answer_unlike_one_vllms_is_not_verified():
+    """Under load likewise: an answer that differs from one vLLM's (one request at a
+    time) in one token is reported unverified, and so is its system at that rate."""
+    from tract_cli.bench.engine.vllm_workloads import verify
+    records = [{"config": c, "point": 0, "request": r} for c in ("mono", "tract")
+               for r in ("a", "b")]
+    summaries = [{"config": c, "point": 0} for c in ("mono", "tract")]
+    texts = {(c, 0, r): " x y" for c in ("mono", "tract") for r in ("a", "b")}
+    reference = {(0, "a"): " x y", (0, "b"): " x y"}
+    verify(records, summaries, texts, reference)
+    assert all(r["verified"] for r in records) and all(s["verified"] for s in summaries)
+    texts[("tract", 0, "b")] = " x z"
+    verify(records, summaries, texts, reference)
+    assert {s["config"]: s["verified"] for s in summaries} == {"mono": True, "tract": False}
+    verify(records, summaries, texts, {})            # no reference: not checked
+    assert {s["verified"] for s in summaries} == {None}
+
+
+def test_the_hit_rate_and_the_time_split_are_vllms_own_counts():
+    """The hit rate is the share of the computing instances' prompt tokens vLLM
+    counted as taken from the KV path or its own cache (P/D: the prefill
+    instance's; the decode instance's handoff is not a hit); queue times add
+    over the instances a request passes."""
+    from tract_cli.bench.engine.vllm_workloads import TOKENS, summarize
+    def scrape(compute, cached, external, queue, prefill, n=2):
+        return {(TOKENS, "local_compute"): compute, (TOKENS, "local_cache_hit"): cached,
+                (TOKENS, "external_kv_transfer"): external,
+                ("vllm:request_queue_time_seconds_sum", None): queue,
+                ("vllm:request_queue_time_seconds_count", None): n,
+                ("vllm:request_prefill_time_seconds_sum", None): prefill,
+                ("vllm:request_prefill_time_seconds_count", None): n}
+    zero = scrape(0, 0, 0, 0, 0, 0)
+    got = [{"ttft_s": 0.1, "e2e_s": 0.2, "output_tokens": 4, "decode_s": 0.05},
+           {"ttft_s": 0.3, "e2e_s": 0.4, "output_tokens": 4, "decode_s": 0.07}]
+    before = {"prefill": zero, "decode": zero}
+    after = {"prefill": scrape(600, 0, 400, 0.2, 0.4),     # 400 of 1000 tokens from the pool
+             "decode": scrape(2, 0, 998, 0.1, 0.02)}        # the handoff
+    s = summarize("nixl", 0, 2.0, got, 1.0, before, after, None)
+    assert s["hit_rate"] == pytest.approx(0.4) and s["handed_over"] == pytest.approx(0.998)
+    assert s["throughput_rps"] == 2.0 and s["ttft_mean_s"] == pytest.approx(0.2)
+    b = s["breakdown"]
+    assert b["queue_s"] == pytest.approx(0.15) and b["compute_s"] == pytest.approx(0.2)
+    assert b["kv_read_s"] == pytest.approx(0.06) and b["kv_write_s"] is None
+    # TraCT's own load and save times replace the decode leg
+    s = summarize("tract", 0, 2.0, got, 1.0, before, after,
+                  {"load_ms": 30.0, "save_ms": 10.0, "loads": 2, "saves": 2})
+    assert s["breakdown"]["kv_read_s"] == pytest.approx(0.015)
+    assert s["breakdown"]["kv_write_s"] == pytest.approx(0.005)
+    # two instances sharing a cache: both compute, both count
+    after = {"prefill": scrape(500, 0, 0, 0.2, 0.4), "decode": scrape(250, 0, 250, 0.2, 0.2)}
+    s = summarize("prefix", 0, 2.0, got, 1.0, before, after, None)
+    assert s["hit_rate"] == pytest.approx(0.25) and s["handed_over"] is None
+
+
+def test_each_rate_is_its_own_draw_and_a_trace_is_rescaled_to_it():
+    from tract_cli.cli.bench_vllm import workload_points
+    trace = os.path.join(ROOT, "data", "mooncake_synthetic_trace.jsonl")
+    points, described = workload_points("static", trace, 40, 1.0, None, 8, None, None, None,
+                                        None, None, [1.0, 4.0], 0, 512, 8192)
+    assert [q for q, _ in points] == [1.0, 4.0]
+    (_, slow), (_, fast) = points
+    assert len(slow) == len(fast) and all(len(r.tokens) <= 8192 - 8 - 32 for r in slow)
+    for q, reqs in points:            # the trace's shape, at the rate asked
+        assert (len(reqs) - 1) / reqs[-1].arrival_s == pytest.approx(q)
+        assert all(r.output_len <= 8 for r in reqs)
+    # a cold cache at each rate: other tokens, the same prefix structure
+    assert not any((a.tokens[:16] == b.tokens[:16]).all() for a in slow for b in fast)
+    assert any((a.tokens[:16] == b.tokens[:16]).all() for i, a in enumerate(slow)
+               for b in slow[i + 1:])                 # the trace's shared first blocks
+    assert "capped at 8 tokens" in described
+    points, _ = workload_points("synthetic", None, None, 1.0, None, 16, 6, 0.5, 2, 400, 100,
+                                [2.0, 3.0], 0, 512, 8192)
+    (_, a), (_, b) = points
+    assert len(a) == len(b) == 6 and {r.rid for r in a}.isdisjoint(r.rid for r in b)
+    assert all(r.output_len <= 16 for r in a + b)

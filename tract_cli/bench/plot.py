@@ -1,6 +1,7 @@
 """`tract bench --plot FILE.png`: the TTFT CDF per transport (one panel per
 input length of a sweep) and the mean time per stage; with `--engine vllm`,
-the TTFT CDF per configuration, one panel per input length (matplotlib, the
+the TTFT CDF per configuration, one panel per input length, and under load
+throughput, TTFT and the time split per system and rate (matplotlib, the
 `plot` extra)."""
 from __future__ import annotations
 
@@ -94,4 +95,56 @@ def plot_vllm(result: dict, path: str, rows) -> None:
     fig.legend(handles, labels, loc="center right", fontsize="small")
     fig.suptitle("vLLM (CPU build): TTFT CDF per KV path")
     fig.tight_layout(rect=(0, 0, 1 - 1.7 / (3.6 * len(lengths) + 1.8), 1))
+    _save(plt, fig, path, 110)
+
+
+def plot_vllm_workload(result: dict, path: str, systems) -> None:
+    """`--engine vllm` under load: throughput and mean / P99 TTFT against the
+    offered rate, one line per system (SYSTEMS, in their order); the TTFT CDF
+    and each system's time split at the highest rate."""
+    plt = _pyplot()
+    sums = result["summaries"]
+    names = [c for c in systems if any(s["config"] == c for s in sums)]
+    top = max(s["point"] for s in sums)
+    fig, ((thr, lat), (cdf, bars)) = plt.subplots(2, 2, figsize=(11, 7.5))
+    for c in names:
+        rows = sorted((s for s in sums if s["config"] == c), key=lambda s: s["qps"])
+        q = [s["qps"] for s in rows]
+        line, = thr.plot(q, [s["throughput_rps"] for s in rows], marker="o", label=c)
+        lat.plot(q, [s["ttft_mean_s"] * 1e3 for s in rows], marker="o", color=line.get_color(),
+                 label=f"{c} mean")
+        lat.plot(q, [s["ttft_p99_s"] * 1e3 for s in rows], marker="x", linestyle="--",
+                 color=line.get_color(), label=f"{c} P99")
+        t = [r["ttft_s"] * 1e3 for r in result["records"] if r["config"] == c
+             and r["point"] == top]
+        if t:
+            _cdf(cdf, t, c, line.get_color())
+    thr.set_xlabel("offered rate (QPS)")
+    thr.set_ylabel("served (requests/s)")
+    thr.set_title("throughput")
+    thr.legend(fontsize="small")
+    lat.set_xlabel("offered rate (QPS)")
+    lat.set_ylabel("TTFT (ms, log scale)")
+    lat.set_yscale("log")
+    lat.set_title("TTFT: mean (solid), P99 (dashed)")
+    top_qps = next(s["qps"] for s in sums if s["point"] == top)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("TTFT (ms, log scale)")
+    cdf.set_ylabel("CDF")
+    cdf.set_ylim(0, 1.02)
+    cdf.set_title(f"TTFT CDF at {top_qps:g} QPS")
+    cdf.legend(fontsize="small")
+    parts = ("queue_s", "compute_s", "kv_read_s", "kv_write_s")
+    bottom = np.zeros(len(names))
+    for part in parts:
+        vals = np.array([next((s["breakdown"][part] or 0.0) * 1e3 for s in sums
+                              if s["config"] == c and s["point"] == top) for c in names])
+        bars.bar(range(len(names)), vals, bottom=bottom, label=part[:-2].replace("_", " "))
+        bottom += vals
+    bars.set_xticks(range(len(names)), names, fontsize=8)
+    bars.set_ylabel("mean per request (ms)")
+    bars.set_title(f"time split at {top_qps:g} QPS")
+    bars.legend(fontsize="small")
+    fig.suptitle(f"vLLM (CPU build) under load: {result.get('workload', '')}"[:160], fontsize=9)
+    fig.tight_layout()
     _save(plt, fig, path, 110)

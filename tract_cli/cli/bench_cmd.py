@@ -7,36 +7,37 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from tract_cli.bench import peers, stats
 from tract_cli.bench.engine import configs as engine_configs
-from tract_cli.bench.engine import vllm_runs
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
-from tract_cli.cli import render
+from tract_cli.cli import bench_vllm, render
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.geometry import load_device, load_model
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
 ALL_TRANSPORTS = list(TRANSPORTS) + list(peers.PEERS)
-# the paper's static experiment (Fig. 5): input lengths of --engine vllm by default
-DEFAULT_VLLM_LENGTHS = (1500, 3000, 4500, 6000)
 
 
 def bench(
     input_len: Optional[List[int]] = typer.Option(
         None, "--input-len", help="Prompt tokens of the static workload (repeatable; default: "
                                   "the paper's sweep 1500, 3000, 4500, 6000)."),
-    output_len: int = typer.Option(3, "--output-len", help="Output tokens (static workload)."),
+    output_len: Optional[int] = typer.Option(None, "--output-len", help="Output tokens (static "
+                                             "workload: default 3; with --engine vllm and a "
+                                             "synthetic workload or a trace: the cap on each "
+                                             "request's, default 16)."),
     requests: Optional[int] = typer.Option(None, "--requests",
                                            help="Requests (static: 8 per input length; "
                                                 "synthetic: the preset's)."),
     workload: str = typer.Option("static", "--workload",
-                                 help="static | synthetic | a preset (synthetic-a, -b, -c)."),
+                                 help="static | synthetic | a preset (synthetic-a, -b, -c); "
+                                      "with --engine vllm, a synthetic one runs under load at "
+                                      "each --qps."),
     trace: Optional[str] = typer.Option(None, "--trace", help="Replay a Mooncake-format JSONL trace."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Trace: first N requests."),
     speedup: float = typer.Option(1.0, "--speedup", help="Trace: time compression factor."),
@@ -47,7 +48,9 @@ def bench(
                                                      help="Synthetic: distinct shared prefixes."),
     isl_mean: Optional[int] = typer.Option(None, "--isl-mean", help="Synthetic: mean input tokens."),
     osl_mean: Optional[int] = typer.Option(None, "--osl-mean", help="Synthetic: mean output tokens."),
-    qps: Optional[float] = typer.Option(None, "--qps", help="Poisson arrival rate (0: all at once)."),
+    qps: Optional[List[float]] = typer.Option(None, "--qps", help="Poisson arrival rate (0: all "
+                                              "at once); with --engine vllm, repeatable: a sweep "
+                                              "(a trace is rescaled to each rate)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     model: Optional[str] = typer.Option(None, "--model", help="Model profile (KV geometry; "
                                         "default llama-3-8b, with --compute real tiny-llama)."),
@@ -80,12 +83,17 @@ def bench(
                                                 "mooncake (vLLM's MooncakeConnector; not by "
                                                 "default: it stops at start on vLLM's CPU "
                                                 "build), mono (one vLLM), prefix (a pool hit "
-                                                "after a miss), lmcache (LMCache's shared cache: "
-                                                "a hit after a miss). The peers need "
-                                                "--install-peers once."),
+                                                "after a miss; under load: two vLLMs sharing "
+                                                "the region), lmcache (LMCache's shared cache, "
+                                                "likewise). The peers need --install-peers "
+                                                "once."),
     load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
                                   "connector's load_mode, sync (hits copied in the step that "
                                   "computes the rest) or async (on its loader thread)."),
+    vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
+                                             help="With --engine vllm: turn vLLM's own prefix "
+                                                  "cache on in every instance (off by default, "
+                                                  "so a hit is the KV path's own)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""
     # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
@@ -93,15 +101,34 @@ def bench(
     pin(numa_node, cpus)
     if engine not in ("reference", "vllm"):
         raise UsageError(f"--engine {engine!r} is not reference or vllm", "pass --engine vllm")
+    qps_sweep = list(qps or [])
+    if any(q < 0 for q in qps_sweep):
+        raise UsageError("--qps must not be negative", "e.g. --qps 2")
     if engine == "vllm":
-        _bench_vllm(model, input_len, requests, output_len, vllm_configs, seed, json_file, plot,
-                    load_mode, install_peers)
+        if trace or workload != "static":
+            bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
+                                 input_len, output_len, requests, prefix_ratio,
+                                 num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
+                                 vllm_configs, json_file, plot, load_mode, install_peers,
+                                 vllm_prefix_caching)
+            return
+        if qps_sweep:
+            raise UsageError("--qps is for a synthetic workload or a trace with --engine vllm "
+                             "(the static experiment sends one request at a time)",
+                             "add --workload synthetic-a, or drop --qps")
+        bench_vllm.static(model, input_len, requests, output_len or 3, vllm_configs, seed, json_file,
+                    plot, load_mode, install_peers, vllm_prefix_caching)
         return
+    if len(qps_sweep) > 1:
+        raise UsageError("a --qps sweep runs on real vLLM (--engine vllm)",
+                         "pass one --qps, or add --engine vllm --model DIR")
+    qps = qps_sweep[0] if qps_sweep else None
+    output_len = 3 if output_len is None else output_len
     for t in transports:
         if t not in ALL_TRANSPORTS:
             raise UsageError(f"unknown transport {t!r}", f"use {', '.join(ALL_TRANSPORTS)}")
     if plot:
-        _check_plot_dependency()
+        bench_vllm.check_plot_dependency()
     if install_peers:
         for t in transports:
             if t in peers.PEERS:
@@ -162,98 +189,6 @@ def bench(
         raise typer.Exit(1)
 
 
-def _bench_vllm(model, input_len, requests, output_len, configs, seed, json_file, plot,
-                load_mode, install_peers=False) -> None:
-    """`--engine vllm`: the static workload through real vLLM configurations."""
-    from tract_cli.core.kvpages import LOAD_MODES
-    from tract_cli.serve.vllm_engine import check_model_dir
-    if load_mode not in LOAD_MODES:
-        raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
-                         "pass --load-mode sync or --load-mode async")
-    check_model_dir(model)
-    if plot:
-        _check_plot_dependency()
-    lengths = list(input_len) if input_len else list(DEFAULT_VLLM_LENGTHS)
-    if any(n < 1 for n in lengths) or output_len < 1:
-        raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
-    per = requests or 4
-    for c in configs:
-        if c not in vllm_runs.CONFIGS:
-            raise UsageError(f"unknown vLLM configuration {c!r}",
-                             f"use {', '.join(vllm_runs.CONFIGS)}")
-    if install_peers:
-        from tract_cli.serve.vllm_engine import vllm_python
-        for c in configs:            # one that cannot be installed is skipped, with why
-            try:
-                engine_configs.install(c, vllm_python(), render.stderr.file)
-            except TractError as exc:
-                render.stderr.print(f"[yellow]{c}: {escape(str(exc))}", soft_wrap=True)
-    res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
-                         load_mode=load_mode)
-    if not res["summaries"]:
-        raise TractError("no configuration ran: " + "; ".join(
-            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
-            "install what is missing, or pick other --vllm-config")
-    table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
-                        f"{output_len} output tokens; TraCT region flush mode "
-                        f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
-                        f"{load_mode})")
-    for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
-                "from KV path", "verified"):
-        table.add_column(col, justify="left" if col in ("config", "verified") else "right",
-                         no_wrap=col == "config")
-    dur = lambda v: "—" if v is None else format_duration(v)
-    for s in res["summaries"]:
-        table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
-                      dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
-                      dur(s["prefill_s"]), dur(s["decode_s"]),
-                      "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
-                      "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
-    for s in res["summaries"]:
-        if s["handed_over"] is not None and s["handed_over"] < s["requests"]:
-            render.stdout.print(f"[yellow]{s['config']} at {s['input_len']} tokens: only "
-                                f"{s['handed_over']} of {s['requests']} requests were handed "
-                                "over; the others were computed by the decode instance")
-    render.stdout.print(table)
-    for config, why in res["skipped"].items():
-        render.stdout.print(f"[yellow]{config} skipped: {escape(why)}", soft_wrap=True)
-    for config, why in res["failed"].items():   # a server's log line may hold [brackets]
-        render.stdout.print(f"[red]{config} failed: {escape(why)}", soft_wrap=True)
-    if res["logs"]:
-        render.stdout.print(f"the vLLM servers' logs: {escape(res['logs'])}", soft_wrap=True)
-    for kind, fig in res["memcpy"].items():
-        ms = lambda v: format_duration(v / 1e3)
-        same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
-                f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
-                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
-                f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
-        meta = ms(fig['meta_ms'])
-        if kind == "saves":
-            meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
-                     f"commit {ms(fig['commit_ms'])}")
-        render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
-                            f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
-                            f"copied; pool metadata {meta}); {same}")
-    publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
-    if publishes:
-        render.stdout.print(f"TraCT handoff publish (in the prefill's step; in its scheduler "
-                            f"loop where two handoffs of a step share a block): "
-                            f"{len(publishes)} handoffs, mean "
-                            f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
-                            f"{format_duration(max(publishes) / 1e3)}")
-    if json_file:
-        try:
-            with open(json_file, "w") as f:
-                json.dump(res, f, indent=2)
-        except OSError as exc:
-            raise UsageError(f"cannot write {json_file}: {exc.strerror}", "pick a writable path") from None
-    if plot:
-        from tract_cli.bench.plot import plot_vllm
-        plot_vllm(res, plot, vllm_runs.ROWS)
-    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
-        raise typer.Exit(1)
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -297,13 +232,6 @@ def _workload(workload, trace, limit, speedup, max_input_len, input_len, output_
     params.setdefault("requests", 16)
     reqs = workloads.synthetic(seed=seed, **params)
     return [(None, reqs)], f"{workload}: {len(reqs)} requests, {desc}"
-
-
-def _check_plot_dependency():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
 
 
 def _cell(v, fmt) -> str:

@@ -103,12 +103,14 @@ def install(config: str, vllm_python: str, log) -> None:
 
 def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
           pool: str | None, load_mode: str = "sync", block_tokens: int = 128,
-          cache_bytes: int = 1 << 30) -> dict:
+          cache_bytes: int = 1 << 30, mono_all_cpus: bool = False) -> dict:
     """The servers of CONFIG, started (not yet ready): {"mono": s} or
     {"prefill": s, "decode": s} (and {"cache": s} after them, where the
     configuration has a cache server of its own, started and ready first).  A
     server's `store` (ExampleConnector's directory) is the caller's to remove.
-    BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold."""
+    BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold;
+    MONO_ALL_CPUS: one vLLM on every CPU the pairs share (under load, the floor
+    with as many cores as a pair), else on vLLM's default binding."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")
 
@@ -131,7 +133,8 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
 
     if config == "mono":
         return {"mono": VllmServer(model_dir, free_port(), args=args, kv_cache_gib=gib,
-                                   log_path=log("mono"))}
+                                   log_path=log("mono"),
+                                   env=cores("all") if mono_all_cpus else {})}
     if config in ("tract", "prefix"):
         return {role: VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
                                  kv_cache_gib=gib, extra={"load_mode": load_mode},
@@ -199,8 +202,11 @@ def stop_all(servers: dict) -> None:
 
 def cores(role: str) -> dict:
     """Prefill and decode on different cores, as a deployment would place them (vLLM's
-    CPU worker otherwise binds every instance to the same first core)."""
+    CPU worker otherwise binds every instance to the same first core); "all": every
+    allowed CPU."""
     cpus = sorted(allowed_cpus())          # ids need not be 0..n-1 (a cpuset)
+    if role == "all":
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
     if len(cpus) < 2:
         return {}
     half = len(cpus) // 2

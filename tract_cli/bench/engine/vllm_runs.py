@@ -25,36 +25,18 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 
 import numpy as np
 
+from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine.configs import CONFIGS, PREFIX, ROWS
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
-from tract_cli.serve.client import HttpError, get_json, post_json, stream_events
+from tract_cli.serve.client import HttpError
 
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
-
-
-def _first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str]:
-    """Streams BODY; returns (monotonic time of the first token chunk, whole text)."""
-    first, text = None, []
-    for chunk in stream_events(url, body | {"stream": True}, timeout):
-        choices = chunk.get("choices") if isinstance(chunk, dict) else None
-        if not choices:             # an error event, or something that is not a completion
-            why = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
-            raise TractError(f"a streamed completion failed: {str(why)[:200]}",
-                             "see the server's log")
-        if first is None:
-            first = time.monotonic()
-        text.append(choices[0].get("text") or "")
-    if first is None:
-        raise TractError("a streamed completion returned no token", "see the server's log")
-    return first, "".join(text)
 
 
 def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[tuple[int, list]]:
@@ -66,7 +48,7 @@ def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[
 
 def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
-        load_mode: str = "sync") -> dict:
+        load_mode: str = "sync", vllm_prefix_caching: bool = False) -> dict:
     """Runs each configuration over the same prompts; returns records and summaries.
     LOAD_MODE: the TraCT connector's (docs/VLLM.md, "Configuration")."""
     from tract_cli.serve.vllm_engine import check_model_dir
@@ -90,7 +72,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     # what a configuration's own cache server must hold: every prompt's KV twice over
     cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
-            "--no-enable-prefix-caching", "--block-size", str(VLLM_BLOCK))
+            "--enable-prefix-caching" if vllm_prefix_caching else "--no-enable-prefix-caching",
+            "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, texts, kv = [], {}, {}
     pool, flush_mode = None, None
@@ -223,90 +206,34 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
             # committed before the miss answers)
             out[rows[0]]["store_wait_s"] = cache.wait_stored(
                 stored + len(tokens) // cache.chunk_tokens)
-        external = _external_tokens(s)
+        external = calls.external_tokens(s)
         t0 = time.monotonic()
-        first, text = _first_token(s.url + "/v1/completions",
-                                   {"model": _model(s), "prompt": tokens,
-                                    "max_tokens": output_len, "temperature": 0})
+        first, text, _ = calls.complete(s, tokens, output_len)
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
-            taken = int(_external_tokens(s) - external)
+            taken = int(calls.external_tokens(s) - external)
             out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
 
 
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
-    base = {"model": None, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
     if config == "mono":
-        s = servers["mono"]
         t0 = time.monotonic()
-        first, text = _first_token(s.url + "/v1/completions", base | {"model": _model(s)})
+        first, text, _ = calls.complete(servers["mono"], tokens, output_len)
         return {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
     p, d = servers["prefill"], servers["decode"]
-    model = _model(p)
-    external = _external_tokens(d)
-    ask, given = {"do_remote_decode": True}, None
-    if config == "mooncake":
-        # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
-        # both, and the prefill engine's id from its bootstrap server for the decode
-        transfer = f"tract-bench-{uuid.uuid4().hex}"
-        engine = _mooncake_engine(p)
-        ask = ask | {"do_remote_prefill": False, "transfer_id": transfer}
-        given = {"do_remote_prefill": True, "do_remote_decode": False,
-                 "remote_bootstrap_addr": p.bootstrap_url, "remote_engine_id": engine,
-                 "transfer_id": transfer}
+    external = calls.external_tokens(d)
+    engine = calls.mooncake_engine(p) if config == "mooncake" else None
     t0 = time.monotonic()
-    out = post_json(p.url + "/v1/completions", base | {"model": model, "max_tokens": 1,
-                                                   "kv_transfer_params": ask})
-    t1 = time.monotonic()
-    params = given or out.get("kv_transfer_params")
-    second = base | {"model": model} | ({"kv_transfer_params": params} if params else {})
-    first, text = _first_token(d.url + "/v1/completions", second)
+    t1, first, text, _ = calls.pd_request(config, p, d, tokens, output_len, engine)
     if config == "example":
         shutil.rmtree(p.store, ignore_errors=True)    # the next prompt starts from empty storage
         os.makedirs(p.store, exist_ok=True)
     # handed over: the decode instance took prompt tokens from its KV connector (a
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
-    taken = int(_external_tokens(d) - external)
+    taken = int(calls.external_tokens(d) - external)
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
             "handed_over": taken > 0, "kv_tokens": taken, "text": text}
-
-
-def _mooncake_engine(prefill) -> str:
-    """The prefill engine's id, from its Mooncake bootstrap server ({dp rank: {engine_id,
-    ...}}); its worker registers there once started, so a missing entry is waited
-    for (bounded)."""
-    deadline = time.monotonic() + 60
-    while True:
-        got = get_json(prefill.bootstrap_url + "/query", timeout=30)
-        engine = (got.get("0") or {}).get("engine_id") if isinstance(got, dict) else None
-        if isinstance(engine, str) and engine:
-            return engine
-        if time.monotonic() > deadline:
-            raise TractError(f"Mooncake's bootstrap server names no prefill engine ({got!r:.200})",
-                             "see the prefill server's log")
-        time.sleep(0.2)         # polling another process's registration, bounded
-
-
-def _external_tokens(server) -> float:
-    """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
-    `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == "vllm:prompt_tokens_by_source_total"
-               and sample.labels.get("source") == "external_kv_transfer")
-
-
-_models: dict = {}
-
-
-def _model(server) -> str:
-    if server.url not in _models:
-        _models[server.url] = get_json(server.url + "/v1/models", timeout=30)["data"][0]["id"]
-    return _models[server.url]
 
 
 def _connector_figures(decode_log: str, prefill_log: str) -> dict:

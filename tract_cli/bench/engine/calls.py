@@ -1,0 +1,118 @@
+"""The bench's calls to the vLLM servers it started: a streamed completion's
+first token, a P/D request as a proxy makes it, the served model's name, the
+Mooncake bootstrap's engine id, and vLLM's own counters (`/metrics`).
+
+Thread-safe: the workload runs (`vllm_workloads.py`) make these calls from
+many threads at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from tract_cli.core.errors import TractError
+from tract_cli.serve.client import get_json, post_json, stream_events
+
+
+def first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str, int]:
+    """Streams BODY; returns (monotonic time of the first token chunk, whole text,
+    chunks streamed: the output tokens)."""
+    first, text = None, []
+    for chunk in stream_events(url, body | {"stream": True}, timeout):
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not choices:             # an error event, or something that is not a completion
+            why = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
+            raise TractError(f"a streamed completion failed: {str(why)[:200]}",
+                             "see the server's log")
+        if first is None:
+            first = time.monotonic()
+        text.append(choices[0].get("text") or "")
+    if first is None:
+        raise TractError("a streamed completion returned no token", "see the server's log")
+    return first, "".join(text), len(text)
+
+
+_models: dict = {}
+_models_lock = threading.Lock()
+
+
+def model_id(server) -> str:
+    """The model name SERVER serves (asked once)."""
+    with _models_lock:
+        if server.url not in _models:
+            _models[server.url] = get_json(server.url + "/v1/models", timeout=30)["data"][0]["id"]
+        return _models[server.url]
+
+
+def complete(server, tokens: list, output_len: int) -> tuple[float, str, int]:
+    """One completion of TOKENS on SERVER (greedy), streamed: as `first_token`."""
+    return first_token(server.url + "/v1/completions",
+                       {"model": model_id(server), "prompt": tokens, "max_tokens": output_len,
+                        "temperature": 0})
+
+
+def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
+               mooncake_engine: str | None = None) -> tuple[float, float, str, int]:
+    """A P/D request as a proxy makes it: the prefill request (`max_tokens` 1,
+    `do_remote_decode`), then the decode request with the KV transfer parameters
+    the prefill answered (Mooncake's: its proxy's pairing, MOONCAKE_ENGINE the
+    prefill engine's id), streamed.  Returns (monotonic time the prefill
+    answered, of the decode's first token, its text, its output tokens)."""
+    model = model_id(prefill)
+    base = {"model": model, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
+    ask, given = {"do_remote_decode": True}, None
+    if config == "mooncake":
+        # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
+        # both, and the prefill engine's id from its bootstrap server for the decode
+        transfer = f"tract-bench-{uuid.uuid4().hex}"
+        ask = ask | {"do_remote_prefill": False, "transfer_id": transfer}
+        given = {"do_remote_prefill": True, "do_remote_decode": False,
+                 "remote_bootstrap_addr": prefill.bootstrap_url,
+                 "remote_engine_id": mooncake_engine, "transfer_id": transfer}
+    out = post_json(prefill.url + "/v1/completions",
+                    base | {"max_tokens": 1, "kv_transfer_params": ask})
+    answered = time.monotonic()
+    params = given or out.get("kv_transfer_params")
+    first, text, n = first_token(decode.url + "/v1/completions",
+                                 base | ({"kv_transfer_params": params} if params else {}))
+    return answered, first, text, n
+
+
+def mooncake_engine(prefill) -> str:
+    """The prefill engine's id, from its Mooncake bootstrap server ({dp rank: {engine_id,
+    ...}}); its worker registers there once started, so a missing entry is waited
+    for (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = get_json(prefill.bootstrap_url + "/query", timeout=30)
+        engine = (got.get("0") or {}).get("engine_id") if isinstance(got, dict) else None
+        if isinstance(engine, str) and engine:
+            return engine
+        if time.monotonic() > deadline:
+            raise TractError(f"Mooncake's bootstrap server names no prefill engine ({got!r:.200})",
+                             "see the prefill server's log")
+        time.sleep(0.2)         # polling another process's registration, bounded
+
+
+def metrics(server) -> dict:
+    """SERVER's vLLM counters now: {(sample name, source label or None): value},
+    summed over the other labels (vLLM labels each by model and engine)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:"):
+                key = (s.name, s.labels.get("source"))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def external_tokens(server) -> float:
+    """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
+    `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
+    return metrics(server).get(("vllm:prompt_tokens_by_source_total", "external_kv_transfer"), 0.0)

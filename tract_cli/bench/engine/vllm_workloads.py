@@ -1,0 +1,316 @@
+"""`tract bench --engine vllm --workload ... | --trace FILE`: the paper's workloads
+under load on real vLLM (its Figs. 6-10): requests arrive on their own clock
+(Poisson at each `--qps`, or a trace's timestamps rescaled to each rate), many
+in flight at once, through each KV path in turn.
+
+The systems (one at a time, so they never compete for the CPUs):
+- P/D (`tract`, `example`, `nixl`, `nixl-tcp`, `mooncake`): every request
+  prefilled on one vLLM, decoded on the other, as a proxy runs them
+  (`calls.pd_request`).  `tract`'s prefill instance also looks the prompt up
+  in the region, the rack's prefix cache (the paper's system); NIXL and the
+  others have no cache beyond vLLM's own;
+- shared cache (`prefix`: TraCT's region; `lmcache`: LMCache's server): two
+  vLLMs on one cache, each serving whole requests, the requests alternating
+  between them, so each instance hits what the other stored;
+- `mono`: one vLLM on all the CPUs the pairs share, the floor; and, one request
+  at a time after its runs, the answer every system must give.
+
+Each rate is its own draw of the workload (seed + k, or the trace salted by k),
+so every rate starts from a cold cache, and every system gets the same
+requests.  Per system and rate: throughput, TTFT (from each request's
+scheduled arrival to its first token: a late send counts against the system),
+the prefix-cache hit rate it reached (vLLM's own count of the prompt tokens
+the computing instances took from their KV path or their own cache), and the
+request's time split (see `breakdown`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tract_cli.bench.engine import calls
+from tract_cli.bench.engine import configs as engine_configs
+from tract_cli.bench.engine.vllm_runs import (VLLM_BLOCK, _flush_mode, _kv_bytes, _tract_region,
+                                              prompts)
+from tract_cli.bench.workload.workloads import Request, arrivals
+from tract_cli.core import kvlog
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.serve.client import HttpError
+
+SYSTEMS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix", "lmcache")
+PD = ("tract", "example", "nixl", "nixl-tcp", "mooncake")
+SHARED = ("prefix", "lmcache")
+
+MAX_IN_FLIGHT = 512        # threads of the driver: more requests in flight is an overload
+TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
+def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list[str],
+        log=sys.stderr, kv_cache_gib: float = 2, load_mode: str = "sync",
+        vllm_prefix_caching: bool = False) -> dict:
+    """POINTS: (offered rate, its requests) per rate.  Runs each configuration
+    over every point; returns the records, the summaries per (rate, system),
+    and what was skipped or failed (as `vllm_runs.run`)."""
+    from tract_cli.serve.vllm_engine import check_model_dir, vllm_python
+    check_model_dir(model_dir)
+    for c in configs:
+        if c not in SYSTEMS:
+            raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(SYSTEMS)}")
+    configs = list(dict.fromkeys(configs))
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    vocab = int(cfg.get("vocab_size", 1000))
+    reqs = [r for _, rs in points for r in rs]
+    longest = max(len(r.tokens) + r.output_len for r in reqs)
+    max_len = max(longest, 2 * VLLM_BLOCK + 8 + 16) + 16
+    positions = int(cfg.get("max_position_embeddings", max_len))
+    if max_len > positions:
+        raise UsageError(f"a request of {longest} tokens (prompt and output) exceeds the "
+                         f"model's {positions} positions",
+                         "use a smaller --isl-mean, or --max-input-len with a trace")
+    skipped = {c: why for c in configs
+               if (why := engine_configs.unavailable(c, vllm_python())) is not None}
+    warm = prompts([2 * VLLM_BLOCK + 8], 1, vocab, 7919)[0][1]
+    cache_bytes = _kv_bytes(model_dir, sum(len(r.tokens) for r in reqs) * 2)
+    args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
+            "--enable-prefix-caching" if vllm_prefix_caching else "--no-enable-prefix-caching",
+            "--block-size", str(VLLM_BLOCK))
+    work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
+    records, summaries, texts, reference = [], [], {}, {}
+    failed: dict[str, str] = {}
+    pool, flush_mode, keep_logs = None, None, True
+    try:
+        for config in configs:
+            if config in skipped:
+                print(f"skipping {config}: {skipped[config]}", file=log, flush=True)
+                continue
+            print(f"starting {config} ...", file=log, flush=True)
+            if config in ("tract", "prefix"):        # each from an empty region
+                if pool is not None:
+                    from tract_cli.core.region import remove_region
+                    remove_region(pool)
+                pool = _tract_region(model_dir, [len(r.tokens) for r in reqs], 1)
+                flush_mode = _flush_mode(pool)
+            got_records, got_summaries = [], []
+            try:
+                _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode,
+                            points, warm, cache_bytes, got_records, got_summaries, texts,
+                            reference, log)
+            except TractError as exc:
+                failed[config] = str(exc)
+            except (HttpError, OSError) as exc:
+                failed[config] = f"a request failed: {exc}; see the servers' logs"
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                failed[config] = (f"a server answered what the bench cannot read "
+                                  f"({type(exc).__name__}: {exc}); see the servers' logs")
+            if config in failed:
+                print(f"{config} failed: {failed[config]}", file=log, flush=True)
+                for k in list(texts):
+                    if k[0] == config:
+                        del texts[k]
+                continue
+            records += got_records
+            summaries += got_summaries
+        keep_logs = bool(failed)
+    finally:
+        if pool is not None:
+            from tract_cli.core.region import remove_region
+            remove_region(pool)
+        if keep_logs:
+            print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    verify(records, summaries, texts, reference)
+    return {"records": records, "summaries": summaries, "skipped": skipped, "failed": failed,
+            "logs": work if keep_logs else None, "flush_mode": flush_mode,
+            "load_mode": load_mode, "vllm_prefix_caching": vllm_prefix_caching}
+
+
+def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, points, warm,
+                cache_bytes, records, summaries, texts, reference, log) -> None:
+    """Starts CONFIG's servers, runs every point through them (and, for mono, the
+    reference pass), stops them."""
+    servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
+                                   load_mode, VLLM_BLOCK, cache_bytes, mono_all_cpus=True)
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        engine = calls.mooncake_engine(servers["prefill"]) if config == "mooncake" else None
+        # the path's one-time costs (vLLM's first step, a connector's first copy) paid
+        # before any measured request: one request through each instance
+        _drive(config, servers, [Request(f"warm-{i}", 0.0, np.asarray(warm), 4)
+                                 for i in range(1 if config not in SHARED else 2)], engine)
+        logs = {role: os.path.join(work, f"{config}-{role}.log") for role in servers
+                if role != "cache"}
+        for k, (qps, reqs) in enumerate(points):
+            print(f"  {config} at {qps:g} QPS: {len(reqs)} requests ...", file=log, flush=True)
+            before = {role: calls.metrics(s) for role, s in servers.items() if role != "cache"}
+            marks = {role: os.path.getsize(p) for role, p in logs.items()}
+            got, wall = _drive(config, servers, reqs, engine)
+            after = {role: calls.metrics(s) for role, s in servers.items() if role != "cache"}
+            kv = _connector_times(logs, marks) if config in ("tract", "prefix") else None
+            for rec in got:
+                texts[(config, k, rec["request"])] = rec.pop("text")
+                records.append({"config": config, "point": k, "qps": qps} | rec)
+            summaries.append(summarize(config, k, qps, got, wall, before, after, kv))
+            if config == "example":          # the next rate starts from empty storage
+                store = servers["prefill"].store
+                shutil.rmtree(store, ignore_errors=True)
+                os.makedirs(store, exist_ok=True)
+        if config == "mono":
+            # the answer each request must give: one vLLM, one request at a time
+            print("  mono, one request at a time (the reference answers) ...", file=log,
+                  flush=True)
+            for k, (_, reqs) in enumerate(points):
+                for r in reqs:
+                    reference[(k, r.rid)] = calls.complete(servers["mono"], r.tokens.tolist(),
+                                                           r.output_len)[1]
+    finally:
+        engine_configs.stop_all(servers)
+        store = getattr(servers.get("prefill"), "store", None)
+        if store:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def _drive(config: str, servers: dict, reqs: list[Request], engine) -> tuple[list[dict], float]:
+    """Sends each request at its arrival time (a thread each, so a slow one holds no
+    other back); returns the records and the wall time from the start to the last
+    answer.  The first request that fails stops the sending and is raised."""
+    targets = ([servers["mono"]] if config == "mono" else
+               [servers["prefill"], servers["decode"]] if config in SHARED else None)
+    out: list[dict] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def one(seq: int, req: Request, arrival: float) -> None:
+        try:
+            tokens = req.tokens.tolist()
+            if targets is None:
+                answered, first, text, n = calls.pd_request(
+                    config, servers["prefill"], servers["decode"], tokens, req.output_len, engine)
+            else:
+                answered = None
+                first, text, n = calls.complete(targets[seq % len(targets)], tokens,
+                                                req.output_len)
+            end = time.monotonic()
+            out.append({"request": req.rid, "input_len": len(req.tokens), "output_tokens": n,
+                        "arrival_s": arrival - t0, "ttft_s": first - arrival,
+                        "e2e_s": end - arrival, "end_s": end - t0,
+                        "prefill_s": None if answered is None else answered - arrival,
+                        "decode_s": None if answered is None else first - answered,
+                        "text": text})
+        except BaseException as exc:         # raised below, once; the rest are not sent
+            errors.append(exc)
+            stop.set()
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(len(reqs), MAX_IN_FLIGHT)) as ex:
+        for seq, req, arrival in arrivals(reqs, t0, stop):
+            ex.submit(one, seq, req, arrival)
+    if errors:
+        raise errors[0]
+    return out, max(r["end_s"] for r in out)
+
+
+def _connector_times(logs: dict, marks: dict) -> dict:
+    """The TraCT connector's load and save times (ms) logged since MARKS (each
+    log's size at a point's start): the point's KV reads (handoffs and pool
+    hits) and writes."""
+    out = {"load_ms": 0.0, "save_ms": 0.0, "loads": 0, "saves": 0}
+    for role, path in logs.items():
+        with open(path, "rb") as f:
+            f.seek(marks[role])
+            for line in f.read().decode(errors="replace").splitlines():
+                got = kvlog.parse(line)
+                if got and got[0] in ("load", "save"):
+                    out[got[0] + "_ms"] += got[1]["ms"]
+                    out[got[0] + "s"] += 1
+    return out
+
+
+def _delta(before: dict, after: dict, name: str, source=None) -> float:
+    return after.get((name, source), 0.0) - before.get((name, source), 0.0)
+
+
+def _mean_of(before: dict, after: dict, histogram: str) -> float | None:
+    """The mean of vLLM histogram HISTOGRAM over the requests between two scrapes."""
+    n = _delta(before, after, histogram + "_count")
+    return _delta(before, after, histogram + "_sum") / n if n else None
+
+
+def breakdown(config: str, got: list[dict], before: dict, after: dict, kv: dict | None) -> dict:
+    """A request's mean time split, per system (seconds; None where the system has
+    no such part or does not time it apart):
+    - queue: vLLM's queue time (arrival at the engine to first scheduled), summed
+      over the instances a request passes (P/D: both);
+    - compute: vLLM's prefill time on the instance that computes the prompt (first
+      scheduled to first token; a connector's work inside the step is in it: TraCT's
+      synchronous load of pool hits and its save, which are also shown apart);
+    - kv_read: TraCT: its connector's loads (the handoff, pool hits); other P/D
+      systems: the decode leg (the prefill's answer to the decode's first token:
+      the KV transfer, the decode instance's queue and first step);
+    - kv_write: TraCT: its connector's saves (None elsewhere: NIXL writes nothing, the
+      decode side pulls; LMCache and ExampleConnector do not time theirs apart)."""
+    computing = ["prefill"] if config in PD else list(before)
+    n = len(got)
+    queue = [_mean_of(before[r], after[r], "vllm:request_queue_time_seconds") for r in before]
+    compute = [_mean_of(before[r], after[r], "vllm:request_prefill_time_seconds")
+               for r in computing]
+    out = {"queue_s": sum(q for q in queue if q is not None) if any(
+               q is not None for q in queue) else None,
+           "compute_s": float(np.mean([c for c in compute if c is not None]))
+           if any(c is not None for c in compute) else None,
+           "kv_read_s": None, "kv_write_s": None}
+    if kv is not None:
+        out["kv_read_s"] = kv["load_ms"] / 1e3 / n
+        out["kv_write_s"] = kv["save_ms"] / 1e3 / n
+    elif config in PD:
+        out["kv_read_s"] = float(np.mean([r["decode_s"] for r in got]))
+    return out
+
+
+def summarize(config: str, point: int, qps: float, got: list[dict], wall: float,
+              before: dict, after: dict, kv: dict | None) -> dict:
+    """One system at one rate: throughput, TTFT percentiles, hit rate, breakdown."""
+    ttft = np.array([r["ttft_s"] for r in got])
+    computing = ["prefill"] if config in PD else list(before)
+    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    prompt = {r: {s: _delta(before[r], after[r], TOKENS, s) for s in sources} for r in before}
+    total = sum(sum(prompt[r].values()) for r in computing)
+    cached = sum(prompt[r]["local_cache_hit"] + prompt[r]["external_kv_transfer"]
+                 for r in computing)
+    handed = None
+    if config in PD:        # the prompt tokens the decode instance took over
+        d = sum(prompt["decode"].values())
+        handed = prompt["decode"]["external_kv_transfer"] / d if d else None
+    return {"config": config, "point": point, "qps": qps, "requests": len(got),
+            "throughput_rps": len(got) / wall if wall > 0 else None,
+            "output_tps": sum(r["output_tokens"] for r in got) / wall if wall > 0 else None,
+            "ttft_mean_s": float(ttft.mean()), "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "e2e_mean_s": float(np.mean([r["e2e_s"] for r in got])),
+            "hit_rate": cached / total if total else None, "handed_over": handed,
+            "local_hits": sum(prompt[r]["local_cache_hit"] for r in computing),
+            "breakdown": breakdown(config, got, before, after, kv)}
+
+
+def verify(records: list[dict], summaries: list[dict], texts: dict, reference: dict) -> None:
+    """Each record's "verified": its answer equals one vLLM's, one request at a time
+    (the mono configuration's reference pass); None where mono did not run.  Each
+    summary's: all of its records' (None likewise)."""
+    for rec in records:
+        want = reference.get((rec["point"], rec["request"]))
+        rec["verified"] = None if want is None else texts[
+            (rec["config"], rec["point"], rec["request"])] == want
+    for s in summaries:
+        checked = [r["verified"] for r in records if r["config"] == s["config"]
+                   and r["point"] == s["point"] and r["verified"] is not None]
+        s["verified"] = all(checked) if checked else None

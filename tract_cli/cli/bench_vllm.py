@@ -1,0 +1,269 @@
+"""`tract bench --engine vllm`: the runs on real vLLM, and their reports (the
+static experiment: `bench/engine/vllm_runs.py`; the workloads under load:
+`bench/engine/vllm_workloads.py`)."""
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from tract_cli.bench.engine import configs as engine_configs
+from tract_cli.bench.engine import vllm_runs, vllm_workloads
+from tract_cli.bench.workload import workloads
+from tract_cli.cli import render
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.units import format_duration, format_size
+
+# the paper's static experiment (Fig. 5): input lengths of --engine vllm by default
+STATIC_LENGTHS = (1500, 3000, 4500, 6000)
+# outputs of the workloads on vLLM's CPU build, unless --output-len says: the
+# paper's ~215 tokens would take a CPU minutes a request under load
+OUTPUT_CAP = 16
+
+
+def check_plot_dependency():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
+
+
+def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
+                load_mode, install_peers=False, vllm_prefix_caching=False) -> None:
+    """`--engine vllm`: the static workload through real vLLM configurations."""
+    from tract_cli.core.kvpages import LOAD_MODES
+    from tract_cli.serve.vllm_engine import check_model_dir
+    if load_mode not in LOAD_MODES:
+        raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
+                         "pass --load-mode sync or --load-mode async")
+    check_model_dir(model)
+    if plot:
+        check_plot_dependency()
+    lengths = list(input_len) if input_len else list(STATIC_LENGTHS)
+    if any(n < 1 for n in lengths) or output_len < 1:
+        raise UsageError("--input-len and --output-len must be positive", "e.g. --input-len 1500")
+    per = requests or 4
+    for c in configs:
+        if c not in vllm_runs.CONFIGS:
+            raise UsageError(f"unknown vLLM configuration {c!r}",
+                             f"use {', '.join(vllm_runs.CONFIGS)}")
+    _install(configs, install_peers)
+    res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
+                         load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching)
+    if not res["summaries"]:
+        raise TractError("no configuration ran: " + "; ".join(
+            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
+            "install what is missing, or pick other --vllm-config")
+    table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
+                        f"{output_len} output tokens; TraCT region flush mode "
+                        f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
+                        f"{load_mode})")
+    for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
+                "from KV path", "verified"):
+        table.add_column(col, justify="left" if col in ("config", "verified") else "right",
+                         no_wrap=col == "config")
+    dur = lambda v: "—" if v is None else format_duration(v)
+    for s in res["summaries"]:
+        table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
+                      dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
+                      dur(s["prefill_s"]), dur(s["decode_s"]),
+                      "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
+                      "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
+    for s in res["summaries"]:
+        if s["handed_over"] is not None and s["handed_over"] < s["requests"]:
+            render.stdout.print(f"[yellow]{s['config']} at {s['input_len']} tokens: only "
+                                f"{s['handed_over']} of {s['requests']} requests were handed "
+                                "over; the others were computed by the decode instance")
+    render.stdout.print(table)
+    _report_tail(res)
+    for kind, fig in res["memcpy"].items():
+        ms = lambda v: format_duration(v / 1e3)
+        same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
+                f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
+                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
+                f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
+        meta = ms(fig['meta_ms'])
+        if kind == "saves":
+            meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
+                     f"commit {ms(fig['commit_ms'])}")
+        render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
+                            f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
+                            f"copied; pool metadata {meta}); {same}")
+    publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
+    if publishes:
+        render.stdout.print(f"TraCT handoff publish (in the prefill's step; in its scheduler "
+                            f"loop where two handoffs of a step share a block): "
+                            f"{len(publishes)} handoffs, mean "
+                            f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
+                            f"{format_duration(max(publishes) / 1e3)}")
+    if json_file:
+        _write_json(json_file, res)
+    if plot:
+        from tract_cli.bench.plot import plot_vllm
+        plot_vllm(res, plot, vllm_runs.ROWS)
+    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
+        raise typer.Exit(1)
+
+
+
+
+def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, requests,
+                    prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
+                    vocab, positions) -> tuple[list, str]:
+    """[(offered rate, its requests)] and a description.  Each rate its own draw (a
+    synthetic workload's seed + k; a trace salted with seed + k): every rate starts
+    from a cold cache; outputs capped at OUTPUT_CAP."""
+    cap = lambda reqs: [workloads.Request(r.rid, r.arrival_s, r.tokens,
+                                          min(r.output_len, output_cap)) for r in reqs]
+    if trace:
+        if max_input_len is not None and max_input_len < 1:
+            raise UsageError("--max-input-len must be positive", "e.g. --max-input-len 8000")
+        longest = positions - output_cap - 32          # what the model's positions hold
+        if max_input_len is None or max_input_len > longest:
+            max_input_len = longest
+        load = lambda k: workloads.trace(trace, limit, speedup, vocab, salt=seed + k,
+                                         max_input_len=max_input_len)
+        first = load(0)
+        span = first[-1].arrival_s
+        native = (len(first) - 1) / span if len(first) > 1 and span > 0 else None
+        if not qps_sweep or native is None:
+            if len(qps_sweep) > 1:
+                raise UsageError("this trace has no arrival rate to rescale (one request, or "
+                                 "all at one time)", "drop --qps, or use a longer --limit")
+            points = [(native or 0.0, cap(first))]
+        else:
+            points = []
+            for k, q in enumerate(qps_sweep):
+                reqs = first if k == 0 else load(k)
+                factor = native / q if q > 0 else 0.0       # 0: all at once
+                points.append((q, cap([workloads.Request(r.rid, r.arrival_s * factor, r.tokens,
+                                                         r.output_len) for r in reqs])))
+        return points, (f"trace {trace}: {len(first)} requests of at most {max_input_len} "
+                        f"tokens (the model's {positions} positions), its native "
+                        f"{native or 0:.2f} QPS" + (" rescaled to each rate" if qps_sweep else
+                                                     f" at speedup {speedup:g}")
+                        + f"; outputs capped at {output_cap} tokens")
+    params = {} if workload == "synthetic" else workloads.load_preset(workload)
+    desc = params.pop("description", workload)
+    overrides = {"requests": requests, "prefix_ratio": prefix_ratio,
+                 "num_prefix_prompts": num_prefix_prompts, "isl_mean": isl_mean,
+                 "osl_mean": osl_mean}
+    params.update({k: v for k, v in overrides.items() if v is not None})
+    params.setdefault("requests", 16)
+    rates = qps_sweep or [params.get("qps", 1.0)]
+    params.pop("qps", None)
+    points = [(q, cap(workloads.synthetic(seed=seed + k, qps=q, vocab=vocab, **params)))
+              for k, q in enumerate(rates)]
+    return points, (f"{workload}: {params['requests']} requests a rate, {desc}; outputs capped "
+                    f"at {output_cap} tokens")
+
+
+def workload(model, name, trace, limit, speedup, max_input_len, input_len, output_len, requests,
+             prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, configs,
+             json_file, plot, load_mode, install_peers, vllm_prefix_caching) -> None:
+    """`--engine vllm` with a synthetic workload or a trace: each system under load,
+    at each rate of the sweep."""
+    from tract_cli.core.kvpages import LOAD_MODES
+    from tract_cli.serve.vllm_engine import check_model_dir
+    if load_mode not in LOAD_MODES:
+        raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
+                         "pass --load-mode sync or --load-mode async")
+    if input_len:
+        raise UsageError("--input-len is for the static experiment",
+                         "use --isl-mean for a synthetic workload; a trace has its own lengths")
+    check_model_dir(model)
+    if plot:
+        check_plot_dependency()
+    output_cap = OUTPUT_CAP if output_len is None else output_len
+    if output_cap < 1:
+        raise UsageError("--output-len must be positive", "e.g. --output-len 16")
+    for c in configs:
+        if c not in vllm_workloads.SYSTEMS:
+            raise UsageError(f"unknown vLLM configuration {c!r}",
+                             f"use {', '.join(vllm_workloads.SYSTEMS)}")
+    cfg = json.load(open(f"{model}/config.json"))
+    points, described = workload_points(
+        name, trace, limit, speedup, max_input_len, output_cap, requests, prefix_ratio,
+        num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, int(cfg.get("vocab_size", 1000)),
+        int(cfg.get("max_position_embeddings", 8192)))
+    _install(configs, install_peers)
+    res = vllm_workloads.run(model, points, configs, render.stderr.file, load_mode=load_mode,
+                             vllm_prefix_caching=vllm_prefix_caching)
+    res["workload"] = described
+    if not res["summaries"]:
+        raise TractError("no configuration ran: " + "; ".join(
+            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
+            "install what is missing, or pick other --vllm-config")
+    table = Table(title=f"vLLM under load on {model} (CPU): {described}; vLLM's own prefix "
+                        f"cache {'on' if vllm_prefix_caching else 'off'}; TraCT region flush "
+                        f"mode {res['flush_mode'] or 'n/a'}, loads {load_mode}",
+                  title_justify="left")
+    for col in ("QPS", "config", "req/s", "out tok/s", "TTFT mean", "p50", "p99", "hit rate",
+                "queue", "compute", "KV read", "KV write", "verified"):
+        table.add_column(col, justify="left" if col in ("config", "verified") else "right",
+                         no_wrap=col == "config")
+    dur = lambda v: "—" if v is None else format_duration(v)
+    for s in sorted(res["summaries"], key=lambda s: (s["point"],
+                                                     vllm_workloads.SYSTEMS.index(s["config"]))):
+        b = s["breakdown"]
+        table.add_row(f"{s['qps']:g}", s["config"], f"{s['throughput_rps']:.2f}",
+                      f"{s['output_tps']:.1f}", dur(s["ttft_mean_s"]), dur(s["ttft_p50_s"]),
+                      dur(s["ttft_p99_s"]),
+                      "—" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%",
+                      dur(b["queue_s"]), dur(b["compute_s"]), dur(b["kv_read_s"]),
+                      dur(b["kv_write_s"]),
+                      "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
+    render.stdout.print(table)
+    render.stdout.print(
+        "queue: vLLM's, summed over the instances a request passes; compute: vLLM's prefill "
+        "time on the instance that computes the prompt (TraCT's in-step load of pool hits and "
+        "its save are in it, and shown apart); KV read: TraCT's connector loads (handoff and "
+        "pool hits), for the other P/D paths the decode leg (transfer, the decode queue and "
+        "first step); KV write: TraCT's saves (the others do not time theirs apart). "
+        "Verified: equal to one vLLM's answer, one request at a time.", soft_wrap=True)
+    for s in res["summaries"]:
+        if s["handed_over"] is not None and s["handed_over"] < 0.5:
+            render.stdout.print(f"[yellow]{s['config']} at {s['qps']:g} QPS: the decode instance "
+                                f"took only {100 * s['handed_over']:.0f}% of the prompt tokens "
+                                "from its KV path; it computed the rest")
+    _report_tail(res)
+    if json_file:
+        _write_json(json_file, res)
+    if plot:
+        from tract_cli.bench.plot import plot_vllm_workload
+        plot_vllm_workload(res, plot, vllm_workloads.SYSTEMS)
+    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
+        raise typer.Exit(1)
+
+
+def _install(configs, install_peers: bool) -> None:
+    """--install-peers: each configuration's peer overlay; one that cannot be
+    installed is reported and later skipped, with why."""
+    if not install_peers:
+        return
+    from tract_cli.serve.vllm_engine import vllm_python
+    for c in configs:
+        try:
+            engine_configs.install(c, vllm_python(), render.stderr.file)
+        except TractError as exc:
+            render.stderr.print(f"[yellow]{c}: {escape(str(exc))}", soft_wrap=True)
+
+
+def _report_tail(res: dict) -> None:
+    """What was skipped, what failed and where the logs are."""
+    for config, why in res["skipped"].items():
+        render.stdout.print(f"[yellow]{config} skipped: {escape(why)}", soft_wrap=True)
+    for config, why in res["failed"].items():   # a server's log line may hold [brackets]
+        render.stdout.print(f"[red]{config} failed: {escape(why)}", soft_wrap=True)
+    if res["logs"]:
+        render.stdout.print(f"the vLLM servers' logs: {escape(res['logs'])}", soft_wrap=True)
+
+
+def _write_json(path: str, res: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
