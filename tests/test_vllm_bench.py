@@ -258,3 +258,49 @@ def test_each_rate_is_its_own_draw_and_a_trace_is_rescaled_to_it():
     (_, a), (_, b) = points
     assert len(a) == len(b) == 6 and {r.rid for r in a}.isdisjoint(r.rid for r in b)
     assert all(r.output_len <= 16 for r in a + b)
+
+
+@needs_vllm
+def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_checkpoint,
+                                                                           tmp_path, monkeypatch):
+    """A synthetic workload with shared prefixes, two rates, requests in flight at
+    once: TraCT's P/D pair, two vLLMs sharing a region and LMCache's shared cache
+    (where installed) beside one vLLM; each system at each rate is reported (its
+    throughput, TTFT, hit rate and time split), every answer equals one vLLM's,
+    and nothing outlives the bench."""
+    configs = ["tract", "prefix"] + (["lmcache"] if _missing("lmcache", monkeypatch) is None
+                                     else []) + ["mono"]
+    before_files = _debris()
+    out, png = tmp_path / "run.json", tmp_path / "run.png"
+    res = _bench(["--model", vllm_checkpoint, "--workload", "synthetic", "--requests", "6",
+                  "--isl-mean", "400", "--prefix-ratio", "0.5", "--num-prefix-prompts", "2",
+                  "--output-len", "4", "--qps", "2", "--qps", "8",
+                  *[a for c in configs for a in ("--vllm-config", c)],
+                  "--json", str(out), "--plot", str(png)], PEERS, timeout=1500)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    run = json.loads(out.read_text())
+    rows = {(s["config"], s["qps"]): s for s in run["summaries"]}
+    assert sorted(rows) == sorted((c, q) for c in configs for q in (2.0, 8.0))
+    for key, s in rows.items():
+        assert s["verified"] is True, (key, s)        # every answer equals one vLLM's
+        assert s["requests"] == 6 and s["throughput_rps"] > 0, (key, s)
+        assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"], (key, s)
+        assert 0 <= s["hit_rate"] <= 1, (key, s)
+        b = s["breakdown"]
+        assert b["queue_s"] is not None and b["compute_s"] > 0, (key, s)
+    for q in (2.0, 8.0):
+        # TraCT's pair: every prompt handed to the decode instance; its connector's
+        # loads and saves timed apart
+        t = rows[("tract", q)]
+        assert t["handed_over"] > 0.9 and t["breakdown"]["kv_read_s"] > 0, t
+        assert t["breakdown"]["kv_write_s"] > 0, t
+        assert rows[("mono", q)]["hit_rate"] == 0       # vLLM's own cache is off
+    assert len(run["records"]) == 6 * 2 * len(configs)
+    assert all(r["verified"] is True for r in run["records"])
+    for c in configs:
+        assert c in res.stdout
+    assert "hit rate" in res.stdout and "KV read" in res.stdout
+    assert png.stat().st_size > 10_000
+    assert _our_processes() == set(), "a process the bench started outlived it"
+    assert _debris() - before_files == set(), "the bench left files behind"
+    assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"

@@ -146,7 +146,7 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
                                                      f" at speedup {speedup:g}")
                         + f"; outputs capped at {output_cap} tokens")
     params = {} if workload == "synthetic" else workloads.load_preset(workload)
-    desc = params.pop("description", workload)
+    params.pop("description", None)
     overrides = {"requests": requests, "prefix_ratio": prefix_ratio,
                  "num_prefix_prompts": num_prefix_prompts, "isl_mean": isl_mean,
                  "osl_mean": osl_mean}
@@ -156,8 +156,11 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
     params.pop("qps", None)
     points = [(q, cap(workloads.synthetic(seed=seed + k, qps=q, vocab=vocab, **params)))
               for k, q in enumerate(rates)]
-    return points, (f"{workload}: {params['requests']} requests a rate, {desc}; outputs capped "
-                    f"at {output_cap} tokens")
+    return points, (f"{workload}: {params['requests']} requests a rate, mean "
+                    f"{params.get('isl_mean', 4449)} tokens in, "
+                    f"{params.get('prefix_ratio', 0.5):g} of each prompt shared among "
+                    f"{params.get('num_prefix_prompts', 10)} prefixes; outputs capped at "
+                    f"{output_cap} tokens")
 
 
 def workload(model, name, trace, limit, speedup, max_input_len, input_len, output_len, requests,

@@ -45,7 +45,8 @@ from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import HttpError
 
-SYSTEMS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix", "lmcache")
+# in the order of their rows: the P/D paths, the shared caches, the floor
+SYSTEMS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "prefix", "lmcache", "mono")
 PD = ("tract", "example", "nixl", "nixl-tcp", "mooncake")
 SHARED = ("prefix", "lmcache")
 
