@@ -147,3 +147,19 @@ def test_blocking_handlers_run_off_the_event_loop():
 def test_log_levels_are_checked():
     with pytest.raises(ValueError, match="log level"):
         http.configure_logging("w", "loud")
+
+
+def test_a_streamed_event_holding_a_unicode_line_separator_reads_whole():
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped inside a string; an event
+    stream's lines end at LF, so an event that holds one is one event (httpx's
+    iter_lines splits there and the client read half a JSON document), however
+    the bytes arrive."""
+    from tract_cli.serve.client import _event_lines
+    text = "a\u2028b\u2029c\x85d"
+    stream = ("data: " + json.dumps({"text": text}, ensure_ascii=False) + "\r\n\r\n"
+              "data: [DONE]\n\n").encode()
+    for cut in range(1, len(stream)):
+        lines = list(_event_lines(iter([stream[:cut], stream[cut:]])))
+        events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert events == [{"text": text}], cut
+        assert "data: [DONE]" in lines

@@ -59,7 +59,8 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
-                        f"{load_mode})")
+                        f"{load_mode}; vLLM's own prefix cache "
+                        f"{'on' if vllm_prefix_caching else 'off'})")
     for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
                 "from KV path", "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right",

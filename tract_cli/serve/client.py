@@ -97,12 +97,27 @@ def stream_events(url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
     try:
         with client().stream("POST", url, json=body, timeout=timeout) as resp:
             _check(url, resp)
-            for line in resp.iter_lines():
+            for line in _event_lines(resp.iter_bytes()):
                 line = line.strip()
                 if line.startswith("data: ") and line != "data: [DONE]":
                     yield json.loads(line[6:])
     except httpx.HTTPError as exc:
         raise HttpError(url, None, str(exc) or type(exc).__name__) from None
+
+
+def _event_lines(chunks: Iterator[bytes]) -> Iterator[str]:
+    """The lines of a server-sent event stream, split at LF only (a CR before it
+    dropped).  Not httpx's `iter_lines`: it splits as `str.splitlines` does, also
+    at U+0085, U+2028 and U+2029, which JSON leaves unescaped inside a string, so
+    a completion whose text holds one arrived as two halves of a JSON document."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode()
+    if pending:
+        yield pending.removesuffix(b"\r").decode()
 
 
 def is_up(url: str, timeout: float = 2) -> bool:

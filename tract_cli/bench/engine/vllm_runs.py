@@ -125,7 +125,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     verify(records, texts)
     return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
             "failed": failed, "logs": work if keep_logs else None,
-            "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode}
+            "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
+            "vllm_prefix_caching": vllm_prefix_caching}
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
