@@ -105,7 +105,7 @@ def plot_vllm_workload(result: dict, path: str, systems) -> None:
     plt = _pyplot()
     sums = result["summaries"]
     names = [c for c in systems if any(s["config"] == c for s in sums)]
-    top = max(s["point"] for s in sums)
+    top = max(sums, key=lambda s: s["qps"])["point"]       # the highest rate's point
     fig, ((thr, lat), (cdf, bars)) = plt.subplots(2, 2, figsize=(11, 7.5))
     for c in names:
         rows = sorted((s for s in sums if s["config"] == c), key=lambda s: s["qps"])
@@ -136,7 +136,7 @@ def plot_vllm_workload(result: dict, path: str, systems) -> None:
     cdf.legend(fontsize="small")
     # side by side, not stacked: vLLM's compute holds a connector's in-step work
     # (TraCT's synchronous load of pool hits, its save), which is also shown apart
-    parts = ("queue_s", "compute_s", "kv_read_s", "kv_write_s")
+    parts = ("queue_s", "compute_s", "kv_read_s", "kv_write_s", "decode_leg_s")
     width = 0.8 / len(parts)
     for i, part in enumerate(parts):
         vals = [next((s["breakdown"][part] or 0.0) * 1e3 for s in sums

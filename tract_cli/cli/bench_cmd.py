@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 from typing import List, Optional
 
@@ -12,6 +13,7 @@ from rich.table import Table
 
 from tract_cli.bench import peers, stats
 from tract_cli.bench.engine import configs as engine_configs
+from tract_cli.bench.engine import vllm_workloads
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
 from tract_cli.cli import bench_vllm, render
@@ -21,6 +23,7 @@ from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin
 
 ALL_TRANSPORTS = list(TRANSPORTS) + list(peers.PEERS)
+MIN_QPS = 0.01          # one request in 100 s: slower is a typo, not a workload
 
 
 def bench(
@@ -76,7 +79,7 @@ def bench(
     engine: str = typer.Option("reference", "--engine", help="reference (modelled or reference-"
                                "engine compute) or vllm (real vLLM prefill/decode pairs on the "
                                "--model checkpoint; docs/VLLM.md)."),
-    vllm_configs: List[str] = typer.Option(list(engine_configs.DEFAULT), "--vllm-config",
+    vllm_configs: Optional[List[str]] = typer.Option(None, "--vllm-config",
                                            help="With --engine vllm (repeatable): tract, example "
                                                 "(vLLM's ExampleConnector on /dev/shm), nixl, "
                                                 "nixl-tcp (vLLM's NixlConnector over UCX), "
@@ -85,8 +88,10 @@ def bench(
                                                 "build), mono (one vLLM), prefix (a pool hit "
                                                 "after a miss; under load: two vLLMs sharing "
                                                 "the region), lmcache (LMCache's shared cache, "
-                                                "likewise). The peers need --install-peers "
-                                                "once."),
+                                                "likewise). Default: all but mooncake; "
+                                                "under load also not example (it stores a "
+                                                "chunked prompt short). The peers need "
+                                                "--install-peers once."),
     load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
                                   "connector's load_mode, sync (hits copied in the step that "
                                   "computes the rest) or async (on its loader thread)."),
@@ -102,22 +107,25 @@ def bench(
     if engine not in ("reference", "vllm"):
         raise UsageError(f"--engine {engine!r} is not reference or vllm", "pass --engine vllm")
     qps_sweep = list(qps or [])
-    if any(q < 0 for q in qps_sweep):
-        raise UsageError("--qps must not be negative", "e.g. --qps 2")
+    for q in qps_sweep:
+        if not math.isfinite(q) or q < 0 or 0 < q < MIN_QPS:
+            raise UsageError(f"--qps {q:g} is not a rate: use 0 (all at once) or at least "
+                             f"{MIN_QPS:g}", "e.g. --qps 2")
     if engine == "vllm":
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
-                                 input_len, output_len, requests, prefix_ratio,
-                                 num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
-                                 vllm_configs, json_file, plot, load_mode, install_peers,
-                                 vllm_prefix_caching)
+                                input_len, output_len, requests, prefix_ratio,
+                                num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
+                                vllm_configs or list(vllm_workloads.DEFAULT), json_file, plot,
+                                load_mode, install_peers, vllm_prefix_caching)
             return
         if qps_sweep:
             raise UsageError("--qps is for a synthetic workload or a trace with --engine vllm "
                              "(the static experiment sends one request at a time)",
                              "add --workload synthetic-a, or drop --qps")
-        bench_vllm.static(model, input_len, requests, output_len or 3, vllm_configs, seed, json_file,
-                    plot, load_mode, install_peers, vllm_prefix_caching)
+        bench_vllm.static(model, input_len, requests, 3 if output_len is None else output_len,
+                          vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
+                          plot, load_mode, install_peers, vllm_prefix_caching)
         return
     if len(qps_sweep) > 1:
         raise UsageError("a --qps sweep runs on real vLLM (--engine vllm)",

@@ -119,6 +119,17 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
     cap = lambda reqs: [workloads.Request(r.rid, r.arrival_s, r.tokens,
                                           min(r.output_len, output_cap)) for r in reqs]
     if trace:
+        ignored = [flag for flag, v in (("--requests", requests), ("--isl-mean", isl_mean),
+                                        ("--osl-mean", osl_mean), ("--prefix-ratio", prefix_ratio),
+                                        ("--num-prefix-prompts", num_prefix_prompts))
+                   if v is not None]
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)} {'shapes' if len(ignored) == 1 else 'shape'} "
+                             "a synthetic workload, not a trace",
+                             "drop them, or drop --trace")
+        if qps_sweep and speedup != 1.0:
+            raise UsageError("--speedup and --qps both set a trace's rate",
+                             "use one: --qps rescales the trace to each rate given")
         if max_input_len is not None and max_input_len < 1:
             raise UsageError("--max-input-len must be positive", "e.g. --max-input-len 8000")
         longest = positions - output_cap - 32          # what the model's positions hold
@@ -129,10 +140,10 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
         first = load(0)
         span = first[-1].arrival_s
         native = (len(first) - 1) / span if len(first) > 1 and span > 0 else None
-        if not qps_sweep or native is None:
-            if len(qps_sweep) > 1:
-                raise UsageError("this trace has no arrival rate to rescale (one request, or "
-                                 "all at one time)", "drop --qps, or use a longer --limit")
+        if qps_sweep and native is None:
+            raise UsageError("this trace has no arrival rate to rescale (one request, or all "
+                             "at one time)", "drop --qps, or use a longer --limit")
+        if not qps_sweep:
             points = [(native or 0.0, cap(first))]
         else:
             points = []
@@ -141,11 +152,17 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
                 factor = native / q if q > 0 else 0.0       # 0: all at once
                 points.append((q, cap([workloads.Request(r.rid, r.arrival_s * factor, r.tokens,
                                                          r.output_len) for r in reqs])))
+        rate = (f"its {native * speedup:.2f} QPS rescaled to each rate" if qps_sweep and native
+                else f"at speedup {speedup:g} ({native or 0:.2f} QPS)")
         return points, (f"trace {trace}: {len(first)} requests of at most {max_input_len} "
-                        f"tokens (the model's {positions} positions), its native "
-                        f"{native or 0:.2f} QPS" + (" rescaled to each rate" if qps_sweep else
-                                                     f" at speedup {speedup:g}")
-                        + f"; outputs capped at {output_cap} tokens")
+                        f"tokens (the model's {positions} positions), {rate}; outputs capped "
+                        f"at {output_cap} tokens")
+    ignored = [flag for flag, v in (("--limit", limit), ("--max-input-len", max_input_len))
+               if v is not None] + (["--speedup"] if speedup != 1.0 else [])
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)} {'shapes' if len(ignored) == 1 else 'shape'} a "
+                         "trace's replay, not a synthetic workload",
+                         "drop them, or pass --trace FILE")
     params = {} if workload == "synthetic" else workloads.load_preset(workload)
     params.pop("description", None)
     overrides = {"requests": requests, "prefix_ratio": prefix_ratio,
@@ -170,7 +187,7 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
     """`--engine vllm` with a synthetic workload or a trace: each system under load,
     at each rate of the sweep."""
     from tract_cli.core.kvpages import LOAD_MODES
-    from tract_cli.serve.vllm_engine import check_model_dir
+    from tract_cli.serve.vllm_engine import check_model_dir, model_config
     if load_mode not in LOAD_MODES:
         raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
                          "pass --load-mode sync or --load-mode async")
@@ -187,11 +204,11 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
         if c not in vllm_workloads.SYSTEMS:
             raise UsageError(f"unknown vLLM configuration {c!r}",
                              f"use {', '.join(vllm_workloads.SYSTEMS)}")
-    cfg = json.load(open(f"{model}/config.json"))
+    cfg = model_config(model)
     points, described = workload_points(
         name, trace, limit, speedup, max_input_len, output_cap, requests, prefix_ratio,
-        num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, int(cfg.get("vocab_size", 1000)),
-        int(cfg.get("max_position_embeddings", 8192)))
+        num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, cfg["vocab_size"],
+        cfg["max_position_embeddings"])
     _install(configs, install_peers)
     res = vllm_workloads.run(model, points, configs, render.stderr.file, load_mode=load_mode,
                              vllm_prefix_caching=vllm_prefix_caching)
@@ -205,7 +222,7 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
                         f"mode {res['flush_mode'] or 'n/a'}, loads {load_mode}",
                   title_justify="left")
     for col in ("QPS", "config", "req/s", "out tok/s", "TTFT mean", "p50", "p99", "hit rate",
-                "queue", "compute", "KV read", "KV write", "verified"):
+                "queue", "compute", "KV read", "KV write", "decode leg", "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right",
                          no_wrap=col == "config")
     dur = lambda v: "—" if v is None else format_duration(v)
@@ -217,16 +234,19 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
                       dur(s["ttft_p99_s"]),
                       "—" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%",
                       dur(b["queue_s"]), dur(b["compute_s"]), dur(b["kv_read_s"]),
-                      dur(b["kv_write_s"]),
-                      "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
+                      dur(b["kv_write_s"]), dur(b["decode_leg_s"]),
+                      _verified(s))
     render.stdout.print(table)
     render.stdout.print(
-        "queue: vLLM's, summed over the instances a request passes; compute: vLLM's prefill "
-        "time on the instance that computes the prompt (TraCT's in-step load of pool hits and "
-        "its save are in it, and shown apart); KV read: TraCT's connector loads (handoff and "
-        "pool hits), for the other P/D paths the decode leg (transfer, the decode queue and "
-        "first step); KV write: TraCT's saves (the others do not time theirs apart). "
-        "Verified: equal to one vLLM's answer, one request at a time.", soft_wrap=True)
+        "req/s: served from the first arrival to the last answer. queue: vLLM's (P/D: the "
+        "two instances' added); compute: vLLM's prefill time on the instances that compute "
+        "prompts (TraCT's in-step load of pool hits and its save are in it, and shown apart); "
+        "KV read / KV write: TraCT's connector's own load (handoff, pool hits) and save times "
+        "(the peers do not time theirs apart); decode leg: P/D, the prefill's answer to the "
+        "decode's first token (transfer, decode queue, first step). "
+        "Verified: the tokens of one vLLM's answer, one request at a time, or parting from "
+        f"them first at a near-tie (both runs rate the two tokens within "
+        f"{vllm_workloads.NEAR_TIE:g} nats).", soft_wrap=True)
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < 0.5:
             render.stdout.print(f"[yellow]{s['config']} at {s['qps']:g} QPS: the decode instance "
@@ -240,6 +260,15 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
         plot_vllm_workload(res, plot, vllm_workloads.SYSTEMS)
     if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
         raise typer.Exit(1)
+
+
+def _verified(s: dict) -> str:
+    if s["verified"] is None:
+        return "—"
+    if not s["verified"]:
+        return "NO"
+    n = s.get("near_ties") or 0
+    return "yes" + (f" ({n} near-tie{'s' if n > 1 else ''})" if n else "")
 
 
 def _install(configs, install_peers: bool) -> None:

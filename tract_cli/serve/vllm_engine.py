@@ -187,3 +187,24 @@ def check_model_dir(model_dir: str | None) -> str:
         raise UsageError(f"--model {model_dir} is not a checkpoint directory (no config.json)",
                          "pass a local Hugging Face checkpoint directory")
     return model_dir
+
+
+def model_config(model_dir: str) -> dict:
+    """The checkpoint's config.json (after `check_model_dir`): its vocabulary and
+    positions, validated (a bench sizes prompts by them)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path} cannot be read as JSON ({exc})",
+                         "pass a Hugging Face checkpoint directory") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{path} is not a JSON object", "pass a Hugging Face checkpoint directory")
+    for key, default in (("vocab_size", 1000), ("max_position_embeddings", 1 << 30)):
+        value = cfg.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 4:
+            raise UsageError(f"{path}: {key} is {value!r}, not a positive integer",
+                             "pass a Hugging Face checkpoint directory")
+        cfg[key] = value
+    return cfg

@@ -10,15 +10,27 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from tract_cli.core.errors import TractError
 from tract_cli.serve.client import get_json, post_json, stream_events
 
 
-def first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str, int]:
-    """Streams BODY; returns (monotonic time of the first token chunk, whole text,
-    chunks streamed: the output tokens)."""
-    first, text = None, []
+@dataclass
+class Answer:
+    """A streamed completion: when its first token came (monotonic), its text and,
+    where logprobs were asked, its tokens ("token_id:N") and each one's top
+    candidates {token: logprob}."""
+    first: float
+    text: str
+    tokens: list = field(default_factory=list)
+    top: list = field(default_factory=list)
+    chunks: int = 0
+
+
+def first_token(url: str, body: dict, timeout: float = 600) -> Answer:
+    """Streams BODY; returns its Answer."""
+    first, text, tokens, top, chunks = None, [], [], [], 0
     for chunk in stream_events(url, body | {"stream": True}, timeout):
         choices = chunk.get("choices") if isinstance(chunk, dict) else None
         if not choices:             # an error event, or something that is not a completion
@@ -27,10 +39,15 @@ def first_token(url: str, body: dict, timeout: float = 600) -> tuple[float, str,
                              "see the server's log")
         if first is None:
             first = time.monotonic()
+        chunks += 1
         text.append(choices[0].get("text") or "")
+        lp = choices[0].get("logprobs")
+        if isinstance(lp, dict):
+            tokens += lp.get("tokens") or []
+            top += [t or {} for t in lp.get("top_logprobs") or []]
     if first is None:
         raise TractError("a streamed completion returned no token", "see the server's log")
-    return first, "".join(text), len(text)
+    return Answer(first, "".join(text), tokens, top, chunks)
 
 
 _models: dict = {}
@@ -45,20 +62,25 @@ def model_id(server) -> str:
         return _models[server.url]
 
 
-def complete(server, tokens: list, output_len: int) -> tuple[float, str, int]:
-    """One completion of TOKENS on SERVER (greedy), streamed: as `first_token`."""
+def _asks(logprobs: int) -> dict:
+    """A request's fields for LOGPROBS top candidates a token, as token ids."""
+    return {"logprobs": logprobs, "return_tokens_as_token_ids": True} if logprobs else {}
+
+
+def complete(server, tokens: list, output_len: int, logprobs: int = 0) -> Answer:
+    """One completion of TOKENS on SERVER (greedy), streamed."""
     return first_token(server.url + "/v1/completions",
                        {"model": model_id(server), "prompt": tokens, "max_tokens": output_len,
-                        "temperature": 0})
+                        "temperature": 0} | _asks(logprobs))
 
 
 def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
-               mooncake_engine: str | None = None) -> tuple[float, float, str, int]:
+               mooncake_engine: str | None = None, logprobs: int = 0) -> tuple[float, Answer]:
     """A P/D request as a proxy makes it: the prefill request (`max_tokens` 1,
     `do_remote_decode`), then the decode request with the KV transfer parameters
     the prefill answered (Mooncake's: its proxy's pairing, MOONCAKE_ENGINE the
     prefill engine's id), streamed.  Returns (monotonic time the prefill
-    answered, of the decode's first token, its text, its output tokens)."""
+    answered, the decode's Answer)."""
     model = model_id(prefill)
     base = {"model": model, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
     ask, given = {"do_remote_decode": True}, None
@@ -74,9 +96,10 @@ def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
                     base | {"max_tokens": 1, "kv_transfer_params": ask})
     answered = time.monotonic()
     params = given or out.get("kv_transfer_params")
-    first, text, n = first_token(decode.url + "/v1/completions",
-                                 base | ({"kv_transfer_params": params} if params else {}))
-    return answered, first, text, n
+    answer = first_token(decode.url + "/v1/completions",
+                         base | ({"kv_transfer_params": params} if params else {})
+                         | _asks(logprobs))
+    return answered, answer
 
 
 def mooncake_engine(prefill) -> str:
@@ -116,3 +139,15 @@ def external_tokens(server) -> float:
     """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
     `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
     return metrics(server).get(("vllm:prompt_tokens_by_source_total", "external_kv_transfer"), 0.0)
+
+
+def reset_prefix_cache(server) -> None:
+    """Empties SERVER's own prefix cache (vLLM's development endpoint, served with
+    VLLM_SERVER_DEV_MODE=1); it refuses while blocks are held, so it is asked
+    again a few times (bounded)."""
+    for _ in range(20):
+        if post_json(server.url + "/reset_prefix_cache", {}, timeout=60).get("success"):
+            return
+        time.sleep(0.5)         # blocks still held by requests finishing: asked again
+    raise TractError("vLLM would not empty its prefix cache before the reference answers",
+                     "run without --vllm-prefix-caching")

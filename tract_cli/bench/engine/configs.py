@@ -103,14 +103,18 @@ def install(config: str, vllm_python: str, log) -> None:
 
 def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
           pool: str | None, load_mode: str = "sync", block_tokens: int = 128,
-          cache_bytes: int = 1 << 30, mono_all_cpus: bool = False) -> dict:
+          cache_bytes: int = 1 << 30, mono_all_cpus: bool = False,
+          reference: bool = True, mono_env: dict | None = None) -> dict:
     """The servers of CONFIG, started (not yet ready): {"mono": s} or
     {"prefill": s, "decode": s} (and {"cache": s} after them, where the
     configuration has a cache server of its own, started and ready first).  A
     server's `store` (ExampleConnector's directory) is the caller's to remove.
     BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold;
     MONO_ALL_CPUS: one vLLM on every CPU the pairs share (under load, the floor
-    with as many cores as a pair), else on vLLM's default binding."""
+    with as many cores as a pair), else on vLLM's default binding; MONO_ENV its
+    environment besides.  REFERENCE: the TraCT connector also times a memcpy of
+    the same bytes beside each of its copies (the static experiment's reference;
+    an extra copy in the step, so not under load)."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")
 
@@ -134,13 +138,14 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
     if config == "mono":
         return {"mono": VllmServer(model_dir, free_port(), args=args, kv_cache_gib=gib,
                                    log_path=log("mono"),
-                                   env=cores("all") if mono_all_cpus else {})}
+                                   env=(cores("all") if mono_all_cpus else {}) | (mono_env or {}))}
     if config in ("tract", "prefix"):
         return {role: VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
                                  kv_cache_gib=gib, extra={"load_mode": load_mode},
                                  log_path=log(role),
-                                 env={"TRACT_CONNECTOR_TIMINGS": "1",
-                                      "TRACT_CONNECTOR_REFERENCE": "1"} | cores(role))
+                                 env={"TRACT_CONNECTOR_TIMINGS": "1"}
+                                 | ({"TRACT_CONNECTOR_REFERENCE": "1"} if reference else {})
+                                 | cores(role))
                 for role, node in (("prefill", 1), ("decode", 2))}
     if config == "example":
         store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")

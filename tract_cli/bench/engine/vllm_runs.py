@@ -19,7 +19,6 @@ different prompt per request (no prefix reuse).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -57,10 +56,11 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         if c not in CONFIGS:
             raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(CONFIGS)}")
     configs = list(dict.fromkeys(configs))          # each once, in the order given
-    cfg = json.load(open(os.path.join(model_dir, "config.json")))
-    vocab = int(cfg.get("vocab_size", 1000))
+    from tract_cli.serve.vllm_engine import model_config
+    cfg = model_config(model_dir)
+    vocab = cfg["vocab_size"]
     max_len = max(max(lengths), 2 * VLLM_BLOCK + 8) + output_len + 16   # the warm-up too
-    if max_len > int(cfg.get("max_position_embeddings", max_len)):
+    if max_len > cfg["max_position_embeddings"]:
         raise UsageError(f"inputs of {max(lengths)} tokens exceed the model's "
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
     from tract_cli.serve.vllm_engine import vllm_python
@@ -209,7 +209,8 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
                 stored + len(tokens) // cache.chunk_tokens)
         external = calls.external_tokens(s)
         t0 = time.monotonic()
-        first, text, _ = calls.complete(s, tokens, output_len)
+        got = calls.complete(s, tokens, output_len)
+        first, text = got.first, got.text
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
             taken = int(calls.external_tokens(s) - external)
@@ -220,13 +221,14 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     if config == "mono":
         t0 = time.monotonic()
-        first, text, _ = calls.complete(servers["mono"], tokens, output_len)
-        return {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
+        got = calls.complete(servers["mono"], tokens, output_len)
+        return {"ttft_s": got.first - t0, "prefill_s": None, "decode_s": None, "text": got.text}
     p, d = servers["prefill"], servers["decode"]
     external = calls.external_tokens(d)
     engine = calls.mooncake_engine(p) if config == "mooncake" else None
     t0 = time.monotonic()
-    t1, first, text, _ = calls.pd_request(config, p, d, tokens, output_len, engine)
+    t1, got = calls.pd_request(config, p, d, tokens, output_len, engine)
+    first, text = got.first, got.text
     if config == "example":
         shutil.rmtree(p.store, ignore_errors=True)    # the next prompt starts from empty storage
         os.makedirs(p.store, exist_ok=True)
