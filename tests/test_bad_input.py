@@ -85,6 +85,9 @@ CASES = [
     ("bench --workload nope", 2, "nope"),
     ("bench --pool {OTHER}", 1, "no TraCT region"),
     ("bench --qps -1", 2, "qps"),
+    ("bench --qps nan", 2, "--qps nan is not a rate"),
+    ("bench --qps 1 --qps 2", 2, "a --qps sweep runs on real vLLM"),
+    ("bench --engine vllm --qps 1", 2, "--qps is for a synthetic workload or a trace"),
     ("bench --engine vllm --model {MISSING} --load-mode lazy", 2, "--load-mode 'lazy'"),
     # serve
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --port 99999", 2, "port"),

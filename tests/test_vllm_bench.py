@@ -298,6 +298,18 @@ def test_each_rate_is_its_own_draw_and_a_trace_is_rescaled_to_it():
     assert any((a.tokens[:16] == b.tokens[:16]).all() for i, a in enumerate(slow)
                for b in slow[i + 1:])                 # the trace's shared first blocks
     assert "capped at 8 tokens" in described
+    from tract_cli.core.errors import UsageError
+    for bad, why in (
+            (("static", trace, None, 1.0, None, 8, 6, None, None, None, None, [], 0), "--requests"),
+            (("static", trace, None, 2.0, None, 8, None, None, None, None, None, [1.0], 0),
+             "--speedup and --qps"),
+            (("static", trace, 1, 1.0, None, 8, None, None, None, None, None, [1.0], 0),
+             "no arrival rate"),
+            (("synthetic", None, 5, 1.0, None, 8, None, None, None, None, None, [], 0), "--limit"),
+            (("synthetic", None, None, 1.0, 100, 8, None, None, None, None, None, [], 0),
+             "--max-input-len")):
+        with pytest.raises(UsageError, match=why):
+            workload_points(*bad, 512, 8192)
     points, _ = workload_points("synthetic", None, None, 1.0, None, 16, 6, 0.5, 2, 400, 100,
                                 [2.0, 3.0], 0, 512, 8192)
     (_, a), (_, b) = points

@@ -52,10 +52,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching)
-    if not res["summaries"]:
-        raise TractError("no configuration ran: " + "; ".join(
-            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
-            "install what is missing, or pick other --vllm-config")
+    _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
@@ -99,13 +96,8 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                             f"{len(publishes)} handoffs, mean "
                             f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
                             f"{format_duration(max(publishes) / 1e3)}")
-    if json_file:
-        _write_json(json_file, res)
-    if plot:
-        from tract_cli.bench.plot import plot_vllm
-        plot_vllm(res, plot, vllm_runs.ROWS)
-    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
-        raise typer.Exit(1)
+    from tract_cli.bench.plot import plot_vllm
+    _finish(res, json_file, plot and (lambda: plot_vllm(res, plot, vllm_runs.ROWS)))
 
 
 
@@ -213,10 +205,7 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
     res = vllm_workloads.run(model, points, configs, render.stderr.file, load_mode=load_mode,
                              vllm_prefix_caching=vllm_prefix_caching)
     res["workload"] = described
-    if not res["summaries"]:
-        raise TractError("no configuration ran: " + "; ".join(
-            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
-            "install what is missing, or pick other --vllm-config")
+    _check_some_ran(res)
     table = Table(title=f"vLLM under load on {model} (CPU): {described}; vLLM's own prefix "
                         f"cache {'on' if vllm_prefix_caching else 'off'}; TraCT region flush "
                         f"mode {res['flush_mode'] or 'n/a'}, loads {load_mode}",
@@ -253,13 +242,9 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
                                 f"took only {100 * s['handed_over']:.0f}% of the prompt tokens "
                                 "from its KV path; it computed the rest")
     _report_tail(res)
-    if json_file:
-        _write_json(json_file, res)
-    if plot:
-        from tract_cli.bench.plot import plot_vllm_workload
-        plot_vllm_workload(res, plot, vllm_workloads.SYSTEMS)
-    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
-        raise typer.Exit(1)
+    from tract_cli.bench.plot import plot_vllm_workload
+    _finish(res, json_file,
+            plot and (lambda: plot_vllm_workload(res, plot, vllm_workloads.SYSTEMS)))
 
 
 def _verified(s: dict) -> str:
@@ -294,9 +279,24 @@ def _report_tail(res: dict) -> None:
         render.stdout.print(f"the vLLM servers' logs: {escape(res['logs'])}", soft_wrap=True)
 
 
-def _write_json(path: str, res: dict) -> None:
-    try:
-        with open(path, "w") as f:
-            json.dump(res, f, indent=2)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
+def _check_some_ran(res: dict) -> None:
+    if not res["summaries"]:
+        raise TractError("no configuration ran: " + "; ".join(
+            f"{c}: {why}" for c, why in (res["skipped"] | res["failed"]).items()),
+            "install what is missing, or pick other --vllm-config")
+
+
+def _finish(res: dict, json_file: str | None, draw) -> None:
+    """The run's JSON and its plot (DRAW, if asked for); exit code 1 if an answer
+    was not verified or a configuration failed."""
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                json.dump(res, f, indent=2)
+        except OSError as exc:
+            raise UsageError(f"cannot write {json_file}: {exc.strerror}",
+                             "pick a writable path") from None
+    if draw:
+        draw()
+    if any(s["verified"] is False for s in res["summaries"]) or res["failed"]:
+        raise typer.Exit(1)

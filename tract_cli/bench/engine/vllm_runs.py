@@ -80,11 +80,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     failed: dict[str, str] = {}     # a configuration that could not run -> why
     keep_logs = True
     try:
-        for config in configs:
-            if config in skipped:
-                print(f"skipping {config}: {skipped[config]}", file=log, flush=True)
-                continue
-            print(f"starting {config} ...", file=log, flush=True)
+        for config in to_run(configs, skipped, log):
             if config in ("tract", "prefix"):       # each from an empty region
                 if pool is not None:
                     from tract_cli.core.region import remove_region
@@ -94,17 +90,11 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             # a configuration that fails (a peer that stops vLLM at start, a server that
             # dies) is reported with its reason and the rest run; its rows are dropped
             rows_before = len(records)
-            try:
-                _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
-                            warm, output_len, cache_bytes, records, texts)
-            except TractError as exc:
-                failed[config] = str(exc)
-            except (HttpError, OSError) as exc:      # a server that failed a request
-                failed[config] = f"a request failed: {exc}; see the servers' logs"
-            except (KeyError, IndexError, TypeError, ValueError) as exc:   # an odd answer
-                failed[config] = (f"a server answered what the bench cannot read "
-                                  f"({type(exc).__name__}: {exc}); see the servers' logs")
-            if config in failed:
+            why = failure_of(lambda: _run_config(
+                config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
+                output_len, cache_bytes, records, texts))
+            if why is not None:
+                failed[config] = why
                 print(f"{config} failed: {failed[config]}", file=log, flush=True)
                 for rec in records[rows_before:]:
                     texts[rec["request"]].pop(rec["config"], None)
@@ -127,6 +117,33 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
             "vllm_prefix_caching": vllm_prefix_caching}
+
+
+def to_run(configs: list[str], skipped: dict, log):
+    """The configurations to run, in order, each announced on LOG (a skipped one
+    with why)."""
+    for config in configs:
+        if config in skipped:
+            print(f"skipping {config}: {skipped[config]}", file=log, flush=True)
+            continue
+        print(f"starting {config} ...", file=log, flush=True)
+        yield config
+
+
+def failure_of(run_config) -> str | None:
+    """Runs RUN_CONFIG(); None if it ran, else why it failed, in one line: a
+    configuration that fails (a peer that stops vLLM at start, a server that
+    dies, an answer the bench cannot read) is reported and the rest run."""
+    try:
+        run_config()
+    except TractError as exc:
+        return str(exc)
+    except (HttpError, OSError) as exc:      # a server that failed a request
+        return f"a request failed: {exc}; see the servers' logs"
+    except (KeyError, IndexError, TypeError, ValueError) as exc:   # an odd answer
+        return (f"a server answered what the bench cannot read "
+                f"({type(exc).__name__}: {exc}); see the servers' logs")
+    return None
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,

@@ -38,7 +38,7 @@ import numpy as np
 from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine.vllm_runs import (VLLM_BLOCK, _flush_mode, _kv_bytes, _tract_region,
-                                              prompts)
+                                              failure_of, prompts, to_run)
 from tract_cli.bench.workload.workloads import Request, arrivals
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
@@ -101,13 +101,11 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
     failed: dict[str, str] = {}
     pool, flush_mode, keep_logs = None, None, True
     try:
-        for config in configs:
-            if config in skipped:
-                print(f"skipping {config}: {skipped[config]}", file=log, flush=True)
-                continue
-            print(f"starting {config} ...", file=log, flush=True)
+        for config in to_run(configs, skipped, log):
             got_records, got_summaries = [], []
-            try:
+
+            def one_config():
+                nonlocal pool, flush_mode
                 if config in ("tract", "prefix"):        # each from an empty region
                     if pool is not None:
                         from tract_cli.core.region import remove_region
@@ -118,13 +116,9 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode,
                             points, warm, cache_bytes, got_records, got_summaries, answers,
                             reference, log, vllm_prefix_caching)
-            except TractError as exc:
-                failed[config] = str(exc)
-            except (HttpError, OSError) as exc:
-                failed[config] = f"a request failed: {exc}; see the servers' logs"
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                failed[config] = (f"a server answered what the bench cannot read "
-                                  f"({type(exc).__name__}: {exc}); see the servers' logs")
+            why = failure_of(one_config)
+            if why is not None:
+                failed[config] = why
             if config in failed:
                 print(f"{config} failed: {failed[config]}", file=log, flush=True)
                 for k in list(answers):
