@@ -139,14 +139,17 @@ def plot_vllm_workload(result: dict, path: str, systems) -> None:
     parts = ("queue_s", "compute_s", "kv_read_s", "kv_write_s", "decode_leg_s")
     width = 0.8 / len(parts)
     for i, part in enumerate(parts):
-        vals = [next((s["breakdown"][part] or 0.0) * 1e3 for s in sums
+        vals = [next((s["breakdown"][part] or np.nan) * 1e3 for s in sums
                      if s["config"] == c and s["point"] == top) for c in names]
         bars.bar(np.arange(len(names)) + (i - (len(parts) - 1) / 2) * width, vals, width,
                  label=part[:-2].replace("_", " "))
     bars.set_xticks(range(len(names)), names, fontsize=8)
-    bars.set_ylabel("mean per request (ms)")
-    bars.set_title(f"time split at {top_qps:g} QPS (0: none, or not timed apart)")
-    bars.legend(fontsize="small")
+    bars.set_yscale("log")           # the paths' parts differ by orders of magnitude
+    low, high = bars.get_ylim()
+    bars.set_ylim(low, high * 30)    # room for the legend above the bars
+    bars.set_ylabel("mean per request (ms, log scale)")
+    bars.set_title(f"time split at {top_qps:g} QPS (no bar: none, or not timed apart)")
+    bars.legend(fontsize="x-small", ncol=3, loc="upper center")
     fig.suptitle(f"vLLM (CPU build) under load: {result.get('workload', '')}"[:160], fontsize=9)
     fig.tight_layout()
     _save(plt, fig, path, 110)
