@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import psutil
 import pytest
 
@@ -184,58 +185,59 @@ def test_mooncake_runs_or_its_failure_is_reported_and_the_rest_run(vllm_checkpoi
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():
-    """Under load, an answer is verified when its tokens are one vLLM's (one request
-    at a time), or part from them at a near-tie only (both runs rate the two
-    tokens within NEAR_TIE nats: batched arithmetic breaks such ties either way);
-    one that parts where either run preferred its token clearly is not, and so
-    its system at that rate is not."""
+    """Under load, an answer is verified when every token's top logprobs are one
+    vLLM's (one request at a time) within the tolerance, up to a near-tie that
+    parts them (batched arithmetic breaks such ties either way); one whose
+    logprobs moved further, that parts where a run preferred its token clearly,
+    that stops early, or whose text differs where no logprobs came, is not, and
+    so its system at that rate is not."""
+    from tract_cli.bench.engine.answers import TOLERANCE
     from tract_cli.bench.engine.calls import Answer
-    from tract_cli.bench.engine.vllm_workloads import NEAR_TIE, verify
+    from tract_cli.bench.engine.vllm_workloads import verify
 
-    def answer(tokens, margins=None):
-        top = [{t: -1.0, "token_id:9": -1.0 - (margins or {}).get(i, 3.0)}
+    def answer(tokens, shift=0.0, at=None):
+        top = [{t: -1.0 + (shift if i == at else 0.0), "token_id:9": -3.0}
                for i, t in enumerate(tokens)]
-        return Answer(0.0, "", tokens, top)
+        return Answer(0.0, "", list(tokens), top)
     want = ["token_id:1", "token_id:2", "token_id:3"]
     records = [{"config": c, "point": 0, "request": r} for c in ("mono", "tract")
                for r in ("a", "b")]
     summaries = [{"config": c, "point": 0} for c in ("mono", "tract")]
     answers = {(c, 0, r): answer(want) for c in ("mono", "tract") for r in ("a", "b")}
     reference = {(0, "a"): answer(want), (0, "b"): answer(want)}
-    verify(records, summaries, answers, reference)
-    assert all(r["verified"] for r in records) and all(s["verified"] for s in summaries)
-    # tract's "b" parts at its second token; in both runs the two are a near-tie
-    tie = NEAR_TIE / 2
-    parted = ["token_id:1", "token_id:9", "token_id:4"]
-    answers[("tract", 0, "b")] = Answer(0.0, "", parted, [
-        {"token_id:1": -1.0}, {"token_id:9": -1.0, "token_id:2": -1.0 - tie}, {}])
+
+    def check(got):
+        answers[("tract", 0, "b")] = got
+        answers[("mono", 0, "b")] = reference[(0, "b")]        # one vLLM under load, alike
+        verify(records, summaries, answers, reference)
+        return {s["config"]: s["verified"] for s in summaries}
+    assert check(answer(want)) == {"mono": True, "tract": True}
+    # rounding: every logprob within the tolerance
+    assert check(answer(want, TOLERANCE / 2, 1)) == {"mono": True, "tract": True}
+    assert summaries[1]["answer_gap"] == pytest.approx(TOLERANCE / 2)
+    # a wrong block moves a logprob beyond it, the same tokens chosen
+    assert check(answer(want, 3 * TOLERANCE, 1)) == {"mono": True, "tract": False}
+    assert "token 1" in records[-1]["answer"]["notes"][0]
+    # a near-tie parts them at token 1: both runs rate the two alike
+    tie = TOLERANCE / 4
     reference[(0, "b")] = Answer(0.0, "", want, [
-        {"token_id:1": -1.0}, {"token_id:2": -1.0, "token_id:9": -1.0 - tie}, {}])
-    verify(records, summaries, answers, reference)
-    assert {s["config"]: (s["verified"], s["near_ties"]) for s in summaries} == {
-        "mono": (True, 0), "tract": (True, 1)}
-    assert records[-1]["near_tie"] == {"at": 1, "margin": pytest.approx(tie)}
+        {"token_id:1": -1.0}, {"token_id:2": -1.0, "token_id:7": -1.0 - tie}, {"token_id:3": -1}])
+    parted = Answer(0.0, "", ["token_id:1", "token_id:7", "token_id:4"], [
+        {"token_id:1": -1.0}, {"token_id:7": -1.0, "token_id:2": -1.0 - tie}, {"token_id:4": -1}])
+    assert check(parted) == {"mono": True, "tract": True}
+    assert records[-1]["answer"]["parts_at"] == 1 and summaries[1]["near_ties"] == 1
     # the same parting where one vLLM preferred its token by a clear margin
-    reference[(0, "b")].top[1]["token_id:9"] = -1.0 - 10 * NEAR_TIE
-    verify(records, summaries, answers, reference)
-    assert {s["config"]: s["verified"] for s in summaries} == {"mono": True, "tract": False}
-    assert records[-1]["differs"]["at"] == 1
-    # or where the other's token is not even among its top candidates
-    del reference[(0, "b")].top[1]["token_id:9"]
-    verify(records, summaries, answers, reference)
-    assert records[-1]["verified"] is False
-    # an answer shorter than one vLLM's (it stopped) is not verified
-    answers[("tract", 0, "b")] = answer(want[:2])
-    verify(records, summaries, answers, reference)
-    assert records[-1]["verified"] is False
-    # no tokens came (no logprobs): compared by text, which must then be equal
-    answers[("tract", 0, "b")] = Answer(0.0, " x y")
+    reference[(0, "b")].top[1]["token_id:7"] = -1.0 - 5 * TOLERANCE
+    assert check(parted) == {"mono": True, "tract": False}
+    # an answer that stops early
+    reference[(0, "b")] = answer(want)
+    assert check(answer(want[:2])) == {"mono": True, "tract": False}
+    # no logprobs came: compared by text, which must then be equal and not empty
     reference[(0, "b")] = Answer(0.0, " x y")
-    verify(records, summaries, answers, reference)
-    assert records[-1]["verified"] is True
-    answers[("tract", 0, "b")] = Answer(0.0, " x z")
-    verify(records, summaries, answers, reference)
-    assert records[-1]["verified"] is False
+    assert check(Answer(0.0, " x y")) == {"mono": True, "tract": True}
+    assert check(Answer(0.0, " x z")) == {"mono": True, "tract": False}
+    reference[(0, "b")] = Answer(0.0, "")
+    assert check(Answer(0.0, ""))["tract"] is False       # nothing to compare
     verify(records, summaries, answers, {})            # no reference: not checked
     assert {s["verified"] for s in summaries} == {None}
 
@@ -361,3 +363,33 @@ def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_
     assert _our_processes() == set(), "a process the bench started outlived it"
     assert _debris() - before_files == set(), "the bench left files behind"
     assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
+
+
+def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypatch):
+    """The open-loop driver (its HTTP calls replaced, nothing else): throughput is
+    measured from the first arrival, not the clock's start; a request that fails
+    stops the sending, and its error is raised once the others in flight end."""
+    import time
+
+    from tract_cli.bench.engine import calls, vllm_workloads
+    from tract_cli.bench.workload.workloads import Request
+    sent = []
+
+    def complete(server, tokens, output_len, logprobs=0):
+        sent.append(tokens[0])
+        if tokens[0] == 2:
+            raise calls.TractError("the server died")
+        return calls.Answer(time.monotonic(), "x", ["token_id:1"], [{"token_id:1": -1.0}])
+    monkeypatch.setattr(calls, "complete", complete)
+    servers = {"mono": object()}
+    reqs = [Request(f"r{i}", 1.0 + 0.01 * i, np.array([i]), 1) for i in range(2)]
+    out, wall = vllm_workloads._drive("mono", servers, reqs, None)
+    assert sorted(r["request"] for r in out) == ["r0", "r1"]
+    assert min(r["arrival_s"] for r in out) == pytest.approx(1.0, abs=0.05)
+    assert wall < 0.9, wall               # from the first arrival, not from t0
+    sent.clear()
+    # the failing one first, the rest a second apart: none is due before it fails
+    reqs = [Request(f"r{i}", float(i - 2), np.array([i]), 1) for i in range(2, 8)]
+    with pytest.raises(calls.TractError, match="the server died"):
+        vllm_workloads._drive("mono", servers, reqs, None)
+    assert sent[0] == 2 and len(sent) < 6, sent      # the later ones were not sent

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 from tests.servers import request
+from tract_cli.bench.engine import answers
 from tract_cli.core.nodes import read_nodes
 from tract_cli.core.errors import TractError
 from tract_cli.core.medium import processes_using
@@ -107,19 +108,12 @@ def server_model(server) -> str:
 
 
 # Answers are compared by their tokens' logprobs, not only their text: the top
-# TOP_LOGPROBS of every generated token (ids, not strings: byte-level tokens of
-# the tiny vocabulary share strings) must agree with the monolithic vLLM's within
-# LOGPROB_TOLERANCE nats (`answer_gap`).  Measured on this machine's CPU backend
-# over every prompt of the suite (18 to 1,800 tokens): the P/D path on unchanged
-# KV, and the decode instance computing, answer exactly as one vLLM (gap 0: the
-# same kernels on the same KV).  One wrong block of a 400-token prompt (each middle
-# block 1..22 of four prompts, shifted by half a block or holding the next block's
-# payload: 176 cases) moves the answer by 0.16 nats at least, 1.2 in the median
-# (top-5 lists alone: 0.08 at least); the greedy text changed in 160 of them.
-# tests/test_vllm_faults.py keeps that negative control.  The tolerance, ~3 bf16
-# steps of a logit, leaves room for another instruction set's rounding.
-TOP_LOGPROBS = 20                   # vLLM's default --max-logprobs
-LOGPROB_TOLERANCE = 0.1
+# TOP_LOGPROBS of every generated token must agree with the monolithic vLLM's
+# within LOGPROB_TOLERANCE nats (`answer_gap`; the measure, and what it was
+# measured to tell apart, in tract_cli/bench/engine/answers.py, which the bench
+# uses too).  tests/test_vllm_faults.py keeps the negative control.
+TOP_LOGPROBS = answers.TOP_LOGPROBS
+LOGPROB_TOLERANCE = answers.TOLERANCE
 ANSWER_FIELDS = {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
 
 
@@ -138,37 +132,9 @@ def _steps(body: dict) -> list[tuple[str, float, dict]]:
 
 
 def answer_gap(out: dict, ref: dict) -> tuple[float, list[str]]:
-    """How far OUT's answer is from REF's: the largest difference (nats) between the
-    logprobs both give a token among a step's top ones, and what differs beyond
-    LOGPROB_TOLERANCE, in words.  A token in one side's top list only must lie within
-    the tolerance of the other side's last one.  Steps are compared while both chose
-    the same token; where they chose differently with every logprob of that step
-    within the tolerance, it is a near-tie that rounding decided and the comparison
-    ends (the texts go their own ways after it); a different choice with a step
-    beyond the tolerance makes the gap infinite."""
-    tol, gap, notes = LOGPROB_TOLERANCE, 0.0, []
-    a, b = _steps(out), _steps(ref)
-    for i, ((ta, la, topa), (tb, lb, topb)) in enumerate(zip(a, b)):
-        step = 0.0
-        for tok in topa.keys() | topb.keys():
-            if tok in topa and tok in topb:
-                d = abs(topa[tok] - topb[tok])
-            else:
-                have, other = (topa, topb) if tok in topa else (topb, topa)
-                d = max(0.0, have[tok] - min(other.values()))
-            step = max(step, d)
-            if d > tol:
-                notes.append(f"token {i}: {tok} logprob {topa.get(tok, 'not in top')} where "
-                             f"the reference gives {topb.get(tok, 'not in top')}")
-        gap = max(gap, step)
-        if ta != tb:
-            if step > tol or tb not in topa or ta not in topb:
-                return float("inf"), notes + [f"token {i}: {ta} ({la:.3f}) where the "
-                                              f"reference chose {tb} ({lb:.3f})"]
-            return gap, notes
-    if len(a) != len(b):
-        return float("inf"), notes + [f"{len(a)} tokens where the reference has {len(b)}"]
-    return gap, notes
+    """How far OUT's answer is from REF's (`answers.gap`)."""
+    steps = lambda body: [(tok, top) for tok, _, top in _steps(body)]
+    return answers.gap(steps(out), steps(ref))
 
 
 def answer_differences(out: dict, ref: dict) -> list[str]:

@@ -112,6 +112,20 @@ def bench(
             raise UsageError(f"--qps {q:g} is not a rate: use 0 (all at once) or at least "
                              f"{MIN_QPS:g}", "e.g. --qps 2")
     if engine == "vllm":
+        # the reference engine's flags mean nothing to vLLM's runs: refused, not ignored
+        ignored = [flag for flag, given in (
+            ("--transport", transports != list(TRANSPORTS)), ("--device", device != "a6000"),
+            ("--compute", compute_mode != "modelled"), ("--prefill-workers", prefill_workers != 1),
+            ("--decode-workers", decode_workers != 1), ("--nodes", nodes != 3),
+            ("--pool", pool is not None), ("--pool-size", pool_size is not None),
+            ("--flush-mode", flush_mode != "none")) if given]
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} for "
+                             "the reference engine, not --engine vllm",
+                             "drop them (vLLM's runs pick their own region; TRACT_FLUSH_MODE "
+                             "sets its flush mode)")
+        if trace and workload != "static":
+            raise UsageError("--workload and --trace are two workloads", "pass one of them")
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
                                 input_len, output_len, requests, prefix_ratio,

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from tract_cli.bench.engine import answers
 from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine import vllm_runs, vllm_workloads
 from tract_cli.bench.workload import workloads
@@ -233,9 +234,10 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
         "KV read / KV write: TraCT's connector's own load (handoff, pool hits) and save times "
         "(the peers do not time theirs apart); decode leg: P/D, the prefill's answer to the "
         "decode's first token (transfer, decode queue, first step). "
-        "Verified: the tokens of one vLLM's answer, one request at a time, or parting from "
-        f"them first at a near-tie (both runs rate the two tokens within "
-        f"{vllm_workloads.NEAR_TIE:g} nats).", soft_wrap=True)
+        "Verified: one vLLM's answer, one request at a time, within "
+        f"{answers.TOLERANCE:g} nats on every token's top {answers.TOP_LOGPROBS} logprobs, "
+        "up to a near-tie that parts them (a batch rounds otherwise; a wrong KV block moves "
+        "them further).", soft_wrap=True)
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < 0.5:
             render.stdout.print(f"[yellow]{s['config']} at {s['qps']:g} QPS: the decode instance "
@@ -253,7 +255,10 @@ def _verified(s: dict) -> str:
     if not s["verified"]:
         return "NO"
     n = s.get("near_ties") or 0
-    return "yes" + (f" ({n} near-tie{'s' if n > 1 else ''})" if n else "")
+    gap = s.get("answer_gap")
+    detail = [f"{n} near-tie{'s' if n > 1 else ''}"] if n else []
+    detail += [f"gap {gap:.3f}"] if gap else []
+    return "yes" + (f" ({', '.join(detail)})" if detail else "")
 
 
 def _install(configs, install_peers: bool) -> None:

@@ -140,13 +140,19 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
                                    log_path=log("mono"),
                                    env=(cores("all") if mono_all_cpus else {}) | (mono_env or {}))}
     if config in ("tract", "prefix"):
-        return {role: VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
-                                 kv_cache_gib=gib, extra={"load_mode": load_mode},
-                                 log_path=log(role),
-                                 env={"TRACT_CONNECTOR_TIMINGS": "1"}
-                                 | ({"TRACT_CONNECTOR_REFERENCE": "1"} if reference else {})
-                                 | cores(role))
-                for role, node in (("prefill", 1), ("decode", 2))}
+        out = {}
+        try:
+            for role, node in (("prefill", 1), ("decode", 2)):
+                out[role] = VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
+                                       kv_cache_gib=gib, extra={"load_mode": load_mode},
+                                       log_path=log(role),
+                                       env={"TRACT_CONNECTOR_TIMINGS": "1"}
+                                       | ({"TRACT_CONNECTOR_REFERENCE": "1"} if reference else {})
+                                       | cores(role))
+        except BaseException:          # the first is stopped if the second cannot start
+            stop_all(out)
+            raise
+        return out
     if config == "example":
         store = tempfile.mkdtemp(prefix="tract-bench-example-", dir="/dev/shm")
         try:

@@ -81,18 +81,23 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     keep_logs = True
     try:
         for config in to_run(configs, skipped, log):
-            if config in ("tract", "prefix"):       # each from an empty region
-                if pool is not None:
-                    from tract_cli.core.region import remove_region
-                    remove_region(pool)
-                pool = _tract_region(model_dir, lengths, per_length + 1)
-                flush_mode = _flush_mode(pool)
             # a configuration that fails (a peer that stops vLLM at start, a server that
-            # dies) is reported with its reason and the rest run; its rows are dropped
+            # dies, no room for its region) is reported with its reason and the rest
+            # run; its rows are dropped
             rows_before = len(records)
-            why = failure_of(lambda: _run_config(
-                config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
-                output_len, cache_bytes, records, texts))
+
+            def one_config():
+                nonlocal pool, flush_mode
+                if config in ("tract", "prefix"):       # each from an empty region
+                    if pool is not None:
+                        from tract_cli.core.region import remove_region
+                        remove_region(pool)
+                        pool = None
+                    pool = _tract_region(model_dir, lengths, per_length + 1)
+                    flush_mode = _flush_mode(pool)
+                _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
+                            warm, output_len, cache_bytes, records, texts)
+            why = failure_of(one_config)
             if why is not None:
                 failed[config] = why
                 print(f"{config} failed: {failed[config]}", file=log, flush=True)

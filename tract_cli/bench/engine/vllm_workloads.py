@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tract_cli.bench.engine import answers as answer_check
 from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine.vllm_runs import (VLLM_BLOCK, _flush_mode, _kv_bytes, _tract_region,
@@ -58,8 +59,7 @@ DEFAULT = ("tract", "nixl", "nixl-tcp", "prefix", "lmcache", "mono")
 
 MAX_IN_FLIGHT = 512        # threads of the driver: more requests in flight is an overload
 TOKENS = "vllm:prompt_tokens_by_source_total"
-LOGPROBS = 5               # top candidates a token, to tell a near-tie from a wrong answer
-NEAR_TIE = 0.05            # nats: two candidates this close are a tie the arithmetic breaks
+LOGPROBS = answer_check.TOP_LOGPROBS      # top candidates a token: answers are compared by them
 
 
 def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list[str],
@@ -190,13 +190,16 @@ def _run_points(config, servers, points, engine, logs, records, summaries, answe
             got, wall = _drive(config, servers, reqs, engine)
             after = {role: calls.metrics(s) for role, s in servers.items() if role != "cache"}
             kv = _connector_times(logs, marks) if config in ("tract", "prefix") else None
-            if kv is not None and kv["loads"] == 0 and kv["saves"] == 0:
-                raise TractError(f"{config}: the connector logged no load or save timing",
-                                 "see the servers' logs")
             for rec in got:
                 answers[(config, k, rec["request"])] = rec.pop("answer")
                 records.append({"config": config, "point": k, "qps": qps} | rec)
             summaries.append(summarize(config, k, qps, got, wall, before, after, kv))
+            if kv is not None and kv["loads"] == 0 and (summaries[-1]["hit_rate"]
+                                                         or summaries[-1]["handed_over"]):
+                # vLLM counted tokens taken from the connector, which timed no load: its
+                # KV read would read 0 (prompts shorter than a block move none: no error)
+                raise TractError(f"{config}: the connector logged no load timing for the KV "
+                                 "vLLM took from it", "see the servers' logs")
             if config == "example":          # the next rate starts from empty storage
                 store = servers["prefill"].store
                 shutil.rmtree(store, ignore_errors=True)
@@ -205,10 +208,10 @@ def _run_points(config, servers, points, engine, logs, records, summaries, answe
             # the answer each request must give: one vLLM, one request at a time
             print("  mono, one request at a time (the reference answers) ...", file=log,
                   flush=True)
-            if vllm_prefix_caching:
-                calls.reset_prefix_cache(servers["mono"])
             for k, (_, reqs) in enumerate(points):
                 for r in reqs:
+                    if vllm_prefix_caching:      # each computed alone, from nothing
+                        calls.reset_prefix_cache(servers["mono"])
                     reference[(k, r.rid)] = calls.complete(servers["mono"], r.tokens.tolist(),
                                                            r.output_len, LOGPROBS)
     except (TractError, HttpError, OSError) as exc:
@@ -262,11 +265,11 @@ def _drive(config: str, servers: dict, reqs: list[Request], engine) -> tuple[lis
     try:
         for seq, req, arrival in arrivals(reqs, t0, stop):
             ex.submit(one, seq, req, arrival)
+        ex.shutdown(wait=True)      # each request ends: answered, failed, or timed out
     except BaseException:
         stop.set()
         ex.shutdown(wait=False, cancel_futures=True)
         raise
-    ex.shutdown(wait=True)          # each request ends: answered, failed, or timed out
     if errors:
         raise errors[0]
     first = min(r["arrival_s"] for r in out)
@@ -361,49 +364,45 @@ def summarize(config: str, point: int, qps: float, got: list[dict], wall: float,
             "breakdown": breakdown(config, got, before, after, kv)}
 
 
-def first_difference(got: calls.Answer, want: calls.Answer) -> dict | None:
-    """None if GOT is WANT; else where their tokens first differ and by how much
-    each run preferred its own token there over the other's ("margin", nats; None
-    where one answer ended there, or the other's token is not among a run's top
-    LOGPROBS).  An answer without tokens (no logprobs came) is compared by its
-    text, and differs at "text"."""
+def compare(got: calls.Answer, want: calls.Answer) -> dict:
+    """GOT against WANT, one vLLM's answer to the same prompt: {"gap": the largest
+    logprob difference (nats) of their tokens' top candidates, up to where a
+    near-tie parts them (None: beyond any tolerance: a different choice, a
+    different length), "parts_at": that token (None: they never part), "notes":
+    what differs beyond the tolerance}.  Answers without tokens (no logprobs
+    came) are compared by their text."""
     if not got.tokens or not want.tokens:
-        return None if got.text == want.text and got.text else {"at": "text", "margin": None}
-    if got.tokens == want.tokens:
-        return None
-    i = next((j for j, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b),
-             min(len(got.tokens), len(want.tokens)))
-    if i >= min(len(got.tokens), len(want.tokens), len(got.top), len(want.top)):
-        return {"at": i, "margin": None}     # one ended where the other went on
-    mine, theirs = got.tokens[i], want.tokens[i]
-    if theirs not in got.top[i] or mine not in want.top[i]:
-        return {"at": i, "margin": None}
-    margin = max(got.top[i].get(mine, 0.0) - got.top[i][theirs],
-                 want.top[i].get(theirs, 0.0) - want.top[i][mine])
-    return {"at": i, "margin": float(margin)}
+        same = bool(got.text) and got.text == want.text
+        return {"gap": 0.0 if same else None, "parts_at": None,
+                "notes": [] if same else ["no logprobs came, and the texts differ"]}
+    steps = lambda a: list(zip(a.tokens, a.top))
+    worst, notes = answer_check.gap(steps(got), steps(want))
+    return {"gap": worst if worst != float("inf") else None,
+            "parts_at": answer_check.near_tie_at(steps(got), steps(want)), "notes": notes}
 
 
 def verify(records: list[dict], summaries: list[dict], answers: dict, reference: dict) -> None:
-    """Each record's "verified": its tokens equal one vLLM's, one request at a time
-    (the mono configuration's reference pass), or differ first at a near-tie:
-    where they part, each run's own token and the other's are within NEAR_TIE
-    nats of each other in both runs (a batch's other arithmetic order can flip
-    such a tie; a wrong KV block moves the answer by far more: tests/vllm_model.py);
-    None where mono did not run.  A near-tie is recorded ("near_tie": the token
-    and the margin).  Each summary's: all of its records' (None likewise), and
-    how many were near-ties."""
+    """Each record's "verified": its answer is one vLLM's, one request at a time (the
+    mono configuration's reference pass), within `answers.TOLERANCE` nats on every
+    top logprob (a batch's other arithmetic order rounds otherwise; a wrong KV
+    block moves them far more), up to a near-tie that parts them; None where mono
+    did not run.  The record keeps the comparison ("answer": gap, where a near-tie
+    parted them, what differs).  Each summary's: all of its records' (None
+    likewise), how many parted at a near-tie, and the largest gap."""
     for rec in records:
         want = reference.get((rec["point"], rec["request"]))
+        rec.pop("answer", None)
         if want is None:
             rec["verified"] = None
             continue
-        diff = first_difference(answers[(rec["config"], rec["point"], rec["request"])], want)
-        rec["verified"] = diff is None or (diff["margin"] is not None
-                                           and diff["margin"] <= NEAR_TIE)
-        if diff is not None:
-            rec["near_tie" if rec["verified"] else "differs"] = diff
+        got = compare(answers[(rec["config"], rec["point"], rec["request"])], want)
+        rec["verified"] = got["gap"] is not None and got["gap"] <= answer_check.TOLERANCE
+        rec["answer"] = got
     for s in summaries:
         rows = [r for r in records if r["config"] == s["config"] and r["point"] == s["point"]
                 and r["verified"] is not None]
         s["verified"] = all(r["verified"] for r in rows) if rows else None
-        s["near_ties"] = sum("near_tie" in r for r in rows)
+        s["near_ties"] = sum(r["answer"]["parts_at"] is not None for r in rows
+                             if r["verified"])
+        gaps = [r["answer"]["gap"] for r in rows if r["answer"]["gap"] is not None]
+        s["answer_gap"] = max(gaps) if gaps else None
