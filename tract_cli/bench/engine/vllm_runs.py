@@ -108,7 +108,9 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             if config == "tract":
                 kv = _connector_figures(os.path.join(work, "tract-decode.log"),
                                         os.path.join(work, "tract-prefill.log"))
-        keep_logs = bool(failed)
+        verify(records, texts)
+        # the logs are kept where a configuration failed or an answer was not verified
+        keep_logs = bool(failed) or any(r["verified"] is False for r in records)
     finally:
         if pool is not None:
             from tract_cli.core.region import remove_region
@@ -117,7 +119,6 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    verify(records, texts)
     return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,

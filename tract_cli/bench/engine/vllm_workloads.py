@@ -129,7 +129,9 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
                 continue
             records += got_records
             summaries += got_summaries
-        keep_logs = bool(failed)
+        verify(records, summaries, answers, reference)
+        # the logs are kept where a configuration failed or an answer was not verified
+        keep_logs = bool(failed) or any(s["verified"] is False for s in summaries)
     finally:
         if pool is not None:
             from tract_cli.core.region import remove_region
@@ -138,7 +140,6 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
             print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    verify(records, summaries, answers, reference)
     return {"records": records, "summaries": summaries, "skipped": skipped, "failed": failed,
             "logs": work if keep_logs else None, "flush_mode": flush_mode,
             "load_mode": load_mode, "vllm_prefix_caching": vllm_prefix_caching}
