@@ -420,7 +420,10 @@ def test_a_paused_host_declared_dead_is_fenced_and_comes_back_empty_handed(regio
         log_b2 = tmp_path / "b2.log"
         with RunningAgent(region, 1, manager=False, takeover_after=None, log_path=str(log_b2)):
             monkeypatch.delenv("TRACT_HOSTNAME")
-            assert "12 journaled pin(s) forgotten, " in log_b2.read_text()
+            # its recovery line is written at start, but may reach the file after the
+            # agent answers as ready: waited for (bounded), not assumed
+            wait_for("the restarted agent's log naming the pins it forgot",
+                     lambda: "12 journaled pin(s) forgotten, " in log_b2.read_text())
             assert not node_record(region, 1).dead
             with Worker(region, 1) as reader:
                 assert reader.call("index_pin_chain", chain=OTHER) == 12
