@@ -89,10 +89,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             def one_config():
                 nonlocal pool, flush_mode
                 if config in ("tract", "prefix"):       # each from an empty region
-                    if pool is not None:
-                        from tract_cli.core.region import remove_region
-                        remove_region(pool)
-                        pool = None
+                    pool = None if pool is None else remove_pool(pool)
                     pool = _tract_region(model_dir, lengths, per_length + 1)
                     flush_mode = _flush_mode(pool)
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
@@ -123,6 +120,12 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
             "vllm_prefix_caching": vllm_prefix_caching}
+
+
+def remove_pool(path: str) -> None:
+    """Removes a run's temporary region (returns None: the caller's pool is gone)."""
+    from tract_cli.core.region import remove_region
+    remove_region(path)
 
 
 def to_run(configs: list[str], skipped: dict, log):

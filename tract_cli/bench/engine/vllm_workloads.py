@@ -39,7 +39,7 @@ from tract_cli.bench.engine import answers as answer_check
 from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
 from tract_cli.bench.engine.vllm_runs import (VLLM_BLOCK, _flush_mode, _kv_bytes, _tract_region,
-                                              failure_of, prompts, to_run)
+                                              failure_of, prompts, remove_pool, to_run)
 from tract_cli.bench.workload.workloads import Request, arrivals
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
@@ -107,10 +107,7 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
             def one_config():
                 nonlocal pool, flush_mode
                 if config in ("tract", "prefix"):        # each from an empty region
-                    if pool is not None:
-                        from tract_cli.core.region import remove_region
-                        remove_region(pool)
-                        pool = None
+                    pool = None if pool is None else remove_pool(pool)
                     pool = _tract_region(model_dir, largest, 1)
                     flush_mode = _flush_mode(pool)
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode,
