@@ -118,6 +118,11 @@ def mooncake_engine(prefill) -> str:
         time.sleep(0.2)         # polling another process's registration, bounded
 
 
+# vLLM's counter of prompt tokens by where they came from (source: local_compute,
+# local_cache_hit, external_kv_transfer)
+PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
 def metrics(server) -> dict:
     """SERVER's vLLM counters now: {(sample name, source label or None): value},
     summed over the other labels (vLLM labels each by model and engine)."""
@@ -138,7 +143,7 @@ def metrics(server) -> dict:
 def external_tokens(server) -> float:
     """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
     `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
-    return metrics(server).get(("vllm:prompt_tokens_by_source_total", "external_kv_transfer"), 0.0)
+    return metrics(server).get((PROMPT_TOKENS, "external_kv_transfer"), 0.0)
 
 
 def reset_prefix_cache(server) -> None:

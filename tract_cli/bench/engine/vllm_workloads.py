@@ -58,7 +58,7 @@ SHARED = ("prefix", "lmcache")
 DEFAULT = ("tract", "nixl", "nixl-tcp", "prefix", "lmcache", "mono")
 
 MAX_IN_FLIGHT = 512        # threads of the driver: more requests in flight is an overload
-TOKENS = "vllm:prompt_tokens_by_source_total"
+TOKENS = calls.PROMPT_TOKENS
 LOGPROBS = answer_check.TOP_LOGPROBS      # top candidates a token: answers are compared by them
 
 
@@ -149,7 +149,7 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, po
     reference pass), stops them.  TraCT's connector times its loads and saves
     (log lines) but makes no reference copy beside them: no system here pays
     for a copy the others do not."""
-    # with vLLM's prefix cache on, mono's is emptied before the reference pass
+    # with vLLM's prefix cache on, mono's is emptied before each reference request
     # (vLLM's development endpoint /reset_prefix_cache; this server only)
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes, mono_all_cpus=True,
