@@ -223,6 +223,9 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 			tract_lru_push_head(&c, free_b, &k);
 			store_bucket(&c, free_b, &k);
 		}
+		/* the stripe's READY set changed without events: its log's readers
+		 * resynchronise */
+		tract_events_skip(&c);
 		tract_stripe_flush(&c);
 	}
 	rc = TRACT_OK;

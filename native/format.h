@@ -243,6 +243,72 @@ enum {
 };
 /* CDEF-END */
 
+/* the event log of an index stripe (docs/PROTOCOLS.md §13): line 0 is the
+ * head, then `capacity` entry lines (the section's entry size / 64 - 1, a
+ * power of two), event seq at line 1 + seq % capacity.  Written only under
+ * the stripe's lock; read without a lock by any host. */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
+struct tract_event_head {
+	uint64_t next_seq;     /* events appended to this stripe's log since format */
+	uint8_t reserved[56];
+};
+struct tract_event {
+	uint64_t seq;          /* the event's sequence number + 1; 0 never written;
+				* TRACT_EVENT_WRITING while its line is rewritten */
+	uint32_t kind;         /* TRACT_EVENT_* */
+	uint32_t slot;         /* slot id + 1 of the block (its record's) */
+	uint8_t key[16];
+	uint16_t node;         /* the node that published (STORED) or evicted (REMOVED) it */
+	uint16_t flags;
+	uint32_t tokens;       /* the block's token count */
+	uint64_t time_ns;      /* CLOCK_REALTIME of the change */
+	uint32_t epoch;        /* the bucket's epoch (STORED: the payload's tag) */
+	uint8_t reserved[12];
+};
+/* CDEF-END */
+
+/* CDEF-BEGIN (the event kinds, for Python too: native/build_ffi.py) */
+enum {
+	TRACT_EVENT_STORED = 1,         /* the key turned READY */
+	TRACT_EVENT_REMOVED = 2         /* the key's READY bucket was evicted */
+};
+/* CDEF-END */
+#define TRACT_EVENT_WRITING UINT64_MAX
+
+/* a slot's block record (docs/FORMAT.md §4.10): what a KV event says of the
+ * block in it, written by the block's writer before it turns READY; token ids
+ * (u32, block_tokens of them, zero-padded to a line) follow these two lines.
+ * A reader trusts it only while `key` reads the event's key before and after
+ * (the writer zeroes `key` before it rewrites the rest). */
+/* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
+struct tract_block_record {
+	uint8_t key[16];       /* the block's key; zero while rewritten */
+	uint8_t tag[16];       /* the writer's model tag (0: none given) */
+	uint8_t hash[32];      /* the block's hash as its scheme made it, untagged
+				* (the tract scheme's 16 bytes, zero-padded) */
+	uint8_t parent[32];    /* its parent's hash, valid with TRACT_RECORD_PARENT */
+	uint32_t n_tokens;     /* token ids that follow (0: none given) */
+	uint16_t node;         /* the writer's node */
+	uint16_t flags;        /* TRACT_RECORD_* */
+	uint64_t written_ns;
+	uint8_t reserved[16];
+};
+/* CDEF-END */
+
+/* CDEF-BEGIN (the record flags, for Python too) */
+enum {
+	TRACT_RECORD_PARENT = 1,        /* `parent` holds the parent block's hash */
+	TRACT_RECORD_PARTIAL = 2,       /* a partial block (a handoff's tail): not a prefix block */
+	TRACT_RECORD_GIVEN = 4          /* written from a caller's description (else key only) */
+};
+/* CDEF-END */
+
+/* bytes of a slot's record: two lines and its token ids, whole lines */
+static inline uint64_t tract_record_size(uint32_t block_tokens)
+{
+	return 128 + (((uint64_t)block_tokens * 4 + 63) & ~(uint64_t)63);
+}
+
 static_assert(sizeof(struct tract_header) == TRACT_HEADER_SIZE, "header size");
 static_assert(sizeof(struct tract_section) == 32, "section entry size");
 static_assert(sizeof(struct tract_lock_manager_line) == 64, "lock manager line");
@@ -256,5 +322,8 @@ static_assert(sizeof(struct tract_bucket) == 64, "bucket");
 static_assert(sizeof(struct tract_lru_anchor) == 64, "lru anchor");
 static_assert(sizeof(struct tract_transfer_record) == TRACT_TRANSFER_ENTRY_SIZE, "transfer record");
 static_assert(sizeof(struct tract_key_entry) == TRACT_KEY_ENTRY_SIZE, "key list entry");
+static_assert(sizeof(struct tract_event_head) == 64, "event head");
+static_assert(sizeof(struct tract_event) == 64, "event");
+static_assert(sizeof(struct tract_block_record) == 128, "block record");
 
 #endif

@@ -385,6 +385,7 @@ uint32_t tract_evict_lru(struct stripe_ctx *c, uint32_t max, uint32_t *slots,
 		if (bk.state != TRACT_BUCKET_READY || !slot_ok(c, &bk) || tract_pinned(c, b))
 			continue;     /* pinned blocks are never evicted */
 		tract_slot_owner_of(c->r, bk.slot - 1, &owners[got]);
+		tract_event_append(c, TRACT_EVENT_REMOVED, &bk);
 		tract_lru_unlink(c, b, &bk);
 		slots[got] = bk.slot - 1;
 		c->lru.evictions++;

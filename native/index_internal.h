@@ -12,6 +12,8 @@
  *   index_put.c      puts: claims, slots, publication (and the zero-copy put);
  *   index_recover.c  what recovery calls: a dead process's pins and claims
  *                    given back, orphaned claims buried;
+ *   index_events.c   the stripes' event logs (appended in sections, read
+ *                    without a lock) and the slots' block records (KV events);
  *   index.c          the other operations: lookup, read, payload tags, eviction;
  *   audit.c          offline: the audit `tract check` reports from, and the
  *                    rebuild `tract check --repair` writes with.
@@ -51,6 +53,9 @@ struct stripe_ctx {
 	struct tract_lru_anchor lru;
 	int lru_dirty;
 	int recovered;        /* a process of this node died inside: lines may be dirty here */
+	uint64_t ev_next;     /* the stripe log's head as this section has it (ev_loaded) */
+	int ev_loaded;
+	int ev_dirty;         /* events appended: the head is written back at the flush */
 };
 
 /* the index's geometry and key rule: tract_index_buckets, tract_key_stripe,
@@ -96,6 +101,25 @@ void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 /* locks a stripe and loads its LRU anchor (internal) */
 int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 		       struct stripe_ctx *c, struct line_set *set);
+
+/* appends an event of bucket BK (its key, slot, tokens, epoch) to the entered
+ * stripe's log (index_events.c) (internal) */
+void tract_event_append(struct stripe_ctx *c, uint32_t kind, const struct tract_bucket *bk);
+
+/* moves the entered stripe's log head on past a whole ring: every reader
+ * finds its cursor overrun and resynchronises from a snapshot (an offline
+ * rebuild, which changes READY buckets without events) (index_events.c) (internal) */
+void tract_events_skip(struct stripe_ctx *c);
+
+/* writes the head of the entered stripe's log back if events were appended
+ * (index_events.c: the section's flush) (internal) */
+void tract_events_flush_head(struct stripe_ctx *c);
+
+/* writes the records of the claimed keys' slots, before they turn READY
+ * (index_events.c: a publishing commit) (internal) */
+void tract_records_write(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
+			 uint8_t claimed, const uint32_t *slots,
+			 const struct tract_block_record *desc, const uint32_t *token_ids);
 
 /* writes the anchor back, flushes what the section wrote, fences: the end of
  * a section, without the unlock (offline rebuild: audit.c) (internal) */

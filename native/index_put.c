@@ -181,6 +181,7 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			bk.last_access_ns = tract_now_ns();
 			tract_lru_push_head(&c, b, &bk);
 			store_bucket(&c, b, &bk);
+			tract_event_append(&c, TRACT_EVENT_STORED, &bk);
 			/* publish pinned (2): READY and pinned by this node in one
 			 * section, so the block cannot be evicted before the caller's
 			 * handoff pins it; READY first, so a death in between leaves
@@ -299,6 +300,7 @@ abandon:
  * status turns 4 -> 0 (stored). */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
+			   const struct tract_block_record *desc, const uint32_t *token_ids,
 			   int publish, uint64_t timeout_ns)
 {
 	int rc = index_usable(r);
@@ -357,6 +359,9 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
 					tract_write_back_payload(r, data->offset + (uint64_t)slots[i] *
 								    r->hdr.slot_stride, r->hdr.block_bytes);
 		}
+		/* what the KV events will say of them, at their slots before any
+		 * turns READY (the READY sections fence after these lines too) */
+		tract_records_write(r, keys, n, status, PUT_CLAIMED, slots, desc, token_ids);
 		rc = finish_all(r, keys, n, refs, status, slots, tokens, checksums,
 				mode == 2 ? 2 : 1, timeout_ns);
 	}
@@ -374,6 +379,7 @@ int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uin
  */
 int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
 		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
+		    const struct tract_block_record *desc, const uint32_t *token_ids,
 		    uint8_t *status, uint64_t timeout_ns)
 {
 	int checksum = flags & TRACT_PUT_CHECKSUM;
@@ -402,11 +408,12 @@ int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void
 			sums[i] = tract_crc32c(blk, block_len);
 	}
 	if (rc == TRACT_OK) {
-		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums,
+		rc = tract_index_put_commit(r, keys, n, status, slots, tokens, sums, desc, token_ids,
 					    ((flags & TRACT_PUT_PIN) ? 2 : 1) | TRACT_COMMIT_STREAMED,
 					    timeout_ns);
 	} else if (begun) {
-		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, 0, timeout_ns);
+		tract_index_put_commit(r, keys, n, status, slots, NULL, NULL, NULL, NULL, 0,
+				       timeout_ns);
 		if (flags & TRACT_PUT_PIN)
 			unpin_ready(r, keys, n, status, timeout_ns);
 	}

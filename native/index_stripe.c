@@ -129,6 +129,8 @@ void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 	tract_observe_line_at(r, c->lru_off, &c->lru, SITE_INDEX_OBSERVE_ANCHOR);
 	c->lru_dirty = 0;
 	c->recovered = 0;
+	c->ev_loaded = 0;
+	c->ev_dirty = 0;
 }
 
 /* locks a stripe and loads its LRU anchor (internal) */
@@ -152,6 +154,7 @@ void tract_stripe_flush(struct stripe_ctx *c)
 	if (c->lru_dirty)
 		tract_write_line_at(c->r, c->lru_off, &c->lru, SITE_INDEX_PUBLISH_ANCHOR);
 	c->lru_dirty = 0;
+	tract_events_flush_head(c);
 	set_flush(c);
 	c->r->ops->fence(c->r);
 }

@@ -109,6 +109,12 @@ static uint64_t place(const struct tract_format_params *p, uint64_t stride, uint
 		{TRACT_SEC_PINS, round_up(buckets * 2, TRACT_LINE), nodes, 0},
 		{TRACT_SEC_LRU, TRACT_LINE, stripes, 0},
 		{TRACT_SEC_TRANSFER, TRACT_TRANSFER_ENTRY_SIZE, transfers, 0},
+		/* a stripe's log holds as many events as the stripe has buckets
+		 * (at least twice the slots): a reader falls behind only when
+		 * more than a whole turnover of its stripe happened between two
+		 * of its reads (docs/PROTOCOLS.md §13) */
+		{TRACT_SEC_EVENTS, (buckets / stripes + 1) * TRACT_LINE, stripes, 0},
+		{TRACT_SEC_RECORDS, tract_record_size(p->block_tokens), n, 0},
 	};
 	uint64_t off = TRACT_HEADER_SIZE;
 	uint32_t i = 0;
@@ -161,7 +167,7 @@ int tract_layout_compute(const struct tract_format_params *p, struct tract_secti
 		return TRACT_E_TOO_SMALL;
 	place(p, stride, stripes, transfers, lo, out);
 	if (out_count)
-		*out_count = 11;
+		*out_count = TRACT_SECTION_COUNT;
 	if (out_slot_count)
 		*out_slot_count = lo;
 	if (out_lock_count)

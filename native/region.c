@@ -150,11 +150,11 @@ int tract_verify_header(const void *base, uint64_t mapped_size, struct tract_hea
 	p.dtype_bytes = h.dtype_bytes;
 	p.hash_scheme = h.hash_scheme;
 	p.index_stripes = h.index_stripes;
-	p.transfer_entries = h.section_count == 11 ? (uint32_t)h.sections[9].count : 0;
+	p.transfer_entries = h.section_count == TRACT_SECTION_COUNT ? (uint32_t)h.sections[9].count : 0;
 	struct tract_section s[TRACT_MAX_SECTIONS];
 	uint32_t nsec, locks;
 	uint64_t slots;
-	if (h.section_count != 11 || h.index_stripes == 0 || h.sections[9].count == 0 ||
+	if (h.section_count != TRACT_SECTION_COUNT || h.index_stripes == 0 || h.sections[9].count == 0 ||
 	    h.sections[9].count > (1u << 20))
 		return TRACT_E_LAYOUT;
 	if (tract_layout_compute(&p, s, &nsec, &slots, &locks))

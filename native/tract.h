@@ -16,6 +16,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* on-media structures (format.h) the API names (cffi reads them there first) */
+struct tract_block_record;
+struct tract_event;
+
 /* CDEF-BEGIN */
 
 /* ---- error codes: every fallible function returns one (0 = ok) ---- */
@@ -48,7 +52,7 @@ enum {
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 6,
+	TRACT_FORMAT_VERSION = 7,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -95,8 +99,14 @@ enum {
 	TRACT_SEC_PINS = 8,        /* per node: u16 pin count per bucket */
 	TRACT_SEC_LRU = 9,         /* per stripe: LRU anchor line */
 	TRACT_SEC_TRANSFER = 10,   /* handoff records, 128 bytes each */
-	TRACT_SEC_DATA = 11        /* block slots */
+	TRACT_SEC_EVENTS = 11,     /* per stripe: its event log (head line, then entry lines) */
+	TRACT_SEC_RECORDS = 12,    /* per slot: its block's record (key, hashes, token ids) */
+	TRACT_SEC_DATA = 13        /* block slots */
 };
+
+/* the sections of a region; the layout table lists them in kind order, which
+ * is also their order in the region (the data area last) */
+enum { TRACT_SECTION_COUNT = 13 };
 
 /* flush modes (header field and per-process override) */
 enum {
@@ -668,9 +678,12 @@ int tract_index_unpin(tract_region *r, const uint8_t *keys, uint32_t n, uint64_t
 int tract_index_unpin_marked(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *done,
 			     uint64_t timeout_ns);
 
-/* Puts blocks (claim, allocate with eviction, NT copy, publish); status per key. */
+/* Puts blocks (claim, allocate with eviction, NT copy, publish); status per key.
+ * DESC (one per key, or NULL) and TOKEN_IDS (block_tokens per key, or NULL)
+ * describe the blocks for their records (tract_index_put_commit). */
 int tract_index_put(tract_region *r, const uint8_t *keys, uint32_t n, const void *src,
 		    uint64_t src_stride, uint64_t block_len, const uint32_t *tokens, int flags,
+		    const struct tract_block_record *desc, const uint32_t *token_ids,
 		    uint8_t *status, uint64_t timeout_ns);
 
 /* flags of tract_index_put and tract_index_put_begin */
@@ -703,9 +716,13 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
 			  uint32_t *slots, int flags, uint64_t timeout_ns);
 
 /* Publishes (1; 2: pinned by this node; | TRACT_COMMIT_STREAMED) or abandons (0)
- * what tract_index_put_begin claimed. */
+ * what tract_index_put_begin claimed.  A publish writes each block's record
+ * (its slot's, for KV events) before it turns READY: from DESC[i] (tag, hash,
+ * parent, n_tokens, flags; key and node are the call's) and TOKEN_IDS[i *
+ * block_tokens ...], or the key alone where DESC is NULL. */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
+			   const struct tract_block_record *desc, const uint32_t *token_ids,
 			   int publish, uint64_t timeout_ns);
 
 /* Copies blocks out of slots (payload tags from the lookup, or NULL: evicts every
@@ -727,6 +744,39 @@ int tract_index_tags(tract_region *r, const uint8_t *keys, const uint32_t *slots
 
 /* Evicts up to want unpinned entries (LRU first); *evicted gets the count. */
 int tract_index_evict(tract_region *r, uint32_t want, uint32_t *evicted, uint64_t timeout_ns);
+
+/* ---- KV events: the stripes' event logs, the slots' block records ---- */
+
+/* a stripe's state after tract_events_read */
+enum {
+	TRACT_EVENTS_OK = 0,         /* read up to its head (or up to cap) */
+	TRACT_EVENTS_LOST = 1,       /* events past its cursor were overwritten: resynchronise
+				      * the stripe from tract_events_snapshot */
+	TRACT_EVENTS_BEHIND = 2      /* its head is past an event not visible here yet: read
+				      * again later */
+};
+
+/* Reads new events of every stripe without a lock: stripe s from cursors[s]
+ * (the seq it reads next) up to its head, cap events in all; out[k] and
+ * stripe_of[k] (ascending) get them, cursors advance past them; state[s] says
+ * how stripe s ended (TRACT_EVENTS_*), heads[s] its head as read. */
+int tract_events_read(tract_region *r, uint64_t *cursors, struct tract_event *out,
+		      uint32_t *stripe_of, uint32_t cap, uint32_t *n_out, uint8_t *state,
+		      uint64_t *heads);
+
+/* The READY blocks of the stripes with want[s] != 0 and their logs' heads,
+ * each stripe read under its lock (so a reader that continues from heads[s]
+ * misses nothing and sees nothing twice): keys (16 bytes each), slots and
+ * stripe_of appended, at most cap (TRACT_E_FULL when more). */
+int tract_events_snapshot(tract_region *r, const uint8_t *want, uint64_t *heads, uint8_t *keys,
+			  uint32_t *slots, uint32_t *stripe_of, uint32_t cap, uint32_t *n_out,
+			  uint64_t timeout_ns);
+
+/* The records of n blocks (key, slot): rec[i] and token_ids[i * block_tokens
+ * ...]; ok[i] = 1 when the slot's record is the key's, read whole (0: the
+ * block was evicted and its slot is being reused). */
+int tract_records_read(tract_region *r, const uint8_t *keys, const uint32_t *slots, uint32_t n,
+		       struct tract_block_record *rec, uint32_t *token_ids, uint8_t *ok);
 
 /* ---- prefill -> decode handoff ---- */
 

@@ -20,7 +20,8 @@ SECTION = struct.Struct("<I I Q Q Q")
 SECTION_FIELDS = ("kind", "entry_size", "offset", "length", "count")
 SECTIONS_OFFSET = 0x100
 SECTION_NAMES = {1: "locks", 2: "nodes", 3: "objdir", 4: "alloc", 5: "bitmap", 6: "owners",
-                 7: "buckets", 8: "pins", 9: "lru", 10: "transfer", 11: "data"}
+                 7: "buckets", 8: "pins", 9: "lru", 10: "transfer", 11: "events",
+                 12: "records", 13: "data"}
 CRC_OFFSET = 0xFF8
 
 

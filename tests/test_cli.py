@@ -51,7 +51,7 @@ def test_init_then_info_json(region_path):
     assert info["medium"] == "emulated /dev/shm region"
     assert [s["name"] for s in info["sections"]] == [
         "locks", "nodes", "objdir", "alloc", "bitmap", "owners", "buckets", "pins", "lru",
-        "transfer", "data"]
+        "transfer", "events", "records", "data"]
 
 
 def test_info_human_output_names_the_essentials(region_path):

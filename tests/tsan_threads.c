@@ -89,7 +89,8 @@ static void *worker(void *arg)
 			keys[k * 16 + 2] = (uint8_t)k;
 			keys[k * 16 + 3] = 0x5a;
 		}
-		rc = tract_index_put(region, keys, KEYS, kv, block, block, NULL, 0, status, timeout);
+		rc = tract_index_put(region, keys, KEYS, kv, block, block, NULL, 0, NULL, NULL, status,
+				     timeout);
 		if (rc < 0 && rc != TRACT_E_FULL)
 			return fail("tract_index_put", rc, t), free(kv), NULL;
 		if ((rc = tract_index_lookup(region, keys, KEYS, slots, NULL, NULL, tags, &hits,

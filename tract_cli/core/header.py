@@ -13,6 +13,7 @@ SECTION_NAMES = {
     lib.TRACT_SEC_ALLOC: "alloc", lib.TRACT_SEC_BITMAP: "bitmap", lib.TRACT_SEC_OWNERS: "owners",
     lib.TRACT_SEC_BUCKETS: "buckets", lib.TRACT_SEC_PINS: "pins", lib.TRACT_SEC_LRU: "lru",
     lib.TRACT_SEC_TRANSFER: "transfer", lib.TRACT_SEC_DATA: "data",
+    lib.TRACT_SEC_EVENTS: "events", lib.TRACT_SEC_RECORDS: "records",
 }
 HASH_SCHEMES = {"tract": lib.TRACT_HASH_TRACT, "vllm": lib.TRACT_HASH_VLLM_SHA256_CBOR}
 HASH_SCHEME_NAMES = {v: k for k, v in HASH_SCHEMES.items()}

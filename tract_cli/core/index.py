@@ -18,6 +18,7 @@ from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, id_array, lib, raise_for
 
 if TYPE_CHECKING:
+    from tract_cli.core.events import Described
     from tract_cli.core.pool import BlockTable
 
 # the per-key status that put and reserve return (enum tract_put_status,
@@ -100,6 +101,17 @@ def as_keys(hashes) -> np.ndarray:
     return np.ascontiguousarray(arr[:, :16])
 
 
+def _described(described, n: int):
+    """The (desc, token_ids) C arguments of a put's Described (NULLs for None)."""
+    if described is None:
+        return ffi.NULL, ffi.NULL
+    if len(described.records) != n:
+        raise UsageError(f"{len(described.records)} block descriptions for {n} keys",
+                         "describe every block of the put")
+    return (ffi.cast("struct tract_block_record *", ffi.from_buffer(described.records)),
+            ffi.cast("uint32_t *", ffi.from_buffer(described.token_ids)))
+
+
 class PrefixIndex:
     """lookup / put / read / views / unpin over a pool's index."""
 
@@ -163,6 +175,7 @@ class PrefixIndex:
         raise_for(rc, f"{self._pool.path} index unpin")
 
     def put(self, hashes, kv, tokens=None, checksum: bool = False, pin: bool = False,
+            described: "Described | None" = None,
             timeout: float = DEFAULT_TIMEOUT_S) -> PutResult:
         """Stores block i of KV (shape (n, ...) with block_bytes per row) under key i.
 
@@ -170,7 +183,9 @@ class PrefixIndex:
         With PIN, the stored blocks are published pinned by this node, and keys
         already READY are pinned too (unpin them with `unpin(result.pinned(keys))`):
         nothing can evict them before the caller's handoff pins them.  Raises PoolFull when the pool has no
-        room and nothing is evictable.
+        room and nothing is evictable.  DESCRIBED (`core.events.describe`) is what
+        the region's KV events say of the blocks (their records); without it, a
+        block's record names its key only.
         """
         keys = as_keys(hashes)
         n = len(keys)
@@ -186,7 +201,8 @@ class PrefixIndex:
                                  self._u32(tok) if tok is not None else ffi.NULL,
                                  (lib.TRACT_PUT_CHECKSUM if checksum else 0) |
                                  (lib.TRACT_PUT_PIN if pin else 0),
-                                 ffi.from_buffer(status), int(timeout * 1e9))
+                                 *_described(described, n), ffi.from_buffer(status),
+                                 int(timeout * 1e9))
         self._raise_full(rc, n, "unpin blocks (finish or time out handoffs) or use a larger region")
         raise_for(rc, f"{self._pool.path} index put")
         return PutResult(status)
@@ -222,6 +238,7 @@ class PrefixIndex:
 
     def commit(self, hashes, status: np.ndarray, slots: np.ndarray, publish: bool = True,
                pin: bool = False, tokens=None, checksums=None, streamed: bool = False,
+               described: "Described | None" = None,
                timeout: float = DEFAULT_TIMEOUT_S) -> PutResult:
         """Zero-copy put, step 2: publishes (or abandons) what reserve() claimed;
         with PIN, published pinned by this node (as put(pin=True)).  TOKENS (per
@@ -229,7 +246,8 @@ class PrefixIndex:
         of the written slots; default none) are recorded with each entry.  The
         payloads are written back to the device line by line first (plain stores,
         a GPU's DMA through the cache), unless STREAMED says they all went in
-        through `Pool.copy_in` (streaming stores: on the device already)."""
+        through `Pool.copy_in` (streaming stores: on the device already).
+        DESCRIBED: as put's."""
         keys = as_keys(hashes)
         n = len(keys)
         extra = []
@@ -243,6 +261,7 @@ class PrefixIndex:
         rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), n,
                                         ffi.from_buffer(status), self._u32(np.ascontiguousarray(
                                             slots, dtype=np.uint32)), tok, sums,
+                                        *_described(described, n),
                                         ((2 if pin else 1) | (lib.TRACT_COMMIT_STREAMED if streamed
                                                               else 0)) if publish else 0,
                                         int(timeout * 1e9))

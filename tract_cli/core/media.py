@@ -44,6 +44,14 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
 ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
                         ("releases", "<u8"), ("intent_n", "<u2"), ("intent_node", "<u2"),
                         ("pad", "V28")])
+# an entry of a stripe's event log (struct tract_event, FORMAT.md §4.10)
+EVENT_DTYPE = np.dtype([("seq", "<u8"), ("kind", "<u4"), ("slot", "<u4"), ("key", "V16"),
+                        ("node", "<u2"), ("flags", "<u2"), ("tokens", "<u4"), ("time_ns", "<u8"),
+                        ("epoch", "<u4"), ("pad", "V12")])
+# the two lines of a slot's block record (struct tract_block_record, FORMAT.md §4.11)
+BLOCK_RECORD_DTYPE = np.dtype([("key", "V16"), ("tag", "V16"), ("hash", "V32"), ("parent", "V32"),
+                               ("n_tokens", "<u4"), ("node", "<u2"), ("flags", "<u2"),
+                               ("written_ns", "<u8"), ("pad", "V16")])
 
 # line 0 of a node entry (struct tract_node_entry, FORMAT.md §4.2), as
 # nodes.read_nodes unpacks it and the agent packs it: its values, in order
@@ -182,6 +190,8 @@ MIRRORS = (
     ("MGR_DTYPE", MGR_DTYPE, "tract_lock_manager_line", None, True),
     ("RECORD_DTYPE", RECORD_DTYPE, "tract_transfer_record", None, True),
     ("ALLOC_DTYPE", ALLOC_DTYPE, "tract_alloc_header", None, True),
+    ("EVENT_DTYPE", EVENT_DTYPE, "tract_event", None, True),
+    ("BLOCK_RECORD_DTYPE", BLOCK_RECORD_DTYPE, "tract_block_record", None, True),
     ("NODE_LINE", NODE_LINE, "tract_node_entry", NODE_LINE_FIELDS, False),
     ("VERDICT_LINE", VERDICT_LINE, "tract_node_verdict", VERDICT_LINE_FIELDS, True),
 )

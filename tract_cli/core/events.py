@@ -1,0 +1,415 @@
+"""A region's KV events: what its blocks are, kept current from the stripes'
+event logs, and the changes a KV-aware router is told (docs/PROTOCOLS.md §13).
+
+Writers describe the blocks they put (`describe`: hash, parent, token ids,
+model tag), and the core writes each description into the block's slot record
+before the block turns READY; every READY and every eviction is appended to
+its stripe's event log in the same locked section.  A reader (`RegionView`)
+tails every stripe's log from its own cursors, without a lock and without any
+server: a reader that fell a whole ring behind (or found a log moved on by a
+rebuild) takes a snapshot of the stripe under its lock and carries on from
+it, so it is never stale for ever.  `Feed` turns the view's changes into what
+a router is told: blocks stored (parents before children, chains in runs) and
+blocks removed, each once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from tract_cli.core.errors import UsageError
+from tract_cli.core.media import BLOCK_RECORD_DTYPE, EVENT_DTYPE
+from tract_cli.core.native import ffi, lib, raise_for
+
+if TYPE_CHECKING:
+    from tract_cli.core.pool import Pool
+
+STORED, REMOVED = lib.TRACT_EVENT_STORED, lib.TRACT_EVENT_REMOVED
+F_PARENT, F_PARTIAL, F_GIVEN = (lib.TRACT_RECORD_PARENT, lib.TRACT_RECORD_PARTIAL,
+                                lib.TRACT_RECORD_GIVEN)
+# events read per call into the core (a poll loops while the logs hold more)
+READ_BATCH = 4096
+# a stripe whose head stays past an event this host cannot see for this long
+# (its writer died between the two lines) is taken from a snapshot instead
+BEHIND_LIMIT_S = 2.0
+# a stored block whose parent the router was not told of waits this long for
+# it (the parent's READY is in another stripe's log, read a poll later), then
+# is told anyway
+PARENT_WAIT_S = 0.5
+
+
+class Described(NamedTuple):
+    """What a put's blocks are, for their records: one BLOCK_RECORD_DTYPE row
+    and one row of block_tokens token ids (uint32, zero-padded) per key."""
+
+    records: np.ndarray
+    token_ids: np.ndarray
+
+
+def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None = None,
+             partial_last: bool = False) -> Described:
+    """Describes consecutive blocks of one prompt: HASHES ((n, 16) or (n, 32)
+    uint8: each block's hash as its scheme made it, untagged), TOKENS (the
+    blocks' token ids in order, block_tokens each; the last block fewer when
+    PARTIAL_LAST), TAG (16 bytes: the writer's model tag), PARENT (the hash
+    of the block before the first; None: the first is the prompt's first).
+    Vectorised: no Python loop per block."""
+    h = np.ascontiguousarray(hashes, dtype=np.uint8)
+    n = len(h)
+    if h.ndim != 2 or h.shape[1] not in (16, 32):
+        raise UsageError(f"block hashes must be (n, 16) or (n, 32) uint8, got {h.shape}",
+                         "pass the hash chain of the blocks")
+    if len(tag) != 16:
+        raise UsageError(f"a model tag is 16 bytes, got {len(tag)}", "pass the key tag")
+    tok = np.asarray(tokens, dtype=np.int64).ravel()
+    full = n - 1 if partial_last else n
+    if n and (tok.size < full * block_tokens or tok.size > n * block_tokens or
+              (not partial_last and tok.size != n * block_tokens) or
+              (partial_last and tok.size == full * block_tokens)):
+        raise UsageError(f"{tok.size} token ids for {n} blocks of {block_tokens}",
+                         "pass exactly the blocks' tokens")
+    if tok.size and (tok.min() < 0 or tok.max() > 0xFFFFFFFF):
+        raise UsageError("a token id is outside 0..2^32-1", "pass the prompt's token ids")
+    rec = np.zeros(n, BLOCK_RECORD_DTYPE)
+    raw = rec.view(np.uint8).reshape(n, BLOCK_RECORD_DTYPE.itemsize)
+    width = h.shape[1]
+    raw[:, 32:32 + width] = h
+    raw[:, 16:32] = np.frombuffer(bytes(tag), np.uint8)
+    if n > 1:
+        raw[1:, 64:64 + width] = h[:-1]
+    flags = np.full(n, F_PARENT, np.uint16)
+    if parent is not None:
+        pb = np.frombuffer(bytes(parent), np.uint8)
+        raw[0, 64:64 + pb.size] = pb
+    elif n:
+        flags[0] = 0
+    if partial_last and n:
+        flags[-1] |= F_PARTIAL
+    rec["flags"] = flags
+    ids = np.zeros((n, block_tokens), np.uint32)
+    ids.ravel()[:tok.size] = tok
+    counts = np.full(n, block_tokens, np.uint32)
+    if partial_last and n:
+        counts[-1] = tok.size - full * block_tokens
+    rec["n_tokens"] = counts
+    return Described(rec, ids)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A READY block of the region as its record describes it."""
+
+    key: bytes            # its key in the index
+    hash: bytes           # its hash as its scheme made it, untagged (vLLM's: 32 bytes)
+    parent: bytes | None  # its parent's hash (None: a prompt's first block)
+    token_ids: tuple      # its tokens
+    node: int             # the node that wrote it
+    tag: bytes            # its writer's model tag
+
+
+def _hash_bytes(raw: bytes, scheme_bytes: int) -> bytes:
+    return bytes(raw[:scheme_bytes])
+
+
+class RegionView:
+    """The described READY blocks of a region (of one model tag, or all), kept
+    current from the event logs: `poll()` reads what changed since and returns
+    the keys whose presence changed.  Memory is bounded by the region: one
+    entry per READY block."""
+
+    def __init__(self, pool: "Pool", tag: bytes | None = None):
+        self.pool, self.tag = pool, tag
+        info = pool.info
+        self.stripes = info.index_stripes
+        self.block_tokens = pool.geometry.block_tokens
+        self.hash_bytes = 32 if info.hash_scheme == "vllm" else 16
+        self.capacity = info.section("events").entry_size // 64 - 1
+        self.blocks: dict[bytes, Block] = {}
+        self._by_stripe: list[set] = [set() for _ in range(self.stripes)]
+        self.cursors = np.zeros(self.stripes, np.uint64)
+        self.heads = np.zeros(self.stripes, np.uint64)
+        self._behind_since: dict[int, float] = {}
+        self.events_read = 0         # events taken from the logs
+        self.resyncs = 0             # stripes taken from a snapshot after a lost log
+        self._buckets = info.section("buckets").count
+        self._events = np.zeros(READ_BATCH, EVENT_DTYPE)
+        self._stripe_of = np.zeros(READ_BATCH, np.uint32)
+        self._state = np.zeros(self.stripes, np.uint8)
+        self.snapshot(np.ones(self.stripes, bool))
+
+    # -- the C calls ---------------------------------------------------------
+
+    def _records(self, keys: np.ndarray, slots: np.ndarray):
+        n = len(keys)
+        rec = np.zeros(max(n, 1), BLOCK_RECORD_DTYPE)
+        ids = np.zeros((max(n, 1), self.block_tokens), np.uint32)
+        ok = np.zeros(max(n, 1), np.uint8)
+        if n:
+            rc = lib.tract_records_read(
+                self.pool._r(), ffi.from_buffer(np.ascontiguousarray(keys)),
+                ffi.cast("uint32_t *", ffi.from_buffer(np.ascontiguousarray(slots, np.uint32))),
+                n, ffi.cast("struct tract_block_record *", ffi.from_buffer(rec)),
+                ffi.cast("uint32_t *", ffi.from_buffer(ids)), ffi.from_buffer(ok))
+            raise_for(rc, f"{self.pool.path} block records")
+        return rec[:n], ids[:n], ok[:n]
+
+    def _block(self, key: bytes, rec, ids: np.ndarray) -> Block | None:
+        """The block a record describes, or None when it is not one to tell
+        of: partial, not described, or of another model."""
+        flags = int(rec["flags"])
+        if not flags & F_GIVEN or flags & F_PARTIAL:
+            return None
+        tag = bytes(rec["tag"])
+        if self.tag is not None and tag != self.tag:
+            return None
+        parent = _hash_bytes(bytes(rec["parent"]), self.hash_bytes) if flags & F_PARENT else None
+        return Block(key, _hash_bytes(bytes(rec["hash"]), self.hash_bytes), parent,
+                     tuple(ids[:int(rec["n_tokens"])].tolist()), int(rec["node"]), tag)
+
+    # -- reading ---------------------------------------------------------------
+
+    def snapshot(self, want: np.ndarray) -> set:
+        """Takes the stripes WANT names from a snapshot (each under its lock)
+        and continues their logs from there; returns the keys that changed."""
+        want8 = np.ascontiguousarray(want, dtype=np.uint8)
+        heads = np.zeros(self.stripes, np.uint64)
+        cap = self._buckets
+        keys = np.zeros((cap, 16), np.uint8)
+        slots = np.zeros(cap, np.uint32)
+        stripe_of = np.zeros(cap, np.uint32)
+        n = ffi.new("uint32_t *")
+        rc = lib.tract_events_snapshot(
+            self.pool._r(), ffi.from_buffer(want8),
+            ffi.cast("uint64_t *", ffi.from_buffer(heads)), ffi.from_buffer(keys),
+            ffi.cast("uint32_t *", ffi.from_buffer(slots)),
+            ffi.cast("uint32_t *", ffi.from_buffer(stripe_of)), cap, n, int(10e9))
+        raise_for(rc, f"{self.pool.path} event snapshot")
+        k = n[0]
+        rec, ids, ok = self._records(keys[:k], slots[:k])
+        changed = set()
+        fresh: dict[bytes, Block] = {}
+        for i in np.flatnonzero(ok):
+            key = keys[i].tobytes()
+            blk = self._block(key, rec[i], ids[i])
+            if blk is not None:
+                fresh[key] = blk
+        for s in np.flatnonzero(want8):
+            for key in self._by_stripe[s]:
+                if key not in fresh:
+                    self.blocks.pop(key, None)
+                    changed.add(key)
+            self._by_stripe[s] = set()
+            self.cursors[s] = heads[s]
+            self._behind_since.pop(int(s), None)
+        for i in np.flatnonzero(ok):
+            key = keys[i].tobytes()
+            blk = fresh.get(key)
+            if blk is None:
+                continue
+            self._by_stripe[int(stripe_of[i])].add(key)
+            if self.blocks.get(key) != blk:
+                changed.add(key)
+            self.blocks[key] = blk
+        return changed
+
+    def poll(self) -> set:
+        """Reads every stripe's log from its cursor; returns the keys whose
+        presence changed (a snapshot replaces a stripe whose log overran this
+        reader, or stayed behind a dead writer for BEHIND_LIMIT_S)."""
+        changed: set = set()
+        for _ in range(64):            # bounded: a burst larger than this waits a poll
+            n = ffi.new("uint32_t *")
+            rc = lib.tract_events_read(
+                self.pool._r(), ffi.cast("uint64_t *", ffi.from_buffer(self.cursors)),
+                ffi.cast("struct tract_event *", ffi.from_buffer(self._events)),
+                ffi.cast("uint32_t *", ffi.from_buffer(self._stripe_of)), READ_BATCH, n,
+                ffi.from_buffer(self._state), ffi.cast("uint64_t *", ffi.from_buffer(self.heads)))
+            raise_for(rc, f"{self.pool.path} event logs")
+            k = n[0]
+            self.events_read += k
+            if k:
+                self._apply(self._events[:k], self._stripe_of[:k], changed)
+            lost = self._state == lib.TRACT_EVENTS_LOST
+            now = time.monotonic()
+            for s in range(self.stripes):
+                if self._state[s] == lib.TRACT_EVENTS_BEHIND:
+                    since = self._behind_since.setdefault(s, now)
+                    if now - since >= BEHIND_LIMIT_S:
+                        lost[s] = True
+                else:
+                    self._behind_since.pop(s, None)
+            if lost.any():
+                self.resyncs += int(lost.sum())
+                changed |= self.snapshot(lost)
+            if k < READ_BATCH:
+                break
+        return changed
+
+    def _apply(self, ev: np.ndarray, stripe_of: np.ndarray, changed: set) -> None:
+        """Applies events in log order (per stripe: one key's events are in one
+        stripe, in the order its lock gave them)."""
+        stored = np.flatnonzero(ev["kind"] == STORED)
+        keys = np.ascontiguousarray(ev["key"]).view(np.uint8).reshape(-1, 16)
+        rec, ids, ok = self._records(keys[stored], ev["slot"][stored] - 1)
+        described = {int(i): j for j, i in enumerate(stored)}
+        for i in range(len(ev)):
+            key = keys[i].tobytes()
+            s = int(stripe_of[i])
+            if ev["kind"][i] == REMOVED:
+                if self.blocks.pop(key, None) is not None:
+                    changed.add(key)
+                self._by_stripe[s].discard(key)
+                continue
+            j = described[i]
+            # a record no longer the key's: the block was evicted since, and its
+            # REMOVED event follows in this stripe's log
+            blk = self._block(key, rec[j], ids[j]) if ok[j] else None
+            if blk is None:
+                continue
+            if self.blocks.get(key) != blk:
+                changed.add(key)
+            self.blocks[key] = blk
+            self._by_stripe[s].add(key)
+
+
+@dataclass
+class Change:
+    """What a router is told: STORED blocks (one chain run, parent first: each
+    block's parent is the one before it, the first's is `parent`) or REMOVED
+    blocks, all of one locality."""
+
+    kind: str                  # "stored" | "removed"
+    blocks: list
+    parent: bytes | None
+    local: bool
+
+
+class Feed:
+    """The changes of a RegionView told once each: what was told is kept
+    (`told`), and each take tells the difference between it and the view
+    (bounded: a block stored and evicted between two takes is never told)."""
+
+    def __init__(self, view: RegionView, node: int | None):
+        self.view, self.node = view, node
+        self.told: dict[bytes, Block] = {}
+        self._told_hashes: dict[bytes, int] = {}
+        self._waiting: dict[bytes, float] = {}
+        self._pending: set = set(view.blocks)
+
+    def note(self, changed: set) -> None:
+        """Keys a poll found changed, to consider at the next take."""
+        self._pending |= changed
+
+    def take(self, now: float | None = None) -> list[Change]:
+        now = time.monotonic() if now is None else now
+        keys, self._pending = self._pending | set(self._waiting), set()
+        removed, stored = [], {}
+        for key in keys:
+            cur = self.view.blocks.get(key)
+            was = self.told.get(key)
+            if was is not None and cur != was:
+                removed.append(was)
+                self._forget(key)
+            if cur is not None and self.told.get(key) is None:
+                stored[cur.hash] = cur
+        out: list[Change] = []
+        for local, group in self._by_locality(removed):
+            out.append(Change("removed", group, None, local))
+        out.extend(self._stored_runs(stored, now))
+        return out
+
+    def _forget(self, key: bytes) -> None:
+        blk = self.told.pop(key)
+        left = self._told_hashes.get(blk.hash, 0) - 1
+        if left > 0:
+            self._told_hashes[blk.hash] = left
+        else:
+            self._told_hashes.pop(blk.hash, None)
+
+    def _local(self, blk: Block) -> bool:
+        return self.node is not None and blk.node == self.node
+
+    def _by_locality(self, blocks: list):
+        for local in (True, False):
+            group = [b for b in blocks if self._local(b) == local]
+            if group:
+                yield local, group
+
+    def _stored_runs(self, stored: dict, now: float) -> list[Change]:
+        """Stored blocks parent first, in chain runs; a block whose parent was
+        never told waits (PARENT_WAIT_S) for it, then is told anyway."""
+        children: dict[bytes, list] = {}
+        ready = []
+        for blk in stored.values():
+            if blk.parent is None or blk.parent in self._told_hashes:
+                ready.append(blk)
+            elif blk.parent in stored:
+                children.setdefault(blk.parent, []).append(blk)
+            elif now - self._waiting.setdefault(blk.key, now) >= PARENT_WAIT_S:
+                ready.append(blk)
+        out: list[Change] = []
+        while ready:
+            blk = ready.pop()
+            run = [blk]
+            while True:
+                kids = children.pop(run[-1].hash, [])
+                same = [k for k in kids if self._local(k) == self._local(blk)]
+                ready.extend(k for k in kids if not same or k is not same[0])
+                if not same:
+                    break
+                run.append(same[0])
+            for b in run:
+                self.told[b.key] = b
+                self._told_hashes[b.hash] = self._told_hashes.get(b.hash, 0) + 1
+                self._waiting.pop(b.key, None)
+            out.append(Change("stored", run, blk.parent, self._local(blk)))
+        # blocks whose parents were not told (nor stored now): wait for them
+        for kids in children.values():
+            for k in kids:
+                self._waiting.setdefault(k.key, now)
+        return out
+
+
+class Tail:
+    """A RegionView polled on a thread of its own (every INTERVAL_S), its
+    changes gathered for a Feed taken from another thread (an engine's
+    scheduler): nothing of the polling runs on the taker's loop."""
+
+    def __init__(self, pool: "Pool", tag: bytes | None, node: int | None,
+                 interval_s: float = 0.05):
+        self._lock = threading.Lock()
+        self.view = RegionView(pool, tag)
+        self.feed = Feed(self.view, node)
+        self.interval_s = interval_s
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tract-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with self._lock:
+                    self.feed.note(self.view.poll())
+            except Exception as exc:        # reported by take(); the thread stops
+                self.error = exc
+                return
+
+    def take(self) -> list[Change]:
+        """The changes since the last take; none while a poll runs (a snapshot
+        may wait for stripe locks): they are told at a later take, and the
+        taker never waits."""
+        if not self._lock.acquire(blocking=False):
+            return []
+        try:
+            return self.feed.take()
+        finally:
+            self._lock.release()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
