@@ -139,12 +139,15 @@ void tract_records_write(tract_region *r, const uint8_t *keys, uint32_t n, const
 			continue;
 		uint64_t off = record_off(r, slots[i]);
 		struct tract_block_record rec;
-		if (desc) {
-			rec = desc[i];
+		/* a description counts where the caller marked it given (a put may
+		 * describe some of its blocks only) */
+		const struct tract_block_record *d =
+			desc && (desc[i].flags & TRACT_RECORD_GIVEN) ? &desc[i] : NULL;
+		if (d) {
+			rec = *d;
 			if (rec.n_tokens > bt)
 				rec.n_tokens = bt;
-			rec.flags = (uint16_t)((rec.flags & (TRACT_RECORD_PARENT | TRACT_RECORD_PARTIAL)) |
-					       TRACT_RECORD_GIVEN);
+			rec.flags &= TRACT_RECORD_PARENT | TRACT_RECORD_PARTIAL | TRACT_RECORD_GIVEN;
 		} else {
 			memset(&rec, 0, sizeof(rec));
 			memcpy(rec.hash, keys + (uint64_t)i * 16, 16);
@@ -157,7 +160,7 @@ void tract_records_write(tract_region *r, const uint8_t *keys, uint32_t n, const
 		if (ids) {
 			uint64_t len = size - sizeof(rec);
 			memset(ids, 0, len);
-			if (desc && token_ids)
+			if (d && token_ids)
 				memcpy(ids, token_ids + (uint64_t)i * bt, (uint64_t)rec.n_tokens * 4);
 			else
 				rec.n_tokens = 0;

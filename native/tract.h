@@ -719,7 +719,7 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
  * what tract_index_put_begin claimed.  A publish writes each block's record
  * (its slot's, for KV events) before it turns READY: from DESC[i] (tag, hash,
  * parent, n_tokens, flags; key and node are the call's) and TOKEN_IDS[i *
- * block_tokens ...], or the key alone where DESC is NULL. */
+ * block_tokens ...] where DESC[i] has TRACT_RECORD_GIVEN, else the key alone. */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
 			   const struct tract_block_record *desc, const uint32_t *token_ids,

@@ -10,8 +10,8 @@ import sys
 
 import typer
 
-from tract_cli.cli import (agent_cmd, bench_cmd, check_cmd, devices_cmd, doctor_cmd, hash_cmd, info_cmd, init_cmd,
-                           inspect_cmd, microbench_cmd, serve_cmd)
+from tract_cli.cli import (agent_cmd, bench_cmd, check_cmd, devices_cmd, doctor_cmd, events_cmd, hash_cmd,
+                           info_cmd, init_cmd, inspect_cmd, microbench_cmd, serve_cmd)
 
 app = typer.Typer(
     name="tract",
@@ -28,6 +28,7 @@ app.command("hash")(hash_cmd.hash_)
 app.command("devices")(devices_cmd.devices)
 app.command("doctor")(doctor_cmd.doctor)
 app.command("inspect")(inspect_cmd.inspect)
+app.command("events")(events_cmd.events)
 app.command("check")(check_cmd.check)
 app.command("bench")(bench_cmd.bench)
 app.command("serve-prefill")(serve_cmd.serve_prefill)

@@ -30,6 +30,9 @@ class PromptKeys(NamedTuple):
     keys: np.ndarray                  # (n_full, 16) uint8: the full blocks' keys
     tail_key: np.ndarray | None       # (1, 16) uint8: the partial last block's, if any
     tail_tokens: int                  # tokens in the partial last block (0: none)
+    # (n_full, 32 | 16) uint8: the full blocks' hashes as the scheme made them,
+    # untagged (the vLLM scheme's are vLLM's own): what KV events publish
+    hashes: np.ndarray
 
 
 def prompt_keys(info, model_tag: bytes, block_tokens: int, tokens,
@@ -41,6 +44,7 @@ def prompt_keys(info, model_tag: bytes, block_tokens: int, tokens,
     root = pool_root(info, salt, model_tag)      # (the vLLM scheme's root takes no tag)
     hashes = request_keys(info, arr, block_tokens, salt, root=root)
     keys = as_keys(hashes) if len(hashes) else np.zeros((0, 16), np.uint8)
+    untagged = hashes if len(hashes) else np.zeros((0, 32 if vllm else 16), np.uint8)
     tail = arr.size % block_tokens
     tail_key = None
     if tail:
@@ -52,7 +56,7 @@ def prompt_keys(info, model_tag: bytes, block_tokens: int, tokens,
     if vllm:
         keys = tag_keys(keys, model_tag)
         tail_key = None if tail_key is None else tag_keys(tail_key, model_tag)
-    return PromptKeys(keys, tail_key, tail)
+    return PromptKeys(keys, tail_key, tail, untagged)
 
 
 def key_tag(model_digest: bytes, layout_digest: bytes | None) -> bytes:

@@ -38,6 +38,12 @@ class ConnectorSettings:
     model_id: str | None = None    # the operator's name for the weights, mixed into every key
     weights_digest: str = "sampled"  # how the weights enter the model's identity: sampled | full
     load_mode: str = "sync"        # copy hits in the step that computes the rest | on a thread
+    # KV events (vLLM's --kv-events-config): the region's blocks this instance can load
+    kv_events: bool = True         # published with vLLM's own, when vLLM publishes KV events
+    kv_events_medium: str = "CPU"  # their `medium`
+    kv_events_ownership: str | None = None   # their `ownership` (None: "tract:<uuid>"; "": none)
+    kv_events_locality: bool = True  # `locality` LOCAL/REMOTE (this node wrote it or not)
+    kv_events_interval_s: float = 0.05   # how often the region's event logs are read
 
     @classmethod
     def parse(cls, extra: dict | None, role: str) -> "ConnectorSettings":
@@ -60,20 +66,30 @@ class ConnectorSettings:
             raise UsageError("kv_connector_extra_config pool must be a path",
                              'e.g. "pool": "/dev/shm/tract.pool"')
         out = {"pool": pool, "node": _int(extra, "node", 0)}
-        for key in ("prefix_cache", "checksums", "start_agent", "simulate"):
+        for key in ("prefix_cache", "checksums", "start_agent", "simulate", "kv_events",
+                    "kv_events_locality"):
             if key in extra:
                 out[key] = _bool(extra, key)
         if "simulate" not in extra:
             out["simulate"] = os.environ.get("TRACT_SIMULATE", "") not in ("", "0")
         out["save"] = _bool(extra, "save") if "save" in extra else role != "kv_consumer"
         for key in ("handoff_ttl_s", "lookup_timeout_s", "step_timeout_s", "lookup_wait_s",
-                    "lookup_patience_s"):
+                    "lookup_patience_s", "kv_events_interval_s"):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise UsageError(f"kv_connector_extra_config {key} must be a positive number "
                                      f"of seconds, got {value!r}", f'e.g. "{key}": 30')
                 out[key] = float(value)
+        for key, example in (("kv_events_medium", "CPU"), ("kv_events_ownership", "tract")):
+            if key in extra:
+                value = extra[key]
+                empty_ok = key == "kv_events_ownership"
+                if not isinstance(value, str) or len(value) > 256 or (not value and not empty_ok):
+                    raise UsageError(f"kv_connector_extra_config {key} must be a string of at "
+                                     f"most 256 characters{'' if empty_ok else ', not empty'}, "
+                                     f"got {value!r}", f'e.g. "{key}": "{example}"')
+                out[key] = value
         if "max_handoffs" in extra:
             out["max_handoffs"] = _int(extra, "max_handoffs", 0)
         if "model_id" in extra:

@@ -160,6 +160,11 @@ class TractConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 
+    def take_events(self):
+        # the region's blocks this instance can load, told next to vLLM's own
+        # pages in its KV event stream (connectors/vllm_events.py)
+        return self.scheduler_side.take_events() if self.scheduler_side is not None else ()
+
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

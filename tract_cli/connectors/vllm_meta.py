@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tract_cli.core.events import Described
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
@@ -53,6 +55,9 @@ class SaveSpec:
     pages: np.ndarray
     subs: np.ndarray
     handoff: HandoffSpec | None = None
+    # what the blocks' records say (core.events.describe: KV events); None: the
+    # keys alone
+    described: Described | None = None
 
 
 @dataclass

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tract_cli.connectors import vllm_events
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
+from tract_cli.core.events import Described, describe
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
@@ -72,6 +74,11 @@ class _Request:
     tail_key: np.ndarray | None        # (1, 16) key of the partial tail block, if any
     tail_tokens: int
     cacheable: bool
+    # what its blocks' records say (KV events): the full blocks' hashes as the
+    # scheme made them and the prompt's tokens; None: not described (a salted
+    # prompt: its salt is not in the region, so no router may match it)
+    hashes: np.ndarray | None = None
+    tokens: np.ndarray | None = None
     lookup: Lookup | None = None       # pins this process holds for the request
     looking: Future | None = None      # a lookup running off the scheduler loop
     first_asked: float = 0.0           # when vLLM first asked for its match
@@ -132,6 +139,10 @@ class SchedulerSide:
         self._record_cursor = settings.node * records // max(1, pool.info.max_nodes)
         self._pruned_at = 0.0
         self._denied, self._denied_logged = 0, -DENIED_LOG_S
+        # the region's blocks in vLLM's KV event stream, once the key tag is known
+        self._events_wanted = vllm_events.wanted(vllm_config, settings)
+        self._hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self._events: vllm_events.RegionEvents | None = None
 
     def set_layout(self, layouts: set[str]) -> None:
         """The workers' page layout, from vLLM's handshake: it enters every key."""
@@ -143,6 +154,13 @@ class SchedulerSide:
                                bytes.fromhex(self.layout) if self.layout else None)
         log.info("TraCT connector scheduler: worker KV page layout %s, key tag %s",
                  self.layout[:16] or "canonical", self.key_tag.hex()[:16])
+        if self._events_wanted and self._events is None:
+            self._events = vllm_events.RegionEvents(self.pool, self.settings, self.key_tag,
+                                                    self.page_tokens, self._hash_algo)
+
+    def take_events(self) -> list:
+        """vLLM KV events for the region's blocks changed since the last step."""
+        return self._events.take() if self._events is not None else []
 
     def _state(self, request: "Request") -> _Request:
         st = self._reqs.get(request.request_id)
@@ -162,14 +180,18 @@ class SchedulerSide:
             log.warning("request %s: its cache_salt is over %d bytes: it is computed by vLLM "
                         "and not cached in the pool", request.request_id, MAX_SALT_BYTES)
             cacheable = False
+        hashes = arr = None
         if cacheable:
-            keys, tail_key, tail = prompt_keys(self.pool.info, self.key_tag, self.g, tokens,
-                                               salt)
+            keys, tail_key, tail, hashes = prompt_keys(self.pool.info, self.key_tag, self.g,
+                                                       tokens, salt)
+            arr = np.asarray(tokens, dtype=np.int64)
+            if salt:
+                hashes = arr = None
         else:
             keys = np.zeros((0, 16), np.uint8)
             tail, tail_key = 0, None
         params = request.kv_transfer_params or {}
-        st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable,
+        st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable, hashes, arr,
                       want_handoff=bool(params.get("do_remote_decode")))
         self._reqs[request.request_id] = st
         return st
@@ -450,6 +472,7 @@ class SchedulerSide:
             return None
         keys = st.keys[st.saved:full]
         tokens = np.full(len(idx), self.g, np.uint32)
+        described = self._describe(st, st.saved, full, with_tail)
         if with_tail:
             idx.append(len(st.keys))
             keys = np.vstack([keys, st.tail_key])
@@ -460,7 +483,22 @@ class SchedulerSide:
                               dtype=np.int64)
         blocks = np.asarray(idx, dtype=np.int64)
         return SaveSpec(req_id, np.ascontiguousarray(keys), tokens, page_ids[blocks // self.r],
-                        blocks % self.r)
+                        blocks % self.r, described=described)
+
+    def _describe(self, st: _Request, lo: int, hi: int, with_tail: bool) -> Described | None:
+        """What the records of full blocks LO..HI of a request (and its tail,
+        with WITH_TAIL: not described, a handoff's block only) say for KV events;
+        None for a prompt not described (salted)."""
+        if st.hashes is None:
+            return None
+        hi = max(lo, hi)
+        parent = bytes(st.hashes[lo - 1]) if lo else None
+        got = describe(st.hashes[lo:hi], st.tokens[lo * self.g:hi * self.g], self.g,
+                       self.key_tag, parent)
+        if not with_tail:
+            return got
+        return Described(np.concatenate([got.records, np.zeros(1, got.records.dtype)]),
+                         np.vstack([got.token_ids, np.zeros((1, self.g), np.uint32)]))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         orphaned, self._orphaned = self._orphaned, []
@@ -626,6 +664,8 @@ class SchedulerSide:
         for st in list(self._reqs.values()):
             self._forget_lookup(st)
         self._lookups.shutdown(wait=True, cancel_futures=True)
+        if self._events is not None:
+            self._events.close()
 
     def _release_handoff(self, ticket: Ticket) -> None:
         """Acknowledges (queued) a handoff this instance will not load."""

@@ -54,10 +54,12 @@ from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, T
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.errors import PoolFull, TractError
+from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
 from tract_cli.core.gpupages import CudaPagedKV, staging_capacity
 from tract_cli.core.kvpages import PagedKV
+from tract_cli.core.media import BLOCK_RECORD_DTYPE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +74,18 @@ log = logging.getLogger("vllm.tract")
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 
 
+def _described(saves: list, rest: int, block_tokens: int) -> Described:
+    """The descriptions of a step's saves, in their keys' order, and REST rows
+    not described (a handoff's blocks: in the pool already, or its tail)."""
+    parts = [s.described if s.described is not None else
+             Described(np.zeros(len(s.keys), BLOCK_RECORD_DTYPE),
+                       np.zeros((len(s.keys), block_tokens), np.uint32)) for s in saves]
+    parts.append(Described(np.zeros(rest, BLOCK_RECORD_DTYPE),
+                           np.zeros((rest, block_tokens), np.uint32)))
+    return Described(np.concatenate([p.records for p in parts]),
+                     np.vstack([p.token_ids for p in parts]))
+
+
 @dataclass
 class _SavePlan:
     keys: np.ndarray
@@ -81,6 +95,7 @@ class _SavePlan:
     pages: np.ndarray
     subs: np.ndarray
     mine: np.ndarray                  # indices this step claimed (and writes)
+    described: Any = None             # core.events.Described of every key (KV events)
     # in-step handoffs: (spec, indices of its keys); their keys were claimed with
     # pins (pinned: the reserve pinned those READY already, the commit pins the rest)
     handoffs: list = field(default_factory=list)
@@ -300,6 +315,7 @@ class WorkerSide:
         tokens = np.concatenate([s.tokens for s in saves] + [np.zeros(rest, np.uint32)])
         pages = np.concatenate([s.pages for s in saves] + [np.full(rest, -1, np.int64)])
         subs = np.concatenate([s.subs for s in saves] + [np.zeros(rest, np.int64)])
+        described = _described(saves, len(keys) - saved, self.pool.geometry.block_tokens)
         # each key once, in order of first appearance; WHERE: the row each key went to
         _, first, inverse = np.unique(keys.view("V16").reshape(-1), return_index=True,
                                       return_inverse=True)
@@ -309,6 +325,7 @@ class WorkerSide:
         where = row[inverse.reshape(-1)]
         first = first[order]
         keys, tokens, pages, subs = keys[first], tokens[first], pages[first], subs[first]
+        described = Described(described.records[first], described.token_ids[first])
         t0 = time.perf_counter()
         try:
             status, slots = self.pool.index.reserve(keys, pin=bool(handoffs),
@@ -323,7 +340,7 @@ class WorkerSide:
             return None
         claimed = status == PUT_CLAIMED
         mine = np.flatnonzero(claimed & (pages >= 0))
-        plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine,
+        plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine, described,
                          reserve_s=time.perf_counter() - t0, pinned=bool(handoffs))
         at = 0
         for sv in saves:
@@ -431,6 +448,7 @@ class WorkerSide:
             if mine.size or not plan.handoffs:
                 self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
                                        pin=plan.pinned and complete, tokens=plan.tokens,
+                                       described=plan.described,
                                        checksums=sums if self.settings.checksums else None,
                                        # the CPU path's copy streams; the GPU's
                                        # checksum threads wrote every layer back

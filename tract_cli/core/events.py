@@ -81,12 +81,12 @@ def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None
     raw[:, 16:32] = np.frombuffer(bytes(tag), np.uint8)
     if n > 1:
         raw[1:, 64:64 + width] = h[:-1]
-    flags = np.full(n, F_PARENT, np.uint16)
+    flags = np.full(n, F_PARENT | F_GIVEN, np.uint16)
     if parent is not None:
         pb = np.frombuffer(bytes(parent), np.uint8)
         raw[0, 64:64 + pb.size] = pb
     elif n:
-        flags[0] = 0
+        flags[0] = F_GIVEN
     if partial_last and n:
         flags[-1] |= F_PARTIAL
     rec["flags"] = flags
@@ -382,8 +382,9 @@ class Tail:
     def __init__(self, pool: "Pool", tag: bytes | None, node: int | None,
                  interval_s: float = 0.05):
         self._lock = threading.Lock()
-        self.view = RegionView(pool, tag)
-        self.feed = Feed(self.view, node)
+        self.pool, self.tag, self.node = pool, tag, node
+        self.view: RegionView | None = None     # made by the thread (its snapshot takes locks)
+        self.feed: Feed | None = None
         self.interval_s = interval_s
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -391,13 +392,15 @@ class Tail:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
+        try:
+            with self._lock:
+                self.view = RegionView(self.pool, self.tag)
+                self.feed = Feed(self.view, self.node)
+            while not self._stop.wait(self.interval_s):
                 with self._lock:
                     self.feed.note(self.view.poll())
-            except Exception as exc:        # reported by take(); the thread stops
-                self.error = exc
-                return
+        except Exception as exc:        # reported through `error`; the thread stops
+            self.error = exc
 
     def take(self) -> list[Change]:
         """The changes since the last take; none while a poll runs (a snapshot
@@ -406,10 +409,33 @@ class Tail:
         if not self._lock.acquire(blocking=False):
             return []
         try:
-            return self.feed.take()
+            return self.feed.take() if self.feed is not None else []
         finally:
             self._lock.release()
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+
+def wire_hash(h: bytes, as_int: bool = True):
+    """A block hash as vLLM's KV events carry it: by default the int of its last
+    8 bytes, big-endian (vLLM's `maybe_convert_block_hash` with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), else the bytes."""
+    return int.from_bytes(h, "big") & ((1 << 64) - 1) if as_int else bytes(h)
+
+
+def event_fields(change: Change, *, block_size: int, medium: str | None, ownership: str | None,
+                 locality: bool, int_hashes: bool = True) -> tuple[str, dict]:
+    """A Change as vLLM's KV event (its class name and its fields, by name:
+    vllm.distributed.kv_events.BlockStored / BlockRemoved)."""
+    loc = ("LOCAL" if change.local else "REMOTE") if locality else None
+    hashes = [wire_hash(b.hash, int_hashes) for b in change.blocks]
+    if change.kind == "removed":
+        return "BlockRemoved", dict(block_hashes=hashes, medium=medium, locality=loc,
+                                    ownership=ownership)
+    return "BlockStored", dict(
+        block_hashes=hashes,
+        parent_block_hash=None if change.parent is None else wire_hash(change.parent, int_hashes),
+        token_ids=[t for b in change.blocks for t in b.token_ids], block_size=block_size,
+        lora_id=None, medium=medium, lora_name=None, locality=loc, ownership=ownership)

@@ -65,6 +65,9 @@ def index_table(v: dict) -> Group:
     ages = [s["oldest_age_s"] for s in v["lru"] if s["oldest_age_s"] is not None]
     t.add_row("oldest LRU entry", _s(max(ages)) if ages else "-")
     t.add_row("probe lengths", " ".join(str(x) for x in v["probe_length_histogram"][:12]))
+    e = v["events"]
+    t.add_row("KV event logs", f"{e['appended']} events appended, {e['kept']} kept "
+              f"({e['per_stripe_capacity']} a stripe)")
     return Group(t, Text(f"occupancy |{v['occupancy_map']}|"))
 
 

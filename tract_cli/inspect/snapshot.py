@@ -167,8 +167,16 @@ def index_view(rd: Sections, now: int) -> dict:
     chunk = max(1, bs.count // width)
     occ = live[: chunk * width].reshape(width, chunk).mean(axis=1) if bs.count >= width else live
     occupancy = "".join(" .:-=+*#%@"[min(9, int(np.ceil(f * 9)))] for f in occ)
+    ev = info.section("events")
+    heads = rd["events"].reshape(stripes, ev.entry_size)[:, :8].copy().view("<u8").ravel()
+    cap = ev.entry_size // 64 - 1
     return {
         "buckets": bs.count, "stripes": stripes, "states": counts,
+        # the stripes' KV event logs (docs/PROTOCOLS.md §13): events appended since
+        # format (stored + removed) and what each ring keeps
+        "events": {"appended": int(heads.sum()), "per_stripe_capacity": cap,
+                   "kept": int(np.minimum(heads, cap).sum()),
+                   "busiest_stripe": int(heads.max()) if stripes else 0},
         "load_factor": round(float(live.sum()) / bs.count, 6),
         "probe_length_histogram": hist.tolist()[:32],
         "max_probe_length": int(dist.max()) if live.any() else 0,
