@@ -52,6 +52,10 @@ def main() -> None:
         "index_evict_all": lambda: pool.index.evict(pool.slot_count),
         "sweep_payload": lambda: sweep_payload(pool),
         "recover_dead": lambda timeout: recover_dead(pool, timeout),
+        "events_put_described": lambda **kw: events_put_described(pool, **kw),
+        "events_view_open": lambda tag=None: events_view_open(pool, tag),
+        "events_view_poll": lambda: events_view_state(pool, poll=True),
+        "events_view_fresh": lambda tag=None: events_view_state(pool, fresh_tag=tag),
     }
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -337,6 +341,51 @@ def handoff_receive(pool, ticket: dict, chain: list, request: str, ack: bool = T
     if ack:
         pool.handoffs.ack(t)
     return len(rec.slots)
+
+
+def events_put_described(pool, chains: list, tag: str) -> dict:
+    """Puts each chain (as index_put_chains) described for KV events with TAG (hex)."""
+    import numpy as np
+    from tract_cli.core.events import describe
+    from tract_cli.core.hashing import pool_root
+    from index_check import payload_for
+    bt = pool.info.geometry.block_tokens
+    stored = 0
+    for prefix_seed, prefix_blocks, suffix_seed, n_blocks in chains:
+        pre = np.random.default_rng(prefix_seed).integers(0, 50000, prefix_blocks * bt)
+        suf = np.random.default_rng(suffix_seed).integers(0, 50000, (n_blocks - prefix_blocks) * bt)
+        toks = np.concatenate([pre, suf]).astype(np.int32)
+        keys = _chain_keys(pool, prefix_seed, prefix_blocks, suffix_seed, n_blocks)
+        kv = np.stack([payload_for(k.tobytes(), pool.info.block_bytes) for k in keys])
+        res = pool.index.put(keys, kv, described=describe(keys, toks, bt, bytes.fromhex(tag)))
+        stored += res.count("stored")
+    return {"stored": stored}
+
+
+_VIEW = {}
+
+
+def events_view_open(pool, tag):
+    from tract_cli.core.events import RegionView
+    _VIEW["view"] = RegionView(pool, bytes.fromhex(tag) if tag else None)
+    return len(_VIEW["view"].blocks)
+
+
+def _view_digest(view) -> dict:
+    """Every block of a view as (key, hash, parent, tokens, node), hex and lists."""
+    return {k.hex(): [b.hash.hex(), b.parent.hex() if b.parent else None, list(b.token_ids),
+                      b.node] for k, b in view.blocks.items()}
+
+
+def events_view_state(pool, poll: bool = False, fresh_tag=None) -> dict:
+    from tract_cli.core.events import RegionView
+    if poll:
+        view = _VIEW["view"]
+        view.poll()
+    else:
+        view = RegionView(pool, bytes.fromhex(fresh_tag) if fresh_tag else None)
+    return {"blocks": _view_digest(view), "resyncs": view.resyncs,
+            "events_read": view.events_read}
 
 
 if __name__ == "__main__":

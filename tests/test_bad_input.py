@@ -60,6 +60,12 @@ CASES = [
     ("inspect {OTHER}", 1, "no TraCT region"),
     ("inspect {R} --interval 0", 2, "interval"),
     ("inspect {R} --count 3", 2, "--watch"),
+    ("events {OTHER} --once", 1, "no TraCT region"),
+    ("events {R} --once --tag 1234", 2, "--tag '1234' is not 32 hex digits"),
+    ("events {R} --once --interval 0", 2, "--interval must be in"),
+    ("events {R} --once --hash-format hex", 2, "--hash-format 'hex'"),
+    ("events {R} --once --zmq tcp://*:5557", 2, "--once prints; --zmq serves"),
+    ("events {R} --once --node 9", 2, "node 9"),
     ("check {OLD}", 1, "version"),
     ("check {MISSING}", 2, "does not exist"),
     # agent

@@ -42,6 +42,11 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "model_id": 7}, "kv_both", "model_id must be a non-empty"),
     ({"pool": "p", "node": 1, "weights_digest": "some"}, "kv_both", "weights_digest 'some'"),
     ({"pool": "p", "node": 1, "load_mode": "lazy"}, "kv_both", "load_mode 'lazy' is unknown"),
+    ({"pool": "p", "node": 1, "kv_events": 1}, "kv_both", "kv_events must be true or false"),
+    ({"pool": "p", "node": 1, "kv_events_medium": ""}, "kv_both", "kv_events_medium must be"),
+    ({"pool": "p", "node": 1, "kv_events_ownership": 3}, "kv_both", "kv_events_ownership must"),
+    ({"pool": "p", "node": 1, "kv_events_interval_s": -1}, "kv_both",
+     "kv_events_interval_s must be a positive"),
 ])
 def test_bad_settings_are_one_line_saying_what_to_fix(extra, role, words):
     with pytest.raises(UsageError) as exc:

@@ -15,12 +15,14 @@ wrong KV shows (tests/test_vllm_faults.py has the negative control).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.servers import request
@@ -43,8 +45,16 @@ def stack(tmp_path_factory, vllm_checkpoint, vllm_mono):
     """A region, a prefill and a decode instance on it (nodes 1, 2; kv_both),
     and the session's monolithic vLLM; the two stopped, with their node agents,
     afterwards."""
+    # the decode instance publishes vLLM's KV events (with a replay endpoint, so a
+    # subscriber misses nothing published before it connected)
+    events = {"endpoint": f"tcp://127.0.0.1:{port()}", "replay": f"tcp://127.0.0.1:{port()}"}
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": events["endpoint"].replace("127.0.0.1", "*"),
+                 "replay_endpoint": events["replay"].replace("127.0.0.1", "*")}
     st = start_stack(tmp_path_factory.mktemp("vllm"), "128M", {"handoff_ttl_s": 60.0},
-                     ckpt=vllm_checkpoint, mono=vllm_mono)
+                     ckpt=vllm_checkpoint, mono=vllm_mono,
+                     decode_args=("--kv-events-config", json.dumps(kv_events)))
+    st["events"] = events
     try:
         yield st
     finally:
@@ -213,3 +223,208 @@ def test_a_region_of_another_model_stops_vllm_at_start_with_one_line(stack, regi
     line = str(exc.value)
     assert "TraCT connector:" in line and "holds KV blocks of tiny" in line, line
     assert "tract init" in line
+
+
+# ---- KV events for routers (docs/VLLM.md, "KV events for routers") ----
+
+class Subscriber:
+    """tests/kv_event_subscriber.py in vLLM's environment: a router's SUB socket
+    decoding with vLLM's own KVEventBatch; `events()` the lines so far."""
+
+    def __init__(self, endpoint: str, replay: str | None, out):
+        self.out = out
+        self.proc = subprocess.Popen(
+            [VLLM_PY, os.path.join(os.path.dirname(__file__), "kv_event_subscriber.py"),
+             endpoint, replay or "-", str(out), "300"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.wait(lambda rows: any(r.get("connected") for r in rows), 120, "its connection")
+
+    def rows(self) -> list:
+        if not self.out.exists():
+            return []
+        return [json.loads(x) for x in self.out.read_text().splitlines() if x.strip()]
+
+    def wait(self, done, timeout: float, what: str, each=None) -> list:
+        """Waits (bounded) until DONE(rows); EACH() is called every round (what makes
+        the publisher step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = self.rows()
+            if done(rows):
+                return rows
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s: {rows[-5:]}"
+            if each is not None:
+                each()
+            else:
+                time.sleep(0.2)   # polling a file another process writes, bounded
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _blocks(rows: list, medium: str = "CPU") -> dict:
+    """hash -> (tokens, parent, locality, ownership, block_size) of every block the
+    BlockStored rows of MEDIUM tell (a run's blocks: each one's parent the one before)."""
+    out = {}
+    for r in rows:
+        if r.get("type") != "BlockStored" or r["medium"] != medium:
+            continue
+        bs, parent = r["block_size"], r["parent_block_hash"]
+        for i, h in enumerate(r["block_hashes"]):
+            out[h] = (r["token_ids"][i * bs:(i + 1) * bs], parent, r["locality"],
+                      r["ownership"], bs)
+            parent = h
+    return out
+
+
+def _removed(rows: list, medium: str = "CPU") -> set:
+    return {h for r in rows if r.get("type") == "BlockRemoved" and r["medium"] == medium
+            for h in r["block_hashes"]}
+
+
+def _tokens(server, prompt: str) -> list[int]:
+    status, body = request(server.url + "/tokenize", {"model": server_model(server),
+                                                      "prompt": prompt})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def _key_tag(server) -> bytes:
+    text = open(server.log_path, errors="replace").read()
+    found = re.findall(r"publishing the region's blocks of key tag ([0-9a-f]{32})", text)
+    assert found, "the decode instance logged no KV events start"
+    return bytes.fromhex(found[-1])
+
+
+def _wanted(pool_path: str, tag: bytes, tokens: list[int]) -> tuple[list, int]:
+    """The event hashes of TOKENS' full blocks (vLLM's int form), from the tokens."""
+    from tract_cli.connectors.keys import prompt_keys
+    from tract_cli.core.events import wire_hash
+    with Pool.attach(pool_path, readonly=True, prefault=False) as p:
+        g = p.geometry.block_tokens
+        pk = prompt_keys(p.info, tag, g, tokens)
+    return [wire_hash(bytes(h)) for h in pk.hashes], g
+
+
+def test_routers_see_from_one_instance_the_blocks_another_stored_and_their_eviction(
+        stack, tmp_path):
+    """Instance A (prefill, node 1) computes a prompt; instance B (decode, node 2)
+    tells, in vLLM's own KV event stream, every full block of it as stored in the
+    region (REMOTE: A wrote it), with its tokens and parent, and as removed once
+    the pool evicts it; a subscriber decodes the stream with vLLM's KVEventBatch."""
+    sub = Subscriber(stack["events"]["endpoint"], stack["events"]["replay"],
+                     tmp_path / "events.jsonl")
+    try:
+        prompt = "A KV-aware router sends each request where its prefix is cached. " * 7
+        complete(stack["prefill"], prompt, 1)
+        tokens = _tokens(stack["prefill"], prompt)
+        want, g = _wanted(stack["pool"], _key_tag(stack["decode"]), tokens)
+        assert len(want) == len(tokens) // g >= 4
+
+        def poke():                 # B tells the region's changes at its steps
+            complete(stack["decode"], "poke", 1)
+
+        rows = sub.wait(lambda r: set(want) <= set(_blocks(r)), 60, "stored blocks", poke)
+        told = _blocks(rows)
+        with Pool.attach(stack["pool"], readonly=True, prefault=False) as p:
+            uuid = p.info.uuid
+        for i, h in enumerate(want):
+            toks, parent, locality, ownership, bs = told[h]
+            assert toks == tokens[i * g:(i + 1) * g] and bs == g
+            assert parent == (want[i - 1] if i else None)
+            assert locality == "REMOTE" and ownership == f"tract:{uuid}"
+        # the check above can fail: one token changed, the hashes are not those told
+        other, _ = _wanted(stack["pool"], _key_tag(stack["decode"]),
+                           tokens[:g] + [tokens[g] + 1] + tokens[g + 1:])
+        assert other[0] == want[0] and not set(other[1:]) & set(told)
+        # the pool filled by another writer (node 3): A's blocks are evicted, and B
+        # tells their removal
+        from tract_cli.core.agent_launch import start_node_agent
+        start_node_agent(stack["pool"], 3)
+        with Pool.attach(stack["pool"], node=3) as p:
+            rng = np.random.default_rng(7)
+            batch = np.zeros((512, p.info.block_bytes), np.uint8)
+            for _ in range(p.slot_count // 512 + 2):
+                p.index.put(rng.integers(0, 256, (512, 16), dtype=np.uint8), batch)
+        sub.wait(lambda r: set(want) <= _removed(r), 60, "removed blocks", poke)
+    finally:
+        sub.stop()
+
+
+def test_tract_events_serves_the_region_in_vllms_wire_format(stack, tmp_path):
+    """`tract events --zmq`: the region's stream without an engine, decoded by
+    vLLM's own KVEventBatch."""
+    from tract_cli.core.events import describe, wire_hash
+    from tract_cli.core.hashing import block_hashes, pool_root
+    endpoint = f"tcp://127.0.0.1:{port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "events", stack["pool"],
+                             "--zmq", endpoint, "--node", "3", "--interval", "0.02"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sub = None
+    try:
+        sub = Subscriber(endpoint, None, tmp_path / "events.jsonl")
+        with Pool.attach(stack["pool"], node=3) as p:
+            g = p.geometry.block_tokens
+            for attempt in range(5):   # a PUB socket drops what it sent before the
+                toks = np.arange(3 * g, dtype=np.int32) + 1000 * (attempt + 1)   # subscription
+                keys = block_hashes(toks, root=pool_root(p.info))
+                p.index.put(keys, np.zeros((3, p.info.block_bytes), np.uint8),
+                            described=describe(keys, toks, g, b"T" * 16))
+                want = [wire_hash(bytes(k)) for k in keys]
+                try:
+                    rows = sub.wait(lambda r: set(want) <= set(_blocks(r)), 10, "stored blocks")
+                    break
+                except AssertionError:
+                    if attempt == 4:
+                        raise
+        told = _blocks(rows)
+        assert [told[h][0] for h in want] == [toks[i * g:(i + 1) * g].tolist() for i in range(3)]
+        assert {told[h][2] for h in want} == {"LOCAL"}     # node 3 wrote them, as it serves
+    finally:
+        if sub is not None:
+            sub.stop()
+        proc.terminate()
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, proc.stderr.read().decode()[-2000:]
+
+
+def test_the_vllm_scheme_is_vllms_own_block_hash():
+    """With `--hash-scheme vllm` the hashes published are those vLLM computes
+    (sha256_cbor, its NONE_HASH): checked against vLLM's own functions, salted too."""
+    from tract_cli.core.events import wire_hash
+    from tract_cli.core.hashing import block_hashes
+    toks = list(range(3, 3 + 5 * 16))
+    script = (
+        "import json, sys\n"
+        "from vllm.utils.hashing import sha256_cbor\n"
+        "from vllm.v1.core import kv_cache_utils as k\n"
+        "from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash\n"
+        "k.init_none_hash(sha256_cbor)\n"
+        "toks = json.loads(sys.argv[1]); out = {}\n"
+        "for salt in (None, 'tenant'):\n"
+        "    parent, hs = None, []\n"
+        "    for i in range(0, len(toks), 16):\n"
+        "        extra = (salt,) if salt and i == 0 else None\n"
+        "        parent = k.hash_block_tokens(sha256_cbor, parent, toks[i:i + 16], extra)\n"
+        "        hs.append(maybe_convert_block_hash(parent))\n"
+        "    out[str(salt)] = hs\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    res = subprocess.run([VLLM_PY, "-c", script, json.dumps(toks)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    theirs = json.loads(res.stdout.splitlines()[-1])
+    ours = [wire_hash(bytes(h)) for h in block_hashes(np.array(toks, np.int32), "vllm", 16)]
+    salted = [wire_hash(bytes(h)) for h in block_hashes(np.array(toks, np.int32), "vllm", 16,
+                                                         salt="tenant")]
+    assert ours == theirs["None"] and salted == theirs["tenant"] and ours != salted

@@ -71,9 +71,14 @@ class RegionEvents:
 
     def take(self) -> list:
         """vLLM events for the changes since the last take (never waits)."""
-        if self._tail.error is not None and not self._error_logged:
+        error = self._tail.error
+        if error is not None and not self._error_logged:
             self._error_logged = True
-            log.warning("TraCT KV events stopped: %s", self._tail.error)
+            log.warning("TraCT KV events: reading the region's event logs failed (tried again "
+                        "from a snapshot every second until it works): %s", error)
+        elif error is None and self._error_logged:
+            self._error_logged = False
+            log.info("TraCT KV events: reading the region's event logs again")
         out = []
         for change in self._tail.take():
             kind, fields = event_fields(change, block_size=self.block_size, medium=self.medium,

@@ -40,6 +40,9 @@ BEHIND_LIMIT_S = 2.0
 # it (the parent's READY is in another stripe's log, read a poll later), then
 # is told anyway
 PARENT_WAIT_S = 0.5
+# a tail whose read failed (a lock wait of its snapshot timed out, ...) tries
+# again from a fresh snapshot after this long
+RETRY_S = 1.0
 
 
 class Described(NamedTuple):
@@ -310,6 +313,8 @@ class Feed:
         removed, stored = [], {}
         for key in keys:
             cur = self.view.blocks.get(key)
+            if cur is None:
+                self._waiting.pop(key, None)
             was = self.told.get(key)
             if was is not None and cur != was:
                 removed.append(was)
@@ -392,15 +397,29 @@ class Tail:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            with self._lock:
-                self.view = RegionView(self.pool, self.tag)
-                self.feed = Feed(self.view, self.node)
-            while not self._stop.wait(self.interval_s):
+        while True:
+            wait = self.interval_s
+            try:
                 with self._lock:
-                    self.feed.note(self.view.poll())
-        except Exception as exc:        # reported through `error`; the thread stops
-            self.error = exc
+                    if self.view is None:
+                        # (again after a failure: a fresh snapshot, and the feed
+                        # tells the difference from what it told before)
+                        view = RegionView(self.pool, self.tag)
+                        if self.feed is None:
+                            self.feed = Feed(view, self.node)
+                        else:
+                            self.feed.view = view
+                            self.feed.note(set(view.blocks) | set(self.feed.told))
+                        self.view = view
+                    else:
+                        self.feed.note(self.view.poll())
+                self.error = None
+            except Exception as exc:    # reported through `error`; retried from a snapshot
+                self.error = exc
+                self.view = None
+                wait = max(self.interval_s, RETRY_S)
+            if self._stop.wait(wait):
+                return
 
     def take(self) -> list[Change]:
         """The changes since the last take; none while a poll runs (a snapshot
