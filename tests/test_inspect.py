@@ -85,7 +85,9 @@ def test_json_follows_the_documented_schema(region):
     assert set(snap["index"]) == {"buckets", "stripes", "states", "load_factor",
                                   "probe_length_histogram", "max_probe_length", "pinned_blocks",
                                   "pins_total", "pinned_by_node", "counters", "lru",
-                                  "occupancy_map"}
+                                  "occupancy_map", "events"}
+    assert set(snap["index"]["events"]) == {"appended", "per_stripe_capacity", "kept",
+                                            "busiest_stripe"}
     only = inspect_json(region, "--index", "--alloc")
     assert "index" in only and "alloc" in only and "locks" not in only
 

@@ -203,8 +203,8 @@ def test_slots_in_use_is_the_bitmap_count(region_path):
     """What a metrics scrape reads (the allocator header's count, one line) is
     what the bitmap says, with a slot count that is not a multiple of 8."""
     from agents import RunningAgent
-    odd = ModelProfile("odd-blocks", Geometry(1, 1, 9, "f16", 9))      # 5461 slots in 4 MiB
-    Pool.create(region_path, 4 << 20, odd, nodes=2).close()
+    odd = ModelProfile("odd-blocks", Geometry(1, 1, 9, "f16", 9))      # 5461 slots in 6 MiB
+    Pool.create(region_path, 6 << 20, odd, nodes=2).close()
     with RunningAgent(region_path, 0, manager=True), Pool.attach(region_path, node=1) as p:
         assert p.slot_count % 8 and p.slots_in_use() == p.slot_usage()["used"] == 0
         got = p.allocator.alloc(37)

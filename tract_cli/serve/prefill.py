@@ -97,7 +97,7 @@ class PrefillWorker(PoolWorker):
         t0 = time.perf_counter()
         t = {}
         arr = np.asarray(tokens, dtype=np.int32)
-        keys = self.keys_for(arr, salt)
+        keys, hashes = self.keys_and_hashes(arr, salt)
         full = len(keys)
         reusable = (len(tokens) - 1) // bt            # the last token is always computed
         t["hash"] = time.perf_counter() - t0
@@ -139,9 +139,11 @@ class PrefillWorker(PoolWorker):
             # new blocks are published pinned: nothing evicts them before the handoff
             if mode == "copy":
                 res = pool.index.put(keys[h:], as_bytes(private[h:full]).reshape(full - h, -1),
-                                     pin=True) if full > h else PutResult(np.zeros(0, np.uint8))
+                                     pin=True, described=self.describe(arr, hashes, h, full, salt)
+                                     ) if full > h else PutResult(np.zeros(0, np.uint8))
             else:
-                res = pool.index.commit(keys[h:], status, slots, pin=True)
+                res = pool.index.commit(keys[h:], status, slots, pin=True,
+                                        described=self.describe(arr, hashes, h, full, salt))
                 status = None
             put_pins = res.pinned(keys[h:])
             ready_pins = None

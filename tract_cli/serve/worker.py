@@ -18,6 +18,7 @@ import numpy as np
 
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import UsageError
+from tract_cli.core.events import Described, describe
 from tract_cli.core.hashing import pool_root, request_keys, tag_keys
 from tract_cli.core.index import as_keys
 from tract_cli.core.pool import Pool
@@ -93,14 +94,26 @@ class PoolWorker:
     def _root_tag(self) -> bytes | None:
         return None if self.pool.info.hash_scheme == "vllm" else self.model_tag
 
-    def keys_for(self, tokens: np.ndarray, salt: str | None) -> np.ndarray:
+    def keys_and_hashes(self, tokens: np.ndarray, salt: str | None):
         """The pool keys of TOKENS' full blocks for a tenant's SALT, with this
-        engine's model identity."""
-        keys = request_keys(self.pool.info, tokens, self.engine.block_tokens, salt,
-                            root=self.root_for(salt))
+        engine's model identity, and the blocks' hashes as the scheme made them
+        (untagged: what KV events tell, `describe`)."""
+        hashes = request_keys(self.pool.info, tokens, self.engine.block_tokens, salt,
+                              root=self.root_for(salt))
+        keys = hashes
         if self.pool.info.hash_scheme == "vllm":
-            keys = tag_keys(as_keys(keys), self.model_tag) if len(keys) else keys
-        return keys
+            keys = tag_keys(as_keys(hashes), self.model_tag) if len(hashes) else hashes
+        return keys, hashes
+
+    def describe(self, tokens: np.ndarray, hashes: np.ndarray, lo: int, hi: int,
+                 salt: str | None) -> "Described | None":
+        """What the records of full blocks LO..HI say for KV events (none for a
+        salted request: its salt is not in the region, PROTOCOLS.md §12)."""
+        if salt is not None or hi <= lo:
+            return None
+        bt = self.engine.block_tokens
+        return describe(hashes[lo:hi], tokens[lo * bt:hi * bt], bt, self.model_tag,
+                        bytes(hashes[lo - 1]) if lo else None)
 
     # a scrape reads the pool without any lock: one observed line for the
     # slots in use (not a copy of the bitmap), this node's counters for locks
