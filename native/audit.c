@@ -197,10 +197,16 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 	qsort(kept, n_keep, sizeof(*kept), kept_by_age);
 	uint64_t i = 0;
 	for (uint32_t s = 0; s < r->hdr.index_stripes; s++) {
+		/* the stripe's READY set changes without events: its log is moved
+		 * on first, so its readers resynchronise even from a repair killed
+		 * partway */
+		struct stripe_ctx c;
+		tract_stripe_init(r, s, &c, set);
+		tract_events_skip(&c);
+		tract_stripe_flush(&c);
 		if ((rc = tract_publish(r, bs->offset + (uint64_t)s * size * TRACT_LINE,
 					fresh + (uint64_t)s * size, size * TRACT_LINE)) < 0)
 			goto out;
-		struct stripe_ctx c;
 		tract_stripe_init(r, s, &c, set);
 		struct tract_lru_anchor a = { 0 };   /* the list empty; the counters kept */
 		a.hits = c.lru.hits;
@@ -223,9 +229,6 @@ int tract_index_rebuild(tract_region *r, const uint64_t *keep, uint64_t n_keep)
 			tract_lru_push_head(&c, free_b, &k);
 			store_bucket(&c, free_b, &k);
 		}
-		/* the stripe's READY set changed without events: its log's readers
-		 * resynchronise */
-		tract_events_skip(&c);
 		tract_stripe_flush(&c);
 	}
 	rc = TRACT_OK;

@@ -277,7 +277,7 @@ enum {
 
 /* a slot's block record (docs/FORMAT.md §4.10): what a KV event says of the
  * block in it, written by the block's writer before it turns READY; token ids
- * (u32, block_tokens of them, zero-padded to a line) follow these two lines.
+ * (u32, block_tokens of them, zero-padded to a line) follow these three lines.
  * A reader trusts it only while `key` reads the event's key before and after
  * (the writer zeroes `key` before it rewrites the rest). */
 /* CDEF-BEGIN (for Python too: tract_cli/core/media.py) */
@@ -292,6 +292,10 @@ struct tract_block_record {
 	uint16_t flags;        /* TRACT_RECORD_* */
 	uint64_t written_ns;
 	uint8_t reserved[16];
+	/* line 2: the request's cache salt (UTF-8), on a prompt's first block of
+	 * a salted request (vLLM's extra keys of that block), else empty */
+	uint32_t salt_len;
+	uint8_t salt[60];
 };
 /* CDEF-END */
 
@@ -303,11 +307,16 @@ enum {
 };
 /* CDEF-END */
 
-/* bytes of a slot's record: two lines and its token ids, whole lines */
+/* bytes of a slot's record: three lines and its token ids, whole lines */
 static inline uint64_t tract_record_size(uint32_t block_tokens)
 {
-	return 128 + (((uint64_t)block_tokens * 4 + 63) & ~(uint64_t)63);
+	return 192 + (((uint64_t)block_tokens * 4 + 63) & ~(uint64_t)63);
 }
+
+/* the most entries a stripe's event log holds (its bucket count, up to this:
+ * the log's entry size stays far below 2^32, and 65536 events a stripe is a
+ * turnover of a million slots at 16 stripes) */
+#define TRACT_EVENT_LOG_MAX 65536u
 
 static_assert(sizeof(struct tract_header) == TRACT_HEADER_SIZE, "header size");
 static_assert(sizeof(struct tract_section) == 32, "section entry size");
@@ -324,6 +333,6 @@ static_assert(sizeof(struct tract_transfer_record) == TRACT_TRANSFER_ENTRY_SIZE,
 static_assert(sizeof(struct tract_key_entry) == TRACT_KEY_ENTRY_SIZE, "key list entry");
 static_assert(sizeof(struct tract_event_head) == 64, "event head");
 static_assert(sizeof(struct tract_event) == 64, "event");
-static_assert(sizeof(struct tract_block_record) == 128, "block record");
+static_assert(sizeof(struct tract_block_record) == 192, "block record");
 
 #endif

@@ -83,6 +83,19 @@ void tract_event_append(struct stripe_ctx *c, uint32_t kind, const struct tract_
 	c->ev_dirty = 1;
 }
 
+/* writes back every line of the entered stripe's log (internal) */
+void tract_events_write_back(struct stripe_ctx *c)
+{
+	c->r->ops->flush(c->r, log_off(c->r, c->stripe), (log_cap(c->r) + 1) * TRACT_LINE);
+}
+
+/* writes back SLOT's record (internal) */
+void tract_record_write_back(tract_region *r, uint32_t slot)
+{
+	if (slot < r->hdr.slot_count)
+		r->ops->flush(r, record_off(r, slot), tract_sec(r, TRACT_SEC_RECORDS)->entry_size);
+}
+
 /* moves the entered stripe's log head on past a whole ring (internal) */
 void tract_events_skip(struct stripe_ctx *c)
 {
@@ -147,6 +160,8 @@ void tract_records_write(tract_region *r, const uint8_t *keys, uint32_t n, const
 			rec = *d;
 			if (rec.n_tokens > bt)
 				rec.n_tokens = bt;
+			if (rec.salt_len > sizeof(rec.salt))
+				rec.salt_len = 0;
 			rec.flags &= TRACT_RECORD_PARENT | TRACT_RECORD_PARTIAL | TRACT_RECORD_GIVEN;
 		} else {
 			memset(&rec, 0, sizeof(rec));
@@ -167,8 +182,13 @@ void tract_records_write(tract_region *r, const uint8_t *keys, uint32_t n, const
 			r->ops->store(r, off + sizeof(rec), ids, len);
 			r->ops->flush(r, off + sizeof(rec), len);
 		} else {
-			rec.n_tokens = 0;
+			/* no room for the token ids: a record of the key alone */
+			memset((uint8_t *)&rec + 16, 0, sizeof(rec) - 16);
+			memcpy(rec.hash, keys + (uint64_t)i * 16, 16);
+			rec.node = (uint16_t)r->node_id;
+			rec.written_ns = now;
 		}
+		tract_write_line(r, off + 2 * TRACT_LINE, (const uint8_t *)&rec + 2 * TRACT_LINE);
 		tract_write_line(r, off + TRACT_LINE, (const uint8_t *)&rec + TRACT_LINE);
 		tract_write_line(r, off, &rec);
 	}
@@ -316,7 +336,8 @@ int tract_records_read(tract_region *r, const uint8_t *keys, const uint32_t *slo
 			continue;
 		uint64_t off = record_off(r, slots[i]);
 		r->ops->load(r, off, &rec[i], TRACT_LINE);
-		r->ops->load(r, off + TRACT_LINE, (uint8_t *)&rec[i] + TRACT_LINE, TRACT_LINE);
+		r->ops->load(r, off + TRACT_LINE, (uint8_t *)&rec[i] + TRACT_LINE,
+			     sizeof(rec[i]) - TRACT_LINE);
 		r->ops->load(r, off + sizeof(rec[i]), token_ids + (uint64_t)i * bt, (uint64_t)bt * 4);
 		ok[i] = !memcmp(rec[i].key, keys + (uint64_t)i * 16, 16);
 	}
@@ -331,7 +352,8 @@ int tract_records_read(tract_region *r, const uint8_t *keys, const uint32_t *slo
 			continue;
 		uint8_t again[16];
 		r->ops->load(r, record_off(r, slots[i]), again, 16);
-		if (memcmp(again, keys + (uint64_t)i * 16, 16) || rec[i].n_tokens > bt)
+		if (memcmp(again, keys + (uint64_t)i * 16, 16) || rec[i].n_tokens > bt ||
+		    rec[i].salt_len > sizeof(rec[i].salt))
 			ok[i] = 0;
 	}
 	return TRACT_OK;

@@ -106,6 +106,14 @@ int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
  * stripe's log (index_events.c) (internal) */
 void tract_event_append(struct stripe_ctx *c, uint32_t kind, const struct tract_bucket *bk);
 
+/* writes back every line of the entered stripe's log (the repair of a
+ * stripe a holder died inside; the caller fences) (index_events.c) (internal) */
+void tract_events_write_back(struct stripe_ctx *c);
+
+/* writes back SLOT's record (a dead writer's claim dropped; the caller
+ * fences) (index_events.c) (internal) */
+void tract_record_write_back(tract_region *r, uint32_t slot);
+
 /* moves the entered stripe's log head on past a whole ring: every reader
  * finds its cursor overrun and resynchronises from a snapshot (an offline
  * rebuild, which changes READY buckets without events) (index_events.c) (internal) */

@@ -169,6 +169,9 @@ void tract_stripe_repair(struct stripe_ctx *c)
 	r->ops->flush(r, c->lru_off, TRACT_LINE);
 	for (uint32_t n = 0; n < r->hdr.max_nodes; n++)
 		r->ops->flush(r, pin_off(r, n, c->first), c->size * 2);
+	/* its event log too: a dead holder's entries and head, written back
+	 * now, cannot land after the next holder's (index_events.c) */
+	tract_events_write_back(c);
 	r->ops->fence(r);
 	tract_lru_repair(c);     /* out of memory: the list stays as it is, for tract check */
 	finish_release(c);

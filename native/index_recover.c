@@ -95,6 +95,8 @@ int tract_index_drop_claim(tract_region *r, const uint8_t *key, uint32_t pid, ui
 		 * land later on the slot's next block */
 		tract_write_back_payload(r, tract_sec(r, TRACT_SEC_DATA)->offset +
 					    (uint64_t)slot * r->hdr.slot_stride, r->hdr.block_bytes);
+		tract_record_write_back(r, slot);     /* and its record's (KV events) */
+		r->ops->fence(r);
 		if (tract_free(r, &slot, 1, timeout_ns) == TRACT_OK)
 			*freed = 1;
 	}

@@ -98,6 +98,9 @@ static uint64_t place(const struct tract_format_params *p, uint64_t stride, uint
 	uint64_t buckets = next_pow2(2 * n);
 	if (buckets < (uint64_t)stripes * 32)
 		buckets = (uint64_t)stripes * 32;
+	uint64_t event_log = buckets / stripes;      /* a power of two, >= 32 */
+	if (event_log > TRACT_EVENT_LOG_MAX)
+		event_log = TRACT_EVENT_LOG_MAX;
 	struct { uint32_t kind; uint64_t entry; uint64_t count; uint64_t length; } spec[] = {
 		{TRACT_SEC_LOCKS, (nodes + 1) * TRACT_LINE, TRACT_FIXED_LOCKS + stripes, 0},
 		{TRACT_SEC_NODES, TRACT_NODE_ENTRY_SIZE, nodes, 0},
@@ -110,10 +113,10 @@ static uint64_t place(const struct tract_format_params *p, uint64_t stride, uint
 		{TRACT_SEC_LRU, TRACT_LINE, stripes, 0},
 		{TRACT_SEC_TRANSFER, TRACT_TRANSFER_ENTRY_SIZE, transfers, 0},
 		/* a stripe's log holds as many events as the stripe has buckets
-		 * (at least twice the slots): a reader falls behind only when
-		 * more than a whole turnover of its stripe happened between two
-		 * of its reads (docs/PROTOCOLS.md §13) */
-		{TRACT_SEC_EVENTS, (buckets / stripes + 1) * TRACT_LINE, stripes, 0},
+		 * (at least twice the slots; at most TRACT_EVENT_LOG_MAX): a reader
+		 * falls behind only when more than a whole turnover of its stripe
+		 * happened between two of its reads (docs/PROTOCOLS.md §13) */
+		{TRACT_SEC_EVENTS, (event_log + 1) * TRACT_LINE, stripes, 0},
 		{TRACT_SEC_RECORDS, tract_record_size(p->block_tokens), n, 0},
 	};
 	uint64_t off = TRACT_HEADER_SIZE;

@@ -52,6 +52,10 @@ class Worker:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
 
+    def ready(self) -> bool:
+        """Whether a reply (to a command sent with `send`) is waiting to be read."""
+        return bool(self._sel.select(timeout=0))
+
     def recv(self, op: str, timeout: float = DEFAULT_TIMEOUT):
         """Waits (bounded) for the reply to the command OP sent earlier."""
         deadline = time.monotonic() + timeout

@@ -65,6 +65,8 @@ CASES = [
     ("events {R} --once --interval 0", 2, "--interval must be in"),
     ("events {R} --once --hash-format hex", 2, "--hash-format 'hex'"),
     ("events {R} --once --zmq tcp://*:5557", 2, "--once prints; --zmq serves"),
+    ("events {R} --zmq tcp://*:5557", 2, "--zmq serves one model's blocks: --tag is missing"),
+    ("events {R} --once --topic " + "t" * 300, 2, "--topic must be at most 256"),
     ("events {R} --once --node 9", 2, "node 9"),
     ("check {OLD}", 1, "version"),
     ("check {MISSING}", 2, "does not exist"),

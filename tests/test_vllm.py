@@ -359,33 +359,37 @@ def test_routers_see_from_one_instance_the_blocks_another_stored_and_their_evict
 
 def test_tract_events_serves_the_region_in_vllms_wire_format(stack, tmp_path):
     """`tract events --zmq`: the region's stream without an engine, decoded by
-    vLLM's own KVEventBatch."""
+    vLLM's own KVEventBatch; a subscriber that joins late is told the whole state
+    (blocks stored before it connected), then each change."""
     from tract_cli.core.events import describe, wire_hash
     from tract_cli.core.hashing import block_hashes, pool_root
+    tag = b"T" * 16
+
+    def put(start: int):
+        with Pool.attach(stack["pool"], node=3) as p:
+            g = p.geometry.block_tokens
+            toks = np.arange(3 * g, dtype=np.int32) + start
+            keys = block_hashes(toks, root=pool_root(p.info))
+            p.index.put(keys, np.zeros((3, p.info.block_bytes), np.uint8),
+                        described=describe(keys, toks, g, tag))
+        return [wire_hash(bytes(k)) for k in keys], toks, g
+
+    before, toks, g = put(1000)
     endpoint = f"tcp://127.0.0.1:{port()}"
     proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "events", stack["pool"],
-                             "--zmq", endpoint, "--node", "3", "--interval", "0.02"],
+                             "--zmq", endpoint, "--node", "3", "--tag", tag.hex(),
+                             "--interval", "0.02"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sub = None
     try:
         sub = Subscriber(endpoint, None, tmp_path / "events.jsonl")
-        with Pool.attach(stack["pool"], node=3) as p:
-            g = p.geometry.block_tokens
-            for attempt in range(5):   # a PUB socket drops what it sent before the
-                toks = np.arange(3 * g, dtype=np.int32) + 1000 * (attempt + 1)   # subscription
-                keys = block_hashes(toks, root=pool_root(p.info))
-                p.index.put(keys, np.zeros((3, p.info.block_bytes), np.uint8),
-                            described=describe(keys, toks, g, b"T" * 16))
-                want = [wire_hash(bytes(k)) for k in keys]
-                try:
-                    rows = sub.wait(lambda r: set(want) <= set(_blocks(r)), 10, "stored blocks")
-                    break
-                except AssertionError:
-                    if attempt == 4:
-                        raise
+        rows = sub.wait(lambda r: set(before) <= set(_blocks(r)), 30, "the state at joining")
         told = _blocks(rows)
-        assert [told[h][0] for h in want] == [toks[i * g:(i + 1) * g].tolist() for i in range(3)]
-        assert {told[h][2] for h in want} == {"LOCAL"}     # node 3 wrote them, as it serves
+        assert [told[h][0] for h in before] == [toks[i * g:(i + 1) * g].tolist()
+                                                for i in range(3)]
+        assert {told[h][2] for h in before} == {"LOCAL"}     # node 3 wrote them, as it serves
+        after, _, _ = put(5000)
+        sub.wait(lambda r: set(after) <= set(_blocks(r)), 30, "blocks stored after joining")
     finally:
         if sub is not None:
             sub.stop()

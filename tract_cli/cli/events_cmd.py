@@ -77,7 +77,15 @@ def events(
         raise UsageError("--once prints; --zmq serves", "drop one of them")
     if not medium or len(medium) > 256:
         raise UsageError("--medium must be 1 to 256 characters", "e.g. --medium CPU")
+    for name, value in (("--ownership", ownership), ("--topic", topic)):
+        if value is not None and len(value) > 256:
+            raise UsageError(f"{name} must be at most 256 characters", f"shorten {name}")
     want = _tag(tag)
+    if zmq_endpoint and want is None:
+        # one model's blocks: another model's hashes of the same tokens are the same
+        # (vLLM's), so a router told both would credit the wrong instances
+        raise UsageError("--zmq serves one model's blocks: --tag is missing",
+                         "pass --tag (`tract events POOL --once --json` lists the tags)")
     if start_agent:
         start_node_agent(pool, node)
         watch = AgentWatch(pool, node)
@@ -100,7 +108,9 @@ def events(
                       file=sys.stderr, flush=True)
             while True:
                 batch = []
-                for change in feed.take():
+                if publisher is not None and publisher.joined():
+                    feed.retell()          # a new subscriber gets the whole state
+                for change in feed.take(now=float("inf") if once else None):
                     kind, fields = event_fields(change, block_size=bt, medium=medium,
                                                 ownership=own, locality=locality,
                                                 int_hashes=hash_format == "int")

@@ -160,6 +160,13 @@ class TractConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        # the region is the rack's, never reset by one instance; after vLLM's
+        # reset (and its AllBlocksCleared) the region's blocks are told again
+        if self.scheduler_side is not None:
+            self.scheduler_side.retell_events()
+        return None
+
     def take_events(self):
         # the region's blocks this instance can load, told next to vLLM's own
         # pages in its KV event stream (connectors/vllm_events.py)

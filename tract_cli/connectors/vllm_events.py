@@ -79,14 +79,23 @@ class RegionEvents:
         elif error is None and self._error_logged:
             self._error_logged = False
             log.info("TraCT KV events: reading the region's event logs again")
-        out = []
-        for change in self._tail.take():
-            kind, fields = event_fields(change, block_size=self.block_size, medium=self.medium,
-                                        ownership=self.ownership,
-                                        locality=self.settings.kv_events_locality,
-                                        int_hashes=envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-            out.append((BlockStored if kind == "BlockStored" else BlockRemoved)(**fields))
-        return out
+        try:
+            out = []
+            for change in self._tail.take():
+                kind, fields = event_fields(change, block_size=self.block_size,
+                                            medium=self.medium, ownership=self.ownership,
+                                            locality=self.settings.kv_events_locality,
+                                            int_hashes=envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+                out.append((BlockStored if kind == "BlockStored" else BlockRemoved)(**fields))
+            return out
+        except Exception as exc:     # the engine's step never fails for an event
+            log.warning("TraCT KV events: changes not told (told again from the region): %s",
+                        exc)
+            self._tail.retell()
+            return []
+
+    def retell(self) -> None:
+        self._tail.retell()
 
     def close(self) -> None:
         self._tail.close()

@@ -36,7 +36,7 @@ import numpy as np
 
 from tract_cli.connectors import vllm_events
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
-from tract_cli.core.events import Described, describe
+from tract_cli.core.events import MAX_RECORD_SALT, Described, describe
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
@@ -75,10 +75,11 @@ class _Request:
     tail_tokens: int
     cacheable: bool
     # what its blocks' records say (KV events): the full blocks' hashes as the
-    # scheme made them and the prompt's tokens; None: not described (a salted
-    # prompt: its salt is not in the region, so no router may match it)
+    # scheme made them, the prompt's tokens and its cache salt; hashes None: not
+    # described (a salt longer than a record holds)
     hashes: np.ndarray | None = None
     tokens: np.ndarray | None = None
+    salt: str | None = None
     lookup: Lookup | None = None       # pins this process holds for the request
     looking: Future | None = None      # a lookup running off the scheduler loop
     first_asked: float = 0.0           # when vLLM first asked for its match
@@ -162,6 +163,12 @@ class SchedulerSide:
         """vLLM KV events for the region's blocks changed since the last step."""
         return self._events.take() if self._events is not None else []
 
+    def retell_events(self) -> None:
+        """Tells every region block again at the next step (vLLM reset the
+        connector's cache: a router told to forget the instance's blocks)."""
+        if self._events is not None:
+            self._events.retell()
+
     def _state(self, request: "Request") -> _Request:
         st = self._reqs.get(request.request_id)
         if st is not None:
@@ -185,14 +192,14 @@ class SchedulerSide:
             keys, tail_key, tail, hashes = prompt_keys(self.pool.info, self.key_tag, self.g,
                                                        tokens, salt)
             arr = np.asarray(tokens, dtype=np.int64)
-            if salt:
+            if salt and len(salt.encode()) > MAX_RECORD_SALT:
                 hashes = arr = None
         else:
             keys = np.zeros((0, 16), np.uint8)
             tail, tail_key = 0, None
         params = request.kv_transfer_params or {}
         st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable, hashes, arr,
-                      want_handoff=bool(params.get("do_remote_decode")))
+                      salt or None, want_handoff=bool(params.get("do_remote_decode")))
         self._reqs[request.request_id] = st
         return st
 
@@ -472,7 +479,7 @@ class SchedulerSide:
             return None
         keys = st.keys[st.saved:full]
         tokens = np.full(len(idx), self.g, np.uint32)
-        described = self._describe(st, st.saved, full, with_tail)
+        described = self._describe(req_id, st, st.saved, full, with_tail)
         if with_tail:
             idx.append(len(st.keys))
             keys = np.vstack([keys, st.tail_key])
@@ -485,16 +492,23 @@ class SchedulerSide:
         return SaveSpec(req_id, np.ascontiguousarray(keys), tokens, page_ids[blocks // self.r],
                         blocks % self.r, described=described)
 
-    def _describe(self, st: _Request, lo: int, hi: int, with_tail: bool) -> Described | None:
+    def _describe(self, req_id: str, st: _Request, lo: int, hi: int,
+                  with_tail: bool) -> Described | None:
         """What the records of full blocks LO..HI of a request (and its tail,
         with WITH_TAIL: not described, a handoff's block only) say for KV events;
         None for a prompt not described (salted)."""
         if st.hashes is None:
             return None
-        hi = max(lo, hi)
-        parent = bytes(st.hashes[lo - 1]) if lo else None
-        got = describe(st.hashes[lo:hi], st.tokens[lo * self.g:hi * self.g], self.g,
-                       self.key_tag, parent)
+        try:
+            hi = max(lo, hi)
+            parent = bytes(st.hashes[lo - 1]) if lo else None
+            got = describe(st.hashes[lo:hi], st.tokens[lo * self.g:hi * self.g], self.g,
+                           self.key_tag, parent, salt=st.salt)
+        except Exception as exc:     # a description never stops a save, nor the step
+            log.warning("TraCT: the blocks of request %s are saved without their KV event "
+                        "description: %s", req_id, exc)
+            st.hashes = None
+            return None
         if not with_tail:
             return got
         return Described(np.concatenate([got.records, np.zeros(1, got.records.dtype)]),

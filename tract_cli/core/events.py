@@ -36,6 +36,11 @@ READ_BATCH = 4096
 # a stripe whose head stays past an event this host cannot see for this long
 # (its writer died between the two lines) is taken from a snapshot instead
 BEHIND_LIMIT_S = 2.0
+# a stripe is taken from a snapshot at most this often (the snapshot holds its
+# lock while it reads the stripe's buckets)
+RESYNC_EVERY_S = 1.0
+# a snapshot's wait for one stripe lock
+SNAPSHOT_LOCK_TIMEOUT_S = 2.0
 # a stored block whose parent the router was not told of waits this long for
 # it (the parent's READY is in another stripe's log, read a poll later), then
 # is told anyway
@@ -53,14 +58,21 @@ class Described(NamedTuple):
     token_ids: np.ndarray
 
 
+# the longest cache salt a record holds (struct tract_block_record's salt line);
+# a prompt with a longer one is not described
+MAX_RECORD_SALT = 60
+
+
 def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None = None,
-             partial_last: bool = False) -> Described:
+             partial_last: bool = False, salt: str | None = None) -> Described:
     """Describes consecutive blocks of one prompt: HASHES ((n, 16) or (n, 32)
     uint8: each block's hash as its scheme made it, untagged), TOKENS (the
     blocks' token ids in order, block_tokens each; the last block fewer when
     PARTIAL_LAST), TAG (16 bytes: the writer's model tag), PARENT (the hash
-    of the block before the first; None: the first is the prompt's first).
-    Vectorised: no Python loop per block."""
+    of the block before the first; None: the first is the prompt's first),
+    SALT (the request's cache salt: kept with the prompt's first block, where
+    vLLM's events carry it, in its extra keys).  Vectorised: no Python loop per
+    block."""
     h = np.ascontiguousarray(hashes, dtype=np.uint8)
     n = len(h)
     if h.ndim != 2 or h.shape[1] not in (16, 32):
@@ -77,6 +89,10 @@ def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None
                          "pass exactly the blocks' tokens")
     if tok.size and (tok.min() < 0 or tok.max() > 0xFFFFFFFF):
         raise UsageError("a token id is outside 0..2^32-1", "pass the prompt's token ids")
+    salt_bytes = salt.encode() if salt else b""
+    if len(salt_bytes) > MAX_RECORD_SALT:
+        raise UsageError(f"a cache salt of {len(salt_bytes)} bytes does not fit a block record",
+                         f"leave prompts with salts over {MAX_RECORD_SALT} bytes undescribed")
     rec = np.zeros(n, BLOCK_RECORD_DTYPE)
     raw = rec.view(np.uint8).reshape(n, BLOCK_RECORD_DTYPE.itemsize)
     width = h.shape[1]
@@ -85,7 +101,7 @@ def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None
     if n > 1:
         raw[1:, 64:64 + width] = h[:-1]
     flags = np.full(n, F_PARENT | F_GIVEN, np.uint16)
-    if parent is not None:
+    if parent is not None and n:
         pb = np.frombuffer(bytes(parent), np.uint8)
         raw[0, 64:64 + pb.size] = pb
     elif n:
@@ -99,6 +115,9 @@ def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None
     if partial_last and n:
         counts[-1] = tok.size - full * block_tokens
     rec["n_tokens"] = counts
+    if salt_bytes and n and parent is None:
+        rec["salt_len"][0] = len(salt_bytes)
+        raw[0, 132:132 + len(salt_bytes)] = np.frombuffer(salt_bytes, np.uint8)
     return Described(rec, ids)
 
 
@@ -109,9 +128,14 @@ class Block:
     key: bytes            # its key in the index
     hash: bytes           # its hash as its scheme made it, untagged (vLLM's: 32 bytes)
     parent: bytes | None  # its parent's hash (None: a prompt's first block)
-    token_ids: tuple      # its tokens
+    tokens: bytes         # its token ids, u32 little-endian (compact: a view holds many)
     node: int             # the node that wrote it
     tag: bytes            # its writer's model tag
+    salt: str | None = None   # the request's cache salt (a salted prompt's first block)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return np.frombuffer(self.tokens, "<u4").tolist()
 
 
 def _hash_bytes(raw: bytes, scheme_bytes: int) -> bytes:
@@ -136,6 +160,7 @@ class RegionView:
         self.cursors = np.zeros(self.stripes, np.uint64)
         self.heads = np.zeros(self.stripes, np.uint64)
         self._behind_since: dict[int, float] = {}
+        self._resynced_at: dict[int, float] = {}
         self.events_read = 0         # events taken from the logs
         self.resyncs = 0             # stripes taken from a snapshot after a lost log
         self._buckets = info.section("buckets").count
@@ -170,17 +195,25 @@ class RegionView:
         if self.tag is not None and tag != self.tag:
             return None
         parent = _hash_bytes(bytes(rec["parent"]), self.hash_bytes) if flags & F_PARENT else None
+        salt = None
+        if rec["salt_len"]:
+            try:
+                salt = bytes(rec["salt"])[:int(rec["salt_len"])].decode()
+            except UnicodeDecodeError:    # a record another host wrote: never trusted blindly
+                return None
         return Block(key, _hash_bytes(bytes(rec["hash"]), self.hash_bytes), parent,
-                     tuple(ids[:int(rec["n_tokens"])].tolist()), int(rec["node"]), tag)
+                     ids[:int(rec["n_tokens"])].astype("<u4").tobytes(), int(rec["node"]), tag,
+                     salt)
 
     # -- reading ---------------------------------------------------------------
 
-    def snapshot(self, want: np.ndarray) -> set:
+    def snapshot(self, want: np.ndarray, resync: bool = False) -> set:
         """Takes the stripes WANT names from a snapshot (each under its lock)
-        and continues their logs from there; returns the keys that changed."""
+        and continues their logs from there; returns the keys that changed.
+        RESYNC: after a lost log (rate-limited: RESYNC_EVERY_S)."""
         want8 = np.ascontiguousarray(want, dtype=np.uint8)
         heads = np.zeros(self.stripes, np.uint64)
-        cap = self._buckets
+        cap = self._buckets // self.stripes * int(want8.astype(bool).sum())
         keys = np.zeros((cap, 16), np.uint8)
         slots = np.zeros(cap, np.uint32)
         stripe_of = np.zeros(cap, np.uint32)
@@ -189,17 +222,19 @@ class RegionView:
             self.pool._r(), ffi.from_buffer(want8),
             ffi.cast("uint64_t *", ffi.from_buffer(heads)), ffi.from_buffer(keys),
             ffi.cast("uint32_t *", ffi.from_buffer(slots)),
-            ffi.cast("uint32_t *", ffi.from_buffer(stripe_of)), cap, n, int(10e9))
+            ffi.cast("uint32_t *", ffi.from_buffer(stripe_of)), cap, n,
+            int(SNAPSHOT_LOCK_TIMEOUT_S * 1e9))
         raise_for(rc, f"{self.pool.path} event snapshot")
         k = n[0]
         rec, ids, ok = self._records(keys[:k], slots[:k])
-        changed = set()
-        fresh: dict[bytes, Block] = {}
+        fresh: dict[bytes, tuple[Block, int]] = {}
         for i in np.flatnonzero(ok):
             key = keys[i].tobytes()
             blk = self._block(key, rec[i], ids[i])
             if blk is not None:
-                fresh[key] = blk
+                fresh[key] = (blk, int(stripe_of[i]))
+        changed = set()
+        now = time.monotonic()
         for s in np.flatnonzero(want8):
             for key in self._by_stripe[s]:
                 if key not in fresh:
@@ -208,12 +243,10 @@ class RegionView:
             self._by_stripe[s] = set()
             self.cursors[s] = heads[s]
             self._behind_since.pop(int(s), None)
-        for i in np.flatnonzero(ok):
-            key = keys[i].tobytes()
-            blk = fresh.get(key)
-            if blk is None:
-                continue
-            self._by_stripe[int(stripe_of[i])].add(key)
+            if resync:
+                self._resynced_at[int(s)] = now
+        for key, (blk, s) in fresh.items():
+            self._by_stripe[s].add(key)
             if self.blocks.get(key) != blk:
                 changed.add(key)
             self.blocks[key] = blk
@@ -236,18 +269,25 @@ class RegionView:
             self.events_read += k
             if k:
                 self._apply(self._events[:k], self._stripe_of[:k], changed)
-            lost = self._state == lib.TRACT_EVENTS_LOST
             now = time.monotonic()
+            lost = np.zeros(self.stripes, bool)
             for s in range(self.stripes):
-                if self._state[s] == lib.TRACT_EVENTS_BEHIND:
+                state = self._state[s]
+                if state == lib.TRACT_EVENTS_BEHIND:
                     since = self._behind_since.setdefault(s, now)
-                    if now - since >= BEHIND_LIMIT_S:
-                        lost[s] = True
+                    lost[s] = now - since >= BEHIND_LIMIT_S
                 else:
-                    self._behind_since.pop(s, None)
+                    if self.cursors[s] == self.heads[s]:
+                        self._behind_since.pop(s, None)
+                    lost[s] = state == lib.TRACT_EVENTS_LOST
+                # a stripe resynchronised less than RESYNC_EVERY_S ago waits: a
+                # reader that keeps losing its place does not hold stripe locks
+                # (and the writers behind them) in a loop
+                if lost[s] and now - self._resynced_at.get(s, -RESYNC_EVERY_S) < RESYNC_EVERY_S:
+                    lost[s] = False
             if lost.any():
                 self.resyncs += int(lost.sum())
-                changed |= self.snapshot(lost)
+                changed |= self.snapshot(lost, resync=True)
             if k < READ_BATCH:
                 break
         return changed
@@ -307,7 +347,16 @@ class Feed:
         """Keys a poll found changed, to consider at the next take."""
         self._pending |= changed
 
+    def retell(self) -> None:
+        """Tells every block of the view again at the next take (a subscriber
+        that joined, a router told to forget the instance's blocks)."""
+        self.told.clear()
+        self._told_hashes.clear()
+        self._pending |= set(self.view.blocks)
+
     def take(self, now: float | None = None) -> list[Change]:
+        """The changes since the last take.  NOW: the clock of the parent wait
+        (float('inf'): tell every block now, waiting for no parent)."""
         now = time.monotonic() if now is None else now
         keys, self._pending = self._pending | set(self._waiting), set()
         removed, stored = [], {}
@@ -319,8 +368,8 @@ class Feed:
             if was is not None and cur != was:
                 removed.append(was)
                 self._forget(key)
-            if cur is not None and self.told.get(key) is None:
-                stored[cur.hash] = cur
+            if cur is not None and key not in self.told:
+                stored[key] = cur
         out: list[Change] = []
         for local, group in self._by_locality(removed):
             out.append(Change("removed", group, None, local))
@@ -345,14 +394,15 @@ class Feed:
                 yield local, group
 
     def _stored_runs(self, stored: dict, now: float) -> list[Change]:
-        """Stored blocks parent first, in chain runs; a block whose parent was
-        never told waits (PARENT_WAIT_S) for it, then is told anyway."""
+        """STORED (key -> block) parent first, in chain runs; a block whose
+        parent was never told waits (PARENT_WAIT_S) for it, then is told anyway."""
+        in_batch = {b.hash for b in stored.values()}
         children: dict[bytes, list] = {}
         ready = []
         for blk in stored.values():
             if blk.parent is None or blk.parent in self._told_hashes:
                 ready.append(blk)
-            elif blk.parent in stored:
+            elif blk.parent in in_batch:
                 children.setdefault(blk.parent, []).append(blk)
             elif now - self._waiting.setdefault(blk.key, now) >= PARENT_WAIT_S:
                 ready.append(blk)
@@ -432,9 +482,16 @@ class Tail:
         finally:
             self._lock.release()
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stops the thread and waits for it (bounded: a snapshot waits at most
+        SNAPSHOT_LOCK_TIMEOUT_S a stripe), so nothing reads the pool after."""
         self._stop.set()
         self._thread.join(timeout)
+
+    def retell(self) -> None:
+        with self._lock:
+            if self.feed is not None:
+                self.feed.retell()
 
 
 def wire_hash(h: bytes, as_int: bool = True):
@@ -453,8 +510,12 @@ def event_fields(change: Change, *, block_size: int, medium: str | None, ownersh
     if change.kind == "removed":
         return "BlockRemoved", dict(block_hashes=hashes, medium=medium, locality=loc,
                                     ownership=ownership)
+    # vLLM's extra keys: per block, the cache salt on a salted prompt's first block
+    extra = ([(b.salt,) if b.salt else None for b in change.blocks]
+             if any(b.salt for b in change.blocks) else None)
     return "BlockStored", dict(
         block_hashes=hashes,
         parent_block_hash=None if change.parent is None else wire_hash(change.parent, int_hashes),
         token_ids=[t for b in change.blocks for t in b.token_ids], block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None, locality=loc, ownership=ownership)
+        lora_id=None, medium=medium, lora_name=None, extra_keys=extra, locality=loc,
+        ownership=ownership)

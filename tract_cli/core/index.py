@@ -101,13 +101,20 @@ def as_keys(hashes) -> np.ndarray:
     return np.ascontiguousarray(arr[:, :16])
 
 
-def _described(described, n: int):
+def _described(described, n: int, block_tokens: int):
     """The (desc, token_ids) C arguments of a put's Described (NULLs for None)."""
     if described is None:
         return ffi.NULL, ffi.NULL
-    if len(described.records) != n:
-        raise UsageError(f"{len(described.records)} block descriptions for {n} keys",
-                         "describe every block of the put")
+    from tract_cli.core.media import BLOCK_RECORD_DTYPE
+    rec, ids = described.records, described.token_ids
+    # the C core reads n records and n rows of the region's block tokens: exactly
+    # those, or a one-line error (never a read past them)
+    if (rec.dtype != BLOCK_RECORD_DTYPE or rec.shape != (n,) or ids.dtype != np.uint32
+            or ids.shape != (n, block_tokens) or not rec.flags.c_contiguous
+            or not ids.flags.c_contiguous):
+        raise UsageError(f"block descriptions must be {n} records and ({n}, {block_tokens}) "
+                         f"uint32 token ids, got {rec.dtype}{rec.shape} and {ids.dtype}"
+                         f"{ids.shape}", "describe the put's blocks with core.events.describe")
     return (ffi.cast("struct tract_block_record *", ffi.from_buffer(described.records)),
             ffi.cast("uint32_t *", ffi.from_buffer(described.token_ids)))
 
@@ -201,7 +208,8 @@ class PrefixIndex:
                                  self._u32(tok) if tok is not None else ffi.NULL,
                                  (lib.TRACT_PUT_CHECKSUM if checksum else 0) |
                                  (lib.TRACT_PUT_PIN if pin else 0),
-                                 *_described(described, n), ffi.from_buffer(status),
+                                 *_described(described, n, self._pool.geometry.block_tokens),
+                                 ffi.from_buffer(status),
                                  int(timeout * 1e9))
         self._raise_full(rc, n, "unpin blocks (finish or time out handoffs) or use a larger region")
         raise_for(rc, f"{self._pool.path} index put")
@@ -261,7 +269,8 @@ class PrefixIndex:
         rc = lib.tract_index_put_commit(self._pool._r(), ffi.from_buffer(keys), n,
                                         ffi.from_buffer(status), self._u32(np.ascontiguousarray(
                                             slots, dtype=np.uint32)), tok, sums,
-                                        *_described(described, n),
+                                        *_described(described, n,
+                                                    self._pool.geometry.block_tokens),
                                         ((2 if pin else 1) | (lib.TRACT_COMMIT_STREAMED if streamed
                                                               else 0)) if publish else 0,
                                         int(timeout * 1e9))

@@ -44,14 +44,15 @@ RECORD_DTYPE = np.dtype([("state", "<u4"), ("owner_node", "<u4"), ("owner_pid", 
 ALLOC_DTYPE = np.dtype([("used_slots", "<u8"), ("next_hint", "<u8"), ("claims", "<u8"),
                         ("releases", "<u8"), ("intent_n", "<u2"), ("intent_node", "<u2"),
                         ("pad", "V28")])
-# an entry of a stripe's event log (struct tract_event, FORMAT.md §4.10)
+# an entry of a stripe's event log (struct tract_event, FORMAT.md §4.9)
 EVENT_DTYPE = np.dtype([("seq", "<u8"), ("kind", "<u4"), ("slot", "<u4"), ("key", "V16"),
                         ("node", "<u2"), ("flags", "<u2"), ("tokens", "<u4"), ("time_ns", "<u8"),
                         ("epoch", "<u4"), ("pad", "V12")])
-# the two lines of a slot's block record (struct tract_block_record, FORMAT.md §4.11)
+# the three lines of a slot's block record (struct tract_block_record, FORMAT.md §4.10)
 BLOCK_RECORD_DTYPE = np.dtype([("key", "V16"), ("tag", "V16"), ("hash", "V32"), ("parent", "V32"),
                                ("n_tokens", "<u4"), ("node", "<u2"), ("flags", "<u2"),
-                               ("written_ns", "<u8"), ("pad", "V16")])
+                               ("written_ns", "<u8"), ("pad", "V16"), ("salt_len", "<u4"),
+                               ("salt", "V60")])
 
 # line 0 of a node entry (struct tract_node_entry, FORMAT.md §4.2), as
 # nodes.read_nodes unpacks it and the agent packs it: its values, in order

@@ -6,8 +6,8 @@ The structs mirror vllm.distributed.kv_events (vLLM 0.32): a `KVEventBatch`
 (an array: ts, events, data_parallel_rank) of tagged `BlockStored` /
 `BlockRemoved` maps, msgpack-encoded, sent on a ZMQ PUB socket as three
 frames (topic, an 8-byte big-endian sequence number, the payload), as vLLM's
-`ZmqEventPublisher` sends them.  tests/test_vllm_events.py decodes this stream
-with vLLM's own classes.  (Mirrored, not imported: `tract` does not depend on
+`ZmqEventPublisher` sends them.  tests/test_vllm.py decodes this stream with
+vLLM's own classes.  (Mirrored, not imported: `tract` does not depend on
 vLLM.)
 """
 from __future__ import annotations
@@ -60,11 +60,16 @@ CLASSES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
 
 
 class ZmqPublisher:
-    """A PUB socket bound to ENDPOINT sending batches as vLLM does."""
+    """A PUB socket (an XPUB: it also hears subscriptions) bound to ENDPOINT,
+    sending batches as vLLM does.  A PUB socket drops what it sent before a
+    subscriber joined, so `joined()` says when one did: the caller tells it
+    the whole state again (what vLLM's replay endpoint is for, without a
+    bounded buffer to fall out of)."""
 
     def __init__(self, endpoint: str, topic: str = ""):
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock = self._ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)     # every subscription, not the first only
         self._sock.set_hwm(100_000)
         try:
             self._sock.bind(endpoint)
@@ -76,6 +81,14 @@ class ZmqPublisher:
         self._topic = topic.encode()
         self._seq = 0
         self._enc = msgspec.msgpack.Encoder()
+
+    def joined(self) -> bool:
+        """Whether a subscriber subscribed since the last call."""
+        joined = False
+        while self._sock.poll(0):
+            msg = self._sock.recv()
+            joined |= bool(msg) and msg[0] == 1
+        return joined
 
     def publish(self, events: list[tuple[str, dict]]) -> None:
         if not events:

@@ -18,7 +18,7 @@ import numpy as np
 
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import UsageError
-from tract_cli.core.events import Described, describe
+from tract_cli.core.events import MAX_RECORD_SALT, Described, describe
 from tract_cli.core.hashing import pool_root, request_keys, tag_keys
 from tract_cli.core.index import as_keys
 from tract_cli.core.pool import Pool
@@ -108,12 +108,12 @@ class PoolWorker:
     def describe(self, tokens: np.ndarray, hashes: np.ndarray, lo: int, hi: int,
                  salt: str | None) -> "Described | None":
         """What the records of full blocks LO..HI say for KV events (none for a
-        salted request: its salt is not in the region, PROTOCOLS.md §12)."""
-        if salt is not None or hi <= lo:
+        salt longer than a record holds)."""
+        if hi <= lo or (salt and len(salt.encode()) > MAX_RECORD_SALT):
             return None
         bt = self.engine.block_tokens
         return describe(hashes[lo:hi], tokens[lo * bt:hi * bt], bt, self.model_tag,
-                        bytes(hashes[lo - 1]) if lo else None)
+                        bytes(hashes[lo - 1]) if lo else None, salt=salt)
 
     # a scrape reads the pool without any lock: one observed line for the
     # slots in use (not a copy of the bitmap), this node's counters for locks
