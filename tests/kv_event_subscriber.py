@@ -57,6 +57,7 @@ def main() -> None:
         # is asked for again or waited for
         if not monitor.poll(int(limit * 1000)):
             raise SystemExit(f"no connection to {endpoint} within {limit} s")
+        monitor.recv_multipart()
         out.write(json.dumps({"connected": True}) + "\n")
         out.flush()
         if replay != "-":
@@ -76,8 +77,10 @@ def main() -> None:
             if sub.poll(100):
                 _topic, seq_bytes, payload = sub.recv_multipart()
                 emit(seq_bytes, payload)
+    sub.disable_monitor()
+    monitor.close(linger=0)
     sub.close(linger=0)
-    ctx.term()
+    ctx.term()          # (returns at once: every socket is closed, none lingers)
 
 
 if __name__ == "__main__":
