@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from format_reader import CRC_OFFSET  # noqa: E402
 from tract_cli.core.agent import Agent  # noqa: E402
 from tract_cli.core.errors import TractError  # noqa: E402
+from tract_cli.core.events import RegionView, describe  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 from tract_cli.core.recovery import recover_dead_processes  # noqa: E402
@@ -57,9 +58,12 @@ def populate(path: str) -> list:
     try:
         with Pool.attach(path, node=1) as p:
             bb = p.info.block_bytes
+            bt = p.info.geometry.block_tokens
             for s in range(6):
                 keys = chain(p, s, 6 + s)
-                p.index.put(keys, np.full((len(keys), bb), s + 1, np.uint8), checksum=True)
+                toks = np.random.default_rng(s).integers(0, 50000, len(keys) * bt)
+                p.index.put(keys, np.full((len(keys), bb), s + 1, np.uint8), checksum=True,
+                            described=describe(keys, toks, bt, b"fuzz-model-tag-1"))
                 if s < 3:
                     t = p.handoffs.publish(f"r{s}", keys, len(keys) * 16 + 3,
                                            tail=np.full(bb, 7, np.uint8), tail_tokens=3, ttl=3600)
@@ -86,7 +90,8 @@ def with_crc(page: bytearray) -> None:
 def corrupt(buf: bytearray, areas: dict, rng) -> str:
     """Corrupts one area of the region image in place; returns its name."""
     area = rng.choice(["header", "layout", "buckets", "pins", "lru", "transfer", "keylist",
-                       "objdir", "bitmap", "owners", "locks", "nodes", "alloc"])
+                       "objdir", "bitmap", "owners", "locks", "nodes", "alloc", "events",
+                       "records"])
     if area in ("header", "layout"):
         page = bytearray(buf[:4096])
         lo, hi = (0x08, 0x100) if area == "header" else (0x100, 0x300)
@@ -142,6 +147,8 @@ def drive(path: str, tickets: list, rng) -> dict:
                 lambda: recover_dead_processes(p, timeout=T),
                 lambda: p.allocator.free(p.allocator.alloc(3, timeout=T), timeout=T),
                 lambda: check.verify(p, data=True),
+                # KV events: the logs and records read (snapshot, then the logs)
+                lambda: RegionView(p, None).poll(),
             ]
             for i in rng.permutation(len(ops)):
                 seen["ops"] += 1

@@ -6,6 +6,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
+from tract_cli.bench.micro import events as eventbench
 from tract_cli.bench.micro import index as indexbench
 from tract_cli.bench.micro import snapshot as inspectbench
 from tract_cli.bench.micro import locks as lockbench
@@ -120,6 +121,48 @@ def lock(
             f"alloc 375 slots: {format_duration(r.alloc_375_cold_us / 1e6)} claiming from the "
             f"region, {format_duration(r.alloc_375_warm_us / 1e6)} from the node's free list; "
             f"free 375: {format_duration(r.free_375_us / 1e6)}")
+
+
+@app.command("events")
+def events(
+    model: str = typer.Option("tiny", "--model", help="Model profile (KV geometry)."),
+    input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens."),
+    flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
+                                          help="Flush modes to measure (repeatable)."),
+    rounds: int = typer.Option(9, "--rounds"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """What KV events cost: a request's commit with its blocks described (records,
+    events) against the same commit without; a reader's log read, snapshot, take."""
+    if rounds < 1 or input_len < 1:
+        raise UsageError("--rounds and --input-len must be at least 1", "e.g. --rounds 9")
+    results = [eventbench.bench_events(model, input_len, m, rounds) for m in flush_modes]
+    if json_out:
+        render.print_json([r.__dict__ for r in results])
+        return
+    for r in results:
+        t = Table(title=f"KV events of a {r.input_len}-token request, {r.model} ({r.blocks} "
+                        f"blocks), flush mode {r.flush_mode}, emulated /dev/shm region "
+                        f"(median of {rounds})", title_justify="left")
+        t.add_column("figure")
+        t.add_column("value", justify="right")
+        t.add_column("reference (same run)", justify="right")
+        added = r.commit_described_us - r.commit_plain_us
+        t.add_row("commit, blocks described (records, events)",
+                  format_duration(r.commit_described_us / 1e6),
+                  f"not described {format_duration(r.commit_plain_us / 1e6)} "
+                  f"({r.commit_described_us / r.commit_plain_us:.2f}x; "
+                  f"{added / r.blocks:+.2f} µs a block)")
+        t.add_row("describe (numpy, before the commit)", format_duration(r.describe_us / 1e6),
+                  f"{r.describe_us / r.blocks:.2f} µs a block")
+        t.add_row("reader: log and records read", format_duration(r.poll_us / 1e6),
+                  f"{r.poll_us / r.blocks:.2f} µs an event; idle read "
+                  f"{format_duration(r.poll_idle_us / 1e6)}")
+        t.add_row("reader: snapshot of the region", format_duration(r.snapshot_us / 1e6),
+                  "every stripe locked in turn")
+        t.add_row("feed: take (parents first, runs)", format_duration(r.take_us / 1e6),
+                  f"{r.take_us / r.blocks:.2f} µs a block")
+        render.stdout.print(t)
 
 
 @app.command("index")
