@@ -303,3 +303,15 @@ def test_a_head_past_an_entry_not_seen_is_waited_for_then_resynchronised(managed
         view.poll()
         assert view.resyncs == 1 and stripe not in view._behind_since
         assert view.cursors[stripe] == p.observe_u64(head_off)
+
+
+def test_microbench_events_measures_each_part():
+    res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "microbench", "events",
+                          "--input-len", "320", "--rounds", "1", "--flush-mode", "none",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    (fig,) = json.loads(res.stdout)
+    assert fig["blocks"] == 20 and fig["flush_mode"] == "none"
+    for name in ("commit_plain_us", "commit_described_us", "describe_us", "poll_us",
+                 "poll_idle_us", "snapshot_us", "take_us"):
+        assert fig[name] > 0, name
