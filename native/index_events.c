@@ -79,6 +79,7 @@ void tract_event_append(struct stripe_ctx *c, uint32_t kind, const struct tract_
 	r->ops->store(r, off, &writing, sizeof(writing));
 	r->ops->store(r, off + 8, (const uint8_t *)&e + 8, TRACT_LINE - 8);
 	tract_line_put(c, off, &e);
+	tract_maybe_die(TRACT_DIE_EVENT_APPENDED);
 	c->ev_next++;
 	c->ev_dirty = 1;
 }
@@ -110,8 +111,8 @@ void tract_events_skip(struct stripe_ctx *c)
 }
 
 /* writes the head of the entered stripe's log back if events were appended
- * (the section's flush): after its entries, though a reader trusts an
- * entry by its own number, not by the head (internal) */
+ * (the section's flush, which writes the section's lines back in no set
+ * order: a reader trusts an entry by its own number, never by the head) (internal) */
 void tract_events_flush_head(struct stripe_ctx *c)
 {
 	if (!c->ev_dirty)

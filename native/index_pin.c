@@ -173,6 +173,10 @@ void tract_stripe_repair(struct stripe_ctx *c)
 	 * now, cannot land after the next holder's (index_events.c) */
 	tract_events_write_back(c);
 	r->ops->fence(r);
+	/* and moved on past a whole ring: the dead holder may have changed
+	 * buckets whose events its head never covered (the next holder would
+	 * write over them), so every reader takes the stripe from a snapshot */
+	tract_events_skip(c);
 	tract_lru_repair(c);     /* out of memory: the list stays as it is, for tract check */
 	finish_release(c);
 }

@@ -447,7 +447,8 @@ enum tract_die_point {
 	TRACT_DIE_RELEASE_PINS = 15,   /* handoff release: a group's pins given back in this host's caches, not flushed */
 	TRACT_DIE_RELEASE_MARKED = 16, /* handoff release: a group marked in the record, its stripe not yet left */
 	TRACT_DIE_EVICTED = 17,        /* eviction: slots buried and journaled, their free not begun */
-	TRACT_DIE_COUNT = 18
+	TRACT_DIE_EVENT_APPENDED = 18, /* a stripe section: a KV event appended, its log's head not written */
+	TRACT_DIE_COUNT = 19
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */
@@ -719,7 +720,8 @@ int tract_index_put_begin(tract_region *r, const uint8_t *keys, uint32_t n, uint
  * what tract_index_put_begin claimed.  A publish writes each block's record
  * (its slot's, for KV events) before it turns READY: from DESC[i] (tag, hash,
  * parent, n_tokens, flags; key and node are the call's) and TOKEN_IDS[i *
- * block_tokens ...] where DESC[i] has TRACT_RECORD_GIVEN, else the key alone. */
+ * block_tokens ...] where DESC[i] has TRACT_RECORD_GIVEN (its salt too), else the
+ * key alone. */
 int tract_index_put_commit(tract_region *r, const uint8_t *keys, uint32_t n, uint8_t *status,
 			   const uint32_t *slots, const uint32_t *tokens, const uint32_t *checksums,
 			   const struct tract_block_record *desc, const uint32_t *token_ids,

@@ -65,11 +65,11 @@ def test_a_reader_on_another_node_sees_every_store_and_eviction(managed_region, 
         assert len(reader.call("events_view_fresh", tag=OTHER_TAG)["blocks"]) == 32
         # reads while the writer writes (its puts in flight while the reader polls)
         writer.send("events_put_described", chains=chains(6, 60), tag=TAG)
-        polls = 0
+        polls, deadline = 0, time.monotonic() + 120
         while not writer.ready():
             reader.call("events_view_poll")
             polls += 1
-            assert polls < 10_000, "the writer's puts did not finish"
+            assert time.monotonic() < deadline, "the writer's puts did not finish in 120 s"
         writer.recv("events_put_described")
         got = reader.call("events_view_poll")
         truth = reader.call("events_view_fresh", tag=TAG)
@@ -210,6 +210,7 @@ def test_event_fields_are_vllms():
     # vLLM's int hashes: the last 8 bytes, big-endian
     assert f["block_hashes"][0] == int.from_bytes(blk[0].hash[-8:], "big")
     assert wire_hash(blk[0].hash, False) == blk[0].hash
+    assert f["extra_keys"] == [None, None] and f["group_idx"] == 0     # as vLLM's
     kind, f = event_fields(Change("removed", blk, None, True), block_size=16, medium="CPU",
                            ownership=None, locality=False)
     assert kind == "BlockRemoved" and f["locality"] is None and f["ownership"] is None
@@ -315,3 +316,95 @@ def test_microbench_events_measures_each_part():
     for name in ("commit_plain_us", "commit_described_us", "describe_us", "poll_us",
                  "poll_idle_us", "snapshot_us", "take_us"):
         assert fig[name] > 0, name
+
+
+def test_a_salted_prompt_tells_its_salt_on_its_first_block(managed_region):
+    """The salt is kept in the prompt's first block's record and told as vLLM
+    tells it (that block's extra key); a record whose salt is not UTF-8 is not
+    trusted; a salt longer than a record holds is refused by describe."""
+    from tract_cli.core.events import Change
+    with Pool.attach(managed_region, node=1) as p:
+        bt = p.geometry.block_tokens
+        toks = np.arange(3 * bt, dtype=np.int32) + 11
+        keys = block_hashes(toks, root=pool_root(p.info, "tenant-a"))
+        d = describe(keys, toks, bt, bytes.fromhex(TAG), salt="tenant-a")
+        assert d.records["salt_len"].tolist() == [8, 0, 0]
+        p.index.put(keys, np.zeros((3, p.info.block_bytes), np.uint8), described=d)
+        view = RegionView(p, bytes.fromhex(TAG))
+        assert [view.blocks[bytes(k)].salt for k in keys] == ["tenant-a", None, None]
+        run = [view.blocks[bytes(k)] for k in keys]
+        _, f = event_fields(Change("stored", run, None, False), block_size=bt, medium="CPU",
+                            ownership=None, locality=True)
+        assert f["extra_keys"] == [("tenant-a",), None, None]
+        # a later part of the prompt (its first block has a parent) carries no salt
+        tail = describe(keys[1:], toks[bt:], bt, bytes.fromhex(TAG), bytes(keys[0]),
+                        salt="tenant-a")
+        assert tail.records["salt_len"].tolist() == [0, 0]
+        # a salt that is not UTF-8 (another host's bytes): the block is not told
+        bad = block_hashes(toks + 1, root=pool_root(p.info))
+        d = describe(bad, toks + 1, bt, bytes.fromhex(TAG))
+        d.records["salt_len"][0] = 2
+        d.records["salt"][0] = b"\xff\xfe" + bytes(58)
+        p.index.put(bad, np.zeros((3, p.info.block_bytes), np.uint8), described=d)
+        view.poll()
+        assert bytes(bad[0]) not in view.blocks and bytes(bad[1]) in view.blocks
+    with pytest.raises(UsageError, match="does not fit"):
+        describe(np.zeros((1, 16), np.uint8), np.arange(16), 16, b"t" * 16, salt="s" * 61)
+
+
+def test_once_tells_blocks_whose_parent_is_gone():
+    """What the region holds now (`tract events --once`): a chain whose first
+    block's parent was evicted is told all the same, parents first."""
+    view = _View()
+    feed = Feed(view, node=1)
+    chain = _chain(4)[1:]                  # block 0, their parent, is gone
+    for b in chain:
+        view.blocks[b.key] = b
+    feed.note(set(view.blocks))
+    out = feed.take(now=0.0, wait_parents=False)
+    assert [[b.hash for b in c.blocks] for c in out] == [[b.hash for b in chain]]
+
+
+def test_a_retell_tells_removals_first_then_the_whole_view():
+    view = _View()
+    feed = Feed(view, node=1)
+    chain = _chain(3)
+    for b in chain:
+        view.blocks[b.key] = b
+    feed.note(set(view.blocks))
+    feed.take(now=0.0)
+    del view.blocks[chain[2].key]           # evicted, then a subscriber joins
+    feed.note({chain[2].key})
+    feed.retell()
+    out = feed.take(now=0.0)
+    assert [(c.kind, [b.hash for b in c.blocks]) for c in out] == [
+        ("removed", [chain[2].hash]), ("stored", [chain[0].hash, chain[1].hash])]
+    assert feed.take(now=0.0) == []
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_writer_killed_inside_its_section_moves_readers_to_a_snapshot(managed_region,
+                                                                         simulate):
+    """A writer killed between an event and its log's head: the stripe's next
+    holder repairs it and moves the log on, so a reader resynchronises and sees
+    the block the dead writer published (never a stale view)."""
+    from tract_cli.core.native import lib
+    from tract_cli.core.recovery import recover_dead_processes
+    reader = Worker(managed_region, 2, simulate=simulate)
+    try:
+        reader.call("events_view_open", tag=TAG)
+        dying = Worker(managed_region, 1, simulate=simulate,
+                       env={"TRACT_DIE_AT": str(lib.TRACT_DIE_EVENT_APPENDED)})
+        dying.send("events_put_described", chains=chains(7, 1), tag=TAG)
+        assert dying.proc.wait(timeout=60) == -9, "the put appended no event"
+        dying.close()
+        with Pool.attach(managed_region, node=1, simulate=simulate) as p:
+            assert vars(recover_dead_processes(p, timeout=30))["processes"] == 1
+        # the next holders of the stripes (node 1's) repair them as they enter
+        with Worker(managed_region, 1, simulate=simulate) as successor:
+            successor.call("events_put_described", chains=chains(8, 12), tag=TAG)
+        got = reader.call("events_view_poll")
+        truth = reader.call("events_view_fresh", tag=TAG)
+        assert got["resyncs"] >= 1 and got["blocks"] == truth["blocks"]
+    finally:
+        reader.close()

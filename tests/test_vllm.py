@@ -237,7 +237,12 @@ class Subscriber:
             [VLLM_PY, os.path.join(os.path.dirname(__file__), "kv_event_subscriber.py"),
              endpoint, replay or "-", str(out), "300"],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.wait(lambda rows: any(r.get("connected") for r in rows), 120, "its connection")
+        try:
+            self.wait(lambda rows: any(r.get("connected") for r in rows), 120, "its connection")
+        except BaseException:
+            self.proc.kill()          # nothing of the test's outlives it
+            self.proc.wait(30)
+            raise
 
     def rows(self) -> list:
         if not self.out.exists():

@@ -10,8 +10,8 @@ import typer
 
 from tract_cli.cli import render
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
-from tract_cli.core.errors import UsageError
-from tract_cli.core.events import Change, Feed, RegionView, event_fields
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.events import RETRY_S, Change, Feed, RegionView, event_fields
 from tract_cli.core.pool import Pool
 from tract_cli.core.stopflag import StopFlag
 
@@ -110,7 +110,7 @@ def events(
                 batch = []
                 if publisher is not None and publisher.joined():
                     feed.retell()          # a new subscriber gets the whole state
-                for change in feed.take(now=float("inf") if once else None):
+                for change in feed.take(wait_parents=not once):
                     kind, fields = event_fields(change, block_size=bt, medium=medium,
                                                 ownership=own, locality=locality,
                                                 int_hashes=hash_format == "int")
@@ -124,7 +124,21 @@ def events(
                     publisher.publish(batch)
                 if once or stop.wait(interval):
                     break
-                feed.note(view.poll())
+                try:
+                    feed.note(view.poll())
+                except TractError as exc:
+                    # (a snapshot's lock wait timed out, ...): the stream goes on
+                    # from a fresh snapshot, the difference told
+                    print(f"tract events: reading the event logs failed ({exc.problem}); "
+                          "taking the region from a snapshot again", file=sys.stderr, flush=True)
+                    if stop.wait(RETRY_S):
+                        break
+                    try:
+                        view = RegionView(p, want)
+                    except TractError:
+                        continue      # tried again at the next round
+                    feed.view = view
+                    feed.retell()
     finally:
         for s, h in old.items():
             signal.signal(s, h)

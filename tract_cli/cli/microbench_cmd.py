@@ -132,8 +132,9 @@ def events(
     rounds: int = typer.Option(9, "--rounds"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """What KV events cost: a request's commit with its blocks described (records,
-    events) against the same commit without; a reader's log read, snapshot, take."""
+    """What KV events cost: a request's commit with its blocks described against
+    key-only records (every commit writes records and events); a reader's log
+    read and snapshot; the feed's take."""
     if rounds < 1 or input_len < 1:
         raise UsageError("--rounds and --input-len must be at least 1", "e.g. --rounds 9")
     results = [eventbench.bench_events(model, input_len, m, rounds) for m in flush_modes]
@@ -148,9 +149,9 @@ def events(
         t.add_column("value", justify="right")
         t.add_column("reference (same run)", justify="right")
         added = r.commit_described_us - r.commit_plain_us
-        t.add_row("commit, blocks described (records, events)",
+        t.add_row("commit, blocks described (hash, parent, tokens)",
                   format_duration(r.commit_described_us / 1e6),
-                  f"not described {format_duration(r.commit_plain_us / 1e6)} "
+                  f"key-only records {format_duration(r.commit_plain_us / 1e6)} "
                   f"({r.commit_described_us / r.commit_plain_us:.2f}x; "
                   f"{added / r.blocks:+.2f} µs a block)")
         t.add_row("describe (numpy, before the commit)", format_duration(r.describe_us / 1e6),
@@ -160,7 +161,7 @@ def events(
                   f"{format_duration(r.poll_idle_us / 1e6)}")
         t.add_row("reader: snapshot of the region", format_duration(r.snapshot_us / 1e6),
                   "every stripe locked in turn")
-        t.add_row("feed: take (parents first, runs)", format_duration(r.take_us / 1e6),
+        t.add_row("feed: take, as vLLM's event fields", format_duration(r.take_us / 1e6),
                   f"{r.take_us / r.blocks:.2f} µs a block")
         render.stdout.print(t)
 

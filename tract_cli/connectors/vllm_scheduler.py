@@ -496,7 +496,7 @@ class SchedulerSide:
                   with_tail: bool) -> Described | None:
         """What the records of full blocks LO..HI of a request (and its tail,
         with WITH_TAIL: not described, a handoff's block only) say for KV events;
-        None for a prompt not described (salted)."""
+        None for a prompt not described (a salt longer than a record holds)."""
         if st.hashes is None:
             return None
         try:

@@ -77,9 +77,9 @@ REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 def _described(saves: list, rest: int, block_tokens: int) -> Described:
     """The descriptions of a step's saves, in their keys' order, and REST rows
     not described (a handoff's blocks: in the pool already, or its tail)."""
-    parts = [s.described if s.described is not None else
-             Described(np.zeros(len(s.keys), BLOCK_RECORD_DTYPE),
-                       np.zeros((len(s.keys), block_tokens), np.uint32)) for s in saves]
+    parts = [s.described if s.described is not None and len(s.described.records) == len(s.keys)
+             else Described(np.zeros(len(s.keys), BLOCK_RECORD_DTYPE),
+                            np.zeros((len(s.keys), block_tokens), np.uint32)) for s in saves]
     parts.append(Described(np.zeros(rest, BLOCK_RECORD_DTYPE),
                            np.zeros((rest, block_tokens), np.uint32)))
     return Described(np.concatenate([p.records for p in parts]),

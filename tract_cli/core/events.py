@@ -342,23 +342,27 @@ class Feed:
         self._told_hashes: dict[bytes, int] = {}
         self._waiting: dict[bytes, float] = {}
         self._pending: set = set(view.blocks)
+        self._retell = False
 
     def note(self, changed: set) -> None:
         """Keys a poll found changed, to consider at the next take."""
         self._pending |= changed
 
     def retell(self) -> None:
-        """Tells every block of the view again at the next take (a subscriber
-        that joined, a router told to forget the instance's blocks)."""
-        self.told.clear()
-        self._told_hashes.clear()
-        self._pending |= set(self.view.blocks)
+        """At the next take, tells every block of the view again (a subscriber
+        that joined, a router told to forget the instance's blocks), after the
+        removals due since the last take."""
+        self._retell = True
 
-    def take(self, now: float | None = None) -> list[Change]:
-        """The changes since the last take.  NOW: the clock of the parent wait
-        (float('inf'): tell every block now, waiting for no parent)."""
+    def take(self, now: float | None = None, wait_parents: bool = True) -> list[Change]:
+        """The changes since the last take: removals first, then stores.  NOW:
+        the clock of the parent wait; WAIT_PARENTS false: every stored block is
+        told now, whether its parent was told or not."""
         now = time.monotonic() if now is None else now
         keys, self._pending = self._pending | set(self._waiting), set()
+        retell, self._retell = self._retell, False
+        if retell:
+            keys |= set(self.told) | set(self.view.blocks)
         removed, stored = [], {}
         for key in keys:
             cur = self.view.blocks.get(key)
@@ -368,12 +372,14 @@ class Feed:
             if was is not None and cur != was:
                 removed.append(was)
                 self._forget(key)
+            elif was is not None and retell:
+                self._forget(key)              # told again below
             if cur is not None and key not in self.told:
                 stored[key] = cur
         out: list[Change] = []
         for local, group in self._by_locality(removed):
             out.append(Change("removed", group, None, local))
-        out.extend(self._stored_runs(stored, now))
+        out.extend(self._stored_runs(stored, now, wait_parents))
         return out
 
     def _forget(self, key: bytes) -> None:
@@ -393,7 +399,7 @@ class Feed:
             if group:
                 yield local, group
 
-    def _stored_runs(self, stored: dict, now: float) -> list[Change]:
+    def _stored_runs(self, stored: dict, now: float, wait_parents: bool) -> list[Change]:
         """STORED (key -> block) parent first, in chain runs; a block whose
         parent was never told waits (PARENT_WAIT_S) for it, then is told anyway."""
         in_batch = {b.hash for b in stored.values()}
@@ -404,8 +410,18 @@ class Feed:
                 ready.append(blk)
             elif blk.parent in in_batch:
                 children.setdefault(blk.parent, []).append(blk)
-            elif now - self._waiting.setdefault(blk.key, now) >= PARENT_WAIT_S:
+            elif not wait_parents or now - self._waiting.setdefault(blk.key, now) >= PARENT_WAIT_S:
                 ready.append(blk)
+        out: list[Change] = self._runs(ready, children, now)
+        if not wait_parents:
+            # blocks in a cycle of parents, or under a parent that is not told:
+            # told now all the same
+            while children:
+                out += self._runs(children.pop(next(iter(children))), children, now)
+        return out
+
+    def _runs(self, ready: list, children: dict, now: float) -> list[Change]:
+        """Tells READY blocks and, after each, the children waiting on it, in runs."""
         out: list[Change] = []
         while ready:
             blk = ready.pop()
@@ -442,6 +458,7 @@ class Tail:
         self.feed: Feed | None = None
         self.interval_s = interval_s
         self.error: BaseException | None = None
+        self._retell = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tract-events", daemon=True)
         self._thread.start()
@@ -478,7 +495,12 @@ class Tail:
         if not self._lock.acquire(blocking=False):
             return []
         try:
-            return self.feed.take() if self.feed is not None else []
+            if self.feed is None:
+                return []
+            if self._retell:
+                self._retell = False
+                self.feed.retell()
+            return self.feed.take()
         finally:
             self._lock.release()
 
@@ -489,9 +511,8 @@ class Tail:
         self._thread.join(timeout)
 
     def retell(self) -> None:
-        with self._lock:
-            if self.feed is not None:
-                self.feed.retell()
+        """Every block told again at the next take (never waits: a flag)."""
+        self._retell = True
 
 
 def wire_hash(h: bytes, as_int: bool = True):
@@ -507,15 +528,16 @@ def event_fields(change: Change, *, block_size: int, medium: str | None, ownersh
     vllm.distributed.kv_events.BlockStored / BlockRemoved)."""
     loc = ("LOCAL" if change.local else "REMOTE") if locality else None
     hashes = [wire_hash(b.hash, int_hashes) for b in change.blocks]
+    # group 0: the connector serves engines of one KV cache group (vllm_setup.py)
     if change.kind == "removed":
-        return "BlockRemoved", dict(block_hashes=hashes, medium=medium, locality=loc,
-                                    ownership=ownership)
-    # vLLM's extra keys: per block, the cache salt on a salted prompt's first block
-    extra = ([(b.salt,) if b.salt else None for b in change.blocks]
-             if any(b.salt for b in change.blocks) else None)
+        return "BlockRemoved", dict(block_hashes=hashes, medium=medium, group_idx=0,
+                                    locality=loc, ownership=ownership)
+    # vLLM's extra keys, one entry a block: the cache salt on a salted prompt's
+    # first block, None elsewhere (vLLM's to_event_extra_keys)
+    extra = [(b.salt,) if b.salt else None for b in change.blocks]
     return "BlockStored", dict(
         block_hashes=hashes,
         parent_block_hash=None if change.parent is None else wire_hash(change.parent, int_hashes),
         token_ids=[t for b in change.blocks for t in b.token_ids], block_size=block_size,
-        lora_id=None, medium=medium, lora_name=None, extra_keys=extra, locality=loc,
-        ownership=ownership)
+        lora_id=None, medium=medium, lora_name=None, extra_keys=extra, group_idx=0,
+        locality=loc, ownership=ownership)

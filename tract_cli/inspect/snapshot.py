@@ -168,7 +168,9 @@ def index_view(rd: Sections, now: int) -> dict:
     occ = live[: chunk * width].reshape(width, chunk).mean(axis=1) if bs.count >= width else live
     occupancy = "".join(" .:-=+*#%@"[min(9, int(np.ceil(f * 9)))] for f in occ)
     ev = info.section("events")
-    heads = rd["events"].reshape(stripes, ev.entry_size)[:, :8].copy().view("<u8").ravel()
+    # each stripe's head line only (the logs themselves are as large as the buckets)
+    heads = np.array([pool.observe_u64(ev.offset + s * ev.entry_size) for s in range(stripes)],
+                     np.uint64)
     cap = ev.entry_size // 64 - 1
     return {
         "buckets": bs.count, "stripes": stripes, "states": counts,

@@ -1,7 +1,9 @@
 """What KV events cost (docs/PROTOCOLS.md §13): the commit of one request's
-blocks with their descriptions (records written, events appended) against the
-same commit without, in the same run; a reader's log read per event and its
-snapshot of the region; the feed's take per block told."""
+blocks described (records with hashes, parents, token ids) against the same
+commit with key-only records, in the same run -- every commit writes a record
+and appends an event per block, so this is what describing adds; a reader's
+log read per event and its snapshot of the region; the feed's take, with the
+conversion to vLLM's event fields, per block told."""
 from __future__ import annotations
 
 import statistics
@@ -12,7 +14,7 @@ import numpy as np
 
 from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.core.agent_launch import ensure_agent
-from tract_cli.core.events import Feed, RegionView, describe
+from tract_cli.core.events import Feed, RegionView, describe, event_fields
 from tract_cli.core.geometry import load_model
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.pool import Pool
@@ -26,13 +28,13 @@ class EventFigures:
     input_len: int
     blocks: int
     flush_mode: str
-    commit_plain_us: float        # the commit of the request's blocks, no description
-    commit_described_us: float    # the same, described: records and events
+    commit_plain_us: float        # the commit of the request's blocks, key-only records
+    commit_described_us: float    # the same, described (hashes, parents, token ids)
     describe_us: float            # core.events.describe of the request (Python, numpy)
     poll_us: float                # a reader's read of the request's events and records
     poll_idle_us: float           # a reader's read when nothing changed
-    snapshot_us: float            # a reader's snapshot of the whole region (every stripe locked)
-    take_us: float                # the feed's take of the request's blocks
+    snapshot_us: float            # a reader's snapshot of the region holding the request
+    take_us: float                # the feed's take of the request's blocks, as vLLM's fields
 
 
 def _median(samples: list[float]) -> float:
@@ -54,13 +56,13 @@ def bench_events(model: str = "tiny", input_len: int = 6000, flush_mode: str = "
                 root = pool_root(writer.info)
                 view = RegionView(reader, TAG)
                 feed = Feed(view, 2)
-                plain, described, describe_s, poll_s, idle_s, take_s = [], [], [], [], [], []
+                plain, described, describe_s, poll_s, idle_s, take_s, snaps = ([] for _ in
+                                                                                range(7))
                 for r in range(rounds):
                     for with_desc in ((False, True) if r % 2 else (True, False)):
                         writer.index.evict(writer.slot_count)
-                        view.poll()
                         feed.note(view.poll())
-                        feed.take()
+                        feed.take(wait_parents=False)
                         toks = np.random.default_rng(2 * r + with_desc).integers(
                             0, 128000, blocks * g.block_tokens).astype(np.int32)
                         keys = block_hashes(toks, root=root)
@@ -82,16 +84,16 @@ def bench_events(model: str = "tiny", input_len: int = 6000, flush_mode: str = "
                         t2 = time.perf_counter()
                         feed.note(changed)
                         t3 = time.perf_counter()
-                        feed.take()
+                        for change in feed.take():
+                            event_fields(change, block_size=g.block_tokens, medium="CPU",
+                                         ownership="tract", locality=True)
                         t4 = time.perf_counter()
+                        RegionView(reader, TAG)
+                        t5 = time.perf_counter()
                         poll_s.append(t1 - t0)
                         idle_s.append(t2 - t1)
                         take_s.append(t4 - t3)
-                snaps = []
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    RegionView(reader, TAG)
-                    snaps.append(time.perf_counter() - t0)
+                        snaps.append(t5 - t4)
         finally:
             if agent is not None:
                 agent.terminate()
