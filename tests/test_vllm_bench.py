@@ -75,12 +75,42 @@ def _missing(config: str, monkeypatch) -> str | None:
     return configs.unavailable(config, VLLM_PY)
 
 
+@pytest.mark.parametrize("config, tls", [("nixl", None), ("nixl-tcp", "tcp")])
+def test_nixl_over_tcp_is_nixl_with_ucx_on_tcp(config, tls, monkeypatch, tmp_path):
+    """What `--vllm-config nixl-tcp` starts: the NixlConnector pair of `nixl`
+    (producer and consumer, their side channels), with UCX on TCP alone."""
+    from tract_cli.bench.engine import configs, peer_envs
+    from tract_cli.serve import vllm_engine
+    started = []
+
+    class Recorded:                 # the servers configs.start would launch, as it asks
+        def __init__(self, model_dir, port, **kw):
+            started.append(kw)
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(vllm_engine, "VllmServer", Recorded)
+    monkeypatch.setattr(peer_envs, "python_of", lambda peer: tmp_path / "python")
+    out = configs.start(config, "/models/x", str(tmp_path), (), 1.0, None)
+    assert sorted(out) == ["decode", "prefill"] and len(started) == 2
+    roles = [json.loads(kw["args"][kw["args"].index("--kv-transfer-config") + 1])["kv_role"]
+             for kw in started]
+    assert roles == ["kv_producer", "kv_consumer"]
+    assert [kw["env"].get("UCX_TLS") for kw in started] == [tls, tls]
+    assert all(kw["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" for kw in started)
+    assert all(kw["python"] == str(tmp_path / "python") for kw in started)
+
+
 @needs_vllm
 def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path,
                                                                  monkeypatch):
-    """NixlConnector (both transports) and LMCache (its cache shared by two
-    instances), one short prompt each, in one bench run beside one vLLM."""
-    peers = [c for c in ("nixl", "nixl-tcp", "lmcache") if _missing(c, monkeypatch) is None]
+    """NixlConnector and LMCache (its cache shared by two instances), one short
+    prompt each, in one bench run beside one vLLM.  (NixlConnector over TCP is
+    the same connector with UCX_TLS=tcp in both engines' environment, checked
+    without engines below: two more engines here would cost the suite a
+    minute.)"""
+    peers = [c for c in ("nixl", "lmcache") if _missing(c, monkeypatch) is None]
     if not peers:
         pytest.skip("; ".join(_missing(c, monkeypatch) for c in ("nixl", "lmcache")))
     before_files = _debris()
