@@ -123,12 +123,27 @@ def lock(
             f"free 375: {format_duration(r.free_375_us / 1e6)}")
 
 
+# the options of the one-request benchmarks (events, index): one request's
+# prompt, measured in each flush mode
+INPUT_LEN = typer.Option(6000, "--input-len", help="Prompt tokens.")
+FLUSH_MODES = typer.Option(["none", "clflush"], "--flush-mode",
+                           help="Flush modes to measure (repeatable).")
+
+
+def _figures(title: str) -> Table:
+    """A table of one request's figures, each beside its reference in the same run."""
+    t = Table(title=title, title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column("reference (same run)", justify="right")
+    return t
+
+
 @app.command("events")
 def events(
     model: str = typer.Option("tiny", "--model", help="Model profile (KV geometry)."),
-    input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens."),
-    flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
-                                          help="Flush modes to measure (repeatable)."),
+    input_len: int = INPUT_LEN,
+    flush_modes: list[str] = FLUSH_MODES,
     rounds: int = typer.Option(9, "--rounds"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -142,12 +157,9 @@ def events(
         render.print_json([r.__dict__ for r in results])
         return
     for r in results:
-        t = Table(title=f"KV events of a {r.input_len}-token request, {r.model} ({r.blocks} "
-                        f"blocks), flush mode {r.flush_mode}, emulated /dev/shm region "
-                        f"(median of {rounds})", title_justify="left")
-        t.add_column("figure")
-        t.add_column("value", justify="right")
-        t.add_column("reference (same run)", justify="right")
+        t = _figures(f"KV events of a {r.input_len}-token request, {r.model} ({r.blocks} "
+                     f"blocks), flush mode {r.flush_mode}, emulated /dev/shm region "
+                     f"(median of {rounds})")
         added = r.commit_described_us - r.commit_plain_us
         t.add_row("commit, blocks described (hash, parent, tokens)",
                   format_duration(r.commit_described_us / 1e6),
@@ -169,9 +181,8 @@ def events(
 @app.command("index")
 def index(
     model: str = typer.Option("llama-3-8b", "--model", help="Model profile (KV geometry)."),
-    input_len: int = typer.Option(6000, "--input-len", help="Prompt tokens."),
-    flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
-                                          help="Flush modes to measure (repeatable)."),
+    input_len: int = INPUT_LEN,
+    flush_modes: list[str] = FLUSH_MODES,
     rounds: int = typer.Option(5, "--rounds"),
     stripes: int = typer.Option(DEFAULT_INDEX_STRIPES, "--stripes", help="Index stripes of the temporary region."),
     region_size: Optional[str] = typer.Option(
@@ -186,12 +197,9 @@ def index(
         render.print_json([r.__dict__ for r in results])
         return
     for r in results:
-        t = Table(title=f"{r.input_len}-token request, {r.model} ({r.blocks} blocks, "
-                        f"{format_size(r.bytes)}), flush mode {r.flush_mode}, {r.details['stripes']} stripes, emulated /dev/shm "
-                        f"region of {format_size(r.details['region_size'])}", title_justify="left")
-        t.add_column("figure")
-        t.add_column("value", justify="right")
-        t.add_column("reference (same run)", justify="right")
+        t = _figures(f"{r.input_len}-token request, {r.model} ({r.blocks} blocks, "
+                     f"{format_size(r.bytes)}), flush mode {r.flush_mode}, {r.details['stripes']} stripes, emulated /dev/shm "
+                     f"region of {format_size(r.details['region_size'])}")
         t.add_row("block hashes", format_duration(r.hash_us / 1e6), "")
         t.add_row("put (claim, allocate, NT copy, publish)", f"{r.put_gbps:.1f} GB/s",
                   f"memcpy {r.put_memcpy_gbps:.1f} GB/s ({r.put_gbps / r.put_memcpy_gbps:.2f}x)")
