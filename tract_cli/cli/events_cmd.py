@@ -137,8 +137,7 @@ def events(
                         view = RegionView(p, want)
                     except TractError:
                         continue      # tried again at the next round
-                    feed.view = view
-                    feed.retell()
+                    feed.reattach(view)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -36,7 +36,7 @@ import numpy as np
 
 from tract_cli.connectors import vllm_events
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
-from tract_cli.core.events import MAX_RECORD_SALT, Described, describe
+from tract_cli.core.events import MAX_RECORD_SALT, Described, describe_span
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
@@ -500,10 +500,7 @@ class SchedulerSide:
         if st.hashes is None:
             return None
         try:
-            hi = max(lo, hi)
-            parent = bytes(st.hashes[lo - 1]) if lo else None
-            got = describe(st.hashes[lo:hi], st.tokens[lo * self.g:hi * self.g], self.g,
-                           self.key_tag, parent, salt=st.salt)
+            got = describe_span(st.hashes, st.tokens, lo, hi, self.g, self.key_tag, st.salt)
         except Exception as exc:     # a description never stops a save, nor the step
             log.warning("TraCT: the blocks of request %s are saved without their KV event "
                         "description: %s", req_id, exc)

@@ -121,6 +121,15 @@ def describe(hashes, tokens, block_tokens: int, tag: bytes, parent: bytes | None
     return Described(rec, ids)
 
 
+def describe_span(hashes, tokens, lo: int, hi: int, block_tokens: int, tag: bytes,
+                  salt: str | None = None) -> Described:
+    """`describe` of full blocks LO..HI of one prompt, given the hashes of all its
+    full blocks (HASHES) and its tokens (TOKENS): the parent is block LO - 1's."""
+    hi = max(lo, hi)
+    return describe(hashes[lo:hi], tokens[lo * block_tokens:hi * block_tokens], block_tokens,
+                    tag, bytes(hashes[lo - 1]) if lo else None, salt=salt)
+
+
 @dataclass(frozen=True)
 class Block:
     """A READY block of the region as its record describes it."""
@@ -348,6 +357,12 @@ class Feed:
         """Keys a poll found changed, to consider at the next take."""
         self._pending |= changed
 
+    def reattach(self, view: RegionView) -> None:
+        """Follows VIEW (a fresh snapshot, after a failed read) instead: the next
+        take tells the difference between it and what was told."""
+        self.view = view
+        self.note(set(view.blocks) | set(self.told))
+
     def retell(self) -> None:
         """At the next take, tells every block of the view again (a subscriber
         that joined, a router told to forget the instance's blocks), after the
@@ -475,8 +490,7 @@ class Tail:
                         if self.feed is None:
                             self.feed = Feed(view, self.node)
                         else:
-                            self.feed.view = view
-                            self.feed.note(set(view.blocks) | set(self.feed.told))
+                            self.feed.reattach(view)
                         self.view = view
                     else:
                         self.feed.note(self.view.poll())

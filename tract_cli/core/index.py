@@ -15,6 +15,7 @@ import numpy as np
 
 from tract_cli.core.errors import ChecksumMismatch, CorruptRegion, PoolFull, RequestTooLarge, UsageError
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
+from tract_cli.core.media import BLOCK_RECORD_DTYPE
 from tract_cli.core.native import ffi, id_array, lib, raise_for
 
 if TYPE_CHECKING:
@@ -105,7 +106,6 @@ def _described(described, n: int, block_tokens: int):
     """The (desc, token_ids) C arguments of a put's Described (NULLs for None)."""
     if described is None:
         return ffi.NULL, ffi.NULL
-    from tract_cli.core.media import BLOCK_RECORD_DTYPE
     rec, ids = described.records, described.token_ids
     # the C core reads n records and n rows of the region's block tokens: exactly
     # those, or a one-line error (never a read past them)

@@ -18,7 +18,7 @@ import numpy as np
 
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import UsageError
-from tract_cli.core.events import MAX_RECORD_SALT, Described, describe
+from tract_cli.core.events import MAX_RECORD_SALT, Described, describe_span
 from tract_cli.core.hashing import pool_root, request_keys, tag_keys
 from tract_cli.core.index import as_keys
 from tract_cli.core.pool import Pool
@@ -111,9 +111,8 @@ class PoolWorker:
         salt longer than a record holds)."""
         if hi <= lo or (salt and len(salt.encode()) > MAX_RECORD_SALT):
             return None
-        bt = self.engine.block_tokens
-        return describe(hashes[lo:hi], tokens[lo * bt:hi * bt], bt, self.model_tag,
-                        bytes(hashes[lo - 1]) if lo else None, salt=salt)
+        return describe_span(hashes, tokens, lo, hi, self.engine.block_tokens, self.model_tag,
+                             salt)
 
     # a scrape reads the pool without any lock: one observed line for the
     # slots in use (not a copy of the bitmap), this node's counters for locks
