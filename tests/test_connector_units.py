@@ -317,6 +317,16 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert fig["copy_ratio"] == pytest.approx(2.0 / (7 / 6)) and fig["meta_ms"] == 1.0
     assert fig["warm_copy_ratio"] == pytest.approx(1.1)
     assert (fig["claim_wait_ms"], fig["commit_ms"]) == (0.25, 0.75)
+    # two saves: the figures are sums, the report tells the mean save beside the count
+    from tract_cli.cli.bench_vllm import kv_path_line
+    two = _memcpy_figures({"saves": [save[1], save[1]], "saves_memcpy": [ref[1], ref[1]]})
+    fig = two["saves"]
+    assert fig["count"] == 2 and fig["tract_ms"] == 6.0 and fig["commit_ms"] == 1.5
+    assert fig["ratio"] == pytest.approx(3.0 / (7 / 6))
+    line = kv_path_line("saves", fig)
+    assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
+                           "in 3 ms (copy 2 ms,"), line
+    assert "commit 750 µs" in line and "buffers 1.17 ms: 2.57x in all" in line, line
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])

@@ -78,18 +78,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     render.stdout.print(table)
     _report_tail(res)
     for kind, fig in res["memcpy"].items():
-        ms = lambda v: format_duration(v / 1e3)
-        same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
-                f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
-                f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
-                f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
-        meta = ms(fig['meta_ms'])
-        if kind == "saves":
-            meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
-                     f"commit {ms(fig['commit_ms'])}")
-        render.stdout.print(f"TraCT KV {kind[:-1]}: {format_size(fig['bytes'])} in "
-                            f"{ms(fig['tract_ms'])} (copy {ms(fig['copy_ms'])}, checksummed as it "
-                            f"copied; pool metadata {meta}); {same}")
+        render.stdout.print(kv_path_line(kind, fig))
     publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
     if publishes:
         render.stdout.print(f"TraCT handoff publish (in the prefill's step; in its scheduler "
@@ -101,6 +90,26 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     _finish(res, json_file, plot and (lambda: plot_vllm(res, plot, vllm_runs.ROWS)))
 
 
+
+
+def kv_path_line(kind: str, fig: dict) -> str:
+    """The connector's loads or saves (KIND) against memcpy of the same bytes, from
+    FIG (`vllm_runs._memcpy_figures`, sums over its count): told as the mean one,
+    beside the count, so that no sum reads as one request's time."""
+    n = fig["count"]
+    ms = lambda v: format_duration(v / n / 1e3)
+    one = kind[:-1]
+    same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
+            f"memcpy of the same bytes between the same buffers {ms(fig['memcpy_ms'])}: "
+            f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
+            f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
+    meta = ms(fig["meta_ms"])
+    if kind == "saves":
+        meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
+                 f"commit {ms(fig['commit_ms'])}")
+    return (f"TraCT KV {one}: {n} {kind} of {format_size(fig['bytes'])} in all; the mean "
+            f"{one}, {format_size(fig['bytes'] // n)}, in {ms(fig['tract_ms'])} (copy "
+            f"{ms(fig['copy_ms'])}, checksummed as it copied; pool metadata {meta}); {same}")
 
 
 def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, requests,

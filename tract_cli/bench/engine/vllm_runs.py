@@ -286,7 +286,9 @@ def _memcpy_figures(kv: dict) -> dict:
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
     bytes between the same buffers it timed beside each copy (scaled to the blocks
     of the rows where a save's partial blocks had none); also a memcpy of the byte
-    count between private buffers in this process (`stats.memcpy_reference`)."""
+    count between private buffers in this process (`stats.memcpy_reference`).  The
+    times (*_ms) are sums over the COUNT loads or saves measured; the ratios hold
+    for the mean one as for the sum."""
     out = {}
     for kind in ("loads", "saves"):
         rows = kv.get(kind) or []
@@ -300,7 +302,8 @@ def _memcpy_figures(kv: dict) -> dict:
         same = sum(r["ms"] for r in refs) * scale if scale else None
         warm = sum(r.get("copy_warm_ms", 0.0) for r in refs) if refs else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
-        out[kind] = {"tract_ms": tract, "copy_ms": copy, "meta_ms": tract - copy,
+        out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
+                     "meta_ms": tract - copy,
                      "memcpy_ms": same, "private_memcpy_ms": private,
                      "ratio": tract / same if same else None,
                      "copy_ratio": copy / same if same else None,
