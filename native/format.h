@@ -45,7 +45,12 @@ struct tract_lock_node_slot {
 	uint64_t request_seq;  /* incremented by the node for every request */
 	uint64_t since_ns;     /* CLOCK_REALTIME when state was entered */
 	uint64_t grant_token;  /* LOCKED: the token of the grant it entered with */
-	uint8_t reserved[24];
+	uint32_t after_lock;   /* WAITING, a request made ahead in a walk: lock id + 1
+				* of the same walk's request just below it, which the
+				* manager grants first (0 = none) */
+	uint32_t reserved0;
+	uint64_t after_req;    /* ... that request's request_seq */
+	uint8_t reserved[8];
 };
 /* CDEF-END */
 

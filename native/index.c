@@ -6,9 +6,9 @@
  * contiguous buckets; a key's stripe and home bucket come from its bits and
  * its probe sequence wraps inside its stripe, so every operation on a key
  * needs only that stripe's lock.  A request's keys are grouped by stripe
- * and the stripes are locked in ascending order; lookup and unpin request
- * the next stripe's lock while they hold one (a pipelined walk), so a holder
- * only ever waits for higher locks: no lock-order cycle is possible.
+ * and the stripes are locked in ascending order; a walk requests the locks
+ * of all its stripes ahead, which the manager grants in ascending order, so
+ * a holder only ever waits for higher locks: no lock-order cycle is possible.
  *
  * Under a stripe's lock its holder is the only writer of the stripe's
  * buckets, its LRU anchor and the pin lines of its buckets (a stripe spans
@@ -168,7 +168,7 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	tract_groups_init(&g, refs, n, NULL, NULL);
 	while (rc == TRACT_OK && tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		if ((rc = tract_walk_enter(&walk, g.stripe, g.next, &c)) < 0)
+		if ((rc = tract_walk_enter(&walk, &g, &c)) < 0)
 			break;
 		/* refs[first..end) are this stripe's keys, tail first */
 		tract_prefetch_group(&c, keys, refs, g.first, g.end, r->node_id);
@@ -208,12 +208,12 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 	tract_walk_end(&walk);
 	/* unpin what was pinned past the first miss (or everything on error) */
 	uint32_t keep = rc == TRACT_OK ? limit : 0;
-	/* the groups holding such a pin, entered in a pipelined walk */
+	/* the groups holding such a pin, entered in a walk requested ahead */
 	struct pinned_past past = { pinned, keep };
 	tract_groups_init(&g, refs, n, gives_back, &past);
 	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		int rc2 = tract_walk_enter(&walk, &g, &c);
 		if (rc2 < 0) {
 			rc = rc2;   /* pins stay until the agent's recovery */
 			break;

@@ -3,8 +3,8 @@
  *
  * The index is one table in several files, each with one job:
  *   index_stripe.c   a stripe section: the stripe lock entered and left, the
- *                    lines the section observed and wrote, the pipelined
- *                    walk over stripes, a request's keys grouped by stripe;
+ *                    lines the section observed and wrote, the walk over
+ *                    stripes requested ahead, a request's keys grouped by stripe;
  *   index_bucket.c   the buckets of an entered stripe: probing, the LRU
  *                    list, burial, LRU eviction;
  *   index_pin.c      pin counts, the repair of a stripe a holder died
@@ -137,29 +137,41 @@ void tract_stripe_flush(struct stripe_ctx *c);
 void tract_stripe_leave(struct stripe_ctx *c);
 
 /*
- * A pipelined walk over stripes in ascending order: entering one stripe
- * requests the lock of the next one the caller will enter, so the lock
- * manager grants it while the caller works on this one, and a request of
- * 16 stripes waits for about one grant instead of 16.  Holding a stripe
- * lock while requesting one of a higher stripe is deadlock-free: every
- * holder only ever waits for higher locks (docs/PROTOCOLS.md §4) (internal).
+ * A walk over stripes in ascending order, requested ahead: on entering its
+ * first stripe a walk requests every stripe it will enter (up to
+ * WALK_AHEAD), each request naming the one below it, so the lock manager
+ * grants them in order, most in the scan that grants the first, and a walk of
+ * 16 stripes waits for about one grant instead of 16.  Deadlock-free: the
+ * manager grants a walk's request only once the one below it is granted or
+ * gone, so a walk holds only locks below the one it waits for
+ * (docs/PROTOCOLS.md §4).  Only the local tier's mutexes are tried ahead; the
+ * requests stop before one another process of the node holds (requested in
+ * turn, once the walk holds nothing), before a dead holder's grant to take
+ * over, and after one whose local mutex a dead process left (entered to
+ * repair, even if the caller skips it) (internal).
  */
+#define WALK_AHEAD 32
+
 struct stripe_walk {
 	tract_region *r;
 	struct line_set *set;
 	uint64_t timeout_ns;
-	struct tract_lock_req q;    /* the next stripe's request, if pending */
-	uint32_t pending;           /* 1 + the stripe requested, 0 none */
+	uint32_t at, n;                         /* pending: [at, n), ascending */
+	uint32_t stripe[WALK_AHEAD];
+	struct tract_lock_req q[WALK_AHEAD];
 };
+
+struct stripe_groups;
 
 /* a walk with nothing requested yet (internal) */
 void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *set,
 		     uint64_t timeout_ns);
 
-/* enters stripe s, then requests stripe next (UINT32_MAX: none) (internal) */
-int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c);
+/* enters the stripe of g's current group (its request pending or made now),
+ * requesting those of g's groups after it ahead (internal) */
+int tract_walk_enter(struct stripe_walk *w, const struct stripe_groups *g, struct stripe_ctx *c);
 
-/* withdraws the walk's pending request, if any (internal) */
+/* withdraws the walk's pending requests, if any (internal) */
 void tract_walk_end(struct stripe_walk *w);
 
 /* a key of a request: its stripe and its index in the request (internal) */
@@ -176,13 +188,13 @@ struct keyref *tract_group_keys(const tract_region *r, const uint8_t *keys, uint
  * A request's keys one stripe group at a time, in ascending stripe order
  * (refs from tract_group_keys): a group is refs[first..end), the keys of
  * one stripe, tail first.  With `select`, only the groups where it holds
- * for some key are visited.  `next` is the stripe of the group that will
- * follow (UINT32_MAX: none), for a walk that requests its lock ahead.
+ * for some key are visited.  A copy of the groups goes on from the
+ * current group without moving it (a walk's requests made ahead).
  *
  *	struct stripe_groups g;
  *	tract_groups_init(&g, refs, n, NULL, NULL);
  *	while (tract_groups_next(&g))
- *		... enter g.stripe, requesting g.next; visit refs[g.first..g.end) ...
+ *		... tract_walk_enter(&walk, &g, &c); visit refs[g.first..g.end) ...
  * (internal)
  */
 struct stripe_groups {
@@ -193,7 +205,6 @@ struct stripe_groups {
 	uint32_t stripe;        /* the current group's stripe */
 	uint32_t first, end;    /* its keys: refs[first..end) */
 	uint32_t ordinal;       /* the groups before it, visited or not */
-	uint32_t next;          /* the stripe of the next group visited, UINT32_MAX: none */
 	uint32_t passed;        /* groups scanned so far */
 };
 

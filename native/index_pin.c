@@ -208,7 +208,7 @@ int tract_index_unpin_marked(tract_region *r, const uint8_t *keys, uint32_t n, u
 	tract_groups_init(&g, refs, n, NULL, NULL);
 	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		int rc2 = tract_walk_enter(&walk, &g, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;
@@ -363,7 +363,7 @@ int tract_index_release_groups(tract_region *r, const struct tract_release *rel,
 		if (g.ordinal < done)
 			continue;
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		int rc2 = tract_walk_enter(&walk, &g, &c);
 		if (rc2 < 0) {
 			rc = rc2;
 			break;

@@ -23,6 +23,10 @@ enum {   /* enum tract_put_status (tract.h), by short names */
 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
+/* evicted slots a claim frees at once mid-walk, at most (their journal
+ * entries wait beside the claims' until then) (internal) */
+#define EVICT_BATCH 256
+
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
 		     uint8_t *status, int pin_ready, uint64_t timeout_ns)
 {
@@ -38,16 +42,20 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 	int err = TRACT_OK;
 	struct stripe_groups g;
 	tract_groups_init(&g, refs, n, NULL, NULL);
-	/* a pipelined walk: the next stripe's lock is requested while this one
-	 * is held, so a put waits for about one grant, not one per stripe */
+	/* a walk requested ahead: a put waits for about one grant, not one per
+	 * stripe.  The slots it evicts are freed once it holds no stripe and has
+	 * none requested (the allocator's lock is lower): at its end, or when
+	 * EVICT_BATCH wait (a walk's requests withdrawn, then made again) */
 	struct stripe_walk walk;
 	tract_walk_init(&walk, r, set, timeout_ns);
+	uint32_t nfreed = 0;
 	while (tract_groups_next(&g)) {
-		uint32_t nfreed = 0;
 		struct stripe_ctx c;
-		int rc = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		int rc = tract_walk_enter(&walk, &g, &c);
 		if (rc < 0) {
 			tract_walk_end(&walk);
+			if (nfreed)
+				tract_free_evicted(r, freed, owners, nfreed, timeout_ns);
 			free(set);
 			free(freed);
 			free(owners);
@@ -101,18 +109,24 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 		}
 		tract_stripe_leave(&c);
 		/* the allocator lock, with no stripe lock held or requested (the
-		 * walk's request of the next stripe withdrawn first); a failure (the
-		 * lock timed out) leaves the evicted blocks' slots journaled, for
-		 * the node's agent to free once this process is gone, and is
-		 * reported: the put is abandoned with it */
-		if (nfreed) {
+		 * walk's requests withdrawn first); a failure (the lock timed out)
+		 * leaves the evicted blocks' slots journaled, for the node's agent
+		 * to free once this process is gone, and is reported: the put is
+		 * abandoned with it */
+		if (nfreed >= EVICT_BATCH) {
 			tract_walk_end(&walk);
 			if ((rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns)) < 0 &&
 			    !err)
 				err = rc;
+			nfreed = 0;
 		}
 	}
 	tract_walk_end(&walk);
+	if (nfreed) {
+		int rc = tract_free_evicted(r, freed, owners, nfreed, timeout_ns);
+		if (rc < 0 && !err)
+			err = rc;
+	}
 	free(set);
 	free(freed);
 	free(owners);
@@ -132,14 +146,14 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 {
 	int rc = TRACT_OK;
 	struct line_set *set = calloc(1, sizeof(*set));   /* NULL: no deferral */
-	/* the stripes with a claim of this put, in a pipelined walk */
+	/* the stripes with a claim of this put, in a walk requested ahead */
 	struct stripe_groups g;
 	tract_groups_init(&g, refs, n, claimed, status);
-	struct stripe_walk walk;          /* pipelined, as claim_all's */
+	struct stripe_walk walk;          /* requested ahead, as claim_all's */
 	tract_walk_init(&walk, r, set, timeout_ns);
 	while (tract_groups_next(&g)) {
 		struct stripe_ctx c;
-		int rc2 = tract_walk_enter(&walk, g.stripe, g.next, &c);
+		int rc2 = tract_walk_enter(&walk, &g, &c);
 		if (rc2 < 0) {
 			if (rc != TRACT_E_CORRUPT)
 				rc = rc2;

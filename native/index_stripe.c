@@ -7,7 +7,7 @@
  * lines it will probe with one fence up front, and flushes the lines it
  * wrote all together before the lock is released: one fence each way.
  * Stripes are entered in ascending order, one at a time; a walk requests
- * the next stripe's lock while it holds one (index_internal.h).
+ * the locks of the stripes it will enter ahead (index_internal.h).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -173,56 +173,114 @@ void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *se
 	w->r = r;
 	w->set = set;
 	w->timeout_ns = timeout_ns;
-	w->pending = 0;
+	w->at = w->n = 0;
 }
 
-/* withdraws the pending request, if any; one that recovered the local mutex
- * of a process that died inside the stripe enters instead, to repair what it
- * left (its LOCKED slot is gone: nobody else would) (internal) */
-void tract_walk_end(struct stripe_walk *w)
+/* enters stripe s, awaiting its request q with a full timeout from now (a
+ * request made ahead waited its turn), repairing what a dead holder left
+ * (internal) */
+static int walk_await(struct stripe_walk *w, uint32_t s, struct tract_lock_req *q,
+		      struct stripe_ctx *c)
 {
-	uint32_t s = w->pending - 1;
-	if (w->pending && w->q.recovered) {
-		struct stripe_ctx c;
-		w->pending = 0;
-		w->q.start = tract_mono_ns();   /* a full timeout for the repair's own wait */
-		if (tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL) >= 0) {
-			tract_stripe_init(w->r, s, &c, NULL);
-			c.recovered = 1;
-			tract_stripe_repair(&c);
-			tract_stripe_leave(&c);
-		}
-		return;
-	}
-	if (w->pending)
-		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + s, &w->q);
-	w->pending = 0;
-}
-
-/* enters stripe s (its request pending or made now), then requests stripe
- * next (UINT32_MAX: none; it must be higher than s) (internal) */
-int tract_walk_enter(struct stripe_walk *w, uint32_t s, uint32_t next, struct stripe_ctx *c)
-{
-	tract_region *r = w->r;
-	if (w->pending && w->pending != s + 1)
-		tract_walk_end(w);          /* the caller skipped it after all */
-	int rc;
-	if (!w->pending &&
-	    (rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q, NULL)) < 0)
+	q->start = tract_mono_ns();
+	int rc = tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, q, w->timeout_ns, NULL);
+	if (rc < 0)
 		return rc;
-	w->pending = 0;
-	if ((rc = tract_lock_await(r, TRACT_FIXED_LOCKS + s, &w->q, w->timeout_ns, NULL)) < 0)
-		return rc;
-	tract_stripe_init(r, s, c, w->set);
+	tract_stripe_init(w->r, s, c, w->set);
 	if (rc == TRACT_RECOVERED) {
 		c->recovered = 1;
 		tract_stripe_repair(c);   /* this node's last holder died inside */
 	}
-	/* the local tier only tried (timeout 0): a process of this node holding
-	 * or requesting the next stripe is not waited for while this one is held */
-	if (next != UINT32_MAX && next > s &&
-	    tract_lock_request(r, TRACT_FIXED_LOCKS + next, 0, &w->q, NULL) == TRACT_OK)
-		w->pending = next + 1;
+	return TRACT_OK;
+}
+
+/* withdraws the pending requests, highest first; one that recovered the local
+ * mutex of a process that died (the last made, if any) is entered instead,
+ * once the others are withdrawn, to repair what the dead process left (its
+ * LOCKED slot is gone: nobody else would) (internal) */
+void tract_walk_end(struct stripe_walk *w)
+{
+	int repair = -1;
+	for (uint32_t i = w->n; i-- > w->at;) {
+		if (w->q[i].recovered && repair < 0) {
+			repair = (int)i;
+			continue;
+		}
+		tract_lock_cancel(w->r, TRACT_FIXED_LOCKS + w->stripe[i], &w->q[i]);
+	}
+	w->at = w->n = 0;
+	if (repair >= 0) {
+		struct stripe_ctx c;
+		uint32_t s = w->stripe[repair];
+		if (walk_await(w, s, &w->q[repair], &c) == TRACT_OK) {
+			if (!c.recovered) {
+				c.recovered = 1;
+				tract_stripe_repair(&c);
+			}
+			tract_stripe_leave(&c);
+		}
+	}
+}
+
+/* requests ahead the stripes of g's groups after its current one, each after
+ * the last pending request (the walk holds or awaits it), until WALK_AHEAD are
+ * pending or one is not made (see stripe_walk) (internal) */
+static void request_ahead(struct stripe_walk *w, const struct stripe_groups *g)
+{
+	struct stripe_groups rest = *g;
+	while (w->n < WALK_AHEAD && !w->q[w->n - 1].recovered && tract_groups_next(&rest)) {
+		uint32_t s = rest.stripe, below = w->stripe[w->n - 1];
+		if (s <= below)
+			break;
+		if (tract_lock_request_after(w->r, TRACT_FIXED_LOCKS + s, &w->q[w->n],
+					     TRACT_FIXED_LOCKS + below, &w->q[w->n - 1]) != TRACT_OK)
+			break;
+		w->stripe[w->n++] = s;
+	}
+}
+
+/* enters the stripe of g's current group (its request pending or made now),
+ * requesting those of g's groups after it ahead (internal) */
+int tract_walk_enter(struct stripe_walk *w, const struct stripe_groups *g, struct stripe_ctx *c)
+{
+	tract_region *r = w->r;
+	uint32_t s = g->stripe;
+	/* pending below s: stripes the caller skipped after all (every lower one
+	 * is left, so withdrawing them leaves the rest in order) */
+	while (w->at < w->n && w->stripe[w->at] < s) {
+		if (w->q[w->at].recovered) {         /* the last pending: entered to repair */
+			tract_walk_end(w);
+			break;
+		}
+		tract_lock_cancel(r, TRACT_FIXED_LOCKS + w->stripe[w->at], &w->q[w->at]);
+		w->at++;
+	}
+	if (w->at < w->n && w->stripe[w->at] != s)
+		tract_walk_end(w);          /* not in the order requested: start afresh */
+	if (w->at == w->n) {
+		/* nothing pending: s requested now (holding no stripe, so its local
+		 * mutex may be waited for), the rest ahead of it */
+		w->at = w->n = 0;
+		int rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q[0], NULL);
+		if (rc < 0)
+			return rc;
+		w->stripe[0] = s;
+		w->n = 1;
+		request_ahead(w, g);
+	}
+	uint32_t i = w->at++;
+	int rc = walk_await(w, s, &w->q[i], c);
+	if (rc < 0)
+		return rc;                  /* its request withdrawn by the wait */
+	if (w->at == w->n) {
+		/* none pending (the requests ahead stopped short): the rest after s,
+		 * which the walk holds, requested now, s first in the arrays */
+		w->q[0] = w->q[i];
+		w->q[0].recovered = 0;      /* repaired on entry */
+		w->stripe[0] = s;
+		w->at = w->n = 1;
+		request_ahead(w, g);
+	}
 	return TRACT_OK;
 }
 
@@ -259,7 +317,7 @@ void tract_groups_init(struct stripe_groups *g, const struct keyref *refs, uint3
 	g->n = n;
 	g->select = select;
 	g->arg = arg;
-	g->stripe = g->next = UINT32_MAX;
+	g->stripe = UINT32_MAX;
 	g->first = g->end = 0;
 	g->ordinal = g->passed = 0;
 }
@@ -296,14 +354,6 @@ int tract_groups_next(struct stripe_groups *g)
 		g->first = at;
 		g->stripe = g->refs[at].stripe;
 		g->ordinal = g->passed - 1;
-		g->next = UINT32_MAX;
-		for (uint32_t j = g->end, e; j < g->n; j = e) {
-			e = group_end(g, j);
-			if (group_wanted(g, j, e)) {
-				g->next = g->refs[j].stripe;
-				break;
-			}
-		}
 		return 1;
 	}
 	return 0;

@@ -165,6 +165,9 @@ int tract_journal_names(tract_region *r, uint32_t pid);
 /* a lock request published but not yet granted (lock.c; internal) */
 struct tract_lock_req {
 	uint64_t req;           /* the request sequence published as WAITING */
+	uint32_t after_lock;    /* made ahead in a walk: lock id + 1 of the request it
+				 * follows (published with it), 0 none */
+	uint64_t after_req;     /* ... that request's sequence */
 	uint64_t start;         /* CLOCK_MONOTONIC of the request */
 	int recovered;          /* the local mutex's previous owner died */
 	int inherited;          /* ... holding the current grant, which this request keeps */
@@ -179,6 +182,14 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q,
 		     uint64_t timeout_ns, struct tract_lock_wait *wait);
 void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_lock_req *q);
+
+/* a request made ahead in a walk, after the walk's request AFTER of lock
+ * after_id (lower than lock_id): the local tier only tried; the manager grants
+ * it only once AFTER is granted or gone.  TRACT_E_TIMEOUT when not made (the
+ * local mutex busy, or a dead holder's grant to take over: requested in turn)
+ * (internal) */
+int tract_lock_request_after(tract_region *r, uint32_t lock_id, struct tract_lock_req *q,
+			     uint32_t after_id, const struct tract_lock_req *after);
 
 /* the largest lock-manager claim in the node table (manager.c; internal) */
 uint64_t tract_current_token(tract_region *r, int32_t *node, int site);
@@ -273,6 +284,7 @@ enum tract_site {
 	SITE_PAYLOAD_SWEEP_EVICT,       /* payload sweep: evict a dead payload's slot */
 	SITE_PAYLOAD_SWEEP_LIVE,        /* payload sweep: spare a slot whose payload lives */
 	SITE_PAYLOAD_FORGET,            /* slot write: the ledger stops vouching for the slot */
+	SITE_MGR_WALK_ORDER,            /* manager: a walk's request waits for the one below it */
 	SITE_COUNT
 };
 

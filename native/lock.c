@@ -22,9 +22,11 @@
 
 #define MAX_SLEEP_NS 100000ULL
 
-/* writes this node's slot for lock id: state, pid, request seq (internal) */
-static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req,
-			 uint64_t grant_token, int site)
+/* writes this node's slot for lock id: state, pid, request seq, and for a
+ * WAITING request made ahead in a walk (q's after_lock) the request it
+ * follows (internal) */
+static void publish_request(tract_region *r, uint32_t id, uint32_t state, uint64_t req,
+			    uint64_t grant_token, const struct tract_lock_req *q, int site)
 {
 	struct tract_lock_node_slot s;
 	memset(&s, 0, sizeof(s));
@@ -33,7 +35,18 @@ static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t 
 	s.request_seq = req;
 	s.since_ns = tract_now_ns();
 	s.grant_token = grant_token;
+	if (q && state == TRACT_LOCK_WAITING && q->after_lock) {
+		s.after_lock = q->after_lock;
+		s.after_req = q->after_req;
+	}
 	tract_publish_line_at(r, tract_lock_line(r, id, 1 + r->node_id), &s, site);
+}
+
+/* writes this node's slot for lock id: state, pid, request seq (internal) */
+static void publish_slot(tract_region *r, uint32_t id, uint32_t state, uint64_t req,
+			 uint64_t grant_token, int site)
+{
+	publish_request(r, id, state, req, grant_token, NULL, site);
 }
 
 /* fills the wait report from what the region says now (internal) */
@@ -103,8 +116,42 @@ static int held_by_dead(tract_region *r, uint32_t id, const struct tract_lock_no
  * index_stripe.c): deadlock is impossible as long as every caller holding a
  * lock requests only locks of higher id (docs/PROTOCOLS.md §4) (internal).
  */
+static int request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		   struct tract_lock_req *q, struct tract_lock_wait *wait, int ahead);
+
 int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		       struct tract_lock_req *q, struct tract_lock_wait *wait)
+{
+	if (q)
+		q->after_lock = 0;
+	return request(r, lock_id, timeout_ns, q, wait, 0);
+}
+
+/*
+ * A request made ahead in a walk (index_stripe.c): the walk requests every
+ * stripe it will enter at once, each naming the walk's request just below
+ * it, and the manager grants a named request only once the one it follows is
+ * granted or gone -- so a walk holds its grants in ascending order only, and
+ * waits for a lock only while it holds lower ones, which keeps the walk
+ * deadlock-free (docs/PROTOCOLS.md §4).  Only the local tier's mutex is
+ * tried: another process of the node holding or requesting it is never
+ * waited for here (internal).
+ */
+int tract_lock_request_after(tract_region *r, uint32_t lock_id, struct tract_lock_req *q,
+			     uint32_t after_id, const struct tract_lock_req *after)
+{
+	if (!q || !after || after_id >= lock_id)
+		return TRACT_E_INVAL;
+	q->after_lock = after_id + 1;
+	q->after_req = after->req;
+	return request(r, lock_id, 0, q, NULL, 1);
+}
+
+/* tract_lock_request; AHEAD: a walk's request made ahead, which does not take
+ * a dead holder's grant over (that would hold a lock above the ones the walk
+ * still awaits): put back as found, it is requested in turn (internal) */
+static int request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
+		   struct tract_lock_req *q, struct tract_lock_wait *wait, int ahead)
 {
 	if (!r || lock_id >= r->hdr.lock_count || (r->flags & TRACT_ATTACH_READONLY) || !q)
 		return TRACT_E_INVAL;
@@ -130,6 +177,14 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	/* the mutex of a holder that abandoned it comes free, not owner-dead */
 	q->recovered |= abandoned_by(lm, &mine);
 	if (held_by_dead(r, lock_id, &mine, q->recovered)) {
+		if (ahead) {
+			/* left for the walk to request in turn: the mutex marked as the
+			 * dead holder's again (its owner-died state was taken here), so
+			 * whoever takes it next finds the dead holder, as this did */
+			__atomic_store_n(&lm->abandoned, mine.pid, __ATOMIC_RELAXED);
+			pthread_mutex_unlock(&lm->mu);
+			return TRACT_E_TIMEOUT;
+		}
 		/* a process of this node died holding the lock (whether or not this
 		 * lock of the mutex saw it die: the agent may have made the mutex
 		 * consistent and left the slot for later): keep its request, so the
@@ -142,7 +197,7 @@ int tract_lock_request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 	}
 	__atomic_store_n(&lm->abandoned, 0, __ATOMIC_RELAXED);
 	q->req = mine.request_seq + 1;
-	publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_LOCK_PUBLISH_WAITING);
+	publish_request(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, q, SITE_LOCK_PUBLISH_WAITING);
 	return TRACT_OK;
 }
 
@@ -193,7 +248,7 @@ int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q
 				break;
 			}
 			/* a grant of a superseded manager: withdraw, keep the request */
-			publish_slot(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, SITE_NONE);
+			publish_request(r, lock_id, TRACT_LOCK_WAITING, q->req, 0, q, SITE_NONE);
 			floor = current > m.token ? current : m.token + 1;
 		}
 		if (tract_mono_ns() - q->start > timeout_ns) {

@@ -112,6 +112,28 @@ static int line_is_mine(const struct tract_manager *m, const struct tract_lock_m
 	       l->granted_req == g->req && l->grant_seq == g->seq && l->inherited == g->inherit;
 }
 
+/* whether node n's WAITING request S on lock id may be granted now.  A request
+ * a walk made ahead names the walk's request just below it (after_lock), and
+ * waits until that one is granted (by this scan too: locks are scanned in
+ * ascending order) or gone (entered, withdrawn, released): so a walk is granted
+ * its locks in ascending order, holds only locks below the one it waits for,
+ * and no cycle of waits can form (docs/PROTOCOLS.md §4) (internal) */
+static int walk_ready(const struct tract_manager *m, uint32_t id, uint32_t n,
+		      const struct tract_lock_node_slot *s)
+{
+	if (!s->after_lock || !TRACT_KEEP(SITE_MGR_WALK_ORDER))
+		return 1;
+	uint32_t below = s->after_lock - 1;
+	if (below >= id)         /* not a lower lock: no walk names one */
+		return 1;
+	const struct tract_section *sec = tract_sec(m->r, TRACT_SEC_LOCKS);
+	const struct tract_lock_node_slot *b = (const void *)(m->table + (uint64_t)below *
+							      sec->entry_size + TRACT_LINE);
+	if (b[n].state != TRACT_LOCK_WAITING || b[n].request_seq != s->after_req)
+		return 1;
+	return m->grants[below].node == n + 1 && m->grants[below].req == s->after_req;
+}
+
 /* one pass over every lock; returns SCAN_WROTE if it granted or released,
  * SCAN_BUSY if a request or grant is live, else SCAN_IDLE (internal) */
 enum { SCAN_IDLE, SCAN_BUSY, SCAN_WROTE };
@@ -179,7 +201,10 @@ static int scan(struct tract_manager *m)
 		}
 		for (uint32_t k = 0; k < nodes; k++) {
 			uint32_t n = (g->last + k) % nodes;   /* node after the last granted */
-			if (slot[n].state == TRACT_LOCK_WAITING && !m->dead[n]) {
+			if (slot[n].state != TRACT_LOCK_WAITING || m->dead[n])
+				continue;
+			busy = 1;        /* a live request, granted now or later */
+			if (walk_ready(m, id, n, &slot[n])) {
 				g->node = n + 1;
 				g->last = n + 1;
 				g->req = slot[n].request_seq;

@@ -52,7 +52,7 @@ enum {
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 7,
+	TRACT_FORMAT_VERSION = 8,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,

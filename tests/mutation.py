@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the multi-process protocol tests that run under the simulator
 TESTS = ["tests/test_payload_ledger.py",
          "tests/test_lock.py::test_counters_are_exact_under_the_lock[sim]",
+         "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms",
          "tests/test_index.py::test_prefill_and_decode_processes_share_prefixes[sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[copying-sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[zero-copy-sim]",
@@ -65,6 +66,8 @@ PREDICTED = {
     "SITE_LOCK_OBSERVE_CLAIMS": [_TAKEOVER],
     "SITE_MGR_OBSERVE_CLAIMS": [_TAKEOVER],
     "SITE_MGR_OBSERVE_ADOPT": [_TAKEOVER],
+    "SITE_MGR_WALK_ORDER": [
+        "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms"],
 }
 REDUNDANT = {"SITE_LOCK_OBSERVE_SEQ", "SITE_LOCK_OBSERVE_RELEASE", "SITE_MGR_PUBLISH_GRANT"}
 # the lock sites whose removal leaves the protocol waiting: the test that

@@ -46,6 +46,7 @@ def main() -> None:
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
         "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
+        "index_claim_stripes": lambda **kw: index_claim_stripes(pool, **kw),
         "index_put_pinned_chain": lambda chain: index_put_pinned_chain(pool, chain),
         "index_put_variant": lambda **kw: index_put_variant(pool, **kw),
         "index_read_variant": lambda **kw: index_read_variant(pool, **kw),
@@ -178,6 +179,19 @@ def index_reserve_chain(pool, chain: list) -> dict:
     status, slots = pool.index.reserve(_chain_keys(pool, *chain))
     claimed = status == PUT_CLAIMED
     return {"claimed": int(claimed.sum()), "slots": slots[claimed].tolist()}
+
+
+def index_claim_stripes(pool, stripes: list, wait: float) -> list:
+    """Claims (then gives back) one made-up key in each of STRIPES: one walk over
+    exactly those stripes, each lock waited for at most WAIT s; the claims'
+    statuses."""
+    import numpy as np
+    keys = np.random.default_rng(len(stripes)).integers(1, 256, (len(stripes), 16), np.uint8)
+    keys[:, 13] = stripes           # a key's stripe: bits 40.. of its high word
+    status, slots = pool.index.reserve(keys, timeout=wait)
+    got = status.tolist()
+    pool.index.commit(keys, status, slots, publish=False, timeout=wait)
+    return got
 
 
 def index_put_pinned_chain(pool, chain: list) -> int:

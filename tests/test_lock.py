@@ -8,11 +8,13 @@ import pytest
 
 from agents import RunningAgent
 from counters import counter_offset, finish_counters, start_counters
-from procs import Worker
+from procs import Worker, wait_for
 from tract_cli.core.errors import LockTimeout
+from tract_cli.core.index import PUT_CLAIMED
 from tract_cli.core.locks import (LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, lock_count,
                                   lock_name, stripe_lock)
 from tract_cli.core.pool import Pool
+from tract_cli.inspect.snapshot import take
 
 NODES, PER_NODE = 4, 2
 
@@ -231,3 +233,43 @@ def test_a_pool_closed_while_it_holds_a_lock_lets_it_go_as_a_dead_holders(region
         finally:
             proc.communicate("\n", timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:] if proc.stderr else proc.returncode
+
+
+def _lock_row(pool: Pool, lock_id: int) -> dict:
+    rows = {r["id"]: r for r in take(pool, views=("locks",))["locks"]["locks"]}
+    return rows.get(lock_id, {"holder_node": None, "waiting": []})
+
+
+def test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms(region):
+    """A walk requests every stripe it will enter at once, each request naming
+    the one below it (docs/PROTOCOLS.md §4).  Here node 1 walks stripes 0 and
+    2 while node 3 holds stripe 0: stripe 2 is free, but the manager must not
+    grant it before 0.  Node 2, holding stripe 1, then asks for 2, and node 3,
+    holding 0, asks for 1: had node 1 been granted 2, the three would wait on
+    each other in a cycle (1 on 3 for stripe 0, 3 on 2 for 1, 2 on 1 for 2)
+    until their locks timed out.  Granted in order, all three finish."""
+    wait = 10.0
+    s0, s1, s2 = (stripe_lock(s) for s in range(3))
+    with RunningAgent(region, 0, manager=True), Worker(region, 1) as walker, \
+            Worker(region, 2) as b, Worker(region, 3) as c, Worker(region, 0) as barrier, \
+            Pool.attach(region, readonly=True, prefault=False) as look:
+        c.call("lock_acquire", lock_id=s0)
+        b.call("lock_acquire", lock_id=s1)
+        walker.send("index_claim_stripes", stripes=[0, 2], wait=wait)
+        wait_for("the walk's request of stripe 2, made ahead",
+                 lambda: [w["node"] for w in _lock_row(look, s2)["waiting"]] == [1])
+        # a grant of a lock requested only now comes from a manager scan that
+        # saw the walk's request of stripe 2, and stripe 2 free
+        barrier.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=wait)
+        barrier.call("lock_release", lock_id=LOCK_OBJDIR)
+        assert _lock_row(look, s2)["holder_node"] is None, \
+            "stripe 2 was granted to the walk before the stripe below it"
+        b.send("lock_acquire", lock_id=s2, wait=wait)
+        b.recv("lock_acquire", timeout=wait + 10)
+        c.send("lock_acquire", lock_id=s1, wait=wait)
+        for lock_id in (s2, s1):
+            b.call("lock_release", lock_id=lock_id)
+        c.recv("lock_acquire", timeout=wait + 10)
+        for lock_id in (s1, s0):
+            c.call("lock_release", lock_id=lock_id)
+        assert walker.recv("index_claim_stripes", timeout=wait + 10) == [PUT_CLAIMED] * 2

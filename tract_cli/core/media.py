@@ -30,7 +30,8 @@ ANCHOR_DTYPE = np.dtype([("head", "<u4"), ("tail", "<u4"), ("count", "<u8"), ("h
                          ("release_owner", "<u4")])
 # a node's slot of a lock (struct tract_lock_node_slot)
 SLOT_DTYPE = np.dtype([("state", "<u4"), ("pid", "<u4"), ("epoch", "<u8"), ("request_seq", "<u8"),
-                       ("since_ns", "<u8"), ("grant_token", "<u8"), ("pad", "V24")])
+                       ("since_ns", "<u8"), ("grant_token", "<u8"), ("after_lock", "<u4"),
+                       ("reserved0", "<u4"), ("after_req", "<u8"), ("pad", "V8")])
 # a lock's manager line (struct tract_lock_manager_line)
 MGR_DTYPE = np.dtype([("granted_node", "<u4"), ("last_node", "<u4"), ("grant_seq", "<u8"),
                       ("grant_ns", "<u8"), ("granted_req", "<u8"), ("token", "<u8"),
