@@ -107,7 +107,18 @@ static void detect(void)
 	if (env_flag("TRACT_NO_MOVNT"))
 		movnt_threshold = UINT64_MAX;
 	tract_strict_payload = env_flag("TRACT_STRICT_PAYLOAD");
+	/* TRACT_WALK_AHEAD=n (1..WALK_AHEAD): how many stripe requests a walk
+	 * keeps pending; 1 is the one-ahead walk of format 7, what the
+	 * benchmarks measure requesting ahead against (docs/BENCHMARKS.md) */
+	const char *ahead = getenv("TRACT_WALK_AHEAD");
+	if (ahead && *ahead) {
+		long n = strtol(ahead, NULL, 10);
+		tract_walk_ahead = n < 1 ? 1 : n > TRACT_WALK_AHEAD_MAX ? TRACT_WALK_AHEAD_MAX : (uint32_t)n;
+	}
 }
+
+/* requests a stripe walk keeps pending (TRACT_WALK_AHEAD) */
+uint32_t tract_walk_ahead = TRACT_WALK_AHEAD_MAX;
 
 /* TRACT_STRICT_PAYLOAD=1: every payload line is written back with the flush
  * mode's own instruction before READY, also after streaming stores (copy.c) */

@@ -150,7 +150,7 @@ void tract_stripe_leave(struct stripe_ctx *c);
  * over, and after one whose local mutex a dead process left (entered to
  * repair, even if the caller skips it) (internal).
  */
-#define WALK_AHEAD 32
+#define WALK_AHEAD TRACT_WALK_AHEAD_MAX     /* TRACT_WALK_AHEAD: fewer (internal.h) */
 
 struct stripe_walk {
 	tract_region *r;

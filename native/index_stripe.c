@@ -133,7 +133,10 @@ void tract_stripe_init(tract_region *r, uint32_t stripe, struct stripe_ctx *c,
 	c->ev_dirty = 0;
 }
 
-/* locks a stripe and loads its LRU anchor (internal) */
+/* locks a stripe and loads its LRU anchor.  Its caller holds no stripe and
+ * has none requested: it may wait for the node-local mutex, which a walk of
+ * this node may hold while it awaits a lower stripe (docs/PROTOCOLS.md §4)
+ * (internal) */
 int tract_stripe_enter(tract_region *r, uint32_t stripe, uint64_t timeout_ns,
 		       struct stripe_ctx *c, struct line_set *set)
 {
@@ -228,7 +231,11 @@ void tract_walk_end(struct stripe_walk *w)
 static void request_ahead(struct stripe_walk *w, const struct stripe_groups *g)
 {
 	struct stripe_groups rest = *g;
-	while (w->n < WALK_AHEAD && !w->q[w->n - 1].recovered && tract_groups_next(&rest)) {
+	/* at most tract_walk_ahead requests past the stripes entered (q[0..at)) */
+	uint32_t cap = w->at + tract_walk_ahead;
+	if (cap > WALK_AHEAD)
+		cap = WALK_AHEAD;
+	while (w->n < cap && !w->q[w->n - 1].recovered && tract_groups_next(&rest)) {
 		uint32_t s = rest.stripe, below = w->stripe[w->n - 1];
 		if (s <= below)
 			break;

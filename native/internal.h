@@ -288,6 +288,11 @@ enum tract_site {
 	SITE_COUNT
 };
 
+/* the stripe requests a walk keeps pending at most (index_internal.h), and how
+ * many this process keeps (TRACT_WALK_AHEAD, set once at CPU detection) (internal) */
+#define TRACT_WALK_AHEAD_MAX 32
+extern uint32_t tract_walk_ahead;
+
 /* the site TRACT_MUTANT removes (0: none), set once at CPU detection (internal) */
 extern int tract_mutant;
 #define TRACT_KEEP(site) ((site) == SITE_NONE || tract_mutant != (site))

@@ -113,11 +113,15 @@ static int line_is_mine(const struct tract_manager *m, const struct tract_lock_m
 }
 
 /* whether node n's WAITING request S on lock id may be granted now.  A request
- * a walk made ahead names the walk's request just below it (after_lock), and
- * waits until that one is granted (by this scan too: locks are scanned in
- * ascending order) or gone (entered, withdrawn, released): so a walk is granted
- * its locks in ascending order, holds only locks below the one it waits for,
- * and no cycle of waits can form (docs/PROTOCOLS.md §4) (internal) */
+ * a walk made ahead names the walk's request just below it (after_lock,
+ * after_req), and waits until that one is granted (by this scan too: locks are
+ * scanned in ascending order) or gone -- released or withdrawn (its slot IDLE
+ * at that sequence) or followed by a newer request of the node (a larger
+ * sequence: a node's sequences only grow).  A lower sequence is a request not
+ * seen yet: the scan's copy of the table is not taken at one instant, and
+ * the walker publishes the request below before the one above it.  So a walk
+ * is granted its locks in ascending order, holds only locks below the one it
+ * waits for, and no cycle of waits can form (docs/PROTOCOLS.md §4) (internal) */
 static int walk_ready(const struct tract_manager *m, uint32_t id, uint32_t n,
 		      const struct tract_lock_node_slot *s)
 {
@@ -126,12 +130,13 @@ static int walk_ready(const struct tract_manager *m, uint32_t id, uint32_t n,
 	uint32_t below = s->after_lock - 1;
 	if (below >= id)         /* not a lower lock: no walk names one */
 		return 1;
+	if (m->grants[below].node == n + 1 && m->grants[below].req == s->after_req)
+		return 1;
 	const struct tract_section *sec = tract_sec(m->r, TRACT_SEC_LOCKS);
 	const struct tract_lock_node_slot *b = (const void *)(m->table + (uint64_t)below *
 							      sec->entry_size + TRACT_LINE);
-	if (b[n].state != TRACT_LOCK_WAITING || b[n].request_seq != s->after_req)
-		return 1;
-	return m->grants[below].node == n + 1 && m->grants[below].req == s->after_req;
+	return b[n].request_seq > s->after_req ||
+	       (b[n].request_seq == s->after_req && b[n].state == TRACT_LOCK_IDLE);
 }
 
 /* one pass over every lock; returns SCAN_WROTE if it granted or released,

@@ -22,10 +22,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the multi-process protocol tests that run under the simulator
+# the multi-process protocol tests (most under the simulator; the walk-order
+# ones need none: the order is the manager's, not a cache's)
 TESTS = ["tests/test_payload_ledger.py",
          "tests/test_lock.py::test_counters_are_exact_under_the_lock[sim]",
          "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms",
+         "tests/test_lock.py::test_a_walk_request_waits_for_the_one_it_names_by_its_sequence",
          "tests/test_index.py::test_prefill_and_decode_processes_share_prefixes[sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[copying-sim]",
          "tests/test_handoff.py::test_handoffs_between_processes[zero-copy-sim]",
@@ -67,7 +69,8 @@ PREDICTED = {
     "SITE_MGR_OBSERVE_CLAIMS": [_TAKEOVER],
     "SITE_MGR_OBSERVE_ADOPT": [_TAKEOVER],
     "SITE_MGR_WALK_ORDER": [
-        "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms"],
+        "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms",
+        "tests/test_lock.py::test_a_walk_request_waits_for_the_one_it_names_by_its_sequence"],
 }
 REDUNDANT = {"SITE_LOCK_OBSERVE_SEQ", "SITE_LOCK_OBSERVE_RELEASE", "SITE_MGR_PUBLISH_GRANT"}
 # the lock sites whose removal leaves the protocol waiting: the test that

@@ -11,8 +11,8 @@ from counters import counter_offset, finish_counters, start_counters
 from procs import Worker, wait_for
 from tract_cli.core.errors import LockTimeout
 from tract_cli.core.index import PUT_CLAIMED
-from tract_cli.core.locks import (LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, lock_count,
-                                  lock_name, stripe_lock)
+from tract_cli.core.locks import (LOCK_ALLOCATOR, LOCK_OBJDIR, LOCK_TRANSFER, SLOT_IDLE,
+                                  SLOT_WAITING, lock_count, lock_name, stripe_lock)
 from tract_cli.core.pool import Pool
 from tract_cli.inspect.snapshot import take
 
@@ -273,3 +273,52 @@ def test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms(region):
         for lock_id in (s1, s0):
             c.call("lock_release", lock_id=lock_id)
         assert walker.recv("index_claim_stripes", timeout=wait + 10) == [PUT_CLAIMED] * 2
+
+
+def test_a_walk_request_waits_for_the_one_it_names_by_its_sequence(region):
+    """The manager decides whether a walk's request may be granted from the
+    request it names (lock and sequence): granted, or gone (IDLE at that
+    sequence, or a newer sequence).  The slot of the request below showing an
+    older sequence is a request the scan has not seen yet (its copy of the
+    table is not taken at one instant): not gone.  The slots are written here
+    by hand, as node 1 would."""
+    s0, s1 = stripe_lock(0), stripe_lock(1)
+    with RunningAgent(region, 0, manager=True), Worker(region, 2) as barrier, \
+            Pool.attach(region, node=1) as node1:
+        sec = node1.info.section("locks")
+        line = lambda lock_id: sec.offset + lock_id * sec.entry_size + (1 + 1) * 64
+
+        def slot(lock_id: int, state: int, seq: int, after: tuple = (0, 0)) -> None:
+            off = line(lock_id)
+            node1.publish_u64(off + 16, seq)
+            node1.publish_u64(off + 40, after[0])       # after_lock (+ reserved0)
+            node1.publish_u64(off + 48, after[1])       # after_req
+            node1.publish_u64(off, state)               # state, pid 0
+
+        def scanned() -> None:      # a grant of a lock asked for now: a scan after the writes
+            barrier.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=10.0)
+            barrier.call("lock_release", lock_id=LOCK_OBJDIR)
+
+        slot(s0, SLOT_IDLE, 4)                                   # its request 5 not seen yet
+        slot(s1, SLOT_WAITING, 1, after=(s0 + 1, 5))
+        scanned()
+        assert _lock_row(node1, s1)["holder_node"] is None, "granted before the one below"
+        slot(s0, SLOT_WAITING, 5)                                # seen, not granted yet...
+        scanned()
+        assert _lock_row(node1, s0)["holder_node"] == 1          # ...granted in this scan,
+        wait_for("stripe 1 granted once the request below it is",  # stripe 1 in this or the next
+                 lambda: _lock_row(node1, s1)["holder_node"] == 1)
+        for lock_id in (s1, s0):
+            slot(lock_id, SLOT_IDLE, 5 if lock_id == s0 else 1)
+        wait_for("both released", lambda: all(_lock_row(node1, x)["holder_node"] is None
+                                              for x in (s0, s1)))
+        # gone: IDLE at the named sequence, or a newer one
+        for below in ((SLOT_IDLE, 5), (SLOT_IDLE, 6), (SLOT_WAITING, 6)):
+            slot(s0, *below)
+            slot(s1, SLOT_WAITING, 2, after=(s0 + 1, 5))
+            wait_for(f"stripe 1 granted with the request below {below}",
+                     lambda: _lock_row(node1, s1)["holder_node"] == 1)
+            slot(s1, SLOT_IDLE, 2)
+            slot(s0, SLOT_IDLE, 7)
+            wait_for("released", lambda: all(_lock_row(node1, x)["holder_node"] is None
+                                             for x in (s0, s1)))
