@@ -120,6 +120,16 @@ static void detect(void)
 /* requests a stripe walk keeps pending (TRACT_WALK_AHEAD) */
 uint32_t tract_walk_ahead = TRACT_WALK_AHEAD_MAX;
 
+/* Sets how many stripe requests a walk keeps ahead (1..32); 0 only reads it. */
+uint32_t tract_set_walk_ahead(uint32_t n)
+{
+	pthread_once(&once, detect);     /* the environment's value first, then this */
+	if (n)
+		__atomic_store_n(&tract_walk_ahead, n > TRACT_WALK_AHEAD_MAX ? TRACT_WALK_AHEAD_MAX : n,
+				 __ATOMIC_RELAXED);
+	return __atomic_load_n(&tract_walk_ahead, __ATOMIC_RELAXED);
+}
+
 /* TRACT_STRICT_PAYLOAD=1: every payload line is written back with the flush
  * mode's own instruction before READY, also after streaming stores (copy.c) */
 int tract_strict_payload;

@@ -232,7 +232,7 @@ static void request_ahead(struct stripe_walk *w, const struct stripe_groups *g)
 {
 	struct stripe_groups rest = *g;
 	/* at most tract_walk_ahead requests past the stripes entered (q[0..at)) */
-	uint32_t cap = w->at + tract_walk_ahead;
+	uint32_t cap = w->at + __atomic_load_n(&tract_walk_ahead, __ATOMIC_RELAXED);
 	if (cap > WALK_AHEAD)
 		cap = WALK_AHEAD;
 	while (w->n < cap && !w->q[w->n - 1].recovered && tract_groups_next(&rest)) {

@@ -246,6 +246,11 @@ int tract_flush_mode_supported(int flush_mode);
 /* Sets the non-temporal threshold (tests); 0 restores the default. */
 void tract_set_movnt_threshold(uint64_t bytes);
 
+/* How many stripe lock requests an index walk of this process keeps ahead
+ * (1..32, clamped; TRACT_WALK_AHEAD sets it at start, default 32): 1 is the
+ * one-ahead walk of format 7, the benchmarks' reference.  Returns it. */
+uint32_t tract_set_walk_ahead(uint32_t n);
+
 /* ---- layout and format ---- */
 
 /* Bytes per element of a TRACT_DTYPE_*, 0 if unknown (the one table; Python reads it). */

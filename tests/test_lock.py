@@ -322,3 +322,34 @@ def test_a_walk_request_waits_for_the_one_it_names_by_its_sequence(region):
             slot(s0, SLOT_IDLE, 7)
             wait_for("released", lambda: all(_lock_row(node1, x)["holder_node"] is None
                                              for x in (s0, s1)))
+
+
+def test_walk_ahead_is_set_per_process_and_checked():
+    from tract_cli.core.errors import UsageError
+    from tract_cli.core.locks import walk_ahead
+    default = walk_ahead()
+    try:
+        assert walk_ahead(1) == 1 and walk_ahead() == 1
+        assert walk_ahead(32) == 32
+        for bad in (0, 33, -1):
+            with pytest.raises(UsageError, match="1 to 32"):
+                walk_ahead(bad)
+    finally:
+        walk_ahead(default)
+
+
+def test_microbench_lock_times_each_walk_ahead_and_one_ahead_idle_and_busy():
+    """`tract microbench lock`'s walk figures: a claim and a commit, each with
+    its locks requested ahead and one ahead, on an idle and on a busy core;
+    the process's affinity and walk setting as they were after."""
+    import os
+    from tract_cli.bench.micro.locks import bench_locks
+    from tract_cli.core.locks import walk_ahead
+    affinity, ahead = os.sched_getaffinity(0), walk_ahead()
+    r = bench_locks("none", nodes=(1,), seconds=0.2, iterations=20, walk_rounds=3)
+    for walks in (r.walks, r.walks_busy):
+        assert set(walks) == {"claim", "commit"}
+        for w in walks.values():
+            assert set(w) == {"ahead", "one_ahead"} and all(v > 0 for v in w.values())
+    assert r.stripes == 16
+    assert os.sched_getaffinity(0) == affinity and walk_ahead() == ahead

@@ -121,6 +121,16 @@ def lock(
             f"alloc 375 slots: {format_duration(r.alloc_375_cold_us / 1e6)} claiming from the "
             f"region, {format_duration(r.alloc_375_warm_us / 1e6)} from the node's free list; "
             f"free 375: {format_duration(r.free_375_us / 1e6)}")
+        for where, walks in (("", r.walks), (" on a busy core", r.walks_busy)):
+            for walk, w in walks.items():
+                render.stdout.print(
+                    f"{walk} of a 6000-token request's {lockbench.WALK_KEYS} blocks (one walk "
+                    f"over {r.stripes} stripes){where}: {format_duration(w['ahead'] / 1e6)} with "
+                    f"its locks requested ahead, {format_duration(w['one_ahead'] / 1e6)} one "
+                    f"ahead (the walk of format 7, same run): "
+                    f"{w['one_ahead'] / w['ahead']:.2f}x the time")
+        render.stdout.print("(on a busy core: the lock manager's agent, the walker and one "
+                            "CPU-bound process share one core, as inside a busy engine)")
 
 
 # the options of the one-request benchmarks (events, index): one request's

@@ -44,6 +44,16 @@ class LockStats(NamedTuple):
     wait_s: float           # seconds they spent acquiring
 
 
+def walk_ahead(n: int | None = None) -> int:
+    """How many stripe lock requests an index walk of this process keeps ahead
+    (docs/PROTOCOLS.md §4); with N (1..32), sets it first.  1 is the one-ahead
+    walk of format 7, what `tract microbench lock` measures requesting ahead
+    against; TRACT_WALK_AHEAD sets it at start (default 32)."""
+    if n is not None and not 1 <= n <= 32:
+        raise UsageError(f"a walk keeps 1 to 32 requests ahead, not {n}", "pass 1..32")
+    return int(lib.tract_set_walk_ahead(n or 0))
+
+
 def stripe_lock(stripe: int) -> int:
     """The lock id of index stripe STRIPE."""
     return FIRST_STRIPE_LOCK + stripe
