@@ -23,8 +23,9 @@ enum {   /* enum tract_put_status (tract.h), by short names */
 };
 
 /* claims PENDING buckets for absent keys; status per key (internal) */
-/* evicted slots a claim frees at once mid-walk, at most (their journal
- * entries wait beside the claims' until then) (internal) */
+/* evicted slots past which a claim frees them mid-walk, after the stripe
+ * that reached it (their journal entries wait beside the claims' until then:
+ * at most this many plus one stripe's keys) (internal) */
 #define EVICT_BATCH 256
 
 static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const struct keyref *refs,
@@ -44,7 +45,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 	tract_groups_init(&g, refs, n, NULL, NULL);
 	/* a walk requested ahead: a put waits for about one grant, not one per
 	 * stripe.  The slots it evicts are freed once it holds no stripe and has
-	 * none requested (the allocator's lock is lower): at its end, or when
+	 * none requested (the allocator's lock is lower): at its end, or once
 	 * EVICT_BATCH wait (a walk's requests withdrawn, then made again) */
 	struct stripe_walk walk;
 	tract_walk_init(&walk, r, set, timeout_ns);

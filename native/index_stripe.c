@@ -179,13 +179,15 @@ void tract_walk_init(struct stripe_walk *w, tract_region *r, struct line_set *se
 	w->at = w->n = 0;
 }
 
-/* enters stripe s, awaiting its request q with a full timeout from now (a
- * request made ahead waited its turn), repairing what a dead holder left
- * (internal) */
+/* enters stripe s, awaiting its request q, repairing what a dead holder
+ * left; AHEAD: a request made ahead, which waited its turn, waits a full
+ * timeout from now (one made for this entry counts from when it was made, as
+ * an acquire does) (internal) */
 static int walk_await(struct stripe_walk *w, uint32_t s, struct tract_lock_req *q,
-		      struct stripe_ctx *c)
+		      struct stripe_ctx *c, int ahead)
 {
-	q->start = tract_mono_ns();
+	if (ahead)
+		q->start = tract_mono_ns();
 	int rc = tract_lock_await(w->r, TRACT_FIXED_LOCKS + s, q, w->timeout_ns, NULL);
 	if (rc < 0)
 		return rc;
@@ -215,7 +217,7 @@ void tract_walk_end(struct stripe_walk *w)
 	if (repair >= 0) {
 		struct stripe_ctx c;
 		uint32_t s = w->stripe[repair];
-		if (walk_await(w, s, &w->q[repair], &c) == TRACT_OK) {
+		if (walk_await(w, s, &w->q[repair], &c, 1) == TRACT_OK) {
 			if (!c.recovered) {
 				c.recovered = 1;
 				tract_stripe_repair(&c);
@@ -264,9 +266,11 @@ int tract_walk_enter(struct stripe_walk *w, const struct stripe_groups *g, struc
 	}
 	if (w->at < w->n && w->stripe[w->at] != s)
 		tract_walk_end(w);          /* not in the order requested: start afresh */
+	int ahead = 1;
 	if (w->at == w->n) {
 		/* nothing pending: s requested now (holding no stripe, so its local
 		 * mutex may be waited for), the rest ahead of it */
+		ahead = 0;
 		w->at = w->n = 0;
 		int rc = tract_lock_request(r, TRACT_FIXED_LOCKS + s, w->timeout_ns, &w->q[0], NULL);
 		if (rc < 0)
@@ -276,7 +280,7 @@ int tract_walk_enter(struct stripe_walk *w, const struct stripe_groups *g, struc
 		request_ahead(w, g);
 	}
 	uint32_t i = w->at++;
-	int rc = walk_await(w, s, &w->q[i], c);
+	int rc = walk_await(w, s, &w->q[i], c, ahead);
 	if (rc < 0)
 		return rc;                  /* its request withdrawn by the wait */
 	if (w->at == w->n) {

@@ -68,8 +68,9 @@ PREDICTED = {
     "SITE_LOCK_OBSERVE_CLAIMS": [_TAKEOVER],
     "SITE_MGR_OBSERVE_CLAIMS": [_TAKEOVER],
     "SITE_MGR_OBSERVE_ADOPT": [_TAKEOVER],
+    # (the cycle test fails too, at its first check, but its walker then waits
+    # out its lock timeout: the sequence test alone is the bounded run's)
     "SITE_MGR_WALK_ORDER": [
-        "tests/test_lock.py::test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms",
         "tests/test_lock.py::test_a_walk_request_waits_for_the_one_it_names_by_its_sequence"],
 }
 REDUNDANT = {"SITE_LOCK_OBSERVE_SEQ", "SITE_LOCK_OBSERVE_RELEASE", "SITE_MGR_PUBLISH_GRANT"}

@@ -250,7 +250,8 @@ def test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms(region):
     until their locks timed out.  Granted in order, all three finish."""
     wait = 10.0
     s0, s1, s2 = (stripe_lock(s) for s in range(3))
-    with RunningAgent(region, 0, manager=True), Worker(region, 1) as walker, \
+    with RunningAgent(region, 0, manager=True), \
+            Worker(region, 1, env={"TRACT_WALK_AHEAD": "32"}) as walker, \
             Worker(region, 2) as b, Worker(region, 3) as c, Worker(region, 0) as barrier, \
             Pool.attach(region, readonly=True, prefault=False) as look:
         c.call("lock_acquire", lock_id=s0)
@@ -259,9 +260,10 @@ def test_a_walk_is_granted_its_stripes_in_order_so_no_wait_cycle_forms(region):
         wait_for("the walk's request of stripe 2, made ahead",
                  lambda: [w["node"] for w in _lock_row(look, s2)["waiting"]] == [1])
         # a grant of a lock requested only now comes from a manager scan that
-        # saw the walk's request of stripe 2, and stripe 2 free
-        barrier.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=wait)
-        barrier.call("lock_release", lock_id=LOCK_OBJDIR)
+        # saw the walk's request of stripe 2, and stripe 2 free; a lock above
+        # stripe 2, whose grant that scan writes after stripe 2's decision
+        barrier.call("lock_acquire", lock_id=stripe_lock(15), wait=wait)
+        barrier.call("lock_release", lock_id=stripe_lock(15))
         assert _lock_row(look, s2)["holder_node"] is None, \
             "stripe 2 was granted to the walk before the stripe below it"
         b.send("lock_acquire", lock_id=s2, wait=wait)
@@ -295,9 +297,11 @@ def test_a_walk_request_waits_for_the_one_it_names_by_its_sequence(region):
             node1.publish_u64(off + 48, after[1])       # after_req
             node1.publish_u64(off, state)               # state, pid 0
 
-        def scanned() -> None:      # a grant of a lock asked for now: a scan after the writes
-            barrier.call("lock_acquire", lock_id=LOCK_OBJDIR, wait=10.0)
-            barrier.call("lock_release", lock_id=LOCK_OBJDIR)
+        def scanned() -> None:
+            # a grant of a lock asked for now: a scan after the writes, and a lock
+            # above the two, whose grant that scan writes after their decisions
+            barrier.call("lock_acquire", lock_id=stripe_lock(15), wait=10.0)
+            barrier.call("lock_release", lock_id=stripe_lock(15))
 
         slot(s0, SLOT_IDLE, 4)                                   # its request 5 not seen yet
         slot(s1, SLOT_WAITING, 1, after=(s0 + 1, 5))
@@ -345,8 +349,12 @@ def test_microbench_lock_times_each_walk_ahead_and_one_ahead_idle_and_busy():
     import os
     from tract_cli.bench.micro.locks import bench_locks
     from tract_cli.core.locks import walk_ahead
+    import psutil
     affinity, ahead = os.sched_getaffinity(0), walk_ahead()
-    r = bench_locks("none", nodes=(1,), seconds=0.2, iterations=20, walk_rounds=3)
+    r = bench_locks("none", nodes=(), iterations=20, walk_rounds=3)    # (no contended run)
+    left = [p.cmdline() for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]   # multiprocessing's own
+    assert not left, f"processes of the benchmark outlived it: {left}"
     for walks in (r.walks, r.walks_busy):
         assert set(walks) == {"claim", "commit"}
         for w in walks.values():

@@ -47,16 +47,26 @@ def _spin() -> None:
 
 def _walks_on_a_busy_core(pool: Pool, agent_pid: int, rounds: int) -> dict:
     """_walks with this process, the lock manager's agent (every thread) and one
-    CPU-bound process on one core; every affinity restored after."""
-    core = min(allowed_cpus())
+    CPU-bound process on one core (one this process may run on); every
+    affinity restored after."""
     mine = psutil.Process().cpu_affinity()
-    agent = psutil.Process(agent_pid)
-    threads = {t.id: psutil.Process(t.id).cpu_affinity() for t in agent.threads()}
+    core = min(set(mine) & allowed_cpus() or mine)
+    threads = {}
+    for t in psutil.Process(agent_pid).threads():
+        try:
+            threads[t.id] = psutil.Process(t.id).cpu_affinity()
+        except psutil.NoSuchProcess:      # a thread that ended meanwhile
+            pass
     spinner = mp.get_context("spawn").Process(target=_spin, daemon=True)
     spinner.start()
     try:
-        for p in [psutil.Process(spinner.pid), psutil.Process(), *map(psutil.Process, threads)]:
-            p.cpu_affinity([core])
+        psutil.Process(spinner.pid).cpu_affinity([core])
+        psutil.Process().cpu_affinity([core])
+        for tid in threads:
+            try:
+                psutil.Process(tid).cpu_affinity([core])
+            except psutil.NoSuchProcess:
+                pass
         return _walks(pool, rounds)
     finally:
         spinner.terminate()
@@ -65,7 +75,7 @@ def _walks_on_a_busy_core(pool: Pool, agent_pid: int, rounds: int) -> dict:
         for tid, cpus in threads.items():
             try:
                 psutil.Process(tid).cpu_affinity(cpus)
-            except psutil.Error:
+            except psutil.NoSuchProcess:
                 pass
 
 
@@ -73,13 +83,13 @@ def _walks(pool: Pool, rounds: int) -> dict:
     """Claim and commit of WALK_KEYS new keys, each one walk over the stripes,
     with the walk's locks requested ahead and one ahead (the walk of format 7),
     alternating round by round; the pool emptied between rounds (not timed)."""
-    default = walk_ahead()
+    default = walk_ahead()         # as the process had it (TRACT_WALK_AHEAD), restored after
     out = {"claim": {"ahead": [], "one_ahead": []}, "commit": {"ahead": [], "one_ahead": []}}
     rng = np.random.default_rng(0)
     try:
         for r in range(rounds):
             for mode in (("ahead", "one_ahead") if r % 2 else ("one_ahead", "ahead")):
-                walk_ahead(default if mode == "ahead" else 1)
+                walk_ahead(32 if mode == "ahead" else 1)
                 keys = rng.integers(0, 256, (WALK_KEYS, 16), np.uint8)
                 t0 = time.perf_counter()
                 status, slots = pool.index.reserve(keys)
@@ -113,7 +123,7 @@ def _contend(path: str, node: int, flush_mode: str, start_at: float, seconds: fl
 def bench_locks(flush_mode: str = "clflush", nodes=(1, 2, 4), seconds: float = 2.0,
                 iterations: int = 2000, walk_rounds: int = 31) -> LockFigures:
     with temp_region_path() as path:
-        Pool.create(path, 1 << 30, "llama-3-8b", nodes=max(nodes) + 1, flush_mode=flush_mode).close()
+        Pool.create(path, 1 << 30, "llama-3-8b", nodes=max(nodes, default=1) + 1, flush_mode=flush_mode).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
         try:
             with Pool.attach(path, node=1, flush_mode=flush_mode) as pool:
