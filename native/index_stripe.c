@@ -217,13 +217,9 @@ void tract_walk_end(struct stripe_walk *w)
 	if (repair >= 0) {
 		struct stripe_ctx c;
 		uint32_t s = w->stripe[repair];
-		if (walk_await(w, s, &w->q[repair], &c, 1) == TRACT_OK) {
-			if (!c.recovered) {
-				c.recovered = 1;
-				tract_stripe_repair(&c);
-			}
+		/* (recovered: the wait says so, and walk_await repairs) */
+		if (walk_await(w, s, &w->q[repair], &c, 1) == TRACT_OK)
 			tract_stripe_leave(&c);
-		}
 	}
 }
 
