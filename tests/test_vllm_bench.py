@@ -105,35 +105,52 @@ def test_nixl_over_tcp_is_nixl_with_ucx_on_tcp(config, tls, monkeypatch, tmp_pat
 @needs_vllm
 def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path,
                                                                  monkeypatch):
-    """NixlConnector and LMCache (its cache shared by two instances), one short
-    prompt each, in one bench run beside one vLLM.  (NixlConnector over TCP is
-    the same connector with UCX_TLS=tcp in both engines' environment, checked
-    without engines below: two more engines here would cost the suite a
-    minute.)"""
-    peers = [c for c in ("nixl", "lmcache") if _missing(c, monkeypatch) is None]
+    """NixlConnector, LMCache (its cache shared by two instances) and vLLM's
+    MooncakeConnector, one short prompt each, in one bench run beside one vLLM:
+    each handed over and verified where it runs; where Mooncake cannot (vLLM
+    0.32's CPU build stops it at start), the bench says why in one line, still
+    runs the others, exits non-zero and keeps the logs it names.  Nothing is
+    left running.  (NixlConnector over TCP is the same connector with
+    UCX_TLS=tcp in both engines' environment, checked without engines above;
+    the peers share one run and one vLLM for CI's time budget.)"""
+    peers = [c for c in ("nixl", "lmcache", "mooncake") if _missing(c, monkeypatch) is None]
     if not peers:
-        pytest.skip("; ".join(_missing(c, monkeypatch) for c in ("nixl", "lmcache")))
+        pytest.skip("; ".join(_missing(c, monkeypatch) for c in ("nixl", "lmcache", "mooncake")))
     before_files = _debris()
     out = tmp_path / "run.json"
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
                   *[a for c in peers + ["mono"] for a in ("--vllm-config", c)],
-                  "--json", str(out)], PEERS, timeout=1200)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+                  "--json", str(out)], PEERS, timeout=1500)
+    assert "Traceback" not in res.stdout + res.stderr
+    assert _our_processes() == set(), "a process the bench started outlived it"
+    failure = [ln for ln in res.stdout.splitlines() if ln.startswith("mooncake failed: ")]
+    if failure:
+        # the bench says why in one line, exits non-zero, keeps the logs it names
+        assert "mooncake" in peers and res.returncode == 1, res.stdout[-2000:]
+        assert len(failure) == 1 and "vLLM exited" in failure[0], res.stdout
+        logs = next(ln for ln in res.stdout.splitlines()
+                    if ln.startswith("the vLLM servers' logs: "))
+        kept = logs.split(": ", 1)[1].strip()
+        assert os.path.isfile(os.path.join(kept, "mooncake-prefill.log"))
+        import shutil
+        shutil.rmtree(kept)
+    else:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     run = json.loads(out.read_text())
     rows = {s["config"]: s for s in run["summaries"]}
-    expected = [c for c in peers if c != "lmcache"] + (
-        ["lmcache-hit", "lmcache-miss"] if "lmcache" in peers else [])
+    ran = [c for c in peers if c != "lmcache" and not (c == "mooncake" and failure)]
+    expected = ran + (["lmcache-hit", "lmcache-miss"] if "lmcache" in peers else [])
     assert sorted(rows) == sorted(expected + ["mono"])
     for config in expected:
-        # the same answer as one vLLM
+        # the same answer as one vLLM: the rest ran, whatever Mooncake did
         assert rows[config]["verified"] is True, rows[config]
     for config in expected:
-        if config in ("nixl", "nixl-tcp", "lmcache-hit"):
+        if config in ("nixl", "nixl-tcp", "mooncake", "lmcache-hit"):
             # handed over: the decode instance (for LMCache, the second instance)
             # took prompt tokens from its connector
             assert rows[config]["handed_over"] == rows[config]["requests"] == 1, rows[config]
             assert 0 < rows[config]["kv_tokens_mean"] <= 300, rows[config]
-    for config in ("nixl", "nixl-tcp"):
+    for config in ("nixl", "mooncake"):
         if config in rows:
             assert rows[config]["prefill_s"] > 0 and rows[config]["decode_s"] > 0
     if "lmcache" in peers:
@@ -146,7 +163,6 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert "from KV path" in res.stdout          # the prompt tokens each took from its path
     if "lmcache" in peers:
         assert "256 tokens" in res.stdout
-    assert _our_processes() == set(), "a process the bench started outlived it"
     assert _debris() - before_files == set(), "the bench left files behind"
     assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
 
@@ -177,41 +193,6 @@ def test_an_answer_unlike_one_vllms_is_not_verified():
     verify(records, texts)
     assert {s["config"]: s["verified"] for s in summarize(records)} == {"mono": True,
                                                                          "nixl": False}
-
-
-@needs_vllm
-def test_mooncake_runs_or_its_failure_is_reported_and_the_rest_run(vllm_checkpoint, tmp_path,
-                                                                   monkeypatch):
-    """vLLM's MooncakeConnector: handed over and verified where it runs; where it
-    cannot (vLLM 0.32's CPU build stops it at start), the bench says why in one
-    line, still runs the other configuration, exits non-zero, keeps the logs it
-    names and leaves nothing running."""
-    why = _missing("mooncake", monkeypatch)
-    if why:
-        pytest.skip(why)
-    before_files = _debris()
-    out = tmp_path / "run.json"
-    res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
-                  "--vllm-config", "mooncake", "--vllm-config", "mono", "--json", str(out)],
-                 PEERS, timeout=1200)
-    assert "Traceback" not in res.stdout + res.stderr
-    assert _our_processes() == set(), "a process the bench started outlived it"
-    if res.returncode == 0:
-        run = json.loads(out.read_text())
-        row = next(s for s in run["summaries"] if s["config"] == "mooncake")
-        assert row["handed_over"] == 1 and row["verified"] is True, row
-        assert _debris() - before_files == set(), "the bench left files behind"
-        return
-    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
-    failure = [ln for ln in res.stdout.splitlines() if ln.startswith("mooncake failed: ")]
-    assert len(failure) == 1 and "vLLM exited" in failure[0], res.stdout
-    logs = next(ln for ln in res.stdout.splitlines() if ln.startswith("the vLLM servers' logs: "))
-    kept = logs.split(": ", 1)[1].strip()
-    assert os.path.isfile(os.path.join(kept, "mooncake-prefill.log"))
-    assert "mono" in res.stdout            # the rest ran and is reported
-    import shutil
-    shutil.rmtree(kept)
-    assert _debris() - before_files == set(), "the bench left files behind"
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():
