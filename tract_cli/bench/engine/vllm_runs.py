@@ -67,8 +67,12 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     skipped = {c: why for c in configs
                if (why := engine_configs.unavailable(c, vllm_python())) is not None}
     reqs = prompts(lengths, per_length, vocab, seed)
-    # the warm-up prompt: another seed's, so it shares no block with the measured ones
-    warm = prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)[0][1]
+    # the warm-up prompts: another seed's, so they share no block with the measured
+    # ones; two whole blocks and some (a path's one-time costs), then one of each
+    # measured length (vLLM's first step at a new size is several times its next
+    # ones, on every configuration alike: no measured request pays it)
+    warm = [t for _, t in prompts([2 * VLLM_BLOCK + 8, *sorted(set(lengths))], 1, vocab,
+                                  seed + 1)]
     # what a configuration's own cache server must hold: every prompt's KV twice over
     cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
@@ -79,6 +83,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     pool, flush_mode = None, None
     failed: dict[str, str] = {}     # a configuration that could not run -> why
     keep_logs = True
+    measured_from: dict[str, int] = {}   # a server log -> its size once warmed up
     try:
         for config in to_run(configs, skipped, log):
             # a configuration that fails (a peer that stops vLLM at start, a server that
@@ -92,8 +97,10 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     pool = None if pool is None else remove_pool(pool)
                     pool = _tract_region(model_dir, lengths, per_length + 1)
                     flush_mode = _flush_mode(pool)
-                _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
-                            warm, output_len, cache_bytes, records, texts)
+                nonlocal measured_from
+                measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
+                                            load_mode, reqs, warm, output_len, cache_bytes,
+                                            records, texts)
             why = failure_of(one_config)
             if why is not None:
                 failed[config] = why
@@ -104,7 +111,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 continue
             if config == "tract":
                 kv = _connector_figures(os.path.join(work, "tract-decode.log"),
-                                        os.path.join(work, "tract-prefill.log"))
+                                        os.path.join(work, "tract-prefill.log"), measured_from)
         verify(records, texts)
         # the logs are kept where a configuration failed or an answer was not verified
         keep_logs = bool(failed) or any(r["verified"] is False for r in records)
@@ -156,14 +163,21 @@ def failure_of(run_config) -> str | None:
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
-                output_len, cache_bytes, records, texts) -> None:
-    """Starts CONFIG's servers, runs every request through them, stops them."""
+                output_len, cache_bytes, records, texts) -> dict[str, int]:
+    """Starts CONFIG's servers, runs the warm-up prompts WARM and then every
+    request through them, stops them.  Returns each server log's size once the
+    warm-up was answered: what the connector logged after it is the measured
+    requests'."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes)
     try:
         for s in servers.values():
             s.wait_ready()
-        _warm(servers, config, warm, output_len)
+        for tokens in warm:
+            _warm(servers, config, tokens, output_len)
+        # each line a step logs is written before the step's output goes out
+        marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
+                 if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
         for i, (n, tokens) in enumerate(reqs):
             got = (_prefix(servers, tokens, output_len, PREFIX[config])
                    if config in PREFIX else
@@ -171,6 +185,7 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
             for row, rec in got.items():
                 records.append({"config": row, "input_len": n, "request": i} | rec)
                 texts.setdefault(i, {})[row] = rec.pop("text")
+        return marks
     finally:
         engine_configs.stop_all(servers)
         store = getattr(servers.get("prefill"), "store", None)
@@ -210,9 +225,9 @@ def _kv_bytes(model_dir: str, tokens: int) -> int:
 
 
 def _warm(servers: dict, config: str, tokens: list, output_len: int) -> None:
-    """One request through the path first, of TOKENS (two whole blocks and some: a
-    KV path that moves whole blocks moves some), so that no measured request pays
-    the path's one-time costs (vLLM's first step, a connector's first copy)."""
+    """One warm-up request through the path, of TOKENS, answered before any
+    measured request: the path's one-time costs (vLLM's first step at a size, a
+    connector's first copy) are paid here."""
     if config in PREFIX:
         _prefix(servers, tokens, output_len, PREFIX[config])
     else:
@@ -265,20 +280,23 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
             "handed_over": taken > 0, "kv_tokens": taken, "text": text}
 
 
-def _connector_figures(decode_log: str, prefill_log: str) -> dict:
+def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int]) -> dict:
     """The connector's own load and save timings (its INFO lines), per request, and
-    its memcpy of the same bytes between the same buffers (the reference)."""
+    its memcpy of the same bytes between the same buffers (the reference), of
+    the measured requests: what each log holds past its mark (MARKS, its size
+    once the warm-up was answered), whole lines."""
     rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": [], "publish": []}
     for path, kinds in ((decode_log, ("load", "load_memcpy")),
                         (prefill_log, ("save", "save_memcpy", "publish"))):
-        for line in open(path, errors="replace"):
+        with open(path, "rb") as f:
+            f.seek(marks.get(path, 0))
+            data = f.read()
+        for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
             got = kvlog.parse(line)
             if got and got[0] in kinds:
                 rows[got[0]].append(got[1])
-    # the first of each is the warm-up request's
-    return {"loads": rows["load"][1:], "saves": rows["save"][1:],
-            "loads_memcpy": rows["load_memcpy"][1:], "saves_memcpy": rows["save_memcpy"][1:],
-            "publishes": rows["publish"][1:]}
+    return {"loads": rows["load"], "saves": rows["save"], "loads_memcpy": rows["load_memcpy"],
+            "saves_memcpy": rows["save_memcpy"], "publishes": rows["publish"]}
 
 
 def _memcpy_figures(kv: dict) -> dict:
