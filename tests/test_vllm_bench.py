@@ -144,6 +144,10 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     for config in expected:
         # the same answer as one vLLM: the rest ran, whatever Mooncake did
         assert rows[config]["verified"] is True, rows[config]
+    for config in expected + ["mono"]:
+        # the path as vLLM timed it: there, and inside what the client saw (the
+        # engines see each request from its arrival, after the client sent it)
+        assert 0 < rows[config]["engine_mean_s"] < rows[config]["ttft_mean_s"], rows[config]
     for config in expected:
         if config in ("nixl", "nixl-tcp", "mooncake", "lmcache-hit"):
             # handed over: the decode instance (for LMCache, the second instance)

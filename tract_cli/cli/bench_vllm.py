@@ -59,14 +59,14 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
                         f"{load_mode}; vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'})")
-    for col in ("input", "config", "TTFT mean", "p50", "p90", "p99", "prefill", "decode",
-                "from KV path", "verified"):
+    for col in ("input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
+                "decode", "from KV path", "verified"):
         table.add_column(col, justify="left" if col in ("config", "verified") else "right",
                          no_wrap=col == "config")
     dur = lambda v: "—" if v is None else format_duration(v)
     for s in res["summaries"]:
         table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
-                      dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
+                      dur(s.get("engine_mean_s")), dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
                       dur(s["prefill_s"]), dur(s["decode_s"]),
                       "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
                       "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
@@ -76,6 +76,10 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                                 f"{s['handed_over']} of {s['requests']} requests were handed "
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
+    render.stdout.print("in vLLM: the mean TTFT's path as the engines time it (vLLM's own "
+                        "request times: a P/D prefill instance's whole request and its decode "
+                        "instance's time to first token; one instance's time to first token), "
+                        "without the HTTP and the client around them")
     _report_tail(res)
     for kind, fig in res["memcpy"].items():
         render.stdout.print(kv_path_line(kind, fig))

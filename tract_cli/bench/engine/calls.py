@@ -121,6 +121,10 @@ def mooncake_engine(prefill) -> str:
 # vLLM's counter of prompt tokens by where they came from (source: local_compute,
 # local_cache_hit, external_kv_transfer)
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+# vLLM's own request times (histogram sums, seconds): from the request's arrival
+# at the engine's front end to its end, and to its first token
+E2E = "vllm:e2e_request_latency_seconds_sum"
+TTFT = "vllm:time_to_first_token_seconds_sum"
 
 
 def metrics(server) -> dict:
@@ -138,12 +142,6 @@ def metrics(server) -> dict:
                 key = (s.name, s.labels.get("source"))
                 out[key] = out.get(key, 0.0) + s.value
     return out
-
-
-def external_tokens(server) -> float:
-    """Prompt tokens SERVER has taken from its KV connector so far (vLLM's
-    `prompt_tokens_by_source` counter, source `external_kv_transfer`)."""
-    return metrics(server).get((PROMPT_TOKENS, "external_kv_transfer"), 0.0)
 
 
 def reset_prefix_cache(server) -> None:

@@ -248,36 +248,52 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
             # committed before the miss answers)
             out[rows[0]]["store_wait_s"] = cache.wait_stored(
                 stored + len(tokens) // cache.chunk_tokens)
-        external = calls.external_tokens(s)
+        before = calls.metrics(s)
         t0 = time.monotonic()
         got = calls.complete(s, tokens, output_len)
         first, text = got.first, got.text
-        out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None, "text": text}
+        after = calls.metrics(s)
+        out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None,
+                    "engine_s": _delta(before, after, calls.TTFT), "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
-            taken = int(calls.external_tokens(s) - external)
+            taken = int(_delta(before, after, calls.PROMPT_TOKENS, "external_kv_transfer"))
             out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
 
 
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
+    """One request through CONFIG: its TTFT and parts as the client saw them, and
+    `engine_s`, the same path inside vLLM (`_engine_times`)."""
     if config == "mono":
+        m = servers["mono"]
+        before = calls.metrics(m)
         t0 = time.monotonic()
-        got = calls.complete(servers["mono"], tokens, output_len)
-        return {"ttft_s": got.first - t0, "prefill_s": None, "decode_s": None, "text": got.text}
+        got = calls.complete(m, tokens, output_len)
+        return {"ttft_s": got.first - t0, "prefill_s": None, "decode_s": None,
+                "engine_s": _delta(before, calls.metrics(m), calls.TTFT), "text": got.text}
     p, d = servers["prefill"], servers["decode"]
-    external = calls.external_tokens(d)
+    before = {s: calls.metrics(s) for s in (p, d)}
     engine = calls.mooncake_engine(p) if config == "mooncake" else None
     t0 = time.monotonic()
     t1, got = calls.pd_request(config, p, d, tokens, output_len, engine)
     first, text = got.first, got.text
+    # read once the decode has answered in full: the prefill's request ended long before
+    after = {s: calls.metrics(s) for s in (p, d)}
     if config == "example":
         shutil.rmtree(p.store, ignore_errors=True)    # the next prompt starts from empty storage
         os.makedirs(p.store, exist_ok=True)
     # handed over: the decode instance took prompt tokens from its KV connector (a
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
-    taken = int(calls.external_tokens(d) - external)
+    taken = int(_delta(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer"))
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
+            "engine_s": (_delta(before[p], after[p], calls.E2E)
+                         + _delta(before[d], after[d], calls.TTFT)),
             "handed_over": taken > 0, "kv_tokens": taken, "text": text}
+
+
+def _delta(before: dict, after: dict, name: str, source: str | None = None) -> float:
+    """How much vLLM's counter or histogram sum NAME grew between two scrapes."""
+    return after.get((name, source), 0.0) - before.get((name, source), 0.0)
 
 
 def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int]) -> dict:
@@ -363,5 +379,9 @@ def summarize(records: list[dict]) -> list[dict]:
                     "ttft_p90_s": float(np.percentile(ttft, 90)),
                     "ttft_p99_s": float(np.percentile(ttft, 99)),
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
+                    # the same path inside vLLM, without the HTTP and client around it
+                    "engine_mean_s": (float(np.mean([r["engine_s"] for r in rows]))
+                                      if all(r.get("engine_s") is not None for r in rows)
+                                      else None),
                     "verified": all(checked) if checked else None})
     return out
