@@ -145,9 +145,17 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
         # the same answer as one vLLM: the rest ran, whatever Mooncake did
         assert rows[config]["verified"] is True, rows[config]
     for config in expected + ["mono"]:
-        # the path as vLLM timed it: there, and inside what the client saw (the
-        # engines see each request from its arrival, after the client sent it)
+        # the path as vLLM timed it: there, and inside what the client saw (vLLM's
+        # front end stamps a request's arrival after the client sent it, and
+        # records its times before it sends the answer; both clocks are steady here)
         assert 0 < rows[config]["engine_mean_s"] < rows[config]["ttft_mean_s"], rows[config]
+    for config in ("nixl", "mooncake"):
+        if config in rows:
+            # a P/D request's parts, each inside the client's: the prefill instance's
+            # whole request, the decode instance's time to first token
+            r = rows[config]
+            assert 0 < r["engine_prefill_s"] < r["prefill_s"], r
+            assert 0 < r["engine_decode_s"] < r["decode_s"], r
     for config in expected:
         if config in ("nixl", "nixl-tcp", "mooncake", "lmcache-hit"):
             # handed over: the decode instance (for LMCache, the second instance)

@@ -66,7 +66,8 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     dur = lambda v: "—" if v is None else format_duration(v)
     for s in res["summaries"]:
         table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
-                      dur(s.get("engine_mean_s")), dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]), dur(s["ttft_p99_s"]),
+                      dur(s.get("engine_mean_s")), dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]),
+                      dur(s["ttft_p99_s"]),
                       dur(s["prefill_s"]), dur(s["decode_s"]),
                       "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
                       "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
@@ -76,7 +77,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                                 f"{s['handed_over']} of {s['requests']} requests were handed "
                                 "over; the others were computed by the decode instance")
     render.stdout.print(table)
-    render.stdout.print("in vLLM: the mean TTFT's path as the engines time it (vLLM's own "
+    render.stdout.print("in vLLM: the mean TTFT's path as vLLM times it (its front ends' "
                         "request times: a P/D prefill instance's whole request and its decode "
                         "instance's time to first token; one instance's time to first token), "
                         "without the HTTP and the client around them")

@@ -256,14 +256,16 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None,
                     "engine_s": _delta(before, after, calls.TTFT), "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
-            taken = int(_delta(before, after, calls.PROMPT_TOKENS, "external_kv_transfer"))
+            taken = int(_delta(before, after, calls.PROMPT_TOKENS, "external_kv_transfer")
+                        or 0)
             out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
 
 
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     """One request through CONFIG: its TTFT and parts as the client saw them, and
-    `engine_s`, the same path inside vLLM (`_engine_times`)."""
+    `engine_s`, the same path as vLLM's front ends time it (a P/D request's parts
+    `engine_prefill_s`, `engine_decode_s`; None where vLLM reports none)."""
     if config == "mono":
         m = servers["mono"]
         before = calls.metrics(m)
@@ -284,16 +286,20 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         os.makedirs(p.store, exist_ok=True)
     # handed over: the decode instance took prompt tokens from its KV connector (a
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
-    taken = int(_delta(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer"))
+    taken = int(_delta(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer") or 0)
+    parts = (_delta(before[p], after[p], calls.E2E), _delta(before[d], after[d], calls.TTFT))
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
-            "engine_s": (_delta(before[p], after[p], calls.E2E)
-                         + _delta(before[d], after[d], calls.TTFT)),
+            "engine_s": None if None in parts else sum(parts),
+            "engine_prefill_s": parts[0], "engine_decode_s": parts[1],
             "handed_over": taken > 0, "kv_tokens": taken, "text": text}
 
 
-def _delta(before: dict, after: dict, name: str, source: str | None = None) -> float:
-    """How much vLLM's counter or histogram sum NAME grew between two scrapes."""
-    return after.get((name, source), 0.0) - before.get((name, source), 0.0)
+def _delta(before: dict, after: dict, name: str, source: str | None = None) -> float | None:
+    """How much vLLM's counter or histogram sum NAME grew between two scrapes;
+    None if vLLM does not report it (e.g. started with --disable-log-stats)."""
+    if (name, source) not in after:
+        return None
+    return after[(name, source)] - before.get((name, source), 0.0)
 
 
 def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int]) -> dict:
@@ -368,6 +374,8 @@ def summarize(records: list[dict]) -> list[dict]:
         ttft = np.array([r["ttft_s"] for r in rows])
         part = lambda k: (float(np.mean([r[k] for r in rows])) if rows[0][k] is not None
                           else None)
+        engine = lambda k: (float(np.mean([r[k] for r in rows]))
+                            if all(r.get(k) is not None for r in rows) else None)
         handed = [r.get("handed_over") for r in rows if "handed_over" in r]
         taken = [r["kv_tokens"] for r in rows if "kv_tokens" in r]
         checked = [r["verified"] for r in rows if r["verified"] is not None]
@@ -379,9 +387,10 @@ def summarize(records: list[dict]) -> list[dict]:
                     "ttft_p90_s": float(np.percentile(ttft, 90)),
                     "ttft_p99_s": float(np.percentile(ttft, 99)),
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
-                    # the same path inside vLLM, without the HTTP and client around it
-                    "engine_mean_s": (float(np.mean([r["engine_s"] for r in rows]))
-                                      if all(r.get("engine_s") is not None for r in rows)
-                                      else None),
+                    # the same path as vLLM's front ends time it, without the HTTP
+                    # and the client around it (None where vLLM reports none)
+                    "engine_mean_s": engine("engine_s"),
+                    "engine_prefill_s": engine("engine_prefill_s"),
+                    "engine_decode_s": engine("engine_decode_s"),
                     "verified": all(checked) if checked else None})
     return out
