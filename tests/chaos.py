@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import selectors
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,10 @@ class Chaos:
         self.dead_hosts: list[int] = []       # killed, to come back when the run ends
         self.host_kills = 0
         self.path = f"/dev/shm/tract-chaos-{uuid.uuid4().hex[:8]}.pool"
+        # the agents' and workers' logs: removed with a run that passed, kept (and
+        # named in its result) for one that did not or did not end
         self.dir = tempfile.mkdtemp(prefix="tract-chaos-")
+        self.ok: bool | None = None
         Pool.create(self.path, region_size, "tiny", nodes=NODES, index_stripes=8).close()
         self.agents = [self.start_agent(n, manager=n == 0) for n in range(NODES)]
         self.agent_back_at: dict[int, int] = {}    # node -> the kill count that restarts it
@@ -375,10 +379,14 @@ class Chaos:
                 "blocks_verified": self.blocks_verified, "bad_blocks": self.bad_blocks,
                 "index_counters": index_counters,    # evictions: whether the run evicted
                 "settled": settled, "check_violations": violations, "leaked_slots": leaked,
-                "errors": self.errors,
-                "ok": (not self.errors and not self.bad_blocks and settled["clean"] and
-                       not violations and not leaked and not hosts["unswept"] and
-                       managers["running"] == [managers["current"]])}
+                "errors": self.errors, "logs": self.dir,
+                "ok": self._ok(not self.errors and not self.bad_blocks and settled["clean"] and
+                               not violations and not leaked and not hosts["unswept"] and
+                               managers["running"] == [managers["current"]])}
+
+    def _ok(self, ok: bool) -> bool:
+        self.ok = ok
+        return ok
 
     def wait_one_manager(self) -> dict:
         """Waits (bounded) until exactly the current manager runs one."""
@@ -456,6 +464,10 @@ class Chaos:
                     a.kill()
         self.sel.close()
         remove_region(self.path)
+        if self.ok:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:
+            print(f"chaos: the agents' and workers' logs are kept in {self.dir}", file=sys.stderr)
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
     summary = {k: r[k] for k in ("kills", "agent_kills", "allocator_deaths", "manager_kills",
                                  "managers", "events",
                                  "settled", "check_violations", "leaked_slots", "bad_blocks",
-                                 "errors", "host_kills", "hosts", "index_counters")}
+                                 "errors", "host_kills", "hosts", "index_counters", "logs")}
     assert r["kills"] == kills
     # a whole host killed: declared dead, recovered online, back at the end
     assert r["host_kills"] == host_kills, summary
