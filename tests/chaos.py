@@ -370,6 +370,9 @@ class Chaos:
         leaked = self.leaked_slots()
         with Pool.attach(self.path, readonly=True, prefault=False, local=False) as p:
             index_counters = snapshot.take(p, views=("index",))["index"]["counters"]
+        self.ok = (not self.errors and not self.bad_blocks and settled["clean"] and
+                   not violations and not leaked and not hosts["unswept"] and
+                   managers["running"] == [managers["current"]])
         return {"kills": self.kills, "agent_kills": self.agent_kills,
                 "host_kills": self.host_kills, "hosts": hosts,
                 "allocator_deaths": self.allocator_deaths,
@@ -379,14 +382,7 @@ class Chaos:
                 "blocks_verified": self.blocks_verified, "bad_blocks": self.bad_blocks,
                 "index_counters": index_counters,    # evictions: whether the run evicted
                 "settled": settled, "check_violations": violations, "leaked_slots": leaked,
-                "errors": self.errors, "logs": self.dir,
-                "ok": self._ok(not self.errors and not self.bad_blocks and settled["clean"] and
-                               not violations and not leaked and not hosts["unswept"] and
-                               managers["running"] == [managers["current"]])}
-
-    def _ok(self, ok: bool) -> bool:
-        self.ok = ok
-        return ok
+                "errors": self.errors, "logs": self.dir, "ok": self.ok}
 
     def wait_one_manager(self) -> dict:
         """Waits (bounded) until exactly the current manager runs one."""

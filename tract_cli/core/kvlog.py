@@ -65,3 +65,13 @@ def parse(line: str) -> tuple[str, dict] | None:
                 row |= {"claim_wait_ms": float(m[n + 1]), "commit_ms": float(m[n + 2])}
             return kind, row
     return None
+
+
+def read_since(path: str, offset: int = 0) -> list[tuple[str, dict]]:
+    """The timing lines (`parse`) of log PATH past byte OFFSET, whole lines only
+    (one still being written is left for a later read)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    text = data[:data.rfind(b"\n") + 1].decode(errors="replace")
+    return [got for line in text.splitlines() if (got := parse(line))]

@@ -144,6 +144,15 @@ def metrics(server) -> dict:
     return out
 
 
+def grew(before: dict, after: dict, name: str, source: str | None = None) -> float | None:
+    """How much vLLM's counter or histogram sum NAME (with label SOURCE) grew
+    between two `metrics` scrapes; None if vLLM does not report it (e.g. started
+    with --disable-log-stats)."""
+    if (name, source) not in after:
+        return None
+    return after[(name, source)] - before.get((name, source), 0.0)
+
+
 def reset_prefix_cache(server) -> None:
     """Empties SERVER's own prefix cache (vLLM's development endpoint, served with
     VLLM_SERVER_DEV_MODE=1); it refuses while blocks are held, so it is asked

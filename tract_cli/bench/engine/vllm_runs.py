@@ -254,9 +254,9 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
         first, text = got.first, got.text
         after = calls.metrics(s)
         out[row] = {"ttft_s": first - t0, "prefill_s": None, "decode_s": None,
-                    "engine_s": _delta(before, after, calls.TTFT), "text": text}
+                    "engine_s": calls.grew(before, after, calls.TTFT), "text": text}
         if row == rows[1]:   # a hit: the prompt tokens it took from its connector
-            taken = int(_delta(before, after, calls.PROMPT_TOKENS, "external_kv_transfer")
+            taken = int(calls.grew(before, after, calls.PROMPT_TOKENS, "external_kv_transfer")
                         or 0)
             out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
@@ -272,7 +272,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         t0 = time.monotonic()
         got = calls.complete(m, tokens, output_len)
         return {"ttft_s": got.first - t0, "prefill_s": None, "decode_s": None,
-                "engine_s": _delta(before, calls.metrics(m), calls.TTFT), "text": got.text}
+                "engine_s": calls.grew(before, calls.metrics(m), calls.TTFT), "text": got.text}
     p, d = servers["prefill"], servers["decode"]
     before = {s: calls.metrics(s) for s in (p, d)}
     engine = calls.mooncake_engine(p) if config == "mooncake" else None
@@ -286,20 +286,12 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
         os.makedirs(p.store, exist_ok=True)
     # handed over: the decode instance took prompt tokens from its KV connector (a
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
-    taken = int(_delta(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer") or 0)
-    parts = (_delta(before[p], after[p], calls.E2E), _delta(before[d], after[d], calls.TTFT))
+    taken = int(calls.grew(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer") or 0)
+    parts = (calls.grew(before[p], after[p], calls.E2E), calls.grew(before[d], after[d], calls.TTFT))
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
             "engine_s": None if None in parts else sum(parts),
             "engine_prefill_s": parts[0], "engine_decode_s": parts[1],
             "handed_over": taken > 0, "kv_tokens": taken, "text": text}
-
-
-def _delta(before: dict, after: dict, name: str, source: str | None = None) -> float | None:
-    """How much vLLM's counter or histogram sum NAME grew between two scrapes;
-    None if vLLM does not report it (e.g. started with --disable-log-stats)."""
-    if (name, source) not in after:
-        return None
-    return after[(name, source)] - before.get((name, source), 0.0)
 
 
 def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int]) -> dict:
@@ -310,13 +302,9 @@ def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int])
     rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": [], "publish": []}
     for path, kinds in ((decode_log, ("load", "load_memcpy")),
                         (prefill_log, ("save", "save_memcpy", "publish"))):
-        with open(path, "rb") as f:
-            f.seek(marks.get(path, 0))
-            data = f.read()
-        for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
-            got = kvlog.parse(line)
-            if got and got[0] in kinds:
-                rows[got[0]].append(got[1])
+        for kind, row in kvlog.read_since(path, marks.get(path, 0)):
+            if kind in kinds:
+                rows[kind].append(row)
     return {"loads": rows["load"], "saves": rows["save"], "loads_memcpy": rows["load_memcpy"],
             "saves_memcpy": rows["save_memcpy"], "publishes": rows["publish"]}
 
@@ -372,10 +360,8 @@ def summarize(records: list[dict]) -> list[dict]:
     for config, n in keys:
         rows = [r for r in records if r["config"] == config and r["input_len"] == n]
         ttft = np.array([r["ttft_s"] for r in rows])
-        part = lambda k: (float(np.mean([r[k] for r in rows])) if rows[0][k] is not None
-                          else None)
-        engine = lambda k: (float(np.mean([r[k] for r in rows]))
-                            if all(r.get(k) is not None for r in rows) else None)
+        part = lambda k: (float(np.mean([r[k] for r in rows]))
+                          if all(r.get(k) is not None for r in rows) else None)
         handed = [r.get("handed_over") for r in rows if "handed_over" in r]
         taken = [r["kv_tokens"] for r in rows if "kv_tokens" in r]
         checked = [r["verified"] for r in rows if r["verified"] is not None]
@@ -389,8 +375,8 @@ def summarize(records: list[dict]) -> list[dict]:
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
                     # the same path as vLLM's front ends time it, without the HTTP
                     # and the client around it (None where vLLM reports none)
-                    "engine_mean_s": engine("engine_s"),
-                    "engine_prefill_s": engine("engine_prefill_s"),
-                    "engine_decode_s": engine("engine_decode_s"),
+                    "engine_mean_s": part("engine_s"),
+                    "engine_prefill_s": part("engine_prefill_s"),
+                    "engine_decode_s": part("engine_decode_s"),
                     "verified": all(checked) if checked else None})
     return out

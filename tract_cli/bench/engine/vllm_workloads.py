@@ -280,26 +280,23 @@ def _connector_times(logs: dict, marks: dict) -> dict:
     (handoffs and pool hits) and writes."""
     out = {"load_ms": 0.0, "save_ms": 0.0, "loads": 0, "saves": 0}
     for role, path in logs.items():
-        with open(path, "rb") as f:
-            f.seek(marks[role])
-            data = f.read()
-        for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
-            got = kvlog.parse(line)
-            if got and got[0] in ("load", "save"):
-                out[got[0] + "_ms"] += got[1]["ms"]
-                out[got[0] + "s"] += 1
+        for kind, row in kvlog.read_since(path, marks[role]):
+            if kind in ("load", "save"):
+                out[kind + "_ms"] += row["ms"]
+                out[kind + "s"] += 1
     return out
 
 
-def _delta(before: dict, after: dict, name: str, source=None) -> float:
-    return after.get((name, source), 0.0) - before.get((name, source), 0.0)
+def _grew(before: dict, after: dict, name: str, source=None) -> float:
+    """`calls.grew`, 0 where vLLM reports nothing (a counter not yet counted)."""
+    return calls.grew(before, after, name, source) or 0.0
 
 
 def _pooled_mean(before: dict, after: dict, roles, histogram: str) -> float | None:
     """The mean of vLLM histogram HISTOGRAM over the requests the instances ROLES
     served between two scrapes (their sums over their counts)."""
-    n = sum(_delta(before[r], after[r], histogram + "_count") for r in roles)
-    total = sum(_delta(before[r], after[r], histogram + "_sum") for r in roles)
+    n = sum(_grew(before[r], after[r], histogram + "_count") for r in roles)
+    total = sum(_grew(before[r], after[r], histogram + "_sum") for r in roles)
     return total / n if n else None
 
 
@@ -342,7 +339,7 @@ def summarize(config: str, point: int, qps: float, got: list[dict], wall: float,
     ttft = np.array([r["ttft_s"] for r in got])
     computing = ["prefill"] if config in PD else list(before)
     sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
-    prompt = {r: {s: _delta(before[r], after[r], TOKENS, s) for s in sources} for r in before}
+    prompt = {r: {s: _grew(before[r], after[r], TOKENS, s) for s in sources} for r in before}
     total = sum(sum(prompt[r].values()) for r in computing)
     cached = sum(prompt[r]["local_cache_hit"] + prompt[r]["external_kv_transfer"]
                  for r in computing)

@@ -123,7 +123,8 @@ def _contend(path: str, node: int, flush_mode: str, start_at: float, seconds: fl
 def bench_locks(flush_mode: str = "clflush", nodes=(1, 2, 4), seconds: float = 2.0,
                 iterations: int = 2000, walk_rounds: int = 31) -> LockFigures:
     with temp_region_path() as path:
-        Pool.create(path, 1 << 30, "llama-3-8b", nodes=max(nodes, default=1) + 1, flush_mode=flush_mode).close()
+        Pool.create(path, 1 << 30, "llama-3-8b", nodes=max(nodes, default=1) + 1,
+                    flush_mode=flush_mode).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
         try:
             with Pool.attach(path, node=1, flush_mode=flush_mode) as pool:
