@@ -69,6 +69,7 @@ def main(path: str) -> dict:
         for layer in layers:
             ws.save_layer(names[layer], None)
         ws.wait_for_save()
+        ws._saver.submit(lambda: None).result(10.0)    # its commit, off the step
         releases.drain(10.0)
         hit = pool.index.lookup(keys)
         out = {"hits": hit.hits}

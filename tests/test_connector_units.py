@@ -303,9 +303,12 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     load = kvlog.parse("(Worker pid=1) INFO x " + kvlog.LOADED % (6, 49152, "cmpl-1", 2.5, 1.5, 1.0))
     assert load == ("load", {"blocks": 6, "bytes": 49152, "ms": 2.5, "copy_ms": 1.5,
                              "meta_ms": 1.0})
-    save = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.75))
+    save = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP))
     assert save[0] == "save" and save[1]["copy_ms"] == 2.0 and save[1]["meta_ms"] == 1.0
     assert save[1]["claim_wait_ms"] == 0.25 and save[1]["commit_ms"] == 0.75
+    assert save[1]["commit_in_step"]
+    off = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.5, kvlog.OFF_STEP))
+    assert off[1]["commit_ms"] == 0.5 and not off[1]["commit_in_step"]
     ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 1.1))
     assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "copy_warm_ms": 1.1})
     assert kvlog.parse("INFO " + kvlog.PUBLISHED % ("cmpl-2", 13, 0.5)) == (
@@ -322,11 +325,12 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     two = _memcpy_figures({"saves": [save[1], save[1]], "saves_memcpy": [ref[1], ref[1]]})
     fig = two["saves"]
     assert fig["count"] == 2 and fig["tract_ms"] == 6.0 and fig["commit_ms"] == 1.5
+    assert _memcpy_figures({"saves": [save[1], off[1]]})["saves"]["commit_in_step_ms"] == 0.75
     assert fig["ratio"] == pytest.approx(3.0 / (7 / 6))
     line = kv_path_line("saves", fig)
     assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
                            "in 3 ms (copy 2 ms,"), line
-    assert "commit 750 µs" in line and "buffers 1.17 ms: 2.57x in all" in line, line
+    assert "commit 750 µs, 750 µs of it in the step" in line and "buffers 1.17 ms: 2.57x in all" in line, line
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])
@@ -353,16 +357,18 @@ def test_the_bench_counts_only_what_the_connector_logged_after_the_warm_up(tmp_p
     from tract_cli.bench.engine.vllm_runs import _connector_figures
     from tract_cli.core import kvlog
     prefill, decode = tmp_path / "tract-prefill.log", tmp_path / "tract-decode.log"
-    warm_save = "INFO " + kvlog.SAVED % (2, 16384, 9.0, 8.0, 1.0, 0.5, 0.5) + "\n"
+    warm_save = "INFO " + kvlog.SAVED % (2, 16384, 9.0, 8.0, 1.0, 0.5, 0.5, kvlog.OFF_STEP) + "\n"
     warm_load = "INFO " + kvlog.LOADED % (2, 16384, "warm", 9.0, 8.0, 1.0) + "\n"
     prefill.write_text(warm_save + "INFO " + kvlog.PUBLISHED % ("warm", 2, 7.0) + "\n")
     decode.write_text(warm_load)
     marks = {str(prefill): prefill.stat().st_size, str(decode): decode.stat().st_size}
     with open(prefill, "a") as f:
-        f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75) + "\n")
+        f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP)
+                + "\n")
         f.write("INFO " + kvlog.REFERENCE % ("save", 12, 0.5, 0.6) + "\n")
         f.write("INFO " + kvlog.PUBLISHED % ("cmpl-1", 12, 0.4) + "\n")
-        f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75))  # unfinished
+        # a line still being written
+        f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP))
     with open(decode, "a") as f:
         f.write("INFO " + kvlog.LOADED % (12, 98304, "cmpl-1", 2.5, 1.5, 1.0) + "\n")
     got = _connector_figures(str(decode), str(prefill), marks)

@@ -32,7 +32,7 @@ from tract_cli.core.pool import Pool
 from tests.vllm_stack import (ANSWER_FIELDS, ARGS, VLLM_PY, assert_answers_as_mono, complete,
                               external_hits, port, prefill_params, remove_vllm_debris,
                               server_model, shm_names, start_stack, stop_stack, tokens_by_source,
-                              wait_until_released)
+                              wait_until_released, wait_until_saved)
 
 PROMPT = "Prefill computes the prompt's KV cache; decode reads it one token at a time. "
 
@@ -83,6 +83,7 @@ def test_decode_through_the_pool_answers_as_one_vllm(stack, repeat):
 def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):
     head = "CXL shared memory lets every host in a rack load and store the same bytes. " * 8
     complete(stack["prefill"], head, 1)
+    wait_until_saved(stack["pool"])       # committed off the prefill's step
     hits = external_hits(stack["decode"])
     prompt = head + "A prefix cache reuses the blocks of prompts that start alike."
     out = complete(stack["decode"], prompt)
@@ -94,6 +95,7 @@ def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):
 def test_cache_salt_keeps_tenants_apart(stack):
     prompt = "Tenant data that must never be shared across salts. " * 6
     complete(stack["prefill"], prompt, 1, cache_salt="tenant-a")
+    wait_until_saved(stack["pool"])
     hits = external_hits(stack["decode"])
     complete(stack["decode"], prompt, 1, cache_salt="tenant-b")
     assert external_hits(stack["decode"]) == hits

@@ -159,6 +159,16 @@ def test_lock_timeouts_in_unpin_commit_and_ack_leave_nothing_behind(seen):
     assert seen["timeouts_after_ack"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
+def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
+    # every lock held: the step returned, its 4 blocks still PENDING, none READY
+    assert seen["off_step_commit_held"] == [4, 0]
+    assert seen["off_step_commit_after"] == [4, 0]        # committed once the locks are free
+    # a P/D prefill's last step waits for its commit and publish: its record is
+    # published when the step returns
+    assert seen["handoff_step_waits"]
+    assert seen["handoff_step_after"] == [True, 4, True]
+
+
 def test_a_handoff_released_during_its_copy_is_recomputed(seen):
     # acknowledged by another party between the copy and the check: the slots may
     # have been reused under the copy, so vLLM recomputes the pages

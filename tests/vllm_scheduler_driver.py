@@ -171,10 +171,21 @@ def put_prompt(pool: Pool, tag: bytes, tokens: list[int], with_tail: bool = Fals
     pool.index.put(keys, kv, tokens=tok, checksum=True)
 
 
+def committed(w) -> None:
+    """Waits (bounded) until worker W's queued commits are done (a save's commit
+    runs on the worker's save thread, off the step, unless the step publishes a
+    handoff): its blocks are then READY, or their claims given back."""
+    side = getattr(w, "worker_side", w)
+    if side is not None:
+        side._saver.submit(lambda: None).result(60)
+
+
 def settle() -> None:
-    """Waits (bounded) until every connector made here has done its queued releases:
-    what the region shows is then what the connectors hold, not a release in flight."""
+    """Waits (bounded) until every connector made here has done its queued commits
+    and releases: what the region shows is then what the connectors hold, not a
+    commit or a release in flight."""
     for conn in CONNECTORS:
+        committed(conn)
         assert conn.releases.drain(60), "a connector's releases were not done within 60 s"
 
 
@@ -530,6 +541,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     for name in LAYERS:
         w.save_kv_layer(name, caches[name], None)
     w.wait_for_save()
+    committed(w)
     look = pool.index.lookup(keys)
     load = LoadSpec("loaded", look.slots, look.checksums, np.array([4, 4, 5, 5], np.int64),
                     np.array([0, 1, 0, 1], np.int64), tags=look.tags)
@@ -564,6 +576,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     w.start_load_kv(None)
     wait_for(lambda: w.worker_side._reserving.done(), "the failed step's reserve")
     w.wait_for_save()
+    committed(w)
     obs["failed_sync_save"] = [sorted(w.get_block_ids_with_load_errors()),
                                pool.index.peek(longer[4:5]), region(pool)]
     w.build_connector_worker_meta()
@@ -617,6 +630,54 @@ def main(ckpt: str, pool_path: str) -> dict:
     w.bind_connector_metadata(TractConnectorMetadata(saves=[]))
     assert w.releases.drain(60), "the abandon was not done within 60 s"
     obs["dropped_after"] = region(pool)
+
+    # ... the commit runs off the step: with every lock held, wait_for_save returns
+    # with the step's blocks still PENDING (their commit waits on the worker's save
+    # thread), and they are READY once the locks are free; a step after which its
+    # request's handoff follows (a P/D prefill's last) waits for its commit and
+    # the publish instead, so the ticket its reply carries names a published record
+    import threading
+
+    from tract_cli.core.errors import HandoffError
+    from tract_cli.core.handoff import Ticket, request_key
+    wl, _ = worker(ckpt, pool_path, 16, extra={"step_timeout_s": 30})
+    pages, subs = np.array([0, 0, 1, 1], np.int64), np.array([0, 1, 0, 1], np.int64)
+    off = prompt_keys(pool.info, tag, 16, list(range(9100, 9100 + 64))).keys
+    wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+        "off", off, np.full(4, 16, np.uint32), pages, subs)]))
+    wait_for(lambda: wl.worker_side._reserving.done(), "the off-step save's reserve")
+    with every_lock_held(pool):
+        wl.wait_for_save()
+        obs["off_step_commit_held"] = [region(pool, False)["pending"], pool.index.peek(off)]
+    committed(wl)
+    obs["off_step_commit_after"] = [pool.index.peek(off), region(pool)["pending"]]
+    follows = prompt_keys(pool.info, tag, 16, list(range(9200, 9200 + 64))).keys
+    record = pool.handoffs.peek_free()
+    wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+        "follows", follows, np.full(4, 16, np.uint32), pages, subs,
+        HandoffSpec(record, "follows", follows, 64, 30.0), handoff_follows=True)]))
+    wait_for(lambda: wl.worker_side._reserving.done(), "the handoff step's reserve")
+    stepped = threading.Event()
+
+    def step() -> None:
+        wl.wait_for_save()
+        stepped.set()
+
+    with every_lock_held(pool):
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        # still in the step after a second: it waits for its commit (30 s bound)
+        obs["handoff_step_waits"] = not stepped.wait(1.0)
+    stepping.join(60)
+    ticket = Ticket(record, request_key("follows").hex(), 4, 64)
+    try:
+        pool.handoffs.open(ticket)
+        published = True
+    except HandoffError:
+        published = False
+    obs["handoff_step_after"] = [stepped.is_set(), pool.index.peek(follows), published]
+    if published:
+        pool.handoffs.ack(ticket)
 
     # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
     #    it completed, once each, the tail with the last chunk; the worker runs every

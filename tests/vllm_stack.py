@@ -184,6 +184,15 @@ def pool_state(pool: str) -> dict:
     return json.loads(out.stdout)
 
 
+def wait_until_saved(pool: str, timeout: float = 60) -> None:
+    """Waits (bounded) until POOL has no PENDING entry: a save an instance's step
+    claimed is committed (off the step, so perhaps after its reply went out)."""
+    deadline = time.monotonic() + timeout
+    while (pending := pool_state(pool)["index"]["states"]["PENDING"]):
+        assert time.monotonic() < deadline, f"{pending} blocks still PENDING after {timeout:.0f} s"
+        time.sleep(0.05)  # waiting for another process's commit, bounded
+
+
 def wait_until_released(pool: str, timeout: float = 60) -> dict:
     """Waits (bounded) until POOL has no pins, no PENDING entry and no handoff in flight."""
     deadline = time.monotonic() + timeout

@@ -111,7 +111,8 @@ def kv_path_line(kind: str, fig: dict) -> str:
     meta = ms(fig["meta_ms"])
     if kind == "saves":
         meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "
-                 f"commit {ms(fig['commit_ms'])}")
+                 f"commit {ms(fig['commit_ms'])}, {ms(fig['commit_in_step_ms'])} of it in "
+                 f"the step")
     return (f"TraCT KV {one}: {n} {kind} of {format_size(fig['bytes'])} in all; the mean "
             f"{one}, {format_size(fig['bytes'] // n)}, in {ms(fig['tract_ms'])} (copy "
             f"{ms(fig['copy_ms'])}, checksummed as it copied; pool metadata {meta}); {same}")

@@ -55,6 +55,11 @@ class SaveSpec:
     pages: np.ndarray
     subs: np.ndarray
     handoff: HandoffSpec | None = None
+    # the step completes the prompt of a request a remote decode waits for: its
+    # handoff is published in the step (HANDOFF) or right after it (request_
+    # finished), so the step waits for the commit that makes its blocks READY
+    # (any other step's commit runs off the step)
+    handoff_follows: bool = False
     # what the blocks' records say (core.events.describe: KV events); None: the
     # keys alone
     described: Described | None = None

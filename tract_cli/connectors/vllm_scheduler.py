@@ -437,6 +437,7 @@ class SchedulerSide:
                                         np.zeros(0, np.int64))
                 spec.handoff = handoff
             if spec is not None:
+                spec.handoff_follows = st.want_handoff and end >= st.prompt_len
                 meta.saves.append(spec)
         return meta
 

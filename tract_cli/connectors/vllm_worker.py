@@ -17,14 +17,19 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   without a lock); its acknowledgement is queued once the request is
   reported, off the request's path.
 - **Save**: the step's new full blocks are claimed during the forward (one
-  reserve, on a thread of its own), copied from vLLM's pages after it in one C
+  reserve, on the save thread), copied from vLLM's pages after it in one C
   call that checksums as it copies with streaming stores (`PagedKV.save`), and
-  published by one commit.  The commit (in the engine's step) waits at most
-  `step_timeout_s` for a lock, and the claim as long (the step waits for it
-  only past the forward): past it the blocks are not saved (vLLM
-  computes as ever) and the claims are given back off the step.
+  published by one commit on the save thread, off the step: the copy is all
+  the step waits for (vLLM may reuse the pages once it is done).  A step after
+  which a request's handoff is published (`SaveSpec.handoff_follows`, a P/D
+  prefill's last) waits for its commit too.  The save thread runs a step's
+  claim after the previous step's commit.  The commit and the claim each wait
+  at most `step_timeout_s` for a lock (the step waits for the claim only past
+  the forward): past it the blocks are not saved (vLLM computes as ever) and
+  the claims are given back, retried until it succeeds.
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
-  is published after the commit, in the record the scheduler chose, with the
+  is published after the commit, before the step ends, in the record the
+  scheduler chose, with the
   pins the step's pinning claim and commit took (`publish_pinned`: no lock
   walk of its own); pins no published handoff took over go back off the step.
 - On a GPU (`core/gpupages.py`): the slots are registered host memory and
@@ -43,6 +48,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +107,9 @@ class _SavePlan:
     handoffs: list = field(default_factory=list)
     pinned: bool = False
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
+    # a request's handoff is published in or right after this step: the step
+    # waits for the commit (SaveSpec.handoff_follows)
+    in_step: bool = False
     reserve_s: float = 0.0
     batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
     batch_rows: Any = None            # ... their rows (mine when the batch was made)
@@ -135,9 +144,11 @@ class WorkerSide:
         self._gpu: CudaPagedKV | None = None    # the GPU path
         self._gpu_loads: list[_GpuLoad] = []
         self._plan: _SavePlan | None = None
-        # CPU path: the step's reserve, running on its own thread during the forward
+        # the saves' pool calls, in order on one thread: a step's reserve (during its
+        # forward) and its commit (after its copy, off the step unless it publishes
+        # a handoff), so a step's claims always follow the previous step's commit
         self._reserving: Future | None = None
-        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="tract-reserve")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
         self._load_errors: set[int] = set()
         # loads run on one thread; what it finished waits here for get_finished
         self._loads: queue.Queue = queue.Queue()
@@ -203,7 +214,7 @@ class WorkerSide:
         GPU path at the first layer's save_layer)."""
         self._drop_pending_save("a step that never waited for its save")
         if saves:
-            self._reserving = self._reserver.submit(self._reserve, saves)
+            self._reserving = self._saver.submit(self._reserve, saves)
 
     def _claimed(self) -> _SavePlan | None:
         """The step's save plan, waiting for its claim (bounded: the reserve
@@ -341,7 +352,8 @@ class WorkerSide:
         claimed = status == PUT_CLAIMED
         mine = np.flatnonzero(claimed & (pages >= 0))
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine, described,
-                         reserve_s=time.perf_counter() - t0, pinned=bool(handoffs))
+                         reserve_s=time.perf_counter() - t0, pinned=bool(handoffs),
+                         in_step=any(s.handoff_follows for s in saves))
         at = 0
         for sv in saves:
             plan.rows.setdefault(sv.req_id, []).append(where[at:at + len(sv.keys)])
@@ -423,28 +435,65 @@ class WorkerSide:
                             "saved", len(plan.layers_done), len(self._layers))
         if failed:
             self._drop_failed_loads(plan, failed)
-        mine = plan.mine
-        sums = None
-        complete = True
+        plan.batch = None       # its DMA, checksums and write-back are done (above)
         try:
+            sums, complete = self._copy(plan)
+        except TractError as exc:
+            self._abandon(plan, f"its copy failed: {exc}")
+            return
+        if not (plan.in_step or plan.handoffs):
+            # the blocks are in their slots: vLLM may reuse its pages now, and the
+            # commit that makes them READY runs on the save thread, off the step
+            self._saver.submit(self._commit, plan, sums, complete, False)
+            return
+        # a step that completes a P/D prefill waits for its commit and its
+        # handoff's publish: the ticket its request's reply carries names a
+        # published record (a decode instance asks for it at once)
+        job = self._saver.submit(self._commit, plan, sums, complete, True)
+        # each waits at most step_timeout_s for a lock: a commit queued ahead, this
+        # one, the publish
+        bound = 3 * self.settings.step_timeout_s + 1.0
+        try:
+            job.result(timeout=bound)
+        except FutureTimeout:
+            log.warning("TraCT: the commit of a step with a handoff not done within %.1f s; the "
+                        "step goes on, its handoff is published when it is", bound)
+
+    def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
+        """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
+        that checksums as it copies; GPU path: the DMA done, its checksums in
+        PLAN): (the checksum of each key, 0 for the keys not copied; whether the
+        blocks are all in, so the commit publishes them)."""
+        mine = plan.mine
+        if not mine.size:
+            return None, True
+        sums = np.zeros(len(plan.keys), np.uint32)
+        if self._paged is not None:
             t0 = time.perf_counter()
-            if mine.size and self._paged is not None:
-                # one C call: every layer of every claimed block, checksummed as it copies
-                crcs = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
-                                        plan.tokens[mine])
-                plan.copy_s = time.perf_counter() - t0
-                # (full blocks only: a partial one's slot holds zeros past its tokens,
-                # which a plain copy of the page would overwrite)
-                full = mine[plan.tokens[mine] == self.g]
-                self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
-                sums = np.zeros(len(plan.keys), np.uint32)
-                sums[mine] = crcs
-            elif mine.size:
-                complete = len(plan.layers_done) == len(self._layers) and not plan.gpu_failed
-                if complete:         # the CPU's CRC-32C of what the DMA wrote
-                    sums = np.zeros(len(plan.keys), np.uint32)
-                    sums[plan.batch_rows] = plan.batch_sums
-            t1 = time.perf_counter()
+            # one C call: every layer of every claimed block, checksummed as it copies
+            sums[mine] = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
+                                          plan.tokens[mine])
+            plan.copy_s = time.perf_counter() - t0
+            # (full blocks only: a partial one's slot holds zeros past its tokens,
+            # which a plain copy of the page would overwrite)
+            full = mine[plan.tokens[mine] == self.g]
+            self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
+            return sums, True
+        if len(plan.layers_done) != len(self._layers) or plan.gpu_failed:
+            return None, False
+        sums[plan.batch_rows] = plan.batch_sums      # the CPU's CRC-32C of what the DMA wrote
+        return sums, True
+
+    def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
+                in_step: bool) -> None:
+        """On the save thread: commits the step's copied blocks (READY; not
+        COMPLETE: given back) and publishes its in-step handoffs, with the pins
+        the claim and commit took.  The commit waits at most step_timeout_s for
+        a lock; a failure gives the claims back, off this thread, retried until
+        it succeeds (the blocks are not saved; vLLM computes them as ever)."""
+        mine = plan.mine
+        t1 = time.perf_counter()
+        try:
             if mine.size or not plan.handoffs:
                 self.pool.index.commit(plan.keys, plan.status, plan.slots, publish=complete,
                                        pin=plan.pinned and complete, tokens=plan.tokens,
@@ -454,16 +503,15 @@ class WorkerSide:
                                        # checksum threads wrote every layer back
                                        streamed=self._paged is not None or complete,
                                        timeout=self.settings.step_timeout_s)
-            commit_s = time.perf_counter() - t1
-        except TractError as exc:
-            # never leave claims PENDING behind a live process: abandoned off this step,
-            # tried again until it succeeds
+        except Exception as exc:      # never lost on this thread: the claims given back
             self._abandon(plan, f"its commit failed: {exc}")
             return
+        commit_s = time.perf_counter() - t1
         if mine.size:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
-                    (plan.reserve_s + commit_s) * 1e3, plan.reserve_s * 1e3, commit_s * 1e3)
+                    (plan.reserve_s + commit_s) * 1e3, plan.reserve_s * 1e3, commit_s * 1e3,
+                    kvlog.IN_STEP if in_step else kvlog.OFF_STEP)
         if plan.pinned:
             self._publish_handoffs(plan, complete)
 
@@ -766,7 +814,7 @@ class WorkerSide:
         loads not started are dropped, the one running is waited for (it writes
         into vLLM's tensors, which must outlive it; it waits for no lock)."""
         self._drop_pending_save("shutdown")
-        self._reserver.shutdown(wait=True)
+        self._saver.shutdown(wait=True)      # the commits queued done first
         if self._gpu is not None:      # the DMA in flight done, the mapping unregistered
             self._settle_gpu_loads()      # their acknowledgements queued
             self._gpu.close()

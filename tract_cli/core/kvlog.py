@@ -10,14 +10,16 @@ from __future__ import annotations
 import re
 
 # logging's %-formats: (blocks, bytes, request id, ms, copy ms, metadata ms) and
-# (blocks, bytes, ms, copy ms, metadata ms, claim wait ms, commit ms); the copy
-# checksums as it copies, the metadata is the pool's calls around it (lock round
-# trips, handoff records); a save's is the part of its claim (reserved during the
-# forward) the step waited for, and its commit
+# (blocks, bytes, ms, copy ms, metadata ms, claim wait ms, commit ms, where); the
+# copy checksums as it copies, the metadata is the pool's calls around it (lock
+# round trips, handoff records); a save's is the part of its claim (reserved
+# during the forward) the step waited for, and its commit, IN_STEP (a step that
+# publishes a handoff waits for it) or OFF_STEP (on the worker's save thread)
 LOADED = ("TraCT: loaded %d blocks (%d bytes) of request %s in %.3f ms (copy %.3f ms, "
           "checksummed as it copied; pool metadata %.3f ms)")
 SAVED = ("TraCT: saved %d blocks (%d bytes) in %.3f ms (copy %.3f ms, checksummed as it "
-         "copied; pool metadata %.3f ms: claim wait %.3f ms, commit %.3f ms)")
+         "copied; pool metadata %.3f ms: claim wait %.3f ms, commit %.3f ms %s)")
+IN_STEP, OFF_STEP = "in-step", "off-step"
 
 # (request id, blocks, ms): a prefill instance's publish of a handoff, in its
 # step (the key list's slot, the record: lock round trips), or in its scheduler
@@ -45,7 +47,7 @@ _REFERENCE = _pattern(REFERENCE)
 
 def parse(line: str) -> tuple[str, dict] | None:
     """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}, a save's
-    also "claim_wait_ms" and "commit_ms"), ("publish", {"blocks", "ms"}), or
+    also "claim_wait_ms", "commit_ms" and "commit_in_step"), ("publish", {"blocks", "ms"}), or
     ("load_memcpy" or "save_memcpy", {"blocks", "ms", "copy_warm_ms"}), of a timing line found in
     LINE (a log line, whatever its prefix), else None."""
     m = _PUBLISHED.search(line)
@@ -62,7 +64,8 @@ def parse(line: str) -> tuple[str, dict] | None:
             row = {"blocks": int(m[1]), "bytes": int(m[2]), "ms": float(m[n - 2]),
                    "copy_ms": float(m[n - 1]), "meta_ms": float(m[n])}
             if kind == "save":
-                row |= {"claim_wait_ms": float(m[n + 1]), "commit_ms": float(m[n + 2])}
+                row |= {"claim_wait_ms": float(m[n + 1]), "commit_ms": float(m[n + 2]),
+                        "commit_in_step": m[n + 3] == IN_STEP}
             return kind, row
     return None
 

@@ -175,7 +175,9 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
             s.wait_ready()
         for tokens in warm:
             _warm(servers, config, tokens, output_len)
-        # each line a step logs is written before the step's output goes out
+        # each line the connector logs for a request is written before its reply
+        # goes out, or (a prefix miss's save, committed off the step) waited for
+        # before the hit is asked (_prefix)
         marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
                  if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
         for i, (n, tokens) in enumerate(reqs):
@@ -241,13 +243,20 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
     out = {}
     cache = servers.get("cache")
     stored = cache.stored_chunks() if cache else None
+    # TraCT commits a save on the worker's save thread, off the step, so the miss
+    # may answer before its blocks are READY: the hit is asked once the prefill
+    # instance has logged them saved (its timing lines, past this mark)
+    tract_log = servers["prefill"].log_path if rows == PREFIX["prefix"] else None
+    mark = os.path.getsize(tract_log) if tract_log else 0
     for row, s in zip(rows, (servers["prefill"], servers["decode"])):
+        # LMCache stores asynchronously too: the hit is asked once the server holds
+        # the miss's whole chunks
         if row == rows[1] and cache:
-            # LMCache stores asynchronously, after the miss has answered: the hit is
-            # asked once the server holds the miss's whole chunks (TraCT's save is
-            # committed before the miss answers)
             out[rows[0]]["store_wait_s"] = cache.wait_stored(
                 stored + len(tokens) // cache.chunk_tokens)
+        if row == rows[1] and tract_log:
+            out[rows[0]]["store_wait_s"] = _wait_saved(tract_log, mark,
+                                                       len(tokens) // VLLM_BLOCK)
         before = calls.metrics(s)
         t0 = time.monotonic()
         got = calls.complete(s, tokens, output_len)
@@ -260,6 +269,22 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
                         or 0)
             out[row] |= {"handed_over": taken > 0, "hit_tokens": taken, "kv_tokens": taken}
     return out
+
+
+def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 60) -> float:
+    """Waits (bounded) until the TraCT instance logging to LOG_PATH has logged
+    saves of BLOCKS blocks past byte MARK (a save's line follows its commit);
+    returns the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        saved = sum(row["blocks"] for kind, row in kvlog.read_since(log_path, mark)
+                    if kind == "save")
+        if saved >= blocks:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TractError(f"the prefill instance logged {saved} blocks saved, not {blocks}, "
+                             f"{timeout:.0f} s after the miss", f"see its log {log_path}")
+        time.sleep(0.002)   # polling another process's commit, bounded
 
 
 def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
@@ -340,7 +365,10 @@ def _memcpy_figures(kv: dict) -> dict:
                      "bytes": sum(r["bytes"] for r in rows)}
         if kind == "saves":      # its metadata: the claim's wait past the forward, the commit
             out[kind] |= {"claim_wait_ms": sum(r["claim_wait_ms"] for r in rows),
-                          "commit_ms": sum(r["commit_ms"] for r in rows)}
+                          "commit_ms": sum(r["commit_ms"] for r in rows),
+                          # the part of it steps waited for (a P/D prefill's last)
+                          "commit_in_step_ms": sum(r["commit_ms"] for r in rows
+                                                   if r["commit_in_step"])}
     return out
 
 
