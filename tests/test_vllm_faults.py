@@ -194,9 +194,13 @@ def test_stopped_instances_leave_nothing_once_the_region_is_removed(sim):
     """Last of the module: the prefill instance was SIGKILLed above; the decode one is
     stopped by SIGTERM here, then the region file is removed as a user's `rm` would.
     The node agents their connectors started stop by themselves and nothing of the
-    region stays in /dev/shm (no segment, no agent)."""
+    region stays in /dev/shm (no segment, no agent); vLLM's IPC sockets went to
+    each server's own directory, removed with it, the SIGKILLed prefill's too."""
+    used = os.listdir(sim["decode"].rpc_dir)
     sim["prefill"].stop()
     sim["decode"].stop()
+    assert used, "vLLM made no socket in its own VLLM_RPC_BASE_PATH: they are elsewhere"
+    assert not os.path.exists(sim["prefill"].rpc_dir) and not os.path.exists(sim["decode"].rpc_dir)
     with Pool.attach(sim["pool"], readonly=True, prefault=False) as p:
         uuid, agents = p.info.uuid, [n.agent_pid for n in read_nodes(p) if n.agent_pid]
     assert agents, "the connectors started no node agent"

@@ -3,7 +3,12 @@
 `VllmServer` runs vLLM's OpenAI server as a child process with TraCT's KV
 connector configured (`kv_transfer_config`), waits (bounded) until its
 `/health` answers, and stops its whole process group (vLLM spawns an engine
-core and workers) on `stop()`: nothing of it outlives the command.
+core and workers) on `stop()`: nothing of it outlives the command.  Its ZMQ
+IPC sockets (a handful a start, which vLLM leaves in /tmp when a process of
+it is killed, and its own shutdown kills one) go to a directory of its own
+(VLLM_RPC_BASE_PATH, unless the user set one), removed with it.  (Not all of
+its TMPDIR: torch's compile cache lives there, and a fresh one costs each
+start a compile of vLLM's sampler on its first request, ~20 s here.)
 
 vLLM runs in its own environment when it is not importable here:
 `TRACT_VLLM_PYTHON` names that environment's python, which must have TraCT
@@ -20,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from tract_cli.core.errors import TractError, UsageError
@@ -67,14 +73,18 @@ class VllmServer:
         # PYTHONSAFEPATH: `python -m` would put the working directory first on
         # sys.path, and started from a clone's root the uninstalled source
         # (tract_cli/ without its compiled core) would shadow the installed package
+        self.rpc_dir = None if "VLLM_RPC_BASE_PATH" in os.environ else \
+            tempfile.mkdtemp(prefix="tract-vllm-rpc-")
         child_env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1",
-                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
+                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | \
+            ({"VLLM_RPC_BASE_PATH": self.rpc_dir} if self.rpc_dir else {}) | (env or {})
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=child_env,
                                          start_new_session=True)
         except OSError as exc:
+            self._remove_rpc_dir()
             raise TractError(f"cannot start vLLM with {cmd[0]}: {exc.strerror}",
                              "set TRACT_VLLM_PYTHON to the python of vLLM's environment") from None
 
@@ -134,7 +144,12 @@ class VllmServer:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
             self._log = subprocess.DEVNULL
+        self._remove_rpc_dir()          # no process of it is left to use it
         return self.proc.returncode
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def kill_vllm(pgid: int) -> None:
