@@ -8,7 +8,10 @@ IPC sockets (a handful a start, which vLLM leaves in /tmp when a process of
 it is killed, and its own shutdown kills one) go to a directory of its own
 (VLLM_RPC_BASE_PATH, unless the user set one), removed with it.  (Not all of
 its TMPDIR: torch's compile cache lives there, and a fresh one costs each
-start a compile of vLLM's sampler on its first request, ~20 s here.)
+start a compile of vLLM's sampler on its first request, ~20 s here.  So
+torch.distributed's rendezvous file, `vllm_dist_*` of 2 KiB a start, which
+vLLM names in the system's temporary directory with no setting, stays
+behind where vLLM does not remove it.)
 
 vLLM runs in its own environment when it is not importable here:
 `TRACT_VLLM_PYTHON` names that environment's python, which must have TraCT
