@@ -167,6 +167,9 @@ def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
     # published when the step returns
     assert seen["handoff_step_waits"]
     assert seen["handoff_step_after"] == [True, 4, True]
+    # ... and one whose handoff the scheduler publishes in request_finished
+    assert seen["late_handoff_step_waits"]
+    assert seen["late_handoff_step_after"] == [True, 4]
 
 
 def test_a_handoff_released_during_its_copy_is_recomputed(seen):
@@ -210,8 +213,10 @@ def test_a_ticket_of_another_page_layout_is_refused_and_no_layout_no_pool(seen):
 
 def test_chunked_prefill_saves_each_block_once_over_several_steps(seen):
     # a 64-token budget: 200 tokens in 4 steps, 4 blocks saved per full chunk, the
-    # partial tail with the last; the handoff at the end names all 13 blocks
-    assert seen["chunked_steps"] == [[64, 4], [64, 4], [64, 4], [8, 1]]
+    # partial tail with the last; the handoff at the end names all 13 blocks;
+    # only the last step waits for its commit (its handoff follows it)
+    assert seen["chunked_steps"] == [[64, 4, False], [64, 4, False], [64, 4, False],
+                                     [8, 1, True]]
     assert seen["chunked_saved_once_each"]
     assert seen["chunked_ticket_blocks"] == 13
 

@@ -678,6 +678,19 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["handoff_step_after"] = [stepped.is_set(), pool.index.peek(follows), published]
     if published:
         pool.handoffs.ack(ticket)
+    # ... and so does one whose handoff the scheduler publishes after it, in
+    # request_finished (handoff_follows, no in-step handoff)
+    late = prompt_keys(pool.info, tag, 16, list(range(9300, 9300 + 64))).keys
+    wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+        "late", late, np.full(4, 16, np.uint32), pages, subs, handoff_follows=True)]))
+    wait_for(lambda: wl.worker_side._reserving.done(), "the late handoff step's reserve")
+    stepped = threading.Event()
+    with every_lock_held(pool):
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        obs["late_handoff_step_waits"] = not stepped.wait(1.0)
+    stepping.join(60)
+    obs["late_handoff_step_after"] = [stepped.is_set(), pool.index.peek(late)]
 
     # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
     #    it completed, once each, the tail with the last chunk; the worker runs every
@@ -692,7 +705,8 @@ def main(ckpt: str, pool_path: str) -> dict:
         out = s9.schedule()
         saves = out.kv_connector_metadata.saves
         per_step.append([out.num_scheduled_tokens.get("chunked", 0),
-                         sum(len(sv.keys) for sv in saves)])
+                         sum(len(sv.keys) for sv in saves),
+                         any(sv.handoff_follows for sv in saves)])
         saved_keys += [bytes(k) for sv in saves for k in sv.keys]
         w9.bind_connector_metadata(out.kv_connector_metadata)
         for name in LAYERS:

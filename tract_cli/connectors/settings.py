@@ -28,7 +28,7 @@ class ConnectorSettings:
     checksums: bool = True         # record and verify each block's CRC-32C
     handoff_ttl_s: float = 30.0    # a P/D handoff's blocks stay pinned this long unacknowledged
     lookup_timeout_s: float = 5.0  # bound on one pool lock wait off the engine's path
-    step_timeout_s: float = 1.0    # ... and inside its step or scheduler loop (claim, commit, publish)
+    step_timeout_s: float = 1.0    # ... and for its saves and publishes (claim, commit, publish)
     lookup_wait_s: float = 0.002   # the scheduler loop's wait for a lookup before "not yet"
     lookup_patience_s: float = 0.5  # a lookup not back by then: the request is computed
     start_agent: bool = True       # start this node's agent if none runs

@@ -575,9 +575,10 @@ class SchedulerSide:
             return False, None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         try:
-            # no waiting here (the engine's scheduler loop): the step that computed the
-            # blocks committed them before its output reached the scheduler, so a block
-            # not READY now was not saved (pool full) or is another writer's: computed
+            # no waiting here (the engine's scheduler loop): the step that completed
+            # the prompt waited for its commit (SaveSpec.handoff_follows) before its
+            # output reached the scheduler, so a block not READY now was not saved
+            # (pool full) or is another writer's: computed
             t0 = time.perf_counter()
             # in a record no planned in-step handoff was promised (with asynchronous
             # scheduling a later step's plan precedes this call)

@@ -208,17 +208,19 @@ class WorkerSide:
     # ---- saves ----
 
     def bind(self, saves: list[SaveSpec]) -> None:
-        """Claims the step's blocks to save, on a thread of its own during the
-        forward: its lock round trips overlap the engine's compute instead of
-        adding to the step (the CPU path needs the slots in wait_for_save, the
-        GPU path at the first layer's save_layer)."""
+        """Claims the step's blocks to save, on the save thread during the
+        forward (after the previous step's commit, if still queued): its lock
+        round trips overlap the engine's compute instead of adding to the step
+        (the CPU path needs the slots in wait_for_save, the GPU path at the first
+        layer's save_layer)."""
         self._drop_pending_save("a step that never waited for its save")
         if saves:
             self._reserving = self._saver.submit(self._reserve, saves)
 
     def _claimed(self) -> _SavePlan | None:
-        """The step's save plan, waiting for its claim (bounded: the reserve
-        waits at most step_timeout_s for a lock); None if none or it failed."""
+        """The step's save plan, waiting for its claim (bounded: the reserve, and
+        the previous step's commit queued ahead of it, each wait at most
+        step_timeout_s for a lock); None if none or it failed."""
         if self._reserving is not None:
             reserving, self._reserving = self._reserving, None
             t0 = time.perf_counter()
@@ -450,9 +452,10 @@ class WorkerSide:
         # handoff's publish: the ticket its request's reply carries names a
         # published record (a decode instance asks for it at once)
         job = self._saver.submit(self._commit, plan, sums, complete, True)
-        # each waits at most step_timeout_s for a lock: a commit queued ahead, this
-        # one, the publish
-        bound = 3 * self.settings.step_timeout_s + 1.0
+        # nothing is queued ahead of it (the step's claim, which followed any earlier
+        # commit, is done); the commit and each handoff's publish (its key list's
+        # slot, the transfer lock) wait at most step_timeout_s for a lock
+        bound = (1 + 2 * len(plan.handoffs)) * self.settings.step_timeout_s + 1.0
         try:
             job.result(timeout=bound)
         except FutureTimeout:
@@ -486,11 +489,21 @@ class WorkerSide:
 
     def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
                 in_step: bool) -> None:
-        """On the save thread: commits the step's copied blocks (READY; not
-        COMPLETE: given back) and publishes its in-step handoffs, with the pins
-        the claim and commit took.  The commit waits at most step_timeout_s for
-        a lock; a failure gives the claims back, off this thread, retried until
-        it succeeds (the blocks are not saved; vLLM computes them as ever)."""
+        """On the save thread: `_commit_plan`, whose errors never reach vLLM's
+        step nor go unseen (a job whose future nobody waits for would drop them)."""
+        try:
+            self._commit_plan(plan, sums, complete, in_step)
+        except Exception:              # a bug, not a pool error: said, never raised
+            log.exception("TraCT: a save's commit failed; what it claimed may stay "
+                          "PENDING until this process ends, and is then given back")
+
+    def _commit_plan(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
+                     in_step: bool) -> None:
+        """Commits the step's copied blocks (READY; not COMPLETE: given back) and
+        publishes its in-step handoffs, with the pins the claim and commit took.
+        The commit waits at most step_timeout_s for a lock; a failure gives the
+        claims back, off this thread, retried until it succeeds (the blocks are
+        not saved; vLLM computes them as ever)."""
         mine = plan.mine
         t1 = time.perf_counter()
         try:
@@ -809,8 +822,9 @@ class WorkerSide:
         return TractWorkerMeta(loaded)
 
     def shutdown(self) -> None:
-        """Gives back the claims of a save bound and never waited for (waiting for
-        a reserve in flight, bounded by step_timeout_s), then stops the loader:
+        """Gives back the claims of a save bound and never waited for, waits for
+        the save thread's queued commits and any reserve in flight (each bounded
+        by step_timeout_s a lock), then stops the loader:
         loads not started are dropped, the one running is waited for (it writes
         into vLLM's tensors, which must outlive it; it waits for no lock)."""
         self._drop_pending_save("shutdown")

@@ -76,20 +76,29 @@ class VllmServer:
         # PYTHONSAFEPATH: `python -m` would put the working directory first on
         # sys.path, and started from a clone's root the uninstalled source
         # (tract_cli/ without its compiled core) would shadow the installed package
-        self.rpc_dir = None if "VLLM_RPC_BASE_PATH" in os.environ else \
-            tempfile.mkdtemp(prefix="tract-vllm-rpc-")
         child_env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1",
-                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | \
-            ({"VLLM_RPC_BASE_PATH": self.rpc_dir} if self.rpc_dir else {}) | (env or {})
-        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
+        self.rpc_dir = _rpc_dir() if "VLLM_RPC_BASE_PATH" not in child_env else None
+        if self.rpc_dir:
+            child_env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
+        try:
+            self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        except BaseException:
+            self._remove_rpc_dir()
+            raise
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=child_env,
                                          start_new_session=True)
-        except OSError as exc:
+        except BaseException as exc:
             self._remove_rpc_dir()
-            raise TractError(f"cannot start vLLM with {cmd[0]}: {exc.strerror}",
-                             "set TRACT_VLLM_PYTHON to the python of vLLM's environment") from None
+            if self._log is not subprocess.DEVNULL:
+                self._log.close()
+            if isinstance(exc, OSError):
+                raise TractError(f"cannot start vLLM with {cmd[0]}: {exc.strerror}",
+                                 "set TRACT_VLLM_PYTHON to the python of vLLM's "
+                                 "environment") from None
+            raise
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "VllmServer":
         """Waits until /health answers 200; a vLLM that exits is an error naming why."""
@@ -121,6 +130,12 @@ class VllmServer:
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM to vLLM's process group, then SIGKILL if it lingers (bounded)."""
+        try:
+            return self._stop(timeout)
+        finally:
+            self._remove_rpc_dir()       # no process of it is left to use it
+
+    def _stop(self, timeout: float) -> int | None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -147,12 +162,22 @@ class VllmServer:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
             self._log = subprocess.DEVNULL
-        self._remove_rpc_dir()          # no process of it is left to use it
         return self.proc.returncode
 
     def _remove_rpc_dir(self) -> None:
         if self.rpc_dir:
             shutil.rmtree(self.rpc_dir, ignore_errors=True)
+
+
+def _rpc_dir() -> str | None:
+    """A new directory for a vLLM's IPC sockets; None where a socket's path in
+    it (a 36-character uuid) would pass the 107 bytes a Unix socket's path may
+    have (a long TMPDIR): vLLM then keeps its default."""
+    path = tempfile.mkdtemp(prefix="tract-rpc-")
+    if len(path) + 1 + 36 > 107:
+        os.rmdir(path)
+        return None
+    return path
 
 
 def kill_vllm(pgid: int) -> None:

@@ -271,10 +271,12 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
     return out
 
 
-def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 60) -> float:
+def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 5) -> float | None:
     """Waits (bounded) until the TraCT instance logging to LOG_PATH has logged
     saves of BLOCKS blocks past byte MARK (a save's line follows its commit);
-    returns the seconds waited."""
+    returns the seconds waited, or None past TIMEOUT (a save skipped or given
+    up, pool full or a lock timeout, logs no line: the hit is then asked
+    anyway, and its report shows what it took from the pool)."""
     t0 = time.monotonic()
     while True:
         saved = sum(row["blocks"] for kind, row in kvlog.read_since(log_path, mark)
@@ -282,8 +284,7 @@ def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 60) -> f
         if saved >= blocks:
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
-            raise TractError(f"the prefill instance logged {saved} blocks saved, not {blocks}, "
-                             f"{timeout:.0f} s after the miss", f"see its log {log_path}")
+            return None
         time.sleep(0.002)   # polling another process's commit, bounded
 
 

@@ -277,12 +277,14 @@ def _drive(config: str, servers: dict, reqs: list[Request], engine) -> tuple[lis
 def _connector_times(logs: dict, marks: dict) -> dict:
     """The TraCT connector's load and save times (ms) logged since MARKS (each
     log's size at a point's start), whole lines only: the point's KV reads
-    (handoffs and pool hits) and writes."""
+    (handoffs and pool hits) and writes, in the engine's step (a save's commit
+    run off the step is not: it adds to no request's time)."""
     out = {"load_ms": 0.0, "save_ms": 0.0, "loads": 0, "saves": 0}
     for role, path in logs.items():
         for kind, row in kvlog.read_since(path, marks[role]):
             if kind in ("load", "save"):
-                out[kind + "_ms"] += row["ms"]
+                off_step = kind == "save" and not row["commit_in_step"]
+                out[kind + "_ms"] += row["ms"] - (row["commit_ms"] if off_step else 0.0)
                 out[kind + "s"] += 1
     return out
 
@@ -310,8 +312,9 @@ def breakdown(config: str, got: list[dict], before: dict, after: dict, kv: dict 
       scheduled to first token; a connector's work inside the step is in it: TraCT's
       synchronous load of pool hits and its save, which are also shown apart);
     - kv_read, kv_write: TraCT's connector's own load (handoff, pool hits) and save
-      times (the peers do not time theirs apart: NIXL writes nothing, the decode
-      side pulls; LMCache stores after the answer);
+      times in the step (a save's commit off the step not counted; the peers do
+      not time theirs apart: NIXL writes nothing, the decode side pulls; LMCache
+      stores after the answer);
     - decode_leg: P/D, from the prefill's answer to the decode's first token (the
       KV transfer, the decode instance's queue and its first step), as the client
       sees it."""
