@@ -379,3 +379,35 @@ def test_the_bench_counts_only_what_the_connector_logged_after_the_warm_up(tmp_p
     # without the marks every line counts (the check can fail: warm-up lines are there)
     every = _connector_figures(str(decode), str(prefill), {})
     assert [r["ms"] for r in every["saves"]] == [9.0, 3.0]
+
+
+def test_the_workload_bench_counts_a_save_in_the_step_and_not_its_commit_off_it(tmp_path):
+    """`KV write` of the workload bench: what a save cost the engine's step; a
+    commit the save thread ran off the step is not in it."""
+    from tract_cli.bench.engine.vllm_workloads import _connector_times
+    from tract_cli.core import kvlog
+    log = tmp_path / "prefill.log"
+    log.write_text("INFO " + kvlog.SAVED % (2, 16384, 3.0, 1.0, 2.0, 0.5, 1.5, kvlog.OFF_STEP)
+                   + "\nINFO " + kvlog.SAVED % (2, 16384, 3.0, 1.0, 2.0, 0.5, 1.5, kvlog.IN_STEP)
+                   + "\n")
+    got = _connector_times({"prefill": str(log)}, {"prefill": 0})
+    assert got["saves"] == 2 and got["save_ms"] == pytest.approx(1.5 + 3.0)
+
+
+def test_the_prefix_bench_waits_for_the_misss_save_line_and_no_longer(tmp_path, capsys):
+    """A prefix hit is asked once the prefill instance logged the miss's blocks
+    saved (its commit is off the step); a save that logs nothing (pool full, a
+    lock timeout) delays the hit by the bound only, and says so."""
+    from tract_cli.bench.engine.vllm_runs import _wait_saved
+    from tract_cli.core import kvlog
+    log = tmp_path / "prefill.log"
+    log.write_text("INFO warm-up\n")
+    mark = log.stat().st_size
+    line = "INFO " + kvlog.SAVED % (11, 90112, 3.0, 1.0, 2.0, 0.5, 1.5, kvlog.OFF_STEP)
+    with open(log, "a") as f:
+        f.write(line)                                   # still being written
+    assert _wait_saved(str(log), mark, 11, timeout=0.05) is None
+    assert "0 of 11 blocks saved" in capsys.readouterr().err
+    with open(log, "a") as f:
+        f.write("\n")
+    assert _wait_saved(str(log), mark, 11, timeout=5) is not None

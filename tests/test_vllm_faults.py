@@ -196,6 +196,8 @@ def test_stopped_instances_leave_nothing_once_the_region_is_removed(sim):
     The node agents their connectors started stop by themselves and nothing of the
     region stays in /dev/shm (no segment, no agent); vLLM's IPC sockets went to
     each server's own directory, removed with it, the SIGKILLed prefill's too."""
+    assert sim["decode"].rpc_dir and sim["prefill"].rpc_dir, \
+        "no RPC directory of its own (VLLM_RPC_BASE_PATH set outside, or TMPDIR too long)"
     used = os.listdir(sim["decode"].rpc_dir)
     sim["prefill"].stop()
     sim["decode"].stop()

@@ -170,6 +170,9 @@ def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
     # ... and one whose handoff the scheduler publishes in request_finished
     assert seen["late_handoff_step_waits"]
     assert seen["late_handoff_step_after"] == [True, 4]
+    # a commit that raised (not a pool error): the step went on, nothing saved,
+    # no claim left PENDING
+    assert seen["failed_commit"] == [[True], 0, 0]
 
 
 def test_a_handoff_released_during_its_copy_is_recomputed(seen):

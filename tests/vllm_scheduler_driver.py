@@ -691,6 +691,27 @@ def main(ckpt: str, pool_path: str) -> dict:
         obs["late_handoff_step_waits"] = not stepped.wait(1.0)
     stepping.join(60)
     obs["late_handoff_step_after"] = [stepped.is_set(), pool.index.peek(late)]
+    # ... a commit that fails with anything, not only a pool error: the step
+    # is not troubled, and the claims are given back off it
+    broken = prompt_keys(pool.info, tag, 16, list(range(9400, 9400 + 64))).keys
+    index = wl.worker_side.pool.index
+    real_commit, failed = index.commit, []
+
+    def commit_once_failing(*args, **kw):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the commit")
+        return real_commit(*args, **kw)
+
+    index.commit = commit_once_failing
+    try:
+        wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+            "broken", broken, np.full(4, 16, np.uint32), pages, subs)]))
+        wl.wait_for_save()
+        committed(wl)
+    finally:
+        index.commit = real_commit
+    obs["failed_commit"] = [failed, pool.index.peek(broken), region(pool)["pending"]]
 
     # 9. chunked prefill over several steps (64-token budget): each step saves the blocks
     #    it completed, once each, the tail with the last chunk; the worker runs every

@@ -110,6 +110,9 @@ class _SavePlan:
     # a request's handoff is published in or right after this step: the step
     # waits for the commit (SaveSpec.handoff_follows)
     in_step: bool = False
+    # the step stopped waiting for that commit (past its bound): the save thread
+    # publishes none of its handoffs after that
+    step_gone: bool = False
     reserve_s: float = 0.0
     batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
     batch_rows: Any = None            # ... their rows (mine when the batch was made)
@@ -459,8 +462,10 @@ class WorkerSide:
         try:
             job.result(timeout=bound)
         except FutureTimeout:
+            plan.step_gone = True
             log.warning("TraCT: the commit of a step with a handoff not done within %.1f s; the "
-                        "step goes on, its handoff is published when it is", bound)
+                        "step goes on, its blocks are committed when the commit is done and "
+                        "its handoffs are not published (their decode computes)", bound)
 
     def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
         """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
@@ -494,8 +499,8 @@ class WorkerSide:
         try:
             self._commit_plan(plan, sums, complete, in_step)
         except Exception:              # a bug, not a pool error: said, never raised
-            log.exception("TraCT: a save's commit failed; what it claimed may stay "
-                          "PENDING until this process ends, and is then given back")
+            log.exception("TraCT: a save's commit or publish failed; what it claimed or "
+                          "pinned may stay so until this process ends, and is then given back")
 
     def _commit_plan(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
                      in_step: bool) -> None:
@@ -535,9 +540,17 @@ class WorkerSide:
         handoff that cannot be published is not: its decode instance finds no
         record for the ticket and computes the prompt."""
         kept = np.zeros(len(plan.keys), bool)
-        for spec, idx in plan.handoffs:
-            ok = complete and bool(np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all())
-            if ok:
+        try:
+            for spec, idx in plan.handoffs:
+                if plan.step_gone:
+                    # the step stopped waiting (its bound passed): its reply may have
+                    # left, and a decode instance that found no record computed the
+                    # prompt; a record published now would only hold pins until it expired
+                    self._handoffs_lost([spec], "its step stopped waiting for the commit")
+                    continue
+                if not (complete and np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all()):
+                    self._handoffs_lost([spec], "a block of it was not saved")
+                    continue
                 t0 = time.perf_counter()
                 try:
                     self.pool.handoffs.publish_pinned(spec.record, spec.request_id, spec.keys,
@@ -546,13 +559,11 @@ class WorkerSide:
                     kept[idx] = True
                     log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
                             (time.perf_counter() - t0) * 1e3)
-                except TractError as exc:
-                    ok = False
+                except Exception as exc:      # a pool error, or any other: not published
                     log.warning("TraCT handoff of request %s not published, its decode "
                                 "computes the prompt: %s", spec.request_id, exc)
-            else:
-                self._handoffs_lost([spec], "a block of it was not saved")
-        self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
+        finally:       # whatever happened above, the pins no record took are given back
+            self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the

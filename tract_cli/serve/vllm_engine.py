@@ -133,6 +133,9 @@ class VllmServer:
         try:
             return self._stop(timeout)
         finally:
+            if self._log is not subprocess.DEVNULL:
+                self._log.close()
+                self._log = subprocess.DEVNULL
             self._remove_rpc_dir()       # no process of it is left to use it
 
     def _stop(self, timeout: float) -> int | None:
@@ -159,9 +162,6 @@ class VllmServer:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-            self._log = subprocess.DEVNULL
         return self.proc.returncode
 
     def _remove_rpc_dir(self) -> None:
@@ -174,7 +174,7 @@ def _rpc_dir() -> str | None:
     it (a 36-character uuid) would pass the 107 bytes a Unix socket's path may
     have (a long TMPDIR): vLLM then keeps its default."""
     path = tempfile.mkdtemp(prefix="tract-rpc-")
-    if len(path) + 1 + 36 > 107:
+    if len(os.fsencode(path)) + 1 + 36 > 107:
         os.rmdir(path)
         return None
     return path

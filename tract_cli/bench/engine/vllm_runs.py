@@ -284,6 +284,9 @@ def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 5) -> fl
         if saved >= blocks:
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
+            print(f"tract bench: the prefill instance logged {saved} of {blocks} blocks saved "
+                  f"{timeout:g} s after a prefix miss; the hit is asked anyway (see "
+                  f"{log_path})", file=sys.stderr, flush=True)
             return None
         time.sleep(0.002)   # polling another process's commit, bounded
 
