@@ -7,6 +7,8 @@ Afterwards one manager runs, nothing is left over and nothing read
 was wrong (see tests/chaos.py for the list)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from chaos import Chaos
@@ -37,10 +39,13 @@ def test_killed_workers_leave_nothing_behind_and_nothing_read_is_wrong(simulate,
         r = chaos.run(kills)
     finally:
         chaos.close()
-    summary = {k: r[k] for k in ("kills", "agent_kills", "allocator_deaths", "manager_kills",
-                                 "managers", "events",
-                                 "settled", "check_violations", "leaked_slots", "bad_blocks",
-                                 "errors", "host_kills", "hosts", "index_counters", "logs")}
+    # a string, not a dict: pytest prints a failed assertion's message in full,
+    # and shortens a dict's repr to its first keys
+    summary = json.dumps({k: r[k] for k in ("kills", "agent_kills", "allocator_deaths",
+                                            "manager_kills", "managers", "events",
+                                            "settled", "check_violations", "leaked_slots",
+                                            "bad_blocks", "errors", "host_kills", "hosts",
+                                            "index_counters", "logs")}, default=str)
     assert r["kills"] == kills
     # a whole host killed: declared dead, recovered online, back at the end
     assert r["host_kills"] == host_kills, summary
