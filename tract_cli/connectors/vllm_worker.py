@@ -29,9 +29,9 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   the claims are given back, retried until it succeeds.
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
   is published after the commit, before the step ends, in the record the
-  scheduler chose, with the
-  pins the step's pinning claim and commit took (`publish_pinned`: no lock
-  walk of its own); pins no published handoff took over go back off the step.
+  scheduler chose, with the pins the step's pinning claim and commit took
+  (`publish_pinned`: no lock walk of its own); pins no published handoff took
+  over go back off the step.
 - On a GPU (`core/gpupages.py`): the slots are registered host memory and
   each layer moves by DMA on a side stream: a save's as vLLM hands the layer
   over (overlapping the rest of the forward; `wait_for_save` waits for it), a
@@ -107,9 +107,9 @@ class _SavePlan:
     handoffs: list = field(default_factory=list)
     pinned: bool = False
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
-    # a request's handoff is published in or right after this step: the step
-    # waits for the commit (SaveSpec.handoff_follows)
-    in_step: bool = False
+    # a request's handoff is published in or right after this step
+    # (SaveSpec.handoff_follows): the step waits for the commit
+    handoff_follows: bool = False
     # the step stopped waiting for that commit (past its bound): the save thread
     # publishes none of its handoffs after that
     step_gone: bool = False
@@ -120,6 +120,12 @@ class _SavePlan:
     layers_done: set = field(default_factory=set)
     gpu_failed: bool = False          # GPU path: a layer's copy could not be queued
     copy_s: float = 0.0
+
+    @property
+    def commit_in_step(self) -> bool:
+        """Whether the step waits for this plan's commit: a handoff is published
+        in it (in-step) or right after it."""
+        return self.handoff_follows or bool(self.handoffs)
 
 
 @dataclass
@@ -358,7 +364,7 @@ class WorkerSide:
         mine = np.flatnonzero(claimed & (pages >= 0))
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine, described,
                          reserve_s=time.perf_counter() - t0, pinned=bool(handoffs),
-                         in_step=any(s.handoff_follows for s in saves))
+                         handoff_follows=any(s.handoff_follows for s in saves))
         at = 0
         for sv in saves:
             plan.rows.setdefault(sv.req_id, []).append(where[at:at + len(sv.keys)])
@@ -446,15 +452,14 @@ class WorkerSide:
         except TractError as exc:
             self._abandon(plan, f"its copy failed: {exc}")
             return
-        if not (plan.in_step or plan.handoffs):
-            # the blocks are in their slots: vLLM may reuse its pages now, and the
-            # commit that makes them READY runs on the save thread, off the step
-            self._saver.submit(self._commit, plan, sums, complete, False)
+        # the blocks are in their slots: vLLM may reuse its pages now, and the
+        # commit that makes them READY runs on the save thread
+        job = self._saver.submit(self._commit, plan, sums, complete)
+        if not plan.commit_in_step:
             return
         # a step that completes a P/D prefill waits for its commit and its
         # handoff's publish: the ticket its request's reply carries names a
         # published record (a decode instance asks for it at once)
-        job = self._saver.submit(self._commit, plan, sums, complete, True)
         # nothing is queued ahead of it (the step's claim, which followed any earlier
         # commit, is done); the commit and each handoff's publish (its key list's
         # slot, the transfer lock) wait at most step_timeout_s for a lock
@@ -492,18 +497,16 @@ class WorkerSide:
         sums[plan.batch_rows] = plan.batch_sums      # the CPU's CRC-32C of what the DMA wrote
         return sums, True
 
-    def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
-                in_step: bool) -> None:
+    def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool) -> None:
         """On the save thread: `_commit_plan`, whose errors never reach vLLM's
         step nor go unseen (a job whose future nobody waits for would drop them)."""
         try:
-            self._commit_plan(plan, sums, complete, in_step)
+            self._commit_plan(plan, sums, complete)
         except Exception:              # a bug, not a pool error: said, never raised
             log.exception("TraCT: a save's commit or publish failed; what it claimed or "
                           "pinned may stay so until this process ends, and is then given back")
 
-    def _commit_plan(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
-                     in_step: bool) -> None:
+    def _commit_plan(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool) -> None:
         """Commits the step's copied blocks (READY; not COMPLETE: given back) and
         publishes its in-step handoffs, with the pins the claim and commit took.
         The commit waits at most step_timeout_s for a lock; a failure gives the
@@ -529,7 +532,7 @@ class WorkerSide:
             log.log(self._timings, kvlog.SAVED, mine.size, mine.size * self.pool.info.block_bytes,
                     (plan.reserve_s + plan.copy_s + commit_s) * 1e3, plan.copy_s * 1e3,
                     (plan.reserve_s + commit_s) * 1e3, plan.reserve_s * 1e3, commit_s * 1e3,
-                    kvlog.IN_STEP if in_step else kvlog.OFF_STEP)
+                    kvlog.IN_STEP if plan.commit_in_step else kvlog.OFF_STEP)
         if plan.pinned:
             self._publish_handoffs(plan, complete)
 
