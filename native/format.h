@@ -244,7 +244,10 @@ enum {
 	TRACT_TRANSFER_FREE = 0,
 	TRACT_TRANSFER_PUBLISHED = 1,   /* its blocks pinned for the decode side */
 	TRACT_TRANSFER_ACKED = 2,       /* acknowledged: its releaser gives them back */
-	TRACT_TRANSFER_RECLAIMING = 3   /* expired: its releaser gives them back */
+	TRACT_TRANSFER_RECLAIMING = 3,  /* expired: its releaser gives them back */
+	TRACT_TRANSFER_RESERVED = 4     /* taken by its owner for a request whose blocks it is
+					 * still committing: published or given back by it (no
+					 * key list, no pins; expiry_ns bounds it) */
 };
 /* CDEF-END */
 

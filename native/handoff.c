@@ -9,6 +9,12 @@
  * the prefill node until the decode side acknowledges, or the record
  * expires and a node agent reclaims it: pins unpinned on the prefill node's
  * behalf, the list and tail slots freed, the record freed.
+ *
+ * A record may be RESERVED first (format 9): taken for a request whose
+ * blocks its owner is still committing, so the ticket can go out before the
+ * publish; a decode side that opens it meanwhile is told TRACT_E_PENDING.
+ * It holds nothing (no key list, no pins): its owner publishes it or gives
+ * it back, and past its expiry, or its owner dead, it is freed.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +27,8 @@ enum {
 	REC_FREE = TRACT_TRANSFER_FREE,
 	REC_PUBLISHED = TRACT_TRANSFER_PUBLISHED,
 	REC_ACKED = TRACT_TRANSFER_ACKED,
-	REC_RECLAIMING = TRACT_TRANSFER_RECLAIMING
+	REC_RECLAIMING = TRACT_TRANSFER_RECLAIMING,
+	REC_RESERVED = TRACT_TRANSFER_RESERVED
 };
 
 static uint64_t record_off(const tract_region *r, uint32_t rec)
@@ -85,6 +92,23 @@ static int record_sane(const tract_region *r, const struct tract_transfer_record
 	if (t->tail_slot > r->hdr.slot_count)
 		return 0;
 	return 1;
+}
+
+/* whether record t is reserved for request_id by this process (internal) */
+static int reserved_by_me(const tract_region *r, const struct tract_transfer_record *t,
+			  const uint8_t *request_id)
+{
+	return t->state == REC_RESERVED && !memcmp(t->request_id, request_id, 16) &&
+	       t->owner_node == r->node_id + 1 && t->owner_pid == (uint32_t)getpid();
+}
+
+/* whether a reservation's owner is known dead: a process of this node whose
+ * pid is gone (another node's dead processes are its agent's to find, and a
+ * dead host's the manager's; until then the reservation's expiry bounds it) */
+static int owner_known_dead(const tract_region *r, const struct tract_transfer_record *t)
+{
+	return t->owner_node == r->node_id + 1 && t->owner_pid != (uint32_t)getpid() &&
+	       tract_pid_dead(t->owner_pid);
 }
 
 /*
@@ -172,7 +196,7 @@ static int write_handoff(tract_region *r, const uint8_t *request_id, const uint8
 			 uint32_t n, const uint32_t *slots, const uint32_t *tokens,
 			 const uint32_t *sums, uint64_t token_count, const void *tail,
 			 uint64_t tail_len, uint32_t tail_tokens, uint64_t ttl_ns, uint32_t want,
-			 uint32_t *rec, uint64_t timeout_ns)
+			 int reserved, uint32_t *rec, uint64_t timeout_ns)
 {
 	struct tract_key_entry *list = calloc((size_t)n + 1, sizeof(*list));
 	uint32_t extra[2] = {0, 0}, nextra = tail_len ? 2 : 1;
@@ -207,6 +231,14 @@ static int write_handoff(tract_region *r, const uint8_t *request_id, const uint8
 	uint32_t i = want;
 	if (want == UINT32_MAX) {
 		rc = find_free_record(r, &i);
+	} else if (reserved) {
+		/* this process's reservation of it for the request: still held? (a
+		 * decode side that stopped waiting gave it back, or it expired and
+		 * was reclaimed: nobody opens it any more) */
+		struct tract_transfer_record was;
+		observe_record(r, want, &was);
+		rc = reserved_by_me(r, &was, request_id) && was.expiry_ns > tract_now_ns() ?
+		     TRACT_OK : TRACT_E_TABLE_FULL;
 	} else {
 		/* the caller's choice, made without the lock: still FREE under it? */
 		struct tract_transfer_record was;
@@ -311,7 +343,7 @@ int tract_handoff_publish_in(tract_region *r, uint32_t want, const uint8_t *requ
 	}
 	/* 2, 3. the key list, the tail, the record */
 	rc = write_handoff(r, request_id, keys, n, slots, tokens, sums, token_count, tail,
-			   tail_len, tail_tokens, ttl_ns, want, rec, timeout_ns);
+			   tail_len, tail_tokens, ttl_ns, want, 0, rec, timeout_ns);
 	if (rc)
 		tract_index_unpin(r, keys, n, timeout_ns);
 out:
@@ -327,13 +359,16 @@ out:
  * the caller chose without the lock (tract_handoff_peek_free): the pins
  * become the record's.  Each block's slot, token count and checksum are
  * read from its bucket without a lock: a pinned READY bucket cannot change
- * them, and every line is observed.  TRACT_E_NOT_FOUND if a key is not
- * READY (nothing written), TRACT_E_TABLE_FULL if record want is taken by
- * now; on any failure the pins stay the caller's, to give back.
+ * them, and every line is observed.  With reserved, record want is this
+ * process's reservation for request_id (tract_handoff_reserve), taken over
+ * if it still holds.  TRACT_E_NOT_FOUND if a key is not READY (nothing
+ * written), TRACT_E_TABLE_FULL if record want is taken by now (with
+ * reserved: the reservation is gone, expired or given back); on any
+ * failure the pins stay the caller's, to give back.
  */
 int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *request_id,
 				 const uint8_t *keys, uint32_t n, uint64_t token_count,
-				 uint64_t ttl_ns, uint64_t timeout_ns)
+				 uint64_t ttl_ns, int reserved, uint64_t timeout_ns)
 {
 	uint32_t rec = 0;
 	int rc = publish_args(r, request_id, keys, n, NULL, 0, &rec);
@@ -349,7 +384,7 @@ int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *
 		rc = tract_index_observe_pinned(r, keys, n, slots, tokens, sums);
 	if (rc == TRACT_OK)
 		rc = write_handoff(r, request_id, keys, n, slots, tokens, sums, token_count, NULL,
-				   0, 0, ttl_ns, want, &rec, timeout_ns);
+				   0, 0, ttl_ns, want, reserved, &rec, timeout_ns);
 	free(slots);
 	free(tokens);
 	free(sums);
@@ -414,6 +449,10 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		return TRACT_E_INVAL;
 	struct tract_transfer_record t;
 	int got = observe_published(r, rec, request_id, &t);
+	if (got == TRACT_E_NOT_FOUND && t.state == REC_RESERVED &&
+	    !memcmp(t.request_id, request_id, 16) && t.expiry_ns > tract_now_ns() &&
+	    !owner_known_dead(r, &t))
+		return TRACT_E_PENDING;     /* its owner is committing its blocks */
 	if (got)
 		return got;
 	if (!record_sane(r, &t))
@@ -446,6 +485,53 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 	*tail_slot = t.tail_slot;        /* slot + 1, 0 = none */
 	*tail_tokens = t.tail_tokens;
 	return TRACT_OK;
+}
+
+/* Reserves record rec for request_id (FREE under the transfer lock) until
+ * ttl_ns from now: a publish whose blocks are still being committed lets its
+ * ticket go out before it, and the decode side told PENDING waits for it. */
+int tract_handoff_reserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			  uint64_t ttl_ns, uint64_t timeout_ns)
+{
+	if (!r || !request_id)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	int rc = tract_lock_acquire(r, TRACT_LOCK_TRANSFER, timeout_ns, NULL);
+	if (rc < 0)
+		return rc;
+	struct tract_transfer_record t;
+	observe_record(r, rec, &t);
+	if (t.state != REC_FREE) {
+		rc = TRACT_E_TABLE_FULL;
+	} else {
+		memset(&t, 0, sizeof(t));
+		t.state = REC_RESERVED;
+		t.owner_node = r->node_id + 1;
+		t.owner_pid = (uint32_t)getpid();
+		memcpy(t.request_id, request_id, 16);
+		t.created_ns = tract_now_ns();
+		t.expiry_ns = t.created_ns + ttl_ns;
+		publish_record(r, rec, &t);
+		rc = TRACT_OK;
+	}
+	tract_lock_release(r, TRACT_LOCK_TRANSFER);
+	return rc;
+}
+
+static int transition(tract_region *r, uint32_t rec, const uint8_t *request_id, uint32_t from,
+		      uint32_t to, uint64_t expired_at, struct tract_transfer_record *out,
+		      uint64_t timeout_ns);
+
+/* Gives back a reservation of record rec for request_id: RESERVED -> FREE. */
+int tract_handoff_unreserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			    uint64_t timeout_ns)
+{
+	if (!r || !request_id)
+		return TRACT_E_INVAL;
+	if (rec >= tract_sec(r, TRACT_SEC_TRANSFER)->count)
+		return TRACT_E_RANGE;
+	return transition(r, rec, request_id, REC_RESERVED, REC_FREE, 0, NULL, timeout_ns);
 }
 
 /* Whether record rec is still published for request_id (no lock).  Every
@@ -650,6 +736,16 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 				*count += got > 0;
 				continue;
 			}
+			if (t[j].state == REC_RESERVED && t[j].expiry_ns <= now_ns) {
+				/* an owner that neither published nor gave it back in
+				 * time: nothing is held by it (no key list, no pins) */
+				int moved = transition(r, i, t[j].request_id, REC_RESERVED, REC_FREE,
+						       now_ns, NULL, timeout_ns);
+				if (moved == TRACT_E_TIMEOUT)
+					return moved;
+				*count += moved == TRACT_OK;
+				continue;
+			}
 			if (t[j].state != REC_PUBLISHED || t[j].expiry_ns > now_ns)
 				continue;
 			/* the scan's copy may be stale: only the same request, still
@@ -679,10 +775,19 @@ static int reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t t
 /* finishes record rec if the scan saw it (t) half released by a dead
  * process of node (this node: a process whose pid is gone, or this one,
  * which took a release over and timed out on a busy lock; another node: a
- * dead host's, any process): 1 if it did, 0 if not, or an error (internal) */
+ * dead host's, any process), or gives back its reservation if a dead
+ * process of node held it: 1 if it did, 0 if not, or an error (internal) */
 static int recover_record(tract_region *r, uint32_t node, uint32_t rec,
 			  const struct tract_transfer_record *t, uint64_t timeout_ns)
 {
+	if (t->state == REC_RESERVED && t->owner_node == node + 1 &&
+	    (node != r->node_id || owner_known_dead(r, t))) {
+		/* a reservation whose owner died: it holds nothing, and its decode
+		 * side stops waiting once it is FREE */
+		int rc = transition(r, rec, t->request_id, REC_RESERVED, REC_FREE, 0, NULL,
+				    timeout_ns);
+		return rc == TRACT_OK ? 1 : rc == TRACT_E_NOT_FOUND ? 0 : rc;
+	}
 	if ((t->state != REC_ACKED && t->state != REC_RECLAIMING) ||
 	    t->releaser_node != node + 1 ||
 	    (node == r->node_id && t->releaser_pid != (uint32_t)getpid() &&
@@ -772,7 +877,8 @@ uint32_t tract_handoff_records_of(tract_region *r, uint32_t node)
 		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
 		observe_records(r, base, k, seen);
 		for (uint32_t j = 0; j < k; j++)
-			live += seen[j].state != REC_FREE && seen[j].owner_node == node + 1;
+			live += seen[j].state != REC_FREE && seen[j].state != REC_RESERVED &&
+				seen[j].owner_node == node + 1;   /* a reservation holds no pins */
 	}
 	return live;
 }
@@ -791,7 +897,8 @@ void tract_handoff_mark_slots(tract_region *r, uint32_t node, uint8_t *bits)
 		observe_records(r, base, k, seen);
 		for (uint32_t j = 0; j < k; j++) {
 			const struct tract_transfer_record *t = &seen[j];
-			if (t->state == REC_FREE || t->owner_node != node + 1 || !record_sane(r, t))
+			if (t->state == REC_FREE || t->state == REC_RESERVED ||
+			    t->owner_node != node + 1 || !record_sane(r, t))
 				continue;
 			uint64_t keys = (t->keys_offset - data) / r->hdr.slot_stride;
 			bits[keys / 8] |= (uint8_t)(1u << (keys % 8));

@@ -47,12 +47,13 @@ enum {
 	TRACT_E_SUPERSEDED = -20,    /* another node holds a later lock-manager claim */
 	TRACT_E_TOO_LARGE = -21,     /* more slots asked for than the whole pool has */
 	TRACT_E_ALIVE = -22,         /* the node heartbeat or restarted: not (or no longer) dead */
+	TRACT_E_PENDING = -23,       /* a handoff record is reserved: its owner publishes it soon */
 	TRACT_RECOVERED = 1          /* acquired, after recovering from a dead holder */
 };
 
 /* ---- format constants ---- */
 enum {
-	TRACT_FORMAT_VERSION = 8,
+	TRACT_FORMAT_VERSION = 9,
 	TRACT_HEADER_SIZE = 4096,
 	TRACT_LINE = 64,
 	TRACT_MAX_SECTIONS = 16,
@@ -803,11 +804,27 @@ int tract_handoff_publish_in(tract_region *r, uint32_t want, const uint8_t *requ
 /* Publishes a handoff of blocks this process holds one pin on each
  * (journaled: a pinning put's), in record want, chosen without the lock
  * (tract_handoff_peek_free); the pins become the record's.  No tail.
- * TRACT_E_NOT_FOUND: a key is not READY; TRACT_E_TABLE_FULL: record want is
- * taken by now; on any failure the pins stay the caller's. */
+ * reserved: want is this process's reservation for request_id
+ * (tract_handoff_reserve), which must still hold, unexpired; else want must
+ * be FREE.  TRACT_E_NOT_FOUND: a key is not READY; TRACT_E_TABLE_FULL:
+ * record want is taken by now (with reserved: the reservation is gone); on
+ * any failure the pins stay the caller's. */
 int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *request_id,
 				 const uint8_t *keys, uint32_t n, uint64_t token_count,
-				 uint64_t ttl_ns, uint64_t timeout_ns);
+				 uint64_t ttl_ns, int reserved, uint64_t timeout_ns);
+
+/* Reserves FREE record rec for request_id until ttl_ns from now, under the
+ * transfer lock: a decode side that opens it meanwhile is told
+ * TRACT_E_PENDING (its owner publishes it, tract_handoff_publish_pinned with
+ * reserved, or gives it back).  TRACT_E_TABLE_FULL if rec is taken. */
+int tract_handoff_reserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			  uint64_t ttl_ns, uint64_t timeout_ns);
+
+/* Gives back record rec's reservation for request_id (its owner's, that
+ * publishes nothing; or a decode side's that stopped waiting for it):
+ * TRACT_OK, or TRACT_E_NOT_FOUND if it is not reserved for request_id. */
+int tract_handoff_unreserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
+			    uint64_t timeout_ns);
 
 /* A record that looks FREE, observed without a lock from start on
  * (wrapping), none of the n in skip: TRACT_OK and *rec, or
@@ -815,7 +832,9 @@ int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *
 int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *skip, uint32_t n,
 			    uint32_t *rec);
 
-/* Reads a published record: block keys, slots, checksums, token counts, tail slot + 1. */
+/* Reads a published record: block keys, slots, checksums, token counts, tail
+ * slot + 1.  TRACT_E_PENDING while rec is reserved for request_id, unexpired,
+ * by an owner not known dead (on this node: its pid gone). */
 int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		       uint8_t *keys, uint32_t *slots, uint32_t *checksums, uint32_t *tokens,
 		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,
@@ -835,7 +854,7 @@ int tract_handoff_ack(tract_region *r, uint32_t rec, const uint8_t *request_id, 
 int tract_handoff_ack_resume(tract_region *r, uint32_t rec, const uint8_t *request_id,
 			     uint64_t timeout_ns);
 
-/* Reclaims records expired at now_ns; *count gets how many. */
+/* Reclaims records expired at now_ns, reservations among them; *count gets how many. */
 int tract_handoff_reclaim(tract_region *r, uint64_t now_ns, uint32_t *count, uint64_t timeout_ns);
 
 /* Finishes the releases (acknowledge or reclaim) that a dead process of this

@@ -43,6 +43,7 @@ def main() -> None:
         "index_release_held": lambda: index_release_held(pool),
         "handoff_publish": lambda **kw: handoff_publish(pool, **kw),
         "handoff_publish_pinned": lambda **kw: handoff_publish_pinned(pool, **kw),
+        "handoff_reserve": lambda **kw: handoff_reserve(pool, **kw),
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
         "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
@@ -303,13 +304,23 @@ def handoff_publish(pool, chain: list, request: str, ttl: float = 30.0) -> dict:
     return t.to_dict()
 
 
+def handoff_reserve(pool, request: str, ttl: float = 30.0) -> int:
+    """Reserves a record that looks free for REQUEST (what the vLLM connector's
+    worker does in a P/D prefill's last step, before its commit); returns it."""
+    rec = pool.handoffs.peek_free()
+    pool.handoffs.reserve_record(rec, request, ttl=ttl)
+    return rec
+
+
 def handoff_publish_pinned(pool, chain: list, request: str, ttl: float = 30.0,
-                           ready: list | None = None, record: int | None = None) -> dict:
+                           ready: list | None = None, record: int | None = None,
+                           reserved: bool = False) -> dict:
     """What the vLLM connector's worker does for a P/D prefill: puts READY (another
     request's blocks, already in the pool) first, then claims the chain's blocks
     with pins (those READY pinned as they are), writes the claimed ones, commits
-    them pinned and publishes the handoff in RECORD (default: peek_free's)
-    with the pins it holds; returns the ticket."""
+    them pinned and publishes the handoff in RECORD (default: peek_free's;
+    RESERVED: its reservation for REQUEST) with the pins it holds; returns the
+    ticket."""
     import numpy as np
     from index_check import payload_for
     from tract_cli.core.index import PUT_CLAIMED
@@ -326,7 +337,8 @@ def handoff_publish_pinned(pool, chain: list, request: str, ttl: float = 30.0,
     pool.index.commit(keys, status, slots, pin=True,
                       checksums=np.where(claimed, pool.checksum_slots(slots), 0))
     rec = pool.handoffs.peek_free() if record is None else record
-    t = pool.handoffs.publish_pinned(rec, request, keys, len(keys) * bt, ttl=ttl)
+    t = pool.handoffs.publish_pinned(rec, request, keys, len(keys) * bt, ttl=ttl,
+                                     reserved=reserved)
     return t.to_dict()
 
 

@@ -21,7 +21,7 @@ def test_round_trip_header_fields(region_path):
     info = format_region(region_path, 64 << 20, opts)
     with Pool.attach(region_path, node=2) as pool:
         assert pool.info == info
-        assert info.format_version == 8
+        assert info.format_version == 9
         assert info.region_size == 64 << 20
         assert info.max_nodes == 3
         assert info.flush_mode == "clflush"

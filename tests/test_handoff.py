@@ -313,3 +313,89 @@ def test_an_ack_that_timed_out_partway_is_finished_by_the_same_ack_again(region)
             with pytest.raises(HandoffError):        # done: a third ack finds nothing
                 p.handoffs.ack(ticket, resume=True)
     check_index(region)
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_reserved_record_is_pending_until_its_owner_publishes_it(region, simulate):
+    """The vLLM connector's P/D prefill reserves its record in the step and
+    publishes it after an off-step commit: its ticket goes out first, so a
+    decode side may open the record before the publish.  It is told "pending"
+    (never "not published", which would make it compute the prompt), the
+    reservation holds no pins and no key list (`tract check` finds nothing
+    wrong), and once published the handoff is whole."""
+    from tract_cli.core.errors import HandoffPending
+    from tract_cli.core.handoff import request_key
+    from tract_cli.inspect.check import verify
+    chain = [5, 3, 62, 9]
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        with Worker(region, 1, simulate) as prefill, Worker(region, 2, simulate) as decode, \
+                Pool.attach(region, node=3, simulate=simulate) as other:
+            rec = prefill.call("handoff_reserve", request="r")
+            early = Ticket(rec, request_key("r").hex(), 9, 9 * 16)
+            with pytest.raises(HandoffPending, match="reserved, not yet published"):
+                other.handoffs.open(early)
+            assert not other.handoffs.still_published(early)   # no load may stand on it
+            assert pins_and_records(region) == (0, 1)
+            assert other.handoffs.peek_free(rec, skip=[]) != rec  # nobody else takes it
+            with Pool.attach(region, readonly=True) as ro:
+                violations, _ = verify(ro, data=False)
+            assert not violations, violations
+            ticket = prefill.call("handoff_publish_pinned", chain=chain, request="r",
+                                  record=rec, reserved=True)
+            assert ticket["record"] == rec and ticket["blocks"] == 9
+            assert decode.call("handoff_receive", ticket=ticket, chain=chain, request="r") == 9
+            assert pins_and_records(region) == (0, 0)
+    check_index(region)
+
+
+def test_a_reservation_given_back_expired_or_orphaned_is_never_pending(region):
+    """A decode side waits on a reservation only while its owner may still
+    publish it: given back (by the decode side that stopped waiting, then the
+    owner's publish is refused and its pins stay its own to give back),
+    expired (and reclaimed), or its owner dead (known at once on the owner's
+    node, through the owner node's agent elsewhere), it is "not published"."""
+    from procs_child import _chain_keys, handoff_publish_pinned
+    from tract_cli.core.errors import HandoffPending, TransferTableFull
+    from tract_cli.core.handoff import request_key
+    from tract_cli.core.recovery import recover_node
+
+    def ticket(rec, request):
+        return Ticket(rec, request_key(request).hex(), 4, 64)
+
+    with RunningAgent(region, 0, manager=True), Pool.attach(region, node=1) as owner, \
+            Pool.attach(region, node=2) as decode:
+        # given back by a decode side that stopped waiting: the publish is refused
+        rec = owner.handoffs.peek_free()
+        owner.handoffs.reserve_record(rec, "gone")
+        with pytest.raises(TransferTableFull, match=f"record {rec} is taken"):
+            decode.handoffs.reserve_record(rec, "another")
+        assert decode.handoffs.unreserve(rec, "gone")
+        assert not decode.handoffs.unreserve(rec, "gone")
+        with pytest.raises(HandoffError, match="not published"):
+            decode.handoffs.open(ticket(rec, "gone"))
+        with pytest.raises(HandoffError, match="no longer reserved"):
+            handoff_publish_pinned(owner, [7, 0, 71, 4], "gone", record=rec, reserved=True)
+        assert pins_and_records(region) == (4, 0)         # the caller's, to give back
+        owner.index.unpin(_chain_keys(owner, 7, 0, 71, 4))
+        # expired: not pending, refused to its owner, and reclaimed
+        owner.handoffs.reserve_record(rec, "late", ttl=1e-9)
+        with pytest.raises(HandoffError, match="not published"):
+            decode.handoffs.open(ticket(rec, "late"))
+        assert decode.handoffs.reclaim(now_ns=time.time_ns() + 10**9) == 1
+        assert pins_and_records(region) == (0, 0)
+        # its owner dead: on the owner's node at once, elsewhere once its agent ran
+        prefill = Worker(region, 1)
+        rec = prefill.call("handoff_reserve", request="dead")
+        with pytest.raises(HandoffPending):
+            decode.handoffs.open(ticket(rec, "dead"))
+        prefill.kill()
+        prefill.close()
+        with pytest.raises(HandoffError, match="not published"):
+            owner.handoffs.open(ticket(rec, "dead"))
+        with pytest.raises(HandoffPending):
+            decode.handoffs.open(ticket(rec, "dead"))
+        recover_node(owner, orphans=False, timeout=30)
+        with pytest.raises(HandoffError, match="not published"):
+            decode.handoffs.open(ticket(rec, "dead"))
+        assert pins_and_records(region) == (0, 0)
+    check_index(region)

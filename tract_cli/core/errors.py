@@ -109,3 +109,8 @@ class BlocksPending(HandoffError):
 
 class TransferTableFull(HandoffError):
     """The transfer table has no free record (TRACT_E_TABLE_FULL)."""
+
+
+class HandoffPending(HandoffError):
+    """The handoff's record is reserved and not yet published: its prefill side
+    is still committing the blocks (TRACT_E_PENDING).  Ask again shortly."""

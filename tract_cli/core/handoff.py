@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError, PoolFull,
-                                   TransferTableFull, UsageError)
+from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError,
+                                   HandoffPending, PoolFull, TransferTableFull, UsageError)
 from tract_cli.core.index import as_keys
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
@@ -61,9 +61,10 @@ RECORD_FREE = lib.TRACT_TRANSFER_FREE
 RECORD_PUBLISHED = lib.TRACT_TRANSFER_PUBLISHED      # its blocks pinned for the decode side
 RECORD_ACKED = lib.TRACT_TRANSFER_ACKED              # acknowledged: being given back
 RECORD_RECLAIMING = lib.TRACT_TRANSFER_RECLAIMING    # expired: being given back
+RECORD_RESERVED = lib.TRACT_TRANSFER_RESERVED        # taken, its publish to follow (no key list)
 # the names of the states a record in use can hold
 RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
-                 RECORD_RECLAIMING: "RECLAIMING"}
+                 RECORD_RECLAIMING: "RECLAIMING", RECORD_RESERVED: "RESERVED"}
 
 # the most blocks any key list can hold: one slot (at most 2^TRACT_MAX_BLOCK_SHIFT
 # bytes) of TRACT_KEY_ENTRY_SIZE-byte entries (native/tract.h); a ticket naming
@@ -210,25 +211,59 @@ class Handoffs:
         return int(rec[0])
 
     def publish_pinned(self, record: int, request_id: str | bytes, hashes, token_count: int,
-                       ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S) -> Ticket:
+                       ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S,
+                       reserved: bool = False) -> Ticket:
         """Publishes a handoff of blocks this process holds one pin on each (a
         pinning put's: `reserve(pin=True)` and `commit(pin=True)`) in RECORD
-        (`peek_free`'s choice): the pins become the record's.  On any failure
-        (TransferTableFull: RECORD was taken meanwhile; BlocksPending: a block is
-        not READY) the pins stay the caller's, to give back."""
+        (`peek_free`'s choice; RESERVED: this process's `reserve_record` of it for
+        the request, which must still hold): the pins become the record's.  On
+        any failure (TransferTableFull: RECORD was taken meanwhile; BlocksPending:
+        a block is not READY; HandoffError: the reservation is gone) the pins
+        stay the caller's, to give back."""
         keys = as_keys(hashes)
         rid = request_key(request_id)
         rc = lib.tract_handoff_publish_pinned(self._pool._r(), int(record), rid,
                                               ffi.from_buffer(keys), len(keys), token_count,
-                                              int(ttl * 1e9), int(timeout * 1e9))
+                                              int(ttl * 1e9), int(reserved), int(timeout * 1e9))
+        if rc == lib.TRACT_E_TABLE_FULL and reserved:
+            raise HandoffError(f"handoff record {record} is no longer reserved for the request "
+                               "(given back by a decode side that stopped waiting, or expired)",
+                               "its decode computes the prompt; publish sooner next time")
         self._raise_publish(rc, keys, record, BlocksPending(
             "not every block of the request is READY in the pool",
             "publish the blocks' commit first"))
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(int(record), rid.hex(), len(keys), token_count)
 
+    def reserve_record(self, record: int, request_id: str | bytes, ttl: float = 30.0,
+                       timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Reserves RECORD (`peek_free`'s choice) for the request until TTL from
+        now: its ticket may go out before the publish (`publish_pinned` with
+        reserved), and a decode side that opens it meanwhile gets HandoffPending.
+        TransferTableFull if RECORD is taken by now."""
+        rc = lib.tract_handoff_reserve(self._pool._r(), int(record), request_key(request_id),
+                                       int(ttl * 1e9), int(timeout * 1e9))
+        if rc == lib.TRACT_E_TABLE_FULL:
+            raise TransferTableFull(f"handoff record {record} is taken",
+                                    "choose another with peek_free")
+        raise_for(rc, f"{self._pool.path} handoff reserve")
+
+    def unreserve(self, record: int, request_id: str | bytes,
+                  timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Gives back RECORD's reservation for the request (its owner's, that
+        publishes nothing; a decode side's that stopped waiting): True if it
+        was reserved for it, False if not (published, given back or freed)."""
+        rc = lib.tract_handoff_unreserve(self._pool._r(), int(record), request_key(request_id),
+                                         int(timeout * 1e9))
+        if rc == lib.TRACT_E_NOT_FOUND:
+            return False
+        raise_for(rc, f"{self._pool.path} handoff unreserve")
+        return True
+
     def open(self, ticket: Ticket) -> Received:
-        """Reads the record and its key list (metadata only)."""
+        """Reads the record and its key list (metadata only).  HandoffPending
+        while the record is reserved for the request (its prefill side still
+        commits the blocks): ask again."""
         # no record of this pool has more blocks than its key-list slot holds:
         # a ticket that names more is not one of this pool's
         cap = self._pool.info.block_bytes // lib.TRACT_KEY_ENTRY_SIZE
@@ -244,6 +279,10 @@ class Handoffs:
         rc = lib.tract_handoff_open(self._pool._r(), ticket.record, bytes.fromhex(ticket.request_id),
                                     ffi.from_buffer(keys), u32(slots), u32(sums), u32(toks), n,
                                     bc, tc, ts, tt)
+        if rc == lib.TRACT_E_PENDING:
+            raise HandoffPending(f"handoff record {ticket.record} for request "
+                                 f"{ticket.request_id} is reserved, not yet published",
+                                 "ask again shortly")
         if rc == lib.TRACT_E_NOT_FOUND:
             raise HandoffError(f"handoff record {ticket.record} for request {ticket.request_id} "
                                "is not published (acknowledged, expired or never written)",

@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from tract_cli.core.handoff import RECORD_FREE, RECORD_STATES
+from tract_cli.core.handoff import RECORD_FREE, RECORD_RESERVED, RECORD_STATES
 from tract_cli.core.index import BUCKET_PENDING, BUCKET_READY, BUCKET_STATES, BUCKET_TOMBSTONE
 from tract_cli.core.locks import SLOT_STATES, SLOT_WAITING, lock_name
 from tract_cli.core.media import (ALLOC_DTYPE, ANCHOR_DTYPE, BUCKET_DTYPE, MGR_DTYPE,
@@ -202,7 +202,7 @@ def alloc_view(rd: Sections) -> dict:
     in_use[ready_slots] = True
     rec = rd["transfer"].view(RECORD_DTYPE)
     data = info.section("data")
-    for r in rec[rec["state"] != RECORD_FREE]:
+    for r in rec[(rec["state"] != RECORD_FREE) & (rec["state"] != RECORD_RESERVED)]:
         off = int(r["keys_offset"])
         if data.offset <= off < data.offset + data.length:
             in_use[(off - data.offset) // info.slot_stride] = True
