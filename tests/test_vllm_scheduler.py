@@ -163,11 +163,13 @@ def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
     # every lock held: the step returned, its 4 blocks still PENDING, none READY
     assert seen["off_step_commit_held"] == [4, 0]
     assert seen["off_step_commit_after"] == [4, 0]        # committed once the locks are free
-    # a P/D prefill's last step waits for its commit and publish: its record is
-    # published when the step returns
-    assert seen["handoff_step_waits"]
-    assert seen["handoff_step_after"] == [True, 4, True]
-    # ... and one whose handoff the scheduler publishes in request_finished
+    # a P/D prefill's last step, its handoff planned in-step, does not wait: its
+    # record was reserved with the claim, and a decode opening it meanwhile is
+    # told to wait; published once the commit is done
+    assert seen["handoff_step_returns"]
+    assert seen["handoff_step_held"] == ["pending", 0]
+    assert seen["handoff_step_after"] == ["published", 4]
+    # ... one whose handoff the scheduler publishes in request_finished waits
     assert seen["late_handoff_step_waits"]
     assert seen["late_handoff_step_after"] == [True, 4]
     # a commit that raised (not a pool error): the step went on, nothing saved,
@@ -209,6 +211,18 @@ def test_a_stalled_lock_manager_delays_the_pool_never_scheduling(seen):
     assert seen["stall_pins_after"] == 0
 
 
+def test_a_decode_waits_for_a_reserved_handoff_and_gives_up_past_handoff_wait_s(seen):
+    # reserved: "not yet" (None) each time vLLM asks, never "compute it"; once
+    # published, the whole prompt is loaded (asynchronously, as this driver's
+    # scheduler loads)
+    assert seen["reserved_ticket_answers"] == [[None, False]] * 3 + [[40, True]]
+    # never published: "not yet" at first, computed past handoff_wait_s (0.2 s),
+    # and the reservation given back (a publish after it would be refused)
+    assert seen["reserved_never"] == [[None, False], True, [0, False]]
+    assert seen["reserved_never_record"] == "HandoffError"
+    assert seen["reserved_after"] == seen["reserved_before"]   # nothing left of either
+
+
 def test_a_ticket_of_another_page_layout_is_refused_and_no_layout_no_pool(seen):
     assert seen["layout_ticket_refused"] == [True, True]
     assert seen["no_handshake_match"] == [0, False] and seen["no_handshake_key_tag"] is None
@@ -216,10 +230,11 @@ def test_a_ticket_of_another_page_layout_is_refused_and_no_layout_no_pool(seen):
 
 def test_chunked_prefill_saves_each_block_once_over_several_steps(seen):
     # a 64-token budget: 200 tokens in 4 steps, 4 blocks saved per full chunk, the
-    # partial tail with the last; the handoff at the end names all 13 blocks;
-    # only the last step waits for its commit (its handoff follows it)
-    assert seen["chunked_steps"] == [[64, 4, False], [64, 4, False], [64, 4, False],
-                                     [8, 1, True]]
+    # partial tail with the last; the handoff at the end names all 13 blocks,
+    # planned in the last step (its record reserved there), and no step waits
+    # for its commit
+    assert seen["chunked_steps"] == [[64, 4, False, False], [64, 4, False, False],
+                                     [64, 4, False, False], [8, 1, False, True]]
     assert seen["chunked_saved_once_each"]
     assert seen["chunked_ticket_blocks"] == 13
 

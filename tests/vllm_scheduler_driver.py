@@ -235,9 +235,10 @@ STEP: dict = {}            # the worker that runs the in-step handoffs of schedu
 
 def publish_in_step(out) -> None:
     """The worker's part of a step the case runs only a scheduler for: the step's
-    in-step handoffs (SaveSpec.handoff) published, as the step's wait_for_save
-    does, before its output reaches the scheduler (their blocks are in the pool:
-    the case put them; any missing is written from the worker's zero pages)."""
+    in-step handoffs (SaveSpec.handoff) reserved in the step and published after
+    its commit, off it, which is waited for here, so the case sees them
+    published (their blocks are in the pool: the case put them; any missing is
+    written from the worker's zero pages)."""
     saves = out.kv_connector_metadata.saves
     if not any(sp.handoff is not None for sp in saves):
         return
@@ -247,6 +248,7 @@ def publish_in_step(out) -> None:
     w = STEP["worker"]
     w.bind_connector_metadata(TractConnectorMetadata(saves=saves))
     w.wait_for_save()
+    committed(w)
 
 
 def finish(s: Scheduler, reqs: list[Request]) -> dict:
@@ -382,6 +384,51 @@ def main(ckpt: str, pool_path: str) -> dict:
         st4b = conn.scheduler_side._reqs["other-layout"]
         obs["layout_ticket_refused"] = [st4b.handoff_failed, st4b.received is None]
         conn.request_finished(r4b, [])
+    # 4c. a ticket whose record is reserved, not yet published (its prefill's
+    #     commit runs off its step): "not yet" until it is published, then
+    #     loaded; one not published within handoff_wait_s is computed, and its
+    #     reservation given back (a publish after that is refused)
+    from tract_cli.core.errors import HandoffError as _HandoffError
+    from tract_cli.core.handoff import Ticket as _Ticket
+    from tract_cli.core.handoff import request_key as _request_key
+    obs["reserved_before"] = region(pool)                  # case 4's handoff still in flight
+    waited = list(range(1300, 1300 + 40))                  # 2 full blocks + an 8-token tail
+    put_prompt(pool, tag, waited, with_tail=True)
+    wk = prompt_keys(pool.info, tag, 16, waited)
+    wkeys = np.vstack([wk.keys, wk.tail_key])
+    rec = pool.handoffs.peek_free()
+    pool.handoffs.reserve_record(rec, "waited")
+    prefill_req = request("waited", waited, 1, {"do_remote_decode": True})
+    tparams = conn.scheduler_side._ticket_params(
+        prefill_req, _Ticket(rec, _request_key("waited").hex(), 3, 40))
+    r4c = request("waited-decode", waited, params=tparams)
+    asked = [conn.get_num_new_matched_tokens(r4c, 0) for _ in range(3)]
+    pool.index.lookup(wkeys)                               # the prefill's pins, journaled
+    pool.handoffs.publish_pinned(rec, "waited", wkeys, 40, reserved=True)
+    asked.append(conn.get_num_new_matched_tokens(r4c, 0))
+    obs["reserved_ticket_answers"] = [list(a) for a in asked]
+    conn.request_finished(r4c, [])                          # opened, never loaded: released
+    gave_up = scheduler(ckpt, pool_path, num_blocks=64, extra={"handoff_wait_s": 0.2}).connector
+    rec = pool.handoffs.peek_free()
+    pool.handoffs.reserve_record(rec, "never")
+    r4d = request("never-decode", list(range(7700, 7740)), params=gave_up.scheduler_side
+                  ._ticket_params(request("never", list(range(7700, 7740))),
+                                  _Ticket(rec, _request_key("never").hex(), 3, 40)))
+    t0 = time.monotonic()
+    first = list(gave_up.get_num_new_matched_tokens(r4d, 0))
+    wait_for(lambda: gave_up.get_num_new_matched_tokens(r4d, 0) != (None, False),
+             "the decode's give-up on a reservation never published", 30)
+    obs["reserved_never"] = [first, time.monotonic() - t0 >= 0.2,
+                             list(gave_up.get_num_new_matched_tokens(r4d, 0))]
+    assert gave_up.releases.drain(60), "the reservation's give-back was not done within 60 s"
+    try:
+        pool.handoffs.open(_Ticket(rec, _request_key("never").hex(), 3, 40))
+        obs["reserved_never_record"] = "still there"
+    except _HandoffError as exc:
+        obs["reserved_never_record"] = type(exc).__name__
+    gave_up.request_finished(r4d, [])
+    obs["reserved_after"] = region(pool)
+
     blind = scheduler(ckpt, pool_path, num_blocks=64, handshake=False)
     obs["no_handshake_match"] = list(blind.connector.get_num_new_matched_tokens(
         request("blind", hit), 0))
@@ -655,7 +702,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     record = pool.handoffs.peek_free()
     wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
         "follows", follows, np.full(4, 16, np.uint32), pages, subs,
-        HandoffSpec(record, "follows", follows, 64, 30.0), handoff_follows=True)]))
+        HandoffSpec(record, "follows", follows, 64, 30.0))]))
     wait_for(lambda: wl.worker_side._reserving.done(), "the handoff step's reserve")
     stepped = threading.Event()
 
@@ -663,23 +710,33 @@ def main(ckpt: str, pool_path: str) -> dict:
         wl.wait_for_save()
         stepped.set()
 
+    from tract_cli.core.errors import HandoffPending
+    ticket = Ticket(record, request_key("follows").hex(), 4, 64)
+
+    def opened() -> str:
+        try:
+            pool.handoffs.open(ticket)
+            return "published"
+        except HandoffPending:
+            return "pending"
+        except HandoffError:
+            return "not published"
+
     with every_lock_held(pool):
         stepping = threading.Thread(target=step)
         stepping.start()
-        # still in the step after a second: it waits for its commit (30 s bound)
-        obs["handoff_step_waits"] = not stepped.wait(1.0)
+        # a P/D prefill's last step with its handoff planned in-step: its record
+        # was reserved with the claim, so the step returns without its commit,
+        # and a decode that opens the record meanwhile is told to wait
+        obs["handoff_step_returns"] = stepped.wait(20)
+        obs["handoff_step_held"] = [opened(), pool.index.peek(follows)]
     stepping.join(60)
-    ticket = Ticket(record, request_key("follows").hex(), 4, 64)
-    try:
-        pool.handoffs.open(ticket)
-        published = True
-    except HandoffError:
-        published = False
-    obs["handoff_step_after"] = [stepped.is_set(), pool.index.peek(follows), published]
-    if published:
+    committed(wl)
+    obs["handoff_step_after"] = [opened(), pool.index.peek(follows)]
+    if obs["handoff_step_after"][0] == "published":
         pool.handoffs.ack(ticket)
-    # ... and so does one whose handoff the scheduler publishes after it, in
-    # request_finished (handoff_follows, no in-step handoff)
+    # ... one whose handoff the scheduler publishes after it, in request_finished
+    # (handoff_follows: one it could not plan in-step) waits for its commit
     late = prompt_keys(pool.info, tag, 16, list(range(9300, 9300 + 64))).keys
     wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
         "late", late, np.full(4, 16, np.uint32), pages, subs, handoff_follows=True)]))
@@ -727,12 +784,14 @@ def main(ckpt: str, pool_path: str) -> dict:
         saves = out.kv_connector_metadata.saves
         per_step.append([out.num_scheduled_tokens.get("chunked", 0),
                          sum(len(sv.keys) for sv in saves),
-                         any(sv.handoff_follows for sv in saves)])
+                         any(sv.handoff_follows for sv in saves),
+                         any(sv.handoff is not None for sv in saves)])
         saved_keys += [bytes(k) for sv in saves for k in sv.keys]
         w9.bind_connector_metadata(out.kv_connector_metadata)
         for name in LAYERS:
             w9.save_kv_layer(name, caches9[name], None)
         w9.wait_for_save()
+        committed(w9)       # (the ticket below is acknowledged once published)
         eng = s9.update_from_output(out, output([r9]))
         done = [o for outs in eng.values() for o in outs.outputs if o.finished]
         if done:

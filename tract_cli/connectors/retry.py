@@ -155,13 +155,19 @@ class Releases:
             return False
 
 
-def queue_ack(releases: Releases, pool, ticket, read=None) -> None:
+def queue_ack(releases: Releases, pool, ticket, read=None, reserved: bool = False) -> None:
     """Queues the acknowledgement of handoff TICKET on RELEASES (READ: the slots a
     worker loaded; None: an instance that will not load it), each attempt resuming
-    the one before it that timed out partway; a record already gone is logged."""
+    the one before it that timed out partway; a record already gone is logged.
+    RESERVED: the record may still be reserved, not yet published; if so its
+    reservation is given back instead (its owner's publish is then refused)."""
     from tract_cli.core.errors import HandoffError
 
     def attempt(timeout: float) -> None:
+        if reserved and pool.handoffs.unreserve(ticket.record, bytes.fromhex(ticket.request_id),
+                                                timeout=timeout):
+            log.info("TraCT handoff %d: its reservation given back", ticket.record)
+            return
         try:
             pool.handoffs.ack(ticket, timeout=timeout, read=read, resume=True)
         except HandoffError as exc:            # gone already: expired and reclaimed

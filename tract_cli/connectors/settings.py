@@ -31,6 +31,7 @@ class ConnectorSettings:
     step_timeout_s: float = 1.0    # ... and for its saves and publishes (claim, commit, publish)
     lookup_wait_s: float = 0.002   # the scheduler loop's wait for a lookup before "not yet"
     lookup_patience_s: float = 0.5  # a lookup not back by then: the request is computed
+    handoff_wait_s: float = 4.0    # a decode's wait for a reserved handoff's publish
     start_agent: bool = True       # start this node's agent if none runs
     flush_mode: str | None = None  # override the region header's flush mode
     simulate: bool = False         # run metadata through the non-coherence simulator
@@ -74,7 +75,7 @@ class ConnectorSettings:
             out["simulate"] = os.environ.get("TRACT_SIMULATE", "") not in ("", "0")
         out["save"] = _bool(extra, "save") if "save" in extra else role != "kv_consumer"
         for key in ("handoff_ttl_s", "lookup_timeout_s", "step_timeout_s", "lookup_wait_s",
-                    "lookup_patience_s", "kv_events_interval_s"):
+                    "lookup_patience_s", "handoff_wait_s", "kv_events_interval_s"):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

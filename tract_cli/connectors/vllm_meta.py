@@ -32,10 +32,12 @@ class LoadSpec:
 
 @dataclass
 class HandoffSpec:
-    """Publish the request's P/D handoff in the step that completes its prompt:
-    every block of it (KEYS, the ones this step saves and those already in
-    the pool) pinned by the save's own claim and commit, in RECORD, which the
-    scheduler chose and has already promised in the request's ticket."""
+    """Publish the request's P/D handoff after the step that completes its
+    prompt: every block of it (KEYS, the ones this step saves and those already
+    in the pool) pinned by the save's own claim and commit, in RECORD, which the
+    scheduler chose and has already promised in the request's ticket; the
+    record is reserved with the claim, in the step, and published after the
+    commit, off it (a decode that opens it first is told to wait)."""
 
     record: int
     request_id: str            # vLLM's request id (the record holds its 16-byte key)
@@ -55,10 +57,11 @@ class SaveSpec:
     pages: np.ndarray
     subs: np.ndarray
     handoff: HandoffSpec | None = None
-    # the step completes the prompt of a request a remote decode waits for: its
-    # handoff is published in the step (HANDOFF) or right after it (request_
-    # finished), so the step waits for the commit that makes its blocks READY
-    # (any other step's commit runs off the step)
+    # the step completes the prompt of a request a remote decode waits for, and
+    # its handoff is published right after it (request_finished: one that could
+    # not be planned as HANDOFF), so the step waits for the commit that makes its
+    # blocks READY.  A HANDOFF's record is reserved in the step instead and
+    # published after the commit, off the step, as every other step's commit runs
     handoff_follows: bool = False
     # what the blocks' records say (core.events.describe: KV events); None: the
     # keys alone

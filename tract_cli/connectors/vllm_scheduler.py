@@ -11,13 +11,16 @@ starts it), so vLLM asks again next step and
 schedules the others meanwhile; a lookup not back within
 `lookup_patience_s` is given up (the request computed, new requests not
 looked up for as long again); unpins and acknowledgements are queued
-(retry.py); a P/D prefill's handoff is published by the worker in the step
-that completes the prompt, in a record chosen here without a lock when that
+(retry.py); a P/D prefill's handoff is published by the worker after the
+step that completes the prompt (its record reserved in that step, published
+after the commit, off it), in a record chosen here without a lock when that
 step is planned, so `request_finished` returns its ticket with no pool call
 (only a handoff that could not be planned so, its blocks shared with another
 handoff of its step or no record looking free or max_handoffs reached when
-planned, publishes there, waiting at most `step_timeout_s`).  A stalled lock manager delays hits, never
-scheduling.
+planned, publishes there, waiting at most `step_timeout_s`).  A decode
+whose ticket names a record still reserved, not yet published, is answered
+"not yet" for at most `handoff_wait_s`.  A stalled lock manager delays hits,
+never scheduling.
 
 Keys carry the worker's page layout (vllm_meta.TractHandshake): until vLLM
 has handed it over, at start-up, the pool is not used.
@@ -41,7 +44,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog
-from tract_cli.core.errors import HandoffError, TractError, TransferTableFull
+from tract_cli.core.errors import HandoffError, HandoffPending, TractError, TransferTableFull
 from tract_cli.core.handoff import Ticket, request_key
 from tract_cli.core.index import Lookup
 
@@ -96,6 +99,10 @@ class _Request:
     load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
     load_failed: bool = False          # a load of it failed: compute it, never load again
     handoff: Ticket | None = None      # its handoff, published by the worker in-step (planned)
+    # a decode's ticket whose record is reserved, not yet published (its prefill
+    # commits the blocks off its step): asked again each step, since when
+    pending: Ticket | None = None
+    pending_since: float = 0.0
 
 
 
@@ -223,6 +230,8 @@ class SchedulerSide:
                 self._open_handoff(request, st, params)
             if st.received is not None:
                 return self._answer(request, num_computed_tokens, st.received.token_count)
+            if st.pending is not None:
+                return None, False      # not yet: its prefill still commits the blocks
         if not self.settings.prefix_cache or not len(st.keys):
             return 0, False
         if st.lookup is None:
@@ -346,7 +355,12 @@ class SchedulerSide:
             if ticket.blocks != len(expected):
                 raise HandoffError("the handoff is of another prompt",
                                    "send the decode request with the prefill's prompt")
-            rec = self.pool.handoffs.open(ticket)
+            try:
+                rec = self.pool.handoffs.open(ticket)
+            except HandoffPending:
+                self._wait_published(request, st, ticket)
+                return
+            st.pending = None
             # the record's own key list, not anything the ticket says, names the blocks:
             # only a request whose prompt (and salt) has exactly these keys loads them
             if rec.token_count != st.prompt_len or not np.array_equal(rec.keys, expected):
@@ -355,10 +369,30 @@ class SchedulerSide:
         except (TractError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             # a ticket is network input: whatever is wrong with it, the request is computed
             st.handoff_failed = True
+            st.pending = None
             log.warning("TraCT handoff of request %s not used, computing it: %s",
                         request.request_id, exc)
             return
         st.received, st.ticket = rec, ticket
+
+    def _wait_published(self, request: "Request", st: _Request, ticket: Ticket) -> None:
+        """The ticket's record is reserved, not yet published: its prefill's step
+        let the reply go before the commit that publishes it (off that step).
+        vLLM is told "not yet" until it is published, for at most
+        handoff_wait_s; past that the request is computed and the reservation
+        given back (queued), so a publish after it is refused and pins nothing
+        for a decode that will not come."""
+        now = time.monotonic()
+        if st.pending is None:
+            st.pending, st.pending_since = ticket, now
+            return
+        if now - st.pending_since < self.settings.handoff_wait_s:
+            return
+        st.pending, st.handoff_failed = None, True
+        log.warning("TraCT handoff of request %s not published within %.1f s (handoff_wait_s) "
+                    "of its prefill's reply, computing it", request.request_id,
+                    self.settings.handoff_wait_s)
+        self._release_handoff(ticket, reserved=True)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
@@ -437,7 +471,10 @@ class SchedulerSide:
                                         np.zeros(0, np.int64))
                 spec.handoff = handoff
             if spec is not None:
-                spec.handoff_follows = st.want_handoff and end >= st.prompt_len
+                # published after the step (request_finished): the step waits for its
+                # commit; an in-step handoff's record is reserved in the step instead
+                spec.handoff_follows = (st.want_handoff and end >= st.prompt_len
+                                        and spec.handoff is None)
                 meta.saves.append(spec)
         return meta
 
@@ -516,7 +553,7 @@ class SchedulerSide:
         orphaned, self._orphaned = self._orphaned, []
         for ticket in orphaned:
             self._planned.discard(ticket.record)
-            self._release_handoff(ticket)
+            self._release_handoff(ticket, reserved=True)
         invalid = connector_output.invalid_block_ids or set()
         # loads done: the asynchronous ones the worker reported finished, and the
         # synchronous ones it copied in the step of this output
@@ -546,6 +583,8 @@ class SchedulerSide:
         self._looking.discard(request.request_id)
         if st.ticket is not None:                       # opened, never loaded
             self._release_handoff(st.ticket)
+        if st.pending is not None:                      # waited for, never published
+            self._release_handoff(st.pending, reserved=True)
         # only an instance that saves publishes: its own step saved the blocks. A
         # client of a decode-only instance asking do_remote_decode pins nothing
         finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -555,7 +594,8 @@ class SchedulerSide:
             # ran before this call: its ticket, with no pool call here
             if not finished:
                 # aborted, perhaps while that step still runs: given back once the
-                # next step output is in (by then the step has published it or not)
+                # next step output is in (by then the step has reserved its record or
+                # not: its reservation given back, or what its publish made released)
                 self._orphaned.append(st.handoff)
                 return False, None
             self._planned.discard(st.handoff.record)
@@ -680,7 +720,9 @@ class SchedulerSide:
         if self._events is not None:
             self._events.close()
 
-    def _release_handoff(self, ticket: Ticket) -> None:
-        """Acknowledges (queued) a handoff this instance will not load."""
-        queue_ack(self.releases, self.pool, ticket)
+    def _release_handoff(self, ticket: Ticket, reserved: bool = False) -> None:
+        """Acknowledges (queued) a handoff this instance will not load (RESERVED:
+        its record may still be reserved, its publish to come: the reservation
+        is given back first, and the publish then refused)."""
+        queue_ack(self.releases, self.pool, ticket, reserved=reserved)
 

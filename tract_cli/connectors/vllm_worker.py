@@ -21,17 +21,20 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   call that checksums as it copies with streaming stores (`PagedKV.save`), and
   published by one commit on the save thread, off the step: the copy is all
   the step waits for (vLLM may reuse the pages once it is done).  A step after
-  which a request's handoff is published (`SaveSpec.handoff_follows`, a P/D
-  prefill's last) waits for its commit too.  The save thread runs a step's
+  which the scheduler publishes a request's handoff (`SaveSpec.handoff_follows`:
+  one it could not plan in-step) waits for its commit too.  The save thread runs a step's
   claim after the previous step's commit.  The commit and the claim each wait
   at most `step_timeout_s` for a lock (the step waits for the claim only past
   the forward): past it the blocks are not saved (vLLM computes as ever) and
   the claims are given back, retried until it succeeds.
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
-  is published after the commit, before the step ends, in the record the
-  scheduler chose, with the pins the step's pinning claim and commit took
-  (`publish_pinned`: no lock walk of its own); pins no published handoff took
-  over go back off the step.
+  has the record the scheduler chose reserved with the step's claim, during
+  the forward, so its ticket may leave with the step's output; it is
+  published after the commit, on the save thread, off the step, with the pins
+  the step's pinning claim and commit took (`publish_pinned`: no lock walk of
+  its own).  A decode instance that opens the record before is told to wait
+  (vllm_scheduler.py).  Pins no published handoff took over go back off the
+  step, and a reservation not published is given back.
 - On a GPU (`core/gpupages.py`): the slots are registered host memory and
   each layer moves by DMA on a side stream: a save's as vLLM hands the layer
   over (overlapping the rest of the forward; `wait_for_save` waits for it), a
@@ -107,12 +110,11 @@ class _SavePlan:
     handoffs: list = field(default_factory=list)
     pinned: bool = False
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
-    # a request's handoff is published in or right after this step
+    # the request ids of the in-step handoffs whose records this plan reserved
+    reserved: set = field(default_factory=set)
+    # a request's handoff is published right after this step, by the scheduler
     # (SaveSpec.handoff_follows): the step waits for the commit
     handoff_follows: bool = False
-    # the step stopped waiting for that commit (past its bound): the save thread
-    # publishes none of its handoffs after that
-    step_gone: bool = False
     reserve_s: float = 0.0
     batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
     batch_rows: Any = None            # ... their rows (mine when the batch was made)
@@ -124,8 +126,9 @@ class _SavePlan:
     @property
     def commit_in_step(self) -> bool:
         """Whether the step waits for this plan's commit: a handoff is published
-        in it (in-step) or right after it."""
-        return self.handoff_follows or bool(self.handoffs)
+        right after it, by the scheduler (an in-step handoff's record is
+        reserved instead, and published after the commit, off the step)."""
+        return self.handoff_follows
 
 
 @dataclass
@@ -264,7 +267,7 @@ class WorkerSide:
         and the pins a pinning claim (an in-step handoff's) took or committed."""
         if plan.batch is not None:     # no DMA or write-back may still touch slots given back
             self._gpu.quiesce(plan.batch)
-        self._handoffs_lost([spec for spec, _ in plan.handoffs], why)
+        self._handoffs_lost([spec for spec, _ in plan.handoffs], why, plan)
         self._unpin_handoff_keys(plan, np.arange(len(plan.keys)), why)
         if not plan.mine.size:
             return
@@ -288,15 +291,24 @@ class WorkerSide:
                 self._abandon_claims(plan, drop, "computed on a load that failed")
         lost = [spec for spec, _ in plan.handoffs if spec.request_id in failed]
         if lost:
-            self._handoffs_lost(lost, "its prompt was computed on a load that failed")
+            self._handoffs_lost(lost, "its prompt was computed on a load that failed", plan)
             plan.handoffs = [(spec, idx) for spec, idx in plan.handoffs
                              if spec.request_id not in failed]
 
-    @staticmethod
-    def _handoffs_lost(handoffs: list, why: str) -> None:
+    def _handoffs_lost(self, handoffs: list, why: str, plan: _SavePlan | None = None) -> None:
+        """HANDOFFS will not be published: said, and the records PLAN reserved
+        for them given back (queued, retried), so their decode instances stop
+        waiting now rather than at handoff_wait_s."""
         for spec in handoffs:
             log.warning("TraCT handoff of request %s not published (%s), its decode computes "
                         "the prompt", spec.request_id, why)
+            if plan is None or spec.request_id not in plan.reserved:
+                continue
+            plan.reserved.discard(spec.request_id)
+            self.releases.submit(
+                f"reservation of handoff record {spec.record}",
+                lambda timeout, spec=spec: self.pool.handoffs.unreserve(
+                    spec.record, spec.request_id, timeout=timeout))
 
     def _abandon_claims(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
         """Gives back (off the step) the claims IDX of PLAN that will not be
@@ -363,8 +375,20 @@ class WorkerSide:
         claimed = status == PUT_CLAIMED
         mine = np.flatnonzero(claimed & (pages >= 0))
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine, described,
-                         reserve_s=time.perf_counter() - t0, pinned=bool(handoffs),
+                         pinned=bool(handoffs),
                          handoff_follows=any(s.handoff_follows for s in saves))
+        # each in-step handoff's record reserved now, before the forward ends: its
+        # ticket may leave with the step's output, before the commit that
+        # publishes it (a decode that opens it meanwhile waits)
+        for h in handoffs:
+            try:
+                self.pool.handoffs.reserve_record(h.record, h.request_id, ttl=h.ttl_s,
+                                                  timeout=self.settings.step_timeout_s)
+                plan.reserved.add(h.request_id)
+            except Exception as exc:   # a pool error, or any other: the claims stand
+                exc = getattr(exc, "problem", exc)
+                self._handoffs_lost([h], f"its record could not be reserved: {exc}")
+        plan.reserve_s = time.perf_counter() - t0
         at = 0
         for sv in saves:
             plan.rows.setdefault(sv.req_id, []).append(where[at:at + len(sv.keys)])
@@ -457,20 +481,19 @@ class WorkerSide:
         job = self._saver.submit(self._commit, plan, sums, complete)
         if not plan.commit_in_step:
             return
-        # a step that completes a P/D prefill waits for its commit and its
-        # handoff's publish: the ticket its request's reply carries names a
-        # published record (a decode instance asks for it at once)
-        # nothing is queued ahead of it (the step's claim, which followed any earlier
-        # commit, is done); the commit and each handoff's publish (its key list's
-        # slot, the transfer lock) wait at most step_timeout_s for a lock
+        # a handoff the scheduler publishes right after this step (request_finished,
+        # one it could not plan in-step) needs the blocks READY by then: the step
+        # waits for its commit.  Nothing is queued ahead of it (the step's claim,
+        # which followed any earlier commit, is done); the commit and each in-step
+        # handoff's publish (its key list's slot, the transfer lock) wait at most
+        # step_timeout_s for a lock
         bound = (1 + 2 * len(plan.handoffs)) * self.settings.step_timeout_s + 1.0
         try:
             job.result(timeout=bound)
         except FutureTimeout:
-            plan.step_gone = True
-            log.warning("TraCT: the commit of a step with a handoff not done within %.1f s; the "
-                        "step goes on, its blocks are committed when the commit is done and "
-                        "its handoffs are not published (their decode computes)", bound)
+            log.warning("TraCT: the commit of a step with a handoff to follow not done within "
+                        "%.1f s; the step goes on (the handoff finds its blocks not READY, and "
+                        "its decode computes)", bound)
 
     def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
         """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
@@ -545,26 +568,23 @@ class WorkerSide:
         kept = np.zeros(len(plan.keys), bool)
         try:
             for spec, idx in plan.handoffs:
-                if plan.step_gone:
-                    # the step stopped waiting (its bound passed): its reply may have
-                    # left, and a decode instance that found no record computed the
-                    # prompt; a record published now would only hold pins until it expired
-                    self._handoffs_lost([spec], "its step stopped waiting for the commit")
-                    continue
+                if spec.request_id not in plan.reserved:
+                    continue          # its record was not reserved (said then): not published
                 if not (complete and np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all()):
-                    self._handoffs_lost([spec], "a block of it was not saved")
+                    self._handoffs_lost([spec], "a block of it was not saved", plan)
                     continue
                 t0 = time.perf_counter()
                 try:
                     self.pool.handoffs.publish_pinned(spec.record, spec.request_id, spec.keys,
                                                       spec.token_count, ttl=spec.ttl_s,
-                                                      timeout=self.settings.step_timeout_s)
+                                                      timeout=self.settings.step_timeout_s,
+                                                      reserved=True)
                     kept[idx] = True
+                    plan.reserved.discard(spec.request_id)
                     log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
                             (time.perf_counter() - t0) * 1e3)
                 except Exception as exc:      # a pool error, or any other: not published
-                    log.warning("TraCT handoff of request %s not published, its decode "
-                                "computes the prompt: %s", spec.request_id, exc)
+                    self._handoffs_lost([spec], f"its publish failed: {exc}", plan)
         finally:       # whatever happened above, the pins no record took are given back
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
