@@ -137,6 +137,9 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
         # clean up after its workers before the host dies whole
         b_agent.proc.send_signal(signal.SIGSTOP)
         assert reader.call("index_pin_chain", chain=OTHER) == 12     # heads already: moves nothing
+        # a handoff record reserved, its publish never made (a P/D prefill's):
+        # it holds no pins, so it never holds up the dead host's pin clearing
+        reserved = reader.call("handoff_reserve", request="dead-host")
         assert writer_b.call("index_reserve_chain", chain=UNFINISHED)["claimed"] == 6
         # killed inside the allocator, giving host A's slots back: the header
         # uncounted them and their owner bytes are cleared, their bits are not
@@ -166,6 +169,7 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
             assert a.call("index_lookup_verify", chains=[CHAIN, OTHER]) == [12, 12]
             whole = VERDICT_CLAIMS | VERDICT_PINS | VERDICT_SLOTS
             wait_for("node 1's recovery", lambda: node_record(region, 1).recovered == whole)
+            assert record_state(region, reserved) == 0, "the dead host's reservation stays"
             assert a.call("index_reserve_chain", chain=UNFINISHED)["claimed"] == 6
             a.call("index_evict_all")                 # node 1's pins are gone: all evictable
         with Worker(region, 3, simulate=simulate) as fresh:
@@ -179,6 +183,15 @@ def test_a_dead_hosts_locks_writes_and_pins_come_back_online(region, monkeypatch
     finally:
         gone(b_agent and b_agent.proc)
         manager.stop()
+
+
+def record_state(path: str, record: int) -> int:
+    """The state of transfer record RECORD (0: FREE)."""
+    import numpy as np
+    from tract_cli.core.media import RECORD_DTYPE
+    with Pool.attach(path, readonly=True, prefault=False, local=False) as p:
+        tr = p.info.section("transfer")
+        return int(np.frombuffer(p.observe(tr.offset, tr.length), RECORD_DTYPE)["state"][record])
 
 
 def pins_and_records(path: str, node: int) -> tuple[int, int]:

@@ -30,7 +30,8 @@ from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.pool import Pool
 from tests.vllm_stack import (ANSWER_FIELDS, ARGS, VLLM_PY, assert_answers_as_mono, complete,
-                              external_hits, port, prefill_params, remove_vllm_debris,
+                              external_hits, open_published, port, prefill_params,
+                              remove_vllm_debris,
                               server_model, shm_names, start_stack, stop_stack, tokens_by_source,
                               wait_until_released, wait_until_saved)
 
@@ -108,7 +109,7 @@ def test_a_block_failing_its_checksum_is_recomputed(stack):
     params = prefill_params(stack, prompt)
     ticket = Ticket.from_dict(params["tract_ticket"])
     with Pool.attach(stack["pool"], node=3) as pool:
-        rec = pool.handoffs.open(ticket)
+        rec = open_published(pool, ticket)
         view = pool.slot_bytes(int(rec.slots[1]))
         view[:64] ^= 0xFF                   # one cache line of the second block
         del view

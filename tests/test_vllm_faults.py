@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.vllm_stack import (VLLM_PY, answer_differences, assert_answers_as_mono, complete,
-                              prefill_params, remove_vllm_debris, shm_names, start_stack,
+                              open_published, prefill_params, remove_vllm_debris, shm_names, start_stack,
                               stop_stack, tokens_by_source, vllm_shm, wait_until_released)
 from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
@@ -108,7 +108,7 @@ def test_one_wrong_block_of_a_handoff_changes_the_answer(sim, garble):
         assert params["tract_ticket"]["blocks"] == 25
         if make_wrong is not None:
             with Pool.attach(sim["pool"], node=3) as pool:
-                rec = pool.handoffs.open(Ticket.from_dict(params["tract_ticket"]))
+                rec = open_published(pool, Ticket.from_dict(params["tract_ticket"]))
                 make_wrong(pool, [int(s) for s in rec.slots])  # in prompt block order
         external = tokens_by_source(sim["decode"], "external_kv_transfer")
         local = tokens_by_source(sim["decode"], "local_compute")
@@ -130,7 +130,7 @@ def test_a_full_pool_means_vllm_computes(sim):
     def published(params) -> bool:
         with Pool.attach(sim["pool"], readonly=True, prefault=False, local=False) as p:
             try:
-                p.handoffs.open(Ticket.from_dict(params["tract_ticket"]))
+                open_published(p, Ticket.from_dict(params["tract_ticket"]))
                 return True
             except HandoffError:
                 return False

@@ -703,7 +703,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
         "follows", follows, np.full(4, 16, np.uint32), pages, subs,
         HandoffSpec(record, "follows", follows, 64, 30.0))]))
-    wait_for(lambda: wl.worker_side._reserving.done(), "the handoff step's reserve")
+    wait_for(lambda: wl.worker_side._records.done(), "the handoff step's reserve")
     stepped = threading.Event()
 
     def step() -> None:

@@ -176,6 +176,22 @@ def prefill_params(st: dict, prompt, **extra) -> dict:
     return params
 
 
+def open_published(pool: Pool, ticket, timeout: float = 30):
+    """POOL's record of TICKET once published (Handoffs.open), or the error that
+    says it never will be: a prefill's reply may leave while its record is
+    still reserved (its commit and publish run off its step), so a test that
+    reads the record right after the reply waits (bounded) for the publish."""
+    from tract_cli.core.errors import HandoffPending
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return pool.handoffs.open(ticket)
+        except HandoffPending:
+            assert time.monotonic() < deadline, \
+                f"handoff record {ticket.record} still reserved after {timeout:.0f} s"
+            time.sleep(0.002)   # waiting for another process's publish, bounded
+
+
 def pool_state(pool: str) -> dict:
     """`tract inspect --json` of POOL (a live region, read-only)."""
     out = subprocess.run([sys.executable, "-m", "tract_cli.cli", "inspect", pool, "--json"],

@@ -675,6 +675,8 @@ class SchedulerSide:
             try:
                 self.pool.handoffs.open(ticket)     # metadata only, no lock
                 kept.append(ticket)
+            except HandoffPending:
+                kept.append(ticket)                 # reserved, its publish still to come
             except HandoffError:
                 pass                                # released
             except TractError:

@@ -160,6 +160,9 @@ class WorkerSide:
         # forward) and its commit (after its copy, off the step unless it publishes
         # a handoff), so a step's claims always follow the previous step's commit
         self._reserving: Future | None = None
+        # the step's in-step handoffs' records reserved, queued right after its claim
+        # (the GPU path's first layer waits for the claim alone)
+        self._records: Future | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
         self._load_errors: set[int] = set()
         # loads run on one thread; what it finished waits here for get_finished
@@ -228,6 +231,8 @@ class WorkerSide:
         self._drop_pending_save("a step that never waited for its save")
         if saves:
             self._reserving = self._saver.submit(self._reserve, saves)
+            if any(s.handoff is not None for s in saves):
+                self._records = self._saver.submit(self._reserve_records, self._reserving)
 
     def _claimed(self) -> _SavePlan | None:
         """The step's save plan, waiting for its claim (bounded: the reserve, and
@@ -254,13 +259,22 @@ class WorkerSide:
         would stay so until it dies."""
         plan, self._plan = self._plan, None
         reserving, self._reserving = self._reserving, None
-        if plan is not None:
-            self._abandon(plan, why)
-        if reserving is not None:
-            def abandon_when_done(done: Future) -> None:
-                if not done.cancelled() and done.exception() is None and done.result():
-                    self._abandon(done.result(), why)
-            reserving.add_done_callback(abandon_when_done)
+        records, self._records = self._records, None
+        last = records or reserving           # the save thread's last job of the step
+        if last is None:
+            if plan is not None:
+                self._abandon(plan, why)
+            return
+
+        def abandon_when_done(done: Future) -> None:
+            # once the step's claim and its records' reservations are done (a
+            # reservation made after an abandon would be given back by nobody)
+            got = plan
+            if got is None and not reserving.cancelled() and reserving.exception() is None:
+                got = reserving.result()
+            if got is not None:
+                self._abandon(got, why)
+        last.add_done_callback(abandon_when_done)
 
     def _abandon(self, plan: _SavePlan, why: str) -> None:
         """The plan's claims given back off the step, retried until it succeeds,
@@ -377,17 +391,6 @@ class WorkerSide:
         plan = _SavePlan(keys, status, slots, tokens, pages, subs, mine, described,
                          pinned=bool(handoffs),
                          handoff_follows=any(s.handoff_follows for s in saves))
-        # each in-step handoff's record reserved now, before the forward ends: its
-        # ticket may leave with the step's output, before the commit that
-        # publishes it (a decode that opens it meanwhile waits)
-        for h in handoffs:
-            try:
-                self.pool.handoffs.reserve_record(h.record, h.request_id, ttl=h.ttl_s,
-                                                  timeout=self.settings.step_timeout_s)
-                plan.reserved.add(h.request_id)
-            except Exception as exc:   # a pool error, or any other: the claims stand
-                exc = getattr(exc, "problem", exc)
-                self._handoffs_lost([h], f"its record could not be reserved: {exc}")
         plan.reserve_s = time.perf_counter() - t0
         at = 0
         for sv in saves:
@@ -402,6 +405,27 @@ class WorkerSide:
             # here with nothing to write, so given back (its handoff is not published)
             self._abandon_claims(plan, orphans, "a handoff block no longer in the pool")
         return plan
+
+    def _reserve_records(self, reserving: Future) -> None:
+        """On the save thread, right after the step's claim (RESERVING, done by
+        then): each in-step handoff's record reserved for its request, before
+        the forward ends, so its ticket may leave with the step's output before
+        the commit that publishes it (a decode that opens it meanwhile waits).
+        A record that cannot be reserved (taken, a lock not granted): that
+        handoff is not published, and its pins go back after the commit."""
+        if reserving.cancelled() or reserving.exception() is not None:
+            return
+        plan = reserving.result()
+        if plan is None:
+            return
+        for spec, _ in plan.handoffs:
+            try:
+                self.pool.handoffs.reserve_record(spec.record, spec.request_id, ttl=spec.ttl_s,
+                                                  timeout=self.settings.step_timeout_s)
+                plan.reserved.add(spec.request_id)
+            except Exception as exc:   # a pool error, or any other: the claims stand
+                self._handoffs_lost([spec], "its record could not be reserved: "
+                                    f"{getattr(exc, 'problem', exc)}")
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """GPU path: queues one layer's claimed blocks from vLLM's pages into
@@ -443,6 +467,18 @@ class WorkerSide:
         self._settle_gpu_loads()
         plan = self._claimed()
         self._plan = None
+        records, self._records = self._records, None
+        if records is not None:
+            # the reservations, queued after the claim (done during the forward
+            # unless a lock was slow): made before the step's output, and its
+            # ticket, leave
+            t0 = time.perf_counter()
+            try:
+                records.result()
+            except Exception as exc:   # never into the engine (it logs its own errors)
+                log.warning("TraCT: reserving the step's handoff records failed: %s", exc)
+            if plan is not None:
+                plan.reserve_s += time.perf_counter() - t0
         failed, self._sync_failed = self._sync_failed, set()
         if plan is None:
             return
