@@ -16,7 +16,10 @@ recovery and handoff expiry given a bounded time):
 
 - exactly one lock manager runs;
 - `tract check` finds no violation;
-- no pin, no PENDING claim and no handoff record is left;
+- no pin, no PENDING claim and no handoff record is left (reservations
+  included: a quarter of the prefill rounds reserve their record and let
+  the ticket out before they commit and publish, as the vLLM connector's
+  P/D prefill does, so a killed one leaves a reservation for its agent);
 - no slot leaked: every slot taken from the region is either READY data or
   on its node's free list;
 - every block a decode worker read (handoffs and lookups) matched what was

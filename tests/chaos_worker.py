@@ -5,9 +5,13 @@ killed worker did before it died is still counted.
 
 prefill: puts a chain pinned (copying put, or zero-copy reserve/commit on
 alternate rounds), publishes its handoff (short TTL), unpins, appends the
-ticket to its ticket file.
+ticket to its ticket file.  Every fourth round is the vLLM connector's P/D
+prefill: it reserves a record first and appends the ticket at once, then
+claims, writes and commits the chain pinned and publishes the reserved
+record with those pins (a decoder may open it before: it waits).
 decode: takes the tickets of the prefill workers assigned to it, opens each
-handoff, copies the blocks with checksum verification, compares every byte
+handoff (waiting, bounded, while it is reserved), copies the blocks with
+checksum verification, compares every byte
 with what the key says, acknowledges; between tickets, looks a random chain
 up and verifies what it finds. A handoff that expired (its decoder was
 killed) is skipped: the agent reclaims it.
@@ -27,8 +31,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from index_check import payload_for  # noqa: E402
 from procs_child import _chain_keys  # noqa: E402
-from tract_cli.core.errors import TractError  # noqa: E402
-from tract_cli.core.handoff import Ticket  # noqa: E402
+from tract_cli.core.errors import HandoffPending, TractError  # noqa: E402
+from tract_cli.core.handoff import Ticket, request_key  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
 from tract_cli.core.errors import ChecksumMismatch, PoolFull  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
@@ -62,6 +66,10 @@ def prefill(pool: Pool, rng, tickets_path: str, chains: int) -> None:
             c = int(rng.integers(chains))
             keys = _chain_keys(pool, *chain_of(c))
             kv = blocks_for(pool, keys)
+            if n % 4 == 3:
+                reserved_round(pool, tickets, c, keys, kv, f"p{os.getpid()}-{n}")
+                n += 1
+                continue
             try:
                 if n % 2:
                     status, slots = pool.index.reserve(keys, pin=True)
@@ -94,6 +102,41 @@ def prefill(pool: Pool, rng, tickets_path: str, chains: int) -> None:
             tickets.flush()
             emit(ev="published", blocks=len(keys))
             n += 1
+
+
+def reserved_round(pool: Pool, tickets, c: int, keys, kv, rid: str) -> None:
+    """The vLLM connector's P/D prefill: the record reserved and the ticket out
+    before the blocks are committed; the reserved record published after."""
+    bt = pool.info.geometry.block_tokens
+    rec = pool.handoffs.peek_free()
+    try:
+        if rec is None:
+            raise TractError("no record looks free", "")
+        pool.handoffs.reserve_record(rec, rid, ttl=TTL_S)
+    except TractError as exc:
+        emit(ev="reserve_failed", why=exc.problem)
+        return
+    t = Ticket(rec, request_key(rid).hex(), len(keys), len(keys) * bt)
+    tickets.write(json.dumps({"chain": c, **t.to_dict()}) + "\n")
+    tickets.flush()
+    try:
+        status, slots = pool.index.reserve(keys, pin=True)
+    except PoolFull:
+        emit(ev="pool_full")
+        pool.handoffs.unreserve(rec, rid)
+        return
+    for i in np.flatnonzero(status == PUT_CLAIMED):
+        pool.slot_bytes(int(slots[i]))[:] = kv[i]
+    put = pool.index.commit(keys, status, slots, pin=True)
+    held = put.pinned(keys)
+    try:
+        pool.handoffs.publish_pinned(rec, rid, keys, len(keys) * bt, ttl=TTL_S, reserved=True)
+    except TractError as exc:
+        emit(ev="publish_failed", why=exc.problem)
+        pool.index.unpin(held)
+        pool.handoffs.unreserve(rec, rid)
+        return
+    emit(ev="published", blocks=len(keys), reserved=True)
 
 
 def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) -> None:
@@ -129,11 +172,21 @@ def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) 
 def take(pool: Pool, ticket: dict) -> None:
     chain = ticket.pop("chain")
     t = Ticket.from_dict(ticket)
-    try:
-        rec = pool.handoffs.open(t)
-    except TractError:
-        emit(ev="expired")          # its TTL passed before this decoder got to it
-        return
+    deadline = time.monotonic() + 2 * TTL_S
+    while True:
+        try:
+            rec = pool.handoffs.open(t)
+            break
+        except HandoffPending:
+            # reserved, its publish to come (or its prefill killed: its agent
+            # frees the reservation, or it expires)
+            if stopping or time.monotonic() > deadline:
+                emit(ev="expired")
+                return
+            time.sleep(0.002)       # another process's publish, bounded
+        except TractError:
+            emit(ev="expired")      # its TTL passed before this decoder got to it
+            return
     keys = _chain_keys(pool, *chain_of(chain))
     out = np.empty((len(rec.slots), pool.info.block_bytes), np.uint8)
     try:
