@@ -86,8 +86,9 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
         render.stdout.print(kv_path_line(kind, fig))
     publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
     if publishes:
-        render.stdout.print(f"TraCT handoff publish (in the prefill's step; in its scheduler "
-                            f"loop where two handoffs of a step share a block): "
+        render.stdout.print(f"TraCT handoff publish (after the prefill's commit, off its step; "
+                            f"in its scheduler loop where one could not be planned in the "
+                            f"step): "
                             f"{len(publishes)} handoffs, mean "
                             f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
                             f"{format_duration(max(publishes) / 1e3)}")
