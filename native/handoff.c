@@ -102,9 +102,10 @@ static int reserved_by_me(const tract_region *r, const struct tract_transfer_rec
 	       t->owner_node == r->node_id + 1 && t->owner_pid == (uint32_t)getpid();
 }
 
-/* whether a reservation's owner is known dead: a process of this node whose
- * pid is gone (another node's dead processes are its agent's to find, and a
- * dead host's the manager's; until then the reservation's expiry bounds it) */
+/* whether a reservation's owner is known dead, to this node's agent: a
+ * process of this node whose pid is gone (the node's processes share a pid
+ * namespace, as its journal recovery assumes; another node's dead processes
+ * are its agent's to find, a dead host's the manager's) */
 static int owner_known_dead(const tract_region *r, const struct tract_transfer_record *t)
 {
 	return t->owner_node == r->node_id + 1 && t->owner_pid != (uint32_t)getpid() &&
@@ -450,9 +451,15 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 	struct tract_transfer_record t;
 	int got = observe_published(r, rec, request_id, &t);
 	if (got == TRACT_E_NOT_FOUND && t.state == REC_RESERVED &&
-	    !memcmp(t.request_id, request_id, 16) && t.expiry_ns > tract_now_ns() &&
-	    !owner_known_dead(r, &t))
-		return TRACT_E_PENDING;     /* its owner is committing its blocks */
+	    !memcmp(t.request_id, request_id, 16) && t.expiry_ns > tract_now_ns()) {
+		/* its owner is committing its blocks: the counts it reserved for,
+		 * for the caller to hold against its ticket (a dead owner's is
+		 * freed by its node's agent, or expires; no pid is judged here,
+		 * whatever namespace this process and the owner are in) */
+		*block_count = t.block_count;
+		*token_count = t.token_count;
+		return TRACT_E_PENDING;
+	}
 	if (got)
 		return got;
 	if (!record_sane(r, &t))
@@ -488,10 +495,12 @@ int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 }
 
 /* Reserves record rec for request_id (FREE under the transfer lock) until
- * ttl_ns from now: a publish whose blocks are still being committed lets its
- * ticket go out before it, and the decode side told PENDING waits for it. */
+ * ttl_ns from now, for a handoff of block_count blocks and token_count
+ * tokens: a publish whose blocks are still being committed lets its ticket
+ * go out before it, and the decode side told PENDING waits for it. */
 int tract_handoff_reserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
-			  uint64_t ttl_ns, uint64_t timeout_ns)
+			  uint32_t block_count, uint64_t token_count, uint64_t ttl_ns,
+			  uint64_t timeout_ns)
 {
 	if (!r || !request_id)
 		return TRACT_E_INVAL;
@@ -509,6 +518,8 @@ int tract_handoff_reserve(tract_region *r, uint32_t rec, const uint8_t *request_
 		t.state = REC_RESERVED;
 		t.owner_node = r->node_id + 1;
 		t.owner_pid = (uint32_t)getpid();
+		t.block_count = block_count;      /* what the publish will hold: */
+		t.token_count = token_count;      /* a decode checks its ticket */
 		memcpy(t.request_id, request_id, 16);
 		t.created_ns = tract_now_ns();
 		t.expiry_ns = t.created_ns + ttl_ns;

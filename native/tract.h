@@ -814,11 +814,13 @@ int tract_handoff_publish_pinned(tract_region *r, uint32_t want, const uint8_t *
 				 uint64_t ttl_ns, int reserved, uint64_t timeout_ns);
 
 /* Reserves FREE record rec for request_id until ttl_ns from now, under the
- * transfer lock: a decode side that opens it meanwhile is told
+ * transfer lock, for a handoff of block_count blocks and token_count tokens
+ * (a decode side holds them against its ticket): a decode side that opens it meanwhile is told
  * TRACT_E_PENDING (its owner publishes it, tract_handoff_publish_pinned with
  * reserved, or gives it back).  TRACT_E_TABLE_FULL if rec is taken. */
 int tract_handoff_reserve(tract_region *r, uint32_t rec, const uint8_t *request_id,
-			  uint64_t ttl_ns, uint64_t timeout_ns);
+			  uint32_t block_count, uint64_t token_count, uint64_t ttl_ns,
+			  uint64_t timeout_ns);
 
 /* Gives back record rec's reservation for request_id (its owner's, that
  * publishes nothing; or a decode side's that stopped waiting for it):
@@ -833,8 +835,8 @@ int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *ski
 			    uint32_t *rec);
 
 /* Reads a published record: block keys, slots, checksums, token counts, tail
- * slot + 1.  TRACT_E_PENDING while rec is reserved for request_id, unexpired,
- * by an owner not known dead (on this node: its pid gone). */
+ * slot + 1.  TRACT_E_PENDING while rec is reserved for request_id, unexpired
+ * (*block_count and *token_count: what it was reserved for). */
 int tract_handoff_open(tract_region *r, uint32_t rec, const uint8_t *request_id,
 		       uint8_t *keys, uint32_t *slots, uint32_t *checksums, uint32_t *tokens,
 		       uint32_t cap, uint32_t *block_count, uint64_t *token_count,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from index_check import payload_for  # noqa: E402
 from procs_child import _chain_keys  # noqa: E402
 from tract_cli.core.errors import HandoffPending, TractError  # noqa: E402
-from tract_cli.core.handoff import Ticket, request_key  # noqa: E402
+from tract_cli.core.handoff import Ticket  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
 from tract_cli.core.errors import ChecksumMismatch, PoolFull  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
@@ -112,11 +112,10 @@ def reserved_round(pool: Pool, tickets, c: int, keys, kv, rid: str) -> None:
     try:
         if rec is None:
             raise TractError("no record looks free", "")
-        pool.handoffs.reserve_record(rec, rid, ttl=TTL_S)
+        t = pool.handoffs.reserve_record(rec, rid, len(keys), len(keys) * bt, ttl=TTL_S)
     except TractError as exc:
         emit(ev="reserve_failed", why=exc.problem)
         return
-    t = Ticket(rec, request_key(rid).hex(), len(keys), len(keys) * bt)
     tickets.write(json.dumps({"chain": c, **t.to_dict()}) + "\n")
     tickets.flush()
     try:
@@ -129,6 +128,13 @@ def reserved_round(pool: Pool, tickets, c: int, keys, kv, rid: str) -> None:
         pool.slot_bytes(int(slots[i]))[:] = kv[i]
     put = pool.index.commit(keys, status, slots, pin=True)
     held = put.pinned(keys)
+    if len(held) != len(keys):
+        # a block another writer held PENDING (no pin of ours on it): the record
+        # would name a pin this process never took
+        emit(ev="publish_failed", why="a block is another writer's")
+        pool.index.unpin(held)
+        pool.handoffs.unreserve(rec, rid)
+        return
     try:
         pool.handoffs.publish_pinned(rec, rid, keys, len(keys) * bt, ttl=TTL_S, reserved=True)
     except TractError as exc:

@@ -304,11 +304,12 @@ def handoff_publish(pool, chain: list, request: str, ttl: float = 30.0) -> dict:
     return t.to_dict()
 
 
-def handoff_reserve(pool, request: str, ttl: float = 30.0) -> int:
+def handoff_reserve(pool, request: str, blocks: int = 9, tokens: int = 144,
+                    ttl: float = 30.0) -> int:
     """Reserves a record that looks free for REQUEST (what the vLLM connector's
     worker does in a P/D prefill's last step, before its commit); returns it."""
     rec = pool.handoffs.peek_free()
-    pool.handoffs.reserve_record(rec, request, ttl=ttl)
+    pool.handoffs.reserve_record(rec, request, blocks, tokens, ttl=ttl)
     return rec
 
 

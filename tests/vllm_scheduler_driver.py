@@ -397,7 +397,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     wk = prompt_keys(pool.info, tag, 16, waited)
     wkeys = np.vstack([wk.keys, wk.tail_key])
     rec = pool.handoffs.peek_free()
-    pool.handoffs.reserve_record(rec, "waited")
+    pool.handoffs.reserve_record(rec, "waited", 3, 40)
     prefill_req = request("waited", waited, 1, {"do_remote_decode": True})
     tparams = conn.scheduler_side._ticket_params(
         prefill_req, _Ticket(rec, _request_key("waited").hex(), 3, 40))
@@ -410,7 +410,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     conn.request_finished(r4c, [])                          # opened, never loaded: released
     gave_up = scheduler(ckpt, pool_path, num_blocks=64, extra={"handoff_wait_s": 0.2}).connector
     rec = pool.handoffs.peek_free()
-    pool.handoffs.reserve_record(rec, "never")
+    pool.handoffs.reserve_record(rec, "never", 3, 40)
     r4d = request("never-decode", list(range(7700, 7740)), params=gave_up.scheduler_side
                   ._ticket_params(request("never", list(range(7700, 7740))),
                                   _Ticket(rec, _request_key("never").hex(), 3, 40)))

@@ -35,9 +35,10 @@ user's guide; the lifecycle in short:
   claims the step's new full blocks (keys already in the pool are skipped);
   after it, one C call copies every layer of them from vLLM's pages into the
   claimed slots, checksumming as it copies, and one commit publishes them
-  READY, on the worker's save thread, off the step (a P/D prefill's last step
-  waits for it: its handoff follows).  A full pool skips the save (vLLM
-  computes as ever; nothing is an error to the user).
+  READY, on the worker's save thread, off the step (a P/D prefill's last
+  step too: its handoff's record is reserved in the step, published after
+  the commit).  A full pool skips the save (vLLM computes as ever; nothing
+  is an error to the user).
 - **Handoff** (scheduler, `request_finished` of a `do_remote_decode`
   request): the prompt's blocks, and its partial tail block (stored under a
   key of its own), are pinned under a handoff record; the returned

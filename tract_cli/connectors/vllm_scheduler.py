@@ -358,6 +358,9 @@ class SchedulerSide:
             try:
                 rec = self.pool.handoffs.open(ticket)
             except HandoffPending:
+                if ticket.tokens != st.prompt_len:
+                    raise HandoffError("the handoff is of another prompt",
+                                       "send the decode request with the prefill's prompt")
                 self._wait_published(request, st, ticket)
                 return
             st.pending = None
@@ -714,10 +717,13 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         orphaned, self._orphaned = self._orphaned, []
-        for ticket in orphaned:           # no step runs any more: the records are final
-            self._release_handoff(ticket)
+        for ticket in orphaned:    # perhaps still reserved: the save thread publishes after
+            self._release_handoff(ticket, reserved=True)
         for st in list(self._reqs.values()):
             self._forget_lookup(st)
+            if st.pending is not None:              # a decode waiting for a publish
+                self._release_handoff(st.pending, reserved=True)
+                st.pending = None
         self._lookups.shutdown(wait=True, cancel_futures=True)
         if self._events is not None:
             self._events.close()

@@ -270,7 +270,8 @@ class WorkerSide:
             # once the step's claim and its records' reservations are done (a
             # reservation made after an abandon would be given back by nobody)
             got = plan
-            if got is None and not reserving.cancelled() and reserving.exception() is None:
+            if got is None and reserving is not None and not reserving.cancelled() \
+                    and reserving.exception() is None:
                 got = reserving.result()
             if got is not None:
                 self._abandon(got, why)
@@ -418,9 +419,15 @@ class WorkerSide:
         plan = reserving.result()
         if plan is None:
             return
-        for spec, _ in plan.handoffs:
+        for spec, idx in plan.handoffs:
+            if not np.isin(plan.status[idx], (PUT_CLAIMED, PUT_WAS_READY)).all():
+                # a block of it is another writer's, or no longer in the pool (given
+                # back by the claim): never published, so its decode is told at once
+                self._handoffs_lost([spec], "a block of it is not this step's to save")
+                continue
             try:
-                self.pool.handoffs.reserve_record(spec.record, spec.request_id, ttl=spec.ttl_s,
+                self.pool.handoffs.reserve_record(spec.record, spec.request_id, len(spec.keys),
+                                                  spec.token_count, ttl=spec.ttl_s,
                                                   timeout=self.settings.step_timeout_s)
                 plan.reserved.add(spec.request_id)
             except Exception as exc:   # a pool error, or any other: the claims stand

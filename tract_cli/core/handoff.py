@@ -235,18 +235,22 @@ class Handoffs:
         raise_for(rc, f"{self._pool.path} handoff publish")
         return Ticket(int(record), rid.hex(), len(keys), token_count)
 
-    def reserve_record(self, record: int, request_id: str | bytes, ttl: float = 30.0,
-                       timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        """Reserves RECORD (`peek_free`'s choice) for the request until TTL from
-        now: its ticket may go out before the publish (`publish_pinned` with
-        reserved), and a decode side that opens it meanwhile gets HandoffPending.
+    def reserve_record(self, record: int, request_id: str | bytes, blocks: int,
+                       token_count: int, ttl: float = 30.0,
+                       timeout: float = DEFAULT_TIMEOUT_S) -> Ticket:
+        """Reserves RECORD (`peek_free`'s choice) for the request's handoff of
+        BLOCKS blocks and TOKEN_COUNT tokens until TTL from now; returns its
+        ticket, which may go out before the publish (`publish_pinned` with
+        reserved): a decode side that opens it meanwhile gets HandoffPending.
         TransferTableFull if RECORD is taken by now."""
-        rc = lib.tract_handoff_reserve(self._pool._r(), int(record), request_key(request_id),
-                                       int(ttl * 1e9), int(timeout * 1e9))
+        rid = request_key(request_id)
+        rc = lib.tract_handoff_reserve(self._pool._r(), int(record), rid, int(blocks),
+                                       int(token_count), int(ttl * 1e9), int(timeout * 1e9))
         if rc == lib.TRACT_E_TABLE_FULL:
             raise TransferTableFull(f"handoff record {record} is taken",
                                     "choose another with peek_free")
         raise_for(rc, f"{self._pool.path} handoff reserve")
+        return Ticket(int(record), rid.hex(), int(blocks), int(token_count))
 
     def unreserve(self, record: int, request_id: str | bytes,
                   timeout: float = DEFAULT_TIMEOUT_S) -> bool:
@@ -279,6 +283,10 @@ class Handoffs:
         rc = lib.tract_handoff_open(self._pool._r(), ticket.record, bytes.fromhex(ticket.request_id),
                                     ffi.from_buffer(keys), u32(slots), u32(sums), u32(toks), n,
                                     bc, tc, ts, tt)
+        if rc == lib.TRACT_E_PENDING and (bc[0], tc[0]) != (ticket.blocks, ticket.tokens):
+            raise HandoffError(f"handoff record {ticket.record} is reserved for {bc[0]} blocks "
+                               f"and {tc[0]} tokens, the ticket names {ticket.blocks} and "
+                               f"{ticket.tokens}", "pass the ticket the prefill worker returned")
         if rc == lib.TRACT_E_PENDING:
             raise HandoffPending(f"handoff record {ticket.record} for request "
                                  f"{ticket.request_id} is reserved, not yet published",
