@@ -216,6 +216,10 @@ def test_a_decode_waits_for_a_reserved_handoff_and_gives_up_past_handoff_wait_s(
     # published, the whole prompt is loaded (asynchronously, as this driver's
     # scheduler loads)
     assert seen["reserved_ticket_answers"] == [[None, False]] * 3 + [[40, True]]
+    # a ticket of another prompt (as many blocks, one token more) is refused at
+    # once while its record is reserved, never waited for
+    answer, refused = seen["reserved_other_prompt"]
+    assert answer != [None, False] and refused       # (its blocks may hit as a prefix)
     # never published: "not yet" at first, computed past handoff_wait_s (0.2 s),
     # and the reservation given back (a publish after it would be refused)
     assert seen["reserved_never"] == [[None, False], True, [0, False]]

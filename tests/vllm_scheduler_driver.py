@@ -403,6 +403,13 @@ def main(ckpt: str, pool_path: str) -> dict:
         prefill_req, _Ticket(rec, _request_key("waited").hex(), 3, 40))
     r4c = request("waited-decode", waited, params=tparams)
     asked = [conn.get_num_new_matched_tokens(r4c, 0) for _ in range(3)]
+    # ... a decode of another prompt (one token more, as many blocks) with that
+    # ticket: refused at once, not waited for
+    r4e = request("other-prompt-decode", waited + [7], params=tparams)
+    obs["reserved_other_prompt"] = [list(conn.get_num_new_matched_tokens(r4e, 0)),
+                                    conn.scheduler_side._reqs["other-prompt-decode"]
+                                    .handoff_failed]
+    conn.request_finished(r4e, [])
     pool.index.lookup(wkeys)                               # the prefill's pins, journaled
     pool.handoffs.publish_pinned(rec, "waited", wkeys, 40, reserved=True)
     asked.append(conn.get_num_new_matched_tokens(r4c, 0))
@@ -680,9 +687,10 @@ def main(ckpt: str, pool_path: str) -> dict:
 
     # ... the commit runs off the step: with every lock held, wait_for_save returns
     # with the step's blocks still PENDING (their commit waits on the worker's save
-    # thread), and they are READY once the locks are free; a step after which its
-    # request's handoff follows (a P/D prefill's last) waits for its commit and
-    # the publish instead, so the ticket its reply carries names a published record
+    # thread), and they are READY once the locks are free; so does a P/D prefill's
+    # last step, its handoff's record reserved with its claim (a decode that opens
+    # it first is told to wait); only a step after which the scheduler publishes a
+    # handoff itself (handoff_follows) waits for its commit
     import threading
 
     from tract_cli.core.errors import HandoffError

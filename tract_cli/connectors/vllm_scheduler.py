@@ -724,6 +724,9 @@ class SchedulerSide:
             if st.pending is not None:              # a decode waiting for a publish
                 self._release_handoff(st.pending, reserved=True)
                 st.pending = None
+            if st.ticket is not None:               # opened, never loaded
+                self._release_handoff(st.ticket)
+                st.received = st.ticket = None
         self._lookups.shutdown(wait=True, cancel_futures=True)
         if self._events is not None:
             self._events.close()

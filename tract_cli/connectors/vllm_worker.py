@@ -419,10 +419,12 @@ class WorkerSide:
         plan = reserving.result()
         if plan is None:
             return
+        kept = []
         for spec, idx in plan.handoffs:
             if not np.isin(plan.status[idx], (PUT_CLAIMED, PUT_WAS_READY)).all():
                 # a block of it is another writer's, or no longer in the pool (given
                 # back by the claim): never published, so its decode is told at once
+                # (its pins go back with the others no record takes, after the commit)
                 self._handoffs_lost([spec], "a block of it is not this step's to save")
                 continue
             try:
@@ -430,9 +432,12 @@ class WorkerSide:
                                                   spec.token_count, ttl=spec.ttl_s,
                                                   timeout=self.settings.step_timeout_s)
                 plan.reserved.add(spec.request_id)
+                kept.append((spec, idx))
             except Exception as exc:   # a pool error, or any other: the claims stand
                 self._handoffs_lost([spec], "its record could not be reserved: "
                                     f"{getattr(exc, 'problem', exc)}")
+        # only the reserved are published (read by the engine's thread once this job is done)
+        plan.handoffs = kept
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """GPU path: queues one layer's claimed blocks from vLLM's pages into
