@@ -22,6 +22,9 @@ def test_settings_defaults_follow_the_role():
     assert ConnectorSettings.parse({"pool": "p", "node": 0}, "kv_consumer").save is False
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "save": True}, "kv_consumer").save
     assert s.load_mode == "sync"
+    assert s.handoff_publish == "after_step"
+    assert ConnectorSettings.parse({"pool": "p", "node": 0, "handoff_publish": "in_step"},
+                                   "kv_both").handoff_publish == "in_step"
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "load_mode": "async"},
                                    "kv_both").load_mode == "async"
 
@@ -42,6 +45,8 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "model_id": 7}, "kv_both", "model_id must be a non-empty"),
     ({"pool": "p", "node": 1, "weights_digest": "some"}, "kv_both", "weights_digest 'some'"),
     ({"pool": "p", "node": 1, "load_mode": "lazy"}, "kv_both", "load_mode 'lazy' is unknown"),
+    ({"pool": "p", "node": 1, "handoff_publish": "later"}, "kv_both",
+     "handoff_publish 'later' is unknown"),
     ({"pool": "p", "node": 1, "kv_events": 1}, "kv_both", "kv_events must be true or false"),
     ({"pool": "p", "node": 1, "kv_events_medium": ""}, "kv_both", "kv_events_medium must be"),
     ({"pool": "p", "node": 1, "kv_events_ownership": 3}, "kv_both", "kv_events_ownership must"),

@@ -172,6 +172,12 @@ def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
     # ... one whose handoff the scheduler publishes in request_finished waits
     assert seen["late_handoff_step_waits"]
     assert seen["late_handoff_step_after"] == [True, 4]
+    # ... and with handoff_publish in_step a P/D prefill's last step waits for its
+    # commit and publish, reserving nothing: its record is published on return
+    assert not seen["in_step_reserves"]
+    assert seen["in_step_handoff_waits"]
+    assert seen["in_step_handoff_held"] == "not published"
+    assert seen["in_step_handoff_after"] == [True, "published"]
     # a commit that raised (not a pool error): the step went on, nothing saved,
     # no claim left PENDING
     assert seen["failed_commit"] == [[True], 0, 0]

@@ -756,6 +756,33 @@ def main(ckpt: str, pool_path: str) -> dict:
         obs["late_handoff_step_waits"] = not stepped.wait(1.0)
     stepping.join(60)
     obs["late_handoff_step_after"] = [stepped.is_set(), pool.index.peek(late)]
+    # ... and so does a P/D prefill's last step with handoff_publish in_step: its
+    # handoff is published, into a record not reserved, before the step returns
+    wi, _ = worker(ckpt, pool_path, 16, extra={"step_timeout_s": 30,
+                                               "handoff_publish": "in_step"})
+    inside = prompt_keys(pool.info, tag, 16, list(range(9350, 9350 + 64))).keys
+    record = pool.handoffs.peek_free()
+    wi.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+        "inside", inside, np.full(4, 16, np.uint32), pages, subs,
+        HandoffSpec(record, "inside", inside, 64, 30.0), handoff_follows=True)]))
+    wait_for(lambda: wi.worker_side._reserving.done(), "the in-step handoff's reserve")
+    obs["in_step_reserves"] = wi.worker_side._records is not None
+    stepped = threading.Event()
+
+    def step_inside() -> None:
+        wi.wait_for_save()
+        stepped.set()
+
+    ticket = Ticket(record, request_key("inside").hex(), 4, 64)
+    with every_lock_held(pool):
+        stepping = threading.Thread(target=step_inside)
+        stepping.start()
+        obs["in_step_handoff_waits"] = not stepped.wait(1.0)
+        obs["in_step_handoff_held"] = opened()          # nothing reserved meanwhile
+    stepping.join(60)
+    obs["in_step_handoff_after"] = [stepped.is_set(), opened()]
+    if obs["in_step_handoff_after"][1] == "published":
+        pool.handoffs.ack(ticket)
     # ... a commit that fails with anything, not only a pool error: the step
     # is not troubled, and the claims are given back off it
     broken = prompt_keys(pool.info, tag, 16, list(range(9400, 9400 + 64))).keys

@@ -95,6 +95,12 @@ def bench(
     load_mode: str = typer.Option("sync", "--load-mode", help="With --engine vllm: the TraCT "
                                   "connector's load_mode, sync (hits copied in the step that "
                                   "computes the rest) or async (on its loader thread)."),
+    handoff_publish: str = typer.Option("after_step", "--handoff-publish",
+                                        help="With --engine vllm: the TraCT connector's "
+                                             "handoff_publish, after_step (a P/D prefill's "
+                                             "record reserved in its last step, published "
+                                             "after the commit) or in_step (published in "
+                                             "that step, which waits for it)."),
     vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
@@ -131,7 +137,7 @@ def bench(
                                 input_len, output_len, requests, prefix_ratio,
                                 num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
                                 vllm_configs or list(vllm_workloads.DEFAULT), json_file, plot,
-                                load_mode, install_peers, vllm_prefix_caching)
+                                load_mode, install_peers, vllm_prefix_caching, handoff_publish)
             return
         if qps_sweep:
             raise UsageError("--qps is for a synthetic workload or a trace with --engine vllm "
@@ -139,7 +145,7 @@ def bench(
                              "add --workload synthetic-a, or drop --qps")
         bench_vllm.static(model, input_len, requests, 3 if output_len is None else output_len,
                           vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
-                          plot, load_mode, install_peers, vllm_prefix_caching)
+                          plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish)
         return
     if len(qps_sweep) > 1:
         raise UsageError("a --qps sweep runs on real vLLM (--engine vllm)",

@@ -31,14 +31,25 @@ def check_plot_dependency():
         raise UsageError("--plot needs matplotlib", 'pip install "tract-cxl[plot]"') from None
 
 
-def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
-                load_mode, install_peers=False, vllm_prefix_caching=False) -> None:
-    """`--engine vllm`: the static workload through real vLLM configurations."""
+def _check_tract_modes(load_mode: str, handoff_publish: str) -> None:
+    """--load-mode and --handoff-publish, checked before anything starts."""
+    from tract_cli.connectors.settings import HANDOFF_PUBLISH
     from tract_cli.core.kvpages import LOAD_MODES
-    from tract_cli.serve.vllm_engine import check_model_dir
     if load_mode not in LOAD_MODES:
         raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
                          "pass --load-mode sync or --load-mode async")
+    if handoff_publish not in HANDOFF_PUBLISH:
+        raise UsageError(f"--handoff-publish {handoff_publish!r} is not one of "
+                         f"{', '.join(HANDOFF_PUBLISH)}",
+                         "pass --handoff-publish after_step or --handoff-publish in_step")
+
+
+def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
+                load_mode, install_peers=False, vllm_prefix_caching=False,
+                handoff_publish="after_step") -> None:
+    """`--engine vllm`: the static workload through real vLLM configurations."""
+    from tract_cli.serve.vllm_engine import check_model_dir
+    _check_tract_modes(load_mode, handoff_publish)
     check_model_dir(model)
     if plot:
         check_plot_dependency()
@@ -52,12 +63,14 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                              f"use {', '.join(vllm_runs.CONFIGS)}")
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
-                         load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching)
+                         load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,
+                         handoff_publish=handoff_publish)
     _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
-                        f"{load_mode}; vLLM's own prefix cache "
+                        f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
+                        f"vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'})")
     for col in ("input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
                 "decode", "from KV path", "verified"):
@@ -86,9 +99,10 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
         render.stdout.print(kv_path_line(kind, fig))
     publishes = [r["ms"] for r in (res["kv"] or {}).get("publishes", [])]
     if publishes:
-        render.stdout.print(f"TraCT handoff publish (after the prefill's commit, off its step; "
-                            f"in its scheduler loop where one could not be planned in the "
-                            f"step): "
+        where = ("after the prefill's commit, off its step" if handoff_publish == "after_step"
+                 else "in the prefill's step")
+        render.stdout.print(f"TraCT handoff publish ({where}; in its scheduler loop where one "
+                            f"could not be planned in the step): "
                             f"{len(publishes)} handoffs, mean "
                             f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
                             f"{format_duration(max(publishes) / 1e3)}")
@@ -192,14 +206,12 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
 
 def workload(model, name, trace, limit, speedup, max_input_len, input_len, output_len, requests,
              prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, configs,
-             json_file, plot, load_mode, install_peers, vllm_prefix_caching) -> None:
+             json_file, plot, load_mode, install_peers, vllm_prefix_caching,
+             handoff_publish="after_step") -> None:
     """`--engine vllm` with a synthetic workload or a trace: each system under load,
     at each rate of the sweep."""
-    from tract_cli.core.kvpages import LOAD_MODES
     from tract_cli.serve.vllm_engine import check_model_dir, model_config
-    if load_mode not in LOAD_MODES:
-        raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",
-                         "pass --load-mode sync or --load-mode async")
+    _check_tract_modes(load_mode, handoff_publish)
     if input_len:
         raise UsageError("--input-len is for the static experiment",
                          "use --isl-mean for a synthetic workload; a trace has its own lengths")
@@ -220,12 +232,14 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
         cfg["max_position_embeddings"])
     _install(configs, install_peers)
     res = vllm_workloads.run(model, points, configs, render.stderr.file, load_mode=load_mode,
-                             vllm_prefix_caching=vllm_prefix_caching)
+                             vllm_prefix_caching=vllm_prefix_caching,
+                             handoff_publish=handoff_publish)
     res["workload"] = described
     _check_some_ran(res)
     table = Table(title=f"vLLM under load on {model} (CPU): {described}; vLLM's own prefix "
                         f"cache {'on' if vllm_prefix_caching else 'off'}; TraCT region flush "
-                        f"mode {res['flush_mode'] or 'n/a'}, loads {load_mode}",
+                        f"mode {res['flush_mode'] or 'n/a'}, loads {load_mode}, handoffs "
+                        f"published {handoff_publish.replace('_', ' ')}",
                   title_justify="left")
     for col in ("QPS", "config", "req/s", "out tok/s", "TTFT mean", "p50", "p99", "hit rate",
                 "queue", "compute", "KV read", "KV write", "decode leg", "verified"):

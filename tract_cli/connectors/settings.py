@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from tract_cli.core.errors import UsageError
 from tract_cli.core.cpu import FLUSH_MODES
 from tract_cli.core.kvpages import LOAD_MODES
+
+HANDOFF_PUBLISH = ("after_step", "in_step")
 from tract_cli.core.weights import WEIGHTS_DIGESTS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -39,6 +41,9 @@ class ConnectorSettings:
     model_id: str | None = None    # the operator's name for the weights, mixed into every key
     weights_digest: str = "sampled"  # how the weights enter the model's identity: sampled | full
     load_mode: str = "sync"        # copy hits in the step that computes the rest | on a thread
+    # a P/D prefill's handoff: its record reserved in the step, published after its
+    # commit, off the step | published in the step, which waits for the commit
+    handoff_publish: str = "after_step"
     # KV events (vLLM's --kv-events-config): the region's blocks this instance can load
     kv_events: bool = True         # published with vLLM's own, when vLLM publishes KV events
     kv_events_medium: str = "CPU"  # their `medium`
@@ -100,7 +105,7 @@ class ConnectorSettings:
                                  "of at most 1024 characters", 'e.g. "model_id": "llama-3-8b@a1b2c3"')
             out["model_id"] = value
         for key, choices in (("weights_digest", WEIGHTS_DIGESTS), ("flush_mode", FLUSH_MODES),
-                             ("load_mode", LOAD_MODES)):
+                             ("load_mode", LOAD_MODES), ("handoff_publish", HANDOFF_PUBLISH)):
             if key in extra:
                 out[key] = _choice(extra, key, choices)
         return cls(**out)

@@ -474,10 +474,12 @@ class SchedulerSide:
                                         np.zeros(0, np.int64))
                 spec.handoff = handoff
             if spec is not None:
-                # published after the step (request_finished): the step waits for its
-                # commit; an in-step handoff's record is reserved in the step instead
-                spec.handoff_follows = (st.want_handoff and end >= st.prompt_len
-                                        and spec.handoff is None)
+                # published right after the step (request_finished), or in it
+                # (handoff_publish in_step): the step waits for its commit; an in-step
+                # handoff's record is otherwise reserved in the step, published after
+                spec.handoff_follows = (st.want_handoff and end >= st.prompt_len and
+                                        (spec.handoff is None or
+                                         self.settings.handoff_publish == "in_step"))
                 meta.saves.append(spec)
         return meta
 

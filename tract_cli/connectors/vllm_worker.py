@@ -112,9 +112,13 @@ class _SavePlan:
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
     # the request ids of the in-step handoffs whose records this plan reserved
     reserved: set = field(default_factory=set)
-    # a request's handoff is published right after this step, by the scheduler
-    # (SaveSpec.handoff_follows): the step waits for the commit
+    # a request's handoff is published right after this step, by the scheduler, or
+    # in it (SaveSpec.handoff_follows): the step waits for the commit, and its
+    # in-step handoffs are published into records not reserved
     handoff_follows: bool = False
+    # the step stopped waiting for that commit (past its bound): the save thread
+    # publishes none of its unreserved handoffs after that
+    step_gone: bool = False
     reserve_s: float = 0.0
     batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
     batch_rows: Any = None            # ... their rows (mine when the batch was made)
@@ -126,8 +130,9 @@ class _SavePlan:
     @property
     def commit_in_step(self) -> bool:
         """Whether the step waits for this plan's commit: a handoff is published
-        right after it, by the scheduler (an in-step handoff's record is
-        reserved instead, and published after the commit, off the step)."""
+        right after it, by the scheduler, or in it (handoff_publish in_step);
+        otherwise an in-step handoff's record is reserved, and published after
+        the commit, off the step."""
         return self.handoff_follows
 
 
@@ -231,7 +236,10 @@ class WorkerSide:
         self._drop_pending_save("a step that never waited for its save")
         if saves:
             self._reserving = self._saver.submit(self._reserve, saves)
-            if any(s.handoff is not None for s in saves):
+            # (a step that waits for its commit publishes its handoffs before its
+            # output leaves: nothing to reserve)
+            if any(s.handoff is not None for s in saves) and \
+                    not any(s.handoff_follows for s in saves):
                 self._records = self._saver.submit(self._reserve_records, self._reserving)
 
     def _claimed(self) -> _SavePlan | None:
@@ -539,9 +547,10 @@ class WorkerSide:
         try:
             job.result(timeout=bound)
         except FutureTimeout:
+            plan.step_gone = True
             log.warning("TraCT: the commit of a step with a handoff to follow not done within "
-                        "%.1f s; the step goes on (the handoff finds its blocks not READY, and "
-                        "its decode computes)", bound)
+                        "%.1f s; the step goes on, and its handoffs are not published (their "
+                        "decode computes)", bound)
 
     def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
         """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
@@ -616,8 +625,15 @@ class WorkerSide:
         kept = np.zeros(len(plan.keys), bool)
         try:
             for spec, idx in plan.handoffs:
-                if spec.request_id not in plan.reserved:
+                reserved = spec.request_id in plan.reserved
+                if not (reserved or plan.handoff_follows):
                     continue          # its record was not reserved (said then): not published
+                if plan.step_gone and not reserved:
+                    # the step stopped waiting (its bound passed): its reply may have
+                    # left, and a decode that found no record computed the prompt; a
+                    # record published now would only hold pins until it expired
+                    self._handoffs_lost([spec], "its step stopped waiting for the commit")
+                    continue
                 if not (complete and np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all()):
                     self._handoffs_lost([spec], "a block of it was not saved", plan)
                     continue
@@ -626,7 +642,7 @@ class WorkerSide:
                     self.pool.handoffs.publish_pinned(spec.record, spec.request_id, spec.keys,
                                                       spec.token_count, ttl=spec.ttl_s,
                                                       timeout=self.settings.step_timeout_s,
-                                                      reserved=True)
+                                                      reserved=reserved)
                     kept[idx] = True
                     plan.reserved.discard(spec.request_id)
                     log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),

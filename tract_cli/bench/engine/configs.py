@@ -104,11 +104,13 @@ def install(config: str, vllm_python: str, log) -> None:
 def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
           pool: str | None, load_mode: str = "sync", block_tokens: int = 128,
           cache_bytes: int = 1 << 30, mono_all_cpus: bool = False,
-          reference: bool = True, mono_env: dict | None = None) -> dict:
+          reference: bool = True, mono_env: dict | None = None,
+          handoff_publish: str = "after_step") -> dict:
     """The servers of CONFIG, started (not yet ready): {"mono": s} or
     {"prefill": s, "decode": s} (and {"cache": s} after them, where the
     configuration has a cache server of its own, started and ready first).  A
     server's `store` (ExampleConnector's directory) is the caller's to remove.
+    LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's settings of those names;
     BLOCK_TOKENS: vLLM's block size; CACHE_BYTES: what a cache server must hold;
     MONO_ALL_CPUS: one vLLM on every CPU the pairs share (under load, the floor
     with as many cores as a pair), else on vLLM's default binding; MONO_ENV its
@@ -144,7 +146,9 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         try:
             for role, node in (("prefill", 1), ("decode", 2)):
                 out[role] = VllmServer(model_dir, free_port(), pool=pool, node=node, args=args,
-                                       kv_cache_gib=gib, extra={"load_mode": load_mode},
+                                       kv_cache_gib=gib,
+                                       extra={"load_mode": load_mode,
+                                              "handoff_publish": handoff_publish},
                                        log_path=log(role),
                                        env={"TRACT_CONNECTOR_TIMINGS": "1"}
                                        | ({"TRACT_CONNECTOR_REFERENCE": "1"} if reference else {})

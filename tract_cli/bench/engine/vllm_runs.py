@@ -47,9 +47,10 @@ def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[
 
 def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
-        load_mode: str = "sync", vllm_prefix_caching: bool = False) -> dict:
+        load_mode: str = "sync", vllm_prefix_caching: bool = False,
+        handoff_publish: str = "after_step") -> dict:
     """Runs each configuration over the same prompts; returns records and summaries.
-    LOAD_MODE: the TraCT connector's (docs/VLLM.md, "Configuration")."""
+    LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's (docs/VLLM.md, "Configuration")."""
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
     for c in configs:
@@ -100,7 +101,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 nonlocal measured_from
                 measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
                                             load_mode, reqs, warm, output_len, cache_bytes,
-                                            records, texts)
+                                            records, texts, handoff_publish)
             why = failure_of(one_config)
             if why is not None:
                 failed[config] = why
@@ -126,6 +127,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
+            "handoff_publish": handoff_publish,
             "vllm_prefix_caching": vllm_prefix_caching}
 
 
@@ -163,13 +165,15 @@ def failure_of(run_config) -> str | None:
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
-                output_len, cache_bytes, records, texts) -> dict[str, int]:
+                output_len, cache_bytes, records, texts,
+                handoff_publish: str = "after_step") -> dict[str, int]:
     """Starts CONFIG's servers, runs the warm-up prompts WARM and then every
     request through them, stops them.  Returns each server log's size once the
     warm-up was answered: what the connector logged after it is the measured
     requests'."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
-                                   load_mode, VLLM_BLOCK, cache_bytes)
+                                   load_mode, VLLM_BLOCK, cache_bytes,
+                                   handoff_publish=handoff_publish)
     try:
         for s in servers.values():
             s.wait_ready()

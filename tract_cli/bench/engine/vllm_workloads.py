@@ -64,7 +64,7 @@ LOGPROBS = answer_check.TOP_LOGPROBS      # top candidates a token: answers are 
 
 def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list[str],
         log=sys.stderr, kv_cache_gib: float = 2, load_mode: str = "sync",
-        vllm_prefix_caching: bool = False) -> dict:
+        vllm_prefix_caching: bool = False, handoff_publish: str = "after_step") -> dict:
     """POINTS: (offered rate, its requests) per rate.  Runs each configuration
     over every point; returns the records, the summaries per (rate, system),
     and what was skipped or failed (as `vllm_runs.run`)."""
@@ -112,7 +112,7 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
                     flush_mode = _flush_mode(pool)
                 _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode,
                             points, warm, cache_bytes, got_records, got_summaries, answers,
-                            reference, log, vllm_prefix_caching)
+                            reference, log, vllm_prefix_caching, handoff_publish)
             why = failure_of(one_config)
             if why is not None:
                 failed[config] = why
@@ -139,12 +139,13 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
             shutil.rmtree(work, ignore_errors=True)
     return {"records": records, "summaries": summaries, "skipped": skipped, "failed": failed,
             "logs": work if keep_logs else None, "flush_mode": flush_mode,
-            "load_mode": load_mode, "vllm_prefix_caching": vllm_prefix_caching}
+            "load_mode": load_mode, "vllm_prefix_caching": vllm_prefix_caching,
+            "handoff_publish": handoff_publish}
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, points, warm,
                 cache_bytes, records, summaries, answers, reference, log,
-                vllm_prefix_caching) -> None:
+                vllm_prefix_caching, handoff_publish: str = "after_step") -> None:
     """Starts CONFIG's servers, runs every point through them (and, for mono, the
     reference pass), stops them.  TraCT's connector times its loads and saves
     (log lines) but makes no reference copy beside them: no system here pays
@@ -155,7 +156,8 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, po
                                    load_mode, VLLM_BLOCK, cache_bytes, mono_all_cpus=True,
                                    reference=False,
                                    mono_env={"VLLM_SERVER_DEV_MODE": "1"}
-                                   if vllm_prefix_caching else None)
+                                   if vllm_prefix_caching else None,
+                                   handoff_publish=handoff_publish)
     try:
         for s in servers.values():
             s.wait_ready()
