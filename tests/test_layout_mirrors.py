@@ -167,7 +167,8 @@ def test_state_names_match_format_h(probe):
     assert (index_check.EMPTY, index_check.PENDING, index_check.READY, index_check.TOMB) == buckets
     assert snapshot.RECORD_STATES == {lib.TRACT_TRANSFER_PUBLISHED: "PUBLISHED",
                                       lib.TRACT_TRANSFER_ACKED: "ACKED",
-                                      lib.TRACT_TRANSFER_RECLAIMING: "RECLAIMING"}
+                                      lib.TRACT_TRANSFER_RECLAIMING: "RECLAIMING",
+                                      lib.TRACT_TRANSFER_RESERVED: "RESERVED"}
     assert lib.TRACT_TRANSFER_FREE == 0      # all-zero is every section's initial state
     assert nodes.NODE_STATES == {lib.TRACT_NODE_NEVER: "never", lib.TRACT_NODE_ALIVE: "alive",
                                  lib.TRACT_NODE_LEFT: "left"}

@@ -33,7 +33,7 @@ def check_plot_dependency():
 
 def _check_tract_modes(load_mode: str, handoff_publish: str) -> None:
     """--load-mode and --handoff-publish, checked before anything starts."""
-    from tract_cli.connectors.settings import HANDOFF_PUBLISH
+    from tract_cli.core.handoff import HANDOFF_PUBLISH
     from tract_cli.core.kvpages import LOAD_MODES
     if load_mode not in LOAD_MODES:
         raise UsageError(f"--load-mode {load_mode!r} is not one of {', '.join(LOAD_MODES)}",

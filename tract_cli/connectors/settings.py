@@ -10,9 +10,8 @@ from dataclasses import dataclass, fields
 
 from tract_cli.core.errors import UsageError
 from tract_cli.core.cpu import FLUSH_MODES
+from tract_cli.core.handoff import HANDOFF_PUBLISH
 from tract_cli.core.kvpages import LOAD_MODES
-
-HANDOFF_PUBLISH = ("after_step", "in_step")
 from tract_cli.core.weights import WEIGHTS_DIGESTS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -62,6 +62,10 @@ RECORD_PUBLISHED = lib.TRACT_TRANSFER_PUBLISHED      # its blocks pinned for the
 RECORD_ACKED = lib.TRACT_TRANSFER_ACKED              # acknowledged: being given back
 RECORD_RECLAIMING = lib.TRACT_TRANSFER_RECLAIMING    # expired: being given back
 RECORD_RESERVED = lib.TRACT_TRANSFER_RESERVED        # taken, its publish to follow (no key list)
+# where a P/D prefill's handoff is published (the vLLM connector's handoff_publish):
+# its record reserved in the step that completes the prompt and published after
+# that step's commit, or published in that step, which waits for it
+HANDOFF_PUBLISH = ("after_step", "in_step")
 # the names of the states a record in use can hold
 RECORD_STATES = {RECORD_PUBLISHED: "PUBLISHED", RECORD_ACKED: "ACKED",
                  RECORD_RECLAIMING: "RECLAIMING", RECORD_RESERVED: "RESERVED"}
