@@ -97,6 +97,10 @@ CASES = [
     ("bench --qps 1 --qps 2", 2, "a --qps sweep runs on real vLLM"),
     ("bench --engine vllm --qps 1", 2, "--qps is for a synthetic workload or a trace"),
     ("bench --engine vllm --model {MISSING} --load-mode lazy", 2, "--load-mode 'lazy'"),
+    ("bench --engine vllm --model {MISSING} --request-gap -1", 2, "--request-gap -1 is not"),
+    ("bench --engine vllm --model {MISSING} --request-gap inf", 2, "--request-gap inf is not"),
+    ("bench --engine vllm --workload synthetic --request-gap 1", 2, "paces the static"),
+    ("bench --request-gap 1", 2, "--request-gap paces real vLLM"),
     # serve
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --port 99999", 2, "port"),
     ("serve-decode --pool {R} --node 1", 2, "--prefill"),

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from tract_cli.bench import peers, stats
 from tract_cli.bench.engine import configs as engine_configs
-from tract_cli.bench.engine import vllm_workloads
+from tract_cli.bench.engine import vllm_runs, vllm_workloads
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
 from tract_cli.cli import bench_vllm, render
@@ -101,6 +101,14 @@ def bench(
                                              "record reserved in its last step, published "
                                              "after the commit) or in_step (published in "
                                              "that step, which waits for it)."),
+    request_gap: Optional[float] = typer.Option(None, "--request-gap",
+                                                help="With --engine vllm's static workload: "
+                                                     "seconds of quiet before each request, "
+                                                     "so it meets idle instances as on their "
+                                                     "own hosts (vLLM's workers poll for 1 s "
+                                                     "after a step; docs/VLLM.md). Default "
+                                                     f"{vllm_runs.DEFAULT_REQUEST_GAP_S:g}; 0: "
+                                                     "back to back."),
     vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
@@ -132,6 +140,9 @@ def bench(
                              "sets its flush mode)")
         if trace and workload != "static":
             raise UsageError("--workload and --trace are two workloads", "pass one of them")
+        if request_gap is not None and (trace or workload != "static"):
+            raise UsageError("--request-gap paces the static workload; a synthetic workload "
+                             "or a trace sends on its own clock", "drop --request-gap")
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
                                 input_len, output_len, requests, prefix_ratio,
@@ -145,8 +156,12 @@ def bench(
                              "add --workload synthetic-a, or drop --qps")
         bench_vllm.static(model, input_len, requests, 3 if output_len is None else output_len,
                           vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
-                          plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish)
+                          plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish,
+                          vllm_runs.DEFAULT_REQUEST_GAP_S if request_gap is None else request_gap)
         return
+    if request_gap is not None:
+        raise UsageError("--request-gap paces real vLLM's static workload",
+                         "drop it, or add --engine vllm --model DIR")
     if len(qps_sweep) > 1:
         raise UsageError("a --qps sweep runs on real vLLM (--engine vllm)",
                          "pass one --qps, or add --engine vllm --model DIR")

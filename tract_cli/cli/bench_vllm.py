@@ -4,6 +4,7 @@ static experiment: `bench/engine/vllm_runs.py`; the workloads under load:
 from __future__ import annotations
 
 import json
+import math
 
 import typer
 from rich.markup import escape
@@ -22,6 +23,8 @@ STATIC_LENGTHS = (1500, 3000, 4500, 6000)
 # outputs of the workloads on vLLM's CPU build, unless --output-len says: the
 # paper's ~215 tokens would take a CPU minutes a request under load
 OUTPUT_CAP = 16
+# a longer quiet before each request only makes the run longer: a typo
+MAX_REQUEST_GAP_S = 60.0
 
 
 def check_plot_dependency():
@@ -46,10 +49,15 @@ def _check_tract_modes(load_mode: str, handoff_publish: str) -> None:
 
 def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
                 load_mode, install_peers=False, vllm_prefix_caching=False,
-                handoff_publish="after_step") -> None:
+                handoff_publish="after_step",
+                request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
     from tract_cli.serve.vllm_engine import check_model_dir
     _check_tract_modes(load_mode, handoff_publish)
+    if not (math.isfinite(request_gap) and 0 <= request_gap <= MAX_REQUEST_GAP_S):
+        raise UsageError(f"--request-gap {request_gap:g} is not between 0 and "
+                         f"{MAX_REQUEST_GAP_S:g} seconds",
+                         f"e.g. --request-gap {vllm_runs.DEFAULT_REQUEST_GAP_S:g}")
     check_model_dir(model)
     if plot:
         check_plot_dependency()
@@ -64,13 +72,13 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,
-                         handoff_publish=handoff_publish)
+                         handoff_publish=handoff_publish, request_gap=request_gap)
     _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
                         f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
-                        f"vLLM's own prefix cache "
+                        f"requests {request_gap:g} s apart; vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'})")
     for col in ("input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
                 "decode", "from KV path", "verified"):

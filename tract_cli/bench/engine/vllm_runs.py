@@ -35,6 +35,14 @@ from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import HttpError
 
+# vLLM's workers (and its engine core, reading them) keep polling their
+# shared-memory queue for this long after each read before they sleep
+# (SpinCondition's busy_loop_s in vllm/distributed/device_communicators/
+# shm_broadcast.py; not a setting).  On one small host the poll of the instance
+# that answered last takes a core from the next request's other instance, which
+# a deployment (prefill and decode on their own hosts) does not share: the
+# static workload sends each request once every instance polls no more
+DEFAULT_REQUEST_GAP_S = 1.25
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
 
 
@@ -48,9 +56,12 @@ def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[
 def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
         load_mode: str = "sync", vllm_prefix_caching: bool = False,
-        handoff_publish: str = "after_step") -> dict:
+        handoff_publish: str = "after_step",
+        request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict:
     """Runs each configuration over the same prompts; returns records and summaries.
-    LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's (docs/VLLM.md, "Configuration")."""
+    LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's (docs/VLLM.md, "Configuration").
+    REQUEST_GAP: seconds of quiet before each measured request (a prefix hit's
+    too), DEFAULT_REQUEST_GAP_S's reason; 0: back to back."""
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
     for c in configs:
@@ -101,7 +112,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 nonlocal measured_from
                 measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
                                             load_mode, reqs, warm, output_len, cache_bytes,
-                                            records, texts, handoff_publish)
+                                            records, texts, handoff_publish, request_gap)
             why = failure_of(one_config)
             if why is not None:
                 failed[config] = why
@@ -127,7 +138,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     return {"records": records, "summaries": summarize(records), "kv": kv, "skipped": skipped,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
-            "handoff_publish": handoff_publish,
+            "handoff_publish": handoff_publish, "request_gap_s": request_gap,
             "vllm_prefix_caching": vllm_prefix_caching}
 
 
@@ -166,9 +177,10 @@ def failure_of(run_config) -> str | None:
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
                 output_len, cache_bytes, records, texts,
-                handoff_publish: str = "after_step") -> dict[str, int]:
+                handoff_publish: str = "after_step",
+                request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict[str, int]:
     """Starts CONFIG's servers, runs the warm-up prompts WARM and then every
-    request through them, stops them.  Returns each server log's size once the
+    request through them, each after REQUEST_GAP seconds of quiet, stops them.  Returns each server log's size once the
     warm-up was answered: what the connector logged after it is the measured
     requests'."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
@@ -185,7 +197,8 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
         marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
                  if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
         for i, (n, tokens) in enumerate(reqs):
-            got = (_prefix(servers, tokens, output_len, PREFIX[config])
+            time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
+            got = (_prefix(servers, tokens, output_len, PREFIX[config], request_gap)
                    if config in PREFIX else
                    {config: _one(servers, config, tokens, output_len)})
             for row, rec in got.items():
@@ -240,10 +253,12 @@ def _warm(servers: dict, config: str, tokens: list, output_len: int) -> None:
         _one(servers, config, tokens, output_len)
 
 
-def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str]) -> dict:
+def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str],
+            gap: float = 0.0) -> dict:
     """A miss (the prefill instance computes the prompt, and saves it) and then the hit
-    (the decode instance, another node, loads it from the pool or the cache): TTFT of
-    each, as ROWS (miss, hit)."""
+    (the decode instance, another node, loads it from the pool or the cache), asked
+    GAP seconds after the miss was answered and saved: TTFT of each, as ROWS (miss,
+    hit)."""
     out = {}
     cache = servers.get("cache")
     stored = cache.stored_chunks() if cache else None
@@ -261,6 +276,8 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str])
         if row == rows[1] and tract_log:
             out[rows[0]]["store_wait_s"] = _wait_saved(tract_log, mark,
                                                        len(tokens) // VLLM_BLOCK)
+        if row == rows[1]:
+            time.sleep(gap)             # pacing the workload (DEFAULT_REQUEST_GAP_S)
         before = calls.metrics(s)
         t0 = time.monotonic()
         got = calls.complete(s, tokens, output_len)
