@@ -387,6 +387,54 @@ def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_
     assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
 
 
+def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
+    """The static workload leaves REQUEST_GAP seconds of quiet before each
+    measured request and before a prefix hit (vLLM's pollers: docs/VLLM.md,
+    "Benchmark"), none before the warm-up, and none with a gap of 0."""
+    import time
+    from tract_cli.bench.engine import calls, vllm_runs
+    events = []
+
+    class Server:
+        def __init__(self, name):
+            self.name, self.log_path = name, str(tmp_path / f"{name}.log")
+            open(self.log_path, "w").close()
+
+        def wait_ready(self):
+            pass
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "start",
+                        lambda config, *a, **k: {r: Server(r) for r in ("prefill", "decode")})
+    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all", lambda servers: None)
+    monkeypatch.setattr(time, "sleep", lambda s: events.append(("quiet", s)))
+
+    def one(servers, config, tokens, output_len):
+        events.append(("ask", len(tokens)))
+        return {"ttft_s": 0.1, "text": "x"}
+
+    def complete(server, tokens, output_len):
+        events.append(("ask", server.name))
+        return calls.Answer(first=time.monotonic(), text="x")
+
+    monkeypatch.setattr(vllm_runs, "_one", one)
+    monkeypatch.setattr(calls, "complete", complete)
+    monkeypatch.setattr(calls, "metrics", lambda server: {})
+    monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
+    reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]
+    warm = [[9] * 5]
+    for gap in (1.25, 0.0):
+        q = [("quiet", gap)] if gap else []
+        for config, want in (
+                ("tract", [("ask", 5), *q, ("ask", 3), *q, ("ask", 4)]),
+                ("prefix", [("ask", "prefill"), ("ask", "decode"),       # the warm-up
+                            *q, ("ask", "prefill"), *q, ("ask", "decode"),
+                            *q, ("ask", "prefill"), *q, ("ask", "decode")])):
+            events.clear()
+            vllm_runs._run_config(config, "model", str(tmp_path), (), 1, None, "sync", reqs, warm,
+                                  1, 0, [], {}, request_gap=gap)
+            assert events == want, (config, gap, events)
+
+
 def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypatch):
     """The open-loop driver (its HTTP calls replaced, nothing else): throughput is
     measured from the first arrival, not the clock's start; a request that fails

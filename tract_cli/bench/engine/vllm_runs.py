@@ -197,7 +197,8 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
         marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
                  if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
         for i, (n, tokens) in enumerate(reqs):
-            time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
+            if request_gap:
+                time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
             got = (_prefix(servers, tokens, output_len, PREFIX[config], request_gap)
                    if config in PREFIX else
                    {config: _one(servers, config, tokens, output_len)})
@@ -276,7 +277,7 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str],
         if row == rows[1] and tract_log:
             out[rows[0]]["store_wait_s"] = _wait_saved(tract_log, mark,
                                                        len(tokens) // VLLM_BLOCK)
-        if row == rows[1]:
+        if row == rows[1] and gap:
             time.sleep(gap)             # pacing the workload (DEFAULT_REQUEST_GAP_S)
         before = calls.metrics(s)
         t0 = time.monotonic()
