@@ -99,6 +99,9 @@ CASES = [
     ("bench --engine vllm --model {MISSING} --load-mode lazy", 2, "--load-mode 'lazy'"),
     ("bench --engine vllm --model {MISSING} --request-gap -1", 2, "--request-gap -1 is not"),
     ("bench --engine vllm --model {MISSING} --request-gap inf", 2, "--request-gap inf is not"),
+    ("bench --engine vllm --model {MISSING} --request-gap nan", 2, "--request-gap nan is not"),
+    ("bench --engine vllm --model {MISSING} --request-gap 61", 2, "between 0 and 60 seconds"),
+    ("bench --engine vllm --trace {MISSING} --request-gap 1", 2, "paces the static"),
     ("bench --engine vllm --workload synthetic --request-gap 1", 2, "paces the static"),
     ("bench --request-gap 1", 2, "--request-gap paces real vLLM"),
     # serve

@@ -390,10 +390,18 @@ def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_
 def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     """The static workload leaves REQUEST_GAP seconds of quiet before each
     measured request and before a prefix hit (vLLM's pollers: docs/VLLM.md,
-    "Benchmark"), none before the warm-up, and none with a gap of 0."""
-    import time
+    "Benchmark"), outside every timed window (the counters read before it, the
+    wait for the miss's save before it), none before the warm-up, and none with a
+    gap of 0.  The clock is the test's: the quiet moves it, so a quiet inside a
+    timed window would show in the TTFT."""
+    import types
     from tract_cli.bench.engine import calls, vllm_runs
-    events = []
+    events, now = [], [0.0]
+    ASK_S = 0.01                        # each request takes this long on the test's clock
+
+    def sleep(s):
+        events.append(("quiet", s))
+        now[0] += s
 
     class Server:
         def __init__(self, name):
@@ -403,36 +411,53 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
         def wait_ready(self):
             pass
 
+    def asked(name):
+        events.append(("ask", name))
+        now[0] += ASK_S
+        return calls.Answer(first=now[0], text="x")
+
+    def metrics(server):
+        events.append(("counters", server.name))
+        return {}
+
+    def saved(*a, **k):
+        events.append(("saved",))
+        return 0.0
+
     monkeypatch.setattr(vllm_runs.engine_configs, "start",
                         lambda config, *a, **k: {r: Server(r) for r in ("prefill", "decode")})
     monkeypatch.setattr(vllm_runs.engine_configs, "stop_all", lambda servers: None)
-    monkeypatch.setattr(time, "sleep", lambda s: events.append(("quiet", s)))
-
-    def one(servers, config, tokens, output_len):
-        events.append(("ask", len(tokens)))
-        return {"ttft_s": 0.1, "text": "x"}
-
-    def complete(server, tokens, output_len):
-        events.append(("ask", server.name))
-        return calls.Answer(first=time.monotonic(), text="x")
-
-    monkeypatch.setattr(vllm_runs, "_one", one)
-    monkeypatch.setattr(calls, "complete", complete)
-    monkeypatch.setattr(calls, "metrics", lambda server: {})
-    monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
+    # the module's own clock only: nothing else in this process sleeps on it
+    monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(sleep=sleep,
+                                                                 monotonic=lambda: now[0]))
+    monkeypatch.setattr(calls, "pd_request",
+                        lambda config, p, d, tokens, *a: (now[0], asked(f"P/D {len(tokens)}")))
+    monkeypatch.setattr(calls, "complete", lambda server, tokens, n: asked(server.name))
+    monkeypatch.setattr(calls, "metrics", metrics)
+    monkeypatch.setattr(vllm_runs, "_wait_saved", saved)
     reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]
     warm = [[9] * 5]
+
+    def pd(n):
+        return [("counters", "prefill"), ("counters", "decode"), ("ask", f"P/D {n}"),
+                ("counters", "prefill"), ("counters", "decode")]
+
+    def one(name):
+        return [("counters", name), ("ask", name), ("counters", name)]
+
     for gap in (1.25, 0.0):
         q = [("quiet", gap)] if gap else []
         for config, want in (
-                ("tract", [("ask", 5), *q, ("ask", 3), *q, ("ask", 4)]),
-                ("prefix", [("ask", "prefill"), ("ask", "decode"),       # the warm-up
-                            *q, ("ask", "prefill"), *q, ("ask", "decode"),
-                            *q, ("ask", "prefill"), *q, ("ask", "decode")])):
+                ("tract", pd(5) + q + pd(3) + q + pd(4)),       # the warm-up, then each
+                ("prefix", one("prefill") + [("saved",)] + one("decode")
+                 + 2 * (q + one("prefill") + [("saved",)] + q + one("decode")))):
             events.clear()
+            records = []
             vllm_runs._run_config(config, "model", str(tmp_path), (), 1, None, "sync", reqs, warm,
-                                  1, 0, [], {}, request_gap=gap)
+                                  1, 0, records, {}, request_gap=gap)
             assert events == want, (config, gap, events)
+            assert [r["ttft_s"] for r in records] == [pytest.approx(ASK_S)] * len(records), \
+                (config, gap, records)
 
 
 def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypatch):

@@ -58,6 +58,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
         raise UsageError(f"--request-gap {request_gap:g} is not between 0 and "
                          f"{MAX_REQUEST_GAP_S:g} seconds",
                          f"e.g. --request-gap {vllm_runs.DEFAULT_REQUEST_GAP_S:g}")
+    request_gap += 0.0          # -0.0 is 0 (shown and recorded so)
     check_model_dir(model)
     if plot:
         check_plot_dependency()

@@ -35,13 +35,13 @@ from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import HttpError
 
-# vLLM's workers (and its engine core, reading them) keep polling their
-# shared-memory queue for this long after each read before they sleep
-# (SpinCondition's busy_loop_s in vllm/distributed/device_communicators/
-# shm_broadcast.py; not a setting).  On one small host the poll of the instance
-# that answered last takes a core from the next request's other instance, which
-# a deployment (prefill and decode on their own hosts) does not share: the
-# static workload sends each request once every instance polls no more
+# vLLM's workers keep polling their shared-memory queue for a second after each
+# read before they sleep (SpinCondition's busy_loop_s in vllm/distributed/
+# device_communicators/shm_broadcast.py; not a setting).  On one small host the
+# poll of the instance that answered last takes a core from the next request's
+# other instance, which a deployment (prefill and decode on their own hosts)
+# does not share: the static workload sends each request once every instance
+# polls no more (a gap under a second leaves part of the poll)
 DEFAULT_REQUEST_GAP_S = 1.25
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
 
@@ -180,9 +180,9 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
                 handoff_publish: str = "after_step",
                 request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict[str, int]:
     """Starts CONFIG's servers, runs the warm-up prompts WARM and then every
-    request through them, each after REQUEST_GAP seconds of quiet, stops them.  Returns each server log's size once the
-    warm-up was answered: what the connector logged after it is the measured
-    requests'."""
+    request through them, each after REQUEST_GAP seconds of quiet, stops them.
+    Returns each server log's size once the warm-up was answered: what the
+    connector logged after it is the measured requests'."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes,
                                    handoff_publish=handoff_publish)
