@@ -79,7 +79,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
                         f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
-                        f"requests {request_gap:g} s apart; vLLM's own prefix cache "
+                        f"each request after {request_gap:g} s of quiet; vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'})")
     for col in ("input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
                 "decode", "from KV path", "verified"):
