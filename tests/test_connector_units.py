@@ -283,6 +283,23 @@ def test_a_release_that_keeps_failing_does_not_hold_up_the_others():
     assert r.close(5)
 
 
+def test_a_deferred_release_waits_its_defer_and_keeps_its_order():
+    """A connector's releases wait past the step that asked for them (retry.py):
+    none is tried before DEFER has passed since it was submitted, they run in
+    submission order, and a drain (a shutdown's) waits for those not yet due."""
+    from tract_cli.connectors.retry import Releases
+    ran = []
+    r = Releases(timeout=1.0, defer=0.2)
+    asked = time.monotonic()
+    for i in range(3):
+        r.submit(f"r{i}", lambda timeout, i=i: ran.append((i, time.monotonic())))
+    assert r.pending() == 3 and not ran
+    assert r.drain(30), "the deferred releases were not done within 30 s"
+    assert [i for i, _ in ran] == [0, 1, 2]
+    assert all(at - asked >= 0.2 for _, at in ran), "a release was tried before its defer"
+    assert r.close(5)
+
+
 def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):
     """A host holding the whole repository (a training state, a second format) and
     one holding what the loader downloaded get one identity."""

@@ -12,6 +12,16 @@ It also keeps vLLM's scheduler loop from waiting on a pool lock to release.
 
 A release that fails for good (the record is already gone, the region is
 corrupt) is logged once and dropped: trying again cannot help.
+
+A connector's releases wait RELEASE_DEFER_S before their first try.  None is
+urgent (a pin or a record held some milliseconds longer costs nothing), and
+the step that asks for one is still running when it does: a handoff's
+acknowledgement is asked for by the load before the step's forward, a hit's
+unpin by the step's output.  Tried at once, the release shared the worker's
+core with that forward (vLLM binds the worker to its cores) and the GIL with
+the step's sampling and output: measured inside vLLM on 2 cores, the decode
+step of a 1500-token handoff took 1.2 ms longer and its first token left
+later (docs/VLLM.md, "Releases wait for the step").
 """
 from __future__ import annotations
 
@@ -29,24 +39,29 @@ TRANSIENT = (LockTimeout, OutOfMemory, SystemCallFailed)
 FIRST_PAUSE_S = 0.05
 MAX_PAUSE_S = 2.0
 WARN_QUEUED = 1000          # releases waiting: worth a warning (a stalled lock manager)
+# how long a connector's release waits before its first try (above): past the
+# step that asked for it and that step's output, a few to tens of ms
+RELEASE_DEFER_S = 0.05
 
 
 class _Release:
     __slots__ = ("what", "fn", "due", "pause", "tries")
 
-    def __init__(self, what: str, fn: Callable[[float], None]):
+    def __init__(self, what: str, fn: Callable[[float], None], due: float):
         self.what, self.fn = what, fn
-        self.due, self.pause, self.tries = 0.0, FIRST_PAUSE_S, 0
+        self.due, self.pause, self.tries = due, FIRST_PAUSE_S, 0
 
 
 class Releases:
     """Releases (`submit(what, fn)`; FN(timeout) does one attempt), done in order of
-    submission; one that fails transiently goes to the back with its own pause, so
-    a release stuck behind one busy lock does not hold up the others beyond one
-    attempt's timeout at a time."""
+    submission, each DEFER seconds after it was submitted at the soonest; one
+    that fails transiently goes to the back with its own pause, so a release
+    stuck behind one busy lock does not hold up the others beyond one attempt's
+    timeout at a time."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, defer: float = 0.0):
         self._timeout = timeout
+        self._defer = defer
         self._queue: collections.deque[_Release] = collections.deque()
         self._cv = threading.Condition()
         self._busy = 0                      # releases taken off the queue, being tried
@@ -63,7 +78,7 @@ class Releases:
                 log.error("TraCT %s asked for after shutdown: not done; the node agent gives "
                           "it back once this process exits", what)
                 return
-            self._queue.append(_Release(what, fn))
+            self._queue.append(_Release(what, fn, time.monotonic() + self._defer))
             if len(self._queue) >= WARN_QUEUED and not self._warned:
                 self._warned = True
                 log.warning("TraCT: %d pool releases wait (a stalled lock manager?); they are "

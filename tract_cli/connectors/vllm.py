@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorWorkerMetadata)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.retry import RELEASE_DEFER_S, Releases
 from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.connectors.vllm_meta import (LoadSpec, SaveSpec, TractConnectorMetadata,
                                             TractHandshake)
@@ -109,7 +109,7 @@ class TractConnector(KVConnectorBase_V1):
         except TractError as exc:
             # vLLM prints the traceback; the last line is what to fix
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
-        self.releases = Releases(self.settings.lookup_timeout_s)
+        self.releases = Releases(self.settings.lookup_timeout_s, defer=RELEASE_DEFER_S)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -61,3 +61,20 @@ def child_env(extra: dict | None = None, base: dict | None = None) -> dict:
     env.pop("TRACT_DIE_AT", None)
     env.update(extra or {})
     return env
+
+
+def own_process_group() -> dict:
+    """Popen's keywords that start a server (and whatever it spawns) in a process
+    group of its own, stopped as one with killpg, but in the caller's session.
+    Not a session of its own (start_new_session): where Linux groups each session
+    for scheduling (autogroup, `kernel.sched_autogroup_enabled`, on by default
+    in most distributions) every session gets an equal share of the cores, and
+    a caller's session then competes, as one group, with servers that spin:
+    `tract bench --engine vllm`'s client, woken by a first token, waited up to
+    40-50 ms for a core behind the pollers of the vLLM instances it had started
+    (docs/VLLM.md, "Benchmark").  Python 3.10 has no `process_group`: a session
+    of its own there."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"start_new_session": True}
+

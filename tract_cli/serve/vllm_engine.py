@@ -32,6 +32,7 @@ import tempfile
 import time
 
 from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.spawn import own_process_group
 from tract_cli.serve.client import wait_until_up
 
 CONNECTOR = {"kv_connector": "TractConnector",
@@ -89,7 +90,7 @@ class VllmServer:
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=child_env,
-                                         start_new_session=True)
+                                         **own_process_group())
         except BaseException as exc:
             self._remove_rpc_dir()
             if self._log is not subprocess.DEVNULL:

@@ -27,6 +27,7 @@ import subprocess
 import time
 
 from tract_cli.core.errors import TractError
+from tract_cli.core.spawn import own_process_group
 from tract_cli.serve.client import get_json, wait_until_up
 
 READY_TIMEOUT_S = 300
@@ -49,7 +50,7 @@ class LmcacheServer:
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         **own_process_group())
         except OSError as exc:
             self._log.close()
             raise TractError(f"cannot start LMCache's server {exe}: {exc.strerror}",
