@@ -123,22 +123,30 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
                   "--json", str(out)], PEERS, timeout=1500)
     assert "Traceback" not in res.stdout + res.stderr
     assert _our_processes() == set(), "a process the bench started outlived it"
-    failure = [ln for ln in res.stdout.splitlines() if ln.startswith("mooncake failed: ")]
-    if failure:
+    # what a peer's vLLM is known to die of here, upstream of TraCT and of the
+    # bench: Mooncake at start on vLLM 0.32's CPU build; NixlConnector's decode
+    # instance, on CPUs with AMX, in vLLM's own attention kernel once NIXL's
+    # agent is up (SIGILL; the other configurations run the same kernel)
+    known = {"mooncake": "vLLM exited", "nixl": "decode instance died: Illegal instruction"}
+    failed = {ln.split(" failed: ")[0]: ln for ln in res.stdout.splitlines()
+              if ln.split(" failed: ")[0] in known and " failed: " in ln}
+    if failed:
         # the bench says why in one line, exits non-zero, keeps the logs it names
-        assert "mooncake" in peers and res.returncode == 1, res.stdout[-2000:]
-        assert len(failure) == 1 and "vLLM exited" in failure[0], res.stdout
+        assert res.returncode == 1, res.stdout[-2000:]
+        for config, line in failed.items():
+            assert config in peers and known[config] in line, res.stdout[-2000:]
         logs = next(ln for ln in res.stdout.splitlines()
                     if ln.startswith("the vLLM servers' logs: "))
         kept = logs.split(": ", 1)[1].strip()
-        assert os.path.isfile(os.path.join(kept, "mooncake-prefill.log"))
+        for config in failed:
+            assert os.path.isfile(os.path.join(kept, f"{config}-prefill.log"))
         import shutil
         shutil.rmtree(kept)
     else:
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     run = json.loads(out.read_text())
     rows = {s["config"]: s for s in run["summaries"]}
-    ran = [c for c in peers if c != "lmcache" and not (c == "mooncake" and failure)]
+    ran = [c for c in peers if c != "lmcache" and c not in failed]
     expected = ran + (["lmcache-hit", "lmcache-miss"] if "lmcache" in peers else [])
     assert sorted(rows) == sorted(expected + ["mono"])
     for config in expected:

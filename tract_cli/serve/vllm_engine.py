@@ -76,8 +76,12 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
         # PYTHONSAFEPATH: `python -m` would put the working directory first on
         # sys.path, and started from a clone's root the uninstalled source
-        # (tract_cli/ without its compiled core) would shadow the installed package
+        # (tract_cli/ without its compiled core) would shadow the installed package.
+        # PYTHONFAULTHANDLER: a process of it killed by a signal (a native crash in
+        # a kernel or a peer's library) writes what it ran and why into the log
+        # ("Fatal Python error: ..."), which vLLM's own error does not say
         child_env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1",
+                                  "PYTHONFAULTHANDLER": "1",
                                   "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
         self.rpc_dir = _rpc_dir() if "VLLM_RPC_BASE_PATH" not in child_env else None
         if self.rpc_dir:

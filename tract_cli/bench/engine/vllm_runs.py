@@ -115,7 +115,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                                             records, texts, handoff_publish, request_gap)
             why = failure_of(one_config)
             if why is not None:
-                failed[config] = why
+                crash = crash_in_logs(work, config)
+                failed[config] = why if crash is None else f"{crash} ({why})"
                 print(f"{config} failed: {failed[config]}", file=log, flush=True)
                 for rec in records[rows_before:]:
                     texts[rec["request"]].pop(rec["config"], None)
@@ -172,6 +173,24 @@ def failure_of(run_config) -> str | None:
     except (KeyError, IndexError, TypeError, ValueError) as exc:   # an odd answer
         return (f"a server answered what the bench cannot read "
                 f"({type(exc).__name__}: {exc}); see the servers' logs")
+    return None
+
+
+def crash_in_logs(work: str, config: str) -> str | None:
+    """What killed a process of CONFIG's vLLM servers, as its log in WORK says
+    (Python's fault handler, on in every vLLM started here: serve/vllm_engine.py),
+    e.g. "a process of its decode instance died: Illegal instruction"; None where
+    no log says so."""
+    for role in ("prefill", "decode", "mono", "cache"):      # configs.start's log names
+        path = os.path.join(work, f"{config}-{role}.log")
+        try:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    if line.startswith("Fatal Python error: "):
+                        why = line[len("Fatal Python error: "):].strip()[:120]
+                        return f"a process of its {role} instance died: {why}"
+        except OSError:
+            continue
     return None
 
 
