@@ -201,18 +201,47 @@ def test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it(tmp_p
 
 
 def test_an_answer_unlike_one_vllms_is_not_verified():
-    """The bench's check can fail: a configuration's answer that differs from one
-    vLLM's in one token is reported unverified."""
+    """The static bench's check can fail: a configuration's answer whose top
+    logprobs moved past the tolerance, or that chose another token where one
+    vLLM's preferred its own clearly, is reported unverified; one that parted
+    from one vLLM's at a near-tie (every logprob within the tolerance: a prompt
+    partly loaded rounds in another order) is verified, and counted."""
+    from tract_cli.bench.engine.answers import TOLERANCE
+    from tract_cli.bench.engine.calls import Answer
     from tract_cli.bench.engine.vllm_runs import summarize, verify
+
+    def answer(tokens, logprob=-1.0):
+        top = [{t: logprob, "token_id:9": -1.02} for t in tokens]
+        return Answer(0.0, "".join(tokens), list(tokens), top)
+
     records = [{"config": c, "input_len": 10, "request": 0, "ttft_s": 0.1, "prefill_s": None,
                 "decode_s": None} for c in ("mono", "nixl")]
-    texts = {0: {"mono": " a b c", "nixl": " a b c"}}
-    verify(records, texts)
+    mono = answer(["token_id:1", "token_id:2", "token_id:3"])
+    answers = {0: {"mono": mono, "nixl": answer(mono.tokens)}}
+    verify(records, answers)
     assert all(r["verified"] for r in records)
-    texts[0]["nixl"] = " a b d"
-    verify(records, texts)
+    summary = {s["config"]: s for s in summarize(records)}
+    assert summary["nixl"]["near_ties"] == 0 and summary["nixl"]["answer_gap"] == 0.0
+    # logprobs moved past the tolerance, same tokens: not verified
+    answers[0]["nixl"] = answer(mono.tokens, -1.0 - 2 * TOLERANCE)
+    verify(records, answers)
     assert {s["config"]: s["verified"] for s in summarize(records)} == {"mono": True,
                                                                          "nixl": False}
+    # another token where one vLLM preferred its own by far: not verified
+    other = answer(["token_id:1", "token_id:7", "token_id:3"])
+    other.top[1] = {"token_id:7": -0.5, "token_id:2": -3.0}
+    answers[0]["nixl"] = other
+    verify(records, answers)
+    assert {s["config"]: s["verified"] for s in summarize(records)}["nixl"] is False
+    # another token at a near-tie (token_id:9 within the tolerance of one vLLM's
+    # choice): verified, and counted as a near-tie
+    tie = answer(["token_id:1", "token_id:9", "token_id:5"])
+    tie.top[1] = {"token_id:9": -1.0, "token_id:2": -1.02}
+    mono.top[1] = {"token_id:2": -1.0, "token_id:9": -1.02}
+    answers[0]["nixl"] = tie
+    verify(records, answers)
+    summary = {s["config"]: s for s in summarize(records)}
+    assert summary["nixl"]["verified"] is True and summary["nixl"]["near_ties"] == 1
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():
@@ -439,8 +468,8 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(sleep=sleep,
                                                                  monotonic=lambda: now[0]))
     monkeypatch.setattr(calls, "pd_request",
-                        lambda config, p, d, tokens, *a: (now[0], asked(f"P/D {len(tokens)}")))
-    monkeypatch.setattr(calls, "complete", lambda server, tokens, n: asked(server.name))
+                        lambda config, p, d, tokens, *a, **k: (now[0], asked(f"P/D {len(tokens)}")))
+    monkeypatch.setattr(calls, "complete", lambda server, tokens, n, **k: asked(server.name))
     monkeypatch.setattr(calls, "metrics", metrics)
     monkeypatch.setattr(vllm_runs, "_wait_saved", saved)
     reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]

@@ -92,7 +92,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                       dur(s["ttft_p99_s"]),
                       dur(s["prefill_s"]), dur(s["decode_s"]),
                       "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
-                      "—" if s["verified"] is None else ("yes" if s["verified"] else "NO"))
+                      _verified(s))
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < s["requests"]:
             render.stdout.print(f"[yellow]{s['config']} at {s['input_len']} tokens: only "
@@ -102,7 +102,11 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     render.stdout.print("in vLLM: the mean TTFT's path as vLLM times it (its front ends' "
                         "request times: a P/D prefill instance's whole request and its decode "
                         "instance's time to first token; one instance's time to first token), "
-                        "without the HTTP and the client around them")
+                        "without the HTTP and the client around them. Verified: one vLLM's "
+                        f"answer within {answers.TOLERANCE:g} nats on every token's top "
+                        f"{answers.TOP_LOGPROBS} logprobs, up to a near-tie that parts them (a "
+                        "prompt partly loaded rounds otherwise; a wrong KV block moves them "
+                        "further)")
     _report_tail(res)
     for kind, fig in res["memcpy"].items():
         render.stdout.print(kv_path_line(kind, fig))

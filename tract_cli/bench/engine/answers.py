@@ -55,3 +55,20 @@ def gap(got: list[tuple[str, dict]], want: list[tuple[str, dict]],
 def near_tie_at(got: list[tuple[str, dict]], want: list[tuple[str, dict]]) -> int | None:
     """The first token where the two chose differently, if any."""
     return next((i for i, ((ta, _), (tb, _)) in enumerate(zip(got, want)) if ta != tb), None)
+
+
+def compare(got, want) -> dict:
+    """GOT against WANT (`calls.Answer`s), one vLLM's answer to the same prompt:
+    {"gap": the largest logprob difference (nats) of their tokens' top
+    candidates, up to where a near-tie parts them (None: beyond any tolerance: a different choice, a
+    different length), "parts_at": that token (None: they never part), "notes":
+    what differs beyond the tolerance}.  Answers without tokens (no logprobs
+    came) are compared by their text."""
+    if not got.tokens or not want.tokens:
+        same = bool(got.text) and got.text == want.text
+        return {"gap": 0.0 if same else None, "parts_at": None,
+                "notes": [] if same else ["no logprobs came, and the texts differ"]}
+    steps = lambda a: list(zip(a.tokens, a.top))
+    worst, notes = gap(steps(got), steps(want))
+    return {"gap": worst if worst != float("inf") else None,
+            "parts_at": near_tie_at(steps(got), steps(want)), "notes": notes}

@@ -364,23 +364,6 @@ def summarize(config: str, point: int, qps: float, got: list[dict], wall: float,
             "breakdown": breakdown(config, got, before, after, kv)}
 
 
-def compare(got: calls.Answer, want: calls.Answer) -> dict:
-    """GOT against WANT, one vLLM's answer to the same prompt: {"gap": the largest
-    logprob difference (nats) of their tokens' top candidates, up to where a
-    near-tie parts them (None: beyond any tolerance: a different choice, a
-    different length), "parts_at": that token (None: they never part), "notes":
-    what differs beyond the tolerance}.  Answers without tokens (no logprobs
-    came) are compared by their text."""
-    if not got.tokens or not want.tokens:
-        same = bool(got.text) and got.text == want.text
-        return {"gap": 0.0 if same else None, "parts_at": None,
-                "notes": [] if same else ["no logprobs came, and the texts differ"]}
-    steps = lambda a: list(zip(a.tokens, a.top))
-    worst, notes = answer_check.gap(steps(got), steps(want))
-    return {"gap": worst if worst != float("inf") else None,
-            "parts_at": answer_check.near_tie_at(steps(got), steps(want)), "notes": notes}
-
-
 def verify(records: list[dict], summaries: list[dict], answers: dict, reference: dict) -> None:
     """Each record's "verified": its answer is one vLLM's, one request at a time (the
     mono configuration's reference pass), within `answers.TOLERANCE` nats on every
@@ -395,7 +378,7 @@ def verify(records: list[dict], summaries: list[dict], answers: dict, reference:
         if want is None:
             rec["verified"] = None
             continue
-        got = compare(answers[(rec["config"], rec["point"], rec["request"])], want)
+        got = answer_check.compare(answers[(rec["config"], rec["point"], rec["request"])], want)
         rec["verified"] = got["gap"] is not None and got["gap"] <= answer_check.TOLERANCE
         rec["answer"] = got
     for s in summaries:
