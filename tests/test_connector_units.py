@@ -300,6 +300,21 @@ def test_a_deferred_release_waits_its_defer_and_keeps_its_order():
     assert r.close(5)
 
 
+def test_the_vllm_plugin_that_asks_for_amx_is_declared_and_never_fails():
+    """vLLM calls every `vllm.general_plugins` entry point at start in each of its
+    processes: TraCT's asks Linux for the AMX tile state (vllm_plugin.py), which
+    must not fail on a CPU without AMX, nor twice."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+    spec = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    plugins = spec["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"tract_amx": "tract_cli.connectors.vllm_plugin:request_amx_state"}
+    module, func = plugins["tract_amx"].split(":")
+    plugin = getattr(importlib.import_module(module), func)
+    assert plugin() is None and plugin() is None
+
+
 def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):
     """A host holding the whole repository (a training state, a second format) and
     one holding what the loader downloaded get one identity."""

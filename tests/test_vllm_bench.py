@@ -124,10 +124,10 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert "Traceback" not in res.stdout + res.stderr
     assert _our_processes() == set(), "a process the bench started outlived it"
     # what a peer's vLLM is known to die of here, upstream of TraCT and of the
-    # bench: Mooncake at start on vLLM 0.32's CPU build; NixlConnector's decode
-    # instance, on CPUs with AMX, in vLLM's own attention kernel once NIXL's
-    # agent is up (SIGILL; the other configurations run the same kernel)
-    known = {"mooncake": "vLLM exited", "nixl": "decode instance died: Illegal instruction"}
+    # bench: Mooncake at start on vLLM 0.32's CPU build.  (NixlConnector's decode
+    # instance died of an illegal instruction on CPUs with AMX until TraCT's vLLM
+    # plugin asked for the AMX state, vllm_plugin.py: it must run and be verified.)
+    known = {"mooncake": "vLLM exited"}
     failed = {ln.split(" failed: ")[0]: ln for ln in res.stdout.splitlines()
               if ln.split(" failed: ")[0] in known and " failed: " in ln}
     if failed:
@@ -242,6 +242,26 @@ def test_an_answer_unlike_one_vllms_is_not_verified():
     verify(records, answers)
     summary = {s["config"]: s for s in summarize(records)}
     assert summary["nixl"]["verified"] is True and summary["nixl"]["near_ties"] == 1
+
+
+def test_a_configurations_crashed_process_is_named_from_its_logs(tmp_path):
+    """A vLLM process killed by a signal writes Python's fault handler's line into
+    its server's log; the bench's one-line failure names every instance whose log
+    says so, and nothing where none does (another configuration's log is not
+    read)."""
+    from tract_cli.bench.engine.vllm_runs import crash_in_logs
+    (tmp_path / "nixl-prefill.log").write_text("INFO started\nINFO answered\n")
+    (tmp_path / "nixl-tcp-decode.log").write_text("Fatal Python error: Aborted\n")
+    assert crash_in_logs(str(tmp_path), "nixl") is None
+    (tmp_path / "nixl-decode.log").write_text(
+        "INFO step\nFatal Python error: Illegal instruction\n\nThread 0x1 (most recent "
+        "call first):\nFatal Python error: Illegal instruction\n")
+    assert crash_in_logs(str(tmp_path), "nixl") == \
+        "a process of its decode instance died: Illegal instruction"
+    (tmp_path / "nixl-prefill.log").write_text("Fatal Python error: Aborted\n")
+    assert crash_in_logs(str(tmp_path), "nixl") == (
+        "a process of its prefill instance died: Aborted; "
+        "a process of its decode instance died: Illegal instruction")
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():
@@ -467,9 +487,18 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     # the module's own clock only: nothing else in this process sleeps on it
     monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(sleep=sleep,
                                                                  monotonic=lambda: now[0]))
-    monkeypatch.setattr(calls, "pd_request",
-                        lambda config, p, d, tokens, *a, **k: (now[0], asked(f"P/D {len(tokens)}")))
-    monkeypatch.setattr(calls, "complete", lambda server, tokens, n, **k: asked(server.name))
+    asks = []          # each request's logprobs: the answers are compared by them
+
+    def pd_request(config, p, d, tokens, *a, logprobs=0, **k):
+        asks.append(logprobs)
+        return now[0], asked(f"P/D {len(tokens)}")
+
+    def complete(server, tokens, n, logprobs=0, **k):
+        asks.append(logprobs)
+        return asked(server.name)
+
+    monkeypatch.setattr(calls, "pd_request", pd_request)
+    monkeypatch.setattr(calls, "complete", complete)
     monkeypatch.setattr(calls, "metrics", metrics)
     monkeypatch.setattr(vllm_runs, "_wait_saved", saved)
     reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]
@@ -495,6 +524,8 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
             assert events == want, (config, gap, events)
             assert [r["ttft_s"] for r in records] == [pytest.approx(ASK_S)] * len(records), \
                 (config, gap, records)
+    from tract_cli.bench.engine.answers import TOP_LOGPROBS
+    assert asks and set(asks) == {TOP_LOGPROBS}, asks     # every request, the warm-up's too
 
 
 def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypatch):

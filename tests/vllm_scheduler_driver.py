@@ -646,8 +646,10 @@ def main(ckpt: str, pool_path: str) -> dict:
     with every_lock_held(pool):
         w.start_load_kv(None)
         obs["timeouts_ack_errors"] = sorted(loaded(w, {"acked"}))
-        # the acknowledgement after it times out on the held locks and is queued
-        wait_for(lambda: w.releases.pending() >= 1, "the acknowledgement queued for retry")
+        # the acknowledgement after it (tried once the release's defer is over)
+        # times out on the held locks and is queued again
+        wait_for(lambda: w.releases.retries >= 1, "the acknowledgement tried and queued "
+                 "for retry")
         obs["timeouts_ack_record_held"] = region(pool, False)["handoffs"]
     obs["timeouts_ack_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][6:8]))
                                     for n in LAYERS)

@@ -13,6 +13,7 @@ import torch
 from tract_cli.connectors.model_identity import ModelIdentity, served_model_identity
 from tract_cli.connectors.paged import probe_offsets
 from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.connectors.vllm_plugin import request_amx_state
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
@@ -146,10 +147,11 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
         if shape[1:] != (heads, page_tokens, 2 * dim):
             raise TractError(f"vLLM's CPU KV cache has pages {list(shape[1:])}, expected "
                              f"{[heads, page_tokens, 2 * dim]}", "serve the region's model")
-        if hasattr(torch.cpu, "_init_amx"):
-            # vLLM's AMX kernels assume the process already asked Linux for the AMX
-            # tile state; a first forward that attends over loaded KV would SIGILL
-            torch.cpu._init_amx()
+        # vLLM's AMX kernels assume the process already asked Linux for the AMX
+        # tile state; a first forward that attends over loaded KV would SIGILL
+        # (vllm_plugin.py does it in every vLLM process beside TraCT; a vLLM
+        # started with VLLM_PLUGINS that leaves it out still gets it here)
+        request_amx_state()
         isa = attention_isa(vllm_config, layer_name)
 
         def write(key, value, page, slot_mapping):

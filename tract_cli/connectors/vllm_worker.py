@@ -321,7 +321,8 @@ class WorkerSide:
     def _handoffs_lost(self, handoffs: list, why: str, plan: _SavePlan | None = None) -> None:
         """HANDOFFS will not be published: said, and the records PLAN reserved
         for them given back (queued, retried), so their decode instances stop
-        waiting now rather than at handoff_wait_s."""
+        waiting once it is done (the release's defer, 50 ms) rather than at
+        handoff_wait_s."""
         for spec in handoffs:
             log.warning("TraCT handoff of request %s not published (%s), its decode computes "
                         "the prompt", spec.request_id, why)

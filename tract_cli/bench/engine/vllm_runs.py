@@ -178,21 +178,23 @@ def failure_of(run_config) -> str | None:
 
 
 def crash_in_logs(work: str, config: str) -> str | None:
-    """What killed a process of CONFIG's vLLM servers, as its log in WORK says
+    """What killed processes of CONFIG's vLLM servers, as their logs in WORK say
     (Python's fault handler, on in every vLLM started here: serve/vllm_engine.py),
-    e.g. "a process of its decode instance died: Illegal instruction"; None where
-    no log says so."""
+    every instance that says so, e.g. "a process of its decode instance died:
+    Illegal instruction"; None where no log says so."""
+    deaths = []
     for role in ("prefill", "decode", "mono", "cache"):      # configs.start's log names
         path = os.path.join(work, f"{config}-{role}.log")
         try:
             with open(path, errors="replace") as f:
-                for line in f:
-                    if line.startswith("Fatal Python error: "):
-                        why = line[len("Fatal Python error: "):].strip()[:120]
-                        return f"a process of its {role} instance died: {why}"
+                whys = [line[len("Fatal Python error: "):].strip()[:120] for line in f
+                        if line.startswith("Fatal Python error: ")]
         except OSError:
             continue
-    return None
+        if whys:
+            deaths.append(f"a process of its {role} instance died: "
+                          + ", ".join(dict.fromkeys(whys)))
+    return "; ".join(deaths) or None
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
@@ -467,7 +469,8 @@ def summarize(records: list[dict]) -> list[dict]:
                     "engine_decode_s": part("engine_decode_s"),
                     "verified": all(checked) if checked else None,
                     # answers verified that parted from one vLLM's at a near-tie,
-                    # and the largest logprob gap of the verified ones
+                    # and the largest logprob gap of those compared (an unverified
+                    # answer's counts when it is finite)
                     "near_ties": sum(r["answer"]["parts_at"] is not None for r in rows
                                      if r["verified"]),
                     "answer_gap": max((r["answer"]["gap"] for r in rows
