@@ -300,19 +300,44 @@ def test_a_deferred_release_waits_its_defer_and_keeps_its_order():
     assert r.close(5)
 
 
-def test_the_vllm_plugin_that_asks_for_amx_is_declared_and_never_fails():
+def test_the_vllm_plugin_that_asks_for_amx_is_declared_and_never_fails(monkeypatch, caplog):
     """vLLM calls every `vllm.general_plugins` entry point at start in each of its
-    processes: TraCT's asks Linux for the AMX tile state (vllm_plugin.py), which
-    must not fail on a CPU without AMX, nor twice."""
+    processes: TraCT's asks Linux for the AMX tile state (vllm_plugin.py).  It is
+    declared and installed, asks only where the CPU has AMX, says when Linux
+    refuses, and never fails vLLM's start."""
     import importlib
-    import tomllib
+    import logging
+    from importlib.metadata import entry_points
     from pathlib import Path
+    try:
+        import tomllib
+    except ModuleNotFoundError:          # Python 3.10
+        import tomli as tomllib
+    import torch
+    from tract_cli.connectors import vllm_plugin
     spec = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
-    plugins = spec["project"]["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"tract_amx": "tract_cli.connectors.vllm_plugin:request_amx_state"}
-    module, func = plugins["tract_amx"].split(":")
-    plugin = getattr(importlib.import_module(module), func)
-    assert plugin() is None and plugin() is None
+    declared = spec["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared == {"tract_amx": "tract_cli.connectors.vllm_plugin:request_amx_state"}
+    # what vLLM reads: the installed metadata (an install older than the plugin lacks it)
+    installed = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert installed.get("tract_amx") == declared["tract_amx"], installed
+    module, func = declared["tract_amx"].split(":")
+    assert getattr(importlib.import_module(module), func) is vllm_plugin.request_amx_state
+    asked = []
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(1) or True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert vllm_plugin.request_amx_state() is None and not asked     # no AMX: nothing asked
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert vllm_plugin.request_amx_state() is True and asked == [1]
+    assert vllm_plugin.request_amx_state() is True                   # again: harmless
+    with caplog.at_level(logging.WARNING, logger="vllm.tract"):
+        monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False, raising=False)
+        assert vllm_plugin.request_amx_state() is False
+        monkeypatch.setattr(torch.cpu, "_init_amx", lambda: 1 / 0, raising=False)
+        assert vllm_plugin.request_amx_state() is False
+    assert [r.getMessage().count("AMX tile state failed") for r in caplog.records] == [1, 1]
+    monkeypatch.delattr(torch.cpu, "_init_amx", raising=False)
+    assert vllm_plugin.request_amx_state() is None                   # a torch without it
 
 
 def test_only_the_files_a_loader_reads_enter_the_weights_digest(tmp_path):

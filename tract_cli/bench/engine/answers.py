@@ -6,7 +6,7 @@ Measured on vLLM's CPU backend (tests/vllm_stack.py, tests/test_vllm_faults.py):
 a P/D path on unchanged KV answered exactly as one vLLM on the CPUs of those
 measurements (on CPUs where vLLM's attention uses AMX, a P/D path that loads
 all but the last token, or whole blocks and computes the rest, came within
-0.04-0.075 nats of one vLLM in `tract bench --engine vllm`: another order of
+0.075 nats of one vLLM in `tract bench --engine vllm`: another order of
 the attention's sums; the margin to a wrong block is thinner); one wrong block of a
 400-token prompt (176 cases) moves the top-20 logprobs of the answer by 0.16
 nats at least, 1.2 in the median (its top-5 alone: 0.08 at least).  TOLERANCE,
