@@ -52,9 +52,12 @@ def stack(tmp_path_factory, vllm_checkpoint, vllm_mono):
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                  "endpoint": events["endpoint"].replace("127.0.0.1", "*"),
                  "replay_endpoint": events["replay"].replace("127.0.0.1", "*")}
+    # TRACT_CONNECTOR_REFERENCE as `tract bench --engine vllm` sets it: a request
+    # that asks has a memcpy timed beside its copies (none of the others ask)
     st = start_stack(tmp_path_factory.mktemp("vllm"), "128M", {"handoff_ttl_s": 60.0},
                      ckpt=vllm_checkpoint, mono=vllm_mono,
-                     decode_args=("--kv-events-config", json.dumps(kv_events)))
+                     decode_args=("--kv-events-config", json.dumps(kv_events)),
+                     env={"TRACT_CONNECTOR_REFERENCE": "1"})
     st["events"] = events
     try:
         yield st
@@ -79,6 +82,29 @@ def test_decode_through_the_pool_answers_as_one_vllm(stack, repeat):
     # for its logits (an asynchronous one recomputes it too, counted as loaded)
     assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == n - 1
     assert tokens_by_source(stack["decode"], "local_compute") == local + 1
+
+
+def test_the_memcpy_reference_is_timed_only_for_a_request_that_asks(stack):
+    """With TRACT_CONNECTOR_REFERENCE=1 (what the bench sets), a request whose
+    kv_transfer_params ask (kvlog.REFERENCE_PARAM: the bench's warm-ups) has a
+    memcpy timed beside its save and, through its ticket, beside its decode's
+    load, and still answers as one vLLM; a request that does not ask has none
+    (no measured request pays the two extra copies in its steps)."""
+    from tract_cli.core import kvlog
+    logs = {role: str(stack["tmp"] / f"{role}.log") for role in ("prefill", "decode")}
+    for asked in (True, False):
+        prompt = f"The bench times a memcpy beside its warm-ups' copies ({asked}). " * 4
+        since = {role: os.path.getsize(path) for role, path in logs.items()}
+        ask = {"do_remote_decode": True} | ({kvlog.REFERENCE_PARAM: True} if asked else {})
+        params = complete(stack["prefill"], prompt, 1, kv_transfer_params=ask)["kv_transfer_params"]
+        assert "tract_ticket" in params and (params.get(kvlog.REFERENCE_PARAM) is True) == asked
+        out = complete(stack["decode"], prompt, kv_transfer_params=params)
+        assert_answers_as_mono(stack, prompt, out)
+        # both lines are logged in the step, before its reply
+        timed = {role: [kind for kind, _ in kvlog.read_since(path, since[role])
+                        if kind.endswith("_memcpy")] for role, path in logs.items()}
+        assert timed == ({"prefill": ["save_memcpy"], "decode": ["load_memcpy"]} if asked
+                         else {"prefill": [], "decode": []}), (asked, timed)
 
 
 def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):

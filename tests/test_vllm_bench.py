@@ -450,7 +450,9 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     "Benchmark"), outside every timed window (the counters read before it, the
     wait for the miss's save before it), none before the warm-up, and none with a
     gap of 0.  The clock is the test's: the quiet moves it, so a quiet inside a
-    timed window would show in the TTFT."""
+    timed window would show in the TTFT.  The warm-ups of the measured lengths,
+    and only they, ask TraCT's connector for its memcpy reference
+    (kvlog.REFERENCE_PARAM): no measured request pays its copies."""
     import types
     from tract_cli.bench.engine import calls, vllm_runs
     events, now = [], [0.0]
@@ -463,6 +465,7 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     class Server:
         def __init__(self, name):
             self.name, self.log_path = name, str(tmp_path / f"{name}.log")
+            self.store = str(tmp_path / "store")      # ExampleConnector's directory
             open(self.log_path, "w").close()
 
         def wait_ready(self):
@@ -482,19 +485,24 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
         return 0.0
 
     monkeypatch.setattr(vllm_runs.engine_configs, "start",
-                        lambda config, *a, **k: {r: Server(r) for r in ("prefill", "decode")})
+                        lambda config, *a, **k: {r: Server(r) for r in
+                                                 (("mono",) if config == "mono"
+                                                  else ("prefill", "decode"))})
     monkeypatch.setattr(vllm_runs.engine_configs, "stop_all", lambda servers: None)
     # the module's own clock only: nothing else in this process sleeps on it
     monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(sleep=sleep,
                                                                  monotonic=lambda: now[0]))
     asks = []          # each request's logprobs: the answers are compared by them
+    sent = []          # each request's (tokens, kv_transfer_params the bench added)
 
-    def pd_request(config, p, d, tokens, *a, logprobs=0, **k):
+    def pd_request(config, p, d, tokens, *a, logprobs=0, params=None, **k):
         asks.append(logprobs)
+        sent.append((len(tokens), params))
         return now[0], asked(f"P/D {len(tokens)}")
 
-    def complete(server, tokens, n, logprobs=0, **k):
+    def complete(server, tokens, n, logprobs=0, params=None, **k):
         asks.append(logprobs)
+        sent.append((len(tokens), params))
         return asked(server.name)
 
     monkeypatch.setattr(calls, "pd_request", pd_request)
@@ -502,7 +510,9 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     monkeypatch.setattr(calls, "metrics", metrics)
     monkeypatch.setattr(vllm_runs, "_wait_saved", saved)
     reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]
-    warm = [[9] * 5]
+    warm = [[9] * 5, [8] * 2]       # a path's one-time costs, then a measured length's
+    from tract_cli.core.kvlog import REFERENCE_PARAM
+    ref = {REFERENCE_PARAM: True}
 
     def pd(n):
         return [("counters", "prefill"), ("counters", "decode"), ("ask", f"P/D {n}"),
@@ -513,15 +523,24 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
 
     for gap in (1.25, 0.0):
         q = [("quiet", gap)] if gap else []
-        for config, want in (
-                ("tract", pd(5) + q + pd(3) + q + pd(4)),       # the warm-up, then each
-                ("prefix", one("prefill") + [("saved",)] + one("decode")
-                 + 2 * (q + one("prefill") + [("saved",)] + q + one("decode")))):
+        for config, want, marked in (
+                # the warm-ups, then each
+                ("tract", pd(5) + pd(2) + q + pd(3) + q + pd(4),
+                 [(5, None), (2, ref), (3, None), (4, None)]),
+                ("prefix", 2 * (one("prefill") + [("saved",)] + one("decode"))
+                 + 2 * (q + one("prefill") + [("saved",)] + q + one("decode")),
+                 [(5, None), (5, None), (2, ref), (2, ref)] + [(3, None)] * 2 + [(4, None)] * 2),
+                ("example", pd(5) + pd(2) + q + pd(3) + q + pd(4),
+                 [(5, None), (2, None), (3, None), (4, None)]),
+                ("mono", 2 * one("mono") + 2 * (q + one("mono")),
+                 [(5, None), (2, None), (3, None), (4, None)])):
             events.clear()
+            sent.clear()
             records = []
             vllm_runs._run_config(config, "model", str(tmp_path), (), 1, None, "sync", reqs, warm,
                                   1, 0, records, {}, request_gap=gap)
             assert events == want, (config, gap, events)
+            assert sent == marked, (config, gap, sent)
             assert [r["ttft_s"] for r in records] == [pytest.approx(ASK_S)] * len(records), \
                 (config, gap, records)
     from tract_cli.bench.engine.answers import TOP_LOGPROBS

@@ -55,11 +55,12 @@ def start_mono(ckpt: str, log_path: str):
 
 
 def start_stack(tmp, size: str, extra: dict, name: str = "vllm", *, ckpt: str,
-                mono, decode_args: tuple = ()) -> dict:
+                mono, decode_args: tuple = (), env: dict | None = None) -> dict:
     """A region (SIZE) of checkpoint CKPT, prefill (node 1) + decode (node 2) with
     connector options EXTRA, each on its own core where there are two, and MONO, a
     monolithic vLLM the caller owns (shared between stacks: `stop_stack` leaves it).
-    DECODE_ARGS: more vLLM arguments of the decode instance."""
+    DECODE_ARGS: more vLLM arguments of the decode instance; ENV: more of both
+    instances' environment."""
     from tract_cli.serve.vllm_engine import VllmServer
     os.environ["TRACT_VLLM_PYTHON"] = VLLM_PY
     pool = f"/dev/shm/tract-test-{name}-{os.getpid()}.pool"
@@ -70,7 +71,8 @@ def start_stack(tmp, size: str, extra: dict, name: str = "vllm", *, ckpt: str,
         for role, node, core in (("prefill", 1, "0"), ("decode", 2, "1")):
             st[role] = VllmServer(ckpt, port(), pool=pool, node=node,
                                   args=ARGS + (decode_args if role == "decode" else ()),
-                                  extra=extra, log_path=str(tmp / f"{role}.log"), env=_env(core))
+                                  extra=extra, log_path=str(tmp / f"{role}.log"),
+                                  env=(_env(core) or {}) | (env or {}))
         for role in ("prefill", "decode", "mono"):
             st[role].wait_ready()
     except BaseException:

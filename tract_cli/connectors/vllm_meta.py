@@ -28,6 +28,7 @@ class LoadSpec:
     ticket: dict | None = None
     tags: np.ndarray | None = None   # uint64 payload tags (None: evict every slot)
     sync: bool = False         # copied in the step, before its forward (load_mode sync)
+    reference: bool = False    # time a memcpy beside its copy (kvlog.REFERENCE_PARAM)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class SaveSpec:
     # what the blocks' records say (core.events.describe: KV events); None: the
     # keys alone
     described: Described | None = None
+    reference: bool = False    # time a memcpy beside its copy (kvlog.REFERENCE_PARAM)
 
 
 @dataclass

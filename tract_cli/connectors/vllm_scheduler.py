@@ -103,6 +103,10 @@ class _Request:
     # commits the blocks off its step): asked again each step, since when
     pending: Ticket | None = None
     pending_since: float = 0.0
+    # its kv_transfer_params ask the worker to time a memcpy beside its copies
+    # (kvlog.REFERENCE_PARAM: the bench's warm-up requests; the worker honours
+    # it only where TRACT_CONNECTOR_REFERENCE=1)
+    reference: bool = False
 
 
 
@@ -206,7 +210,8 @@ class SchedulerSide:
             tail, tail_key = 0, None
         params = request.kv_transfer_params or {}
         st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable, hashes, arr,
-                      salt or None, want_handoff=bool(params.get("do_remote_decode")))
+                      salt or None, want_handoff=bool(params.get("do_remote_decode")),
+                      reference=params.get(kvlog.REFERENCE_PARAM) is True)
         self._reqs[request.request_id] = st
         return st
 
@@ -429,7 +434,8 @@ class SchedulerSide:
                                             sums[first:last], page_ids[idx // self.r],
                                             idx % self.r, ticket,
                                             None if tags is None else tags[first:last],
-                                            sync=self.settings.load_mode == "sync"))
+                                            sync=self.settings.load_mode == "sync",
+                                            reference=st.reference))
         st.loading = True
         st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
         st.saved = max(st.saved, min(last, len(st.keys)))
@@ -533,7 +539,7 @@ class SchedulerSide:
                               dtype=np.int64)
         blocks = np.asarray(idx, dtype=np.int64)
         return SaveSpec(req_id, np.ascontiguousarray(keys), tokens, page_ids[blocks // self.r],
-                        blocks % self.r, described=described)
+                        blocks % self.r, described=described, reference=st.reference)
 
     def _describe(self, req_id: str, st: _Request, lo: int, hi: int,
                   with_tail: bool) -> Described | None:
@@ -658,10 +664,12 @@ class SchedulerSide:
         """The kv_transfer_params a prefill's reply carries to the decode side."""
         raw = ticket.to_dict() | {"region": self.pool.info.uuid,
                                   "model": self.identity.digest.hex(), "layout": self.layout}
+        # a request that asked for the memcpy reference asks it of its decode's load too
+        asked = (request.kv_transfer_params or {}).get(kvlog.REFERENCE_PARAM) is True
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
                 "remote_block_ids": [], "remote_host": "tract", "remote_port": 0,
-                "tp_size": 1, PARAMS_KEY: raw}
+                "tp_size": 1, PARAMS_KEY: raw} | ({kvlog.REFERENCE_PARAM: True} if asked else {})
 
     def _handoff_room(self, planned: bool = False) -> bool:
         """Whether this instance may publish one more handoff (max_handoffs),

@@ -79,7 +79,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.tract")
 
 # TRACT_CONNECTOR_REFERENCE=1 (what `tract bench --engine vllm` sets): time a memcpy
-# of the same bytes beside every copy (_reference), at the cost of two more copies
+# of the same bytes beside the copies of a request that asks for it
+# (kvlog.REFERENCE_PARAM: the bench's warm-up requests), at the cost of two more
+# copies in its step; without it the request's ask does nothing
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 
 
@@ -110,6 +112,7 @@ class _SavePlan:
     handoffs: list = field(default_factory=list)
     pinned: bool = False
     rows: dict = field(default_factory=dict)  # request id -> the rows of its blocks to save
+    reference: set = field(default_factory=set)  # request ids that ask for the memcpy reference
     # the request ids of the in-step handoffs whose records this plan reserved
     reserved: set = field(default_factory=set)
     # a request's handoff is published right after this step, by the scheduler, or
@@ -406,6 +409,8 @@ class WorkerSide:
         for sv in saves:
             plan.rows.setdefault(sv.req_id, []).append(where[at:at + len(sv.keys)])
             at += len(sv.keys)
+            if sv.reference:
+                plan.reference.add(sv.req_id)
         for h in handoffs:
             plan.handoffs.append((h, where[at:at + len(h.keys)]))
             at += len(h.keys)
@@ -568,10 +573,13 @@ class WorkerSide:
             sums[mine] = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
                                           plan.tokens[mine])
             plan.copy_s = time.perf_counter() - t0
-            # (full blocks only: a partial one's slot holds zeros past its tokens,
-            # which a plain copy of the page would overwrite)
-            full = mine[plan.tokens[mine] == self.g]
-            self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
+            # the blocks of the requests that ask for the reference; full blocks only
+            # (a partial one's slot holds zeros past its tokens, which a plain copy
+            # of the page would overwrite)
+            asked = [r for req in plan.reference for r in plan.rows.get(req, ())]
+            if REFERENCE and asked:
+                full = np.intersect1d(mine[plan.tokens[mine] == self.g], np.concatenate(asked))
+                self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
             return sums, True
         if len(plan.layers_done) != len(self._layers) or plan.gpu_failed:
             return None, False
@@ -654,7 +662,8 @@ class WorkerSide:
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
-        """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`): a plain memcpy of the
+        """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`), for a request
+        that asks for it (kvlog.REFERENCE_PARAM): a plain memcpy of the
         same bytes between the same buffers, right after the real copy, then the
         real (checksummed) copy once more, each timed: the two with the bytes
         equally warm in the caches, the reference the copy is measured against.
@@ -862,7 +871,7 @@ class WorkerSide:
                     valid = int(bad[0])
                     log.warning("TraCT: block %d of request %s fails its checksum; vLLM "
                                 "recomputes from there", valid, spec.req_id)
-            if valid == n:
+            if valid == n and spec.reference:
                 # while the pins or the record still hold the slots (before the
                 # check below), and off the load's time
                 reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,

@@ -67,23 +67,27 @@ def _asks(logprobs: int) -> dict:
     return {"logprobs": logprobs, "return_tokens_as_token_ids": True} if logprobs else {}
 
 
-def complete(server, tokens: list, output_len: int, logprobs: int = 0) -> Answer:
-    """One completion of TOKENS on SERVER (greedy), streamed."""
+def complete(server, tokens: list, output_len: int, logprobs: int = 0,
+             params: dict | None = None) -> Answer:
+    """One completion of TOKENS on SERVER (greedy), streamed; PARAMS: its
+    kv_transfer_params, if any."""
     return first_token(server.url + "/v1/completions",
                        {"model": model_id(server), "prompt": tokens, "max_tokens": output_len,
-                        "temperature": 0} | _asks(logprobs))
+                        "temperature": 0} | _asks(logprobs)
+                       | ({"kv_transfer_params": params} if params else {}))
 
 
 def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
-               mooncake_engine: str | None = None, logprobs: int = 0) -> tuple[float, Answer]:
+               mooncake_engine: str | None = None, logprobs: int = 0,
+               params: dict | None = None) -> tuple[float, Answer]:
     """A P/D request as a proxy makes it: the prefill request (`max_tokens` 1,
-    `do_remote_decode`), then the decode request with the KV transfer parameters
-    the prefill answered (Mooncake's: its proxy's pairing, MOONCAKE_ENGINE the
-    prefill engine's id), streamed.  Returns (monotonic time the prefill
-    answered, the decode's Answer)."""
+    `do_remote_decode`, and PARAMS besides), then the decode request with the KV
+    transfer parameters the prefill answered (Mooncake's: its proxy's pairing,
+    MOONCAKE_ENGINE the prefill engine's id), streamed.  Returns (monotonic time
+    the prefill answered, the decode's Answer)."""
     model = model_id(prefill)
     base = {"model": model, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
-    ask, given = {"do_remote_decode": True}, None
+    ask, given = {"do_remote_decode": True} | (params or {}), None
     if config == "mooncake":
         # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
         # both, and the prefill engine's id from its bootstrap server for the decode

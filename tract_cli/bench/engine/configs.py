@@ -45,6 +45,8 @@ ROWS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix-miss
 # what a run compares unless told: every configuration that runs on vLLM's CPU
 # build (a peer not installed is skipped, with the command that installs it)
 DEFAULT = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix", "lmcache")
+# the configurations through TraCT's connector (a temporary region of their own)
+TRACT_CONFIGS = ("tract", "prefix")
 # prefix-cache configurations: a miss on one instance, then the hit on the other
 PREFIX = {"prefix": ("prefix-miss", "prefix-hit"), "lmcache": ("lmcache-miss", "lmcache-hit")}
 # a configuration -> the peer whose vLLM overlay it runs in
@@ -115,8 +117,9 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
     MONO_ALL_CPUS: one vLLM on every CPU the pairs share (under load, the floor
     with as many cores as a pair), else on vLLM's default binding; MONO_ENV its
     environment besides.  REFERENCE: the TraCT connector also times a memcpy of
-    the same bytes beside each of its copies (the static experiment's reference;
-    an extra copy in the step, so not under load)."""
+    the same bytes beside its copies of a request that asks for it (the static
+    experiment's warm-ups: the reference; two more copies in the step, so not
+    under load)."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")
 
@@ -141,7 +144,7 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         return {"mono": VllmServer(model_dir, free_port(), args=args, kv_cache_gib=gib,
                                    log_path=log("mono"),
                                    env=(cores("all") if mono_all_cpus else {}) | (mono_env or {}))}
-    if config in ("tract", "prefix"):
+    if config in TRACT_CONFIGS:
         out = {}
         try:
             for role, node in (("prefill", 1), ("decode", 2)):

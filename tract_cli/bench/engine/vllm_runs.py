@@ -14,7 +14,9 @@ load and the decode instance's first step).  The connector's own figures,
 `kv save` and `kv load` (from its log lines, with their parts: the copy,
 which checksums as it copies, and the pool's metadata calls), are set against
 a `memcpy` of the same bytes between the same buffers, which the connector
-times right after each copy when its timings are on.  Prompts are random token ids, a
+times right after its copies of the warm-up request of each measured length
+(a request's kv_transfer_params ask it, kvlog.REFERENCE_PARAM): two more
+copies in a step, so no measured request pays them.  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from tract_cli.bench.engine import answers as answer_check
 from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
-from tract_cli.bench.engine.configs import CONFIGS, PREFIX, ROWS
+from tract_cli.bench.engine.configs import CONFIGS, PREFIX, ROWS, TRACT_CONFIGS
 from tract_cli.bench.stats import memcpy_reference
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
@@ -106,7 +108,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
 
             def one_config():
                 nonlocal pool, flush_mode
-                if config in ("tract", "prefix"):       # each from an empty region
+                if config in TRACT_CONFIGS:       # each from an empty region
                     pool = None if pool is None else remove_pool(pool)
                     pool = _tract_region(model_dir, lengths, per_length + 1)
                     flush_mode = _flush_mode(pool)
@@ -211,8 +213,12 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
     try:
         for s in servers.values():
             s.wait_ready()
-        for tokens in warm:
-            _warm(servers, config, tokens, output_len)
+        for i, tokens in enumerate(warm):
+            # the warm-ups of the measured lengths (not the first, of a path's
+            # one-time costs) are the requests the connector times its memcpy
+            # reference beside (kvlog.REFERENCE_PARAM): two more copies in their
+            # steps, which no measured request pays
+            _warm(servers, config, tokens, output_len, reference=i > 0)
         # each line the connector logs for a request is written before its reply
         # goes out, or (a prefix miss's save, committed off the step) waited for
         # before the hit is asked (_prefix)
@@ -266,22 +272,25 @@ def _kv_bytes(model_dir: str, tokens: int) -> int:
     return tokens * load_model(model_dir).geometry.bytes_per_token
 
 
-def _warm(servers: dict, config: str, tokens: list, output_len: int) -> None:
+def _warm(servers: dict, config: str, tokens: list, output_len: int,
+          reference: bool = False) -> None:
     """One warm-up request through the path, of TOKENS, answered before any
     measured request: the path's one-time costs (vLLM's first step at a size, a
-    connector's first copy) are paid here."""
+    connector's first copy) are paid here.  REFERENCE: TraCT's connector times
+    a memcpy of the same bytes beside its copies of this request."""
+    params = {kvlog.REFERENCE_PARAM: True} if reference and config in TRACT_CONFIGS else None
     if config in PREFIX:
-        _prefix(servers, tokens, output_len, PREFIX[config])
+        _prefix(servers, tokens, output_len, PREFIX[config], params=params)
     else:
-        _one(servers, config, tokens, output_len)
+        _one(servers, config, tokens, output_len, params=params)
 
 
 def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str],
-            gap: float = 0.0) -> dict:
+            gap: float = 0.0, params: dict | None = None) -> dict:
     """A miss (the prefill instance computes the prompt, and saves it) and then the hit
     (the decode instance, another node, loads it from the pool or the cache), asked
     GAP seconds after the miss was answered and saved: TTFT of each, as ROWS (miss,
-    hit)."""
+    hit); PARAMS: both requests' kv_transfer_params, if any."""
     out = {}
     cache = servers.get("cache")
     stored = cache.stored_chunks() if cache else None
@@ -303,7 +312,8 @@ def _prefix(servers: dict, tokens: list, output_len: int, rows: tuple[str, str],
             time.sleep(gap)             # pacing the workload (DEFAULT_REQUEST_GAP_S)
         before = calls.metrics(s)
         t0 = time.monotonic()
-        got = calls.complete(s, tokens, output_len, logprobs=answer_check.TOP_LOGPROBS)
+        got = calls.complete(s, tokens, output_len, logprobs=answer_check.TOP_LOGPROBS,
+                             params=params)
         after = calls.metrics(s)
         out[row] = {"ttft_s": got.first - t0, "prefill_s": None, "decode_s": None,
                     "engine_s": calls.grew(before, after, calls.TTFT), "answer": got}
@@ -334,10 +344,12 @@ def _wait_saved(log_path: str, mark: int, blocks: int, timeout: float = 5) -> fl
         time.sleep(0.002)   # polling another process's commit, bounded
 
 
-def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
+def _one(servers: dict, config: str, tokens: list, output_len: int,
+         params: dict | None = None) -> dict:
     """One request through CONFIG: its TTFT and parts as the client saw them, and
     `engine_s`, the same path as vLLM's front ends time it (a P/D request's parts
-    `engine_prefill_s`, `engine_decode_s`; None where vLLM reports none)."""
+    `engine_prefill_s`, `engine_decode_s`; None where vLLM reports none); PARAMS:
+    the prefill request's kv_transfer_params besides, if any (not one vLLM's)."""
     if config == "mono":
         m = servers["mono"]
         before = calls.metrics(m)
@@ -350,7 +362,7 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
     engine = calls.mooncake_engine(p) if config == "mooncake" else None
     t0 = time.monotonic()
     t1, got = calls.pd_request(config, p, d, tokens, output_len, engine,
-                               logprobs=answer_check.TOP_LOGPROBS)
+                               logprobs=answer_check.TOP_LOGPROBS, params=params)
     first = got.first
     # read once the decode has answered in full: the prefill's request ended long before
     after = {s: calls.metrics(s) for s in (p, d)}
@@ -368,15 +380,20 @@ def _one(servers: dict, config: str, tokens: list, output_len: int) -> dict:
 
 
 def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int]) -> dict:
-    """The connector's own load and save timings (its INFO lines), per request, and
-    its memcpy of the same bytes between the same buffers (the reference), of
+    """The connector's own load and save timings (its INFO lines), per request, of
     the measured requests: what each log holds past its mark (MARKS, its size
-    once the warm-up was answered), whole lines."""
+    once the warm-up was answered), whole lines; and its memcpy of the same
+    bytes between the same buffers (the reference), which it timed beside the
+    copies of the warm-ups of the measured lengths only (`_run_config`):
+    every such line in the logs."""
     rows = {"load": [], "save": [], "load_memcpy": [], "save_memcpy": [], "publish": []}
     for path, kinds in ((decode_log, ("load", "load_memcpy")),
                         (prefill_log, ("save", "save_memcpy", "publish"))):
         for kind, row in kvlog.read_since(path, marks.get(path, 0)):
-            if kind in kinds:
+            if kind in kinds and not kind.endswith("_memcpy"):
+                rows[kind].append(row)
+        for kind, row in kvlog.read_since(path):
+            if kind in kinds and kind.endswith("_memcpy"):
                 rows[kind].append(row)
     return {"loads": rows["load"], "saves": rows["save"], "loads_memcpy": rows["load_memcpy"],
             "saves_memcpy": rows["save_memcpy"], "publishes": rows["publish"]}

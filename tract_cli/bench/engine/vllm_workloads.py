@@ -106,7 +106,7 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
 
             def one_config():
                 nonlocal pool, flush_mode
-                if config in ("tract", "prefix"):        # each from an empty region
+                if config in engine_configs.TRACT_CONFIGS:        # each from an empty region
                     pool = None if pool is None else remove_pool(pool)
                     pool = _tract_region(model_dir, largest, 1)
                     flush_mode = _flush_mode(pool)
@@ -189,7 +189,7 @@ def _run_points(config, servers, points, engine, logs, records, summaries, answe
             marks = {role: os.path.getsize(p) for role, p in logs.items()}
             got, wall = _drive(config, servers, reqs, engine)
             after = {role: calls.metrics(s) for role, s in servers.items() if role != "cache"}
-            kv = _connector_times(logs, marks) if config in ("tract", "prefix") else None
+            kv = _connector_times(logs, marks) if config in engine_configs.TRACT_CONFIGS else None
             for rec in got:
                 answers[(config, k, rec["request"])] = rec.pop("answer")
                 records.append({"config": config, "point": k, "qps": qps} | rec)
