@@ -392,7 +392,7 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     line = kv_path_line("saves", fig)
     assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
                            "in 3 ms (copy 2 ms,"), line
-    assert "commit 750 µs, 750 µs of it in the step" in line and "buffers 1.17 ms: 2.57x in all" in line, line
+    assert "commit 750 µs, 750 µs of it in the step" in line and "length) 1.17 ms: 2.57x in all" in line, line
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])

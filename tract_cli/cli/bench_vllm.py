@@ -133,8 +133,8 @@ def kv_path_line(kind: str, fig: dict) -> str:
     ms = lambda v: format_duration(v / n / 1e3)
     one = kind[:-1]
     same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
-            f"memcpy of the same bytes between the same buffers (timed beside the warm-up "
-            f"request of each length) {ms(fig['memcpy_ms'])}: "
+            f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
+            f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])}: "
             f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
             f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
     meta = ms(fig["meta_ms"])
