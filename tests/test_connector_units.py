@@ -476,3 +476,32 @@ def test_the_prefix_bench_waits_for_the_misss_save_line_and_no_longer(tmp_path, 
     with open(log, "a") as f:
         f.write("\n")
     assert _wait_saved(str(log), mark, 11, timeout=5) is not None
+
+
+def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
+    """The worker half's CPU path (tests/cpu_worker_driver.py, in vLLM's
+    environment, against a real region): a step's commit, off the step, is
+    deferred (COMMIT_DEFER_S, so it does not take the worker's bound core from
+    the rest of the step and its output) until the next step's bind or
+    shutdown; its blocks are then READY with the pages' bytes, and a next step
+    that saves claims after it."""
+    import json
+    import os
+    import subprocess
+
+    from agents import RunningAgent
+    from tests.vllm_stack import ROOT, VLLM_PY
+    from tract_cli.core.pool import Pool
+    if not os.path.exists(VLLM_PY):
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
+    Pool.create(region_path, 64 << 20, "tiny-llama").close()
+    with RunningAgent(region_path, 0, manager=True):
+        out = subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "cpu_worker_driver.py"),
+                              region_path], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT)
+    assert out.returncode == 0, f"the driver failed: {out.stderr[-3000:]}"
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"after_its_step": 0, "a_while_after": 0, "after_the_next_bind": True,
+                    "bytes_equal": True, "a_commit_before_the_next_steps_claim": True,
+                    "the_last_step_still_waits": 0, "after_shutdown": 1,
+                    "bytes_equal_3": True}, seen

@@ -84,6 +84,17 @@ log = logging.getLogger("vllm.tract")
 # copies in its step; without it the request's ask does nothing
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 
+# CPU path: a step's commit (run off the step, on the save thread) starts this
+# long after the step's copy, or at the next step's bind if that comes first.
+# vLLM binds its CPU worker to its cores, and the save thread shares them: a
+# commit started at once took the core and the GIL from the rest of the step
+# (returning from the connector, sampling, the output: ~1 ms of a P/D
+# prefill's 6000-token reply, traced); by then the output has left.  A
+# handoff's publish follows its commit: its decode instance, a request and a
+# front end away, asks later than this (docs/VLLM.md, "Saves wait for the
+# step's output").
+COMMIT_DEFER_S = 0.003
+
 
 def _described(saves: list, rest: int, block_tokens: int) -> Described:
     """The descriptions of a step's saves, in their keys' order, and REST rows
@@ -172,6 +183,9 @@ class WorkerSide:
         # (the GPU path's first layer waits for the claim alone)
         self._records: Future | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
+        # set when a deferred commit should start now (COMMIT_DEFER_S): the next
+        # step's bind, or shutdown
+        self._next_step = threading.Event()
         self._load_errors: set[int] = set()
         # loads run on one thread; what it finished waits here for get_finished
         self._loads: queue.Queue = queue.Queue()
@@ -237,6 +251,7 @@ class WorkerSide:
         (the CPU path needs the slots in wait_for_save, the GPU path at the first
         layer's save_layer)."""
         self._drop_pending_save("a step that never waited for its save")
+        self._next_step.set()        # a commit still deferred starts: this step's claim follows it
         if saves:
             self._reserving = self._saver.submit(self._reserve, saves)
             # (a step that waits for its commit publishes its handoffs before its
@@ -540,7 +555,10 @@ class WorkerSide:
             return
         # the blocks are in their slots: vLLM may reuse its pages now, and the
         # commit that makes them READY runs on the save thread
-        job = self._saver.submit(self._commit, plan, sums, complete)
+        defer = COMMIT_DEFER_S if self._paged is not None and not plan.commit_in_step else 0.0
+        if defer:
+            self._next_step.clear()
+        job = self._saver.submit(self._commit, plan, sums, complete, defer)
         if not plan.commit_in_step:
             return
         # a handoff the scheduler publishes right after this step (request_finished,
@@ -586,9 +604,13 @@ class WorkerSide:
         sums[plan.batch_rows] = plan.batch_sums      # the CPU's CRC-32C of what the DMA wrote
         return sums, True
 
-    def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool) -> None:
+    def _commit(self, plan: _SavePlan, sums: np.ndarray | None, complete: bool,
+                defer: float = 0.0) -> None:
         """On the save thread: `_commit_plan`, whose errors never reach vLLM's
-        step nor go unseen (a job whose future nobody waits for would drop them)."""
+        step nor go unseen (a job whose future nobody waits for would drop them),
+        DEFER seconds after it was queued at most (COMMIT_DEFER_S)."""
+        if defer:
+            self._next_step.wait(defer)
         try:
             self._commit_plan(plan, sums, complete)
         except Exception:              # a bug, not a pool error: said, never raised
@@ -936,6 +958,7 @@ class WorkerSide:
         loads not started are dropped, the one running is waited for (it writes
         into vLLM's tensors, which must outlive it; it waits for no lock)."""
         self._drop_pending_save("shutdown")
+        self._next_step.set()                # a deferred commit starts now
         self._saver.shutdown(wait=True)      # the commits queued done first
         if self._gpu is not None:      # the DMA in flight done, the mapping unregistered
             self._settle_gpu_loads()      # their acknowledgements queued

@@ -1,0 +1,117 @@
+"""Drives the vLLM connector's worker half on its CPU path against a real
+region, no model and no server: when a step's commit runs.  A save's commit,
+off the step on the save thread, is deferred (vllm_worker.COMMIT_DEFER_S,
+made long here so the test's clock cannot reach it) until the next step's
+bind or shutdown, whichever comes first; the blocks are then READY and hold
+the bytes of vLLM's pages.
+
+Run in vLLM's environment: `python tests/cpu_worker_driver.py POOL`; prints one
+JSON object of observations (tests/test_connector_units.py checks them).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from tract_cli.connectors import vllm_worker
+from tract_cli.connectors.retry import Releases
+from tract_cli.connectors.settings import ConnectorSettings
+from tract_cli.connectors.vllm_meta import SaveSpec
+from tract_cli.connectors.vllm_worker import WorkerSide
+from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.kvpages import PageLayout, PagedKV, flash_offsets
+from tract_cli.core.pool import Pool
+
+PAGES = 16
+WAIT_S = 10.0          # how long a commit that is due may take, at most
+
+
+def main(path: str) -> dict:
+    vllm_worker.COMMIT_DEFER_S = 60.0      # past anything this driver waits for
+    pool = Pool.attach(path, node=1)
+    g = pool.geometry
+    B, H, D = g.block_tokens, g.num_kv_heads, g.head_dim
+    settings = ConnectorSettings.parse({"pool": path, "node": 1}, "kv_both")
+    releases = Releases(5.0)
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=B))
+    ws = WorkerSide(pool, settings, config, releases, logging.INFO)
+    torch.manual_seed(7)
+    tensors = [torch.randn((2, PAGES, B, H, D)) for _ in range(g.num_layers)]
+    offsets, stride = flash_offsets(PAGES, B, H, D)
+    ws.layout = PageLayout(offsets, stride, B, tensors[0].element_size())
+    ws._paged = PagedKV(pool, ws.layout, tensors)
+    root = pool_root(pool.info)
+    seen: dict = {}
+
+    def expected(pages) -> np.ndarray:
+        index = ws.layout.gather_index(np.asarray(pages), np.zeros(len(pages), np.int64))
+        flat = [t.numpy().reshape(-1) for t in tensors]
+        return np.stack([np.concatenate([f[index[i]] for f in flat]) for i in range(len(pages))])
+
+    def step(n: int, pages) -> np.ndarray:
+        """One step that saves PAGES (a request's blocks); its keys."""
+        keys = block_hashes(np.arange(len(pages) * B, dtype=np.int32) + 1000 * n,
+                            block_tokens=B, root=root)
+        ws.bind([SaveSpec(f"r{n}", keys, np.full(len(pages), B, np.uint32),
+                          np.asarray(pages, np.int64), np.zeros(len(pages), np.int64))])
+        ws.wait_for_save()
+        return keys
+
+    def hits(keys) -> int:
+        """How many of KEYS, from the first, are READY (found by a lookup)."""
+        hit = pool.index.lookup(keys)
+        if hit.hits:
+            pool.index.unpin(hit)
+        return hit.hits
+
+    def ready_within(keys, timeout: float) -> bool:
+        """Whether every key of KEYS is READY within TIMEOUT seconds."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if hits(keys) == len(keys):
+                return True
+            time.sleep(0.005)     # polling the save thread's commit, bounded
+        return False
+
+    def saved_bytes_equal(keys, pages) -> bool:
+        hit = pool.index.lookup(keys)
+        try:
+            got = np.stack([pool.slot_array(int(s)).reshape(-1).view(np.float32)
+                            for s in hit.slots])
+            return hit.hits == len(keys) and bool(np.array_equal(got, expected(pages)))
+        finally:
+            pool.index.unpin(hit)
+
+    # a step's commit waits: nothing READY after its step, while no step follows
+    keys = step(1, [3, 9, 4])
+    seen["after_its_step"] = hits(keys)
+    # not a synchronization: a commit not deferred (~1 ms) would be READY by now
+    time.sleep(0.2)
+    seen["a_while_after"] = hits(keys)
+    # the next step's bind (no saves of its own) starts it
+    ws.bind([])
+    ws.wait_for_save()
+    seen["after_the_next_bind"] = ready_within(keys, WAIT_S)
+    seen["bytes_equal"] = saved_bytes_equal(keys, [3, 9, 4])
+    # a step that saves too: the previous commit first, then this step's claim
+    keys2 = step(2, [5, 6])
+    keys3 = step(3, [7])
+    seen["a_commit_before_the_next_steps_claim"] = hits(keys2) == len(keys2)
+    seen["the_last_step_still_waits"] = hits(keys3)
+    # shutdown starts a commit still deferred, and waits for it
+    ws.shutdown()
+    seen["after_shutdown"] = hits(keys3)
+    seen["bytes_equal_3"] = saved_bytes_equal(keys3, [7])
+    releases.close(10.0)
+    pool.close()
+    return seen
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
