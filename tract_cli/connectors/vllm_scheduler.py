@@ -200,9 +200,10 @@ class SchedulerSide:
             cacheable = False
         hashes = arr = None
         if cacheable:
-            keys, tail_key, tail, hashes = prompt_keys(self.pool.info, self.key_tag, self.g,
-                                                       tokens, salt)
+            # vLLM's prompt is a list: made an array once (~0.1 ms at 6000 tokens)
             arr = np.asarray(tokens, dtype=np.int64)
+            keys, tail_key, tail, hashes = prompt_keys(self.pool.info, self.key_tag, self.g,
+                                                       arr, salt)
             if salt and len(salt.encode()) > MAX_RECORD_SALT:
                 hashes = arr = None
         else:

@@ -83,6 +83,9 @@ log = logging.getLogger("vllm.tract")
 # (kvlog.REFERENCE_PARAM: the bench's warm-up requests), at the cost of two more
 # copies in its step; without it the request's ask does nothing
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
+# rounds of (memcpy, checksummed copy) the reference times, interleaved: only a
+# warm-up pays them, so enough for a median that one preemption does not move
+REFERENCE_ROUNDS = 5
 
 # CPU path: a step's commit (run off the step, on the save thread) starts this
 # long after the step's copy, or at the next step's bind if that comes first.
@@ -687,29 +690,36 @@ class WorkerSide:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`), for a request
         that asks for it (kvlog.REFERENCE_PARAM): a plain memcpy of the
         same bytes between the same buffers, right after the real copy, then the
-        real (checksummed) copy once more, each timed: the two with the bytes
-        equally warm in the caches, the reference the copy is measured against.
+        real (checksummed) copy once more, each timed, REFERENCE_ROUNDS times
+        interleaved, their medians logged: the two with the bytes equally warm
+        in the caches, the reference the copy is measured against.
         Both write the bytes the copy just wrote (a save's into slots still
         claimed, before the commit; a load's while its pins or handoff still hold
-        the slots, and its second copy's checksums must equal the first's, CRCS).
+        the slots, and each second copy's checksums must equal the first's, CRCS).
         Returns the seconds it took (kept out of the copy's own timing)."""
         if not REFERENCE or not len(slots):
             return 0.0
         copy = getattr(self._paged, kind)
-        t0 = time.perf_counter()
+        start = time.perf_counter()
+        plain, again, same = [], [], True
         try:
-            copy(slots, pages, subs, checksum=False)
-            t1 = time.perf_counter()
-            again = copy(slots, pages, subs)
-            t2 = time.perf_counter()
+            for _ in range(REFERENCE_ROUNDS):
+                t0 = time.perf_counter()
+                copy(slots, pages, subs, checksum=False)
+                t1 = time.perf_counter()
+                sums = copy(slots, pages, subs)
+                plain.append(t1 - t0)
+                again.append(time.perf_counter() - t1)
+                same = same and (crcs is None or np.array_equal(sums, crcs))
         except TractError as exc:
             log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
-            return time.perf_counter() - t0
-        if crcs is not None and not np.array_equal(again, crcs):
+            return time.perf_counter() - start
+        if not same:           # the load fails (its caller's): vLLM recomputes it
             raise TractError("the reference copy read other bytes than the load",
                              "report it: the slots changed under a held pin")
-        log.info(kvlog.REFERENCE, kind, len(slots), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
-        return t2 - t0
+        log.info(kvlog.REFERENCE, kind, len(slots), float(np.median(plain)) * 1e3,
+                 float(np.median(again)) * 1e3)
+        return time.perf_counter() - start
 
     # ---- loads ----
 
