@@ -2,8 +2,8 @@
 region, no model and no server: when a step's commit runs.  A save's commit,
 off the step on the save thread, is deferred (vllm_worker.COMMIT_DEFER_S,
 made long here so the test's clock cannot reach it) until the next step's
-bind or shutdown, whichever comes first; the blocks are then READY and hold
-the bytes of vLLM's pages.
+bind or shutdown, whichever comes first, and a short defer ends by itself;
+the blocks are then READY and hold the bytes of vLLM's pages.
 
 Run in vLLM's environment: `python tests/cpu_worker_driver.py POOL`; prints one
 JSON object of observations (tests/test_connector_units.py checks them).
@@ -81,10 +81,14 @@ def main(path: str) -> dict:
 
     def saved_bytes_equal(keys, pages) -> bool:
         hit = pool.index.lookup(keys)
+        if hit.hits != len(keys):
+            if hit.hits:
+                pool.index.unpin(hit)
+            return False
         try:
             got = np.stack([pool.slot_array(int(s)).reshape(-1).view(np.float32)
                             for s in hit.slots])
-            return hit.hits == len(keys) and bool(np.array_equal(got, expected(pages)))
+            return bool(np.array_equal(got, expected(pages)))
         finally:
             pool.index.unpin(hit)
 
@@ -104,10 +108,17 @@ def main(path: str) -> dict:
     keys3 = step(3, [7])
     seen["a_commit_before_the_next_steps_claim"] = hits(keys2) == len(keys2)
     seen["the_last_step_still_waits"] = hits(keys3)
-    # shutdown starts a commit still deferred, and waits for it
-    ws.shutdown()
-    seen["after_shutdown"] = hits(keys3)
+    # a short defer ends by itself: no step follows step 4, nothing else ends it
+    vllm_worker.COMMIT_DEFER_S = 0.05
+    keys4 = step(4, [8])
+    seen["a_short_defer_ends_by_itself"] = ready_within(keys4, WAIT_S)
     seen["bytes_equal_3"] = saved_bytes_equal(keys3, [7])
+    # shutdown starts a commit still deferred, and waits for it
+    vllm_worker.COMMIT_DEFER_S = 60.0
+    keys5 = step(5, [10, 11])
+    ws.shutdown()
+    seen["after_shutdown"] = hits(keys5)
+    seen["bytes_equal_5"] = saved_bytes_equal(keys5, [10, 11])
     releases.close(10.0)
     pool.close()
     return seen

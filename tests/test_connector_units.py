@@ -483,8 +483,8 @@ def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
     environment, against a real region): a step's commit, off the step, is
     deferred (COMMIT_DEFER_S, so it does not take the worker's bound core from
     the rest of the step and its output) until the next step's bind or
-    shutdown; its blocks are then READY with the pages' bytes, and a next step
-    that saves claims after it."""
+    shutdown, or its defer's end; its blocks are then READY with the pages'
+    bytes, and a next step that saves claims after it."""
     import json
     import os
     import subprocess
@@ -503,5 +503,5 @@ def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"after_its_step": 0, "a_while_after": 0, "after_the_next_bind": True,
                     "bytes_equal": True, "a_commit_before_the_next_steps_claim": True,
-                    "the_last_step_still_waits": 0, "after_shutdown": 1,
-                    "bytes_equal_3": True}, seen
+                    "the_last_step_still_waits": 0, "a_short_defer_ends_by_itself": True,
+                    "bytes_equal_3": True, "after_shutdown": 2, "bytes_equal_5": True}, seen

@@ -89,7 +89,7 @@ def test_the_memcpy_reference_is_timed_only_for_a_request_that_asks(stack):
     kv_transfer_params ask (kvlog.REFERENCE_PARAM: the bench's warm-ups) has a
     memcpy timed beside its save and, through its ticket, beside its decode's
     load, and still answers as one vLLM; a request that does not ask has none
-    (no measured request pays the two extra copies in its steps)."""
+    (no measured request pays the extra copies in its steps)."""
     from tract_cli.core import kvlog
     logs = {role: str(stack["tmp"] / f"{role}.log") for role in ("prefill", "decode")}
     for asked in (True, False):

@@ -448,11 +448,13 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     """The static workload leaves REQUEST_GAP seconds of quiet before each
     measured request and before a prefix hit (vLLM's pollers: docs/VLLM.md,
     "Benchmark"), outside every timed window (the counters read before it, the
-    wait for the miss's save before it), none before the warm-up, and none with a
-    gap of 0.  The clock is the test's: the quiet moves it, so a quiet inside a
-    timed window would show in the TTFT.  The warm-ups of the measured lengths,
-    and only they, ask TraCT's connector for its memcpy reference
-    (kvlog.REFERENCE_PARAM): no measured request pays its copies."""
+    wait for the miss's save before it), and none with a gap of 0.  The
+    warm-ups of the measured lengths, and only they, ask TraCT's connector for
+    its memcpy reference (kvlog.REFERENCE_PARAM: no measured request pays its
+    copies), and on TraCT's configurations they meet quiet instances too (the
+    reference as paced as the copies it is set against); no other warm-up
+    waits.  The clock is the test's: the quiet moves it, so a quiet inside a
+    timed window would show in the TTFT."""
     import types
     from tract_cli.bench.engine import calls, vllm_runs
     events, now = [], [0.0]
@@ -510,7 +512,8 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     monkeypatch.setattr(calls, "metrics", metrics)
     monkeypatch.setattr(vllm_runs, "_wait_saved", saved)
     reqs = [(3, [1, 2, 3]), (4, [1, 2, 3, 4])]
-    warm = [[9] * 5, [8] * 2]       # a path's one-time costs, then a measured length's
+    # a path's one-time costs, then a measured length's (TraCT's memcpy reference)
+    warm = [([9] * 5, False), ([8] * 2, True)]
     from tract_cli.core.kvlog import REFERENCE_PARAM
     ref = {REFERENCE_PARAM: True}
 
@@ -524,11 +527,12 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     for gap in (1.25, 0.0):
         q = [("quiet", gap)] if gap else []
         for config, want, marked in (
-                # the warm-ups, then each
-                ("tract", pd(5) + pd(2) + q + pd(3) + q + pd(4),
+                # the warm-ups (the reference's paced as a measured request is),
+                # then each
+                ("tract", pd(5) + q + pd(2) + q + pd(3) + q + pd(4),
                  [(5, None), (2, ref), (3, None), (4, None)]),
-                ("prefix", 2 * (one("prefill") + [("saved",)] + one("decode"))
-                 + 2 * (q + one("prefill") + [("saved",)] + q + one("decode")),
+                ("prefix", one("prefill") + [("saved",)] + one("decode")
+                 + 3 * (q + one("prefill") + [("saved",)] + q + one("decode")),
                  [(5, None), (5, None), (2, ref), (2, ref)] + [(3, None)] * 2 + [(4, None)] * 2),
                 ("example", pd(5) + pd(2) + q + pd(3) + q + pd(4),
                  [(5, None), (2, None), (3, None), (4, None)]),

@@ -135,8 +135,8 @@ def kv_path_line(kind: str, fig: dict) -> str:
     same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
             f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
             f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])}: "
-            f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (the copy again "
-            f"with the bytes as warm as the memcpy's: {fig['warm_copy_ratio']:.2f}x)")
+            f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (a warm-up's copy "
+            f"again, its bytes as warm as its memcpy's: {fig['warm_copy_ratio']:.2f}x)")
     meta = ms(fig["meta_ms"])
     if kind == "saves":
         meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "

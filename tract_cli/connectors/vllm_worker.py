@@ -20,7 +20,9 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   reserve, on the save thread), copied from vLLM's pages after it in one C
   call that checksums as it copies with streaming stores (`PagedKV.save`), and
   published by one commit on the save thread, off the step: the copy is all
-  the step waits for (vLLM may reuse the pages once it is done).  A step after
+  the step waits for (vLLM may reuse the pages once it is done).  On the CPU
+  path the commit waits until the step's output has left (COMMIT_DEFER_S, or
+  the next step's bind).  A step after
   which the scheduler publishes a request's handoff (`SaveSpec.handoff_follows`:
   one it could not plan in-step) waits for its commit too.  The save thread runs a step's
   claim after the previous step's commit.  The commit and the claim each wait
@@ -80,8 +82,8 @@ log = logging.getLogger("vllm.tract")
 
 # TRACT_CONNECTOR_REFERENCE=1 (what `tract bench --engine vllm` sets): time a memcpy
 # of the same bytes beside the copies of a request that asks for it
-# (kvlog.REFERENCE_PARAM: the bench's warm-up requests), at the cost of two more
-# copies in its step; without it the request's ask does nothing
+# (kvlog.REFERENCE_PARAM: the bench's warm-up requests), at the cost of
+# 2 x REFERENCE_ROUNDS more copies in its step; without it the ask does nothing
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
 # rounds of (memcpy, checksummed copy) the reference times, interleaved: only a
 # warm-up pays them, so enough for a median that one preemption does not move
@@ -91,8 +93,8 @@ REFERENCE_ROUNDS = 5
 # long after the step's copy, or at the next step's bind if that comes first.
 # vLLM binds its CPU worker to its cores, and the save thread shares them: a
 # commit started at once took the core and the GIL from the rest of the step
-# (returning from the connector, sampling, the output: ~1 ms of a P/D
-# prefill's 6000-token reply, traced); by then the output has left.  A
+# (0.32 ms returning from wait_for_save and 0.36 ms more to the step's
+# output, medians traced at 6000 tokens); by then the output has left.  A
 # handoff's publish follows its commit: its decode instance, a request and a
 # front end away, asks later than this (docs/VLLM.md, "Saves wait for the
 # step's output").
@@ -611,7 +613,8 @@ class WorkerSide:
                 defer: float = 0.0) -> None:
         """On the save thread: `_commit_plan`, whose errors never reach vLLM's
         step nor go unseen (a job whose future nobody waits for would drop them),
-        DEFER seconds after it was queued at most (COMMIT_DEFER_S)."""
+        after waiting DEFER seconds at most once started (COMMIT_DEFER_S: the
+        next step's bind or shutdown ends the wait)."""
         if defer:
             self._next_step.wait(defer)
         try:
@@ -701,22 +704,23 @@ class WorkerSide:
             return 0.0
         copy = getattr(self._paged, kind)
         start = time.perf_counter()
-        plain, again, same = [], [], True
-        try:
-            for _ in range(REFERENCE_ROUNDS):
+        plain, again = [], []
+        for _ in range(REFERENCE_ROUNDS):
+            try:
                 t0 = time.perf_counter()
                 copy(slots, pages, subs, checksum=False)
                 t1 = time.perf_counter()
                 sums = copy(slots, pages, subs)
-                plain.append(t1 - t0)
-                again.append(time.perf_counter() - t1)
-                same = same and (crcs is None or np.array_equal(sums, crcs))
-        except TractError as exc:
-            log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
-            return time.perf_counter() - start
-        if not same:           # the load fails (its caller's): vLLM recomputes it
-            raise TractError("the reference copy read other bytes than the load",
-                             "report it: the slots changed under a held pin")
+                t2 = time.perf_counter()
+            except TractError as exc:
+                log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
+                return time.perf_counter() - start
+            if crcs is not None and not np.array_equal(sums, crcs):
+                # at once: the load fails (its caller's) and vLLM recomputes it
+                raise TractError("the reference copy read other bytes than the load",
+                                 "report it: the slots changed under a held pin")
+            plain.append(t1 - t0)
+            again.append(t2 - t1)
         log.info(kvlog.REFERENCE, kind, len(slots), float(np.median(plain)) * 1e3,
                  float(np.median(again)) * 1e3)
         return time.perf_counter() - start

@@ -29,12 +29,14 @@ PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 # (load|save, blocks, ms, ms): with TRACT_CONNECTOR_REFERENCE=1, the connector
 # also times a plain memcpy of the same bytes between the same buffers right
 # after its own copy, then its own copy once more, both with the bytes as warm
-# in the caches: for a request whose kv_transfer_params carry REFERENCE_PARAM
-# true (the bench's warm-up requests), so no measured request pays the two
-# extra copies in its step
+# in the caches (the medians of a few rounds): for a request whose
+# kv_transfer_params carry REFERENCE_PARAM true (the bench's warm-up
+# requests), so no measured request pays the extra copies in its step
 REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms (the "
              "checksummed copy again, as warm: %.3f ms)")
 
+# (the key both the connector and the bench know: here, since bench never
+# imports connectors)
 REFERENCE_PARAM = "tract_reference"
 
 _FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)"}

@@ -99,9 +99,9 @@ def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
     out = post_json(prefill.url + "/v1/completions",
                     base | {"max_tokens": 1, "kv_transfer_params": ask})
     answered = time.monotonic()
-    params = given or out.get("kv_transfer_params")
+    handed = given or out.get("kv_transfer_params")
     answer = first_token(decode.url + "/v1/completions",
-                         base | ({"kv_transfer_params": params} if params else {})
+                         base | ({"kv_transfer_params": handed} if handed else {})
                          | _asks(logprobs))
     return answered, answer
 

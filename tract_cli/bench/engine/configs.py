@@ -118,7 +118,7 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
     with as many cores as a pair), else on vLLM's default binding; MONO_ENV its
     environment besides.  REFERENCE: the TraCT connector also times a memcpy of
     the same bytes beside its copies of a request that asks for it (the static
-    experiment's warm-ups: the reference; two more copies in the step, so not
+    experiment's warm-ups: the reference; more copies in the step, so not
     under load)."""
     from tract_cli.serve.vllm_engine import VllmServer
     log = lambda role: os.path.join(work, f"{config}-{role}.log")

@@ -13,10 +13,11 @@ the first to the first streamed token of the second.  Its parts: `prefill`
 load and the decode instance's first step).  The connector's own figures,
 `kv save` and `kv load` (from its log lines, with their parts: the copy,
 which checksums as it copies, and the pool's metadata calls), are set against
-a `memcpy` of the same bytes between the same buffers, which the connector
-times right after its copies of the warm-up request of each measured length
-(a request's kv_transfer_params ask it, kvlog.REFERENCE_PARAM): two more
-copies in a step, so no measured request pays them.  Prompts are random token ids, a
+a `memcpy` of as many bytes between vLLM's pages and the region's slots,
+which the connector times right after its copies of the warm-up request of
+each measured length (a request's kv_transfer_params ask it,
+kvlog.REFERENCE_PARAM; more copies in a step, so no measured request pays
+them).  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
 """
 from __future__ import annotations
@@ -85,9 +86,12 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     # the warm-up prompts: another seed's, so they share no block with the measured
     # ones; two whole blocks and some (a path's one-time costs), then one of each
     # measured length (vLLM's first step at a new size is several times its next
-    # ones, on every configuration alike: no measured request pays it)
-    warm = [t for _, t in prompts([2 * VLLM_BLOCK + 8, *sorted(set(lengths))], 1, vocab,
-                                  seed + 1)]
+    # ones, on every configuration alike: no measured request pays it); each
+    # with whether TraCT's connector times its memcpy reference beside its copies
+    # (kvlog.REFERENCE_PARAM): those of the measured lengths, so no measured
+    # request pays the reference's copies in its steps
+    warm = [(t, i > 0) for i, (_, t) in
+            enumerate(prompts([2 * VLLM_BLOCK + 8, *sorted(set(lengths))], 1, vocab, seed + 1))]
     # what a configuration's own cache server must hold: every prompt's KV twice over
     cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
@@ -203,7 +207,10 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
                 output_len, cache_bytes, records, answers,
                 handoff_publish: str = "after_step",
                 request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict[str, int]:
-    """Starts CONFIG's servers, runs the warm-up prompts WARM and then every
+    """Starts CONFIG's servers, runs the warm-up prompts WARM ((tokens, whether
+    TraCT's connector times its memcpy reference beside them); one that does
+    after REQUEST_GAP seconds of quiet, so the reference meets idle instances as
+    the measured copies do) and then every
     request through them, each after REQUEST_GAP seconds of quiet, stops them.
     Returns each server log's size once the warm-up was answered: what the
     connector logged after it is the measured requests'."""
@@ -213,12 +220,11 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
     try:
         for s in servers.values():
             s.wait_ready()
-        for i, tokens in enumerate(warm):
-            # the warm-ups of the measured lengths (not the first, of a path's
-            # one-time costs) are the requests the connector times its memcpy
-            # reference beside (kvlog.REFERENCE_PARAM): two more copies in their
-            # steps, which no measured request pays
-            _warm(servers, config, tokens, output_len, reference=i > 0)
+        for tokens, reference in warm:
+            reference = reference and config in TRACT_CONFIGS
+            if reference and request_gap:
+                time.sleep(request_gap)     # pacing the reference (DEFAULT_REQUEST_GAP_S)
+            _warm(servers, config, tokens, output_len, reference, request_gap)
         # each line the connector logs for a request is written before its reply
         # goes out, or (a prefix miss's save, committed off the step) waited for
         # before the hit is asked (_prefix)
@@ -273,14 +279,16 @@ def _kv_bytes(model_dir: str, tokens: int) -> int:
 
 
 def _warm(servers: dict, config: str, tokens: list, output_len: int,
-          reference: bool = False) -> None:
+          reference: bool = False, gap: float = 0.0) -> None:
     """One warm-up request through the path, of TOKENS, answered before any
     measured request: the path's one-time costs (vLLM's first step at a size, a
     connector's first copy) are paid here.  REFERENCE: TraCT's connector times
-    a memcpy of the same bytes beside its copies of this request."""
-    params = {kvlog.REFERENCE_PARAM: True} if reference and config in TRACT_CONFIGS else None
+    a memcpy of the same bytes beside its copies of this request (a prefix
+    hit's, asked GAP seconds after its miss, as a measured one is)."""
+    params = {kvlog.REFERENCE_PARAM: True} if reference else None
     if config in PREFIX:
-        _prefix(servers, tokens, output_len, PREFIX[config], params=params)
+        _prefix(servers, tokens, output_len, PREFIX[config], gap if reference else 0.0,
+                params=params)
     else:
         _one(servers, config, tokens, output_len, params=params)
 
@@ -402,8 +410,9 @@ def _connector_figures(decode_log: str, prefill_log: str, marks: dict[str, int])
 def _memcpy_figures(kv: dict) -> dict:
     """Per kind (loads, saves): the connector's time, its parts (the copy, which
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
-    bytes between the same buffers it timed beside each copy (scaled to the blocks
-    of the rows where a save's partial blocks had none); also a memcpy of the byte
+    bytes between the same buffers it timed beside the copies of the warm-ups of
+    the measured lengths (per block, scaled to the blocks of the rows; a save's
+    partial blocks had none); also a memcpy of the byte
     count between private buffers in this process (`stats.memcpy_reference`).  The
     times (*_ms) are sums over the COUNT loads or saves measured; the ratios hold
     for the mean one as for the sum."""
