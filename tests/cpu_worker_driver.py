@@ -11,22 +11,16 @@ JSON object of observations (tests/test_connector_units.py checks them).
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
-import torch
+from worker_stand import expected_blocks, worker_on
 
 from tract_cli.connectors import vllm_worker
-from tract_cli.connectors.retry import Releases
-from tract_cli.connectors.settings import ConnectorSettings
 from tract_cli.connectors.vllm_meta import SaveSpec
-from tract_cli.connectors.vllm_worker import WorkerSide
 from tract_cli.core.hashing import block_hashes, pool_root
-from tract_cli.core.kvpages import PageLayout, PagedKV, flash_offsets
-from tract_cli.core.pool import Pool
+from tract_cli.core.kvpages import PagedKV
 
 PAGES = 16
 WAIT_S = 10.0          # how long a commit that is due may take, at most
@@ -34,25 +28,13 @@ WAIT_S = 10.0          # how long a commit that is due may take, at most
 
 def main(path: str) -> dict:
     vllm_worker.COMMIT_DEFER_S = 60.0      # past anything this driver waits for
-    pool = Pool.attach(path, node=1)
-    g = pool.geometry
-    B, H, D = g.block_tokens, g.num_kv_heads, g.head_dim
-    settings = ConnectorSettings.parse({"pool": path, "node": 1}, "kv_both")
-    releases = Releases(5.0)
-    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=B))
-    ws = WorkerSide(pool, settings, config, releases, logging.INFO)
-    torch.manual_seed(7)
-    tensors = [torch.randn((2, PAGES, B, H, D)) for _ in range(g.num_layers)]
-    offsets, stride = flash_offsets(PAGES, B, H, D)
-    ws.layout = PageLayout(offsets, stride, B, tensors[0].element_size())
-    ws._paged = PagedKV(pool, ws.layout, tensors)
+    stand = worker_on(path, PAGES, seed=7)
+    pool, ws, releases = stand.pool, stand.ws, stand.releases
+    B = pool.geometry.block_tokens
+    ws._paged = PagedKV(pool, ws.layout, stand.tensors)
     root = pool_root(pool.info)
     seen: dict = {}
-
-    def expected(pages) -> np.ndarray:
-        index = ws.layout.gather_index(np.asarray(pages), np.zeros(len(pages), np.int64))
-        flat = [t.numpy().reshape(-1) for t in tensors]
-        return np.stack([np.concatenate([f[index[i]] for f in flat]) for i in range(len(pages))])
+    expected = lambda pages: expected_blocks(stand, pages)
 
     def step(n: int, pages) -> np.ndarray:
         """One step that saves PAGES (a request's blocks); its keys."""

@@ -11,54 +11,36 @@ JSON object of observations (tests/test_gpu.py checks them).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
-from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_cuda  # noqa: E402
 
 fake_cuda.install()
 
-from tract_cli.connectors.retry import Releases  # noqa: E402
-from tract_cli.connectors.settings import ConnectorSettings  # noqa: E402
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec  # noqa: E402
-from tract_cli.connectors.vllm_worker import WorkerSide  # noqa: E402
 from tract_cli.core.gpupages import CudaPagedKV  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
-from tract_cli.core.kvpages import PageLayout, flash_offsets  # noqa: E402
-from tract_cli.core.pool import Pool  # noqa: E402
+from worker_stand import expected_blocks, worker_on  # noqa: E402
 
 PAGES = 32
 
 
 def main(path: str) -> dict:
-    pool = Pool.attach(path, node=1)
+    stand = worker_on(path, PAGES, seed=5)
+    pool, ws, releases, tensors = stand
     g = pool.geometry
-    B, H, D = g.block_tokens, g.num_kv_heads, g.head_dim
-    settings = ConnectorSettings.parse({"pool": path, "node": 1}, "kv_both")
-    releases = Releases(5.0)
-    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=B))
-    ws = WorkerSide(pool, settings, config, releases, logging.INFO)
-    torch.manual_seed(5)
-    tensors = [torch.randn((2, PAGES, B, H, D)) for _ in range(g.num_layers)]
-    offsets, stride = flash_offsets(PAGES, B, H, D)
-    ws.layout = PageLayout(offsets, stride, B, tensors[0].element_size())
+    B = g.block_tokens
     ws._gpu = CudaPagedKV(pool, ws.layout, tensors, capacity=3)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(g.num_layers)]
     ws._layers = {name: i for i, name in enumerate(names)}
     root = pool_root(pool.info)
     seen: dict = {}
-
-    def expected(pages) -> np.ndarray:
-        index = ws.layout.gather_index(np.asarray(pages), np.zeros(len(pages), np.int64))
-        flat = [t.numpy().reshape(-1) for t in tensors]
-        return np.stack([np.concatenate([f[index[i]] for f in flat]) for i in range(len(pages))])
+    expected = lambda pages: expected_blocks(stand, pages)
 
     def saved(name, pages, layers) -> tuple[np.ndarray, dict]:
         keys = block_hashes(np.arange(len(pages) * B, dtype=np.int32) + 1000 * len(seen),

@@ -485,22 +485,13 @@ def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
     the rest of the step and its output) until the next step's bind or
     shutdown, or its defer's end; its blocks are then READY with the pages'
     bytes, and a next step that saves claims after it."""
-    import json
     import os
-    import subprocess
 
-    from agents import RunningAgent
-    from tests.vllm_stack import ROOT, VLLM_PY
-    from tract_cli.core.pool import Pool
+    from tests.vllm_stack import VLLM_PY
+    from tests.worker_stand import run_driver
     if not os.path.exists(VLLM_PY):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
-    Pool.create(region_path, 64 << 20, "tiny-llama").close()
-    with RunningAgent(region_path, 0, manager=True):
-        out = subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "cpu_worker_driver.py"),
-                              region_path], capture_output=True, text=True, timeout=300,
-                             cwd=ROOT)
-    assert out.returncode == 0, f"the driver failed: {out.stderr[-3000:]}"
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = run_driver("cpu_worker_driver.py", region_path)
     assert seen == {"after_its_step": 0, "a_while_after": 0, "after_the_next_bind": True,
                     "bytes_equal": True, "a_commit_before_the_next_steps_claim": True,
                     "the_last_step_still_waits": 0, "a_short_defer_ends_by_itself": True,

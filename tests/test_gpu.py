@@ -251,21 +251,13 @@ def test_the_worker_around_the_gpu_path_with_the_cpu_standing_in(region_path):
     the step unsaved and its claims given back; a block that fails its checksum
     is reported with its pages from there on, before wait_for_save (speculative
     decoding's order), and the blocks before it load intact."""
-    import json
     import os
-    import subprocess
 
-    from agents import RunningAgent
-    from tests.vllm_stack import ROOT, VLLM_PY
+    from tests.vllm_stack import VLLM_PY
+    from tests.worker_stand import run_driver
     if not os.path.exists(VLLM_PY):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
-    Pool.create(region_path, 64 << 20, "tiny-llama").close()
-    with RunningAgent(region_path, 0, manager=True):
-        out = subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "gpu_worker_driver.py"),
-                              region_path], capture_output=True, text=True, timeout=300,
-                             cwd=ROOT)
-    assert out.returncode == 0, f"the driver failed: {out.stderr[-3000:]}"
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = run_driver("gpu_worker_driver.py", region_path)
     assert seen["in_order"] == {"hits": 4, "bytes_equal": True, "checksums_equal": True}
     assert seen["no_layer_handed_over"] == {"hits": 3, "bytes_equal": True,
                                             "checksums_equal": True}
