@@ -72,6 +72,16 @@ def plot_results(res, path: str, title: str) -> None:
     _save(plt, fig, path, 100)
 
 
+def _log_ms(axis) -> None:
+    """A log-scale axis of milliseconds labelled 10, 20, 50, 100, ... in plain
+    numbers: matplotlib's default labels every minor tick of a short range
+    (2x10^1, 3x10^1, ...), and they overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_vllm(result: dict, path: str, rows) -> None:
     """`--engine vllm`: TTFT CDF per input length, one line per configuration
     (ROWS, in their order), on a log time axis (the paths differ by orders of
@@ -88,6 +98,7 @@ def plot_vllm(result: dict, path: str, rows) -> None:
                 _cdf(ax, t, config)
         ax.set_title(f"{n} input tokens")
         ax.set_xscale("log")
+        _log_ms(ax.xaxis)
         ax.set_xlabel("TTFT (ms, log scale)")
         ax.set_ylim(0, 1.02)
     axes[0][0].set_ylabel("CDF")
@@ -126,9 +137,11 @@ def plot_vllm_workload(result: dict, path: str, systems) -> None:
     lat.set_xlabel("offered rate (QPS)")
     lat.set_ylabel("TTFT (ms, log scale)")
     lat.set_yscale("log")
+    _log_ms(lat.yaxis)
     lat.set_title("TTFT: mean (solid), P99 (dashed)")
     top_qps = next(s["qps"] for s in sums if s["point"] == top)
     cdf.set_xscale("log")
+    _log_ms(cdf.xaxis)
     cdf.set_xlabel("TTFT (ms, log scale)")
     cdf.set_ylabel("CDF")
     cdf.set_ylim(0, 1.02)
