@@ -599,9 +599,9 @@ class WorkerSide:
             # the blocks of the requests that ask for the reference; full blocks only
             # (a partial one's slot holds zeros past its tokens, which a plain copy
             # of the page would overwrite)
-            asked = [r for req in plan.reference for r in plan.rows.get(req, ())]
-            if REFERENCE and asked:
-                full = np.intersect1d(mine[plan.tokens[mine] == self.g], np.concatenate(asked))
+            if REFERENCE and plan.reference:
+                asked = np.concatenate([r for req in plan.reference for r in plan.rows[req]])
+                full = np.intersect1d(mine[plan.tokens[mine] == self.g], asked)
                 self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
             return sums, True
         if len(plan.layers_done) != len(self._layers) or plan.gpu_failed:
