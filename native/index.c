@@ -185,10 +185,9 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 				limit = idx;
 				continue;
 			}
-			if ((rc = tract_pin_add(&c, b, r->node_id, +1)) < 0)
+			/* taken and journaled as one move: a death between is recovered */
+			if ((rc = tract_pin_move(&c, b, keys + (uint64_t)idx * 16, +1)) < 0)
 				break;
-			/* journaled right after it is taken: a death leaves at most this one */
-			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
 			hit[nhit++] = b;
 			c.lru.hits++;
 			c.lru_dirty = 1;
@@ -225,9 +224,10 @@ int tract_index_lookup(tract_region *r, const uint8_t *keys, uint32_t n, uint32_
 			uint64_t b, fb;
 			struct tract_bucket bk;
 			tract_probe(&c, keys + (uint64_t)idx * 16, &b, &fb, &bk);
-			tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);   /* first */
 			if (b != UINT64_MAX)
-				tract_pin_add(&c, b, r->node_id, -1);
+				tract_pin_move(&c, b, keys + (uint64_t)idx * 16, -1);
+			else
+				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, -1);
 		}
 		tract_stripe_leave(&c);
 	}

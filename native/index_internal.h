@@ -292,6 +292,7 @@ uint16_t tract_pin_count(struct stripe_ctx *c, uint32_t node, uint64_t b,
 
 /* adds delta to node's pin count of bucket b: one store (internal) */
 int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta);
+int tract_pin_move(struct stripe_ctx *c, uint64_t b, const uint8_t *key, int dpins);
 
 /* whether any node pins bucket b (internal) */
 int tract_pinned(struct stripe_ctx *c, uint64_t b);

@@ -40,6 +40,37 @@ int tract_pin_add(struct stripe_ctx *c, uint64_t b, uint32_t node, int delta)
 	return TRACT_OK;
 }
 
+/*
+ * Takes (dpins +1) or gives back (-1) one of this node's pins on bucket b,
+ * whose key is key, and journals it, as one move named in the journal
+ * first (journal.c, "Pin moves"), so that a process killed between the
+ * count and the journal is recovered exactly.  Taken, the count moves
+ * first; given back, the journal: named or not, the journal never says
+ * more than the process holds.  Returns tract_pin_add's result (a count
+ * that would pass its bounds is left as it is, and a pin not taken is not
+ * journaled) (internal).
+ */
+int tract_pin_move(struct stripe_ctx *c, uint64_t b, const uint8_t *key, int dpins)
+{
+	tract_region *r = c->r;
+	uint8_t buf[TRACT_LINE];
+	tract_journal_move_begin(r, key, TRACT_FIXED_LOCKS + c->stripe, b, dpins,
+				 tract_pin_count(c, r->node_id, b, buf));
+	int rc;
+	if (dpins < 0) {
+		tract_journal_move_apply(r, key, dpins);
+		tract_maybe_die(TRACT_DIE_PIN_MOVED);
+		rc = tract_pin_add(c, b, r->node_id, dpins);
+	} else {
+		rc = tract_pin_add(c, b, r->node_id, dpins);
+		tract_maybe_die(TRACT_DIE_PIN_MOVED);
+		if (rc == TRACT_OK)
+			tract_journal_move_apply(r, key, dpins);
+	}
+	tract_journal_move_end(r);
+	return rc;
+}
+
 /* sets node's pin count of bucket b to v: one store of its line (internal) */
 static void pin_set(struct stripe_ctx *c, uint64_t b, uint32_t node, uint16_t v)
 {
@@ -149,15 +180,28 @@ static void finish_release(struct stripe_ctx *c)
 	tract_stripe_flush(c);
 }
 
+/* this node's count on bucket b of the stripe c holds, for a pin move's
+ * resolution; -1 for a bucket that is not the stripe's (the journal names
+ * it) (internal) */
+static int move_count(void *ctx, uint64_t b)
+{
+	struct stripe_ctx *c = ctx;
+	if (b < c->first || b - c->first >= c->size)
+		return -1;
+	uint8_t buf[TRACT_LINE];
+	return tract_pin_count(c, c->r->node_id, b, buf);
+}
+
 /*
  * Repairs the entered stripe after a holder died inside it (a process of
  * this host, or a dead host whose grant this one inherited).  First what it
  * may have left dirty in this host's caches is written back: every line its
  * section could write (the stripe's buckets, its anchor, every node's pin
  * lines for the stripe's buckets -- a handoff's release writes another
- * node's), so that no other host reads them stale.  Pins need nothing more
- * for a lookup's or an unpin's section: a pin is one store (tract_pin_add),
- * a death leaves it taken or not.  A handoff release's section is finished
+ * node's), so that no other host reads them stale.  A pin is one store
+ * (tract_pin_add), so a death leaves it taken or not, and a pin move the
+ * holder died inside (between the count and its journal) is told which
+ * from the count (tract_journal_move_resolve), for its journal's recovery.  A handoff release's section is finished
  * from its intent (finish_release).  The LRU list may be broken (the anchor
  * was the dead process's until it left): tract_lru_repair makes it whole
  * (internal).
@@ -179,6 +223,9 @@ void tract_stripe_repair(struct stripe_ctx *c)
 	tract_events_skip(c);
 	tract_lru_repair(c);     /* out of memory: the list stays as it is, for tract check */
 	finish_release(c);
+	/* a pin move the holder died inside: told from the count, which nobody
+	 * has changed since (journal.c, "Pin moves") */
+	tract_journal_move_resolve(r, TRACT_FIXED_LOCKS + c->stripe, move_count, c);
 }
 
 /*
@@ -219,9 +266,12 @@ int tract_index_unpin_marked(tract_region *r, const uint8_t *keys, uint32_t n, u
 			uint64_t b, fb;
 			struct tract_bucket bk;
 			tract_probe(&c, key, &b, &fb, &bk);
-			tract_journal_pins(r, key, 1, -1);
-			if (b == UINT64_MAX || tract_pin_add(&c, b, r->node_id, -1) < 0)
+			if (b == UINT64_MAX) {
+				tract_journal_pins(r, key, 1, -1);
 				rc = TRACT_E_CORRUPT;   /* not pinned by this node */
+			} else if (tract_pin_move(&c, b, key, -1) < 0) {
+				rc = TRACT_E_CORRUPT;
+			}
 			if (done)
 				done[refs[k].idx] = 1;  /* a retry must not give it back again */
 		}

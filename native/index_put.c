@@ -81,9 +81,7 @@ static int claim_all(tract_region *r, const uint8_t *keys, uint32_t n, const str
 				/* a pinning put pins what is already there too: the caller's
 				 * handoff needs every block, its own and the others' */
 				if (pin_ready && bk.state == TRACT_BUCKET_READY) {
-					if (tract_pin_add(&c, b, r->node_id, +1) == TRACT_OK) {
-						tract_journal_pins(r, key, 1, +1);
-					} else
+					if (tract_pin_move(&c, b, key, +1) != TRACT_OK)
 						status[idx] = PUT_WAS_PENDING;   /* pin count saturated */
 				}
 				continue;
@@ -201,14 +199,14 @@ static int finish_all(tract_region *r, const uint8_t *keys, uint32_t n, const st
 			 * section, so the block cannot be evicted before the caller's
 			 * handoff pins it; READY first, so a death in between leaves
 			 * no count on a bucket that is not READY */
-			int pinned_now = publish == 2 && tract_pin_add(&c, b, r->node_id, +1) == TRACT_OK;
+			int pinned_now = publish == 2 &&
+					 tract_pin_move(&c, b, keys + (uint64_t)idx * 16, +1) == TRACT_OK;
 			if (publish == 2 && !pinned_now)
 				rc = TRACT_E_CORRUPT;
 			c.lru.inserts++;
-			/* the pin is journaled once taken, the claim forgotten once READY:
-			 * a death in between leaves a READY bucket whose claim recovery keeps */
-			if (pinned_now)
-				tract_journal_pins(r, keys + (uint64_t)idx * 16, 1, +1);
+			/* the pin taken and journaled as one move, the claim forgotten
+			 * once READY: a death in between leaves a READY bucket whose
+			 * claim recovery keeps */
 			tract_journal_claims(r, keys + (uint64_t)idx * 16, 1, &status[idx], PUT_CLAIMED,
 					     NULL, 1);
 			status[idx] = PUT_STORED;

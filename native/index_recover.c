@@ -21,6 +21,21 @@ void tract_index_repair_stripe(tract_region *r, uint32_t lock_id)
 	tract_stripe_flush(&c);
 }
 
+/* enters and leaves the stripe of lock lock_id: a dead holder's lock is
+ * taken over and the stripe repaired on the way (a pin move it died inside
+ * told: journal.c) (internal) */
+int tract_index_visit_stripe(tract_region *r, uint32_t lock_id, uint64_t timeout_ns)
+{
+	if (lock_id < TRACT_FIXED_LOCKS || lock_id - TRACT_FIXED_LOCKS >= r->hdr.index_stripes)
+		return TRACT_E_CORRUPT;
+	struct stripe_ctx c;
+	int rc = tract_stripe_enter(r, lock_id - TRACT_FIXED_LOCKS, timeout_ns, &c, NULL);
+	if (rc < 0)
+		return rc;
+	tract_stripe_leave(&c);
+	return TRACT_OK;
+}
+
 /* enters the stripe of key and finds key's bucket: *b (UINT64_MAX: none) and
  * its contents *bk; the caller leaves the stripe when this returned >= 0 */
 static int enter_and_probe(tract_region *r, const uint8_t *key, uint64_t timeout_ns,

@@ -70,13 +70,38 @@ enum {
 				       * as the eviction saw them */
 };
 
+/* the states of a pin move (journal.c, "Pin moves") */
+enum {
+	TRACT_MOVE_NONE = 0,
+	TRACT_MOVE_ACTIVE = 1,    /* named, the bucket's count and the journal being moved */
+	TRACT_MOVE_APPLIED = 2,   /* its process died inside: the repair found the count moved */
+	TRACT_MOVE_UNDONE = 3,    /* ... found the count as it was before */
+};
+
+/* A pin moving between a bucket's count and this process's journal, named
+ * before either changes, inside the stripe section that holds the bucket
+ * (journal.c, "Pin moves"): what recovery needs to make the journal say
+ * exactly what a process killed in between held (40 bytes: the entry's
+ * former padding). */
+struct tract_journal_move {
+	uint64_t bucket;         /* the bucket whose count moves */
+	uint8_t key[16];         /* its key (the journal's) */
+	uint32_t lock_id;        /* the stripe's lock, held throughout */
+	uint32_t journal_before; /* this process's journaled pins on key before */
+	uint16_t pins_before;    /* the node's count on the bucket before */
+	int8_t dpins;            /* +1 taken, -1 given back */
+	uint8_t state;           /* TRACT_MOVE_*; written last, cleared last */
+	uint32_t pad;
+};
+_Static_assert(sizeof(struct tract_journal_move) == 40, "a move fills the entry's former padding");
+
 struct tract_journal_proc {
 	uint32_t pid;           /* 0: free; set by CAS, cleared by the owner or the agent */
 	uint32_t used;          /* occupied keys */
 	uint32_t overflow;      /* operations not journaled (table full): recovery incomplete */
 	uint32_t shift;         /* an erase's move in progress (journal.c), 0 none */
 	uint64_t attached_ns;
-	uint8_t pad[40];
+	struct tract_journal_move move;   /* a pin move in progress (journal.c) */
 	struct tract_journal_key keys[TRACT_JOURNAL_CAP];
 } __attribute__((aligned(64)));
 
@@ -438,6 +463,15 @@ void tract_journal_close(tract_region *r);
 uint64_t tract_journal_size(void);
 uint32_t tract_journal_pids_of(const struct tract_local_hdr *h, uint32_t *out, uint32_t cap);
 void tract_journal_pins(tract_region *r, const uint8_t *keys, uint32_t n, int32_t dpins);
+void tract_journal_move_begin(tract_region *r, const uint8_t *key, uint32_t lock_id,
+			      uint64_t bucket, int dpins, uint16_t pins_before);
+void tract_journal_move_apply(tract_region *r, const uint8_t *key, int dpins);
+void tract_journal_move_end(tract_region *r);
+int tract_journal_move_resolve(tract_region *r, uint32_t lock_id,
+			       int (*count)(void *ctx, uint64_t bucket), void *ctx);
+int tract_journal_move_untold(const struct tract_journal_proc *p, uint32_t *lock_id);
+void tract_journal_move_settle(struct tract_journal_proc *p);
+int tract_index_visit_stripe(tract_region *r, uint32_t lock_id, uint64_t timeout_ns);
 void tract_journal_claims(tract_region *r, const uint8_t *keys, uint32_t n, const uint8_t *status,
 			  uint8_t claimed, const uint32_t *slots, int forget);
 void tract_journal_slots(tract_region *r, const uint32_t *slots, uint32_t n, int forget);

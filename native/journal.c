@@ -274,6 +274,139 @@ static void slot_key(uint32_t slot, uint8_t *key)
 	key[15] = 0xA5;          /* never equal to an index key's layout by accident */
 }
 
+/*
+ * Pin moves.  Taking or giving back a pin is two stores: the node's count
+ * on the bucket (the region, tract_pin_add) and this process's journal
+ * entry for the key, ordered so that the journal never says more than the
+ * process holds (taken: the count, then the journal; given back: the
+ * journal, then the count).  A process killed between the two used to
+ * leave one pin no journal named, for `tract check --repair`: the chaos
+ * run's random kills found that window about once in thirty runs.  So a
+ * move is named before either store (struct tract_journal_move: the key,
+ * the bucket, the stripe lock, the count and the journaled pins before),
+ * under journal_mu, which the move holds throughout (one move per process
+ * at a time), and inside the stripe section that holds the bucket.  A
+ * process killed in the move died holding that stripe's lock, so nobody
+ * changes the count before its agent takes the lock over (recover.c, step
+ * 1); the stripe's repair then tells from the count whether the move
+ * reached it (tract_journal_move_resolve), and the journal's recovery
+ * (step 2) sets the key's journaled pins to what they were before, plus
+ * the move if it reached the count (tract_journal_move_settle): exactly
+ * what the process held.  The journal's recovery first enters the move's
+ * stripe (its lock taken over from the dead holder, the stripe repaired,
+ * the move told), unless the lock's recovery already did; a move that
+ * cannot be told (a count that is neither) leaves the journal as it is,
+ * saying less, never more.
+ */
+void tract_journal_move_begin(tract_region *r, const uint8_t *key, uint32_t lock_id,
+			      uint64_t bucket, int dpins, uint16_t pins_before)
+{
+	if (!r->journal)
+		return;
+	pthread_mutex_lock(&r->journal_mu);
+	struct tract_journal_proc *p = r->journal;
+	struct tract_journal_move *m = &p->move;
+	int found;
+	int64_t pos = find(p, key, &found);
+	m->bucket = bucket;
+	memcpy(m->key, key, 16);
+	m->lock_id = lock_id;
+	m->journal_before = found ? p->keys[pos].pins : 0;
+	m->pins_before = pins_before;
+	m->dpins = (int8_t)dpins;
+	/* named whole before it is live (one process: its stores keep program
+	 * order for the agent that reads them after its death, on this host) */
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+	__atomic_store_n(&m->state, TRACT_MOVE_ACTIVE, __ATOMIC_RELEASE);
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+/* the journal's half of the move begun (journal_mu held by it) */
+void tract_journal_move_apply(tract_region *r, const uint8_t *key, int dpins)
+{
+	if (!r->journal)
+		return;
+	update(r->journal, key, dpins, 0, 0);
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+/* ends the move begun: no longer named, journal_mu given back */
+void tract_journal_move_end(tract_region *r)
+{
+	if (!r->journal)
+		return;
+	__atomic_store_n(&r->journal->move.state, TRACT_MOVE_NONE, __ATOMIC_RELEASE);
+	pthread_mutex_unlock(&r->journal_mu);
+}
+
+/*
+ * The repair of stripe lock lock_id, which a dead process of this node
+ * held: tells each such process's move in that stripe whether it reached
+ * the count, count(ctx, bucket) reading the node's count now (-1: a bucket
+ * that is not the stripe's).  Returns how many moves it told (internal;
+ * the agent holds the lock).
+ */
+int tract_journal_move_resolve(tract_region *r, uint32_t lock_id,
+			       int (*count)(void *ctx, uint64_t bucket), void *ctx)
+{
+	if (!r->local || !r->local->journal_off)
+		return 0;
+	struct tract_journal_proc *p = procs(r);
+	int told = 0;
+	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
+		struct tract_journal_move *m = &p[i].move;
+		if (__atomic_load_n(&m->state, __ATOMIC_ACQUIRE) != TRACT_MOVE_ACTIVE ||
+		    m->lock_id != lock_id)
+			continue;
+		uint32_t pid = __atomic_load_n(&p[i].pid, __ATOMIC_ACQUIRE);
+		if (!pid || !tract_pid_dead(pid))
+			continue;     /* (a live one's move: its section is not ours) */
+		int v = count(ctx, m->bucket);
+		uint8_t state = TRACT_MOVE_NONE;          /* neither: left as it is */
+		if (v >= 0 && v == (int)m->pins_before + m->dpins)
+			state = TRACT_MOVE_APPLIED;
+		else if (v >= 0 && v == (int)m->pins_before)
+			state = TRACT_MOVE_UNDONE;
+		__atomic_store_n(&m->state, state, __ATOMIC_RELEASE);
+		told++;
+	}
+	return told;
+}
+
+/* whether a dead process's move is still untold (its stripe not repaired
+ * since it died); *lock_id gets that stripe's lock (internal) */
+int tract_journal_move_untold(const struct tract_journal_proc *p, uint32_t *lock_id)
+{
+	if (__atomic_load_n(&p->move.state, __ATOMIC_ACQUIRE) != TRACT_MOVE_ACTIVE)
+		return 0;
+	*lock_id = p->move.lock_id;
+	return 1;
+}
+
+/*
+ * A dead process's move, once the repair of its stripe told it: the key's
+ * journaled pins set to what they were before, plus the move if it reached
+ * the count.  One still untold (its stripe's lock was taken over without a
+ * repair that saw it: not expected) leaves the journal as it is, saying
+ * less than the process held, never more (internal; after journal_settle).
+ */
+void tract_journal_move_settle(struct tract_journal_proc *p)
+{
+	struct tract_journal_move *m = &p->move;
+	uint8_t state = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
+	if (state == TRACT_MOVE_APPLIED || state == TRACT_MOVE_UNDONE) {
+		int64_t want = (int64_t)m->journal_before + (state == TRACT_MOVE_APPLIED ? m->dpins : 0);
+		int found;
+		int64_t pos = find(p, m->key, &found);
+		int64_t have = found ? p->keys[pos].pins : 0;
+		if (want < 0)
+			want = 0;
+		if (want != have)
+			update(p, m->key, (int32_t)(want - have), 0, 0);
+	}
+	__atomic_store_n(&m->state, TRACT_MOVE_NONE, __ATOMIC_RELEASE);
+}
+
 /* Journals (forget = 0) or forgets bare slots this process holds outside the
  * index: slots tract_alloc_journaled handed out until their claim or their
  * handoff record holds them.  Forgotten before they are freed: the journal may
@@ -387,6 +520,7 @@ int tract_journal_retire(struct tract_journal_proc *p)
 	p->overflow = 0;
 	p->used = 0;
 	p->shift = 0;
+	memset(&p->move, 0, sizeof(p->move));
 	memset(p->keys, 0, sizeof(p->keys));
 	__atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
 	return overflowed;

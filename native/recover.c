@@ -188,6 +188,16 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 		int settle_rc = tract_alloc_settle(r, timeout_ns);
 		if (settle_rc < 0)
 			return settle_rc;
+		/* a pin move it died inside: told by the repair of its stripe
+		 * (step 1's, or entering it now takes the lock over and repairs
+		 * it), then set in its journal (journal.c, "Pin moves") */
+		uint32_t move_lock;
+		if (tract_journal_move_untold(p, &move_lock)) {
+			int rc = tract_index_visit_stripe(r, move_lock, timeout_ns);
+			if (rc == TRACT_E_TIMEOUT)
+				return rc;      /* its journal waits for the next heartbeat */
+		}
+		tract_journal_move_settle(p);
 		while ((k = tract_journal_first(p, &pos))) {
 			int rc = give_back(r, p, k, pid, out, timeout_ns);
 			if (rc == TRACT_E_TIMEOUT)

@@ -454,7 +454,8 @@ enum tract_die_point {
 	TRACT_DIE_RELEASE_MARKED = 16, /* handoff release: a group marked in the record, its stripe not yet left */
 	TRACT_DIE_EVICTED = 17,        /* eviction: slots buried and journaled, their free not begun */
 	TRACT_DIE_EVENT_APPENDED = 18, /* a stripe section: a KV event appended, its log's head not written */
-	TRACT_DIE_COUNT = 19
+	TRACT_DIE_PIN_MOVED = 19,      /* a pin move: one of the count and the journal moved, not the other */
+	TRACT_DIE_COUNT = 20
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */
