@@ -56,6 +56,7 @@ int tract_pin_move(struct stripe_ctx *c, uint64_t b, const uint8_t *key, int dpi
 	uint8_t buf[TRACT_LINE];
 	tract_journal_move_begin(r, key, TRACT_FIXED_LOCKS + c->stripe, b, dpins,
 				 tract_pin_count(c, r->node_id, b, buf));
+	tract_maybe_die(TRACT_DIE_PIN_NAMED);
 	int rc;
 	if (dpins < 0) {
 		tract_journal_move_apply(r, key, dpins);
@@ -67,6 +68,7 @@ int tract_pin_move(struct stripe_ctx *c, uint64_t b, const uint8_t *key, int dpi
 		if (rc == TRACT_OK)
 			tract_journal_move_apply(r, key, dpins);
 	}
+	tract_maybe_die(TRACT_DIE_PIN_BOTH);
 	tract_journal_move_end(r);
 	return rc;
 }

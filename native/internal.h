@@ -91,7 +91,8 @@ struct tract_journal_move {
 	uint16_t pins_before;    /* the node's count on the bucket before */
 	int8_t dpins;            /* +1 taken, -1 given back */
 	uint8_t state;           /* TRACT_MOVE_*; written last, cleared last */
-	uint32_t pad;
+	uint32_t seq;            /* the holding's request sequence (low 32 bits): the
+				  * takeover of that holding keeps it (lock.c) */
 };
 _Static_assert(sizeof(struct tract_journal_move) == 40, "a move fills the entry's former padding");
 
@@ -155,6 +156,7 @@ struct tract_region {
 	struct tract_header hdr;    /* private copy of the verified header */
 	struct tract_local_hdr *local; /* bound node-local segment, or NULL */
 	uint8_t *held;              /* per lock: 1 if this process holds it */
+	uint64_t *held_seq;         /* per lock: the request sequence of that holding */
 	struct tract_journal_proc *journal; /* this handle's entry in the local segment, or NULL */
 	pthread_mutex_t journal_mu; /* guards the entry across this process's threads */
 	pthread_mutex_t held_mu;    /* guards held[] across this process's threads */

@@ -314,6 +314,7 @@ void tract_journal_move_begin(tract_region *r, const uint8_t *key, uint32_t lock
 	m->journal_before = found ? p->keys[pos].pins : 0;
 	m->pins_before = pins_before;
 	m->dpins = (int8_t)dpins;
+	m->seq = (uint32_t)r->held_seq[lock_id];   /* this thread's holding of the stripe */
 	/* named whole before it is live (one process: its stores keep program
 	 * order for the agent that reads them after its death, on this host) */
 	__atomic_signal_fence(__ATOMIC_SEQ_CST);
@@ -340,28 +341,32 @@ void tract_journal_move_end(tract_region *r)
 }
 
 /*
- * The repair of stripe lock lock_id, which a dead process of this node
- * held: tells each such process's move in that stripe whether it reached
- * the count, count(ctx, bucket) reading the node's count now (-1: a bucket
- * that is not the stripe's).  Returns how many moves it told (internal;
- * the agent holds the lock).
+ * The repair of stripe lock lock_id, taken over from a holder of this node
+ * that died inside its section: tells the move of that holding (the one
+ * whose sequence is the holding's, which the takeover keeps) whether it
+ * reached the count, count(ctx, bucket) reading the node's count now (-1: a
+ * bucket that is not the stripe's).  Any other move still named on the
+ * stripe is a holding's whose takeover told nothing (the count may have
+ * moved since): it is left untold, its journal as it is.  No pid is asked
+ * whether it is dead: the mutex's owner-died state hands the lock over
+ * while the dying process may still be exiting, and no live process can be
+ * inside a move on a lock this process holds.  Returns how many moves it
+ * told (internal; the caller holds the lock).
  */
 int tract_journal_move_resolve(tract_region *r, uint32_t lock_id,
 			       int (*count)(void *ctx, uint64_t bucket), void *ctx)
 {
-	if (!r->local || !r->local->journal_off)
+	if (!r->local || !r->local->journal_off || lock_id >= r->hdr.lock_count)
 		return 0;
 	struct tract_journal_proc *p = procs(r);
+	uint32_t holding = (uint32_t)r->held_seq[lock_id];
 	int told = 0;
 	for (uint32_t i = 0; i < TRACT_JOURNAL_PROCS; i++) {
 		struct tract_journal_move *m = &p[i].move;
 		if (__atomic_load_n(&m->state, __ATOMIC_ACQUIRE) != TRACT_MOVE_ACTIVE ||
 		    m->lock_id != lock_id)
 			continue;
-		uint32_t pid = __atomic_load_n(&p[i].pid, __ATOMIC_ACQUIRE);
-		if (!pid || !tract_pid_dead(pid))
-			continue;     /* (a live one's move: its section is not ours) */
-		int v = count(ctx, m->bucket);
+		int v = m->seq == holding ? count(ctx, m->bucket) : -1;
 		uint8_t state = TRACT_MOVE_NONE;          /* neither: left as it is */
 		if (v >= 0 && v == (int)m->pins_before + m->dpins)
 			state = TRACT_MOVE_APPLIED;
@@ -374,7 +379,8 @@ int tract_journal_move_resolve(tract_region *r, uint32_t lock_id,
 }
 
 /* whether a dead process's move is still untold (its stripe not repaired
- * since it died); *lock_id gets that stripe's lock (internal) */
+ * since it died: its lock not taken over yet); *lock_id gets that stripe's
+ * lock (internal) */
 int tract_journal_move_untold(const struct tract_journal_proc *p, uint32_t *lock_id)
 {
 	if (__atomic_load_n(&p->move.state, __ATOMIC_ACQUIRE) != TRACT_MOVE_ACTIVE)
@@ -386,9 +392,9 @@ int tract_journal_move_untold(const struct tract_journal_proc *p, uint32_t *lock
 /*
  * A dead process's move, once the repair of its stripe told it: the key's
  * journaled pins set to what they were before, plus the move if it reached
- * the count.  One still untold (its stripe's lock was taken over without a
- * repair that saw it: not expected) leaves the journal as it is, saying
- * less than the process held, never more (internal; after journal_settle).
+ * the count.  One still untold (its stripe entered without a repair, its
+ * holding already given up) leaves the journal as it is, saying less than
+ * the process held, never more (internal; after journal_settle).
  */
 void tract_journal_move_settle(struct tract_journal_proc *p)
 {
@@ -625,7 +631,8 @@ void tract_journal_void_bare(struct tract_journal_proc *p, uint32_t slot)
  * (NULL: none) does not keep (the sweep returned it; another node may hold
  * it now).  Their claims stay: recovery frees a claim's slot only while its
  * bucket is still PENDING, which the recovery buried before it swept.  *pins
- * gets the pins forgotten (internal). */
+ * gets the pins forgotten, and their pin moves are forgotten with them
+ * (internal). */
 void tract_journal_void_dead(tract_region *r, int (*keep)(tract_region *, uint32_t, void *),
 			     void *arg, uint64_t *pins)
 {
@@ -638,6 +645,9 @@ void tract_journal_void_dead(tract_region *r, int (*keep)(tract_region *, uint32
 		if (!pid || !tract_pid_dead(pid))
 			continue;       /* free, or a live process (of the new epoch) */
 		journal_settle(&p[i]);
+		/* a pin move it died inside is forgotten with its pins: settled
+		 * later, it would set back what this zeroes */
+		memset(&p[i].move, 0, sizeof(p[i].move));
 		for (uint32_t k = 0; k < TRACT_JOURNAL_CAP && p[i].used; k++) {
 			struct tract_journal_key *key = &p[i].keys[k];
 			if (!key->used)

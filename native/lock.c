@@ -192,6 +192,10 @@ static int request(tract_region *r, uint32_t lock_id, uint64_t timeout_ns,
 		 * no other node enters before this one has repaired what it left */
 		q->req = mine.request_seq;
 		q->inherited = 1;
+		/* repaired by its caller whether or not this lock of the mutex saw
+		 * the owner die (TRACT_RECOVERED): a takeover that skipped the
+		 * repair left a half-done section, and an untold pin move, behind */
+		q->recovered = 1;
 		__atomic_store_n(&lm->abandoned, 0, __ATOMIC_RELAXED);   /* ours now, to repair */
 		return TRACT_OK;
 	}
@@ -213,7 +217,12 @@ void tract_lock_cancel(tract_region *r, uint32_t lock_id, const struct tract_loc
 		 * next to keep it and repair, instead of freeing the lock unrepaired */
 		tract_observe_line(r, tract_lock_line(r, lock_id, 1 + r->node_id), &mine);
 		if (mine.pid != (uint32_t)getpid()) {
-			pthread_mutex_unlock(&tract_local_lock(r, lock_id)->mu);
+			/* marked the dead holder's again (this request took the
+			 * mutex's owner-died state), so the next to take it finds
+			 * the dead holder even before its pid looks gone */
+			struct tract_local_mutex *lm = tract_local_lock(r, lock_id);
+			__atomic_store_n(&lm->abandoned, mine.pid, __ATOMIC_RELAXED);
+			pthread_mutex_unlock(&lm->mu);
 			return;
 		}
 	}
@@ -264,6 +273,7 @@ int tract_lock_await(tract_region *r, uint32_t lock_id, struct tract_lock_req *q
 	lm->wait_ns += tract_mono_ns() - q->start;
 	pthread_mutex_lock(&r->held_mu);
 	r->held[lock_id] = 1;
+	r->held_seq[lock_id] = q->req;
 	pthread_mutex_unlock(&r->held_mu);
 	return q->recovered || q->dead_host ? TRACT_RECOVERED : TRACT_OK;
 }
@@ -397,6 +407,7 @@ int tract_lock_take_dead(tract_region *r, uint32_t id, int *withdrawn)
 		publish_slot(r, id, TRACT_LOCK_LOCKED, mine.request_seq, m.token, SITE_NONE);
 		pthread_mutex_lock(&r->held_mu);
 		r->held[id] = 1;
+		r->held_seq[id] = mine.request_seq;
 		pthread_mutex_unlock(&r->held_mu);
 		return TRACT_RECOVERED;
 	}

@@ -178,6 +178,7 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 	if (!r->local || !r->local->journal_off)
 		return TRACT_E_NO_LOCAL;
 	uint32_t cursor = 0;
+	int waiting = 0;     /* a journal left for the next heartbeat: its move's stripe busy */
 	struct tract_journal_proc *p;
 	while ((p = tract_journal_next_dead(r, &cursor))) {
 		uint32_t pid = p->pid, pos;
@@ -189,13 +190,17 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 		if (settle_rc < 0)
 			return settle_rc;
 		/* a pin move it died inside: told by the repair of its stripe
-		 * (step 1's, or entering it now takes the lock over and repairs
-		 * it), then set in its journal (journal.c, "Pin moves") */
+		 * (step 1's, a successor's, or entering it now takes the lock over
+		 * and repairs it), then set in its journal (journal.c, "Pin
+		 * moves"); nothing of its journal is given back before, and a busy
+		 * stripe leaves it whole for the next heartbeat, not the others */
 		uint32_t move_lock;
 		if (tract_journal_move_untold(p, &move_lock)) {
 			int rc = tract_index_visit_stripe(r, move_lock, timeout_ns);
-			if (rc == TRACT_E_TIMEOUT)
-				return rc;      /* its journal waits for the next heartbeat */
+			if (rc == TRACT_E_TIMEOUT) {
+				waiting = 1;
+				continue;
+			}
 		}
 		tract_journal_move_settle(p);
 		while ((k = tract_journal_first(p, &pos))) {
@@ -207,7 +212,7 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 		out->partial += (uint64_t)tract_journal_retire(p);
 		out->processes++;
 	}
-	return TRACT_OK;
+	return waiting ? TRACT_E_TIMEOUT : TRACT_OK;
 }
 
 /* One pass of the node's recovery, steps 1 to 4 (see the top of this file). */

@@ -195,7 +195,8 @@ int tract_attach(void *base, uint64_t mapped_size, int flush_mode, uint32_t flag
 		goto fail;
 	rc = TRACT_E_NOMEM;
 	r->held = calloc(r->hdr.lock_count, 1);
-	if (!r->held)
+	r->held_seq = calloc(r->hdr.lock_count, sizeof(*r->held_seq));
+	if (!r->held || !r->held_seq)
 		goto fail;
 	pthread_mutex_init(&r->held_mu, NULL);
 	r->base = base;
@@ -218,6 +219,7 @@ int tract_attach(void *base, uint64_t mapped_size, int flush_mode, uint32_t flag
 	return TRACT_OK;
 fail:
 	free(r->held);
+	free(r->held_seq);
 	free(r);
 	return rc;
 }
@@ -232,6 +234,7 @@ void tract_detach(tract_region *r)
 	tract_sim_destroy(r);
 	pthread_mutex_destroy(&r->held_mu);
 	free(r->held);
+	free(r->held_seq);
 	free(r);
 }
 

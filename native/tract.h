@@ -455,7 +455,9 @@ enum tract_die_point {
 	TRACT_DIE_EVICTED = 17,        /* eviction: slots buried and journaled, their free not begun */
 	TRACT_DIE_EVENT_APPENDED = 18, /* a stripe section: a KV event appended, its log's head not written */
 	TRACT_DIE_PIN_MOVED = 19,      /* a pin move: one of the count and the journal moved, not the other */
-	TRACT_DIE_COUNT = 20
+	TRACT_DIE_PIN_NAMED = 20,      /* a pin move: named in the journal, neither moved yet */
+	TRACT_DIE_PIN_BOTH = 21,       /* a pin move: both moved, still named */
+	TRACT_DIE_COUNT = 22
 };
 
 /* ---- recovery of what this node's dead processes left (recover.c) ---- */

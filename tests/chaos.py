@@ -60,10 +60,11 @@ SETTLE_S = 30.0                  # bound on recovery and expiry after the worker
 AGENT_KILL_P = 1 / 6             # share of the kills that hit a node agent
 DIE_INSIDE_P = 1 / 3             # share of the workers started to die inside the allocator
 # the death points an armed worker draws from: all but JOURNAL_MOVED, which
-# also sits where a bare slot's key was forgotten before the slot is given
-# back (one slot per death is left there by design: the journal may say
-# less, never more), while the run must end with nothing left (PIN_MOVED, a
-# pin's count and its journal apart, is drawn: its move is recovered exactly)
+# also sits where a bare slot's key, or a publish's pins, were forgotten
+# before the slot is given back or the record holds them (left there by
+# design: the journal may say less, never more), while the run must end
+# with nothing left (the PIN_* points, inside a pin move, are drawn: a move
+# is told by the stripe's repair and set in the journal)
 DIE_POINTS = [p for p in range(1, lib.TRACT_DIE_COUNT) if p != lib.TRACT_DIE_JOURNAL_MOVED]
 TAKEOVER_AFTER_S = 0.5
 # with host kills: how long a host's heartbeat may stand still before the

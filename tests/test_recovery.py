@@ -155,50 +155,82 @@ def test_a_dead_prefill_workers_pinned_put_is_unpinned(region):
     check_index(region)
 
 
-# (what the dying process does, how many pin moves it makes before the one it
-# dies inside: a lookup takes 12 pins then gives 12 back; a pinned put takes 12)
-PIN_MOVE_DEATHS = {"lookup's pin": ("index_lookup_verify", 5),
-                   "unpin": ("index_lookup_verify", 12 + 5),
-                   "pinned put's pin": ("index_put_pinned_chain", 5)}
+# where a process dies inside a pin move: (what it does, how many pin moves it
+# makes before the one it dies inside, blocks written before it and pinned by
+# a live reader of its node). A lookup takes 12 pins then gives 12 back; a
+# pinning put over 6 READY blocks pins those 6 as it claims, then 6 as it commits.
+PIN_MOVE_DEATHS = {"lookup's pin": ("index_lookup_verify", 5, 12),
+                   "unpin": ("index_lookup_verify", 12 + 5, 12),
+                   "pinned put's pin of a READY block": ("index_put_pinned_chain", 2, 6),
+                   "pinned put's pin as it commits": ("index_put_pinned_chain", 6 + 2, 6)}
+PIN_MOVE_POINTS = {"named": lib.TRACT_DIE_PIN_NAMED, "between": lib.TRACT_DIE_PIN_MOVED,
+                   "both": lib.TRACT_DIE_PIN_BOTH}
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+@pytest.mark.parametrize("point", list(PIN_MOVE_POINTS))
 @pytest.mark.parametrize("where", list(PIN_MOVE_DEATHS))
-def test_a_process_killed_between_a_pins_count_and_its_journal_is_recovered_exactly(
-        region, simulate, where):
+def test_a_process_killed_inside_a_pin_move_is_recovered_exactly(region, simulate, where,
+                                                                 point):
     """A pin is a store of the node's count and an entry in the process's
     journal; killed between the two, the process used to leave one pin no
     journal named (the journal may say less than the process held, never
     more), for `tract check --repair`. The move is now named in the journal
     first, and the repair of the stripe it died inside tells from the count
-    whether the move reached it: recovery gives back exactly what it held,
-    and a live reader of the same node keeps exactly its own pins."""
-    op, passes = PIN_MOVE_DEATHS[where]
-    if op == "index_lookup_verify":
-        with Worker(region, 3, simulate) as writer:
-            assert writer.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+    whether the move reached it: recovery gives back exactly what it held
+    (killed with the move named and nothing moved, between the two stores,
+    or with both made), and a live reader of the same node keeps exactly its
+    own pins."""
     live = Worker(region, 1, simulate)
     try:
-        if op == "index_lookup_verify":
-            assert live.call("index_pin_chain", chain=CHAIN) == 12
+        op, passes, n = PIN_MOVE_DEATHS[where]
+        with Worker(region, 3, simulate) as writer:
+            assert writer.call("index_put_chains", chains=[CHAIN[:3] + [n]])["stored"] == n
+        assert live.call("index_pin_chain", chain=CHAIN) == n
         dying = Worker(region, 1, simulate,
-                       env={"TRACT_DIE_AT": f"{lib.TRACT_DIE_PIN_MOVED}:{passes}"})
+                       env={"TRACT_DIE_AT": f"{PIN_MOVE_POINTS[point]}:{passes}"})
         dying.send(op, **({"chains": [CHAIN]} if op == "index_lookup_verify" else {"chain": CHAIN}))
         assert dying.proc.wait(timeout=60) == -9, f"it never died inside a pin move ({where})"
         dying.close()
         got = recover(region, 1)
         assert got["processes"] == 1, got
-        live_pins = 12 if op == "index_lookup_verify" else 0
-        assert pins_of(region)["total"] == live_pins, (where, got, pins_of(region))
+        assert pins_of(region)["total"] == n, (where, point, got, pins_of(region))
+        assert pins_of(region)["pending"] == 0
         assert _pin_violations(region) == []
         assert recover(region, 1)["processes"] == 0                 # nothing twice
-        if op == "index_put_pinned_chain":
-            # it died making its 6th block READY: 6 are, its other claims dropped
-            assert len(_node_pins_on_ready(region, 1)) == 6
-            assert pins_of(region)["pending"] == 0
     finally:
         live.close()
     recover(region, 1)                     # the live reader's, once it is gone
+    assert pins_of(region)["total"] == 0
+    check_index(region)
+
+
+def test_a_pin_move_is_told_by_the_next_process_to_enter_its_stripe(region):
+    """Killed inside a pin move, a process leaves its stripe's lock to the
+    node's next process that asks for it, which takes it over and repairs the
+    stripe -- and tells the move there, from the count nobody has changed
+    since (the holding's sequence names the move, not the dead pid: the
+    mutex hands the lock over while the dying process may still be
+    exiting). The successor then pins and unpins the same blocks; the dead
+    process's recovery afterwards still gives back exactly what it held."""
+    with Worker(region, 3) as writer:
+        assert writer.call("index_put_chains", chains=[CHAIN])["stored"] == 12
+    live = Worker(region, 1)
+    try:
+        assert live.call("index_pin_chain", chain=CHAIN) == 12
+        dying = Worker(region, 1, env={"TRACT_DIE_AT": f"{lib.TRACT_DIE_PIN_MOVED}:5"})
+        dying.send("index_lookup_verify", chains=[CHAIN])
+        assert dying.proc.wait(timeout=60) == -9, "it never died inside a pin move"
+        dying.close()
+        with Worker(region, 1) as successor:    # takes the dead holder's stripe over
+            assert successor.call("index_lookup_verify", chains=[CHAIN]) == [12]
+        assert pins_of(region)["total"] == 12 + 6   # the dead one's 6, journaled or told
+        got = recover(region, 1)
+        assert got["processes"] == 1 and got["pins"] == 6, got
+        assert pins_of(region)["total"] == 12
+    finally:
+        live.close()
+    recover(region, 1)
     assert pins_of(region)["total"] == 0
     check_index(region)
 

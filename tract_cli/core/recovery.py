@@ -80,7 +80,9 @@ def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
     rep = ffi.new("struct tract_recovery *")
     rc = lib.tract_recover_dead(pool._r(), rep, int(timeout * 1e9))
     if rc == lib.TRACT_E_TIMEOUT:
-        return Recovered()           # a stripe lock was busy: the next heartbeat retries
+        # a stripe lock was busy: the next heartbeat retries; what was given
+        # back before (or past a journal left whole for it) is reported
+        return Recovered.from_c(rep)
     raise_for(rc, "recovery of dead processes")
     return Recovered.from_c(rep)
 
