@@ -197,10 +197,12 @@ int tract_recover_dead(tract_region *r, struct tract_recovery *out, uint64_t tim
 		uint32_t move_lock;
 		if (tract_journal_move_untold(p, &move_lock)) {
 			int rc = tract_index_visit_stripe(r, move_lock, timeout_ns);
-			if (rc == TRACT_E_TIMEOUT) {
-				waiting = 1;
+			if (rc < 0 && rc != TRACT_E_CORRUPT) {
+				waiting = 1;    /* busy, or the node fenced: not told yet */
 				continue;
 			}
+			/* (E_CORRUPT: a move naming no stripe, never told: settled
+			 * as untold, the journal as it is) */
 		}
 		tract_journal_move_settle(p);
 		while ((k = tract_journal_first(p, &pos))) {

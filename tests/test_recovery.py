@@ -136,7 +136,8 @@ def test_a_dead_writers_reserved_keys_are_dropped_and_their_slots_freed(region, 
     with Worker(region, 3, simulate) as other:
         assert other.call("index_put_chains", chains=[CHAIN])["already_pending"] == 12
     rec = recover(region, 1)
-    assert rec == {"processes": 1, "pins": 0, "claims": 12, "slots": 12, "partial": 0}
+    assert rec == {"processes": 1, "pins": 0, "claims": 12, "slots": 12, "partial": 0,
+                   "pending": False}
     assert pins_of(region)["pending"] == 0
     assert set(got["slots"]) <= node_free_list(region, 1)      # back to the node's free list
     with Worker(region, 3, simulate) as other:

@@ -9,7 +9,7 @@ wrappers and what they report.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tract_cli.core.errors import TractError
 from tract_cli.core.native import ffi, lib, raise_for
@@ -25,6 +25,7 @@ class Recovered:
     claims: int = 0
     slots: int = 0
     partial: int = 0      # journals that had overflowed: the rest needs `tract check --repair`
+    pending: bool = False  # a busy stripe lock left work for the next pass
 
     def describe(self) -> str:
         text = (f"recovered {self.processes} dead process(es): {self.pins} pin(s) released, "
@@ -37,7 +38,8 @@ class Recovered:
     @classmethod
     def from_c(cls, rep) -> Recovered:
         """The fields of a `struct tract_recovery` of the same names."""
-        return cls(**{f.name: int(getattr(rep, f.name)) for f in fields(cls)})
+        return cls(**{f.name: int(getattr(rep, f.name)) for f in fields(cls)
+                      if f.name != "pending"})
 
 
 @dataclass
@@ -68,7 +70,8 @@ def recover_node(pool: Pool, orphans: bool, timeout: float = 1.0) -> NodeRecover
             except TractError as err:
                 errors.append((step, err))
     # (a step that timed out reports what it did before the busy lock)
-    return NodeRecovery(locks=int(rep.locks), dead=Recovered.from_c(rep), orphans=int(rep.orphans_buried),
+    dead = replace(Recovered.from_c(rep), pending=rep.journal_rc == lib.TRACT_E_TIMEOUT)
+    return NodeRecovery(locks=int(rep.locks), dead=dead, orphans=int(rep.orphans_buried),
                         orphans_pending=bool(rep.orphans_skipped) or rep.orphan_rc != 0,
                         handoffs=int(rep.handoffs), errors=tuple(errors))
 
@@ -82,7 +85,7 @@ def recover_dead_processes(pool: Pool, timeout: float = 1.0) -> Recovered:
     if rc == lib.TRACT_E_TIMEOUT:
         # a stripe lock was busy: the next heartbeat retries; what was given
         # back before (or past a journal left whole for it) is reported
-        return Recovered.from_c(rep)
+        return replace(Recovered.from_c(rep), pending=True)
     raise_for(rc, "recovery of dead processes")
     return Recovered.from_c(rep)
 
