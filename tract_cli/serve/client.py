@@ -129,16 +129,23 @@ def is_up(url: str, timeout: float = 2) -> bool:
 
 
 def wait_until_up(proc, url: str, timeout: float, name: str, log_path: str | None,
-                  why=lambda: "", stop=lambda: None) -> None:
+                  why=lambda: "", stop=lambda: None, gave_up=lambda: None) -> None:
     """Waits (bounded) until URL answers 200 while PROC, the child process that serves
     it, runs: one that exits is an error naming WHY(), one that overruns is stopped
-    (STOP()) and an error."""
+    (STOP()) and an error, and so is one that GAVE_UP() says will never be ready
+    (what it said, e.g. from its log) while it still runs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             detail = why()
             raise TractError(f"{name} exited with code {proc.returncode} before it was ready"
                              + (f": {detail}" if detail else ""), f"see its log {log_path}")
+        given_up = gave_up()
+        if given_up:
+            detail = why()
+            stop()
+            raise TractError(f"{name} {given_up}" + (f": {detail}" if detail else ""),
+                             f"see its log {log_path}")
         if is_up(url, timeout=2):
             return
         time.sleep(0.5)     # polling another process's readiness, bounded

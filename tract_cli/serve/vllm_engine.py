@@ -38,6 +38,10 @@ from tract_cli.serve.client import wait_until_up
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
 READY_TIMEOUT_S = 300
+# what vLLM logs when its engine core will not start; its server may then hang
+# on its way out instead of exiting (a peer connector's shutdown that raises:
+# Mooncake's on the CPU build), so it is not waited for until the timeout
+_START_FAILED = (b"EngineCore failed to start", b"Engine core initialization failed")
 # a Python exception's last line, alone or after vLLM's log prefix ("... [file.py:N] ")
 _EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .*)$")
 
@@ -91,6 +95,8 @@ class VllmServer:
         except BaseException:
             self._remove_rpc_dir()
             raise
+        # wait_ready reads only what this start writes (a log may be appended to)
+        self._log_from = self._log_seen = self._log.tell() if log_path else 0
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=child_env,
@@ -108,8 +114,26 @@ class VllmServer:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "VllmServer":
         """Waits until /health answers 200; a vLLM that exits is an error naming why."""
         wait_until_up(self.proc, self.url + "/health", timeout, "vLLM", self.log_path,
-                      self.failure, self.stop)
+                      self.failure, self.stop, self._start_failed)
         return self
+
+    def _start_failed(self) -> str | None:
+        """What vLLM's log says if its engine core gave up starting (None: not
+        that), read from where the last look stopped."""
+        if not self.log_path:
+            return None
+        # from a little before the last look's end: a marker it saw half of is whole now
+        start = max(self._log_from, self._log_seen - max(len(m) for m in _START_FAILED))
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                new = f.read()
+        except OSError:
+            return None
+        self._log_seen = start + len(new)
+        if any(m in new for m in _START_FAILED):
+            return "did not start: its engine core failed to start"
+        return None
 
     def failure(self) -> str:
         """The line of vLLM's log that says why it stopped (TraCT's own, if any)."""
