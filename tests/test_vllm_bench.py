@@ -292,12 +292,13 @@ def test_a_vllm_whose_engine_core_failed_to_start_is_stopped_at_once(tmp_path):
     try:
         with pytest.raises(TractError) as exc:
             server.wait_ready(timeout=120)
+        # stopped by the wait itself, before anything here stops it
+        assert server.proc.poll() is not None, "the hanging server was left running"
     finally:
         server.stop(timeout=10)
     assert time.monotonic() - t0 < 60, "it waited for the server instead of stopping it"
     line = str(exc.value)
     assert "its engine core failed to start" in line and "Cannot access accelerator" in line, line
-    assert server.proc.poll() is not None and not psutil.pid_exists(server.proc.pid)
     # the same log, appended to by a start that hangs without saying so: not stopped for
     # the earlier start's line (it overruns its short bound instead)
     quiet = tmp_path / "python-quiet"
@@ -309,6 +310,8 @@ def test_a_vllm_whose_engine_core_failed_to_start_is_stopped_at_once(tmp_path):
             server.wait_ready(timeout=2)
     finally:
         server.stop(timeout=10)
+    # and the cause it would name is this start's (none), not the earlier one's
+    assert server.failure() == "no output", server.failure()
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():

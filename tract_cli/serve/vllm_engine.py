@@ -140,7 +140,9 @@ class VllmServer:
         if not self.log_path:
             return "no log kept"
         try:
-            lines = open(self.log_path, errors="replace").read().splitlines()
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_from)         # this start's lines (a log may be appended to)
+                lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             return "its log is unreadable"
         for marker in ("ConnectorError: ", "TraCT connector:"):
