@@ -203,7 +203,8 @@ static int move_count(void *ctx, uint64_t b)
  * node's), so that no other host reads them stale.  A pin is one store
  * (tract_pin_add), so a death leaves it taken or not, and a pin move the
  * holder died inside (between the count and its journal) is told which
- * from the count (tract_journal_move_resolve), for its journal's recovery.  A handoff release's section is finished
+ * from the count (tract_journal_move_resolve), for its journal's
+ * recovery.  A handoff release's section is finished
  * from its intent (finish_release).  The LRU list may be broken (the anchor
  * was the dead process's until it left): tract_lru_repair makes it whole
  * (internal).

@@ -283,12 +283,13 @@ static void slot_key(uint32_t slot, uint8_t *key)
  * leave one pin no journal named, for `tract check --repair`: the chaos
  * run's random kills found that window about once in thirty runs.  So a
  * move is named before either store (struct tract_journal_move: the key,
- * the bucket, the stripe lock, the count and the journaled pins before),
- * under journal_mu, which the move holds throughout (one move per process
- * at a time), and inside the stripe section that holds the bucket.  A
- * process killed in the move died holding that stripe's lock, so nobody
- * changes the count before its agent takes the lock over (recover.c, step
- * 1); the stripe's repair then tells from the count whether the move
+ * the bucket, the stripe lock and its holding's request sequence, the
+ * count and the journaled pins before), under journal_mu, which the move
+ * holds throughout (one move per process at a time), and inside the stripe
+ * section that holds the bucket.  A process killed in the move died holding
+ * that stripe's lock, so nobody changes the count before the lock is taken
+ * over (by the node's next process to ask for it, or its agent: recover.c,
+ * step 1); the stripe's repair then tells from the count whether the move
  * reached it (tract_journal_move_resolve), and the journal's recovery
  * (step 2) sets the key's journaled pins to what they were before, plus
  * the move if it reached the count (tract_journal_move_settle): exactly
