@@ -69,6 +69,23 @@ static void observe_record(tract_region *r, uint32_t rec, struct tract_transfer_
  */
 #define SCAN_BATCH 64
 
+/* calls visit(r, rec, record, arg) for every record of the table, in order,
+ * observed without a lock SCAN_BATCH at a time (internal) */
+static void visit_records(tract_region *r,
+			  void (*visit)(tract_region *r, uint32_t rec,
+					const struct tract_transfer_record *t, void *arg),
+			  void *arg)
+{
+	uint32_t count = tract_sec(r, TRACT_SEC_TRANSFER)->count;
+	struct tract_transfer_record seen[SCAN_BATCH];
+	for (uint32_t base = 0; base < count; base += SCAN_BATCH) {
+		uint32_t k = count - base < SCAN_BATCH ? count - base : SCAN_BATCH;
+		observe_records(r, base, k, seen);
+		for (uint32_t j = 0; j < k; j++)
+			visit(r, base + j, &seen[j], arg);
+	}
+}
+
 static void publish_record(tract_region *r, uint32_t rec, const struct tract_transfer_record *in)
 {
 	uint64_t off = record_off(r, rec);
@@ -424,6 +441,71 @@ int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *ski
 		at = at + k == count ? 0 : at + k;
 	}
 	return TRACT_E_TABLE_FULL;
+}
+
+/* a record id with its caller's position, for tract_handoff_find (internal) */
+struct wanted_id {
+	uint8_t id[16];
+	uint32_t at;
+};
+
+static int cmp_wanted(const void *a, const void *b)
+{
+	return memcmp(a, b, 16);
+}
+
+/* what tract_handoff_find looks for, and where it answers (internal) */
+struct find_args {
+	const struct wanted_id *want;     /* sorted by id */
+	uint32_t n;
+	uint32_t *recs;
+};
+
+static void find_one(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+		     void *arg)
+{
+	(void)r;
+	const struct find_args *a = arg;
+	if (t->state != REC_PUBLISHED && t->state != REC_RESERVED)
+		return;
+	const struct wanted_id *hit = bsearch(t->request_id, a->want, a->n, sizeof(*a->want),
+					      cmp_wanted);
+	if (!hit)
+		return;
+	/* the first of equal ids, which bsearch may not have landed on: every
+	 * caller position asking for this id is answered */
+	while (hit > a->want && !memcmp(hit[-1].id, t->request_id, 16))
+		hit--;
+	for (; hit < a->want + a->n && !memcmp(hit->id, t->request_id, 16); hit++)
+		if (a->recs[hit->at] == UINT32_MAX)
+			a->recs[hit->at] = rec;
+}
+
+/* Finds, in one pass over the table without a lock, the record of each of
+ * the n request ids in ids (16 bytes each): recs[i] is the first record
+ * PUBLISHED or RESERVED for ids[i], or UINT32_MAX if none is.  What it finds
+ * may change before it is used: tract_handoff_open re-observes the record,
+ * and its request id, state and expiry are checked there.  The ids are
+ * sorted once, so a scan costs count * log n compares, not count * n. */
+int tract_handoff_find(tract_region *r, const uint8_t *ids, uint32_t n, uint32_t *recs)
+{
+	if (!r || (n && (!ids || !recs)))
+		return TRACT_E_INVAL;
+	if (!n)
+		return TRACT_OK;
+	struct wanted_id *want = malloc((size_t)n * sizeof(*want));
+	if (!want)
+		return TRACT_E_NOMEM;
+	for (uint32_t i = 0; i < n; i++) {
+		memcpy(want[i].id, ids + (uint64_t)i * 16, 16);
+		want[i].at = i;
+		recs[i] = UINT32_MAX;
+	}
+	qsort(want, n, sizeof(*want), cmp_wanted);
+	struct find_args a = {want, n, recs};
+	visit_records(r, find_one, &a);
+	free(want);
+	return TRACT_OK;
 }
 
 /* observes record rec without a lock into *t: TRACT_OK if it is published
@@ -894,27 +976,33 @@ uint32_t tract_handoff_records_of(tract_region *r, uint32_t node)
 	return live;
 }
 
+/* what tract_handoff_mark_slots marks, and for which node (internal) */
+struct mark_args {
+	uint32_t node;
+	uint8_t *bits;
+};
+
+static void mark_one(tract_region *r, uint32_t rec, const struct tract_transfer_record *t,
+		     void *arg)
+{
+	(void)rec;
+	const struct mark_args *a = arg;
+	if (t->state == REC_FREE || t->state == REC_RESERVED || t->owner_node != a->node + 1 ||
+	    !record_sane(r, t))
+		return;
+	uint64_t keys = (t->keys_offset - tract_sec(r, TRACT_SEC_DATA)->offset) /
+			r->hdr.slot_stride;
+	a->bits[keys / 8] |= (uint8_t)(1u << (keys % 8));
+	if (t->tail_slot)
+		a->bits[(t->tail_slot - 1) / 8] |= (uint8_t)(1u << ((t->tail_slot - 1) % 8));
+}
+
 /* marks in bits (one per slot) the slots every live handoff record of node
  * names, its key list's and its tail's, observed without the lock: a dead
  * host's sweep reads which of its slots are still referenced (internal;
  * recover.c) */
 void tract_handoff_mark_slots(tract_region *r, uint32_t node, uint8_t *bits)
 {
-	uint32_t n = tract_sec(r, TRACT_SEC_TRANSFER)->count;
-	uint64_t data = tract_sec(r, TRACT_SEC_DATA)->offset;
-	struct tract_transfer_record seen[SCAN_BATCH];
-	for (uint32_t base = 0; base < n; base += SCAN_BATCH) {
-		uint32_t k = n - base < SCAN_BATCH ? n - base : SCAN_BATCH;
-		observe_records(r, base, k, seen);
-		for (uint32_t j = 0; j < k; j++) {
-			const struct tract_transfer_record *t = &seen[j];
-			if (t->state == REC_FREE || t->state == REC_RESERVED ||
-			    t->owner_node != node + 1 || !record_sane(r, t))
-				continue;
-			uint64_t keys = (t->keys_offset - data) / r->hdr.slot_stride;
-			bits[keys / 8] |= (uint8_t)(1u << (keys % 8));
-			if (t->tail_slot)
-				bits[(t->tail_slot - 1) / 8] |= (uint8_t)(1u << ((t->tail_slot - 1) % 8));
-		}
-	}
+	struct mark_args a = {node, bits};
+	visit_records(r, mark_one, &a);
 }

@@ -837,6 +837,11 @@ int tract_handoff_unreserve(tract_region *r, uint32_t rec, const uint8_t *reques
 int tract_handoff_peek_free(tract_region *r, uint32_t start, const uint32_t *skip, uint32_t n,
 			    uint32_t *rec);
 
+/* Finds the records of n request ids (16 bytes each) in one pass without a
+ * lock: recs[i], the first record PUBLISHED or RESERVED for ids[i], or
+ * UINT32_MAX.  A hint: tract_handoff_open checks the record it names. */
+int tract_handoff_find(tract_region *r, const uint8_t *ids, uint32_t n, uint32_t *recs);
+
 /* Reads a published record: block keys, slots, checksums, token counts, tail
  * slot + 1.  TRACT_E_PENDING while rec is reserved for request_id, unexpired
  * (*block_count and *token_count: what it was reserved for). */

@@ -44,6 +44,8 @@ def main() -> None:
         "handoff_publish": lambda **kw: handoff_publish(pool, **kw),
         "handoff_publish_pinned": lambda **kw: handoff_publish_pinned(pool, **kw),
         "handoff_reserve": lambda **kw: handoff_reserve(pool, **kw),
+        "handoff_find": lambda **kw: handoff_find(pool, **kw),
+        "handoff_unreserve": lambda **kw: handoff_unreserve(pool, **kw),
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
         "index_reserve_chain": lambda chain: index_reserve_chain(pool, chain),
@@ -311,6 +313,19 @@ def handoff_reserve(pool, request: str, blocks: int = 9, tokens: int = 144,
     rec = pool.handoffs.peek_free()
     pool.handoffs.reserve_record(rec, request, blocks, tokens, ttl=ttl)
     return rec
+
+
+def handoff_find(pool, requests: list) -> list:
+    """The record Handoffs.find names for each of REQUESTS (-1: none)."""
+    import numpy as np
+    from tract_cli.core.handoff import request_key
+    keys = np.frombuffer(b"".join(request_key(r) for r in requests), np.uint8).reshape(-1, 16)
+    return [int(r) for r in pool.handoffs.find(keys)]
+
+
+def handoff_unreserve(pool, record: int, request: str) -> bool:
+    """Gives back RECORD's reservation for REQUEST."""
+    return pool.handoffs.unreserve(record, request)
 
 
 def handoff_publish_pinned(pool, chain: list, request: str, ttl: float = 30.0,

@@ -52,6 +52,33 @@ def test_handoffs_between_processes(region, simulate, zero_copy):
     check_index(region)
 
 
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_handoff_is_found_by_its_name_from_another_node(region, simulate):
+    """A paired decode finds its prefill's record by the name both were given
+    (Handoffs.find: one pass over the table, no lock, from another node): a
+    PUBLISHED record and a RESERVED one (its publish to come) are found, a
+    name asked for twice is answered twice; a record acknowledged, or a name
+    no record holds, is not found."""
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        with Worker(region, 1, simulate) as prefill, Worker(region, 2, simulate) as decode:
+            names = ["published", "reserved", "acked", "never", "published"]
+            assert decode.call("handoff_find", requests=names) == [-1] * 5
+            pub = prefill.call("handoff_publish", chain=[5, 0, 50, 4], request="published")
+            reserved = prefill.call("handoff_reserve", request="reserved")
+            acked = prefill.call("handoff_publish", chain=[6, 0, 60, 4], request="acked")
+            assert len({pub["record"], reserved, acked["record"]}) == 3
+            assert decode.call("handoff_receive", ticket=acked, chain=[6, 0, 60, 4],
+                               request="acked") == 4
+            assert decode.call("handoff_find", requests=names) == \
+                [pub["record"], reserved, -1, -1, pub["record"]]
+            assert decode.call("handoff_receive", ticket=pub, chain=[5, 0, 50, 4],
+                               request="published") == 4
+            assert prefill.call("handoff_unreserve", record=reserved, request="reserved")
+            assert decode.call("handoff_find", requests=names) == [-1] * 5
+            assert pins_and_records(region) == (0, 0)
+    check_index(region)
+
+
 def test_wrong_ticket_and_double_ack_are_errors(region):
     with RunningAgent(region, 0, manager=True):
         with Worker(region, 1) as prefill, Pool.attach(region, node=2) as decode:

@@ -37,6 +37,29 @@ def request_key(request_id: str | bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
+# the longest pair name (a proxy's transfer id) a paired request may carry
+MAX_PAIR_CHARS = 256
+
+
+def pair_key(pair: str) -> bytes:
+    """16 bytes naming the handoff of a paired prefill and decode: PAIR, the
+    name a proxy gave both requests (the connector's kv_transfer_params
+    `tract_pair`), so the decode side finds the record by it without the
+    prefill's reply.  Keyed apart from `request_key` (its own
+    personalisation), so no request id names a pair's record."""
+    return hashlib.blake2b(pair.encode(), digest_size=16, person=b"tract-pair").digest()
+
+
+def check_pair(value) -> str:
+    """A pair name from outside (a request's kv_transfer_params): a string of
+    1 to MAX_PAIR_CHARS printable characters, else a UsageError."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PAIR_CHARS or not value.isprintable():
+        raise UsageError(f"a pair name must be a string of 1 to {MAX_PAIR_CHARS} printable "
+                         f"characters, got {str(value)[:40]!r}",
+                         "give both requests of the pair the same id, e.g. a uuid")
+    return value
+
+
 # how long a publisher waits for a block another writer of the same key still
 # holds PENDING (it is finishing its write) before the handoff fails: the
 # serving path's and the benchmark's one value
@@ -213,6 +236,22 @@ class Handoffs:
             return None
         raise_for(rc, f"{self._pool.path} handoff table")
         return int(rec[0])
+
+    def find(self, request_keys: np.ndarray) -> np.ndarray:
+        """The record of each of (n, 16) uint8 REQUEST_KEYS (`request_key`s),
+        found in one pass over the table without a lock: the first record
+        PUBLISHED or RESERVED for it, or -1.  A hint for a `Ticket`: `open`
+        checks the record it names."""
+        ids = np.ascontiguousarray(request_keys, dtype=np.uint8).reshape(-1, 16)
+        recs = np.empty(len(ids), np.uint32)
+        if not len(ids):
+            return recs.astype(np.int64)
+        rc = lib.tract_handoff_find(self._pool._r(), ffi.from_buffer(ids), len(ids),
+                                    ffi.cast("uint32_t *", ffi.from_buffer(recs)))
+        raise_for(rc, f"{self._pool.path} handoff table")
+        out = recs.astype(np.int64)
+        out[recs == np.uint32(0xFFFFFFFF)] = -1
+        return out
 
     def publish_pinned(self, record: int, request_id: str | bytes, hashes, token_count: int,
                        ttl: float = 30.0, timeout: float = DEFAULT_TIMEOUT_S,
