@@ -111,6 +111,8 @@ CASES = [
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --kv-mode sideways", 2,
      "kv-mode"),
     ("serve-decode --pool {R} --node 1 --prefill ftp://x", 2, "prefill"),
+    ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --paired", 2,
+     "--paired is a flow of vLLM's front door"),
     ("serve-prefill --pool {R} --node 1 --log-level loud", 2, "--log-level"),
     ("generate --max-tokens 0 hello", 2, "max"),
     # devices / doctor / microbench

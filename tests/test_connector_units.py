@@ -27,6 +27,9 @@ def test_settings_defaults_follow_the_role():
                                    "kv_both").handoff_publish == "in_step"
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "load_mode": "async"},
                                    "kv_both").load_mode == "async"
+    assert (s.pair_wait_s, s.pair_idle_s) == (30.0, 0.005)
+    assert ConnectorSettings.parse({"pool": "p", "node": 0, "pair_idle_s": 0},
+                                   "kv_both").pair_idle_s == 0      # off
 
 
 @pytest.mark.parametrize("extra, role, words", [
@@ -52,6 +55,10 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "kv_events_ownership": 3}, "kv_both", "kv_events_ownership must"),
     ({"pool": "p", "node": 1, "kv_events_interval_s": -1}, "kv_both",
      "kv_events_interval_s must be a positive"),
+    ({"pool": "p", "node": 1, "pair_wait_s": 0}, "kv_both", "pair_wait_s must be a positive"),
+    ({"pool": "p", "node": 1, "pair_idle_s": 0.5}, "kv_both",
+     "pair_idle_s must be between 0 (off) and 0.1 seconds"),
+    ({"pool": "p", "node": 1, "pair_idle_s": True}, "kv_both", "pair_idle_s must be between"),
 ])
 def test_bad_settings_are_one_line_saying_what_to_fix(extra, role, words):
     with pytest.raises(UsageError) as exc:

@@ -36,6 +36,7 @@ from tests.vllm_stack import (ANSWER_FIELDS, ARGS, VLLM_PY, assert_answers_as_mo
                               wait_until_released, wait_until_saved)
 
 PROMPT = "Prefill computes the prompt's KV cache; decode reads it one token at a time. "
+PAIR_WAIT_S = 15.0
 
 pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
@@ -54,7 +55,9 @@ def stack(tmp_path_factory, vllm_checkpoint, vllm_mono):
                  "replay_endpoint": events["replay"].replace("127.0.0.1", "*")}
     # TRACT_CONNECTOR_REFERENCE as `tract bench --engine vllm` sets it: a request
     # that asks has a memcpy timed beside its copies (none of the others ask)
-    st = start_stack(tmp_path_factory.mktemp("vllm"), "128M", {"handoff_ttl_s": 60.0},
+    # pair_wait_s: a paired decode whose prefill never comes is computed after it
+    st = start_stack(tmp_path_factory.mktemp("vllm"), "128M",
+                     {"handoff_ttl_s": 60.0, "pair_wait_s": PAIR_WAIT_S},
                      ckpt=vllm_checkpoint, mono=vllm_mono,
                      decode_args=("--kv-events-config", json.dumps(kv_events)),
                      env={"TRACT_CONNECTOR_REFERENCE": "1"})
@@ -203,12 +206,14 @@ def test_another_prompts_ticket_loads_nothing_of_it(stack):
     assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == n - 1
 
 
-def test_front_door_runs_the_two_step_flow_over_http(stack):
+@pytest.mark.parametrize("paired", [False, True], ids=["two-step", "paired"])
+def test_front_door_runs_the_p_d_flow_over_http(stack, paired):
     door_port = port()
     door = subprocess.Popen(
         [VLLM_PY, "-c", "import sys; from tract_cli.serve.vllm_proxy import serve; "
-                        "serve([sys.argv[1]], sys.argv[2], '127.0.0.1', int(sys.argv[3]))",
-         stack["prefill"].url, stack["decode"].url, str(door_port)],
+                        "serve([sys.argv[1]], sys.argv[2], '127.0.0.1', int(sys.argv[3]), "
+                        "paired=sys.argv[4] == '1')",
+         stack["prefill"].url, stack["decode"].url, str(door_port), str(int(paired))],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{door_port}"
     try:
@@ -221,7 +226,7 @@ def test_front_door_runs_the_two_step_flow_over_http(stack):
             except OSError:
                 time.sleep(0.2)   # the front door starting up, bounded
         assert status == 200, "the front door did not become ready within 60 s"
-        prompt = PROMPT * 4
+        prompt = PROMPT * (5 if paired else 4)
         external = tokens_by_source(stack["decode"], "external_kv_transfer")
         status, body = request(url + "/v1/completions", {
             "model": server_model(stack["decode"]), "prompt": prompt, "max_tokens": 12,
@@ -233,6 +238,117 @@ def test_front_door_runs_the_two_step_flow_over_http(stack):
     finally:
         door.terminate()
         door.wait(timeout=30)
+
+
+def _requests_waiting(server) -> float:
+    """vLLM's gauge of the requests in its waiting queue."""
+    import urllib.request
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("vllm:num_requests_waiting"))
+
+
+def _paired(role: str, pair: str) -> dict:
+    """A paired request's kv_transfer_params (what the front door sends)."""
+    return ({"do_remote_decode": True, "tract_pair": pair} if role == "prefill"
+            else {"do_remote_prefill": True, "tract_pair": pair})
+
+
+def _in_background(call) -> tuple:
+    """CALL() on a thread of its own: (the thread, a box its result or error lands in)."""
+    import threading
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = call()
+        except BaseException as exc:     # re-raised by the test that reads the box
+            box["error"] = exc
+        box["done_at"] = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _result(thread, box: dict, timeout: float = 120):
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the request did not answer within {timeout:.0f} s"
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def test_a_paired_decode_sent_before_its_prefill_waits_for_it_and_loads_its_handoff(stack):
+    """The front door's flow with the decode request first: it is in vLLM,
+    told "not yet" by the connector, before the prefill request is even sent;
+    once the prefill publishes, the decode finds the record by the pair's name
+    (no ticket ever reaches it) and loads every prompt token but the last."""
+    import uuid
+
+    from tract_cli.core.handoff import pair_key
+    prompt = "A paired decode finds its prefill's handoff in the pool by a name. " * 4
+    pair = uuid.uuid4().hex
+    external = tokens_by_source(stack["decode"], "external_kv_transfer")
+    waiting = _requests_waiting(stack["decode"])
+    thread, box = _in_background(lambda: complete(stack["decode"], prompt,
+                                                  kv_transfer_params=_paired("decode", pair)))
+    deadline = time.monotonic() + 60
+    while _requests_waiting(stack["decode"]) <= waiting:
+        assert thread.is_alive() and time.monotonic() < deadline, \
+            box.get("error") or box.get("out") or "the decode was not waiting within 60 s"
+        time.sleep(0.05)    # polling the other process's gauge, bounded
+    params = complete(stack["prefill"], prompt, 1,
+                      kv_transfer_params=_paired("prefill", pair))["kv_transfer_params"]
+    # the prefill's record is named by the pair
+    assert params["tract_ticket"]["request_id"] == pair_key(pair).hex()
+    out = _result(thread, box)
+    assert_answers_as_mono(stack, prompt, out)
+    n = out["usage"]["prompt_tokens"]
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == n - 1
+
+
+def test_a_paired_decode_of_another_prompt_computes_it_and_leaves_the_handoff(stack):
+    """A pair's name finds a record, never loads it: a decode whose prompt is
+    not the prefill's (the same pair's name, by a client's mistake or on
+    purpose) is refused by the record's key list and computes its prompt; the
+    handoff stays whole for the decode of its own prompt."""
+    import uuid
+    prompt = "The key list of a record, not its name, says whose KV it holds. " * 4
+    other = "Another prompt under the same pair's name loads nothing of it. " * 4
+    pair = uuid.uuid4().hex
+    complete(stack["prefill"], prompt, 1, kv_transfer_params=_paired("prefill", pair))
+    external = tokens_by_source(stack["decode"], "external_kv_transfer")
+    out = complete(stack["decode"], other, kv_transfer_params=_paired("decode", pair))
+    assert_answers_as_mono(stack, other, out)
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") == external
+    mine = complete(stack["decode"], prompt, kv_transfer_params=_paired("decode", pair))
+    assert_answers_as_mono(stack, prompt, mine)
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") - external == \
+        mine["usage"]["prompt_tokens"] - 1
+
+
+def test_a_paired_decode_whose_prefill_never_comes_is_computed_after_pair_wait_s(stack):
+    """A decode paired with a prefill that never arrives (its front door gone
+    before sending it) waits pair_wait_s at most, then computes the prompt:
+    the same answer, nothing taken from the pool; meanwhile the instance
+    serves other requests."""
+    import uuid
+    prompt = "A prefill that never comes costs its decode the wait, then a compute. " * 4
+    t0 = time.monotonic()
+    thread, box = _in_background(lambda: complete(
+        stack["decode"], prompt, kv_transfer_params=_paired("decode", uuid.uuid4().hex)))
+    # another request, sent while the paired one waits, is answered meanwhile
+    other = "While a paired decode waits for its prefill, its instance serves others. " * 3
+    assert_answers_as_mono(stack, other, complete(stack["decode"], other))
+    other_done = time.monotonic()
+    external = tokens_by_source(stack["decode"], "external_kv_transfer")
+    out = _result(thread, box, timeout=PAIR_WAIT_S + 120)
+    waited = box["done_at"] - t0
+    assert waited >= PAIR_WAIT_S, f"computed after {waited:.1f} s, before pair_wait_s"
+    assert other_done < box["done_at"], "the other request was not served while it waited"
+    assert_answers_as_mono(stack, prompt, out)
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") == external
 
 
 def test_pins_and_claims_are_given_back(stack):

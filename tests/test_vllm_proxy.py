@@ -14,13 +14,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.servers import request
+from tract_cli.core.handoff import pair_key
 
+TICKET = {"tract_ticket": {"record": 1}, "do_remote_prefill": True}
+# argv: "paired" or "two-step", the prefill URLs, the decode URL
 DOOR = ("import sys; from tract_cli.serve.vllm_proxy import serve; "
-        "serve(sys.argv[1:-1], sys.argv[-1], '127.0.0.1', 0, lambda url: print(url, flush=True))")
+        "serve(sys.argv[2:-1], sys.argv[-1], '127.0.0.1', 0, lambda url: print(url, flush=True), "
+        "paired=sys.argv[1] == 'paired')")
 
 
-def instance(role: str, seen: list):
-    """A stand-in vLLM instance: prefill answers a ticket, decode echoes what it got."""
+def instance(role: str, seen: list, prefill_answer: dict, decode_arrived):
+    """A stand-in vLLM instance: prefill answers as PREFILL_ANSWER["now"] says
+    (a ticket; a reply without one; a status), decode echoes what it got;
+    DECODE_ARRIVED(pair): the event a paired decode request sets on arrival."""
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -38,8 +44,23 @@ def instance(role: str, seen: list):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((role, body))
+            pair = (body.get("kv_transfer_params") or {}).get("tract_pair")
+            if role == "decode" and pair:
+                decode_arrived(pair).set()
             if role == "prefill":
-                self.answer(200, json.dumps({"kv_transfer_params": {"ticket": "t-1"}}).encode())
+                now = prefill_answer["now"]
+                if now is TICKET and pair:
+                    # a connector that took the pair names its record by it; the
+                    # stand-in answers once the paired decode has arrived (bounded):
+                    # the door sent both at once
+                    now = {"tract_ticket": {"record": 1, "request_id": pair_key(pair).hex()},
+                           "do_remote_prefill": True}
+                    if not decode_arrived(pair).wait(10):
+                        now = 500        # sent one after the other: the test fails
+                if isinstance(now, int):
+                    self.answer(now, b'{"error": "stand-in"}')
+                else:
+                    self.answer(200, json.dumps({"kv_transfer_params": now}).encode())
             elif body.get("stream"):
                 self.answer(200, b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n",
                             "text/event-stream")
@@ -51,13 +72,24 @@ def instance(role: str, seen: list):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
 
-@pytest.fixture
-def door():
-    """The door in front of a stand-in prefill and decode instance; its URL,
-    what the instances received, and the process (stopped afterwards)."""
+@pytest.fixture(params=["paired"])
+def door(request):
+    """The door (its flow the parameter: "paired" unless a test says) in front
+    of a stand-in prefill and decode instance; its URL, what the instances
+    received, the process (stopped afterwards) and what the prefill answers."""
     seen: list = []
-    (pre, pre_url), (dec, dec_url) = instance("prefill", seen), instance("decode", seen)
-    proc = subprocess.Popen([sys.executable, "-c", DOOR, pre_url, dec_url],
+    prefill_answer = {"now": TICKET}
+    events: dict = {}
+    events_lock = threading.Lock()
+
+    def arrived(pair: str) -> threading.Event:
+        """The event of PAIR's decode request (one per pair, made on first ask)."""
+        with events_lock:
+            return events.setdefault(pair, threading.Event())
+
+    (pre, pre_url), (dec, dec_url) = (instance("prefill", seen, prefill_answer, arrived),
+                                      instance("decode", seen, prefill_answer, arrived))
+    proc = subprocess.Popen([sys.executable, "-c", DOOR, request.param, pre_url, dec_url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         box = {}
@@ -67,7 +99,7 @@ def door():
         reader.join(60)                                  # the door's start, bounded
         assert box.get("url", "").startswith("http://127.0.0.1:"), proc.stderr.read() \
             if proc.poll() is not None else "the door did not say where it listens within 60 s"
-        yield box["url"], seen, proc
+        yield box["url"], seen, proc, prefill_answer
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -76,18 +108,28 @@ def door():
         dec.shutdown()
 
 
+def _by_role(seen: list) -> dict:
+    """What each stand-in received, in order: {"prefill": [...], "decode": [...]}."""
+    out: dict = {"prefill": [], "decode": []}
+    for role, body in seen:
+        out[role].append(body)
+    return out
+
+
+@pytest.mark.parametrize("door", ["two-step"], indirect=True)
 def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
-    url, seen, proc = door
+    url, seen, proc, _ = door
     assert request(url + "/health", timeout=30)[0] == 200
     status, body = request(url + "/v1/completions",
                            {"model": "m", "prompt": "hi", "max_tokens": 5,
-                            "kv_transfer_params": {"ticket": "forged"}}, timeout=30)
+                            "kv_transfer_params": {"tract_ticket": "forged"}}, timeout=30)
     assert status == 200, body
     (r1, first), (r2, second) = seen
     assert (r1, r2) == ("prefill", "decode")
     assert first["max_tokens"] == 1 and first["kv_transfer_params"] == {"do_remote_decode": True}
-    # the client's own transfer parameters never reach an instance
-    assert second["kv_transfer_params"] == {"ticket": "t-1"} and second["max_tokens"] == 5
+    # the client's own transfer parameters never reach an instance: the decode's
+    # are what the prefill answered
+    assert second["kv_transfer_params"] == TICKET and second["max_tokens"] == 5
     assert body == {"got": second}
     status, text = request(url + "/v1/completions", {"prompt": "hi", "stream": True}, timeout=30)
     assert status == 200 and text.endswith("data: [DONE]\n\n")
@@ -95,3 +137,78 @@ def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
     # the workers' server: the first SIGTERM drains, the process exits 0
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, proc.stderr.read()
+
+
+def test_the_door_pairs_prefill_and_decode_and_stops_cleanly_on_sigterm(door):
+    url, seen, proc, _ = door
+    assert request(url + "/health", timeout=30)[0] == 200
+    status, body = request(url + "/v1/completions",
+                           {"model": "m", "prompt": "hi", "max_tokens": 5,
+                            "kv_transfer_params": {"tract_pair": "forged"}}, timeout=30)
+    assert status == 200, body
+    got = _by_role(seen)
+    (first,), (second,) = got["prefill"], got["decode"]
+    # both sent at once, named by one pair of the door's own (never the client's)
+    pair = first["kv_transfer_params"]["tract_pair"]
+    assert pair != "forged" and len(pair) == 32
+    assert first["max_tokens"] == 1 and first["kv_transfer_params"] == {
+        "do_remote_decode": True, "tract_pair": pair}
+    assert second["kv_transfer_params"] == {"do_remote_prefill": True, "tract_pair": pair}
+    assert second["max_tokens"] == 5 and body == {"got": second}
+    status, text = request(url + "/v1/completions", {"prompt": "hi", "stream": True}, timeout=30)
+    assert status == 200 and text.endswith("data: [DONE]\n\n")
+    assert request(url + "/v1/completions", {"prompt": "hi", "n": 2}, timeout=30)[0] == 400
+    # the workers' server: the first SIGTERM drains, the process exits 0
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+
+
+@pytest.mark.parametrize("door", ["two-step", "paired"], indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("prefill_says", [503, {"no": "ticket"}], ids=["failed", "no-handoff"])
+def test_a_decode_whose_prefill_made_no_handoff_is_sent_again_to_compute_it(door, stream,
+                                                                           prefill_says):
+    """A prefill that fails, or answers without a handoff, is not the user's
+    error: the request goes to the decode instance without transfer
+    parameters, whose answer the client gets (paired: the decode request sent
+    with the prefill's, which would wait for a handoff that will not come, is
+    dropped first)."""
+    url, seen, _, prefill_answer = door
+    prefill_answer["now"] = prefill_says
+    status, body = request(url + "/v1/completions",
+                           {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": stream},
+                           timeout=30)
+    assert status == 200, body
+    decodes = _by_role(seen)["decode"]
+    plain = [d for d in decodes if d.get("kv_transfer_params") is None]
+    # the paired one was sent first: cut off before it arrived, or answered, unused
+    paired = [d for d in decodes if d.get("kv_transfer_params") is not None]
+    assert len(plain) == 1 and plain[0]["max_tokens"] == 5, decodes
+    assert len(paired) <= 1 and all(d["kv_transfer_params"]["do_remote_prefill"]
+                                    for d in paired), decodes
+    if stream:
+        assert body.startswith("data: ") and '"kv_transfer_params"' not in body
+    else:
+        assert body == {"got": plain[0]}
+
+
+def test_a_paired_decode_whose_prefill_named_its_record_otherwise_gets_the_ticket(door):
+    """A prefill whose connector did not take the pair (its ticket names the
+    record by the request id) answers a handoff the waiting decode would
+    never find: the door drops it and sends the decode the ticket instead,
+    as the two-step flow does."""
+    url, seen, _, prefill_answer = door
+    prefill_answer["now"] = {"tract_ticket": {"record": 2, "request_id": "ab" * 16}}
+    status, body = request(url + "/v1/completions",
+                           {"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=30)
+    assert status == 200, body
+    assert body["got"]["kv_transfer_params"] == prefill_answer["now"]
+
+
+@pytest.mark.parametrize("door", ["two-step", "paired"], indirect=True)
+def test_a_request_the_prefill_refuses_is_answered_with_its_refusal(door):
+    url, seen, _, prefill_answer = door
+    prefill_answer["now"] = 400
+    status, body = request(url + "/v1/completions", {"model": "m", "prompt": "hi"}, timeout=30)
+    assert status == 400 and body == {"error": "stand-in"}
+    assert all(b.get("kv_transfer_params") for b in _by_role(seen)["decode"])

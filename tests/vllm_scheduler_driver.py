@@ -32,6 +32,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from tract_cli.connectors.keys import prompt_keys
 from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractConnectorMetadata
 from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
+from tract_cli.core.handoff import request_key
 from tract_cli.core.pool import Pool
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
@@ -625,7 +626,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     load = LoadSpec("fail-sync", look.slots, look.checksums ^ 1, np.array([10, 10, 11, 11]),
                     np.array([0, 1, 0, 1]), tags=look.tags, sync=True)
     save = SaveSpec("fail-sync", longer[4:6], np.full(2, 16, np.uint32), np.array([12, 12]),
-                    np.array([0, 1]), HandoffSpec(record, "fail-sync", longer, 96, 30.0))
+                    np.array([0, 1]), HandoffSpec(record, "fail-sync", longer, 96, 30.0,
+                                                  request_key("fail-sync")))
     w.bind_connector_metadata(TractConnectorMetadata(loads=[load], saves=[save]))
     w.start_load_kv(None)
     wait_for(lambda: w.worker_side._reserving.done(), "the failed step's reserve")
@@ -697,7 +699,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     import threading
 
     from tract_cli.core.errors import HandoffError
-    from tract_cli.core.handoff import Ticket, request_key
+    from tract_cli.core.handoff import Ticket
     wl, _ = worker(ckpt, pool_path, 16, extra={"step_timeout_s": 30})
     pages, subs = np.array([0, 0, 1, 1], np.int64), np.array([0, 1, 0, 1], np.int64)
     off = prompt_keys(pool.info, tag, 16, list(range(9100, 9100 + 64))).keys
@@ -713,7 +715,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     record = pool.handoffs.peek_free()
     wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
         "follows", follows, np.full(4, 16, np.uint32), pages, subs,
-        HandoffSpec(record, "follows", follows, 64, 30.0))]))
+        HandoffSpec(record, "follows", follows, 64, 30.0, request_key("follows")))]))
     wait_for(lambda: wl.worker_side._records.done(), "the handoff step's reserve")
     stepped = threading.Event()
 
@@ -767,7 +769,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     record = pool.handoffs.peek_free()
     wi.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
         "inside", inside, np.full(4, 16, np.uint32), pages, subs,
-        HandoffSpec(record, "inside", inside, 64, 30.0), handoff_follows=True)]))
+        HandoffSpec(record, "inside", inside, 64, 30.0, request_key("inside")),
+        handoff_follows=True)]))
     wait_for(lambda: wi.worker_side._reserving.done(), "the in-step handoff's reserve")
     obs["in_step_reserves"] = wi.worker_side._records is not None
     stepped = threading.Event()

@@ -101,7 +101,7 @@ def _free_port(host: str) -> int:
 
 
 def _serve_vllm(name: str, pool: str, node: int, host: str, port: int, model_dir, vllm_args,
-                extra: dict, front_door=None) -> None:
+                extra: dict, front_door=None, paired: bool = False) -> None:
     """vLLM's server with TraCT's connector (and, for decode, the front door) until a signal."""
     import signal
     import tempfile
@@ -135,7 +135,7 @@ def _serve_vllm(name: str, pool: str, node: int, host: str, port: int, model_dir
         def announce(url):
             print(f"tract {name}: node {node} pid {os.getpid()} engine vllm model {model_dir} pool "
                   f"{pool} (vLLM at {server.url}): listening on {url}", file=sys.stderr, flush=True)
-        serve(prefill_urls, server.url, host, door_port, announce)
+        serve(prefill_urls, server.url, host, door_port, announce, paired=paired)
     except KeyboardInterrupt:
         pass
     finally:
@@ -186,6 +186,10 @@ def serve_decode(
     engine_port: int = typer.Option(0, "--engine-port", help="With --engine vllm: the port of the "
                                                            "decode vLLM behind the front door "
                                                            "(0: a free one)."),
+    paired: bool = typer.Option(False, "--paired", help="With --engine vllm: send each request's "
+                                                      "prefill and decode requests at once, the "
+                                                      "decode finding the handoff in the pool "
+                                                      "(docs/VLLM.md, Topologies)."),
 ) -> None:
     """Decode worker and front door: OpenAI /v1/completions, /health, /metrics."""
     from tract_cli.serve.decode import DecodeWorker, MODES
@@ -200,8 +204,11 @@ def serve_decode(
         _serve_vllm("serve-decode", pool, node, host, engine_port or _free_port(host), model_dir,
                     vllm_args, {"simulate": simulate, "start_agent": agent}
                     | ({"flush_mode": flush_mode} if flush_mode else {}),
-                    front_door=(prefill, port))
+                    front_door=(prefill, port), paired=paired)
         return
+    if paired:
+        raise UsageError("--paired is a flow of vLLM's front door",
+                         "pass --engine vllm with it, or leave it out")
     if kv_mode not in MODES:
         raise UsageError(f"--kv-mode {kv_mode!r} is not one of {', '.join(MODES)}",
                          "pass --kv-mode copy or --kv-mode zero-copy")

@@ -15,6 +15,9 @@ from tract_cli.core.kvpages import LOAD_MODES
 from tract_cli.core.weights import WEIGHTS_DIGESTS
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# the longest an idle engine step may wait for paired decodes' records: a
+# request arriving meanwhile waits that long
+MAX_PAIR_IDLE_S = 0.1
 
 
 
@@ -33,6 +36,8 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.002   # the scheduler loop's wait for a lookup before "not yet"
     lookup_patience_s: float = 0.5  # a lookup not back by then: the request is computed
     handoff_wait_s: float = 4.0    # a decode's wait for a reserved handoff's publish
+    pair_wait_s: float = 30.0      # a paired decode's wait for its prefill to take a record
+    pair_idle_s: float = 0.005     # an idle engine step's wait for a paired decode's record
     start_agent: bool = True       # start this node's agent if none runs
     flush_mode: str | None = None  # override the region header's flush mode
     simulate: bool = False         # run metadata through the non-coherence simulator
@@ -79,13 +84,22 @@ class ConnectorSettings:
             out["simulate"] = os.environ.get("TRACT_SIMULATE", "") not in ("", "0")
         out["save"] = _bool(extra, "save") if "save" in extra else role != "kv_consumer"
         for key in ("handoff_ttl_s", "lookup_timeout_s", "step_timeout_s", "lookup_wait_s",
-                    "lookup_patience_s", "handoff_wait_s", "kv_events_interval_s"):
+                    "lookup_patience_s", "handoff_wait_s", "pair_wait_s",
+                    "kv_events_interval_s"):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise UsageError(f"kv_connector_extra_config {key} must be a positive number "
                                      f"of seconds, got {value!r}", f'e.g. "{key}": 30')
                 out[key] = float(value)
+        if "pair_idle_s" in extra:
+            value = extra["pair_idle_s"]
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 <= value <= MAX_PAIR_IDLE_S):
+                raise UsageError(f"kv_connector_extra_config pair_idle_s must be between 0 "
+                                 f"(off) and {MAX_PAIR_IDLE_S} seconds, got {value!r}",
+                                 '"pair_idle_s": 0.005')
+            out["pair_idle_s"] = float(value)
         for key, example in (("kv_events_medium", "CPU"), ("kv_events_ownership", "tract")):
             if key in extra:
                 value = extra[key]

@@ -41,10 +41,13 @@ class HandoffSpec:
     commit, off it (a decode that opens it first is told to wait)."""
 
     record: int
-    request_id: str            # vLLM's request id (the record holds its 16-byte key)
+    request_id: str            # vLLM's request id
     keys: np.ndarray           # (n, 16) uint8: all the prompt's blocks, the tail last
     token_count: int           # the prompt's tokens
     ttl_s: float
+    # the 16 bytes the record is named by (core.handoff.request_key of vLLM's
+    # request id, or pair_key of the pair a paired decode finds it by)
+    name: bytes
 
 
 @dataclass

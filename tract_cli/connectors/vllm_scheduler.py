@@ -43,9 +43,9 @@ from tract_cli.core.events import MAX_RECORD_SALT, Described, describe_span
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
-from tract_cli.core import kvlog
+from tract_cli.core import kvlog, transfer_params
 from tract_cli.core.errors import HandoffError, HandoffPending, TractError, TransferTableFull
-from tract_cli.core.handoff import Ticket, request_key
+from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
 if TYPE_CHECKING:
@@ -61,7 +61,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.tract")
 
-PARAMS_KEY = "tract_ticket"
+PARAMS_KEY = transfer_params.TICKET
+PAIR_KEY = transfer_params.PAIR
+PAIR_POLL_S = 0.001        # how often an idle engine step looks for a paired decode's record
 # how often (at most) a prefill instance at its handoff bound reads its records
 # to find those acknowledged since (each is a lock-free read of one record)
 PRUNE_INTERVAL_S = 0.1
@@ -99,6 +101,11 @@ class _Request:
     load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
     load_failed: bool = False          # a load of it failed: compute it, never load again
     handoff: Ticket | None = None      # its handoff, published by the worker in-step (planned)
+    name: bytes = b""                  # the 16-byte name of its handoff's record (a prefill's)
+    # a paired decode: the name of its prefill's record, looked for each step
+    # (its prefill may not have taken one yet), since when
+    pair: bytes | None = None
+    pair_since: float = 0.0
     # a decode's ticket whose record is reserved, not yet published (its prefill
     # commits the blocks off its step): asked again each step, since when
     pending: Ticket | None = None
@@ -155,6 +162,12 @@ class SchedulerSide:
         self._events_wanted = vllm_events.wanted(vllm_config, settings)
         self._hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self._events: vllm_events.RegionEvents | None = None
+        # paired decodes whose prefill's record is not found yet: {request id:
+        # the pair's name}, and the last pass over the table for them (the step
+        # it ran in, what it found: {request id: record, -1 none})
+        self._pairs_waiting: dict[str, bytes] = {}
+        self._pairs_seen: dict[str, int] = {}
+        self._steps, self._pairs_seen_step = 0, -1
 
     def set_layout(self, layouts: set[str]) -> None:
         """The workers' page layout, from vLLM's handshake: it enters every key."""
@@ -212,9 +225,27 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         st = _Request(len(tokens or ()), keys, tail_key, tail, cacheable, hashes, arr,
                       salt or None, want_handoff=bool(params.get("do_remote_decode")),
-                      reference=params.get(kvlog.REFERENCE_PARAM) is True)
+                      reference=params.get(kvlog.REFERENCE_PARAM) is True,
+                      name=request_key(request.request_id))
+        if params.get(PAIR_KEY) is not None and cacheable:
+            self._pair(request, st, params)
         self._reqs[request.request_id] = st
         return st
+
+    def _pair(self, request: "Request", st: _Request, params: dict) -> None:
+        """A paired request's name (PAIR_KEY): a prefill's record is named by it,
+        a decode without a ticket looks for that record.  A bad name (network
+        input) is not used: the prefill's record is named by its request id
+        (its reply's ticket still works), the decode computes the prompt."""
+        try:
+            name = pair_key(check_pair(params[PAIR_KEY]))
+        except TractError as exc:
+            log.warning("request %s: its %s is not used: %s", request.request_id, PAIR_KEY, exc)
+            return
+        if st.want_handoff:
+            st.name = name
+        elif params.get("do_remote_prefill") and PARAMS_KEY not in params:
+            st.pair = name
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -231,9 +262,16 @@ class SchedulerSide:
             return 0, False
         st.matched_from = num_computed_tokens
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and PARAMS_KEY in params and not st.loading:
+        if params.get("do_remote_prefill") and (PARAMS_KEY in params or st.pair is not None):
             if st.received is None and not st.handoff_failed:
-                self._open_handoff(request, st, params)
+                if PARAMS_KEY in params:
+                    self._open_handoff(request, st, params)
+                else:
+                    ticket = st.pending or self._find_paired(request, st)
+                    if ticket is None and not st.handoff_failed:
+                        return None, False  # not yet: its prefill has taken no record
+                    if ticket is not None:
+                        self._open_ticket(request, st, ticket)
             if st.received is not None:
                 return self._answer(request, num_computed_tokens, st.received.token_count)
             if st.pending is not None:
@@ -357,6 +395,19 @@ class SchedulerSide:
                                    f"{str(raw.get('model'))[:16]}, this instance serves "
                                    f"{self.identity.short()})",
                                    "send decode requests to instances of the prefill's model")
+        except (TractError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            # a ticket is network input: whatever is wrong with it, the request is computed
+            st.handoff_failed = True
+            log.warning("TraCT handoff of request %s not used, computing it: %s",
+                        request.request_id, exc)
+            return
+        self._open_ticket(request, st, ticket)
+
+    def _open_ticket(self, request: "Request", st: _Request, ticket: Ticket) -> None:
+        """Opens the handoff TICKET names (a prefill's reply's, or the record a
+        paired decode found), if it is of this prompt: st.received; st.pending
+        while it is reserved, not yet published; else st.handoff_failed."""
+        try:
             expected = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
             if ticket.blocks != len(expected):
                 raise HandoffError("the handoff is of another prompt",
@@ -376,13 +427,67 @@ class SchedulerSide:
                 raise HandoffError("the handoff is of another prompt (or another tenant's salt)",
                                    "send the decode request with the prefill's prompt")
         except (TractError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-            # a ticket is network input: whatever is wrong with it, the request is computed
             st.handoff_failed = True
             st.pending = None
             log.warning("TraCT handoff of request %s not used, computing it: %s",
                         request.request_id, exc)
             return
         st.received, st.ticket = rec, ticket
+
+    def _idle_for_pairs(self) -> None:
+        """An engine step that scheduled nothing while paired decodes wait for
+        their prefills: the engine loop would step again at once (vLLM sleeps
+        1 ms between such steps), each step a round trip to the worker, taking
+        a core's share from whatever shares the host (on one host, the prefill
+        itself).  Waits instead until one of their records is in the table,
+        looked for every PAIR_POLL_S, for at most pair_idle_s: a request that
+        arrives meanwhile waits that long at most, and only when nothing else
+        was running."""
+        deadline = time.monotonic() + self.settings.pair_idle_s
+        keys = np.frombuffer(b"".join(self._pairs_waiting.values()), np.uint8).reshape(-1, 16)
+        while time.monotonic() < deadline:
+            time.sleep(PAIR_POLL_S)   # waiting for another host's store, bounded
+            try:
+                if (self.pool.handoffs.find(keys) >= 0).any():
+                    return
+            except TractError:
+                return
+
+    def _find_paired(self, request: "Request", st: _Request) -> Ticket | None:
+        """The record of a paired decode's prefill, looked for by the pair's name:
+        its ticket once found (PUBLISHED, or RESERVED and published soon), None
+        while not (its prefill has not reached the step that completes the
+        prompt), for at most pair_wait_s from vLLM's first ask; past that the
+        request is computed (st.handoff_failed).  Every paired decode still
+        waiting is looked for in one pass over the transfer table a step
+        (one C call, no lock), and again only for one that arrived since."""
+        req_id, now = request.request_id, time.monotonic()
+        if not st.pair_since:
+            st.pair_since = now
+            self._pairs_waiting[req_id] = st.pair
+        if self._pairs_seen_step != self._steps or req_id not in self._pairs_seen:
+            ids = list(self._pairs_waiting.items())
+            keys = np.frombuffer(b"".join(k for _, k in ids), np.uint8).reshape(-1, 16)
+            try:
+                recs = self.pool.handoffs.find(keys)
+            except TractError as exc:
+                log.warning("TraCT: the handoff table could not be read for paired "
+                            "requests: %s", exc)
+                recs = np.full(len(ids), -1)
+            self._pairs_seen = {rid: int(rec) for (rid, _), rec in zip(ids, recs)}
+            self._pairs_seen_step = self._steps
+        record = self._pairs_seen.get(req_id, -1)
+        blocks = len(st.keys) + (st.tail_key is not None)
+        if record >= 0:
+            self._pairs_waiting.pop(req_id, None)
+            return Ticket(record, st.pair.hex(), blocks, st.prompt_len)
+        if now - st.pair_since >= self.settings.pair_wait_s:
+            self._pairs_waiting.pop(req_id, None)
+            st.handoff_failed = True
+            log.warning("TraCT handoff of paired request %s not found within %.1f s "
+                        "(pair_wait_s), computing it: its prefill did not reach the end of "
+                        "the prompt", req_id, self.settings.pair_wait_s)
+        return None
 
     def _wait_published(self, request: "Request", st: _Request, ticket: Ticket) -> None:
         """The ticket's record is reserved, not yet published: its prefill's step
@@ -415,6 +520,8 @@ class SchedulerSide:
             if st.ticket is not None:              # not needed (e.g. a local hit): release now
                 self._release_handoff(st.ticket)
                 st.received = st.ticket = None
+                # used up: asked again (preempted), it is not looked for again
+                st.handoff_failed = True
             return
         first = st.matched_from // self.g
         end_tokens = st.matched_from + num_external_tokens
@@ -445,6 +552,11 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TractConnectorMetadata:
         meta = TractConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._steps += 1
+        if (self._pairs_waiting and self.settings.pair_idle_s and not meta.loads
+                and scheduler_output.total_num_scheduled_tokens == 0 and not self._looking
+                and not any(st.loading or st.pending for st in self._reqs.values())):
+            self._idle_for_pairs()
         for req_id in self._matched:          # matched, but vLLM had no pages for it
             st = self._reqs.get(req_id)
             if st is not None and not st.loading:
@@ -515,9 +627,9 @@ class SchedulerSide:
             return None
         handed.append(mine)
         self._planned.add(record)
-        st.handoff = Ticket(record, request_key(req_id).hex(), len(keys), st.prompt_len)
+        st.handoff = Ticket(record, st.name.hex(), len(keys), st.prompt_len)
         return HandoffSpec(record, req_id, np.ascontiguousarray(keys), st.prompt_len,
-                           self.settings.handoff_ttl_s)
+                           self.settings.handoff_ttl_s, st.name)
 
     def _plan_save(self, req_id: str, st: _Request, end: int) -> SaveSpec | None:
         """The blocks of REQ_ID whose KV is complete after this step and not yet saved."""
@@ -585,6 +697,7 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
         st = self._reqs.pop(request.request_id, None)
         self._matched.discard(request.request_id)
+        self._pairs_waiting.pop(request.request_id, None)
         if st is None:
             return False, None
         if st.loading:
@@ -638,7 +751,7 @@ class SchedulerSide:
             if record is None:
                 raise TransferTableFull("no handoff record looks free",
                                         "acknowledge handoffs, or let expired ones expire")
-            ticket = self.pool.handoffs.publish(request.request_id, keys, st.prompt_len,
+            ticket = self.pool.handoffs.publish(st.name, keys, st.prompt_len,
                                                 ttl=self.settings.handoff_ttl_s,
                                                 timeout=self.settings.step_timeout_s,
                                                 record=record)

@@ -355,7 +355,7 @@ class WorkerSide:
             self.releases.submit(
                 f"reservation of handoff record {spec.record}",
                 lambda timeout, spec=spec: self.pool.handoffs.unreserve(
-                    spec.record, spec.request_id, timeout=timeout))
+                    spec.record, spec.name, timeout=timeout))
 
     def _abandon_claims(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
         """Gives back (off the step) the claims IDX of PLAN that will not be
@@ -462,7 +462,7 @@ class WorkerSide:
                 self._handoffs_lost([spec], "a block of it is not this step's to save")
                 continue
             try:
-                self.pool.handoffs.reserve_record(spec.record, spec.request_id, len(spec.keys),
+                self.pool.handoffs.reserve_record(spec.record, spec.name, len(spec.keys),
                                                   spec.token_count, ttl=spec.ttl_s,
                                                   timeout=self.settings.step_timeout_s)
                 plan.reserved.add(spec.request_id)
@@ -676,7 +676,7 @@ class WorkerSide:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    self.pool.handoffs.publish_pinned(spec.record, spec.request_id, spec.keys,
+                    self.pool.handoffs.publish_pinned(spec.record, spec.name, spec.keys,
                                                       spec.token_count, ttl=spec.ttl_s,
                                                       timeout=self.settings.step_timeout_s,
                                                       reserved=reserved)

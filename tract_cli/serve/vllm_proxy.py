@@ -1,40 +1,65 @@
 """The OpenAI front door of a vLLM prefill/decode pair (`tract serve-decode --engine vllm`).
 
-The two-step flow of vLLM's P/D proxy (and Dynamo's, llm-d's), over a real
-HTTP stack (FastAPI on uvicorn, httpx as the client: what vLLM serves with):
+Over a real HTTP stack (FastAPI on uvicorn, httpx as the client: what vLLM
+serves with), in one of two flows:
 
-1. the request goes to a prefill instance with `max_tokens: 1`, no stream,
-   and `kv_transfer_params: {"do_remote_decode": true}`; its answer carries
-   `kv_transfer_params` naming the TraCT handoff;
-2. the original request goes to the decode instance with those parameters,
-   and its answer (or SSE stream) is relayed unchanged.
+- vLLM's two-step flow (the default; vLLM's P/D proxy, Dynamo and llm-d
+  send requests so): the request goes to a prefill instance with
+  `max_tokens: 1`, no stream, and `kv_transfer_params: {"do_remote_decode":
+  true}`; once it answers, the original request goes to the decode instance
+  with the `kv_transfer_params` that answer carries (the TraCT ticket).
+- Paired (`--paired`): both at once, named by a pair of this door's own
+  (`tract_pair`, core/transfer_params.py): the prefill's handoff record
+  in the pool is named by it, and the decode instance's connector answers
+  vLLM "not yet" until it finds that record (a lock-free look each engine
+  step), then loads it.  The decode request's way through its front end and
+  scheduler then runs while the prefill computes, and the decode starts when
+  the handoff is published, not when the prefill's reply has come back
+  through its front end and this door.  If the prefill fails or answers
+  without a handoff (no ticket in its reply), the decode request is dropped
+  (its connection closed: vLLM aborts it; a request still waiting for its
+  handoff holds no KV pages) and sent again without transfer parameters;
+  if its ticket names the record otherwise than by the pair (its connector
+  did not take the pair), it is dropped and sent again with the ticket.
 
-A prefill failure is not the user's error: the decode instance then computes
-the prompt itself (its answer is the same).  `/health` is ready only when
-both the decode instance and a prefill instance answer theirs, and says
-which one it waits for otherwise.  Prefill instances are used round-robin.
-It is served as the workers are (serve/app.py: `listen`, `serve`, their
-signal handling and logging); its HTTP client is closed at the server's
-shutdown.
+Either way a prefill failure is not the user's error: the decode instance
+then computes the prompt itself, and its answer is the same; a request the
+prefill instance refuses (4xx) is answered with that refusal.  Answers (or
+SSE streams) are relayed unchanged.  `/health` is ready only when both the
+decode instance and a prefill instance answer theirs, and says which one it
+waits for otherwise.  Prefill instances are used round-robin.  It is served
+as the workers are (serve/app.py: `listen`, `serve`, their signal handling
+and logging); its HTTP client is closed at the server's shutdown.
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
 # (Request) as objects
+import asyncio
 import itertools
 import logging
+import uuid
+
+from tract_cli.core import transfer_params
+from tract_cli.core.handoff import pair_key
 
 log = logging.getLogger("tract.proxy")
 
 TIMEOUT_S = 600
 
 
-def make_app(prefill_urls: list[str], decode_url: str):
-    """The FastAPI app of the front door."""
+def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
+    """The FastAPI app of the front door: vLLM's two-step flow, or with PAIRED
+    both requests at once."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="TraCT vLLM front door")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S, connect=5))
+    # no cap on connections: a paired decode holds its connection while it waits
+    # for its prefill, and a capped pool could be filled by waiting decodes with
+    # their prefills queued behind them (httpx's default is 100)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S, connect=5),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=100))
     turn = itertools.cycle(prefill_urls)
 
     async def healthy(url: str) -> bool:
@@ -53,9 +78,13 @@ def make_app(prefill_urls: list[str], decode_url: str):
             return JSONResponse({"status": "waiting", "waiting_for": waiting}, status_code=503)
         return {"status": "ok", "decode": decode_url, "prefill": up}
 
-    async def prefill(path: str, body: dict):
-        first = body | {"max_tokens": 1, "stream": False,
-                        "kv_transfer_params": {"do_remote_decode": True}}
+    async def prefill(path: str, body: dict, pair: str | None):
+        """The prefill request of BODY (paired by PAIR, if any): the transfer
+        parameters its reply carries; None if it failed or made no handoff (the
+        decode computes the prompt); {"_error": response} if the prefill
+        instance refused the request (4xx)."""
+        ask = {"do_remote_decode": True} | ({transfer_params.PAIR: pair} if pair else {})
+        first = body | {"max_tokens": 1, "stream": False, "kv_transfer_params": ask}
         for key in ("stream_options", "max_completion_tokens", "min_tokens"):
             first.pop(key, None)
         url = next(turn)
@@ -70,7 +99,54 @@ def make_app(prefill_urls: list[str], decode_url: str):
             log.warning("prefill %s answered %d: decode computes the prompt", url,
                         resp.status_code)
             return None
-        return resp.json().get("kv_transfer_params")
+        try:
+            params = resp.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict) or transfer_params.TICKET not in params:
+            log.warning("prefill %s answered without a handoff: decode computes the prompt", url)
+            return None
+        return params
+
+    async def decode(path: str, body: dict, stream: bool):
+        """BODY sent to the decode instance: its response (a stream's, open,
+        once its headers are in)."""
+        if stream:
+            return await client.send(client.build_request("POST", decode_url + path, json=body),
+                                     stream=True)
+        return await client.post(decode_url + path, json=body)
+
+    async def drop(task: asyncio.Task) -> None:
+        """Stops a decode request that will not be used: its connection is
+        closed (cancelled mid-request, or its open stream closed), so vLLM
+        aborts it; shielded, so a handler cancelled meanwhile (its client
+        gone) still closes it."""
+        await asyncio.shield(close_decode(task))
+
+    async def close_decode(task: asyncio.Task) -> None:
+        task.cancel()
+        await asyncio.wait({task})              # never raises
+        if task.cancelled() or task.exception() is not None:
+            return
+        await task.result().aclose()
+
+    def named_by(params: dict, pair: str) -> bool:
+        """Whether the ticket in a prefill's reply names its record by PAIR."""
+        ticket = params.get(transfer_params.TICKET)
+        return isinstance(ticket, dict) and ticket.get("request_id") == pair_key(pair).hex()
+
+    def relay(resp, stream: bool):
+        if stream:
+            async def chunks():
+                try:
+                    async for chunk in resp.aiter_raw():
+                        yield chunk
+                finally:
+                    await resp.aclose()
+            return StreamingResponse(chunks(), status_code=resp.status_code,
+                                     media_type=resp.headers.get("content-type"))
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type"))
 
     async def two_step(path: str, request: Request):
         try:
@@ -82,34 +158,44 @@ def make_app(prefill_urls: list[str], decode_url: str):
                                            "type": "BadRequestError", "code": 400}},
                                 status_code=400)
         # transfer parameters are the front door's to set, never the client's: a client's
-        # own ticket or do_remote_decode would reach the decode instance unchecked
+        # own ticket, pair or do_remote_decode would reach an instance unchecked
         body.pop("kv_transfer_params", None)
         if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
             return JSONResponse({"error": {"message": "n and best_of other than 1 are not served "
                                            "by prefill/decode disaggregation",
                                            "type": "BadRequestError", "code": 400}},
                                 status_code=400)
-        params = await prefill(path, body)
-        if isinstance(params, dict) and "_error" in params:
+        stream = bool(body.get("stream"))
+        if not paired:
+            params = await prefill(path, body, None)
+            if params is not None and "_error" in params:
+                bad = params["_error"]
+                return Response(bad.content, status_code=bad.status_code,
+                                media_type=bad.headers.get("content-type"))
+            second = body | ({"kv_transfer_params": params} if params else {})
+            return relay(await decode(path, second, stream), stream)
+        pair = uuid.uuid4().hex
+        waiting = asyncio.create_task(decode(path, body | {"kv_transfer_params": {
+            "do_remote_prefill": True, transfer_params.PAIR: pair}}, stream))
+        try:
+            params = await prefill(path, body, pair)
+        except BaseException:
+            await drop(waiting)
+            raise
+        if params is not None and "_error" not in params:
+            if named_by(params, pair):
+                return relay(await waiting, stream)
+            # a prefill that named its record otherwise (its connector did not take
+            # the pair): the waiting decode would not find it; the ticket works
+            await drop(waiting)
+            return relay(await decode(path, body | {"kv_transfer_params": params}, stream),
+                         stream)
+        await drop(waiting)
+        if params is not None:
             bad = params["_error"]
             return Response(bad.content, status_code=bad.status_code,
                             media_type=bad.headers.get("content-type"))
-        second = body | ({"kv_transfer_params": params} if params else {})
-        if body.get("stream"):
-            req = client.build_request("POST", decode_url + path, json=second)
-            resp = await client.send(req, stream=True)
-
-            async def relay():
-                try:
-                    async for chunk in resp.aiter_raw():
-                        yield chunk
-                finally:
-                    await resp.aclose()
-            return StreamingResponse(relay(), status_code=resp.status_code,
-                                     media_type=resp.headers.get("content-type"))
-        resp = await client.post(decode_url + path, json=second)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type"))
+        return relay(await decode(path, body, stream), stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -139,7 +225,8 @@ def make_app(prefill_urls: list[str], decode_url: str):
     return app
 
 
-def serve(prefill_urls: list[str], decode_url: str, host: str, port: int, announce=None) -> None:
+def serve(prefill_urls: list[str], decode_url: str, host: str, port: int, announce=None,
+          paired: bool = False) -> None:
     """Runs the front door on HOST:PORT (0: a free port) until SIGINT/SIGTERM, on
     the workers' server (serve/app.py: the first signal drains in-flight
     requests, a second stops without waiting).  ANNOUNCE(url) is called once
@@ -151,5 +238,5 @@ def serve(prefill_urls: list[str], decode_url: str, host: str, port: int, announ
     except OSError as exc:
         raise TractError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                          "pick another --port or stop what uses it") from None
-    http.serve(make_app(prefill_urls, decode_url), sock, cleanup=lambda: None,
+    http.serve(make_app(prefill_urls, decode_url, paired), sock, cleanup=lambda: None,
                announce=announce and (lambda: announce(http.url_of(sock))), lifespan=True)

@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from tract_cli.core.transfer_params import PAIR
 from tract_cli.core.errors import TractError
 from tract_cli.serve.client import get_json, post_json, stream_events
 
@@ -77,17 +78,27 @@ def complete(server, tokens: list, output_len: int, logprobs: int = 0,
                        | ({"kv_transfer_params": params} if params else {}))
 
 
+# the configurations whose P/D requests are paired: both sent at once, as
+# TraCT's front door sends them with --paired (serve/vllm_proxy.py); the
+# others' prefill, then their decode, as vLLM's proxies send them
+PAIRED = ("tract-paired",)
+
+
 def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
                mooncake_engine: str | None = None, logprobs: int = 0,
                params: dict | None = None) -> tuple[float, Answer]:
     """A P/D request as a proxy makes it: the prefill request (`max_tokens` 1,
     `do_remote_decode`, and PARAMS besides), then the decode request with the KV
     transfer parameters the prefill answered (Mooncake's: its proxy's pairing,
-    MOONCAKE_ENGINE the prefill engine's id), streamed.  Returns (monotonic time
-    the prefill answered, the decode's Answer)."""
+    MOONCAKE_ENGINE the prefill engine's id), streamed; a PAIRED
+    configuration's two requests at once, named alike (`tract_pair`), the
+    prefill's on a thread of its own.  Returns (monotonic time the prefill
+    answered, the decode's Answer)."""
     model = model_id(prefill)
     base = {"model": model, "prompt": tokens, "max_tokens": output_len, "temperature": 0}
     ask, given = {"do_remote_decode": True} | (params or {}), None
+    if config in PAIRED:
+        return _paired(prefill, decode, base, ask, logprobs)
     if config == "mooncake":
         # vLLM's Mooncake proxy pairs the two requests: a transfer id of its own in
         # both, and the prefill engine's id from its bootstrap server for the decode
@@ -104,6 +115,41 @@ def pd_request(config: str, prefill, decode, tokens: list, output_len: int,
                          base | ({"kv_transfer_params": handed} if handed else {})
                          | _asks(logprobs))
     return answered, answer
+
+
+def _paired(prefill, decode, base: dict, ask: dict, logprobs: int) -> tuple[float, Answer]:
+    """pd_request's two requests at once, as TraCT's front door sends them.
+    A prefill that fails raises here once the decode has answered (which,
+    finding no handoff within pair_wait_s, computes the prompt)."""
+    pair = uuid.uuid4().hex
+    # the decode's reference ask (kvlog.REFERENCE_PARAM) travels with it, as a
+    # prefill's reply would carry it
+    told = {k: v for k, v in ask.items() if k != "do_remote_decode"}
+    box: dict = {}
+
+    def send_prefill():
+        try:
+            post_json(prefill.url + "/v1/completions",
+                      base | {"max_tokens": 1, "kv_transfer_params": ask | {PAIR: pair}})
+            box["answered"] = time.monotonic()
+        except BaseException as exc:        # raised in the caller's thread, below
+            box["error"] = exc
+
+    sender = threading.Thread(target=send_prefill, name="tract-bench-prefill", daemon=True)
+    sender.start()
+    try:
+        answer = first_token(decode.url + "/v1/completions",
+                             base | {"kv_transfer_params": told | {"do_remote_prefill": True,
+                                                                   PAIR: pair}}
+                             | _asks(logprobs))
+    finally:
+        sender.join(600)                    # bounded as the prefill request itself is
+    if "error" in box:
+        raise box["error"]
+    if "answered" not in box:
+        raise TractError("the prefill request did not answer within 600 s",
+                         "see the prefill server's log")
+    return box["answered"], answer
 
 
 def mooncake_engine(prefill) -> str:

@@ -8,6 +8,9 @@ arguments, the same checkpoint.  Each peer is configured as its own
 documentation sets it up for P/D (docs/VLLM.md, "Benchmark"):
 
 - `tract`, `prefix`: TraCT's connector on a temporary region (nodes 1 and 2);
+  `tract-paired` the same pair, a P/D request's prefill and decode requests
+  sent at once as TraCT's front door sends them with `--paired`
+  (`calls.PAIRED`);
 - `example`: vLLM's ExampleConnector, KV as safetensors files in /dev/shm
   (producer and consumer, as its own P/D example runs it);
 - `nixl`, `nixl-tcp`: vLLM's NixlConnector (`kv_producer` and `kv_consumer`:
@@ -39,14 +42,15 @@ from tract_cli.bench.engine import peer_envs
 from tract_cli.core.cpu import allowed_cpus
 
 # the configurations, in the order of their rows; "prefix" gives two rows
-CONFIGS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix", "lmcache")
-ROWS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "mono", "prefix-miss", "prefix-hit",
-        "lmcache-miss", "lmcache-hit")
+CONFIGS = ("tract", "tract-paired", "example", "nixl", "nixl-tcp", "mooncake", "mono",
+           "prefix", "lmcache")
+ROWS = ("tract", "tract-paired", "example", "nixl", "nixl-tcp", "mooncake", "mono",
+        "prefix-miss", "prefix-hit", "lmcache-miss", "lmcache-hit")
 # what a run compares unless told: every configuration that runs on vLLM's CPU
 # build (a peer not installed is skipped, with the command that installs it)
 DEFAULT = ("tract", "example", "nixl", "nixl-tcp", "mono", "prefix", "lmcache")
 # the configurations through TraCT's connector (a temporary region of their own)
-TRACT_CONFIGS = ("tract", "prefix")
+TRACT_CONFIGS = ("tract", "tract-paired", "prefix")
 # prefix-cache configurations: a miss on one instance, then the hit on the other
 PREFIX = {"prefix": ("prefix-miss", "prefix-hit"), "lmcache": ("lmcache-miss", "lmcache-hit")}
 # a configuration -> the peer whose vLLM overlay it runs in

@@ -381,8 +381,12 @@ def _one(servers: dict, config: str, tokens: list, output_len: int,
     # ticket for TraCT; ExampleConnector returns none and finds its files by prompt)
     taken = int(calls.grew(before[d], after[d], calls.PROMPT_TOKENS, "external_kv_transfer") or 0)
     parts = (calls.grew(before[p], after[p], calls.E2E), calls.grew(before[d], after[d], calls.TTFT))
+    # in vLLM: the prefill's whole request, then the decode's time to first token;
+    # a paired decode was in vLLM from the start, beside its prefill, so its own
+    # time to first token is the whole path
+    engine = parts[1] if config in calls.PAIRED else (None if None in parts else sum(parts))
     return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": first - t1,
-            "engine_s": None if None in parts else sum(parts),
+            "engine_s": engine,
             "engine_prefill_s": parts[0], "engine_decode_s": parts[1],
             "handed_over": taken > 0, "kv_tokens": taken, "answer": got}
 

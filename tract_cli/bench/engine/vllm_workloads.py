@@ -46,8 +46,9 @@ from tract_cli.core.errors import TractError, UsageError
 from tract_cli.serve.client import HttpError
 
 # in the order of their rows: the P/D paths, the shared caches, the floor
-SYSTEMS = ("tract", "example", "nixl", "nixl-tcp", "mooncake", "prefix", "lmcache", "mono")
-PD = ("tract", "example", "nixl", "nixl-tcp", "mooncake")
+SYSTEMS = ("tract", "tract-paired", "example", "nixl", "nixl-tcp", "mooncake", "prefix",
+           "lmcache", "mono")
+PD = ("tract", "tract-paired", "example", "nixl", "nixl-tcp", "mooncake")
 SHARED = ("prefix", "lmcache")
 # what a run under load compares unless told: not ExampleConnector, which stores
 # only a request's first scheduled chunk (vLLM 0.32's `build_connector_meta` adds
