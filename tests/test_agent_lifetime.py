@@ -77,6 +77,28 @@ def test_a_launched_agent_imports_the_running_copy_not_the_working_directorys(
         assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 has no process_group")
+def test_a_launched_agent_shares_its_starters_session_in_a_process_group_of_its_own(
+        region_path):
+    """The agent a worker starts is scheduled with it, not as a session (an
+    autogroup) of its own, whose share of a busy host's cores left the lock
+    manager runnable and waiting 0.1-1.3 s (docs/PROTOCOLS.md §7); its own
+    process group keeps it out of its starter's group stop (killpg) and the
+    terminal's Ctrl-C."""
+    Pool.create(region_path, 16 << 20, "tiny", nodes=3).close()
+    proc = ensure_agent(region_path, 0, manager=True)
+    try:
+        assert proc is not None and proc.poll() is None
+        assert os.getsid(proc.pid) == os.getsid(0)
+        assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
+        if os.path.exists("/proc/self/autogroup"):       # a kernel with autogroups
+            with open(f"/proc/{proc.pid}/autogroup") as f, open("/proc/self/autogroup") as me:
+                assert f.read().split()[0] == me.read().split()[0]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
 @pytest.mark.parametrize("how", ["module_command", "python 3.10 bootstrap"])
 def test_module_command_ignores_a_package_in_the_working_directory(decoy, how):
     if how == "module_command":

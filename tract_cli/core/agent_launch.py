@@ -2,7 +2,8 @@
 
 `ensure_agent` starts `python -m tract_cli.core.agent_main` (`core/spawn.py`:
 with this very copy of the package, never a checkout that happens to be the
-working directory) as a process of its own session unless the node's entry
+working directory) as a process group of its own in the caller's session
+(not a session of its own: see `ensure_agent`) unless the node's entry
 in the node table shows a live agent, and waits (bounded) for its first
 heartbeat; `start_node_agent` is what workers call: the agent it starts runs
 the lock manager when no node has a live one, and stops by itself once the
@@ -22,7 +23,7 @@ from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.nodes import on_this_host, read_nodes
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
-from tract_cli.core.spawn import child_env, module_command
+from tract_cli.core.spawn import child_env, module_command, own_process_group
 
 # how long an agent that a worker started waits with no process on its node
 # before it stops (TRACT_AGENT_IDLE_EXIT_S overrides it, e.g. in tests)
@@ -56,8 +57,13 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
     cmd = module_command("tract_cli.core.agent_main", opts.to_json())
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
+        # in this session, a process group of its own (spawn.own_process_group):
+        # a session of its own is an autogroup of its own where Linux has them,
+        # and on a host whose cores the engine keeps busy that group's share
+        # left the lock manager runnable and waiting 0.1-1.3 s for a core (lock
+        # round trips timed out; its threads' schedstat showed the wait)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, env=child_env())
+                                env=child_env(), **own_process_group())
     finally:
         if log is not subprocess.DEVNULL:
             log.close()
@@ -79,7 +85,7 @@ def ensure_agent(pool_path: str, node: int, manager: bool = False, timeout: floa
 
 def start_node_agent(pool_path: str, node: int, **attach):
     """Starts this node's agent if none runs; it runs the lock manager when no
-    node has a live one.  The agent is its own process (its own session): it
+    node has a live one.  The agent is its own process (its own process group): it
     outlives the worker for IDLE_EXIT_S, then stops by itself once no process
     is attached to its node (a manager: and no other node's agent is alive)."""
     with Pool.attach(pool_path, node=node, readonly=True, prefault=False) as pool:
