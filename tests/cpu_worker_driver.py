@@ -3,32 +3,43 @@ region, no model and no server: when a step's commit runs.  A save's commit,
 off the step on the save thread, is deferred (vllm_worker.COMMIT_DEFER_S,
 made long here so the test's clock cannot reach it) until the next step's
 bind or shutdown, whichever comes first, and a short defer ends by itself;
-the blocks are then READY and hold the bytes of vLLM's pages.
+the blocks are then READY and hold the bytes of vLLM's pages.  Under a
+stalled lock manager a step waits claim_wait_s for its claim at
+most, the steps after it queue none while that claim is out, and the claim
+is given back once the locks are free.
 
 Run in vLLM's environment: `python tests/cpu_worker_driver.py POOL`; prints one
 JSON object of observations (tests/test_connector_units.py checks them).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import sys
+import threading
 import time
 
 import numpy as np
-from worker_stand import expected_blocks, worker_on
+from worker_stand import every_lock_held, expected_blocks, worker_on
 
 from tract_cli.connectors import vllm_worker
 from tract_cli.connectors.vllm_meta import SaveSpec
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.kvpages import PagedKV
+from tract_cli.core.pool import Pool
 
 PAGES = 16
 WAIT_S = 10.0          # how long a commit that is due may take, at most
+STALL_S = 10.0         # how long the stall below lasts unless the driver ends it
 
 
 def main(path: str) -> dict:
     vllm_worker.COMMIT_DEFER_S = 60.0      # past anything this driver waits for
-    stand = worker_on(path, PAGES, seed=7)
+    # a lock wait of the save thread's longer than the whole stall below: a step
+    # that waited for its claim would wait for the stall's end.  Steps here have
+    # no forward to hide a claim behind: they wait for it, but in the stall
+    stand = worker_on(path, PAGES, seed=7, step_timeout_s=STALL_S * 3, claim_wait_s=STALL_S * 3)
     pool, ws, releases = stand.pool, stand.ws, stand.releases
     B = pool.geometry.block_tokens
     ws._paged = PagedKV(pool, ws.layout, stand.tensors)
@@ -95,6 +106,47 @@ def main(path: str) -> dict:
     keys4 = step(4, [8])
     seen["a_short_defer_ends_by_itself"] = ready_within(keys4, WAIT_S)
     seen["bytes_equal_3"] = saved_bytes_equal(keys3, [7])
+    # a stalled lock manager (every lock held by another node): a step that saves
+    # waits claim_wait_s for its claim and goes on without saving, well before
+    # the stall ends (a timer ends it, should the step wait that long); the
+    # next step, that claim still out, queues no claim of its own and says so
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vllm.tract").addHandler(handler)
+    vllm_worker.GAVE_UP_LOG_S = 0.0            # each step's reason said
+    waits = ws.settings
+    ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
+    pages6 = [12, 13]
+    keys6 = block_hashes(np.arange(2 * B, dtype=np.int32) + 6000, block_tokens=B, root=root)
+    save6 = SaveSpec("r6", keys6, np.full(2, B, np.uint32), np.asarray(pages6, np.int64),
+                     np.zeros(2, np.int64))
+    other = Pool.attach(path, node=2)
+    ended = threading.Event()
+    with every_lock_held(other):
+        timer = threading.Timer(STALL_S, ended.set)
+        timer.start()
+        ws.bind([save6])
+        ws.wait_for_save()
+        seen["a_stalled_step_went_on"] = not ended.is_set()
+        before = len(said)
+        step(7, [14])
+        seen["the_next_step_went_on"] = not ended.is_set()
+        seen["the_next_step_queued_no_claim"] = any("still waits for an earlier step's claim"
+                                                    in m for m in said[before:])
+        timer.cancel()
+    other.close()
+    ws.settings = waits
+    # once the locks are free the claim the step gave up on is done, and given
+    # back (queued once it is done, then the release itself): the same blocks
+    # are saved again by a later step
+    seen["the_stalled_claim_given_back"] = ws._late.wait(WAIT_S) and releases.drain(WAIT_S)
+    ws.bind([save6])
+    ws.wait_for_save()
+    ws.bind([])
+    ws.wait_for_save()
+    seen["saved_again_after_the_stall"] = ready_within(keys6, WAIT_S)
+    seen["bytes_equal_6"] = saved_bytes_equal(keys6, pages6)
     # shutdown starts a commit still deferred, and waits for it
     vllm_worker.COMMIT_DEFER_S = 60.0
     keys5 = step(5, [10, 11])

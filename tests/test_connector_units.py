@@ -27,7 +27,7 @@ def test_settings_defaults_follow_the_role():
                                    "kv_both").handoff_publish == "in_step"
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "load_mode": "async"},
                                    "kv_both").load_mode == "async"
-    assert (s.pair_wait_s, s.pair_idle_s) == (30.0, 0.005)
+    assert (s.pair_wait_s, s.pair_idle_s, s.claim_wait_s) == (30.0, 0.005, 0.1)
     assert ConnectorSettings.parse({"pool": "p", "node": 0, "pair_idle_s": 0},
                                    "kv_both").pair_idle_s == 0      # off
 
@@ -56,6 +56,7 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "kv_events_interval_s": -1}, "kv_both",
      "kv_events_interval_s must be a positive"),
     ({"pool": "p", "node": 1, "pair_wait_s": 0}, "kv_both", "pair_wait_s must be a positive"),
+    ({"pool": "p", "node": 1, "claim_wait_s": "1"}, "kv_both", "claim_wait_s must be a positive"),
     ({"pool": "p", "node": 1, "pair_idle_s": 0.5}, "kv_both",
      "pair_idle_s must be between 0 (off) and 0.1 seconds"),
     ({"pool": "p", "node": 1, "pair_idle_s": True}, "kv_both", "pair_idle_s must be between"),
@@ -485,13 +486,16 @@ def test_the_prefix_bench_waits_for_the_misss_save_line_and_no_longer(tmp_path, 
     assert _wait_saved(str(log), mark, 11, timeout=5) is not None
 
 
-def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
+def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
     """The worker half's CPU path (tests/cpu_worker_driver.py, in vLLM's
     environment, against a real region): a step's commit, off the step, is
     deferred (COMMIT_DEFER_S, so it does not take the worker's bound core from
     the rest of the step and its output) until the next step's bind or
     shutdown, or its defer's end; its blocks are then READY with the pages'
-    bytes, and a next step that saves claims after it."""
+    bytes, and a next step that saves claims after it.  Under a stalled lock
+    manager a step waits claim_wait_s for its claim at most and goes on
+    without saving, the steps after it queue no claim while that one is out,
+    and once the locks are free its claims are given back."""
     import os
 
     from tests.vllm_stack import VLLM_PY
@@ -502,4 +506,8 @@ def test_a_steps_commit_waits_for_the_next_step_or_shutdown(region_path):
     assert seen == {"after_its_step": 0, "a_while_after": 0, "after_the_next_bind": True,
                     "bytes_equal": True, "a_commit_before_the_next_steps_claim": True,
                     "the_last_step_still_waits": 0, "a_short_defer_ends_by_itself": True,
-                    "bytes_equal_3": True, "after_shutdown": 2, "bytes_equal_5": True}, seen
+                    "bytes_equal_3": True, "a_stalled_step_went_on": True,
+                    "the_next_step_went_on": True, "the_next_step_queued_no_claim": True,
+                    "the_stalled_claim_given_back": True, "saved_again_after_the_stall": True,
+                    "bytes_equal_6": True,
+                    "after_shutdown": 2, "bytes_equal_5": True}, seen

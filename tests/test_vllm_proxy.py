@@ -116,6 +116,17 @@ def _by_role(seen: list) -> dict:
     return out
 
 
+def _streams_refuses_n_and_stops_on_sigterm(url: str, proc) -> None:
+    """What either flow's door does alike: a streamed request streams to its end,
+    a request for several choices is refused (400), and the first SIGTERM
+    drains the workers' server, which exits 0."""
+    status, text = request(url + "/v1/completions", {"prompt": "hi", "stream": True}, timeout=30)
+    assert status == 200 and text.endswith("data: [DONE]\n\n")
+    assert request(url + "/v1/completions", {"prompt": "hi", "n": 2}, timeout=30)[0] == 400
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+
+
 @pytest.mark.parametrize("door", ["two-step"], indirect=True)
 def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
     url, seen, proc, _ = door
@@ -131,12 +142,7 @@ def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
     # are what the prefill answered
     assert second["kv_transfer_params"] == TICKET and second["max_tokens"] == 5
     assert body == {"got": second}
-    status, text = request(url + "/v1/completions", {"prompt": "hi", "stream": True}, timeout=30)
-    assert status == 200 and text.endswith("data: [DONE]\n\n")
-    assert request(url + "/v1/completions", {"prompt": "hi", "n": 2}, timeout=30)[0] == 400
-    # the workers' server: the first SIGTERM drains, the process exits 0
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    _streams_refuses_n_and_stops_on_sigterm(url, proc)
 
 
 def test_the_door_pairs_prefill_and_decode_and_stops_cleanly_on_sigterm(door):
@@ -155,12 +161,7 @@ def test_the_door_pairs_prefill_and_decode_and_stops_cleanly_on_sigterm(door):
         "do_remote_decode": True, "tract_pair": pair}
     assert second["kv_transfer_params"] == {"do_remote_prefill": True, "tract_pair": pair}
     assert second["max_tokens"] == 5 and body == {"got": second}
-    status, text = request(url + "/v1/completions", {"prompt": "hi", "stream": True}, timeout=30)
-    assert status == 200 and text.endswith("data: [DONE]\n\n")
-    assert request(url + "/v1/completions", {"prompt": "hi", "n": 2}, timeout=30)[0] == 400
-    # the workers' server: the first SIGTERM drains, the process exits 0
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    _streams_refuses_n_and_stops_on_sigterm(url, proc)
 
 
 @pytest.mark.parametrize("door", ["two-step", "paired"], indirect=True)

@@ -7,7 +7,6 @@ prints one JSON object of observations (tests/test_vllm_scheduler.py checks them
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractC
 from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
 from tract_cli.core.handoff import request_key
 from tract_cli.core.pool import Pool
+from worker_stand import every_lock_held
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -53,7 +53,9 @@ def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
         kv_transfer_config=KVTransferConfig(
             kv_connector="TractConnector", kv_connector_module_path="tract_cli.connectors.vllm",
             kv_role=role, kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"pool": pool, "node": 1} | (extra or {})),
+            # (its steps have no forward to hide a claim behind: they wait for it)
+            kv_connector_extra_config={"pool": pool, "node": 1, "claim_wait_s": 60.0}
+            | (extra or {})),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
@@ -124,16 +126,6 @@ def wait_for(cond, what: str, timeout: float = 60) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
         time.sleep(0.01)          # polling another thread's progress, bounded
-
-
-@contextlib.contextmanager
-def every_lock_held(pool: Pool):
-    """Holds every lock of the region (from another node): each pool call of the
-    connector's times out meanwhile, as under a stalled lock manager."""
-    with contextlib.ExitStack() as stack:
-        for lock_id in range(pool.locks.count):
-            stack.enter_context(pool.locks.hold(lock_id, timeout=30))
-        yield
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 4, params=None) -> Request:

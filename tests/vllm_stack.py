@@ -67,6 +67,10 @@ def start_stack(tmp, size: str, extra: dict, name: str = "vllm", *, ckpt: str,
     subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", pool, "--size", size,
                     "--model", ckpt, "--nodes", "4", "--force", "-q"], check=True, timeout=120)
     st = {"pool": pool, "ckpt": ckpt, "tmp": tmp, "mono": mono}
+    # a step waits for its save's claim however busy these cores are: what is
+    # checked here is every block saved and loaded, not the claim's bound
+    # (claim_wait_s: tests/cpu_worker_driver.py checks that)
+    extra = {"claim_wait_s": 60.0} | extra
     try:
         for role, node, core in (("prefill", 1, "0"), ("decode", 2, "1")):
             st[role] = VllmServer(ckpt, port(), pool=pool, node=node,

@@ -8,6 +8,7 @@ driver's CUDA stand-in), since it imports the connector.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,9 +28,10 @@ class Stand(NamedTuple):
     tensors: list         # vLLM's layer tensors it moves KV to and from
 
 
-def worker_on(path: str, pages: int, seed: int) -> Stand:
+def worker_on(path: str, pages: int, seed: int, **extra) -> Stand:
     """The worker half on region PATH (node 1), over PAGES pages a layer of random
-    values (SEED) in FlashAttention's layout; the caller gives it its data path."""
+    values (SEED) in FlashAttention's layout, with connector settings EXTRA; the
+    caller gives it its data path."""
     import torch
 
     from tract_cli.connectors.retry import Releases
@@ -40,7 +42,7 @@ def worker_on(path: str, pages: int, seed: int) -> Stand:
     pool = Pool.attach(path, node=1)
     g = pool.geometry
     B, H, D = g.block_tokens, g.num_kv_heads, g.head_dim
-    settings = ConnectorSettings.parse({"pool": path, "node": 1}, "kv_both")
+    settings = ConnectorSettings.parse({"pool": path, "node": 1} | extra, "kv_both")
     releases = Releases(5.0)
     config = SimpleNamespace(cache_config=SimpleNamespace(block_size=B))
     ws = WorkerSide(pool, settings, config, releases, logging.INFO)
@@ -49,6 +51,17 @@ def worker_on(path: str, pages: int, seed: int) -> Stand:
     offsets, stride = flash_offsets(pages, B, H, D)
     ws.layout = PageLayout(offsets, stride, B, tensors[0].element_size())
     return Stand(pool, ws, releases, tensors)
+
+
+@contextlib.contextmanager
+def every_lock_held(pool):
+    """Holds every lock of the region from POOL's node (another than the one
+    under test): each pool call of the connector's waits meanwhile, as under a
+    stalled lock manager."""
+    with contextlib.ExitStack() as stack:
+        for lock_id in range(pool.locks.count):
+            stack.enter_context(pool.locks.hold(lock_id, timeout=30))
+        yield
 
 
 def expected_blocks(stand: Stand, pages) -> np.ndarray:

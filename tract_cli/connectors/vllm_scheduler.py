@@ -70,6 +70,11 @@ PRUNE_INTERVAL_S = 0.1
 DENIED_LOG_S = 10.0        # a flood at the handoff bound logs at most this often
 
 
+def _as_names(names) -> np.ndarray:
+    """Record names (16 bytes each) as the (n, 16) uint8 array Handoffs.find takes."""
+    return np.frombuffer(b"".join(names), np.uint8).reshape(-1, 16)
+
+
 @dataclass
 class _Request:
     """Scheduler-side state of one request."""
@@ -444,7 +449,7 @@ class SchedulerSide:
         arrives meanwhile waits that long at most, and only when nothing else
         was running."""
         deadline = time.monotonic() + self.settings.pair_idle_s
-        keys = np.frombuffer(b"".join(self._pairs_waiting.values()), np.uint8).reshape(-1, 16)
+        keys = _as_names(self._pairs_waiting.values())
         while time.monotonic() < deadline:
             time.sleep(PAIR_POLL_S)   # waiting for another host's store, bounded
             try:
@@ -467,7 +472,7 @@ class SchedulerSide:
             self._pairs_waiting[req_id] = st.pair
         if self._pairs_seen_step != self._steps or req_id not in self._pairs_seen:
             ids = list(self._pairs_waiting.items())
-            keys = np.frombuffer(b"".join(k for _, k in ids), np.uint8).reshape(-1, 16)
+            keys = _as_names(k for _, k in ids)
             try:
                 recs = self.pool.handoffs.find(keys)
             except TractError as exc:

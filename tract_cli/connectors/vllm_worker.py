@@ -26,9 +26,11 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   which the scheduler publishes a request's handoff (`SaveSpec.handoff_follows`:
   one it could not plan in-step) waits for its commit too.  The save thread runs a step's
   claim after the previous step's commit.  The commit and the claim each wait
-  at most `step_timeout_s` for a lock (the step waits for the claim only past
-  the forward): past it the blocks are not saved (vLLM computes as ever) and
-  the claims are given back, retried until it succeeds.
+  at most `step_timeout_s` for a lock: past it the blocks are not saved (vLLM
+  computes as ever) and the claims are given back, retried until it succeeds.
+  A step with no handoff waits for its claim `claim_wait_s` at most past
+  the forward, then goes on without saving (the claim given back once
+  done, and no such step queues a claim while it is out).
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
   has the record the scheduler chose reserved with the step's claim, during
   the forward, so its ticket may leave with the step's output; it is
@@ -99,6 +101,10 @@ REFERENCE_ROUNDS = 5
 # front end away, asks later than this (docs/VLLM.md, "Saves wait for the
 # step's output").
 COMMIT_DEFER_S = 0.003
+
+# a step that saves nothing because its claim was late (claim_wait_s) logs at
+# most this often
+GAVE_UP_LOG_S = 10.0
 
 
 def _described(saves: list, rest: int, block_tokens: int) -> Described:
@@ -187,6 +193,15 @@ class WorkerSide:
         # the step's in-step handoffs' records reserved, queued right after its claim
         # (the GPU path's first layer waits for the claim alone)
         self._records: Future | None = None
+        # a step with no handoff waits for its claim until then (claim_wait_s from
+        # its first wait; None: the step has a handoff, whose decode needs the
+        # claim, and waits for it as long as it takes, step_timeout_s a lock)
+        self._claim_deadline: float | None = None
+        self._bounded = False
+        # set once the claim of a step that did not wait for it is done and
+        # given back; until then no step without a handoff queues a claim
+        self._late: threading.Event | None = None
+        self._gave_up_logged = -GAVE_UP_LOG_S
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
         # set when a deferred commit should start now (COMMIT_DEFER_S): the next
         # step's bind, or shutdown
@@ -257,37 +272,87 @@ class WorkerSide:
         layer's save_layer)."""
         self._drop_pending_save("a step that never waited for its save")
         self._next_step.set()        # a commit still deferred starts: this step's claim follows it
-        if saves:
-            self._reserving = self._saver.submit(self._reserve, saves)
-            # (a step that waits for its commit publishes its handoffs before its
-            # output leaves: nothing to reserve)
-            if any(s.handoff is not None for s in saves) and \
-                    not any(s.handoff_follows for s in saves):
-                self._records = self._saver.submit(self._reserve_records, self._reserving)
+        self._claim_deadline = None
+        if not saves:
+            return
+        # a step that carries a handoff waits for its claim: its decode waits on
+        # the record the claim reserves, and a paired decode, which has no ticket
+        # to find it gone, would wait pair_wait_s for it
+        self._bounded = not any(s.handoff is not None or s.handoff_follows for s in saves)
+        if self._late is not None and not self._late.is_set():
+            if self._bounded:
+                # a claim a step did not wait for is still out (a stalled lock
+                # manager): this step saves nothing rather than queue behind it
+                self._said_gave_up("the save thread still waits for an earlier step's claim")
+                return
+        else:
+            self._late = None
+        self._reserving = self._saver.submit(self._reserve, saves)
+        # (a step that waits for its commit publishes its handoffs before its
+        # output leaves: nothing to reserve)
+        if any(s.handoff is not None for s in saves) and \
+                not any(s.handoff_follows for s in saves):
+            self._records = self._saver.submit(self._reserve_records, self._reserving)
+
+    def _claim_wait(self) -> float | None:
+        """What is left of the step's wait for its claim: claim_wait_s from the
+        first time it waits, for a step with no handoff; None (no bound of its
+        own) for one with."""
+        if not self._bounded:
+            return None
+        now = time.monotonic()
+        if self._claim_deadline is None:
+            self._claim_deadline = now + self.settings.claim_wait_s
+        return max(0.0, self._claim_deadline - now)
 
     def _claimed(self) -> _SavePlan | None:
-        """The step's save plan, waiting for its claim (bounded: the reserve, and
-        the previous step's commit queued ahead of it, each wait at most
-        step_timeout_s for a lock); None if none or it failed."""
+        """The step's save plan, waiting for its claim (the reserve, and the
+        previous step's commit queued ahead of it, each wait at most
+        step_timeout_s for a lock), for a step with no handoff at most
+        claim_wait_s; None if none, it failed, or the step gave up on it."""
         if self._reserving is not None:
-            reserving, self._reserving = self._reserving, None
+            reserving = self._reserving
             t0 = time.perf_counter()
             try:
-                plan = reserving.result()
+                plan = reserving.result(timeout=self._claim_wait())
+            except FutureTimeout:
+                self._give_up()
+                return None
             except Exception as exc:     # never into the engine: the blocks are not saved
                 log.warning("TraCT reserve failed, the step's blocks are not saved: %s", exc)
                 plan = None
+            self._reserving = None
             if plan is not None:
                 # what the step waited for: the part of the reserve the forward did not hide
                 plan.reserve_s = time.perf_counter() - t0
             self._plan = plan
         return self._plan
 
-    def _drop_pending_save(self, why: str) -> None:
+    def _give_up(self) -> None:
+        """The step (one with no handoff) goes on without its save: its claim is
+        not done within claim_wait_s.  What the claim takes is given back once
+        it is done; until then no step without a handoff queues a claim (bind)."""
+        wait_ms = self.settings.claim_wait_s * 1e3
+        self._late = threading.Event()
+        self._said_gave_up(f"its claim not done within {wait_ms:.0f} ms of the forward")
+        self._drop_pending_save(f"the step did not wait {wait_ms:.0f} ms for its claim",
+                                then=self._late.set)
+
+    def _said_gave_up(self, why: str) -> None:
+        """Says (at most every GAVE_UP_LOG_S) that a step saved nothing, and why."""
+        now = time.monotonic()
+        if now - self._gave_up_logged >= GAVE_UP_LOG_S:
+            self._gave_up_logged = now
+            log.warning("TraCT: a step's blocks are not saved, its step went on (%s: a stalled "
+                        "lock manager? `tract inspect --locks`); said at most every %.0f s",
+                        why, GAVE_UP_LOG_S)
+
+    def _drop_pending_save(self, why: str, then=None) -> None:
         """Gives back, off the step, the claims of a save bound and never waited
         for (vLLM calls wait_for_save after every forward, so only a step that
-        failed, or shutdown, leaves one): a claim left PENDING in a live process
-        would stay so until it dies."""
+        failed, one that gave up on its claim, or shutdown, leaves one): a claim
+        left PENDING in a live process would stay so until it dies.  THEN is
+        called once that is queued."""
         plan, self._plan = self._plan, None
         reserving, self._reserving = self._reserving, None
         records, self._records = self._records, None
@@ -295,17 +360,23 @@ class WorkerSide:
         if last is None:
             if plan is not None:
                 self._abandon(plan, why)
+            if then is not None:
+                then()
             return
 
         def abandon_when_done(done: Future) -> None:
             # once the step's claim and its records' reservations are done (a
             # reservation made after an abandon would be given back by nobody)
-            got = plan
-            if got is None and reserving is not None and not reserving.cancelled() \
-                    and reserving.exception() is None:
-                got = reserving.result()
-            if got is not None:
-                self._abandon(got, why)
+            try:
+                got = plan
+                if got is None and reserving is not None and not reserving.cancelled() \
+                        and reserving.exception() is None:
+                    got = reserving.result()
+                if got is not None:
+                    self._abandon(got, why)
+            finally:
+                if then is not None:
+                    then()
         last.add_done_callback(abandon_when_done)
 
     def _abandon(self, plan: _SavePlan, why: str) -> None:
@@ -511,6 +582,7 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         self._settle_gpu_loads()
+        failed, self._sync_failed = self._sync_failed, set()
         plan = self._claimed()
         self._plan = None
         records, self._records = self._records, None
@@ -525,7 +597,6 @@ class WorkerSide:
                 log.warning("TraCT: reserving the step's handoff records failed: %s", exc)
             if plan is not None:
                 plan.reserve_s += time.perf_counter() - t0
-        failed, self._sync_failed = self._sync_failed, set()
         if plan is None:
             return
         if self._gpu is not None and plan.mine.size and not plan.layers_done \
