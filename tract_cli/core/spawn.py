@@ -72,7 +72,9 @@ def own_process_group() -> dict:
     a caller's session then competes, as one group, with servers that spin:
     `tract bench --engine vllm`'s client, woken by a first token, waited up to
     40-50 ms for a core behind the pollers of the vLLM instances it had started
-    (docs/VLLM.md, "Benchmark").  Python 3.10 has no `process_group`: a session
+    (docs/VLLM.md, "Benchmark"), and a node agent started by a vLLM worker, in
+    a session of its own, left its lock manager waiting 0.1-1.3 s for a core
+    ("Lifecycle and faults").  Python 3.10 has no `process_group`: a session
     of its own there."""
     if sys.version_info >= (3, 11):
         return {"process_group": 0}
