@@ -134,7 +134,20 @@ def main(path: str) -> dict:
         seen["the_next_step_went_on"] = not ended.is_set()
         seen["the_next_step_queued_no_claim"] = any("still waits for an earlier step's claim"
                                                     in m for m in said[before:])
+        # a step that saves a handoff's blocks (a P/D prefill's chunk) waits for
+        # its claim, stall or not: still waiting 20 claim waits later
+        keys8 = block_hashes(np.arange(B, dtype=np.int32) + 8000, block_tokens=B, root=root)
+        handoff_step = threading.Thread(target=lambda: (
+            ws.bind([SaveSpec("r8", keys8, np.full(1, B, np.uint32), np.array([15], np.int64),
+                              np.zeros(1, np.int64), for_handoff=True)]),
+            ws.wait_for_save()))
+        handoff_step.start()
+        handoff_step.join(20 * 0.05)
+        seen["a_handoff_step_waits_for_its_claim"] = handoff_step.is_alive()
         timer.cancel()
+    # the stall over, that step's claim is granted and its blocks saved
+    handoff_step.join(WAIT_S)
+    seen["the_handoff_step_went_on_after_the_stall"] = not handoff_step.is_alive()
     other.close()
     ws.settings = waits
     # once the locks are free the claim the step gave up on is done, and given
@@ -146,6 +159,7 @@ def main(path: str) -> dict:
     ws.bind([])
     ws.wait_for_save()
     seen["saved_again_after_the_stall"] = ready_within(keys6, WAIT_S)
+    seen["the_handoff_steps_blocks_saved"] = ready_within(keys8, WAIT_S)
     seen["bytes_equal_6"] = saved_bytes_equal(keys6, pages6)
     # shutdown starts a commit still deferred, and waits for it
     vllm_worker.COMMIT_DEFER_S = 60.0

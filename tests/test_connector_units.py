@@ -508,6 +508,9 @@ def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
                     "the_last_step_still_waits": 0, "a_short_defer_ends_by_itself": True,
                     "bytes_equal_3": True, "a_stalled_step_went_on": True,
                     "the_next_step_went_on": True, "the_next_step_queued_no_claim": True,
+                    "a_handoff_step_waits_for_its_claim": True,
+                    "the_handoff_step_went_on_after_the_stall": True,
                     "the_stalled_claim_given_back": True, "saved_again_after_the_stall": True,
+                    "the_handoff_steps_blocks_saved": True,
                     "bytes_equal_6": True,
                     "after_shutdown": 2, "bytes_equal_5": True}, seen

@@ -28,9 +28,10 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   claim after the previous step's commit.  The commit and the claim each wait
   at most `step_timeout_s` for a lock: past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back, retried until it succeeds.
-  A step with no handoff waits for its claim `claim_wait_s` at most past
-  the forward, then goes on without saving (the claim given back once
-  done, and no such step queues a claim while it is out).
+  A step that saves no block of a handoff waits for its claim
+  `claim_wait_s` at most past the forward, then goes on without saving (the
+  claim given back once done, and no such step queues a claim while it is
+  out).
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
   has the record the scheduler chose reserved with the step's claim, during
   the forward, so its ticket may leave with the step's output; it is
@@ -193,13 +194,13 @@ class WorkerSide:
         # the step's in-step handoffs' records reserved, queued right after its claim
         # (the GPU path's first layer waits for the claim alone)
         self._records: Future | None = None
-        # a step with no handoff waits for its claim until then (claim_wait_s from
-        # its first wait; None: the step has a handoff, whose decode needs the
-        # claim, and waits for it as long as it takes, step_timeout_s a lock)
+        # a step that saves no block of a handoff waits for its claim until then
+        # (claim_wait_s from its first wait; a step that does waits as long as
+        # it takes, step_timeout_s a lock: the handoff needs every block)
         self._claim_deadline: float | None = None
         self._bounded = False
-        # set once the claim of a step that did not wait for it is done and
-        # given back; until then no step without a handoff queues a claim
+        # set once the claim of a step that did not wait for it is done and its
+        # give-back queued; until then no bounded step queues a claim
         self._late: threading.Event | None = None
         self._gave_up_logged = -GAVE_UP_LOG_S
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
@@ -275,10 +276,12 @@ class WorkerSide:
         self._claim_deadline = None
         if not saves:
             return
-        # a step that carries a handoff waits for its claim: its decode waits on
-        # the record the claim reserves, and a paired decode, which has no ticket
-        # to find it gone, would wait pair_wait_s for it
-        self._bounded = not any(s.handoff is not None or s.handoff_follows for s in saves)
+        # a step that saves any block of a handoff (a P/D prefill's chunk, its
+        # last one with the record) waits for its claim: a block not saved loses
+        # the handoff, and its decode waits on it (a paired decode, which has no
+        # ticket to find it gone, for pair_wait_s)
+        self._bounded = not any(s.handoff is not None or s.handoff_follows or s.for_handoff
+                                for s in saves)
         if self._late is not None and not self._late.is_set():
             if self._bounded:
                 # a claim a step did not wait for is still out (a stalled lock
@@ -296,8 +299,8 @@ class WorkerSide:
 
     def _claim_wait(self) -> float | None:
         """What is left of the step's wait for its claim: claim_wait_s from the
-        first time it waits, for a step with no handoff; None (no bound of its
-        own) for one with."""
+        first time it waits, for a step that saves no block of a handoff; None
+        (no bound of its own) for one that does."""
         if not self._bounded:
             return None
         now = time.monotonic()
@@ -308,8 +311,9 @@ class WorkerSide:
     def _claimed(self) -> _SavePlan | None:
         """The step's save plan, waiting for its claim (the reserve, and the
         previous step's commit queued ahead of it, each wait at most
-        step_timeout_s for a lock), for a step with no handoff at most
-        claim_wait_s; None if none, it failed, or the step gave up on it."""
+        step_timeout_s for a lock), for a step that saves no block of a
+        handoff at most claim_wait_s; None if none, it failed, or the step
+        gave up on it."""
         if self._reserving is not None:
             reserving = self._reserving
             t0 = time.perf_counter()
@@ -329,9 +333,10 @@ class WorkerSide:
         return self._plan
 
     def _give_up(self) -> None:
-        """The step (one with no handoff) goes on without its save: its claim is
-        not done within claim_wait_s.  What the claim takes is given back once
-        it is done; until then no step without a handoff queues a claim (bind)."""
+        """The step (one that saves no block of a handoff) goes on without its
+        save: its claim is not done within claim_wait_s.  What the claim takes
+        is given back once it is done; until then no bounded step queues a
+        claim (bind)."""
         wait_ms = self.settings.claim_wait_s * 1e3
         self._late = threading.Event()
         self._said_gave_up(f"its claim not done within {wait_ms:.0f} ms of the forward")

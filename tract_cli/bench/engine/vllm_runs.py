@@ -386,8 +386,9 @@ def _one(servers: dict, config: str, tokens: list, output_len: int,
     # time to first token is the whole path
     engine = parts[1] if config in calls.PAIRED else (None if None in parts else sum(parts))
     # paired: what was left once the prefill had answered (none, should the
-    # decode's first token have come first)
-    return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": max(0.0, first - t1),
+    # decode's first token have come first; the two-step flow sends it after)
+    leg = max(0.0, first - t1) if config in calls.PAIRED else first - t1
+    return {"ttft_s": first - t0, "prefill_s": t1 - t0, "decode_s": leg,
             "engine_s": engine,
             "engine_prefill_s": parts[0], "engine_decode_s": parts[1],
             "handed_over": taken > 0, "kv_tokens": taken, "answer": got}
