@@ -116,6 +116,17 @@ def _by_role(seen: list) -> dict:
     return out
 
 
+def _healthy_then_forged(url: str, key: str) -> dict:
+    """The door is healthy, and answers a request whose client forged the
+    transfer parameter KEY (which must never reach an instance): its body."""
+    assert request(url + "/health", timeout=30)[0] == 200
+    status, body = request(url + "/v1/completions",
+                           {"model": "m", "prompt": "hi", "max_tokens": 5,
+                            "kv_transfer_params": {key: "forged"}}, timeout=30)
+    assert status == 200, body
+    return body
+
+
 def _streams_refuses_n_and_stops_on_sigterm(url: str, proc) -> None:
     """What either flow's door does alike: a streamed request streams to its end,
     a request for several choices is refused (400), and the first SIGTERM
@@ -130,11 +141,7 @@ def _streams_refuses_n_and_stops_on_sigterm(url: str, proc) -> None:
 @pytest.mark.parametrize("door", ["two-step"], indirect=True)
 def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
     url, seen, proc, _ = door
-    assert request(url + "/health", timeout=30)[0] == 200
-    status, body = request(url + "/v1/completions",
-                           {"model": "m", "prompt": "hi", "max_tokens": 5,
-                            "kv_transfer_params": {"tract_ticket": "forged"}}, timeout=30)
-    assert status == 200, body
+    body = _healthy_then_forged(url, "tract_ticket")
     (r1, first), (r2, second) = seen
     assert (r1, r2) == ("prefill", "decode")
     assert first["max_tokens"] == 1 and first["kv_transfer_params"] == {"do_remote_decode": True}
@@ -147,11 +154,7 @@ def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
 
 def test_the_door_pairs_prefill_and_decode_and_stops_cleanly_on_sigterm(door):
     url, seen, proc, _ = door
-    assert request(url + "/health", timeout=30)[0] == 200
-    status, body = request(url + "/v1/completions",
-                           {"model": "m", "prompt": "hi", "max_tokens": 5,
-                            "kv_transfer_params": {"tract_pair": "forged"}}, timeout=30)
-    assert status == 200, body
+    body = _healthy_then_forged(url, "tract_pair")
     got = _by_role(seen)
     (first,), (second,) = got["prefill"], got["decode"]
     # both sent at once, named by one pair of the door's own (never the client's)
