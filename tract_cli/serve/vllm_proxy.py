@@ -169,9 +169,7 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
         if not paired:
             params = await prefill(path, body, None)
             if params is not None and "_error" in params:
-                bad = params["_error"]
-                return Response(bad.content, status_code=bad.status_code,
-                                media_type=bad.headers.get("content-type"))
+                return relay(params["_error"], False)      # the refusal, as it came
             second = body | ({"kv_transfer_params": params} if params else {})
             return relay(await decode(path, second, stream), stream)
         pair = uuid.uuid4().hex
@@ -192,9 +190,7 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
                          stream)
         await drop(waiting)
         if params is not None:
-            bad = params["_error"]
-            return Response(bad.content, status_code=bad.status_code,
-                            media_type=bad.headers.get("content-type"))
+            return relay(params["_error"], False)          # the refusal, as it came
         return relay(await decode(path, body, stream), stream)
 
     @app.post("/v1/completions")
