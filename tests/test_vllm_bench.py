@@ -69,10 +69,11 @@ def _debris() -> set[str]:
             set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*"))))
 
 
-def _missing(config: str, monkeypatch) -> str | None:
-    from tract_cli.bench.engine import configs
+def _missing(configs: list[str], monkeypatch) -> dict[str, str]:
+    """{config: why} for each of CONFIGS whose peer is not installed here."""
+    from tract_cli.bench.engine import configs as engine_configs
     monkeypatch.setenv("TRACT_PEERS_DIR", PEERS)
-    return configs.unavailable(config, VLLM_PY)
+    return engine_configs.unavailable_of(configs, VLLM_PY)
 
 
 @pytest.mark.parametrize("config, tls", [("nixl", None), ("nixl-tcp", "tcp")])
@@ -113,9 +114,10 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     left running.  (NixlConnector over TCP is the same connector with
     UCX_TLS=tcp in both engines' environment, checked without engines above;
     the peers share one run and one vLLM for CI's time budget.)"""
-    peers = [c for c in ("nixl", "lmcache", "mooncake") if _missing(c, monkeypatch) is None]
+    missing = _missing(["nixl", "lmcache", "mooncake"], monkeypatch)
+    peers = [c for c in ("nixl", "lmcache", "mooncake") if c not in missing]
     if not peers:
-        pytest.skip("; ".join(_missing(c, monkeypatch) for c in ("nixl", "lmcache", "mooncake")))
+        pytest.skip("; ".join(missing.values()))
     before_files = _debris()
     out = tmp_path / "run.json"
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",

@@ -38,6 +38,10 @@ from tract_cli.serve.client import wait_until_up
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
 READY_TIMEOUT_S = 300
+# how long a vLLM that never became ready gets to exit on SIGTERM before it is
+# killed: it served nothing, and one whose engine core failed to start has its
+# server hang on SIGTERM (vLLM 0.32), which a full stop's 60 s only waited out
+UNREADY_STOP_S = 5
 # what vLLM logs when its engine core will not start; its server may then hang
 # on its way out instead of exiting (a peer connector's shutdown that raises:
 # Mooncake's on the CPU build), so it is not waited for until the timeout
@@ -72,6 +76,7 @@ class VllmServer:
         """PYTHON: the interpreter that runs vLLM (default `vllm_python()`; the
         benchmarks pass a vLLM with a peer's connector installed)."""
         self.url = f"http://{host}:{port}"
+        self.ready = False          # wait_ready saw it answer
         self.log_path = log_path
         cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
                "--model", model_dir, "--host", host, "--port", str(port), "--enforce-eager", *args]
@@ -115,6 +120,7 @@ class VllmServer:
         """Waits until /health answers 200; a vLLM that exits is an error naming why."""
         wait_until_up(self.proc, self.url + "/health", timeout, "vLLM", self.log_path,
                       self.failure, self.stop, self._start_failed)
+        self.ready = True
         return self
 
     def _start_failed(self) -> str | None:
@@ -159,8 +165,12 @@ class VllmServer:
         errors = [ln for ln in lines if "Error" in ln]
         return (errors[-1] if errors else (lines[-1] if lines else "no output")).strip()
 
-    def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM to vLLM's process group, then SIGKILL if it lingers (bounded)."""
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM to vLLM's process group, then SIGKILL if it lingers past
+        TIMEOUT (default: 60 s for a vLLM that was ready, UNREADY_STOP_S for one
+        that never was)."""
+        if timeout is None:
+            timeout = 60 if self.ready else UNREADY_STOP_S
         try:
             return self._stop(timeout)
         finally:

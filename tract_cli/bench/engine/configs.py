@@ -100,6 +100,15 @@ def unavailable(config: str, vllm_python: str) -> str | None:
     return None if peer is None else peer_envs.unavailable(peer, config, vllm_python)
 
 
+def unavailable_of(configs: list[str], vllm_python: str) -> dict[str, str]:
+    """{config: why} for each of CONFIGS that cannot run; the peers are checked
+    at once, each a python importing vLLM and its peer (seconds apiece)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:
+        whys = list(pool.map(lambda c: unavailable(c, vllm_python), configs))
+    return {c: why for c, why in zip(configs, whys) if why is not None}
+
+
 def install(config: str, vllm_python: str, log) -> None:
     """Makes what CONFIG needs beside the user's vLLM (its peer's overlay)."""
     peer = NEEDS_PEER.get(config)

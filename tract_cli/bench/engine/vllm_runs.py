@@ -80,8 +80,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         raise UsageError(f"inputs of {max(lengths)} tokens exceed the model's "
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
     from tract_cli.serve.vllm_engine import vllm_python
-    skipped = {c: why for c in configs
-               if (why := engine_configs.unavailable(c, vllm_python())) is not None}
+    skipped = engine_configs.unavailable_of(configs, vllm_python())
     reqs = prompts(lengths, per_length, vocab, seed)
     # the warm-up prompts: another seed's, so they share no block with the measured
     # ones; two whole blocks and some (a path's one-time costs), then one of each

@@ -86,8 +86,7 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
         raise UsageError(f"a request of {longest} tokens (prompt and output) exceeds the "
                          f"model's {positions} positions",
                          "use a smaller --isl-mean, or --max-input-len with a trace")
-    skipped = {c: why for c in configs
-               if (why := engine_configs.unavailable(c, vllm_python())) is not None}
+    skipped = engine_configs.unavailable_of(configs, vllm_python())
     warm = prompts([2 * VLLM_BLOCK + 8], 1, vocab, 7919)[0][1]
     # a cache (the region, LMCache's server) holds the largest rate's prompts twice
     # over: the rates' prompts share no block, so an earlier rate's are what its LRU
