@@ -104,6 +104,8 @@ CASES = [
     ("bench --engine vllm --trace {MISSING} --request-gap 1", 2, "paces the static"),
     ("bench --engine vllm --workload synthetic --request-gap 1", 2, "paces the static"),
     ("bench --request-gap 1", 2, "--request-gap paces real vLLM"),
+    ("bench --engine vllm --workload synthetic --mono-beside", 2, "--mono-beside is for the static"),
+    ("bench --mono-beside", 2, "--mono-beside is for real vLLM"),
     # serve
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --port 99999", 2, "port"),
     ("serve-decode --pool {R} --node 1", 2, "--prefill"),

@@ -631,3 +631,93 @@ def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypa
     with pytest.raises(calls.TractError, match="the server died"):
         vllm_workloads._drive("mono", servers, reqs, None)
     assert sent[0] == 2 and len(sent) < 6, sent      # the later ones were not sent
+
+
+def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped(
+        monkeypatch, tmp_path):
+    """`--mono-beside`: one vLLM, started and warmed up before the
+    configurations, gets each measured prompt too, after the same quiet, before
+    the configuration's request on odd requests and after it on even ones; each
+    record carries its TTFT and each row its ratio to it (a prefix hit's
+    included); it is stopped when the run ends, and when a configuration fails."""
+    import types
+    from tract_cli.bench.engine import calls, vllm_runs
+    events, now = [], [0.0]
+    started, stopped = [], []
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
+        "vocab_size": 450, "max_position_embeddings": 8192}))
+
+    class Server:
+        def __init__(self, name, work):
+            self.name, self.log_path = name, os.path.join(work, f"{name}.log")
+            self.store = None
+            open(self.log_path, "w").close()
+
+        def wait_ready(self):
+            pass
+
+    def start(config, model, work, *a, **k):
+        started.append((config, os.path.basename(work)))
+        roles = ("mono",) if config == "mono" else ("prefill", "decode")
+        names = ["beside" if os.path.basename(work) == "beside" else r for r in roles]
+        return {r: Server(n, work) for r, n in zip(roles, names)}
+
+    def took(name):
+        # the beside vLLM answers in 0.1 s, the configurations' servers in 0.2 s
+        now[0] += 0.1 if name == "beside" else 0.2
+        return calls.Answer(first=now[0], text="x")
+
+    def complete(server, tokens, *a, **k):
+        events.append(("ask", server.name, len(tokens)))
+        return took(server.name)
+
+    def pd_request(config, p, d, tokens, *a, **k):
+        events.append(("ask", config, len(tokens)))
+        return now[0], took(config)
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "start", start)
+    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all",
+                        lambda servers: stopped.append(sorted(s.name for s in servers.values())))
+    monkeypatch.setattr(vllm_runs.engine_configs, "unavailable_of", lambda configs, py: {})
+    monkeypatch.setattr(vllm_runs, "_tract_region", lambda *a: str(tmp_path / "pool"))
+    monkeypatch.setattr(vllm_runs, "_flush_mode", lambda pool: "none")
+    monkeypatch.setattr(vllm_runs, "remove_pool", lambda pool: None)
+    monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
+    monkeypatch.setattr(vllm_runs, "_connector_figures", lambda *a: {})
+    monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(
+        sleep=lambda s: events.append(("quiet", s)), monotonic=lambda: now[0]))
+    monkeypatch.setattr(calls, "complete", complete)
+    monkeypatch.setattr(calls, "pd_request", pd_request)
+    monkeypatch.setattr(calls, "metrics", lambda server: {})
+    res = vllm_runs.run(str(tmp_path), [300], 2, 1, ["tract", "prefix"], log=open(os.devnull, "w"),
+                        request_gap=1.0, mono_beside=True)
+    assert started[0] == ("mono", "beside") and [c for c, _ in started[1:]] == ["tract", "prefix"]
+    first = events.index(("ask", "tract", 300))
+    # the beside vLLM was warmed up before any configuration started
+    assert ("ask", "beside", 300) in events[:first]
+    q, tract, beside = ("quiet", 1.0), ("ask", "tract", 300), ("ask", "beside", 300)
+    start = events.index(("ask", "tract", 264))          # tract's first warm-up
+    end = events.index(("ask", "prefill", 264))          # prefix's
+    assert events[start:end] == [
+        ("ask", "tract", 264), q, tract,                 # its warm-ups
+        q, tract, q, beside,                             # request 0: beside it after
+        q, beside, q, tract], events                     # request 1: before
+    rows = {s["config"]: s for s in res["summaries"]}
+    assert rows["tract"]["beside_ttft_mean_s"] == pytest.approx(0.1)
+    assert rows["tract"]["vs_beside"] == pytest.approx(2.0)
+    assert rows["prefix-hit"]["vs_beside"] == pytest.approx(2.0)
+    assert all(r["beside_ttft_s"] == pytest.approx(0.1) for r in res["records"])
+    # every beside request met the same quiet as the configuration's
+    for i, e in enumerate(events):
+        if e[:2] == ("ask", "beside") and i > first:
+            assert events[i - 1] == ("quiet", 1.0), events[i - 3:i + 1]
+    assert stopped[-1] == ["beside"] and res["mono_beside"] is True
+    # a configuration that fails: the beside vLLM is stopped all the same
+    stopped.clear()
+    monkeypatch.setattr(calls, "pd_request", lambda *a, **k: (_ for _ in ()).throw(
+        vllm_runs.TractError("vLLM exited", "see its log")))
+    res = vllm_runs.run(str(tmp_path), [300], 1, 1, ["tract"], log=open(os.devnull, "w"),
+                        request_gap=0.0, mono_beside=True)
+    assert "tract" in res["failed"] and stopped[-1] == ["beside"]

@@ -109,6 +109,13 @@ def bench(
                                                      "after a step; docs/VLLM.md). Default "
                                                      f"{vllm_runs.DEFAULT_REQUEST_GAP_S:g}; 0: "
                                                      "back to back."),
+    mono_beside: bool = typer.Option(False, "--mono-beside",
+                                     help="With --engine vllm's static workload: keep one "
+                                          "vLLM running and send it every measured prompt "
+                                          "too, right beside each configuration's request, "
+                                          "so each row's ratio to it is free of the host's "
+                                          "drift between configurations (one vLLM's memory "
+                                          "more)."),
     vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
@@ -143,6 +150,10 @@ def bench(
         if request_gap is not None and (trace or workload != "static"):
             raise UsageError("--request-gap paces the static workload; a synthetic workload "
                              "or a trace sends on its own clock", "drop --request-gap")
+        if mono_beside and (trace or workload != "static"):
+            raise UsageError("--mono-beside is for the static workload (one request at a "
+                             "time); under load a second vLLM would take the cores the "
+                             "configurations share", "drop --mono-beside")
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
                                 input_len, output_len, requests, prefix_ratio,
@@ -157,10 +168,12 @@ def bench(
         bench_vllm.static(model, input_len, requests, 3 if output_len is None else output_len,
                           vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
                           plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish,
-                          vllm_runs.DEFAULT_REQUEST_GAP_S if request_gap is None else request_gap)
+                          vllm_runs.DEFAULT_REQUEST_GAP_S if request_gap is None else request_gap,
+                          mono_beside)
         return
-    if request_gap is not None:
-        raise UsageError("--request-gap paces real vLLM's static workload",
+    if request_gap is not None or mono_beside:
+        flag = "--request-gap paces" if request_gap is not None else "--mono-beside is for"
+        raise UsageError(f"{flag} real vLLM's static workload",
                          "drop it, or add --engine vllm --model DIR")
     if len(qps_sweep) > 1:
         raise UsageError("a --qps sweep runs on real vLLM (--engine vllm)",

@@ -50,7 +50,7 @@ def _check_tract_modes(load_mode: str, handoff_publish: str) -> None:
 def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
                 load_mode, install_peers=False, vllm_prefix_caching=False,
                 handoff_publish="after_step",
-                request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S) -> None:
+                request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S, mono_beside=False) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
     from tract_cli.serve.vllm_engine import check_model_dir
     _check_tract_modes(load_mode, handoff_publish)
@@ -73,26 +73,35 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,
-                         handoff_publish=handoff_publish, request_gap=request_gap)
+                         handoff_publish=handoff_publish, request_gap=request_gap,
+                         mono_beside=mono_beside)
     _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
                         f"{res['flush_mode'] or 'n/a (no TraCT configuration)'}, loads "
                         f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
                         f"each request after {request_gap:g} s of quiet; vLLM's own prefix cache "
-                        f"{'on' if vllm_prefix_caching else 'off'})")
-    for col in ("input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
-                "decode", "from KV path", "verified"):
+                        f"{'on' if vllm_prefix_caching else 'off'}"
+                        + ("; one vLLM beside every configuration" if mono_beside else "") + ")")
+    cols = ["input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
+            "decode", "from KV path", "verified"]
+    if mono_beside:
+        cols[4:4] = ["one vLLM beside", "ratio"]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("config", "verified") else "right",
                          no_wrap=col == "config")
     dur = lambda v: "—" if v is None else format_duration(v)
     for s in res["summaries"]:
-        table.add_row(str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
-                      dur(s.get("engine_mean_s")), dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]),
-                      dur(s["ttft_p99_s"]),
-                      dur(s["prefill_s"]), dur(s["decode_s"]),
-                      "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
-                      _verified(s))
+        row = [str(s["input_len"]), s["config"], dur(s["ttft_mean_s"]),
+               dur(s.get("engine_mean_s")), dur(s["ttft_p50_s"]), dur(s["ttft_p90_s"]),
+               dur(s["ttft_p99_s"]),
+               dur(s["prefill_s"]), dur(s["decode_s"]),
+               "—" if s["kv_tokens_mean"] is None else f"{s['kv_tokens_mean']:.0f} tokens",
+               _verified(s)]
+        if mono_beside:
+            row[4:4] = [dur(s.get("beside_ttft_mean_s")),
+                        "—" if s.get("vs_beside") is None else f"{s['vs_beside']:.2f}x"]
+        table.add_row(*row)
     for s in res["summaries"]:
         if s["handed_over"] is not None and s["handed_over"] < s["requests"]:
             render.stdout.print(f"[yellow]{s['config']} at {s['input_len']} tokens: only "
@@ -102,7 +111,11 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     render.stdout.print("in vLLM: the mean TTFT's path as vLLM times it (its front ends' "
                         "request times: a P/D prefill instance's whole request and its decode "
                         "instance's time to first token; one instance's time to first token), "
-                        "without the HTTP and the client around them. Verified: one vLLM's "
+                        "without the HTTP and the client around them. "
+                        + ("One vLLM beside: its mean TTFT for the same prompts, each sent to "
+                           "it seconds before or after the row's; ratio: the row's TTFT mean "
+                           "over it. " if mono_beside else "")
+                        + "Verified: one vLLM's "
                         f"answer within {answers.TOLERANCE:g} nats on every token's top "
                         f"{answers.TOP_LOGPROBS} logprobs, up to a near-tie that parts them (a "
                         "prompt partly loaded rounds otherwise; a wrong KV block moves them "

@@ -19,6 +19,17 @@ each measured length (a request's kv_transfer_params ask it,
 kvlog.REFERENCE_PARAM; more copies in a step, so no measured request pays
 them).  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
+
+On a shared host the configurations' minutes differ by more than the KV
+paths do (a 1500-token prompt's TTFT moved by 100-200 ms between neighbouring
+requests on the 2-core AMD host of docs/VLLM.md), so a comparison of two rows
+measured minutes apart is mostly the host's drift.  `--mono-beside` keeps one
+vLLM running the whole time and sends it each measured prompt right beside
+the configuration's request (before it on odd requests, after it on even
+ones, each after the same quiet): each row's ratio to it compares requests
+seconds apart.  Only that one vLLM more runs beside a configuration (every
+configuration at once would not fit: a vLLM holds 2.5-4.5 GB here), and a
+`mono` row beside it shows the method's own spread (its ratio ~1).
 """
 from __future__ import annotations
 
@@ -61,11 +72,15 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
         load_mode: str = "sync", vllm_prefix_caching: bool = False,
         handoff_publish: str = "after_step",
-        request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict:
+        request_gap: float = DEFAULT_REQUEST_GAP_S, mono_beside: bool = False) -> dict:
     """Runs each configuration over the same prompts; returns records and summaries.
     LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's (docs/VLLM.md, "Configuration").
     REQUEST_GAP: seconds of quiet before each measured request (a prefix hit's
-    too), DEFAULT_REQUEST_GAP_S's reason; 0: back to back."""
+    too), DEFAULT_REQUEST_GAP_S's reason; 0: back to back.  MONO_BESIDE: one
+    vLLM runs the whole time, and each measured prompt is also sent to it, just
+    before or just after the configuration's request (alternately): each row's
+    ratio to it is free of the host's drift between configurations (module
+    docstring)."""
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
     for c in configs:
@@ -102,7 +117,11 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     failed: dict[str, str] = {}     # a configuration that could not run -> why
     keep_logs = True
     measured_from: dict[str, int] = {}   # a server log -> its size once warmed up
+    beside = None                        # MONO_BESIDE's servers
     try:
+        if mono_beside:
+            beside = _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len,
+                                   request_gap, log)
         for config in to_run(configs, skipped, log):
             # a configuration that fails (a peer that stops vLLM at start, a server that
             # dies, no room for its region) is reported with its reason and the rest
@@ -118,7 +137,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 nonlocal measured_from
                 measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
                                             load_mode, reqs, warm, output_len, cache_bytes,
-                                            records, answers, handoff_publish, request_gap)
+                                            records, answers, handoff_publish, request_gap,
+                                            beside)
             why = failure_of(one_config)
             if why is not None:
                 crash = crash_in_logs(work, config)
@@ -135,6 +155,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         # the logs are kept where a configuration failed or an answer was not verified
         keep_logs = bool(failed) or any(r["verified"] is False for r in records)
     finally:
+        if beside is not None:
+            engine_configs.stop_all(beside)
         if pool is not None:
             from tract_cli.core.region import remove_region
             remove_region(pool)
@@ -146,7 +168,38 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
             "handoff_publish": handoff_publish, "request_gap_s": request_gap,
-            "vllm_prefix_caching": vllm_prefix_caching}
+            "vllm_prefix_caching": vllm_prefix_caching, "mono_beside": mono_beside}
+
+
+def _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len, request_gap,
+                  log) -> dict:
+    """MONO_BESIDE's one vLLM, started, ready and warmed up as a configuration's
+    servers are (its log under WORK/beside); a vLLM that will not start fails
+    the run, since every row is measured against it."""
+    print("starting one vLLM to run beside every configuration ...", file=log, flush=True)
+    where = os.path.join(work, "beside")
+    os.makedirs(where, exist_ok=True)
+    servers = engine_configs.start("mono", model_dir, where, args, kv_cache_gib, None)
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        for i, (tokens, _) in enumerate(warm):
+            if i and request_gap:
+                time.sleep(request_gap)     # pacing the warm-ups as a configuration's
+            _one(servers, "mono", tokens, output_len)
+    except BaseException:
+        engine_configs.stop_all(servers)
+        raise
+    return servers
+
+
+def _beside(servers: dict, tokens: list, output_len: int, gap: float) -> dict:
+    """One request of TOKENS through MONO_BESIDE's vLLM, after GAP seconds of
+    quiet: its TTFT as the client saw it and as vLLM timed it."""
+    if gap:
+        time.sleep(gap)                 # pacing the workload (DEFAULT_REQUEST_GAP_S)
+    got = _one(servers, "mono", tokens, output_len)
+    return {"beside_ttft_s": got["ttft_s"], "beside_engine_s": got["engine_s"]}
 
 
 def remove_pool(path: str) -> None:
@@ -205,14 +258,18 @@ def crash_in_logs(work: str, config: str) -> str | None:
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs, warm,
                 output_len, cache_bytes, records, answers,
                 handoff_publish: str = "after_step",
-                request_gap: float = DEFAULT_REQUEST_GAP_S) -> dict[str, int]:
+                request_gap: float = DEFAULT_REQUEST_GAP_S,
+                beside: dict | None = None) -> dict[str, int]:
     """Starts CONFIG's servers, runs the warm-up prompts WARM ((tokens, whether
     TraCT's connector times its memcpy reference beside them); one that does
     after REQUEST_GAP seconds of quiet, so the reference meets idle instances as
     the measured copies do) and then every
     request through them, each after REQUEST_GAP seconds of quiet, stops them.
-    Returns each server log's size once the warm-up was answered: what the
-    connector logged after it is the measured requests'."""
+    BESIDE: MONO_BESIDE's servers, sent each measured prompt too, after the same
+    quiet, before the configuration's request on odd requests and after it on
+    even ones (neither goes first every time); its figures are in each of the
+    request's records.  Returns each server log's size once the warm-up was
+    answered: what the connector logged after it is the measured requests'."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes,
                                    handoff_publish=handoff_publish)
@@ -230,13 +287,17 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
         marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
                  if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
         for i, (n, tokens) in enumerate(reqs):
+            mono = (_beside(beside, tokens, output_len, request_gap)
+                    if beside is not None and i % 2 else {})
             if request_gap:
                 time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
             got = (_prefix(servers, tokens, output_len, PREFIX[config], request_gap)
                    if config in PREFIX else
                    {config: _one(servers, config, tokens, output_len)})
+            if beside is not None and not i % 2:
+                mono = _beside(beside, tokens, output_len, request_gap)
             for row, rec in got.items():
-                records.append({"config": row, "input_len": n, "request": i} | rec)
+                records.append({"config": row, "input_len": n, "request": i} | rec | mono)
                 answers.setdefault(i, {})[row] = rec.pop("answer")
         return marks
     finally:
@@ -486,6 +547,8 @@ def summarize(records: list[dict]) -> list[dict]:
         handed = [r.get("handed_over") for r in rows if "handed_over" in r]
         taken = [r["kv_tokens"] for r in rows if "kv_tokens" in r]
         checked = [r["verified"] for r in rows if r["verified"] is not None]
+        beside = part("beside_ttft_s")
+        beside_engine = part("beside_engine_s")
         out.append({"config": config, "input_len": n, "requests": len(rows),
                     "handed_over": sum(map(bool, handed)) if handed else None,
                     # the prompt tokens a request took from its KV path (mean)
@@ -499,6 +562,15 @@ def summarize(records: list[dict]) -> list[dict]:
                     "engine_mean_s": part("engine_s"),
                     "engine_prefill_s": part("engine_prefill_s"),
                     "engine_decode_s": part("engine_decode_s"),
+                    # --mono-beside: one vLLM's TTFT for the same prompts, each
+                    # measured beside the row's, and the row's mean over it
+                    # (client and engine side)
+                    "beside_ttft_mean_s": beside,
+                    "beside_engine_mean_s": beside_engine,
+                    "vs_beside": None if beside is None else float(ttft.mean()) / beside,
+                    "engine_vs_beside": (None if beside_engine is None
+                                         or part("engine_s") is None
+                                         else part("engine_s") / beside_engine),
                     "verified": all(checked) if checked else None,
                     # answers verified that parted from one vLLM's at a near-tie,
                     # and the largest logprob gap of those compared (an unverified
