@@ -39,6 +39,11 @@ def instance(role: str, seen: list, prefill_answer: dict, decode_arrived):
             self.wfile.write(body)
 
         def do_GET(self):
+            if self.path == "/v1/models":        # vLLM's list: a LoRA adapter has a parent
+                seen.append((role, "models"))
+                self.answer(200, json.dumps({"data": [
+                    {"id": "m", "parent": None}, {"id": "m-lora", "parent": "m"}]}).encode())
+                return
             self.answer(200, b'{"status": "ok"}')
 
         def do_POST(self):
@@ -109,10 +114,12 @@ def door(request):
 
 
 def _by_role(seen: list) -> dict:
-    """What each stand-in received, in order: {"prefill": [...], "decode": [...]}."""
+    """What each stand-in was sent, in order: {"prefill": [...], "decode": [...]}
+    (the requests' bodies; its model list asked for is not one)."""
     out: dict = {"prefill": [], "decode": []}
     for role, body in seen:
-        out[role].append(body)
+        if body != "models":
+            out[role].append(body)
     return out
 
 
@@ -142,7 +149,7 @@ def _streams_refuses_n_and_stops_on_sigterm(url: str, proc) -> None:
 def test_the_door_runs_the_two_step_flow_and_stops_cleanly_on_sigterm(door):
     url, seen, proc, _ = door
     body = _healthy_then_forged(url, "tract_ticket")
-    (r1, first), (r2, second) = seen
+    (r1, first), (r2, second) = [(r, b) for r, b in seen if b != "models"]
     assert (r1, r2) == ("prefill", "decode")
     assert first["max_tokens"] == 1 and first["kv_transfer_params"] == {"do_remote_decode": True}
     # the client's own transfer parameters never reach an instance: the decode's
@@ -216,3 +223,40 @@ def test_a_request_the_prefill_refuses_is_answered_with_its_refusal(door):
     status, body = request(url + "/v1/completions", {"model": "m", "prompt": "hi"}, timeout=30)
     assert status == 400 and body == {"error": "stand-in"}
     assert all(b.get("kv_transfer_params") for b in _by_role(seen)["decode"])
+
+
+@pytest.mark.parametrize("door", ["two-step", "paired"], indirect=True)
+def test_a_request_the_pool_cannot_hold_is_computed_once_by_the_decode_instance(door):
+    """A LoRA adapter's request, multimodal input or prompt embeddings (no KV
+    of them in the pool): sent to the decode instance alone, as the client
+    sent it, in either flow; a base model's text request still goes through
+    the prefill.  A model name not seen before asks the decode instance's
+    model list again (an adapter loaded at run time)."""
+    url, seen, _, _ = door
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for path, body in (
+            ("/v1/completions", {"model": "m-lora", "prompt": "hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]}),
+            ("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"image_url": {"url": "x"}}]}]}),   # untyped
+            ("/v1/completions", {"model": "m", "prompt_embeds": "AAAA", "max_tokens": 2})):
+        seen.clear()
+        status, got = request(url + path, body, timeout=30)
+        assert status == 200, got
+        sent = _by_role(seen)
+        assert sent["prefill"] == [] and sent["decode"] == [body], (body, seen)
+    # text, of the base model, its content parts text too: the P/D flow as before
+    seen.clear()
+    text = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert request(url + "/v1/chat/completions", text, timeout=30)[0] == 200
+    sent = _by_role(seen)
+    assert len(sent["prefill"]) == 1 and sent["decode"][-1]["kv_transfer_params"], seen
+    # the list was asked for once for both names it has, and again for a new one
+    asked = [r for r, b in seen if b == "models"]
+    assert asked == [], seen
+    seen.clear()
+    assert request(url + "/v1/completions", {"model": "new-adapter", "prompt": "hi",
+                                             "max_tokens": 2}, timeout=30)[0] == 200
+    assert ("decode", "models") in seen and len(_by_role(seen)["prefill"]) == 1, seen

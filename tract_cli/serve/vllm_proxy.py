@@ -22,6 +22,14 @@ serves with), in one of two flows:
   if its ticket names the record otherwise than by the pair (its connector
   did not take the pair), it is dropped and sent again with the ticket.
 
+A request the pool holds no KV of (a LoRA adapter's, multimodal input,
+prompt embeddings: the connector's own rule, connectors/vllm_scheduler.py)
+goes to the decode instance alone, in either flow: computed once there, not
+by a prefill instance and then again by the decode instance.  The door knows
+an adapter by the decode instance's `/v1/models` (an entry with a `parent`),
+asked again for a model name it has not seen (vLLM loads adapters at run
+time); one it cannot ask takes the usual flow, whose answer is the same.
+
 Either way a prefill failure is not the user's error: the decode instance
 then computes the prompt itself, and its answer is the same; a request the
 prefill instance refuses (4xx) is answered with that refusal.  Answers (or
@@ -44,6 +52,28 @@ from tract_cli.core.handoff import pair_key
 log = logging.getLogger("tract.proxy")
 
 TIMEOUT_S = 600
+# a chat content part of these types is text to vLLM (renderers/chat_utils.py's
+# TEXT_PART_TYPES and tool references); any other carries media
+TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking",
+                        "tool_reference"})
+
+
+def has_media(body: dict) -> bool:
+    """Whether a request BODY gives vLLM anything but text: prompt embeddings,
+    or a chat message content part that is not text (an image, audio, video,
+    their embeddings, a file); such a request's KV is not the pool's."""
+    if body.get("prompt_embeds") is not None:
+        return True
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else ():
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type", "text") not in TEXT_PARTS:
+                return True
+            # an untyped part is read by its key (vLLM's own rule): any but text's
+            if isinstance(part, dict) and "type" not in part and set(part) - {"text", "uuid"}:
+                return True
+    return False
 
 
 def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
@@ -61,6 +91,25 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=100))
     turn = itertools.cycle(prefill_urls)
+    adapters: set[str] = set()      # the decode instance's LoRA adapters' names
+    bases: set[str] = set()         # and its other models'
+
+    async def is_adapter(name) -> bool:
+        """Whether NAME is a LoRA adapter of the decode instance; a name not seen
+        before asks its /v1/models again (an adapter may be loaded at run time),
+        and one it cannot ask is taken for a model's."""
+        if not isinstance(name, str) or name in bases:
+            return False
+        if name not in adapters:
+            try:
+                listed = (await client.get(decode_url + "/v1/models", timeout=10)).json()["data"]
+                for m in listed:
+                    (adapters if m.get("parent") else bases).add(m["id"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("the decode instance's /v1/models could not be read (%s): "
+                            "model %r is taken for a base model's", exc, name)
+                return False
+        return name in adapters
 
     async def healthy(url: str) -> bool:
         try:
@@ -166,6 +215,10 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
                                            "type": "BadRequestError", "code": 400}},
                                 status_code=400)
         stream = bool(body.get("stream"))
+        if has_media(body) or await is_adapter(body.get("model")):
+            # no KV of it in the pool (a handoff would be refused): computed once,
+            # by the decode instance, not by a prefill and then again by it
+            return relay(await decode(path, body, stream), stream)
         if not paired:
             params = await prefill(path, body, None)
             if params is not None and "_error" in params:
