@@ -45,6 +45,8 @@ def main() -> None:
         "handoff_publish_pinned": lambda **kw: handoff_publish_pinned(pool, **kw),
         "handoff_reserve": lambda **kw: handoff_reserve(pool, **kw),
         "handoff_find": lambda **kw: handoff_find(pool, **kw),
+        "handoff_publish_lost": lambda **kw: handoff_publish_lost(pool, **kw),
+        "handoff_open": lambda **kw: handoff_open(pool, **kw),
         "handoff_unreserve": lambda **kw: handoff_unreserve(pool, **kw),
         "handoff_receive": lambda **kw: handoff_receive(pool, **kw),
         "index_pin_chain": lambda chain: pool.index.lookup(_chain_keys(pool, *chain)).hits,
@@ -321,6 +323,33 @@ def handoff_find(pool, requests: list) -> list:
     from tract_cli.core.handoff import request_key
     keys = np.frombuffer(b"".join(request_key(r) for r in requests), np.uint8).reshape(-1, 16)
     return [int(r) for r in pool.handoffs.find(keys)]
+
+
+def handoff_publish_lost(pool, request: str, ttl: float = 30.0) -> dict:
+    """What a prefill whose handoff will not be published leaves under REQUEST's
+    name (Handoffs.publish_lost); returns its ticket."""
+    return pool.handoffs.publish_lost(request, ttl=ttl).to_dict()
+
+
+def handoff_open(pool, record: int, request: str, blocks: int, tokens: int,
+                 ack_lost: bool = False) -> str:
+    """What a decode side's open of RECORD under REQUEST's name, expecting BLOCKS
+    and TOKENS, says: "ok", "lost" (ACK_LOST: then acknowledged, as the vLLM
+    connector's scheduler does), "pending", or the error's type."""
+    from tract_cli.core.errors import HandoffError, HandoffLost, HandoffPending
+    from tract_cli.core.handoff import Ticket, request_key
+    ticket = Ticket(record, request_key(request).hex(), blocks, tokens)
+    try:
+        pool.handoffs.open(ticket)
+        return "ok"
+    except HandoffLost:
+        if ack_lost:
+            pool.handoffs.ack(Ticket(record, ticket.request_id, 0, 0))
+        return "lost"
+    except HandoffPending:
+        return "pending"
+    except HandoffError as exc:
+        return type(exc).__name__
 
 
 def handoff_unreserve(pool, record: int, request: str) -> bool:

@@ -79,6 +79,32 @@ def test_a_handoff_is_found_by_its_name_from_another_node(region, simulate):
     check_index(region)
 
 
+@pytest.mark.parametrize("simulate", [False, True], ids=["plain", "sim"])
+def test_a_lost_handoff_is_a_record_of_no_blocks_its_decode_finds_and_gives_back(region,
+                                                                               simulate):
+    """What a prefill whose handoff will not be published leaves under the
+    pair's name (Handoffs.publish_lost): found by that name from another node,
+    opened as lost (never as blocks to load, whatever the decode expects), and
+    given back by the decode's acknowledgement: no pin and no record left."""
+    with RunningAgent(region, 0, manager=True, simulate=simulate):
+        with Worker(region, 1, simulate) as prefill, Worker(region, 2, simulate) as decode:
+            lost = prefill.call("handoff_publish_lost", request="pair-lost")
+            assert (lost["blocks"], lost["tokens"]) == (0, 0)
+            assert decode.call("handoff_find", requests=["pair-lost"]) == [lost["record"]]
+            pub = prefill.call("handoff_publish", chain=[5, 0, 50, 4], request="pair-kept")
+            # a record that holds blocks is not lost; the lost one is, and is given back
+            assert decode.call("handoff_open", record=pub["record"], request="pair-kept",
+                               blocks=pub["blocks"], tokens=pub["tokens"]) == "ok"
+            assert decode.call("handoff_open", record=lost["record"], request="pair-lost",
+                               blocks=9, tokens=144, ack_lost=True) == "lost"
+            assert decode.call("handoff_find", requests=["pair-lost", "pair-kept"]) == \
+                [-1, pub["record"]]
+            assert decode.call("handoff_receive", ticket=pub, chain=[5, 0, 50, 4],
+                               request="pair-kept") == 4
+            assert pins_and_records(region) == (0, 0)
+    check_index(region)
+
+
 def test_wrong_ticket_and_double_ack_are_errors(region):
     with RunningAgent(region, 0, manager=True):
         with Worker(region, 1) as prefill, Pool.attach(region, node=2) as decode:

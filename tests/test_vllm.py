@@ -328,6 +328,46 @@ def test_a_paired_decode_of_another_prompt_computes_it_and_leaves_the_handoff(st
         mine["usage"]["prompt_tokens"] - 1
 
 
+def test_a_paired_decode_whose_handoff_is_lost_computes_at_once(stack):
+    """A paired prefill whose handoff will not be published once its ticket has
+    left (here a block of its prompt is another node's PENDING claim, so not
+    this step's to save) leaves a record of no blocks under the pair's name:
+    its paired decode, which has no ticket to find the record gone, computes
+    the prompt at once instead of waiting pair_wait_s."""
+    import uuid
+
+    from tract_cli.core.index import PUT_CLAIMED
+    prompt = "A lost handoff says so under its pair's name, and the decode computes. " * 4
+    # the prompt's keys, from a handoff of it (the two-step flow), then given back
+    # and evicted, so that another node can claim its first block
+    ticket = Ticket.from_dict(prefill_params(stack, prompt)["tract_ticket"])
+    log_path = stack["tmp"] / "decode.log"
+    with Pool.attach(stack["pool"], node=3) as other:
+        keys = open_published(other, ticket).keys.copy()
+        other.handoffs.ack(ticket)
+        other.index.evict(1 << 20)
+        status, slots = other.index.reserve(keys[:1])
+        try:
+            assert status[0] == PUT_CLAIMED, status
+            seen = len(open(log_path).read())
+            external = tokens_by_source(stack["decode"], "external_kv_transfer")
+            pair = uuid.uuid4().hex
+            thread, box = _in_background(lambda: complete(
+                stack["decode"], prompt, kv_transfer_params=_paired("decode", pair)))
+            complete(stack["prefill"], prompt, 1, kv_transfer_params=_paired("prefill", pair))
+            answered = time.monotonic()
+            out = _result(thread, box, timeout=PAIR_WAIT_S + 120)
+        finally:
+            other.index.commit(keys[:1], status, slots, publish=False)
+    waited = box["done_at"] - answered
+    assert waited < PAIR_WAIT_S / 2, f"the decode answered {waited:.1f} s after its prefill"
+    assert_answers_as_mono(stack, prompt, out)
+    assert tokens_by_source(stack["decode"], "external_kv_transfer") == external
+    assert "lost by its prefill, computing it" in open(log_path).read()[seen:]
+    assert "not published (a block of it is not this step's to save)" in \
+        open(stack["tmp"] / "prefill.log").read()
+
+
 def test_a_paired_decode_whose_prefill_never_comes_is_computed_after_pair_wait_s(stack):
     """A decode paired with a prefill that never arrives (its front door gone
     before sending it) waits pair_wait_s at most, then computes the prompt:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.core.events import Described
+from tract_cli.core.handoff import request_key
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
@@ -48,6 +49,11 @@ class HandoffSpec:
     # the 16 bytes the record is named by (core.handoff.request_key of vLLM's
     # request id, or pair_key of the pair a paired decode finds it by)
     name: bytes
+
+    @property
+    def paired(self) -> bool:
+        """Whether a paired decode finds the record by its name (it has no ticket)."""
+        return self.name != request_key(self.request_id)
 
 
 @dataclass

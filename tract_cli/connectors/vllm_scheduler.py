@@ -44,7 +44,8 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog, transfer_params
-from tract_cli.core.errors import HandoffError, HandoffPending, TractError, TransferTableFull
+from tract_cli.core.errors import (HandoffError, HandoffLost, HandoffPending, TractError,
+                                   TransferTableFull)
 from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
@@ -424,6 +425,15 @@ class SchedulerSide:
                     raise HandoffError("the handoff is of another prompt",
                                        "send the decode request with the prefill's prompt")
                 self._wait_published(request, st, ticket)
+                return
+            except HandoffLost as exc:
+                # its prefill's record of no blocks (Handoffs.publish_lost): read,
+                # so given back at once (queued) rather than at its TTL
+                st.handoff_failed = True
+                st.pending = None
+                log.warning("TraCT handoff of request %s lost by its prefill, computing it: %s",
+                            request.request_id, exc)
+                queue_ack(self.releases, self.pool, Ticket(ticket.record, ticket.request_id, 0, 0))
                 return
             st.pending = None
             # the record's own key list, not anything the ticket says, names the blocks:

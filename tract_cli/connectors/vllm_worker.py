@@ -67,7 +67,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
-from tract_cli.core.errors import PoolFull, TractError
+from tract_cli.core.errors import PoolFull, TractError, TransferTableFull
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
@@ -421,17 +421,33 @@ class WorkerSide:
         """HANDOFFS will not be published: said, and the records PLAN reserved
         for them given back (queued, retried), so their decode instances stop
         waiting once it is done (the release's defer, 50 ms) rather than at
-        handoff_wait_s."""
+        handoff_wait_s; a paired one's name then gets a record of no blocks
+        (queued after it), so its paired decode, which has no ticket to find
+        the record gone, computes at once rather than at pair_wait_s."""
         for spec in handoffs:
             log.warning("TraCT handoff of request %s not published (%s), its decode computes "
                         "the prompt", spec.request_id, why)
-            if plan is None or spec.request_id not in plan.reserved:
-                continue
-            plan.reserved.discard(spec.request_id)
-            self.releases.submit(
-                f"reservation of handoff record {spec.record}",
-                lambda timeout, spec=spec: self.pool.handoffs.unreserve(
-                    spec.record, spec.name, timeout=timeout))
+            if plan is not None and spec.request_id in plan.reserved:
+                plan.reserved.discard(spec.request_id)
+                self.releases.submit(
+                    f"reservation of handoff record {spec.record}",
+                    lambda timeout, spec=spec: self.pool.handoffs.unreserve(
+                        spec.record, spec.name, timeout=timeout))
+            if spec.paired:
+                self.releases.submit(f"lost-handoff record of request {spec.request_id}",
+                                     lambda timeout, spec=spec: self._publish_lost(spec, timeout))
+
+    def _publish_lost(self, spec, timeout: float) -> None:
+        """The record of no blocks that tells SPEC's paired decode its handoff is
+        lost (Handoffs.publish_lost); where there is no room for one, said: that
+        decode then computes after pair_wait_s.  A lock not granted is retried
+        (the release queue's)."""
+        try:
+            self.pool.handoffs.publish_lost(spec.name, spec.ttl_s, timeout=timeout)
+        except (PoolFull, TransferTableFull) as exc:
+            log.warning("TraCT: no record could tell paired request %s's decode that its "
+                        "handoff is lost (%s); it computes the prompt after pair_wait_s",
+                        spec.request_id, exc.problem)
 
     def _abandon_claims(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
         """Gives back (off the step) the claims IDX of PLAN that will not be

@@ -111,6 +111,11 @@ class TransferTableFull(HandoffError):
     """The transfer table has no free record (TRACT_E_TABLE_FULL)."""
 
 
+class HandoffLost(HandoffError):
+    """The handoff's record holds no block: its prefill side will not publish
+    the handoff (Handoffs.publish_lost), and the decode computes the prompt."""
+
+
 class HandoffPending(HandoffError):
     """The handoff's record is reserved and not yet published: its prefill side
     is still committing the blocks (TRACT_E_PENDING).  Ask again shortly."""

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError,
-                                   HandoffPending, PoolFull, TransferTableFull, UsageError)
+                                   HandoffLost, HandoffPending, PoolFull, TransferTableFull,
+                                   UsageError)
 from tract_cli.core.index import as_keys
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
@@ -175,6 +176,17 @@ class Handoffs:
         return retry_while_pending(lambda: self._publish(request_id, hashes, token_count, tail,
                                                          tail_tokens, ttl, timeout, record),
                                    wait_s)
+
+    def publish_lost(self, request_id: str | bytes, ttl: float,
+                     timeout: float = DEFAULT_TIMEOUT_S) -> Ticket:
+        """A record of no blocks under REQUEST_ID's name: what a handoff that will
+        not be published leaves for a decode side that finds records by name
+        (a paired decode, which has no ticket to find its record gone): it opens
+        it, finds none of its prompt's blocks and computes the prompt at once,
+        instead of waiting for a record that will never come.  It takes a
+        record and one slot (its empty key list) until acknowledged or its TTL
+        runs out; TransferTableFull or PoolFull where there is no room."""
+        return self._publish(request_id, np.zeros((0, 16), np.uint8), 0, None, 0, ttl, timeout)
 
     def _publish(self, request_id, hashes, token_count, tail, tail_tokens, ttl, timeout,
                  record=None) -> Ticket:
@@ -347,6 +359,9 @@ class Handoffs:
                                "pass the ticket the prefill worker returned")
         raise_for(rc, f"{self._pool.path} handoff open")
         k = bc[0]
+        if k == 0 and ticket.blocks:
+            raise HandoffLost(f"handoff record {ticket.record} holds no block: its prefill "
+                              "side lost the handoff", "compute the prompt")
         if k != ticket.blocks:
             raise HandoffError(f"handoff record {ticket.record} holds {k} blocks, the ticket names "
                                f"{ticket.blocks}", "pass the ticket the prefill worker returned")
