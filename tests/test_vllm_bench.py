@@ -643,7 +643,7 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
     import types
     from tract_cli.bench.engine import calls, vllm_runs
     events, now = [], [0.0]
-    started, stopped = [], []
+    started, stopped, caching = [], [], {}
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
@@ -658,8 +658,9 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
         def wait_ready(self):
             pass
 
-    def start(config, model, work, *a, **k):
+    def start(config, model, work, args, *a, **k):
         started.append((config, os.path.basename(work)))
+        caching[os.path.basename(work)] = "--enable-prefix-caching" in args
         roles = ("mono",) if config == "mono" else ("prefill", "decode")
         names = ["beside" if os.path.basename(work) == "beside" else r for r in roles]
         return {r: Server(n, work) for r, n in zip(roles, names)}
@@ -671,7 +672,11 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
 
     def complete(server, tokens, *a, **k):
         events.append(("ask", server.name, len(tokens)))
+        if server.name in failing:
+            raise vllm_runs.HttpError("connection refused")
         return took(server.name)
+
+    failing: set = set()
 
     def pd_request(config, p, d, tokens, *a, **k):
         events.append(("ask", config, len(tokens)))
@@ -692,7 +697,10 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
     monkeypatch.setattr(calls, "pd_request", pd_request)
     monkeypatch.setattr(calls, "metrics", lambda server: {})
     res = vllm_runs.run(str(tmp_path), [300], 2, 1, ["tract", "prefix"], log=open(os.devnull, "w"),
-                        request_gap=1.0, mono_beside=True)
+                        request_gap=1.0, mono_beside=True, vllm_prefix_caching=True)
+    # the configurations' own prefix caches as asked; the beside vLLM's off (every
+    # configuration's prompts reach it)
+    assert caching.pop("beside") is False and caching and all(caching.values()), caching
     assert started[0] == ("mono", "beside") and [c for c, _ in started[1:]] == ["tract", "prefix"]
     first = events.index(("ask", "tract", 300))
     # the beside vLLM was warmed up before any configuration started
@@ -714,10 +722,21 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
         if e[:2] == ("ask", "beside") and i > first:
             assert events[i - 1] == ("quiet", 1.0), events[i - 3:i + 1]
     assert stopped[-1] == ["beside"] and res["mono_beside"] is True
-    # a configuration that fails: the beside vLLM is stopped all the same
+    # the beside vLLM failing a measured request stops the run, named as its own
+    # failure (not the configuration's), and every server is stopped
     stopped.clear()
-    monkeypatch.setattr(calls, "pd_request", lambda *a, **k: (_ for _ in ()).throw(
-        vllm_runs.TractError("vLLM exited", "see its log")))
-    res = vllm_runs.run(str(tmp_path), [300], 1, 1, ["tract"], log=open(os.devnull, "w"),
-                        request_gap=0.0, mono_beside=True)
-    assert "tract" in res["failed"] and stopped[-1] == ["beside"]
+    n_asks = []
+    real_complete = complete
+
+    def failing_later(server, tokens, *a, **k):
+        if server.name == "beside":
+            n_asks.append(1)
+            if len(n_asks) > 2:          # past its warm-ups (a block's and the length's)
+                failing.add("beside")
+        return real_complete(server, tokens, *a, **k)
+
+    monkeypatch.setattr(calls, "complete", failing_later)
+    with pytest.raises(vllm_runs.TractError, match="--mono-beside.*failed a request"):
+        vllm_runs.run(str(tmp_path), [300], 1, 1, ["tract"], log=open(os.devnull, "w"),
+                      request_gap=0.0, mono_beside=True)
+    assert sorted(stopped) == [["beside"], ["decode", "prefill"]], stopped

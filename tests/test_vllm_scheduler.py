@@ -229,8 +229,20 @@ def test_a_decode_waits_for_a_reserved_handoff_and_gives_up_past_handoff_wait_s(
     # never published: "not yet" at first, computed past handoff_wait_s (0.2 s),
     # and the reservation given back (a publish after it would be refused)
     assert seen["reserved_never"] == [[None, False], True, [0, False]]
-    assert seen["reserved_never_record"] == "HandoffError"
+    assert seen["reserved_never_record"] == "HandoffGone"
     assert seen["reserved_after"] == seen["reserved_before"]   # nothing left of either
+
+
+def test_a_paired_decode_whose_reserved_record_is_given_back_reads_the_lost_record(seen):
+    """A paired decode waiting on its prefill's RESERVED record, which the prefill
+    gives back and marks lost (a record of no blocks under the pair's name):
+    it looks for the pair again, computes at once (well within pair_wait_s,
+    60 s here; nothing loaded) and gives that record back."""
+    assert seen["paired_lost_first"] == [0, True]        # waiting on the reservation
+    assert seen["paired_lost_unreserved"] is True
+    assert seen["paired_lost_computed_after_s"] < 10, seen["paired_lost_computed_after_s"]
+    assert seen["paired_lost_loads"] == []
+    assert seen["paired_lost_record_left"] == -1
 
 
 def test_a_ticket_of_another_page_layout_is_refused_and_no_layout_no_pool(seen):

@@ -941,10 +941,48 @@ def main(ckpt: str, pool_path: str) -> dict:
     s12.finish_requests("after-stall", RequestStatus.FINISHED_ABORTED)
     obs["stall_pins_after"] = pins(pool, c12)
 
+    # a paired decode that found its prefill's record RESERVED, which its prefill
+    # then gave back and marked lost (Handoffs.publish_lost, queued after the
+    # give-back): it looks for the pair by name again, reads that record of no
+    # blocks, computes the prompt at once and gives the record back
+    from tract_cli.core.handoff import pair_key
+    sp = scheduler(ckpt, pool_path, 16, extra={"pair_wait_s": 60, "handoff_wait_s": 30,
+                                               "pair_idle_s": 0})
+    pair, ptoks = "5" * 32, list(range(9900, 9970))      # a prompt no phase stored
+    pk = prompt_keys(pool.info, sp.connector.key_tag, 16, ptoks)
+    name = pair_key(pair)
+    record = pool.handoffs.peek_free()
+    pool.handoffs.reserve_record(record, name, len(pk.keys) + 1, len(ptoks), ttl=30)
+    rp = request("paired-lost", ptoks, params={"do_remote_prefill": True, "tract_pair": pair})
+    sp.add_request(rp)
+    out = sp.schedule()
+    obs["paired_lost_first"] = [out.num_scheduled_tokens.get("paired-lost", 0),
+                                sp.connector.scheduler_side._reqs["paired-lost"].pending
+                                is not None]
+    sp.update_from_output(out, output([]))
+    obs["paired_lost_unreserved"] = pool.handoffs.unreserve(record, name)
+    pool.handoffs.publish_lost(name, 30.0)
+    t0 = time.monotonic()
+    while True:                 # bounded: the pair's record read, then its lookup
+        out = sp.schedule()
+        if out.num_scheduled_tokens.get("paired-lost"):
+            break
+        assert time.monotonic() - t0 < 30, "the paired decode was never computed"
+        sp.update_from_output(out, output([]))
+        time.sleep(0.01)          # one engine step's pace
+    obs["paired_lost_computed_after_s"] = time.monotonic() - t0
+    obs["paired_lost_loads"] = [ld.req_id for ld in out.kv_connector_metadata.loads]
+    sp.update_from_output(out, output([rp]))
+    sp.finish_requests("paired-lost", RequestStatus.FINISHED_ABORTED)
+    settle()
+    obs["paired_lost_record_left"] = int(pool.handoffs.find(
+        np.frombuffer(name, np.uint8).reshape(1, 16))[0])
+
     sched = conn.scheduler_side
     obs["state_left"] = [len(sched._reqs), len(sched._loading_done), len(sched._pending_loads)]
     for c in (conn, cs, other, consumer.connector, producer.connector, c8, w, s9.connector, w9,
-              c10, c12, blind.connector, *([STEP["worker"]] if "worker" in STEP else [])):
+              c10, c12, blind.connector, sp.connector,
+              *([STEP["worker"]] if "worker" in STEP else [])):
         c.shutdown()
     pool.close()
     return obs

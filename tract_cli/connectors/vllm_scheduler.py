@@ -44,8 +44,8 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog, transfer_params
-from tract_cli.core.errors import (HandoffError, HandoffLost, HandoffPending, TractError,
-                                   TransferTableFull)
+from tract_cli.core.errors import (HandoffError, HandoffGone, HandoffLost, HandoffPending,
+                                   TractError, TransferTableFull)
 from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
@@ -112,6 +112,9 @@ class _Request:
     # (its prefill may not have taken one yet), since when
     pair: bytes | None = None
     pair_since: float = 0.0
+    # the pair's reserved record was given back: looked for by name again until
+    # then, for the record of no blocks its prefill leaves (Handoffs.publish_lost)
+    pair_relook_until: float = 0.0
     # a decode's ticket whose record is reserved, not yet published (its prefill
     # commits the blocks off its step): asked again each step, since when
     pending: Ticket | None = None
@@ -278,6 +281,9 @@ class SchedulerSide:
                         return None, False  # not yet: its prefill has taken no record
                     if ticket is not None:
                         self._open_ticket(request, st, ticket)
+                        if st.received is None and st.pending is None and \
+                                not st.handoff_failed:
+                            return None, False      # looked for by name again
             if st.received is not None:
                 return self._answer(request, num_computed_tokens, st.received.token_count)
             if st.pending is not None:
@@ -420,6 +426,18 @@ class SchedulerSide:
                                    "send the decode request with the prefill's prompt")
             try:
                 rec = self.pool.handoffs.open(ticket)
+            except HandoffGone:
+                if st.pair is None or st.pending is None or st.pair_relook_until:
+                    raise
+                # the pair's reserved record was given back: its prefill lost the
+                # handoff, and the record that says so (no blocks, under the pair's
+                # name) follows, queued right after; looked for by name again, at
+                # most handoff_wait_s, so that it is read and given back
+                st.pending = None
+                st.pair_relook_until = time.monotonic() + self.settings.handoff_wait_s
+                self._pairs_waiting[request.request_id] = st.pair
+                self._pairs_seen.pop(request.request_id, None)
+                return
             except HandoffPending:
                 if ticket.tokens != st.prompt_len:
                     raise HandoffError("the handoff is of another prompt",
@@ -496,7 +514,12 @@ class SchedulerSide:
         if record >= 0:
             self._pairs_waiting.pop(req_id, None)
             return Ticket(record, st.pair.hex(), blocks, st.prompt_len)
-        if now - st.pair_since >= self.settings.pair_wait_s:
+        if st.pair_relook_until and now >= st.pair_relook_until:
+            self._pairs_waiting.pop(req_id, None)
+            st.handoff_failed = True
+            log.warning("TraCT handoff of paired request %s given back by its prefill, "
+                        "computing it", req_id)
+        elif now - st.pair_since >= self.settings.pair_wait_s:
             self._pairs_waiting.pop(req_id, None)
             st.handoff_failed = True
             log.warning("TraCT handoff of paired request %s not found within %.1f s "

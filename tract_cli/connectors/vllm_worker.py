@@ -67,7 +67,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
-from tract_cli.core.errors import PoolFull, TractError, TransferTableFull
+from tract_cli.core.errors import PoolFull, ReservationGone, TractError, TransferTableFull
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
@@ -417,13 +417,16 @@ class WorkerSide:
             plan.handoffs = [(spec, idx) for spec, idx in plan.handoffs
                              if spec.request_id not in failed]
 
-    def _handoffs_lost(self, handoffs: list, why: str, plan: _SavePlan | None = None) -> None:
+    def _handoffs_lost(self, handoffs: list, why: str, plan: _SavePlan | None = None,
+                       tell_pair: bool = True) -> None:
         """HANDOFFS will not be published: said, and the records PLAN reserved
         for them given back (queued, retried), so their decode instances stop
         waiting once it is done (the release's defer, 50 ms) rather than at
         handoff_wait_s; a paired one's name then gets a record of no blocks
         (queued after it), so its paired decode, which has no ticket to find
-        the record gone, computes at once rather than at pair_wait_s."""
+        the record gone, computes at once rather than at pair_wait_s (not
+        with TELL_PAIR False: its decode gave the reservation back, and
+        computes already)."""
         for spec in handoffs:
             log.warning("TraCT handoff of request %s not published (%s), its decode computes "
                         "the prompt", spec.request_id, why)
@@ -433,7 +436,7 @@ class WorkerSide:
                     f"reservation of handoff record {spec.record}",
                     lambda timeout, spec=spec: self.pool.handoffs.unreserve(
                         spec.record, spec.name, timeout=timeout))
-            if spec.paired:
+            if spec.paired and tell_pair:
                 self.releases.submit(f"lost-handoff record of request {spec.request_id}",
                                      lambda timeout, spec=spec: self._publish_lost(spec, timeout))
 
@@ -777,7 +780,8 @@ class WorkerSide:
                     log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
                             (time.perf_counter() - t0) * 1e3)
                 except Exception as exc:      # a pool error, or any other: not published
-                    self._handoffs_lost([spec], f"its publish failed: {exc}", plan)
+                    self._handoffs_lost([spec], f"its publish failed: {exc}", plan,
+                                        tell_pair=not isinstance(exc, ReservationGone))
         finally:       # whatever happened above, the pins no record took are given back
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 

@@ -111,6 +111,16 @@ class TransferTableFull(HandoffError):
     """The transfer table has no free record (TRACT_E_TABLE_FULL)."""
 
 
+class HandoffGone(HandoffError):
+    """The handoff's record is not there: acknowledged, expired and reclaimed,
+    given back, or never written (TRACT_E_NOT_FOUND on open)."""
+
+
+class ReservationGone(HandoffError):
+    """A publish into a reserved record found the reservation gone: given back
+    (by a decode that stopped waiting for it), expired, or freed."""
+
+
 class HandoffLost(HandoffError):
     """The handoff's record holds no block: its prefill side will not publish
     the handoff (Handoffs.publish_lost), and the decode computes the prompt."""

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tract_cli.core.errors import (BlocksPending, ChecksumMismatch, HandoffError,
-                                   HandoffLost, HandoffPending, PoolFull, TransferTableFull,
-                                   UsageError)
+                                   HandoffGone, HandoffLost, HandoffPending, PoolFull,
+                                   ReservationGone, TransferTableFull, UsageError)
 from tract_cli.core.index import as_keys
 from tract_cli.core.locks import DEFAULT_TIMEOUT_S
 from tract_cli.core.native import ffi, lib, raise_for
@@ -273,7 +273,7 @@ class Handoffs:
         (`peek_free`'s choice; RESERVED: this process's `reserve_record` of it for
         the request, which must still hold): the pins become the record's.  On
         any failure (TransferTableFull: RECORD was taken meanwhile; BlocksPending:
-        a block is not READY; HandoffError: the reservation is gone) the pins
+        a block is not READY; ReservationGone: the reservation is gone) the pins
         stay the caller's, to give back."""
         keys = as_keys(hashes)
         rid = request_key(request_id)
@@ -281,9 +281,10 @@ class Handoffs:
                                               ffi.from_buffer(keys), len(keys), token_count,
                                               int(ttl * 1e9), int(reserved), int(timeout * 1e9))
         if rc == lib.TRACT_E_TABLE_FULL and reserved:
-            raise HandoffError(f"handoff record {record} is no longer reserved for the request "
-                               "(given back by a decode side that stopped waiting, or expired)",
-                               "its decode computes the prompt; publish sooner next time")
+            raise ReservationGone(f"handoff record {record} is no longer reserved for the "
+                                  "request (given back by a decode side that stopped waiting, "
+                                  "or expired)",
+                                  "its decode computes the prompt; publish sooner next time")
         self._raise_publish(rc, keys, record, BlocksPending(
             "not every block of the request is READY in the pool",
             "publish the blocks' commit first"))
@@ -347,7 +348,7 @@ class Handoffs:
                                  f"{ticket.request_id} is reserved, not yet published",
                                  "ask again shortly")
         if rc == lib.TRACT_E_NOT_FOUND:
-            raise HandoffError(f"handoff record {ticket.record} for request {ticket.request_id} "
+            raise HandoffGone(f"handoff record {ticket.record} for request {ticket.request_id} "
                                "is not published (acknowledged, expired or never written)",
                                "ask the prefill worker again")
         if rc == lib.TRACT_E_CORRUPT:

@@ -44,6 +44,7 @@ and logging); its HTTP client is closed at the server's shutdown.
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 
 from tract_cli.core import transfer_params
@@ -52,6 +53,8 @@ from tract_cli.core.handoff import pair_key
 log = logging.getLogger("tract.proxy")
 
 TIMEOUT_S = 600
+MODELS_RECHECK_S = 30.0     # a model name the decode instance did not list: asked again after
+MAX_UNLISTED = 1024         # such names remembered at most
 # a chat content part of these types is text to vLLM (renderers/chat_utils.py's
 # TEXT_PART_TYPES and tool references); any other carries media
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking",
@@ -93,14 +96,21 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
     turn = itertools.cycle(prefill_urls)
     adapters: set[str] = set()      # the decode instance's LoRA adapters' names
     bases: set[str] = set()         # and its other models'
+    unlisted: dict[str, float] = {}  # a name in neither, and when the list last said so
 
     async def is_adapter(name) -> bool:
         """Whether NAME is a LoRA adapter of the decode instance; a name not seen
         before asks its /v1/models again (an adapter may be loaded at run time),
-        and one it cannot ask is taken for a model's."""
+        at most every MODELS_RECHECK_S for a name the list did not have, and one
+        it cannot ask is taken for a model's."""
         if not isinstance(name, str) or name in bases:
             return False
         if name not in adapters:
+            if time.monotonic() - unlisted.get(name, -MODELS_RECHECK_S) < MODELS_RECHECK_S:
+                return False
+            if len(unlisted) >= MAX_UNLISTED:       # names from clients: bounded
+                unlisted.clear()
+            unlisted[name] = time.monotonic()
             try:
                 listed = (await client.get(decode_url + "/v1/models", timeout=10)).json()["data"]
                 for m in listed:

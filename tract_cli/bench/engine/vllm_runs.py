@@ -154,6 +154,11 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         verify(records, answers)
         # the logs are kept where a configuration failed or an answer was not verified
         keep_logs = bool(failed) or any(r["verified"] is False for r in records)
+    except BesideFailed as exc:
+        raise TractError(f"the vLLM beside every configuration (--mono-beside) failed a "
+                         f"request: {exc}",
+                         f"see its log in {os.path.join(work, 'beside')}; or run without "
+                         "--mono-beside") from None
     finally:
         if beside is not None:
             engine_configs.stop_all(beside)
@@ -179,18 +184,30 @@ def _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len, request
     print("starting one vLLM to run beside every configuration ...", file=log, flush=True)
     where = os.path.join(work, "beside")
     os.makedirs(where, exist_ok=True)
+    # its own prefix cache off whatever the configurations run with: every
+    # configuration's prompts reach it, and from the second on they would be hits
+    args = tuple("--no-enable-prefix-caching" if a == "--enable-prefix-caching" else a
+                 for a in args)
     servers = engine_configs.start("mono", model_dir, where, args, kv_cache_gib, None)
     try:
         for s in servers.values():
             s.wait_ready()
         for i, (tokens, _) in enumerate(warm):
-            if i and request_gap:
-                time.sleep(request_gap)     # pacing the warm-ups as a configuration's
-            _one(servers, "mono", tokens, output_len)
-    except BaseException:
+            _beside(servers, tokens, output_len, request_gap if i else 0.0)
+    except BaseException as exc:
         engine_configs.stop_all(servers)
+        if isinstance(exc, (TractError, BesideFailed)):
+            raise TractError(f"the vLLM to run beside every configuration (--mono-beside) "
+                             f"did not start: {exc}",
+                             f"see its log in {where}; or run without --mono-beside") from None
         raise
     return servers
+
+
+class BesideFailed(Exception):
+    """MONO_BESIDE's vLLM failed a request: the run stops (every row is measured
+    against it), rather than blaming the configuration it ran beside.  Not a
+    TractError, so failure_of lets it through."""
 
 
 def _beside(servers: dict, tokens: list, output_len: int, gap: float) -> dict:
@@ -198,7 +215,11 @@ def _beside(servers: dict, tokens: list, output_len: int, gap: float) -> dict:
     quiet: its TTFT as the client saw it and as vLLM timed it."""
     if gap:
         time.sleep(gap)                 # pacing the workload (DEFAULT_REQUEST_GAP_S)
-    got = _one(servers, "mono", tokens, output_len)
+    try:
+        got = _one(servers, "mono", tokens, output_len)
+    except (TractError, HttpError, OSError, KeyError, IndexError, TypeError,
+            ValueError) as exc:
+        raise BesideFailed(str(exc)) from None
     return {"beside_ttft_s": got["ttft_s"], "beside_engine_s": got["engine_s"]}
 
 
