@@ -41,6 +41,9 @@ def instance(role: str, seen: list, prefill_answer: dict, decode_arrived):
         def do_GET(self):
             if self.path == "/v1/models":        # vLLM's list: a LoRA adapter has a parent
                 seen.append((role, "models"))
+                if prefill_answer.get("models") == "fail":
+                    self.answer(500, b'{"error": "stand-in"}')
+                    return
                 self.answer(200, json.dumps({"data": [
                     {"id": "m", "parent": None}, {"id": "m-lora", "parent": "m"}]}).encode())
                 return
@@ -232,7 +235,7 @@ def test_a_request_the_pool_cannot_hold_is_computed_once_by_the_decode_instance(
     sent it, in either flow; a base model's text request still goes through
     the prefill.  A model name not seen before asks the decode instance's
     model list again (an adapter loaded at run time)."""
-    url, seen, _, _ = door
+    url, seen, _, answer = door
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for path, body in (
             ("/v1/completions", {"model": "m-lora", "prompt": "hi", "max_tokens": 2}),
@@ -263,3 +266,11 @@ def test_a_request_the_pool_cannot_hold_is_computed_once_by_the_decode_instance(
         assert len(_by_role(seen)["prefill"]) == 1, seen       # not an adapter it listed
         asked = [r for r, b in seen if b == "models"]
         assert asked == (["decode"] if _ == 0 else []), seen
+    # a list that cannot be read: the name is taken for a base model's (the usual
+    # flow), and the list is asked for again by the next request, not cached
+    answer["models"] = "fail"
+    for _ in range(2):
+        seen.clear()
+        assert request(url + "/v1/completions", {"model": "unread", "prompt": "hi",
+                                                 "max_tokens": 2}, timeout=30)[0] == 200
+        assert ("decode", "models") in seen and len(_by_role(seen)["prefill"]) == 1, seen

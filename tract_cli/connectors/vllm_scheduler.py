@@ -427,7 +427,7 @@ class SchedulerSide:
             try:
                 rec = self.pool.handoffs.open(ticket)
             except HandoffGone:
-                if st.pair is None or st.pending is None or st.pair_relook_until:
+                if st.pair is None or st.pair_relook_until:
                     raise
                 # the pair's reserved record was given back: its prefill lost the
                 # handoff, and the record that says so (no blocks, under the pair's
@@ -514,11 +514,12 @@ class SchedulerSide:
         if record >= 0:
             self._pairs_waiting.pop(req_id, None)
             return Ticket(record, st.pair.hex(), blocks, st.prompt_len)
-        if st.pair_relook_until and now >= st.pair_relook_until:
-            self._pairs_waiting.pop(req_id, None)
-            st.handoff_failed = True
-            log.warning("TraCT handoff of paired request %s given back by its prefill, "
-                        "computing it", req_id)
+        if st.pair_relook_until:            # bounded by that alone, not pair_wait_s
+            if now >= st.pair_relook_until:
+                self._pairs_waiting.pop(req_id, None)
+                st.handoff_failed = True
+                log.warning("TraCT handoff of paired request %s given back by its prefill, "
+                            "computing it", req_id)
         elif now - st.pair_since >= self.settings.pair_wait_s:
             self._pairs_waiting.pop(req_id, None)
             st.handoff_failed = True
@@ -538,7 +539,8 @@ class SchedulerSide:
         if st.pending is None:
             st.pending, st.pending_since = ticket, now
             return
-        if now - st.pending_since < self.settings.handoff_wait_s:
+        relooked_out = st.pair_relook_until and now >= st.pair_relook_until
+        if now - st.pending_since < self.settings.handoff_wait_s and not relooked_out:
             return
         st.pending, st.handoff_failed = None, True
         log.warning("TraCT handoff of request %s not published within %.1f s (handoff_wait_s) "

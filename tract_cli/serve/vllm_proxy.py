@@ -97,29 +97,40 @@ def make_app(prefill_urls: list[str], decode_url: str, paired: bool = False):
     adapters: set[str] = set()      # the decode instance's LoRA adapters' names
     bases: set[str] = set()         # and its other models'
     unlisted: dict[str, float] = {}  # a name in neither, and when the list last said so
+    reading: list = [None]          # the one read of the list in flight (shared)
+
+    async def read_models() -> None:
+        listed = (await client.get(decode_url + "/v1/models", timeout=10)).json()["data"]
+        for m in listed:
+            (adapters if m.get("parent") else bases).add(m["id"])
 
     async def is_adapter(name) -> bool:
         """Whether NAME is a LoRA adapter of the decode instance; a name not seen
-        before asks its /v1/models again (an adapter may be loaded at run time),
-        at most every MODELS_RECHECK_S for a name the list did not have, and one
-        it cannot ask is taken for a model's."""
+        before asks its /v1/models again (an adapter may be loaded at run time;
+        requests meanwhile wait for the same read), at most every
+        MODELS_RECHECK_S for a name the list did not have; one it cannot ask
+        is taken for a model's."""
         if not isinstance(name, str) or name in bases:
             return False
-        if name not in adapters:
-            if time.monotonic() - unlisted.get(name, -MODELS_RECHECK_S) < MODELS_RECHECK_S:
-                return False
+        if name in adapters:
+            return True
+        if time.monotonic() - unlisted.get(name, -MODELS_RECHECK_S) < MODELS_RECHECK_S:
+            return False
+        if reading[0] is None or reading[0].done():
+            reading[0] = asyncio.ensure_future(read_models())
+        try:
+            await asyncio.shield(reading[0])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("the decode instance's /v1/models could not be read (%s): "
+                        "model %r is taken for a base model's", exc, name)
+            return False
+        if name in adapters:
+            return True
+        if name not in bases:
             if len(unlisted) >= MAX_UNLISTED:       # names from clients: bounded
                 unlisted.clear()
             unlisted[name] = time.monotonic()
-            try:
-                listed = (await client.get(decode_url + "/v1/models", timeout=10)).json()["data"]
-                for m in listed:
-                    (adapters if m.get("parent") else bases).add(m["id"])
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                log.warning("the decode instance's /v1/models could not be read (%s): "
-                            "model %r is taken for a base model's", exc, name)
-                return False
-        return name in adapters
+        return False
 
     async def healthy(url: str) -> bool:
         try:
