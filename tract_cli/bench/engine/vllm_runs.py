@@ -215,11 +215,10 @@ def _beside(servers: dict, tokens: list, output_len: int, gap: float) -> dict:
     quiet: its TTFT as the client saw it and as vLLM timed it."""
     if gap:
         time.sleep(gap)                 # pacing the workload (DEFAULT_REQUEST_GAP_S)
-    try:
-        got = _one(servers, "mono", tokens, output_len)
-    except (TractError, HttpError, OSError, KeyError, IndexError, TypeError,
-            ValueError) as exc:
-        raise BesideFailed(str(exc)) from None
+    got: dict = {}
+    why = failure_of(lambda: got.update(_one(servers, "mono", tokens, output_len)))
+    if why is not None:
+        raise BesideFailed(why)
     return {"beside_ttft_s": got["ttft_s"], "beside_engine_s": got["engine_s"]}
 
 
@@ -568,6 +567,7 @@ def summarize(records: list[dict]) -> list[dict]:
         handed = [r.get("handed_over") for r in rows if "handed_over" in r]
         taken = [r["kv_tokens"] for r in rows if "kv_tokens" in r]
         checked = [r["verified"] for r in rows if r["verified"] is not None]
+        engine = part("engine_s")
         beside = part("beside_ttft_s")
         beside_engine = part("beside_engine_s")
         out.append({"config": config, "input_len": n, "requests": len(rows),
@@ -580,7 +580,7 @@ def summarize(records: list[dict]) -> list[dict]:
                     "prefill_s": part("prefill_s"), "decode_s": part("decode_s"),
                     # the same path as vLLM's front ends time it, without the HTTP
                     # and the client around it (None where vLLM reports none)
-                    "engine_mean_s": part("engine_s"),
+                    "engine_mean_s": engine,
                     "engine_prefill_s": part("engine_prefill_s"),
                     "engine_decode_s": part("engine_decode_s"),
                     # --mono-beside: one vLLM's TTFT for the same prompts, each
@@ -589,9 +589,8 @@ def summarize(records: list[dict]) -> list[dict]:
                     "beside_ttft_mean_s": beside,
                     "beside_engine_mean_s": beside_engine,
                     "vs_beside": None if beside is None else float(ttft.mean()) / beside,
-                    "engine_vs_beside": (None if beside_engine is None
-                                         or part("engine_s") is None
-                                         else part("engine_s") / beside_engine),
+                    "engine_vs_beside": (None if beside_engine is None or engine is None
+                                         else engine / beside_engine),
                     "verified": all(checked) if checked else None,
                     # answers verified that parted from one vLLM's at a near-tie,
                     # and the largest logprob gap of those compared (an unverified
