@@ -142,7 +142,8 @@ enum {
 	TRACT_CPU_X86_64 = 64,
 	TRACT_CPU_SSE42 = 128,
 	TRACT_CPU_PCLMUL = 256,       /* carry-less multiply (the CRC's folding) */
-	TRACT_CPU_VPCLMUL512 = 512    /* its 512-bit form, with AVX-512F/BW */
+	TRACT_CPU_VPCLMUL512 = 512,   /* its 512-bit form, with AVX-512F/BW */
+	TRACT_CPU_VPCLMUL256 = 1024   /* its 256-bit form, with AVX2 (AMD Zen 3, Intel without AVX-512) */
 };
 
 /* attach flags */

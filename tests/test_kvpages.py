@@ -223,10 +223,11 @@ print(bad)
 """
 
 
-@pytest.mark.parametrize("env", [{}, {"TRACT_NO_AVX512": "1"}, {"TRACT_NO_PCLMUL": "1"},
-                                 {"TRACT_NO_SSE42": "1"}])
+@pytest.mark.parametrize("env", [{}, {"TRACT_NO_AVX512": "1"}, {"TRACT_NO_VPCLMUL": "1"},
+                                 {"TRACT_NO_PCLMUL": "1"}, {"TRACT_NO_SSE42": "1"}])
 def test_every_crc_path_gives_crc32c(env):
-    """The folding paths (512- and 128-bit carry-less multiply), the crc32
+    """The folding paths (512-, 256- and 128-bit carry-less multiply, each where
+    the CPU has it: without AVX-512 the first two are the 256-bit one), the crc32
     instruction and the bitwise path agree with the definition at every length
     and alignment around their thresholds."""
     out = subprocess.run([sys.executable, "-c", CRC_PATHS], capture_output=True, text=True,
@@ -265,10 +266,10 @@ print(bad)
 
 
 @pytest.mark.parametrize("env", [{}, {"TRACT_MOVNT_THRESHOLD": "256"}, {"TRACT_NO_AVX512": "1"},
-                                 {"TRACT_NO_PCLMUL": "1"}, {"TRACT_NO_SSE42": "1"},
-                                 {"TRACT_NO_MOVNT": "1"}])
+                                 {"TRACT_NO_VPCLMUL": "1"}, {"TRACT_NO_PCLMUL": "1"},
+                                 {"TRACT_NO_SSE42": "1"}, {"TRACT_NO_MOVNT": "1"}])
 def test_every_copy_path_round_trips(env, tmp_path):
-    """The data path on each CPU path (512- and 128-bit folding, streaming runs
+    """The data path on each CPU path (512-, 256- and 128-bit folding, streaming runs
     from an unaligned head, the crc32 instruction, bit by bit, no streaming
     stores), clflush mode: bytes and checksums equal after a save and a load,
     every layout.  (Whether the bytes reached the device is not observable in
@@ -284,3 +285,26 @@ def test_every_copy_path_round_trips(env, tmp_path):
         from tract_cli.core.region import remove_region
         if os.path.exists(path):
             remove_region(path)
+
+
+def test_microbench_kvpages_times_the_checksummed_copy_beside_memcpy():
+    """`tract microbench kvpages`: a request's save and load, warm and cold, each
+    beside a memcpy of the same runs, on the checksum path this CPU takes; the
+    checksums of every round equal the first save's (else it stops)."""
+    import json
+
+    from tract_cli.core.cpu import checksum_path
+    res = subprocess.run([sys.executable, "-m", "tract_cli.cli", "microbench", "kvpages",
+                          "--model", "tiny-llama", "--input-len", "600", "--rounds", "1",
+                          "--flush-mode", "none", "--flush-mode", "clflush", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    figures = json.loads(res.stdout)
+    assert [f["flush_mode"] for f in figures] == ["none", "clflush"]
+    for f in figures:
+        assert f["blocks"] == 4 and f["crc_path"] == checksum_path()
+        assert f["bytes"] == 4 * 128 * 2 * 2 * 2 * 32 * 4   # tokens, layers, K|V, heads, dim, f32
+        assert sorted(f["us"]) == sorted(f"{op}_{state}_{kind}" for op in ("save", "load")
+                                         for state in ("warm", "cold")
+                                         for kind in ("memcpy", "tract"))
+        assert all(v > 0 for v in f["us"].values())

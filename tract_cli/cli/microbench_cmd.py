@@ -10,6 +10,7 @@ from tract_cli.bench.micro import events as eventbench
 from tract_cli.bench.micro import index as indexbench
 from tract_cli.bench.micro import snapshot as inspectbench
 from tract_cli.bench.micro import locks as lockbench
+from tract_cli.bench.micro import paged as pagedbench
 from tract_cli.bench.micro import region as micro
 from tract_cli.cli import render
 from tract_cli.core.errors import UsageError
@@ -52,6 +53,49 @@ def copy(
     t.add_row("slot -> private", f"{r.gbps['memcpy_out']:.1f}", f"{r.gbps['tract_out']:.1f}",
               f"{r.ratio('tract_out', 'memcpy_out'):.2f}x")
     render.stdout.print(t)
+
+
+@app.command("kvpages")
+def kvpages(
+    model: str = typer.Option("llama-3-8b", "--model",
+                              help="Model profile or checkpoint directory (KV geometry)."),
+    input_len: int = typer.Option(1500, "--input-len", help="Prompt tokens."),
+    page_tokens: int = typer.Option(128, "--page-tokens",
+                                    help="Tokens per engine page (vLLM's CPU block size)."),
+    flush_modes: list[str] = typer.Option(["none", "clflush"], "--flush-mode",
+                                          help="Flush modes to measure (repeatable)."),
+    rounds: int = typer.Option(15, "--rounds", help="Measured rounds (median reported)."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """An engine connector's KV save and load (one C call, checksummed as it
+    copies) against memcpy of the same runs, warm and cold."""
+    if rounds < 1:
+        raise UsageError("--rounds must be at least 1", "e.g. --rounds 15")
+    if not 1 <= page_tokens <= 4096:
+        raise UsageError(f"--page-tokens {page_tokens} is out of range",
+                         "use 1 to 4096 tokens (vLLM's CPU pages are 128)")
+    results = [pagedbench.bench_paged(model, input_len, page_tokens, m, rounds)
+               for m in flush_modes]
+    if json_out:
+        render.print_json([r.__dict__ for r in results])
+        return
+    for r in results:
+        t = Table(title=f"{r.model}, {r.input_len} tokens: {r.blocks} pages of KV, "
+                        f"{format_size(r.bytes)} ({format_size(r.run_bytes)} runs), flush mode "
+                        f"{r.flush_mode}, checksum on {r.crc_path} (emulated /dev/shm region, "
+                        f"median of {r.rounds})", title_justify="left")
+        for c in ("copy", "caches", "memcpy of the same runs", "TraCT, checksummed",
+                  "TraCT / memcpy"):
+            t.add_column(c, justify="right")
+        for op, name in (("save", "save: pages -> slots"), ("load", "load: slots -> pages")):
+            for state in ("cold", "warm"):
+                t.add_row(name, state,
+                          f"{format_duration(r.us[f'{op}_{state}_memcpy'] / 1e6)} "
+                          f"({r.gbps(op, state, 'memcpy'):.1f} GB/s)",
+                          f"{format_duration(r.us[f'{op}_{state}_tract'] / 1e6)} "
+                          f"({r.gbps(op, state, 'tract'):.1f} GB/s)",
+                          f"{r.ratio(op, state):.2f}x")
+        render.stdout.print(t)
 
 
 @app.command("attach")

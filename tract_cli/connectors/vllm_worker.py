@@ -67,6 +67,7 @@ from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
+from tract_cli.core.cpu import checksum_path
 from tract_cli.core.errors import PoolFull, ReservationGone, TractError, TransferTableFull
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
@@ -257,7 +258,8 @@ class WorkerSide:
                  "%d run(s) a block's layer, %s order (%s)", self.page_tokens,
                  self.layout.blocks_per_page, self.layout.run_count // self.layout.blocks_per_page,
                  "the region's canonical" if self.layout.digest is None else "the engine's page",
-                 "C copy, checksummed as it copies" if self._paged else "GPU DMA, layer by layer")
+                 f"C copy, checksummed as it copies: {checksum_path()}" if self._paged
+                 else "GPU DMA, layer by layer")
 
     def handshake(self) -> TractHandshake:
         digest = self.layout.digest if self.layout is not None else None

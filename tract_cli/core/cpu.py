@@ -17,8 +17,21 @@ from tract_cli.core.errors import UsageError
 from tract_cli.core.medium import sysfs_root
 from tract_cli.core.native import CPU_FEATURES, FLUSH_MODES, cpu_features, flush_mode_supported
 
-__all__ = ["CPU_FEATURES", "FLUSH_MODES", "allowed_cpus", "cpu_features", "flush_mode_supported",
-           "format_cpu_list", "online_cpus", "parse_cpu_list"]
+__all__ = ["CPU_FEATURES", "FLUSH_MODES", "allowed_cpus", "cpu_features", "checksum_path",
+           "flush_mode_supported", "format_cpu_list", "online_cpus", "parse_cpu_list"]
+
+
+def checksum_path() -> str:
+    """What the block checksum (CRC-32C) runs on here: native/crc.c folds with
+    the widest carry-less multiply the CPU has, which bounds a checksummed copy."""
+    f = cpu_features()
+    if "vpclmulqdq_512" in f:
+        return "512-bit VPCLMULQDQ folding"
+    if "vpclmulqdq_256" in f:
+        return "256-bit VPCLMULQDQ folding"
+    if "pclmulqdq" in f:
+        return "128-bit PCLMULQDQ folding"
+    return "the crc32 instruction" if "sse4_2" in f else "bit by bit"
 
 
 def parse_cpu_list(text: str) -> list[int]:

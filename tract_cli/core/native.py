@@ -43,7 +43,8 @@ CPU_FEATURES = {"clflush": lib.TRACT_CPU_CLFLUSH, "clflushopt": lib.TRACT_CPU_CL
                 "clwb": lib.TRACT_CPU_CLWB, "avx2": lib.TRACT_CPU_AVX2,
                 "avx512f": lib.TRACT_CPU_AVX512F, "hypervisor": lib.TRACT_CPU_HYPERVISOR,
                 "x86_64": lib.TRACT_CPU_X86_64, "sse4_2": lib.TRACT_CPU_SSE42,
-                "pclmulqdq": lib.TRACT_CPU_PCLMUL, "vpclmulqdq_512": lib.TRACT_CPU_VPCLMUL512}
+                "pclmulqdq": lib.TRACT_CPU_PCLMUL, "vpclmulqdq_512": lib.TRACT_CPU_VPCLMUL512,
+                "vpclmulqdq_256": lib.TRACT_CPU_VPCLMUL256}
 
 
 def cpu_features() -> set[str]:

@@ -16,7 +16,7 @@ import psutil
 
 from tract_cli.core import medium
 from tract_cli.core.errors import TractError
-from tract_cli.core.cpu import cpu_features, flush_mode_supported
+from tract_cli.core.cpu import checksum_path, cpu_features, flush_mode_supported
 from tract_cli.core.units import format_size
 from tract_cli.provision import cpu, tools, topology
 
@@ -74,6 +74,17 @@ def check_flush(info) -> Check:
                      "TRACT_FLUSH_MODE per process")
     return Check("cpu flush", PASS if "clflush" in usable else FAIL, has,
                  None if "clflush" in usable else "this CPU cannot publish to a shared device")
+
+
+def check_checksum() -> Check:
+    """The block checksum's path: a checksummed copy (an engine connector's
+    save and load) runs at memory speed only where the CPU folds wide."""
+    path = checksum_path()
+    if "VPCLMULQDQ" in path:
+        return Check("checksum", PASS, f"block checksums (CRC-32C) on {path}")
+    return Check("checksum", WARN, f"block checksums (CRC-32C) on {path}: a checksummed KV copy "
+                 "runs below memory speed", "measure it with `tract microbench kvpages`; a CPU "
+                 "with VPCLMULQDQ (AMD Zen 3 on, Intel Ice Lake on) copies at memory speed")
 
 
 def check_hypervisor() -> Check:
@@ -203,7 +214,7 @@ def check_permissions(target) -> Check | None:
 def run_doctor(target_path: str | None = None) -> list[Check]:
     """All checks, in a stable order."""
     target, info = _target_info(target_path)
-    rows = [check_flush(info), check_hypervisor(), *check_numa(target), check_thp(target),
+    rows = [check_flush(info), check_checksum(), check_hypervisor(), *check_numa(target), check_thp(target),
             check_memlock(info.region_size if info else None), check_kernel(target), check_tools()]
     for extra in (check_space(target, info), check_permissions(target)):
         if extra is not None:
