@@ -306,3 +306,30 @@ int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
 	free(bounce);
 	return TRACT_OK;
 }
+
+/* Evicts every line of n blocks' runs (slots and pages) from this host's
+ * caches: clflushopt where the CPU has it, else clflush; then a fence. */
+int tract_kv_evict(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
+		   const uint32_t *slots, const uint64_t *pages, const uint32_t *subs)
+{
+	int rc = check_call(r, kv, n, slots, pages, subs, NULL);
+	if (rc)
+		return rc;
+	uint32_t f = tract_cpu_features();
+	int mode = (f & TRACT_CPU_CLFLUSHOPT) ? TRACT_FLUSH_CLFLUSHOPT
+		   : (f & TRACT_CPU_CLFLUSH) ? TRACT_FLUSH_CLFLUSH : -1;
+	if (mode < 0)
+		return TRACT_E_FLUSH_UNSUPPORTED;
+	for (uint32_t b = 0; b < n; b++) {
+		const uint8_t *slot_base = r->base + slot_offset(r, slots[b]);
+		tract_flush_lines(mode, slot_base, r->hdr.block_bytes);
+		for (uint32_t l = 0; l < kv->layers; l++) {
+			const uint8_t *eng = (const uint8_t *)(uintptr_t)kv->bases[l] +
+					     pages[b] * kv->page_stride;
+			for (uint32_t i = kv->run_first[subs[b]]; i < kv->run_first[subs[b] + 1]; i++)
+				tract_flush_lines(mode, eng + kv->run_off[i], kv->run_len[i]);
+		}
+	}
+	__sync_synchronize();     /* the flushes done before any later load */
+	return TRACT_OK;
+}

@@ -916,6 +916,13 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv, uint32_t n, 
 int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv, uint32_t n, const uint32_t *slots,
 		  const uint64_t *pages, const uint32_t *subs, uint32_t *crcs);
 
+/* Evicts every line of n blocks' runs, both sides (the slots and the engine's
+ * pages), from this host's caches, and fences: the cold state a benchmark
+ * times a copy and its reference from (never part of the data path).
+ * TRACT_E_FLUSH_UNSUPPORTED where the CPU has no flush instruction. */
+int tract_kv_evict(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
+		   const uint32_t *slots, const uint64_t *pages, const uint32_t *subs);
+
 /* ---- the index as `tract check` audits and repairs it (audit.c) ---- */
 
 /* what a bucket's own key rule says of it */

@@ -379,8 +379,9 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert save[1]["commit_in_step"]
     off = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.5, kvlog.OFF_STEP))
     assert off[1]["commit_ms"] == 0.5 and not off[1]["commit_in_step"]
-    ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 1.1))
-    assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "copy_warm_ms": 1.1})
+    ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 0.5, 1.2, 0.55))
+    assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "warm_ms": 0.5, "copy_cold_ms": 1.2,
+                                   "copy_warm_ms": 0.55})
     assert kvlog.parse("INFO " + kvlog.PUBLISHED % ("cmpl-2", 13, 0.5)) == (
         "publish", {"blocks": 13, "ms": 0.5})
     assert kvlog.parse("INFO something else") is None
@@ -388,7 +389,9 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     fig = _memcpy_figures({"saves": [save[1]], "saves_memcpy": [ref[1]]})["saves"]
     assert fig["memcpy_ms"] == pytest.approx(7 / 6)
     assert fig["copy_ratio"] == pytest.approx(2.0 / (7 / 6)) and fig["meta_ms"] == 1.0
-    assert fig["warm_copy_ratio"] == pytest.approx(1.1)
+    assert fig["cold_copy_ratio"] == pytest.approx(1.2) and fig["warm_copy_ratio"] == \
+        pytest.approx(1.1)
+    assert fig["memcpy_warm_ms"] == pytest.approx(0.5 * 7 / 6)
     assert (fig["claim_wait_ms"], fig["commit_ms"]) == (0.25, 0.75)
     # two saves: the figures are sums, the report tells the mean save beside the count
     from tract_cli.cli.bench_vllm import kv_path_line
@@ -430,14 +433,16 @@ def test_the_bench_counts_only_what_the_connector_logged_after_the_warm_up(tmp_p
     prefill, decode = tmp_path / "tract-prefill.log", tmp_path / "tract-decode.log"
     warm_save = "INFO " + kvlog.SAVED % (2, 16384, 9.0, 8.0, 1.0, 0.5, 0.5, kvlog.OFF_STEP) + "\n"
     warm_load = "INFO " + kvlog.LOADED % (2, 16384, "warm", 9.0, 8.0, 1.0) + "\n"
-    prefill.write_text(warm_save + "INFO " + kvlog.REFERENCE % ("save", 11, 0.45, 0.55) + "\n"
+    prefill.write_text(warm_save + "INFO " + kvlog.REFERENCE % ("save", 11, 0.45, 0.4, 0.5, 0.55)
+                       + "\n"
                        + "INFO " + kvlog.PUBLISHED % ("warm", 2, 7.0) + "\n")
-    decode.write_text(warm_load + "INFO " + kvlog.REFERENCE % ("load", 12, 0.3, 0.4) + "\n")
+    decode.write_text(warm_load + "INFO " + kvlog.REFERENCE % ("load", 12, 0.3, 0.2, 0.35, 0.4)
+                      + "\n")
     marks = {str(prefill): prefill.stat().st_size, str(decode): decode.stat().st_size}
     with open(prefill, "a") as f:
         f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP)
                 + "\n")
-        f.write("INFO " + kvlog.REFERENCE % ("save", 12, 0.5, 0.6) + "\n")
+        f.write("INFO " + kvlog.REFERENCE % ("save", 12, 0.5, 0.45, 0.55, 0.6) + "\n")
         f.write("INFO " + kvlog.PUBLISHED % ("cmpl-1", 12, 0.4) + "\n")
         # a line still being written
         f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP))

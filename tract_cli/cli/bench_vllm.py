@@ -146,10 +146,12 @@ def kv_path_line(kind: str, fig: dict) -> str:
     ms = lambda v: format_duration(v / n / 1e3)
     one = kind[:-1]
     same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
-            f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
-            f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])}: "
-            f"{fig['ratio']:.2f}x in all, the copy {fig['copy_ratio']:.2f}x (a warm-up's copy "
-            f"again, its bytes as warm as its memcpy's: {fig['warm_copy_ratio']:.2f}x)")
+            f"memcpy of as many bytes between vLLM's pages and the region's slots from "
+            f"cold caches, as the copy meets them (beside the copies of a warm-up of each "
+            f"length) {ms(fig['memcpy_ms'])}: {fig['ratio']:.2f}x in all, the copy "
+            f"{fig['copy_ratio']:.2f}x (a warm-up's copy again against its memcpy: "
+            f"{fig['cold_copy_ratio']:.2f}x both cold, {fig['warm_copy_ratio']:.2f}x both warm, "
+            f"memcpy {ms(fig['memcpy_warm_ms'])})")
     meta = ms(fig["meta_ms"])
     if kind == "saves":
         meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "

@@ -87,10 +87,11 @@ log = logging.getLogger("vllm.tract")
 # TRACT_CONNECTOR_REFERENCE=1 (what `tract bench --engine vllm` sets): time a memcpy
 # of the same bytes beside the copies of a request that asks for it
 # (kvlog.REFERENCE_PARAM: the bench's warm-up requests), at the cost of
-# 2 x REFERENCE_ROUNDS more copies in its step; without it the ask does nothing
+# 4 x REFERENCE_ROUNDS more copies in its step; without it the ask does nothing
 REFERENCE = os.environ.get("TRACT_CONNECTOR_REFERENCE") == "1"
-# rounds of (memcpy, checksummed copy) the reference times, interleaved: only a
-# warm-up pays them, so enough for a median that one preemption does not move
+# rounds of (memcpy, checksummed copy), each cold and warm, the reference times,
+# interleaved: only a warm-up pays them, so enough for a median that one
+# preemption does not move
 REFERENCE_ROUNDS = 5
 
 # CPU path: a step's commit (run off the step, on the save thread) starts this
@@ -789,38 +790,42 @@ class WorkerSide:
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`), for a request
-        that asks for it (kvlog.REFERENCE_PARAM): a plain memcpy of the
-        same bytes between the same buffers, right after the real copy, then the
-        real (checksummed) copy once more, each timed, REFERENCE_ROUNDS times
-        interleaved, their medians logged: the two with the bytes equally warm
-        in the caches, the reference the copy is measured against.
+        that asks for it (kvlog.REFERENCE_PARAM): a plain memcpy of the same
+        bytes between the same buffers, right after the real copy, and the real
+        (checksummed) copy once more, each timed twice a round: from cold caches
+        (every line of the slots and pages evicted first, as the real copy meets
+        them: a load's acquire evicts the slots, the engine's pages are long out
+        of cache) and warm (right after), REFERENCE_ROUNDS rounds interleaved,
+        their medians logged: the references the copy is measured against.
         Both write the bytes the copy just wrote (a save's into slots still
         claimed, before the commit; a load's while its pins or handoff still hold
-        the slots, and each second copy's checksums must equal the first's, CRCS).
+        the slots, and every copy's checksums must equal the first's, CRCS).
         Returns the seconds it took (kept out of the copy's own timing)."""
         if not REFERENCE or not len(slots):
             return 0.0
         copy = getattr(self._paged, kind)
         start = time.perf_counter()
-        plain, again = [], []
+        # [memcpy cold, copy cold, memcpy warm, copy warm] per round
+        times = [[], [], [], []]
         for _ in range(REFERENCE_ROUNDS):
-            try:
-                t0 = time.perf_counter()
-                copy(slots, pages, subs, checksum=False)
-                t1 = time.perf_counter()
-                sums = copy(slots, pages, subs)
-                t2 = time.perf_counter()
-            except TractError as exc:
-                log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
-                return time.perf_counter() - start
-            if crcs is not None and not np.array_equal(sums, crcs):
-                # at once: the load fails (its caller's) and vLLM recomputes it
-                raise TractError("the reference copy read other bytes than the load",
-                                 "report it: the slots changed under a held pin")
-            plain.append(t1 - t0)
-            again.append(t2 - t1)
-        log.info(kvlog.REFERENCE, kind, len(slots), float(np.median(plain)) * 1e3,
-                 float(np.median(again)) * 1e3)
+            for i, (cold, checksum) in enumerate(((True, False), (True, True), (False, False),
+                                                  (False, True))):
+                try:
+                    if cold:
+                        self._paged.evict(slots, pages, subs)
+                    t0 = time.perf_counter()
+                    sums = copy(slots, pages, subs, checksum=checksum)
+                    times[i].append(time.perf_counter() - t0)
+                except TractError as exc:
+                    log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s",
+                                exc)
+                    return time.perf_counter() - start
+                if checksum and crcs is not None and not np.array_equal(sums, crcs):
+                    # at once: the load fails (its caller's) and vLLM recomputes it
+                    raise TractError("the reference copy read other bytes than the load",
+                                     "report it: the slots changed under a held pin")
+        log.info(kvlog.REFERENCE, kind, len(slots),
+                 *(float(np.median(t)) * 1e3 for t in times))
         return time.perf_counter() - start
 
     # ---- loads ----

@@ -26,14 +26,15 @@ IN_STEP, OFF_STEP = "in-step", "off-step"
 # loop where two handoffs of a step share a block (with a pin walk)
 PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 
-# (load|save, blocks, ms, ms): with TRACT_CONNECTOR_REFERENCE=1, the connector
+# (load|save, blocks, ms x 4): with TRACT_CONNECTOR_REFERENCE=1, the connector
 # also times a plain memcpy of the same bytes between the same buffers right
-# after its own copy, then its own copy once more, both with the bytes as warm
-# in the caches (the medians of a few rounds): for a request whose
+# after its own copy, and its own copy once more, each from cold caches (every
+# line of the slots and pages evicted first, as the real copy meets them) and
+# warm (right after), the medians of a few rounds: for a request whose
 # kv_transfer_params carry REFERENCE_PARAM true (the bench's warm-up
 # requests), so no measured request pays the extra copies in its step
-REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms (the "
-             "checksummed copy again, as warm: %.3f ms)")
+REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms from cold "
+             "caches, %.3f ms warm (the checksummed copy again: %.3f ms cold, %.3f ms warm)")
 
 # (the key both the connector and the bench know: here, since bench never
 # imports connectors)
@@ -55,15 +56,17 @@ _REFERENCE = _pattern(REFERENCE)
 def parse(line: str) -> tuple[str, dict] | None:
     """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}, a save's
     also "claim_wait_ms", "commit_ms" and "commit_in_step"), ("publish", {"blocks", "ms"}), or
-    ("load_memcpy" or "save_memcpy", {"blocks", "ms", "copy_warm_ms"}), of a timing line found in
-    LINE (a log line, whatever its prefix), else None."""
+    ("load_memcpy" or "save_memcpy", {"blocks", "ms" (the cold memcpy), "warm_ms",
+    "copy_cold_ms", "copy_warm_ms"}), of a timing line found in LINE (a log line,
+    whatever its prefix), else None."""
     m = _PUBLISHED.search(line)
     if m:
         return "publish", {"blocks": int(m[2]), "ms": float(m[3])}
     m = _REFERENCE.search(line)
     if m:
         return m[1] + "_memcpy", {"blocks": int(m[2]), "ms": float(m[3]),
-                                  "copy_warm_ms": float(m[4])}
+                                  "warm_ms": float(m[4]), "copy_cold_ms": float(m[5]),
+                                  "copy_warm_ms": float(m[6])}
     for kind, pattern in _LINES.items():
         m = pattern.search(line)
         if m:

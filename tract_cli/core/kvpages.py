@@ -203,6 +203,15 @@ class PagedKV:
         self._raise(rc, "load")
         return self._in_place(crcs, order) if checksum else None
 
+    def evict(self, slots, pages, subs) -> None:
+        """Evicts every line of these blocks (their slots and their pages) from this
+        host's caches: the cold state a benchmark times a copy and its memcpy
+        from.  Not part of the data path (a load's own eviction is
+        `Pool.acquire_payload`'s)."""
+        s, p, j, _ = self._args(slots, pages, subs)
+        rc = lib.tract_kv_evict(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j))
+        self._raise(rc, "eviction")
+
     @staticmethod
     def _in_place(crcs: np.ndarray, order: np.ndarray) -> np.ndarray:
         out = np.empty(order.size, np.uint32)

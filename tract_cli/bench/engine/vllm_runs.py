@@ -498,11 +498,12 @@ def _memcpy_figures(kv: dict) -> dict:
     """Per kind (loads, saves): the connector's time, its parts (the copy, which
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
     bytes between the same buffers it timed beside the copies of the warm-ups of
-    the measured lengths (per block, scaled to the blocks of the rows; a save's
-    partial blocks had none); also a memcpy of the byte
-    count between private buffers in this process (`stats.memcpy_reference`).  The
-    times (*_ms) are sums over the COUNT loads or saves measured; the ratios hold
-    for the mean one as for the sum."""
+    the measured lengths, from cold caches as the real copies meet them (per
+    block, scaled to the blocks of the rows; a save's partial blocks had none);
+    the warm-ups' copies again against their memcpy, both cold and both warm;
+    also a memcpy of the byte count between private buffers in this process
+    (`stats.memcpy_reference`).  The times (*_ms) are sums over the COUNT loads
+    or saves measured; the ratios hold for the mean one as for the sum."""
     out = {}
     for kind in ("loads", "saves"):
         rows = kv.get(kind) or []
@@ -511,18 +512,22 @@ def _memcpy_figures(kv: dict) -> dict:
         tract = sum(r["ms"] for r in rows)
         copy = sum(r.get("copy_ms", 0.0) for r in rows)
         refs = kv.get(kind + "_memcpy") or []
+        ref_ms = sum(r["ms"] for r in refs)
         ref_blocks = sum(r["blocks"] for r in refs)
         scale = sum(r["blocks"] for r in rows) / ref_blocks if ref_blocks else None
-        same = sum(r["ms"] for r in refs) * scale if scale else None
-        warm = sum(r.get("copy_warm_ms", 0.0) for r in refs) if refs else None
+        same = ref_ms * scale if scale else None
+        warm = sum(r["warm_ms"] for r in refs) if refs else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
+        ratio = lambda a, b: a / b if a and b else None
         out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
                      "meta_ms": tract - copy,
-                     "memcpy_ms": same, "private_memcpy_ms": private,
-                     "ratio": tract / same if same else None,
-                     "copy_ratio": copy / same if same else None,
-                     # the checksummed copy against memcpy, both of the same warm bytes
-                     "warm_copy_ratio": warm / (same / scale) if same and warm else None,
+                     "memcpy_ms": same, "memcpy_warm_ms": warm * scale if scale else None,
+                     "private_memcpy_ms": private,
+                     "ratio": ratio(tract, same), "copy_ratio": ratio(copy, same),
+                     # the warm-ups' checksummed copies against their memcpy, both
+                     # from cold caches and both warm
+                     "cold_copy_ratio": ratio(sum(r["copy_cold_ms"] for r in refs), ref_ms),
+                     "warm_copy_ratio": ratio(sum(r["copy_warm_ms"] for r in refs), warm),
                      "bytes": sum(r["bytes"] for r in rows)}
         if kind == "saves":      # its metadata: the claim's wait past the forward, the commit
             out[kind] |= {"claim_wait_ms": sum(r["claim_wait_ms"] for r in rows),

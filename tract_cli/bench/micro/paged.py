@@ -9,10 +9,11 @@ Two cache states, because they answer different questions:
 - warm: each copy right after the same copy, so the bytes sit in the caches
   for both; what the checksum costs on top of moving the bytes, at its worst
   (a memcpy from the cache runs at cache speed, the checksum does not);
-- cold: the caches emptied of both buffers before each copy (a read of a
-  buffer several times the last-level cache), as a load meets the region on a
+- cold: every line of both buffers evicted before each copy
+  (`PagedKV.evict`: clflushopt, else clflush), as a load meets the region on a
   device (its acquire evicts this host's lines) and a save meets pages the
-  engine wrote many layers ago.
+  engine wrote many layers ago; the connector's own reference inside vLLM
+  (`tract bench --engine vllm`) times from the same two states.
 
 The engine's pages are vLLM's CPU layout: one region block per page of
 `page_tokens`, each (layer, page) one contiguous run (the connector formats
@@ -20,7 +21,6 @@ its region so, docs/VLLM.md "The data path").
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,16 +30,9 @@ import numpy as np
 from tract_cli.bench.regions import need_space, temp_region_path
 from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_model, with_block_tokens
-from tract_cli.core.kvpages import PageLayout, PagedKV
 from tract_cli.core.cpu import checksum_path
+from tract_cli.core.kvpages import PageLayout, PagedKV
 from tract_cli.core.pool import Pool
-
-# what empties the caches between cold copies: twice the last-level cache read
-# through, within these bounds (a VM may report no size, or the host's)
-EVICT_TIMES_LLC = 2
-EVICT_MIN_BYTES = 96 << 20
-EVICT_MAX_BYTES = 512 << 20
-
 
 @dataclass
 class PagedFigures:
@@ -58,18 +51,6 @@ class PagedFigures:
 
     def gbps(self, op: str, state: str, kind: str) -> float:
         return self.bytes / self.us[f"{op}_{state}_{kind}"] / 1e3
-
-
-def _llc_bytes() -> int:
-    """The last-level cache's size (0: not known, as in some VMs)."""
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        try:
-            size = os.sysconf(name)
-        except (ValueError, OSError):
-            continue
-        if size and size > 0:
-            return size
-    return 0
 
 
 def cpu_page_layout(block_tokens: int, heads: int, dim: int, elem_bytes: int) -> PageLayout:
@@ -101,8 +82,6 @@ def bench_paged(model: str = "llama-3-8b", input_len: int = 1500, page_tokens: i
     layout = cpu_page_layout(page_tokens, g.num_kv_heads, g.head_dim, g.dtype_bytes)
     total = blocks * g.block_bytes
     size = ((2 * total + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
-    evict = np.ones(min(max(EVICT_TIMES_LLC * _llc_bytes(), EVICT_MIN_BYTES), EVICT_MAX_BYTES),
-                    np.uint8)
     with temp_region_path() as path:
         need_space(path, size)
         with Pool.create(path, size, profile, nodes=1, flush_mode=flush_mode,
@@ -131,7 +110,7 @@ def bench_paged(model: str = "llama-3-8b", input_len: int = 1500, page_tokens: i
                             if state == "warm":
                                 run(checksum)
                             else:
-                                evict.sum(dtype=np.uint64)
+                                paged.evict(slots, at, subs)
                             t0 = time.perf_counter()
                             out = run(checksum)
                             dt = time.perf_counter() - t0
