@@ -6,12 +6,13 @@
  * takes, TRACT_NO_* included):
  *   - carry-less multiply folding (PCLMULQDQ; 512 bits at a time with
  *     AVX-512 VPCLMULQDQ, 256 with AVX2 VPCLMULQDQ): four accumulators
- *     folded forward over the data.  The multiplies bind, not the memory:
- *     on AMD Zen 3 the 128-bit form folds ~6-7 GB/s a core and the 256-bit
- *     form ~14 (the 512-bit one more where AVX-512 has it), so each CPU
- *     takes the widest it has;
+ *     folded forward over the data.  Where the bytes come from the caches
+ *     the multiplies bind, not the memory: on AMD Zen 3 the 128-bit form
+ *     folds ~6-7 GB/s a core and the 256-bit form ~14 (the 512-bit one
+ *     more where AVX-512 has it), so each CPU takes the widest it has;
  *   - the SSE4.2 crc32 instruction, 8 bytes at a time: one dependency chain
- *     (on AMD Zen the instruction is not pipelined, ~8-10 GB/s);
+ *     (~8-9 GB/s on AMD Zen 3; three interleaved chains checksum faster but
+ *     copy slower than the 256-bit fold, docs/BENCHMARKS.md);
  *   - bit by bit (no SSE4.2: slow but right).
  *
  * Folding, in the reflected bit order the CRC uses (bit 0 of the first byte

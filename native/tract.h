@@ -143,7 +143,7 @@ enum {
 	TRACT_CPU_SSE42 = 128,
 	TRACT_CPU_PCLMUL = 256,       /* carry-less multiply (the CRC's folding) */
 	TRACT_CPU_VPCLMUL512 = 512,   /* its 512-bit form, with AVX-512F/BW */
-	TRACT_CPU_VPCLMUL256 = 1024   /* its 256-bit form, with AVX2 (AMD Zen 3, Intel without AVX-512) */
+	TRACT_CPU_VPCLMUL256 = 1024   /* its 256-bit form, with AVX2 (the fold where AVX-512's is not) */
 };
 
 /* attach flags */

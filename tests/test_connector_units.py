@@ -403,7 +403,17 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     line = kv_path_line("saves", fig)
     assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
                            "in 3 ms (copy 2 ms,"), line
-    assert "commit 750 µs, 750 µs of it in the step" in line and "length) 1.17 ms: 2.57x in all" in line, line
+    assert "commit 750 µs, 750 µs of it in the step" in line, line
+    assert "length) 1.17 ms from cold caches, 583 µs warm: 2.57x the cold one in all" in line, line
+    assert "the copy 1.71x the cold one and 3.43x the warm one" in line, line
+    assert "1.20x both cold, 1.10x both warm" in line, line
+    # a CPU that cannot evict times no cold memcpy (0): told as not timed, never a crash
+    warm_only = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 0.0, 0.5, 0.0, 0.55))[1]
+    fig = _memcpy_figures({"saves": [save[1]], "saves_memcpy": [warm_only]})["saves"]
+    assert fig["memcpy_ms"] is None and fig["ratio"] is None and fig["cold_copy_ratio"] is None
+    assert fig["copy_vs_warm_ratio"] == pytest.approx(2.0 / (0.5 * 7 / 6))
+    line = kv_path_line("saves", fig)
+    assert "length) — from cold caches, 583 µs warm: — the cold one in all" in line, line
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])

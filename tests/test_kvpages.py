@@ -231,6 +231,45 @@ print(bad)
 """
 
 
+def _cpu_flags() -> set:
+    """/proc/cpuinfo's flags (what the kernel lets this CPU use), empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _widest_fold(flags: set, env: dict) -> str:
+    """The checksum path native/crc.c must take on a CPU with FLAGS under ENV."""
+    if "sse4_2" not in flags or "TRACT_NO_SSE42" in env:
+        return "bit by bit"
+    if "pclmulqdq" not in flags or "TRACT_NO_PCLMUL" in env:
+        return "the crc32 instruction"
+    wide = "vpclmulqdq" in flags and "TRACT_NO_VPCLMUL" not in env
+    if wide and {"avx512f", "avx512bw"} <= flags and "TRACT_NO_AVX512" not in env:
+        return "512-bit VPCLMULQDQ folding"
+    if wide and "avx2" in flags:
+        return "256-bit VPCLMULQDQ folding"
+    return "128-bit PCLMULQDQ folding"
+
+
+@pytest.mark.parametrize("env", [{}, {"TRACT_NO_AVX512": "1"}, {"TRACT_NO_VPCLMUL": "1"},
+                                 {"TRACT_NO_PCLMUL": "1"}, {"TRACT_NO_SSE42": "1"}])
+def test_the_checksum_takes_the_widest_path_the_cpu_has(env):
+    """Which path the checksum runs on, against the kernel's own flags: a
+    detection that never chose the wider fold would pass every CRC test."""
+    flags = _cpu_flags()
+    if "sse4_2" not in flags:
+        pytest.skip("not an x86 CPU with SSE4.2 (/proc/cpuinfo)")
+    out = subprocess.run([sys.executable, "-c", "from tract_cli.core.cpu import checksum_path; "
+                          "print(checksum_path())"], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _widest_fold(flags, env)
+
+
 @pytest.mark.parametrize("env", [{}, {"TRACT_NO_AVX512": "1"}, {"TRACT_NO_VPCLMUL": "1"},
                                  {"TRACT_NO_PCLMUL": "1"}, {"TRACT_NO_SSE42": "1"}])
 def test_every_crc_path_gives_crc32c(env):

@@ -24,11 +24,12 @@ def temp_region_path(directory: str = "/dev/shm"):
         remove_region(path)
 
 
-def need_space(path: str, size: int) -> None:
+def need_space(path: str, size: int, smaller: str = "a smaller --size") -> None:
     """Raises NoSpaceError unless PATH's file system has SIZE bytes free (a
-    temporary region's room, checked before anything is written)."""
+    temporary region's room, checked before anything is written); its fix
+    names SMALLER, the option that asks for less."""
     free = medium.free_bytes(path)
     if free < size:
         raise NoSpaceError(f"the benchmark needs {format_size(size)} in "
                            f"{os.path.dirname(path)}, {format_size(free)} free",
-                           "free space or pass a smaller --size")
+                           f"free space or pass {smaller}")

@@ -141,17 +141,22 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
 def kv_path_line(kind: str, fig: dict) -> str:
     """The connector's loads or saves (KIND) against memcpy of the same bytes, from
     FIG (`vllm_runs._memcpy_figures`, sums over its count): told as the mean one,
-    beside the count, so that no sum reads as one request's time."""
+    beside the count, so that no sum reads as one request's time.  The real copy
+    is set against the memcpy both cold and warm: a load meets slots its acquire
+    evicted, a save reads pages its forward may have left in the caches."""
     n = fig["count"]
-    ms = lambda v: format_duration(v / n / 1e3)
+    ms = lambda v: "—" if v is None else format_duration(v / n / 1e3)
+    x = lambda v: "—" if v is None else f"{v:.2f}x"
     one = kind[:-1]
-    same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None else
-            f"memcpy of as many bytes between vLLM's pages and the region's slots from "
-            f"cold caches, as the copy meets them (beside the copies of a warm-up of each "
-            f"length) {ms(fig['memcpy_ms'])}: {fig['ratio']:.2f}x in all, the copy "
-            f"{fig['copy_ratio']:.2f}x (a warm-up's copy again against its memcpy: "
-            f"{fig['cold_copy_ratio']:.2f}x both cold, {fig['warm_copy_ratio']:.2f}x both warm, "
-            f"memcpy {ms(fig['memcpy_warm_ms'])})")
+    warm = fig.get("memcpy_warm_ms")
+    same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None and warm is None else
+            f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
+            f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])} from cold caches, "
+            f"{ms(warm)} warm: {x(fig['ratio'])} the cold one in all, the copy "
+            f"{x(fig['copy_ratio'])} the cold one and {x(fig.get('copy_vs_warm_ratio'))} the "
+            f"warm one (a warm-up's copy again against its memcpy: "
+            f"{x(fig.get('cold_copy_ratio'))} both cold, {x(fig.get('warm_copy_ratio'))} both "
+            "warm)")
     meta = ms(fig["meta_ms"])
     if kind == "saves":
         meta += (f": the claim's wait past the forward {ms(fig['claim_wait_ms'])}, "

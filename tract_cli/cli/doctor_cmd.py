@@ -16,7 +16,8 @@ def doctor(
     target: Optional[str] = typer.Argument(None, help="A region file or /dev/daxX.Y (optional)."),
     json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """Check CPU flush support, NUMA placement, huge pages, memlock, kernel, tools, space."""
+    """Check CPU flush support, the checksum path, NUMA placement, huge pages, memlock, kernel,
+    tools, space."""
     rows = run_doctor(target)
     if json_out:
         render.print_json(to_json(target, rows))

@@ -13,6 +13,7 @@ from tract_cli.bench.micro import locks as lockbench
 from tract_cli.bench.micro import paged as pagedbench
 from tract_cli.bench.micro import region as micro
 from tract_cli.cli import render
+from tract_cli.core.cpu import require_flush_mode
 from tract_cli.core.errors import UsageError
 from tract_cli.core.region import DEFAULT_INDEX_STRIPES
 from tract_cli.core.units import format_duration, format_size, parse_size
@@ -71,9 +72,12 @@ def kvpages(
     copies) against memcpy of the same runs, warm and cold."""
     if rounds < 1:
         raise UsageError("--rounds must be at least 1", "e.g. --rounds 15")
-    if not 1 <= page_tokens <= 4096:
-        raise UsageError(f"--page-tokens {page_tokens} is out of range",
-                         "use 1 to 4096 tokens (vLLM's CPU pages are 128)")
+    if not 2 <= page_tokens <= 4096 or page_tokens % 2:
+        raise UsageError(f"--page-tokens {page_tokens} is not an even count from 2 to 4096 "
+                         "(vLLM's CPU page packs V in token pairs)",
+                         "use vLLM's CPU block size: 128, or another multiple of 16")
+    for mode in flush_modes:            # all of them before the first is measured
+        require_flush_mode(mode)
     results = [pagedbench.bench_paged(model, input_len, page_tokens, m, rounds)
                for m in flush_modes]
     if json_out:

@@ -13,25 +13,38 @@ import os
 
 import psutil
 
-from tract_cli.core.errors import UsageError
+from tract_cli.core.errors import FlushModeError, UsageError
 from tract_cli.core.medium import sysfs_root
 from tract_cli.core.native import CPU_FEATURES, FLUSH_MODES, cpu_features, flush_mode_supported
 
 __all__ = ["CPU_FEATURES", "FLUSH_MODES", "allowed_cpus", "cpu_features", "checksum_path",
-           "flush_mode_supported", "format_cpu_list", "online_cpus", "parse_cpu_list"]
+           "flush_mode_supported", "format_cpu_list", "online_cpus", "parse_cpu_list",
+           "require_flush_mode"]
+
+
+def require_flush_mode(mode: str) -> None:
+    """Refuses a flush mode that is not one, or that this CPU cannot run."""
+    if mode not in FLUSH_MODES:
+        raise UsageError(f"unknown flush mode {mode!r}", f"use one of {', '.join(FLUSH_MODES)}")
+    if not flush_mode_supported(mode):
+        raise FlushModeError(f"this CPU does not support flush mode {mode}",
+                             "choose another (see `tract doctor`)")
 
 
 def checksum_path() -> str:
-    """What the block checksum (CRC-32C) runs on here: native/crc.c folds with
-    the widest carry-less multiply the CPU has, which bounds a checksummed copy."""
+    """What the block checksum (CRC-32C) runs on here, as native/crc.c chooses
+    it: the widest carry-less multiply fold the CPU has (it bounds a
+    checksummed copy), else the crc32 instruction, else bit by bit."""
     f = cpu_features()
+    if "sse4_2" not in f:
+        return "bit by bit"
+    if "pclmulqdq" not in f:
+        return "the crc32 instruction"
     if "vpclmulqdq_512" in f:
         return "512-bit VPCLMULQDQ folding"
     if "vpclmulqdq_256" in f:
         return "256-bit VPCLMULQDQ folding"
-    if "pclmulqdq" in f:
-        return "128-bit PCLMULQDQ folding"
-    return "the crc32 instruction" if "sse4_2" in f else "bit by bit"
+    return "128-bit PCLMULQDQ folding"
 
 
 def parse_cpu_list(text: str) -> list[int]:

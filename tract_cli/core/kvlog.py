@@ -29,22 +29,23 @@ PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 # (load|save, blocks, ms x 4): with TRACT_CONNECTOR_REFERENCE=1, the connector
 # also times a plain memcpy of the same bytes between the same buffers right
 # after its own copy, and its own copy once more, each from cold caches (every
-# line of the slots and pages evicted first, as the real copy meets them) and
-# warm (right after), the medians of a few rounds: for a request whose
+# line of the slots and pages evicted first) and warm (right after the same
+# kind of copy), the medians of a few rounds: for a request whose
 # kv_transfer_params carry REFERENCE_PARAM true (the bench's warm-up
 # requests), so no measured request pays the extra copies in its step
-REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.3f ms from cold "
-             "caches, %.3f ms warm (the checksummed copy again: %.3f ms cold, %.3f ms warm)")
+# (a cold time 0.0000: not timed, this CPU cannot evict lines)
+REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.4f ms from cold "
+             "caches, %.4f ms warm (the checksummed copy again: %.4f ms cold, %.4f ms warm)")
 
 # (the key both the connector and the bench know: here, since bench never
 # imports connectors)
 REFERENCE_PARAM = "tract_reference"
 
-_FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)"}
+_FIELDS = {"%d": r"(\d+)", "%s": r"(\S+)", "%.3f": r"([\d.]+)", "%.4f": r"([\d.]+)"}
 
 
 def _pattern(fmt: str) -> re.Pattern:
-    parts = re.split(r"(%d|%s|%\.3f)", fmt)
+    parts = re.split(r"(%d|%s|%\.3f|%\.4f)", fmt)
     return re.compile("".join(_FIELDS.get(p) or re.escape(p) for p in parts))
 
 

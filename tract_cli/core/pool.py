@@ -15,13 +15,12 @@ from typing import Callable
 import numpy as np
 
 from tract_cli.core import medium
-from tract_cli.core.errors import (FlushModeError, GeometryMismatchError, TractError,
-                                   UsageError)
+from tract_cli.core.errors import GeometryMismatchError, TractError, UsageError
 from tract_cli.core.geometry import DTYPES, Geometry, ModelProfile, load_model
 from tract_cli.core.header import RegionInfo, decode_header
-from tract_cli.core.native import (FLUSH_MODE_NAMES, FLUSH_MODES, ffi, flush_mode_supported,
-                                   lib, raise_for)
+from tract_cli.core.native import FLUSH_MODE_NAMES, FLUSH_MODES, ffi, lib, raise_for
 from tract_cli.core.allocator import Allocator
+from tract_cli.core.cpu import require_flush_mode
 from tract_cli.core.handoff import Handoffs
 from tract_cli.core.index import PrefixIndex
 from tract_cli.core.local import LocalSegment
@@ -108,12 +107,7 @@ class Pool:
         """
         flush_mode = flush_mode or os.environ.get("TRACT_FLUSH_MODE") or None
         if flush_mode is not None:
-            if flush_mode not in FLUSH_MODES:
-                raise UsageError(f"unknown flush mode {flush_mode!r}",
-                                 f"use one of {', '.join(FLUSH_MODES)}")
-            if not flush_mode_supported(flush_mode):
-                raise FlushModeError(f"this CPU does not support flush mode {flush_mode}",
-                                     "choose another (see `tract doctor`)")
+            require_flush_mode(flush_mode)
         if simulate is None:
             simulate = _env_flag("TRACT_SIMULATE")
         if not 0.0 <= sim_evict_prob <= 1.0:

@@ -498,8 +498,8 @@ def _memcpy_figures(kv: dict) -> dict:
     """Per kind (loads, saves): the connector's time, its parts (the copy, which
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
     bytes between the same buffers it timed beside the copies of the warm-ups of
-    the measured lengths, from cold caches as the real copies meet them (per
-    block, scaled to the blocks of the rows; a save's partial blocks had none);
+    the measured lengths, from cold caches and warm (per block, scaled to the
+    blocks of the rows; a save's partial blocks had none; None where not timed);
     the warm-ups' copies again against their memcpy, both cold and both warm;
     also a memcpy of the byte count between private buffers in this process
     (`stats.memcpy_reference`).  The times (*_ms) are sums over the COUNT loads
@@ -515,15 +515,17 @@ def _memcpy_figures(kv: dict) -> dict:
         ref_ms = sum(r["ms"] for r in refs)
         ref_blocks = sum(r["blocks"] for r in refs)
         scale = sum(r["blocks"] for r in rows) / ref_blocks if ref_blocks else None
-        same = ref_ms * scale if scale else None
-        warm = sum(r["warm_ms"] for r in refs) if refs else None
+        same = ref_ms * scale if scale and ref_ms else None
+        warm = sum(r["warm_ms"] for r in refs)
+        warm_same = warm * scale if scale and warm else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         ratio = lambda a, b: a / b if a and b else None
         out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
                      "meta_ms": tract - copy,
-                     "memcpy_ms": same, "memcpy_warm_ms": warm * scale if scale else None,
+                     "memcpy_ms": same, "memcpy_warm_ms": warm_same,
                      "private_memcpy_ms": private,
                      "ratio": ratio(tract, same), "copy_ratio": ratio(copy, same),
+                     "copy_vs_warm_ratio": ratio(copy, warm_same),
                      # the warm-ups' checksummed copies against their memcpy, both
                      # from cold caches and both warm
                      "cold_copy_ratio": ratio(sum(r["copy_cold_ms"] for r in refs), ref_ms),

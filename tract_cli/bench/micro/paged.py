@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tract_cli.bench.regions import need_space, temp_region_path
-from tract_cli.core.errors import UsageError
-from tract_cli.core.geometry import load_model, with_block_tokens
 from tract_cli.core.cpu import checksum_path
+from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.geometry import load_model, with_block_tokens
 from tract_cli.core.kvpages import PageLayout, PagedKV
 from tract_cli.core.pool import Pool
+
 
 @dataclass
 class PagedFigures:
@@ -67,7 +68,11 @@ def cpu_page_layout(block_tokens: int, heads: int, dim: int, elem_bytes: int) ->
 
 def bench_paged(model: str = "llama-3-8b", input_len: int = 1500, page_tokens: int = 128,
                 flush_mode: str = "none", rounds: int = 15) -> PagedFigures:
-    import torch
+    try:
+        import torch          # an engine's page tensors: torch's, as the connector's
+    except ImportError:
+        raise UsageError("tract microbench kvpages needs torch (an engine's KV tensors)",
+                         'pip install "tract-cxl[serve]"') from None
 
     profile = with_block_tokens(load_model(model), page_tokens)
     g = profile.geometry
@@ -83,7 +88,7 @@ def bench_paged(model: str = "llama-3-8b", input_len: int = 1500, page_tokens: i
     total = blocks * g.block_bytes
     size = ((2 * total + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
     with temp_region_path() as path:
-        need_space(path, size)
+        need_space(path, size, "a shorter --input-len")
         with Pool.create(path, size, profile, nodes=1, flush_mode=flush_mode,
                          progress=None) as pool:
             pages = blocks + 2                # the engine's cache: the request's pages and two more
@@ -115,7 +120,7 @@ def bench_paged(model: str = "llama-3-8b", input_len: int = 1500, page_tokens: i
                             out = run(checksum)
                             dt = time.perf_counter() - t0
                             if checksum and not np.array_equal(out, crcs):
-                                raise UsageError(f"the {op}'s checksums differ from the first "
+                                raise TractError(f"the {op}'s checksums differ from the first "
                                                  "save's", "report it: the data path is wrong")
                             if r:
                                 samples[f"{op}_{state}_{kind}"].append(dt)
