@@ -253,17 +253,37 @@ fold_avx512(uint32_t c, uint8_t *dst, const uint8_t *s, uint64_t n, int nt)
 }
 #endif
 
+/* the path a long buffer takes on this CPU (cpu.c's features, TRACT_NO_*
+ * included): crc_update's one choice, and what tract_crc_path reports */
+static int long_path(void)
+{
+#if defined(__x86_64__)
+	uint32_t f = tract_cpu_features();
+	if (!(f & TRACT_CPU_SSE42))
+		return TRACT_CRC_BITWISE;
+	if (!(f & TRACT_CPU_PCLMUL))
+		return TRACT_CRC_INSTRUCTION;
+	if (f & TRACT_CPU_VPCLMUL512)
+		return TRACT_CRC_FOLD512;
+	if (f & TRACT_CPU_VPCLMUL256)
+		return TRACT_CRC_FOLD256;
+	return TRACT_CRC_FOLD128;
+#else
+	return TRACT_CRC_BITWISE;
+#endif
+}
+
 /* the register over n bytes, copied to dst when not NULL (internal) */
 static uint32_t crc_update(uint32_t c, uint8_t *dst, const uint8_t *src, uint64_t n, int nt)
 {
 #if defined(__x86_64__)
-	uint32_t f = tract_cpu_features();
-	if (f & TRACT_CPU_SSE42) {
-		if ((f & TRACT_CPU_PCLMUL) && n >= 128) {
+	int path = long_path();
+	if (path != TRACT_CRC_BITWISE) {
+		if (path != TRACT_CRC_INSTRUCTION && n >= 128) {
 			pthread_once(&constants_once, make_constants);
-			if ((f & TRACT_CPU_VPCLMUL512) && n >= 256)
+			if (path == TRACT_CRC_FOLD512 && n >= 256)
 				return fold_avx512(c, dst, src, n, nt);
-			if ((f & TRACT_CPU_VPCLMUL256) && n >= 256)
+			if (path == TRACT_CRC_FOLD256 && n >= 256)
 				return fold_avx2(c, dst, src, n, nt);
 			return fold_sse(c, dst, src, n, nt);
 		}
@@ -274,6 +294,12 @@ static uint32_t crc_update(uint32_t c, uint8_t *dst, const uint8_t *src, uint64_
 	if (dst)
 		memcpy(dst, src, n);
 	return crc_soft(c, src, n);
+}
+
+/* The path (TRACT_CRC_*) the block checksum takes over a long buffer here. */
+int tract_crc_path(void)
+{
+	return long_path();
 }
 
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */

@@ -875,6 +875,19 @@ int tract_handoff_recover(tract_region *r, uint32_t *count, uint64_t timeout_ns)
 /* CRC-32C (Castagnoli) of len bytes, as used for block checksums. */
 uint32_t tract_crc32c(const void *buf, uint64_t len);
 
+/* the block checksum's path over a long buffer (tract_crc_path) */
+enum {
+	TRACT_CRC_BITWISE = 0,       /* no SSE4.2: bit by bit */
+	TRACT_CRC_INSTRUCTION = 1,   /* the SSE4.2 crc32 instruction, one chain */
+	TRACT_CRC_FOLD128 = 2,       /* PCLMULQDQ folding */
+	TRACT_CRC_FOLD256 = 3,       /* AVX2 VPCLMULQDQ folding */
+	TRACT_CRC_FOLD512 = 4        /* AVX-512 VPCLMULQDQ folding */
+};
+
+/* The path (TRACT_CRC_*) the block checksum takes over a long buffer on this
+ * CPU, as crc.c chooses it (the TRACT_NO_* overrides included). */
+int tract_crc_path(void);
+
 /* ---- an engine's paged KV cache to and from slots (kvpages.c) ---- */
 
 /* Where an engine keeps the KV of a region block: one tensor per layer

@@ -122,6 +122,10 @@ CASES = [
     ("devices --bogus", 2, "No such option"),
     ("microbench copy --block-size 0", 2, "block"),
     ("microbench index --model tiny --input-len 64 --region-size 1M", 2, "--region-size"),
+    ("microbench kvpages --page-tokens 127", 2, "--page-tokens"),
+    ("microbench kvpages --input-len 64", 2, "no whole page"),
+    ("microbench kvpages --flush-mode none --flush-mode sideways", 2, "unknown flush mode"),
+    ("microbench kvpages --rounds 0", 2, "--rounds"),
     ("microbench nope", 2, "No such command"),
     ("nope", 2, "No such command"),
 ]

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import subprocess
 import time
 
 import numpy as np
@@ -529,3 +530,94 @@ def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
                     "the_handoff_steps_blocks_saved": True,
                     "bytes_equal_6": True,
                     "after_shutdown": 2, "bytes_equal_5": True}, seen
+
+
+REFERENCE_DRIVER = """
+import logging
+import numpy as np
+from tract_cli.connectors import vllm_worker
+from tract_cli.core import kvlog
+from tract_cli.core.errors import FlushModeError, TractError
+
+class Paged:
+    def __init__(self, fail_at=None, evicts=True):
+        self.calls, self.fail_at, self.evicts = [], fail_at, evicts
+    def evict(self, *_):
+        self.calls.append("evict")
+        if not self.evicts:
+            raise FlushModeError("no flush instruction")
+    def _copy(self, kind, checksum):
+        self.calls.append(kind + ("+crc" if checksum else ""))
+        if len(self.calls) == self.fail_at:
+            raise TractError("the copy failed")
+        return np.array([7, 8], np.uint32) if checksum else None
+    def save(self, *_, checksum=True):
+        return self._copy("save", checksum)
+    def load(self, *_, checksum=True):
+        return self._copy("load", checksum)
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+    def emit(self, record):
+        if "memcpy of the same bytes" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+lines = Lines()
+logging.getLogger("vllm.tract").addHandler(lines)
+logging.getLogger("vllm.tract").setLevel(logging.INFO)
+vllm_worker.REFERENCE = True
+worker = object.__new__(vllm_worker.WorkerSide)
+args = (np.array([3, 4]), np.array([1, 2]), np.array([0, 0]))
+worker._paged = Paged()
+assert worker._reference("save", *args) > 0
+one = ["evict", "save", "save", "evict", "save+crc", "save+crc"]
+assert worker._paged.calls == one * vllm_worker.REFERENCE_ROUNDS, worker._paged.calls
+(line,) = lines.lines
+kind, row = kvlog.parse(line)
+assert kind == "save_memcpy" and row["blocks"] == 2, row
+assert all(row[k] > 0 for k in ("ms", "warm_ms", "copy_cold_ms", "copy_warm_ms")), row
+# a failure after a memcpy's stores: the slots written back, nothing logged
+lines.lines.clear()
+worker._paged = Paged(fail_at=5)
+worker._reference("save", *args)
+assert worker._paged.calls == ["evict", "save", "save", "evict", "save+crc", "evict"], \
+    worker._paged.calls
+assert not lines.lines
+# a CPU that cannot evict: warm only, the cold times logged as not timed (0)
+worker._paged = Paged(evicts=False)
+worker._reference("save", *args)
+assert worker._paged.calls[:6] == ["evict", "save", "save", "save+crc", "save+crc", "save"], \
+    worker._paged.calls
+(line,) = lines.lines
+row = kvlog.parse(line)[1]
+assert row["ms"] == 0 and row["copy_cold_ms"] == 0 and row["warm_ms"] > 0, row
+# a load whose checksummed copy read other bytes than the load's own
+worker._paged = Paged()
+try:
+    worker._reference("load", *args, crcs=np.array([7, 9], np.uint32))
+    raise AssertionError("a mismatch went unnoticed")
+except vllm_worker.ReferenceMismatch:
+    pass
+worker._reference("load", *args, crcs=np.array([7, 8], np.uint32))
+print("ok")
+"""
+
+
+def test_the_memcpy_reference_times_cold_and_warm_and_leaves_a_save_on_memory():
+    """The connector's reference (TRACT_CONNECTOR_REFERENCE), in vLLM's
+    environment with a stand-in for the copies: each round a memcpy cold then
+    warm, the checksummed copy cold then warm, each warm one right after its
+    own kind; a save's last write a checksummed save, or its slots written
+    back when a failure left a memcpy's stores last; warm only where the CPU
+    cannot evict; a load whose copy reads other bytes fails."""
+    import os
+
+    from tests.vllm_stack import ROOT, VLLM_PY
+    if not os.path.exists(VLLM_PY):
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
+    out = subprocess.run([VLLM_PY, "-c", REFERENCE_DRIVER], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1:] == ["ok"], out.stdout[-2000:]

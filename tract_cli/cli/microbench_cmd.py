@@ -75,7 +75,7 @@ def kvpages(
     if not 2 <= page_tokens <= 4096 or page_tokens % 2:
         raise UsageError(f"--page-tokens {page_tokens} is not an even count from 2 to 4096 "
                          "(vLLM's CPU page packs V in token pairs)",
-                         "use vLLM's CPU block size: 128, or another multiple of 16")
+                         "use an even count, e.g. vLLM's CPU block size, 128")
     for mode in flush_modes:            # all of them before the first is measured
         require_flush_mode(mode)
     results = [pagedbench.bench_paged(model, input_len, page_tokens, m, rounds)

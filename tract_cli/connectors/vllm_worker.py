@@ -69,7 +69,8 @@ from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, T
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.cpu import checksum_path
-from tract_cli.core.errors import PoolFull, ReservationGone, TractError, TransferTableFull
+from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, ReservationGone,
+                                   TractError, TransferTableFull)
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
@@ -84,6 +85,12 @@ if TYPE_CHECKING:
     from tract_cli.core.pool import Pool
 
 log = logging.getLogger("vllm.tract")
+
+
+class ReferenceMismatch(TractError):
+    """The memcpy reference's checksummed copy read other bytes than the load
+    it follows: the load fails, and vLLM recomputes it."""
+
 
 # TRACT_CONNECTOR_REFERENCE=1 (what `tract bench --engine vllm` sets): time a memcpy
 # of the same bytes beside the copies of a request that asks for it
@@ -808,36 +815,45 @@ class WorkerSide:
         copy = getattr(self._paged, kind)
         start = time.perf_counter()
         cold_ok = True
+        # a save's slots hold a memcpy's plain stores (in this host's cache,
+        # which the commit does not write back) until a checksummed save
+        # streams them again, or they are written back below
+        dirty = False
         # [memcpy cold, memcpy warm, copy cold, copy warm] per round: each warm
         # one right after its own kind (a save's streaming stores leave no line
         # of the slots in the cache, a memcpy's plain stores leave them dirty)
         times = [[], [], [], []]
-        for _ in range(REFERENCE_ROUNDS):
-            for i, (cold, checksum) in enumerate(((True, False), (False, False), (True, True),
-                                                  (False, True))):
-                try:
+        try:
+            for _ in range(REFERENCE_ROUNDS):
+                for i, (cold, checksum) in enumerate(((True, False), (False, False),
+                                                      (True, True), (False, True))):
                     if cold and cold_ok:
                         try:
                             self._paged.evict(slots, pages, subs)
-                        except TractError:          # no flush instruction: warm only
+                        except FlushModeError:      # no flush instruction: warm only
                             cold_ok = False
+                    dirty = dirty or (kind == "save" and not checksum)
                     t0 = time.perf_counter()
                     sums = copy(slots, pages, subs, checksum=checksum)
                     if not cold or cold_ok:
                         times[i].append(time.perf_counter() - t0)
-                except TractError as exc:
-                    log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s",
-                                exc)
-                    if kind == "save" and not checksum:
-                        # a memcpy's plain stores may be left in the cache, and the
-                        # commit does not write a save's slots back: write them now
-                        with contextlib.suppress(TractError):
-                            self._paged.evict(slots, pages, subs)
-                    return time.perf_counter() - start
-                if checksum and crcs is not None and not np.array_equal(sums, crcs):
-                    # at once: the load fails (its caller's) and vLLM recomputes it
-                    raise TractError("the reference copy read other bytes than the load",
-                                     "report it: the slots changed under a held pin")
+                    dirty = dirty and not checksum
+                    if checksum and crcs is not None and not np.array_equal(sums, crcs):
+                        # at once: the load fails (its caller's) and vLLM recomputes it
+                        raise ReferenceMismatch("the reference copy read other bytes than the "
+                                                "load", "report it: the slots changed under "
+                                                "a held pin")
+        except ReferenceMismatch:
+            raise
+        except TractError as exc:
+            log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
+            return time.perf_counter() - start
+        finally:
+            if dirty:
+                # a memcpy's stores are the last in the slots: on the device before
+                # the commit (a CPU that cannot evict runs flush mode none only)
+                with contextlib.suppress(TractError):
+                    self._paged.evict(slots, pages, subs)
         log.info(kvlog.REFERENCE, kind, len(slots),
                  *(float(np.median(times[i])) * 1e3 if times[i] else 0.0 for i in (0, 1, 2, 3)))
         return time.perf_counter() - start
@@ -900,8 +916,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         ticket = Ticket.from_dict(spec.ticket) if spec.ticket is not None else None
         try:
-            if ticket is not None:               # still published: its pins hold the slots
-                self.pool.handoffs.open(ticket)
+            self._check_still_published(ticket, spec.req_id)
             self.pool.acquire_payload(spec.slots, spec.tags)
             batch = self._gpu.batch(spec.slots, spec.pages, spec.subs,
                                     checksum=self.settings.checksums)
@@ -1000,6 +1015,16 @@ class WorkerSide:
         with self._done_lock:
             self._done.append((req_id, bad_pages))
 
+    def _check_still_published(self, ticket: Ticket | None, req_id: str) -> None:
+        """Before a handoff's copy: HandoffGone if its record was released since
+        the scheduler opened it (whose slots the load names), so nothing is
+        copied.  A look at the record's state, no lock: reading the record and
+        its key list again cost 80-170 µs a load inside a busy instance; the
+        same look after the copy is what proves the copy."""
+        if ticket is not None and not self.pool.handoffs.still_published(ticket):
+            raise HandoffGone(f"handoff record {ticket.record} of request {req_id} was "
+                              "released before its load", "vLLM recomputes it")
+
     def _load(self, spec: LoadSpec) -> set:
         """Copies one request's blocks into vLLM's pages (all layers); the vLLM
         pages to recompute (from the first bad block on).  A handoff's copy
@@ -1012,8 +1037,7 @@ class WorkerSide:
         copy_s = reference_s = 0.0
         ticket = Ticket.from_dict(spec.ticket) if spec.ticket is not None else None
         try:
-            if ticket is not None:               # still published: its pins hold the slots
-                self.pool.handoffs.open(ticket)
+            self._check_still_published(ticket, spec.req_id)
             self.pool.acquire_payload(spec.slots, spec.tags)
             t1 = time.perf_counter()
             crcs = self._paged.load(spec.slots, spec.pages, spec.subs)

@@ -15,7 +15,8 @@ import psutil
 
 from tract_cli.core.errors import FlushModeError, UsageError
 from tract_cli.core.medium import sysfs_root
-from tract_cli.core.native import CPU_FEATURES, FLUSH_MODES, cpu_features, flush_mode_supported
+from tract_cli.core.native import (CPU_FEATURES, FLUSH_MODES, cpu_features,
+                                   flush_mode_supported, lib)
 
 __all__ = ["CPU_FEATURES", "FLUSH_MODES", "allowed_cpus", "cpu_features", "checksum_path",
            "flush_mode_supported", "format_cpu_list", "online_cpus", "parse_cpu_list",
@@ -31,20 +32,20 @@ def require_flush_mode(mode: str) -> None:
                              "choose another (see `tract doctor`)")
 
 
+# the block checksum's paths (native/crc.c, tract_crc_path)
+CHECKSUM_PATHS = {lib.TRACT_CRC_BITWISE: "bit by bit",
+                  lib.TRACT_CRC_INSTRUCTION: "the crc32 instruction",
+                  lib.TRACT_CRC_FOLD128: "128-bit PCLMULQDQ folding",
+                  lib.TRACT_CRC_FOLD256: "256-bit VPCLMULQDQ folding",
+                  lib.TRACT_CRC_FOLD512: "512-bit VPCLMULQDQ folding"}
+
+
 def checksum_path() -> str:
     """What the block checksum (CRC-32C) runs on here, as native/crc.c chooses
-    it: the widest carry-less multiply fold the CPU has (it bounds a
-    checksummed copy), else the crc32 instruction, else bit by bit."""
-    f = cpu_features()
-    if "sse4_2" not in f:
-        return "bit by bit"
-    if "pclmulqdq" not in f:
-        return "the crc32 instruction"
-    if "vpclmulqdq_512" in f:
-        return "512-bit VPCLMULQDQ folding"
-    if "vpclmulqdq_256" in f:
-        return "256-bit VPCLMULQDQ folding"
-    return "128-bit PCLMULQDQ folding"
+    it (its own choice, reported): the widest carry-less multiply fold the
+    CPU has (it bounds a checksummed copy), else the crc32 instruction, else
+    bit by bit."""
+    return CHECKSUM_PATHS[lib.tract_crc_path()]
 
 
 def parse_cpu_list(text: str) -> list[int]:

@@ -90,8 +90,7 @@ def check_checksum() -> Check:
         return Check("checksum", INFO, detail + " (a few GB/s a core slower than the "
                      "256-bit fold where the memory outruns it)", measure)
     return Check("checksum", WARN, detail + ": a checksummed KV copy runs well below memory "
-                 "speed", measure + "; or set \"checksums\": false in the connector's config "
-                 "(docs/VLLM.md)")
+                 "speed", measure)
 
 
 def check_hypervisor() -> Check:

@@ -48,7 +48,7 @@ def bench_events(model: str = "tiny", input_len: int = 6000, flush_mode: str = "
     blocks = input_len // g.block_tokens
     size = ((4 * blocks * g.block_bytes + (64 << 20)) // (2 << 20) + 1) * (2 << 20)
     with temp_region_path() as path:
-        need_space(path, size)
+        need_space(path, size, "a shorter --input-len")
         Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)
         try:

@@ -91,7 +91,7 @@ def bench_index(model: str = "llama-3-8b", input_len: int = 6000, flush_mode: st
     kv = np.random.default_rng(1).integers(0, 255, (blocks, g.block_bytes), dtype=np.uint8)
     out = np.empty_like(kv)
     with temp_region_path() as path:
-        need_space(path, size)
+        need_space(path, size, "a shorter --input-len or a smaller --region-size")
         Pool.create(path, size, profile, nodes=3, flush_mode=flush_mode,
                     index_stripes=stripes).close()
         agent = ensure_agent(path, 0, manager=True, flush_mode=flush_mode)

@@ -97,7 +97,7 @@ def run(requests: list[Request], profile: ModelProfile, transports: list[str],
         size = pool_size or max(region_size_for(reqs, profile, prefill_workers, decode_workers,
                                                 uniq, medium.free_bytes(path))
                                 for _, reqs, _, uniq in keyed)
-        need_space(path, size)
+        need_space(path, size, "a smaller --pool-size")
         Pool.create(path, size, profile, nodes=nodes, flush_mode=flush_mode,
                     progress=reserve_progress).close()
         res = _run_on(path, keyed, profile, transports, compute, prefill_workers,
