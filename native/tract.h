@@ -911,6 +911,11 @@ struct tract_kv_pages {
 	const uint16_t *elem_token;
 	uint32_t elem_bytes;
 	uint32_t block_tokens;
+	/* the page sizes of the region's mapping and of the engine's tensors:
+	 * save and load read one byte of each page of both sides first, all at
+	 * once, so the copy meets no TLB miss (0: that side is not touched) */
+	uint64_t region_page;
+	uint64_t engine_page;
 };
 
 /* Copies n blocks from the engine's pages (pages[i], sub-block subs[i]) into

@@ -355,3 +355,94 @@ def test_microbench_kvpages_times_the_checksummed_copy_beside_memcpy():
                                          for state in ("warm", "cold")
                                          for kind in ("memcpy", "tract"))
         assert all(v > 0 for v in f["us"].values())
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "f32"])
+def test_a_partial_block_is_the_pages_bytes_up_to_its_tokens_for_every_element_size(dtype,
+                                                                                      tmp_path):
+    """A partial save's zeroing (native/kvpages.c zero_tail, one branch per element
+    size): the slot holds the page's bytes of the block's first tokens and zeros
+    after, checked byte for byte against numpy, for 1-, 2- and 4-byte elements."""
+    import dataclasses
+    from tract_cli.core.geometry import load_model
+    base = load_model("tiny")
+    profile = dataclasses.replace(base, name=f"tiny-{dtype}",
+                                  geometry=dataclasses.replace(base.geometry, dtype=dtype))
+    path = f"/dev/shm/tract-test-kvp-partial-{os.getpid()}-{dtype}.pool"
+    try:
+        with Pool.create(path, 8 << 20, profile, nodes=1) as pool:
+            g = pool.geometry
+            eb = g.dtype_bytes
+            offsets, stride = _layouts(g.block_tokens, g.num_kv_heads, g.head_dim)["amx"]
+            layout = PageLayout(offsets.astype(np.int64), stride, g.block_tokens, eb)
+            gen = np.random.default_rng(4)
+            raw = [torch.from_numpy(gen.integers(1, 255, PAGES * stride * eb, dtype=np.uint8))
+                   for _ in range(g.num_layers)]
+            tensors = [r.view({1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[eb])
+                       for r in raw]
+            kv = PagedKV(pool, layout, tensors)
+            slots = np.array([5, 0, 2], np.uint32)     # one process: no claim needed
+            pages, subs, tokens = np.array([6, 6, 2]), np.array([0, 1, 1]), np.array([3, 16, 1])
+            crcs = kv.save(slots, pages, subs, tokens=tokens)
+            assert np.array_equal(crcs, pool.checksum_slots(slots))
+            for b in range(3):
+                got = np.array(pool.slot_bytes(int(slots[b]))).reshape(g.num_layers, -1)
+                idx = layout.gather_index(pages[b:b + 1], subs[b:b + 1])[0]
+                keep = layout.elem_token[subs[b]] < tokens[b]
+                for layer in range(g.num_layers):
+                    elems = raw[layer].numpy().reshape(-1, eb)[idx]
+                    want = np.where(keep[:, None], elems, 0).reshape(-1)
+                    assert np.array_equal(got[layer], want), (dtype, b, layer)
+            del kv
+    finally:
+        from tract_cli.core.region import remove_region
+        if os.path.exists(path):
+            remove_region(path)
+
+
+def test_the_page_touch_is_off_or_a_power_of_two_and_copies_alike_either_way(pool,
+                                                                               monkeypatch):
+    """Save and load read one byte of every page first (native/kvpages.c
+    touch_pages); the same bytes and checksums with it off (TRACT_NO_PAGE_TOUCH=1,
+    the benchmark's A/B), and a page size that is no power of two is refused."""
+    import mmap
+    from tract_cli.core.kvpages import touch_pages
+    layout, tensors = _tensors(pool, "page", seed=12)
+    kv = PagedKV(pool, layout, tensors)
+    assert (kv._kv.region_page, kv._kv.engine_page) == (mmap.PAGESIZE, mmap.PAGESIZE)
+    keys, status, slots = _claim(pool, 4, seed=12)
+    pages, subs = np.array([5, 1, 9, 2]), np.zeros(4, int)
+    crcs = kv.save(slots, pages, subs)
+    monkeypatch.setenv("TRACT_NO_PAGE_TOUCH", "1")
+    assert touch_pages(pool.target) == (0, 0)
+    plain = PagedKV(pool, layout, [t.clone() for t in tensors])
+    assert (plain._kv.region_page, plain._kv.engine_page) == (0, 0)
+    assert np.array_equal(plain.save(slots, pages, subs), crcs)
+    back = [torch.zeros_like(t) for t in tensors]
+    assert np.array_equal(PagedKV(pool, layout, back).load(slots, pages, subs), crcs)
+    kv._kv.engine_page = 3 * 4096
+    with pytest.raises(Exception, match="invalid|argument"):
+        kv.save(slots, pages, subs)
+    kv._kv.engine_page, kv._kv.region_page = 4096, 2048
+    with pytest.raises(Exception, match="invalid|argument"):
+        kv.load(slots, pages, subs)
+    pool.index.commit(keys, status, slots, publish=False)
+
+
+def test_huge_page_share_reads_the_mappings_holding_the_tensors(tmp_path):
+    """The share of a tensor's bytes in huge pages (the connector's warning when
+    vLLM's KV cache has none), from a smaps text: the mapping's AnonHugePages
+    spread over it, only the part of it the tensor covers."""
+    from tract_cli.core.kvpages import huge_page_share
+    t = torch.zeros(4 << 20, dtype=torch.uint8)
+    start = t.data_ptr()
+    smaps = tmp_path / "smaps"
+    # one mapping of 8 MiB around the tensor, 4 MiB of it in huge pages: half
+    smaps.write_text(f"{start - (2 << 20):x}-{start + (6 << 20):x} rw-p 00000000 00:00 0\n"
+                     "Size:               8192 kB\nAnonHugePages:      4096 kB\n"
+                     f"{start + (6 << 20):x}-{start + (8 << 20):x} rw-p 00000000 00:00 0\n"
+                     "AnonHugePages:      2048 kB\n")
+    assert huge_page_share([t], str(smaps)) == pytest.approx(0.5)
+    smaps.write_text(smaps.read_text().replace("4096 kB", "0 kB"))
+    assert huge_page_share([t], str(smaps)) == 0.0
+    assert huge_page_share([t], str(tmp_path / "none")) is None

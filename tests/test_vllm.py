@@ -110,6 +110,22 @@ def test_the_memcpy_reference_is_timed_only_for_a_request_that_asks(stack):
                          else {"prefill": [], "decode": []}), (asked, timed)
 
 
+def test_vllms_kv_cache_is_in_huge_pages_as_tract_starts_it(stack):
+    """The instances TraCT starts (VllmServer) run with THP_MEM_ALLOC_ENABLE=1, so
+    vLLM's CPU KV cache is in 2 MiB pages and a KV copy meets a page walk per
+    2 MiB; the connector's worker says how much of it is (and warns, with the
+    fix, where the kernel gives none)."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = "[never]" not in f.read()
+    for role in ("prefill", "decode"):
+        text = open(stack["tmp"] / f"{role}.log", errors="replace").read()
+        if thp:
+            assert re.search(r"TraCT connector worker: (\d+)% of vLLM's KV cache in huge pages",
+                             text), role
+        else:
+            assert "Start vLLM with THP_MEM_ALLOC_ENABLE=1" in text, role
+
+
 def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):
     head = "CXL shared memory lets every host in a rack load and store the same bytes. " * 8
     complete(stack["prefill"], head, 1)

@@ -75,7 +75,7 @@ from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
 from tract_cli.core.gpupages import CudaPagedKV, staging_capacity
-from tract_cli.core.kvpages import PagedKV
+from tract_cli.core.kvpages import PagedKV, huge_page_share
 from tract_cli.core.media import BLOCK_RECORD_DTYPE
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ class WorkerSide:
                                           names[0])
             if first.device.type == "cpu":
                 self._paged = PagedKV(self.pool, self.layout, [kv_caches[n] for n in names])
+                self._warn_small_pages([kv_caches[n] for n in names])
             if first.device.type == "cuda":
                 # the mapping registered once (cudaHostRegister): each layer moves by
                 # DMA through a staging buffer sized for one step's blocks
@@ -269,6 +270,24 @@ class WorkerSide:
                  "the region's canonical" if self.layout.digest is None else "the engine's page",
                  f"C copy, checksummed as it copies: {checksum_path()}" if self._paged
                  else "GPU DMA, layer by layer")
+
+    @staticmethod
+    def _warn_small_pages(tensors: list) -> None:
+        """Says so where vLLM's CPU KV cache is not in huge pages: each 4 KiB
+        page a save or load meets then costs a page walk, which made the copy
+        2-5x memcpy inside vLLM on a VM (docs/VLLM.md "The data path")."""
+        share = huge_page_share(tensors)
+        if share is None:
+            return
+        if share >= 0.5:
+            log.info("TraCT connector worker: %.0f%% of vLLM's KV cache in huge pages",
+                     share * 100)
+            return
+        log.warning("TraCT connector worker: vLLM's KV cache is in 4 KiB pages (%.0f%% in huge "
+                    "pages): every page a KV save or load touches costs a page walk. Start "
+                    "vLLM with THP_MEM_ALLOC_ENABLE=1 (torch maps large CPU tensors in 2 MiB "
+                    "pages; /sys/kernel/mm/transparent_hugepage/enabled must not be never)",
+                    share * 100)
 
     def handshake(self) -> TractHandshake:
         digest = self.layout.digest if self.layout is not None else None

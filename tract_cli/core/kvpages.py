@@ -19,6 +19,8 @@ block written in this one (a miss, computed; never a misread).
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +104,51 @@ class PageLayout:
         return pages.astype(np.int64)[:, None] * self.page_stride + self.index[subs]
 
 
+def touch_pages(target) -> tuple[int, int]:
+    """The page sizes a save or load touches one byte of, all at once, before
+    it copies (native/kvpages.c touch_pages: the copy then meets no TLB miss):
+    the region's mapping's (a device's alignment, a file's system pages) and
+    the engine's tensors' (system pages).  TRACT_NO_PAGE_TOUCH=1: neither
+    (the benchmark's A/B)."""
+    if os.environ.get("TRACT_NO_PAGE_TOUCH", "") not in ("", "0"):
+        return 0, 0
+    region = target.alignment if target.kind == "devdax" else mmap.PAGESIZE
+    return max(region, mmap.PAGESIZE), mmap.PAGESIZE
+
+
+def huge_page_share(tensors: list, smaps: str = "/proc/self/smaps") -> float | None:
+    """The share of TENSORS' bytes (CPU tensors of this process) that the kernel
+    maps in huge pages, from the AnonHugePages of each mapping holding them
+    (a mapping's share taken as even over it); None where SMAPS cannot be
+    read.  Why it matters: a copy meets every 4 KiB page of an engine's KV
+    cache it touches with a page walk, which on a VM costs as much as the
+    copy itself (docs/VLLM.md "The data path")."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    total = sum(e - s for s, e in spans)
+    if not total:
+        return None
+    try:
+        with open(smaps) as f:
+            text = f.read()
+    except OSError:
+        return None
+    huge = 0.0
+    lo = hi = 0
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            a, _, b = head.partition("-")
+            try:
+                lo, hi = int(a, 16), int(b, 16)
+            except ValueError:
+                lo = hi = 0
+        elif line.startswith("AnonHugePages:") and hi > lo:
+            overlap = sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
+            if overlap:
+                huge += int(line.split()[1]) * 1024 * overlap / (hi - lo)
+    return min(1.0, huge / total)
+
+
 class PagedKV:
     """Moves blocks between one engine's layer tensors and a pool's slots (one
     C call per batch; the GIL released while it copies).  TENSORS are the
@@ -153,6 +200,7 @@ class PagedKV:
         kv.run_pos = self._p("uint64_t *", a["run_pos"])
         kv.elem_token = self._p("uint16_t *", a["elem_token"])
         kv.elem_bytes, kv.block_tokens = eb, g.block_tokens
+        kv.region_page, kv.engine_page = touch_pages(pool.target)
         self._kv = kv
 
     @staticmethod

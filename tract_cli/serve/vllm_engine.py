@@ -89,9 +89,13 @@ class VllmServer:
         # PYTHONFAULTHANDLER: a process of it killed by a signal (a native crash in
         # a kernel or a peer's library) writes what it ran and why into the log
         # ("Fatal Python error: ..."), which vLLM's own error does not say
-        child_env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1",
-                                  "PYTHONFAULTHANDLER": "1",
-                                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
+        # THP_MEM_ALLOC_ENABLE: torch maps its large CPU tensors (vLLM's KV cache
+        # among them) in 2 MiB pages, so a KV copy meets a page walk per 2 MiB,
+        # not per 4 KiB (docs/VLLM.md "The data path"); the caller's own
+        # setting wins
+        child_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
+            "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PYTHONFAULTHANDLER": "1",
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
         self.rpc_dir = _rpc_dir() if "VLLM_RPC_BASE_PATH" not in child_env else None
         if self.rpc_dir:
             child_env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
