@@ -88,6 +88,47 @@ static uint64_t slot_offset(const tract_region *r, uint32_t slot)
 	return tract_sec(r, TRACT_SEC_DATA)->offset + (uint64_t)slot * r->hdr.slot_stride;
 }
 
+/* orders 64-bit keys ascending, for qsort (internal) */
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return (x > y) - (x < y);
+}
+
+/* the order n blocks are visited in: by ascending slot, as the hardware
+ * prefetcher follows a region read forward and an allocator hands slots out
+ * in any order; ties in the caller's order.  NULL where they ascend already
+ * (no allocation), or where it could not be allocated (*nomem set).  Here,
+ * not in the caller: each numpy call the caller saves is tens of µs inside a
+ * busy engine, whose caches hold none of the interpreter (internal) */
+static uint32_t *slot_order(uint32_t n, const uint32_t *slots, int *nomem)
+{
+	*nomem = 0;
+	uint32_t i = 1;
+	while (i < n && slots[i - 1] <= slots[i])
+		i++;
+	if (i >= n)
+		return NULL;
+	uint64_t *keyed = malloc((size_t)n * sizeof *keyed);
+	uint32_t *order = malloc((size_t)n * sizeof *order);
+	if (!keyed || !order) {
+		free(keyed);
+		free(order);
+		*nomem = 1;
+		return NULL;
+	}
+	for (i = 0; i < n; i++)
+		keyed[i] = (uint64_t)slots[i] << 32 | i;
+	qsort(keyed, n, sizeof *keyed, cmp_u64);
+	for (i = 0; i < n; i++)
+		order[i] = (uint32_t)keyed[i];
+	free(keyed);
+	return order;
+}
+
+/* the block visited k-th (internal) */
+#define VISIT(order, k) ((order) ? (order)[k] : (k))
+
 /* whether sub-block sub's runs are many and short: a layer chunk of it then
  * goes through a bounce buffer (internal) */
 static int bounced(const struct tract_kv_pages *kv, uint32_t sub)
@@ -132,10 +173,12 @@ static uint64_t touch_range(const uint8_t *p, uint64_t len, uint64_t page)
  * slots' side is a load per 2 MiB (internal).
  */
 static void touch_pages(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
-			const uint32_t *slots, const uint64_t *pages, const uint32_t *subs)
+			const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
+			const uint32_t *order)
 {
 	uint64_t sum = 0;
-	for (uint32_t b = 0; b < n; b++) {
+	for (uint32_t k = 0; k < n; k++) {
+		uint32_t b = VISIT(order, k);
 		if (kv->region_page)
 			sum += touch_range(r->base + slot_offset(r, slots[b]), r->hdr.block_bytes,
 					   kv->region_page);
@@ -275,9 +318,10 @@ static uint32_t save_partial(tract_region *r, const struct tract_kv_pages *kv, u
  * runs, the same order); not a save another host can read (internal) */
 static void copy_reference(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
 			   const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
-			   int save)
+			   int save, const uint32_t *order)
 {
-	for (uint32_t b = 0; b < n; b++) {
+	for (uint32_t k = 0; k < n; k++) {
+		uint32_t b = VISIT(order, k);
 		uint8_t *slot_base = r->base + slot_offset(r, slots[b]);
 		for (uint32_t l = 0; l < kv->layers; l++) {
 			uint8_t *eng = (uint8_t *)(uintptr_t)kv->bases[l] + pages[b] * kv->page_stride;
@@ -323,28 +367,28 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
 		return rc;
 	if (r->flags & TRACT_ATTACH_READONLY)
 		return TRACT_E_INVAL;
-	if (!crcs) {
-		/* a memcpy of the pages, so of a partial block's stale tokens too */
-		if (tokens)
+	if (!crcs && tokens)       /* a memcpy of the pages, so of a partial block's stale tokens too */
+		return TRACT_E_INVAL;
+	for (uint32_t i = 0; tokens && i < n; i++)
+		if (!tokens[i] || tokens[i] > kv->block_tokens ||
+		    (tokens[i] < kv->block_tokens && !kv->elem_token))
 			return TRACT_E_INVAL;
-		copy_reference(r, kv, n, slots, pages, subs, 1);
+	int nomem;
+	uint32_t *order = slot_order(n, slots, &nomem);
+	if (nomem)
+		return TRACT_E_NOMEM;
+	if (!crcs) {
+		copy_reference(r, kv, n, slots, pages, subs, 1, order);
+		free(order);
 		return TRACT_OK;
 	}
 	uint8_t *buf = NULL;
 	/* one chunk's bounce buffer, if the layout needs it (NULL: run by run) */
 	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
-	for (uint32_t i = 0; i < n; i++) {
-		if (!tokens)
-			break;
-		if (!tokens[i] || tokens[i] > kv->block_tokens ||
-		    (tokens[i] < kv->block_tokens && !kv->elem_token)) {
-			free(bounce);
-			return TRACT_E_INVAL;
-		}
-	}
 	if (!r->sim)
-		touch_pages(r, kv, n, slots, pages, subs);
-	for (uint32_t i = 0; i < n; i++) {
+		touch_pages(r, kv, n, slots, pages, subs, order);
+	for (uint32_t k = 0; k < n; k++) {
+		uint32_t i = VISIT(order, k);
 		uint64_t off = slot_offset(r, slots[i]);
 		tract_payload_forget_range(r, off, r->hdr.block_bytes);
 		if (tokens && tokens[i] < kv->block_tokens) {
@@ -361,6 +405,7 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
 	}
 	free(buf);
 	free(bounce);
+	free(order);
 #if defined(__x86_64__)
 	_mm_sfence();    /* the streaming stores drain before any later store (the commit's) */
 #endif
@@ -378,19 +423,26 @@ int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
 	int rc = check_call(r, kv, n, slots, pages, subs, crcs);
 	if (rc)
 		return rc;
+	int nomem;
+	uint32_t *order = slot_order(n, slots, &nomem);
+	if (nomem)
+		return TRACT_E_NOMEM;
 	if (!crcs) {
-		copy_reference(r, kv, n, slots, pages, subs, 0);
+		copy_reference(r, kv, n, slots, pages, subs, 0, order);
+		free(order);
 		return TRACT_OK;
 	}
 	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
 	if (!r->sim)
-		touch_pages(r, kv, n, slots, pages, subs);
-	for (uint32_t i = 0; i < n; i++) {
+		touch_pages(r, kv, n, slots, pages, subs, order);
+	for (uint32_t k = 0; k < n; k++) {
+		uint32_t i = VISIT(order, k);
 		uint64_t off = slot_offset(r, slots[i]);
 		crcs[i] = r->sim ? move_block_sim(r, kv, off, pages[i], subs[i], 0)
 				 : move_block(r, kv, r->base + off, pages[i], subs[i], 0, bounce);
 	}
 	free(bounce);
+	free(order);
 	return TRACT_OK;
 }
 

@@ -920,8 +920,9 @@ struct tract_kv_pages {
 
 /* Copies n blocks from the engine's pages (pages[i], sub-block subs[i]) into
  * their claimed slots with streaming stores, on the device at return, and
- * gives each block's CRC-32C (crcs); tokens[i] (NULL: all full) below the
- * block's tokens zeroes the rest.  One call, no lock, the GIL released.
+ * gives each block's CRC-32C (crcs[i]); tokens[i] (NULL: all full) below the
+ * block's tokens zeroes the rest.  One call, no lock, the GIL released; the
+ * blocks in any order (visited by ascending slot).
  * crcs NULL: memcpy of the same runs only (no checksum, no write-back), the
  * reference a benchmark measures the copy against. */
 int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv, uint32_t n, const uint32_t *slots,

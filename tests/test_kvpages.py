@@ -446,3 +446,23 @@ def test_huge_page_share_reads_the_mappings_holding_the_tensors(tmp_path):
     smaps.write_text(smaps.read_text().replace("4096 kB", "0 kB"))
     assert huge_page_share([t], str(smaps)) == 0.0
     assert huge_page_share([t], str(tmp_path / "none")) is None
+
+
+def test_blocks_in_any_slot_order_come_back_in_the_callers_order(pool):
+    """The C core visits blocks by ascending slot (the prefetcher follows a region
+    read forward) and gives each result at the caller's index: slots given
+    descending and shuffled copy and checksum as given ascending."""
+    layout, tensors = _tensors(pool, "page", seed=13)
+    kv = PagedKV(pool, layout, tensors)
+    keys, status, slots = _claim(pool, 6, seed=13)
+    pages = np.array([8, 2, 14, 5, 0, 19])
+    subs = np.zeros(6, int)
+    for order in (np.arange(6), np.arange(6)[::-1], np.array([3, 0, 5, 1, 4, 2])):
+        crcs = kv.save(slots[order], pages[order], subs[order])
+        assert np.array_equal(crcs, pool.checksum_slots(slots[order])), order
+        back = [torch.zeros_like(t) for t in tensors]
+        assert np.array_equal(PagedKV(pool, layout, back).load(slots[order], pages[order],
+                                                               subs[order]), crcs)
+        index = torch.from_numpy(layout.gather_index(pages, subs))
+        assert all(torch.equal(b[index], t[index]) for b, t in zip(back, tensors))
+    pool.index.commit(keys, status, slots, publish=False)

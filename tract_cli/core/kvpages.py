@@ -207,18 +207,22 @@ class PagedKV:
     def _p(kind: str, arr: np.ndarray):
         return ffi.cast(kind, ffi.from_buffer(arr))
 
-    def _args(self, slots, pages, subs) -> tuple:
-        """The blocks as C arrays, in ascending slot order (the hardware prefetcher
-        follows a region read forward; a slot allocator hands slots out in any
-        order), and that order (to put each block's result back in place)."""
-        s = np.asarray(slots, dtype=np.uint32)
-        p, j = np.asarray(pages), np.asarray(subs)
+    @staticmethod
+    def _args(slots, pages, subs) -> tuple:
+        """The blocks as C arrays (copied only where not already contiguous of the
+        C type; the C core visits them by ascending slot itself).  As few numpy
+        and cffi calls as can be: inside a busy engine, whose forward has pushed
+        the interpreter out of the caches, each costs tens of µs."""
+        s = np.ascontiguousarray(slots, dtype=np.uint32)
+        p = np.ascontiguousarray(pages, dtype=np.uint64)
+        j = np.ascontiguousarray(subs, dtype=np.uint32)
         if not (s.shape == p.shape == j.shape) or s.ndim != 1:
             raise UsageError("slots, pages and sub-blocks differ in length",
                              "pass one page and sub-block per slot")
-        order = np.argsort(s, kind="stable")
-        return (np.ascontiguousarray(s[order]), np.ascontiguousarray(p[order], dtype=np.uint64),
-                np.ascontiguousarray(j[order], dtype=np.uint32), order)
+        if not s.size:
+            return 0, ffi.NULL, ffi.NULL, ffi.NULL
+        return (s.size, ffi.from_buffer("uint32_t[]", s), ffi.from_buffer("uint64_t[]", p),
+                ffi.from_buffer("uint32_t[]", j))
 
     def save(self, slots, pages, subs, tokens=None, checksum: bool = True) -> np.ndarray | None:
         """Copies blocks (page, sub) of every layer into SLOTS (claimed), with
@@ -226,50 +230,43 @@ class PagedKV:
         tokens zero the rest.  Returns each block's CRC-32C, computed as it
         copies.  CHECKSUM=False: a memcpy of the same runs only (no checksum,
         no write-back: not a save), the reference a benchmark times it against."""
-        s, p, j, order = self._args(slots, pages, subs)
-        crcs = np.zeros(max(s.size, 1), np.uint32)
+        args = self._args(slots, pages, subs)
+        n = args[0]
+        crcs = np.empty(n, np.uint32) if checksum else None
         tok = ffi.NULL
         if tokens is not None:
-            t = np.asarray(tokens, dtype=np.uint32)
-            if t.shape != s.shape:
-                raise UsageError("one token count per block", f"pass {s.size} counts")
-            t = np.ascontiguousarray(t[order])
-            tok = self._p("uint32_t *", t)
-        rc = lib.tract_kv_save(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j), tok,
-                               self._p("uint32_t *", crcs) if checksum else ffi.NULL)
+            t = np.ascontiguousarray(tokens, dtype=np.uint32)
+            if t.shape != (n,):
+                raise UsageError("one token count per block", f"pass {n} counts")
+            tok = ffi.from_buffer("uint32_t[]", t) if n else ffi.NULL
+        rc = lib.tract_kv_save(self.pool._r(), self._kv, *args, tok, self._out(crcs))
         self._raise(rc, "save")
-        return self._in_place(crcs, order) if checksum else None
+        return crcs
 
     def load(self, slots, pages, subs, checksum: bool = True) -> np.ndarray | None:
         """Copies SLOTS (acquired: `Pool.acquire_payload`) into blocks (page, sub)
         of every layer.  Returns the CRC-32C of each block as read.  CHECKSUM=False:
         a memcpy of the same runs only, the benchmark's reference."""
-        s, p, j, order = self._args(slots, pages, subs)
-        crcs = np.zeros(max(s.size, 1), np.uint32)
-        rc = lib.tract_kv_load(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j),
-                               self._p("uint32_t *", crcs) if checksum else ffi.NULL)
+        args = self._args(slots, pages, subs)
+        crcs = np.empty(args[0], np.uint32) if checksum else None
+        rc = lib.tract_kv_load(self.pool._r(), self._kv, *args, self._out(crcs))
         self._raise(rc, "load")
-        return self._in_place(crcs, order) if checksum else None
+        return crcs
+
+    @staticmethod
+    def _out(crcs: np.ndarray | None):
+        """Where the C core writes the checksums (NULL: a memcpy, the reference)."""
+        if crcs is None:
+            return ffi.NULL
+        return ffi.from_buffer("uint32_t[]", crcs) if crcs.size else ffi.new("uint32_t[1]")
 
     def evict(self, slots, pages, subs) -> None:
         """Evicts every line of these blocks (their slots and their pages) from this
         host's caches: the cold state a benchmark times a copy and its memcpy
         from.  Not part of the data path (a load's own eviction is
         `Pool.acquire_payload`'s)."""
-        s, p, j, _ = self._args(slots, pages, subs)
-        rc = lib.tract_kv_evict(self.pool._r(), self._kv, s.size, *self._ptrs(s, p, j))
+        rc = lib.tract_kv_evict(self.pool._r(), self._kv, *self._args(slots, pages, subs))
         self._raise(rc, "eviction")
-
-    @staticmethod
-    def _in_place(crcs: np.ndarray, order: np.ndarray) -> np.ndarray:
-        out = np.empty(order.size, np.uint32)
-        out[order] = crcs[:order.size]
-        return out
-
-    def _ptrs(self, s, p, j) -> tuple:
-        if not s.size:
-            return ffi.NULL, ffi.NULL, ffi.NULL
-        return (self._p("uint32_t *", s), self._p("uint64_t *", p), self._p("uint32_t *", j))
 
     def _raise(self, rc: int, what: str) -> None:
         if rc == lib.TRACT_E_RANGE:
