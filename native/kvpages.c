@@ -146,53 +146,83 @@ static int any_bounced(const struct tract_kv_pages *kv)
 	return 0;
 }
 
-/* one load from every page of [p, p + len), page a power of two: its sum,
- * which nobody uses, keeps the loads (internal) */
+/* one load in every page [p, p + len) spans, page a power of two, none before
+ * p (a page's start may lie in another slot, whose lines this node's payload
+ * ledger says are not cached here): its sum, which nobody uses, keeps the
+ * loads (internal) */
 static uint64_t touch_range(const uint8_t *p, uint64_t len, uint64_t page)
 {
 	uint64_t sum = 0;
-	uintptr_t at = (uintptr_t)p & ~(uintptr_t)(page - 1), end = (uintptr_t)p + len;
-	for (; at < end; at += page)
-		sum += *(const volatile uint8_t *)at;     /* the page holding p's byte: mapped */
+	for (uintptr_t at = (uintptr_t)p, end = at + len; at < end;
+	     at = (at & ~(uintptr_t)(page - 1)) + page)
+		sum += *(const volatile uint8_t *)at;
 	return sum;
 }
 
+/* how many bytes of blocks ahead of the copy the touch runs: their pages'
+ * translations stay in the second-level TLB (1.5-2K entries, 6-8 MiB of
+ * 4 KiB pages) until the copy reaches them */
+#define TOUCH_AHEAD_BYTES (4u << 20)
+
 /*
- * Reads one byte of every page both sides of n blocks span, all before the
- * first copy.  Why: a request's slots are pages this process has not touched
- * for long (a save's fresh slots, the slots another host's prefill wrote),
- * whose translations are in no TLB and whose page-table lines an engine's
- * forward has pushed out of the caches.  The copy would meet each page's
- * miss in turn, with its stores (a streaming store waits for its
- * translation) and its dependent checksum holding the window small; these
- * independent loads let the CPU walk many pages at once.  Inside vLLM on a
- * VM (nested paging: a cold walk is ~24 memory accesses) a save of 3 MiB
- * took 1.7-2.3 ms without it and 0.4-0.5 ms with the slots touched first,
- * against 0.37 ms for the same save from cold caches with warm translations
- * (docs/VLLM.md "The data path").  On a device mapped in 2 MiB pages the
- * slots' side is a load per 2 MiB (internal).
+ * Reads one byte of every page both sides of block b span, a window of
+ * blocks ahead of the copy (touch_window).  Why: a request's slots are pages
+ * this process has not touched for long (a save's fresh slots, the slots
+ * another host's prefill wrote), whose translations are in no TLB and whose
+ * page-table lines an engine's forward has pushed out of the caches.  The
+ * copy would meet each page's miss in turn, with its stores (a streaming
+ * store waits for its translation) and its dependent checksum holding the
+ * window small; these independent loads let the CPU walk many pages at
+ * once.  Inside vLLM on a VM (nested paging: a cold walk is up to ~24 memory
+ * accesses) a save of 2.9 MiB took 1.7-2.3 ms without it and 0.46-0.56 ms
+ * with its slots touched first, against 0.37 ms for the same save from cold
+ * caches with warm translations (docs/VLLM.md "The data path").  On a device
+ * mapped in 2 MiB pages the slots' side is a load per 2 MiB (internal).
  */
-static void touch_pages(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
-			const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
-			const uint32_t *order)
+static uint64_t touch_block(tract_region *r, const struct tract_kv_pages *kv, uint32_t slot,
+			    uint64_t page, uint32_t sub)
 {
 	uint64_t sum = 0;
-	for (uint32_t k = 0; k < n; k++) {
-		uint32_t b = VISIT(order, k);
-		if (kv->region_page)
-			sum += touch_range(r->base + slot_offset(r, slots[b]), r->hdr.block_bytes,
-					   kv->region_page);
-		if (!kv->engine_page)
-			continue;
-		/* the span of the sub-block's runs in a page (check_block: in the tensor) */
-		uint64_t lo = UINT64_MAX, hi = 0;
-		for (uint32_t i = kv->run_first[subs[b]]; i < kv->run_first[subs[b] + 1]; i++) {
-			lo = kv->run_off[i] < lo ? kv->run_off[i] : lo;
-			hi = kv->run_off[i] + kv->run_len[i] > hi ? kv->run_off[i] + kv->run_len[i] : hi;
-		}
-		for (uint32_t l = 0; l < kv->layers; l++)
-			sum += touch_range((const uint8_t *)(uintptr_t)kv->bases[l] +
-					   pages[b] * kv->page_stride + lo, hi - lo, kv->engine_page);
+	if (kv->region_page)
+		sum += touch_range(r->base + slot_offset(r, slot), r->hdr.block_bytes,
+				   kv->region_page);
+	if (!kv->engine_page)
+		return sum;
+	/* the span of the sub-block's runs in a page (check_block: in the tensor) */
+	uint64_t lo = UINT64_MAX, hi = 0;
+	for (uint32_t i = kv->run_first[sub]; i < kv->run_first[sub + 1]; i++) {
+		lo = kv->run_off[i] < lo ? kv->run_off[i] : lo;
+		hi = kv->run_off[i] + kv->run_len[i] > hi ? kv->run_off[i] + kv->run_len[i] : hi;
+	}
+	for (uint32_t l = 0; l < kv->layers; l++)
+		sum += touch_range((const uint8_t *)(uintptr_t)kv->bases[l] +
+				   page * kv->page_stride + lo, hi - lo, kv->engine_page);
+	return sum;
+}
+
+/* the blocks the touch runs ahead of the copy: TOUCH_AHEAD_BYTES of them, at
+ * least one; 0 where neither side is touched (internal) */
+static uint32_t touch_window(const tract_region *r, const struct tract_kv_pages *kv)
+{
+	if (r->sim || (!kv->region_page && !kv->engine_page))
+		return 0;
+	uint64_t w = TOUCH_AHEAD_BYTES / r->hdr.block_bytes;
+	return w ? (uint32_t)(w < UINT32_MAX ? w : UINT32_MAX) : 1;
+}
+
+/* before the copy of the block visited k-th: the block visited window
+ * blocks later is touched (at k = 0, the whole first window) (internal) */
+static void touch_ahead(tract_region *r, const struct tract_kv_pages *kv, uint32_t n,
+			const uint32_t *slots, const uint64_t *pages, const uint32_t *subs,
+			const uint32_t *order, uint32_t k, uint32_t window)
+{
+	if (!window)
+		return;
+	uint64_t sum = 0;
+	uint32_t from = k ? k + window - 1 : 0, to = k + window;   /* [from, to) */
+	for (uint32_t v = from; v < to && v < n; v++) {
+		uint32_t b = VISIT(order, v);
+		sum += touch_block(r, kv, slots[b], pages[b], subs[b]);
 	}
 	(void)sum;
 }
@@ -385,12 +415,14 @@ int tract_kv_save(tract_region *r, const struct tract_kv_pages *kv,
 	uint8_t *buf = NULL;
 	/* one chunk's bounce buffer, if the layout needs it (NULL: run by run) */
 	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
-	if (!r->sim)
-		touch_pages(r, kv, n, slots, pages, subs, order);
+	/* the ledger lets go of the slots before anything of them is read here */
+	for (uint32_t i = 0; i < n; i++)
+		tract_payload_forget_range(r, slot_offset(r, slots[i]), r->hdr.block_bytes);
+	uint32_t window = touch_window(r, kv);
 	for (uint32_t k = 0; k < n; k++) {
 		uint32_t i = VISIT(order, k);
 		uint64_t off = slot_offset(r, slots[i]);
-		tract_payload_forget_range(r, off, r->hdr.block_bytes);
+		touch_ahead(r, kv, n, slots, pages, subs, order, k, window);
 		if (tokens && tokens[i] < kv->block_tokens) {
 			if (!buf && !(buf = malloc(kv->layer_bytes))) {
 				rc = TRACT_E_NOMEM;      /* the blocks before it: fenced below */
@@ -433,11 +465,11 @@ int tract_kv_load(tract_region *r, const struct tract_kv_pages *kv,
 		return TRACT_OK;
 	}
 	uint8_t *bounce = n && !r->sim && any_bounced(kv) ? malloc(kv->layer_bytes) : NULL;
-	if (!r->sim)
-		touch_pages(r, kv, n, slots, pages, subs, order);
+	uint32_t window = touch_window(r, kv);
 	for (uint32_t k = 0; k < n; k++) {
 		uint32_t i = VISIT(order, k);
 		uint64_t off = slot_offset(r, slots[i]);
+		touch_ahead(r, kv, n, slots, pages, subs, order, k, window);
 		crcs[i] = r->sim ? move_block_sim(r, kv, off, pages[i], subs[i], 0)
 				 : move_block(r, kv, r->base + off, pages[i], subs[i], 0, bounce);
 	}

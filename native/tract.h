@@ -912,8 +912,9 @@ struct tract_kv_pages {
 	uint32_t elem_bytes;
 	uint32_t block_tokens;
 	/* the page sizes of the region's mapping and of the engine's tensors:
-	 * save and load read one byte of each page of both sides first, all at
-	 * once, so the copy meets no TLB miss (0: that side is not touched) */
+	 * save and load read one byte of each page of both sides a few MiB
+	 * ahead of the copy, so it meets few TLB misses (0: that side is not
+	 * touched) */
 	uint64_t region_page;
 	uint64_t engine_page;
 };

@@ -457,12 +457,62 @@ def test_blocks_in_any_slot_order_come_back_in_the_callers_order(pool):
     keys, status, slots = _claim(pool, 6, seed=13)
     pages = np.array([8, 2, 14, 5, 0, 19])
     subs = np.zeros(6, int)
+    area = pool.slots_tensor().reshape(pool.info.slot_count, pool.geometry.num_layers, -1)
     for order in (np.arange(6), np.arange(6)[::-1], np.array([3, 0, 5, 1, 4, 2])):
+        area[torch.from_numpy(slots.astype(np.int64))] = 0
         crcs = kv.save(slots[order], pages[order], subs[order])
         assert np.array_equal(crcs, pool.checksum_slots(slots[order])), order
+        # each slot holds its own page, whatever the order
+        for b in range(6):
+            index = torch.from_numpy(layout.gather_index(pages[b:b + 1], subs[b:b + 1]))
+            for layer, t in enumerate(tensors):
+                assert torch.equal(area[int(slots[b]), layer], t[index][0]), (order, b)
         back = [torch.zeros_like(t) for t in tensors]
         assert np.array_equal(PagedKV(pool, layout, back).load(slots[order], pages[order],
                                                                subs[order]), crcs)
         index = torch.from_numpy(layout.gather_index(pages, subs))
         assert all(torch.equal(b[index], t[index]) for b, t in zip(back, tensors))
+    del area
     pool.index.commit(keys, status, slots, publish=False)
+
+
+TOUCH_BOUNDS = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np, torch
+from test_kvpages import _one_block_a_page
+from tract_cli.core.kvpages import PageLayout, PagedKV
+from tract_cli.core.pool import Pool
+with Pool.create(sys.argv[1], 8 << 20, "tiny", nodes=1) as pool:
+    g = pool.geometry
+    offsets, stride = _one_block_a_page(g.block_tokens, g.num_kv_heads, g.head_dim)
+    layout = PageLayout(offsets.astype(np.int64), stride, g.block_tokens, 4)
+    tensors = [torch.randn(8 * stride) for _ in range(g.num_layers)]
+    kv = PagedKV(pool, layout, tensors)
+    slots, pages, subs = np.array([3, 1], np.uint32), np.array([6, 2]), np.zeros(2, int)
+    want = kv.save(slots, pages, subs)
+    # pages of 1 GiB: a touch that began at a page's start would read far before
+    # the tensors and the slots, into memory that is not mapped
+    kv._kv.region_page = kv._kv.engine_page = 1 << 30
+    got = kv.save(slots, pages, subs), kv.load(slots, pages, subs)
+    del kv
+print(int(all(np.array_equal(x, want) for x in got)))
+"""
+
+
+def test_the_page_touch_reads_nothing_before_a_block(tmp_path):
+    """touch_pages reads one byte in every page a block spans and none before it:
+    on a device the mapping's pages are 2 MiB or 1 GiB, whose start lies in
+    another slot (whose lines the payload ledger says are not cached here), or
+    before an engine's tensor.  With 1 GiB pages over small tensors a touch
+    from a page's start reads unmapped memory and the process dies."""
+    path = f"/dev/shm/tract-test-kvp-touch-{os.getpid()}.pool"
+    try:
+        out = subprocess.run([sys.executable, "-c", TOUCH_BOUNDS, path, os.path.dirname(__file__)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["1"]
+    finally:
+        from tract_cli.core.region import remove_region
+        if os.path.exists(path):
+            remove_region(path)

@@ -119,11 +119,12 @@ def test_vllms_kv_cache_is_in_huge_pages_as_tract_starts_it(stack):
         thp = "[never]" not in f.read()
     for role in ("prefill", "decode"):
         text = open(stack["tmp"] / f"{role}.log", errors="replace").read()
-        if thp:
-            assert re.search(r"TraCT connector worker: (\d+)% of vLLM's KV cache in huge pages",
-                             text), role
-        else:
-            assert "Start vLLM with THP_MEM_ALLOC_ENABLE=1" in text, role
+        share = re.search(r"TraCT connector worker: (\d+)% of vLLM's KV cache in huge pages"
+                          r"|\((\d+)% in huge pages\)", text)
+        assert share, role
+        # torch asked for them (without the variable: 0); how many the kernel
+        # found room for depends on how fragmented this host's memory is
+        assert int(share[1] or share[2]) > 0 if thp else share[2] == "0", (role, share[0])
 
 
 def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):

@@ -276,7 +276,12 @@ class WorkerSide:
         """Says so where vLLM's CPU KV cache is not in huge pages: each 4 KiB
         page a save or load meets then costs a page walk, which made the copy
         2-5x memcpy inside vLLM on a VM (docs/VLLM.md "The data path")."""
-        share = huge_page_share(tensors)
+        try:
+            share = huge_page_share(tensors)
+        except Exception as exc:   # a report only: never a reason not to start
+            log.warning("TraCT connector worker: could not read how vLLM's KV cache is "
+                        "mapped: %s", exc)
+            return
         if share is None:
             return
         if share >= 0.5:

@@ -116,9 +116,15 @@ def touch_pages(target) -> tuple[int, int]:
     return max(region, mmap.PAGESIZE), mmap.PAGESIZE
 
 
+# the smaps fields that count a mapping's bytes in huge pages: transparent ones
+# (anonymous, shared memory, file) and hugetlbfs's
+_HUGE_FIELDS = ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:", "Shared_Hugetlb:",
+                "Private_Hugetlb:")
+
+
 def huge_page_share(tensors: list, smaps: str = "/proc/self/smaps") -> float | None:
     """The share of TENSORS' bytes (CPU tensors of this process) that the kernel
-    maps in huge pages, from the AnonHugePages of each mapping holding them
+    maps in huge pages, from the huge-page fields of each mapping holding them
     (a mapping's share taken as even over it); None where SMAPS cannot be
     read.  Why it matters: a copy meets every 4 KiB page of an engine's KV
     cache it touches with a page walk, which on a VM costs as much as the
@@ -142,10 +148,11 @@ def huge_page_share(tensors: list, smaps: str = "/proc/self/smaps") -> float | N
                 lo, hi = int(a, 16), int(b, 16)
             except ValueError:
                 lo = hi = 0
-        elif line.startswith("AnonHugePages:") and hi > lo:
+        elif line.startswith(_HUGE_FIELDS) and hi > lo:
             overlap = sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
-            if overlap:
-                huge += int(line.split()[1]) * 1024 * overlap / (hi - lo)
+            fields = line.split()
+            if overlap and len(fields) > 1 and fields[1].isdigit():
+                huge += int(fields[1]) * 1024 * overlap / (hi - lo)
     return min(1.0, huge / total)
 
 
@@ -212,11 +219,22 @@ class PagedKV:
         """The blocks as C arrays (copied only where not already contiguous of the
         C type; the C core visits them by ascending slot itself).  As few numpy
         and cffi calls as can be: inside a busy engine, whose forward has pushed
-        the interpreter out of the caches, each costs tens of µs."""
-        s = np.ascontiguousarray(slots, dtype=np.uint32)
-        p = np.ascontiguousarray(pages, dtype=np.uint64)
-        j = np.ascontiguousarray(subs, dtype=np.uint32)
-        if not (s.shape == p.shape == j.shape) or s.ndim != 1:
+        the interpreter out of the caches, each costs tens of µs.  Arrays already of
+        the C type are passed as they are: the caller leaves them unchanged
+        until the call returns (the C core checks them, then reads them
+        again as it copies, with the GIL released)."""
+        if np.ndim(slots) != 1:
+            raise UsageError("slots, pages and sub-blocks are not lists of blocks",
+                             "pass one page and sub-block per slot")
+        try:
+            s = np.ascontiguousarray(slots, dtype=np.uint32)
+            p = np.ascontiguousarray(pages, dtype=np.uint64)
+            j = np.ascontiguousarray(subs, dtype=np.uint32)
+        except (OverflowError, ValueError, TypeError):
+            raise UsageError("a slot, page or sub-block is not a non-negative integer",
+                             "pass slots the index gave and pages of the engine's own "
+                             "cache") from None
+        if not (s.shape == p.shape == j.shape):
             raise UsageError("slots, pages and sub-blocks differ in length",
                              "pass one page and sub-block per slot")
         if not s.size:
