@@ -153,7 +153,9 @@ def kv_path_line(kind: str, fig: dict) -> str:
             f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
             f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])} from cold caches, "
             f"{ms(warm)} warm: {x(fig['ratio'])} the cold one in all, the copy "
-            f"{x(fig['copy_ratio'])} the cold one and {x(fig.get('copy_vs_warm_ratio'))} the "
+            f"{x(fig['copy_ratio'])} the cold one (each {one}'s: median "
+            f"{x(fig.get('copy_ratio_median'))}, max {x(fig.get('copy_ratio_max'))}) and "
+            f"{x(fig.get('copy_vs_warm_ratio'))} the "
             f"warm one (a warm-up's copy again against its memcpy: "
             f"{x(fig.get('cold_copy_ratio'))} both cold, {x(fig.get('warm_copy_ratio'))} both "
             "warm)")

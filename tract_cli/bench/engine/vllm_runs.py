@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -520,12 +521,18 @@ def _memcpy_figures(kv: dict) -> dict:
         warm_same = warm * scale if scale and warm else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         ratio = lambda a, b: a / b if a and b else None
+        # each request's copy against the cold memcpy of as many blocks: a mean
+        # of a few requests is one preempted copy's as much as the rest's
+        each = sorted(r.get("copy_ms", 0.0) / (ref_ms / ref_blocks * r["blocks"])
+                      for r in rows if ref_ms and ref_blocks and r["blocks"])
         out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
                      "meta_ms": tract - copy,
                      "memcpy_ms": same, "memcpy_warm_ms": warm_same,
                      "private_memcpy_ms": private,
                      "ratio": ratio(tract, same), "copy_ratio": ratio(copy, same),
                      "copy_vs_warm_ratio": ratio(copy, warm_same),
+                     "copy_ratio_median": statistics.median(each) if each else None,
+                     "copy_ratio_max": each[-1] if each else None,
                      # the warm-ups' checksummed copies against their memcpy, both
                      # from cold caches and both warm
                      "cold_copy_ratio": ratio(sum(r["copy_cold_ms"] for r in refs), ref_ms),
