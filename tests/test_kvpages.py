@@ -402,11 +402,11 @@ def test_a_partial_block_is_the_pages_bytes_up_to_its_tokens_for_every_element_s
 
 def test_the_page_touch_is_off_or_a_power_of_two_and_copies_alike_either_way(pool,
                                                                                monkeypatch):
-    """Save and load read one byte of every page first (native/kvpages.c
-    touch_pages); the same bytes and checksums with it off (TRACT_NO_PAGE_TOUCH=1,
+    """Save and load read one byte of every page ahead of the copy (native/kvpages.c
+    touch_ahead); the same bytes and checksums with it off (TRACT_NO_PAGE_TOUCH=1,
     the benchmark's A/B), and a page size that is no power of two is refused."""
     import mmap
-    from tract_cli.core.kvpages import touch_pages
+    from tract_cli.core.kvpages import touch_page_sizes
     layout, tensors = _tensors(pool, "page", seed=12)
     kv = PagedKV(pool, layout, tensors)
     assert (kv._kv.region_page, kv._kv.engine_page) == (mmap.PAGESIZE, mmap.PAGESIZE)
@@ -414,7 +414,7 @@ def test_the_page_touch_is_off_or_a_power_of_two_and_copies_alike_either_way(poo
     pages, subs = np.array([5, 1, 9, 2]), np.zeros(4, int)
     crcs = kv.save(slots, pages, subs)
     monkeypatch.setenv("TRACT_NO_PAGE_TOUCH", "1")
-    assert touch_pages(pool.target) == (0, 0)
+    assert touch_page_sizes(pool.target) == (0, 0)
     plain = PagedKV(pool, layout, [t.clone() for t in tensors])
     assert (plain._kv.region_page, plain._kv.engine_page) == (0, 0)
     assert np.array_equal(plain.save(slots, pages, subs), crcs)
@@ -501,7 +501,7 @@ print(int(all(np.array_equal(x, want) for x in got)))
 
 
 def test_the_page_touch_reads_nothing_before_a_block(tmp_path):
-    """touch_pages reads one byte in every page a block spans and none before it:
+    """The touch (touch_block) reads one byte in every page a block spans and none before it:
     on a device the mapping's pages are 2 MiB or 1 GiB, whose start lies in
     another slot (whose lines the payload ledger says are not cached here), or
     before an engine's tensor.  With 1 GiB pages over small tensors a touch

@@ -104,12 +104,12 @@ class PageLayout:
         return pages.astype(np.int64)[:, None] * self.page_stride + self.index[subs]
 
 
-def touch_pages(target) -> tuple[int, int]:
-    """The page sizes a save or load touches one byte of, all at once, before
-    it copies (native/kvpages.c touch_pages: the copy then meets no TLB miss):
-    the region's mapping's (a device's alignment, a file's system pages) and
-    the engine's tensors' (system pages).  TRACT_NO_PAGE_TOUCH=1: neither
-    (the benchmark's A/B)."""
+def touch_page_sizes(target) -> tuple[int, int]:
+    """The page sizes in which a save or load reads one byte a few MiB ahead of
+    its copy (native/kvpages.c touch_ahead: the copy finds the translations in
+    the TLB): the region's mapping's (a device's alignment, a file's system
+    pages) and the engine's tensors' (system pages).  TRACT_NO_PAGE_TOUCH=1:
+    neither (the benchmark's A/B)."""
     if os.environ.get("TRACT_NO_PAGE_TOUCH", "") not in ("", "0"):
         return 0, 0
     region = target.alignment if target.kind == "devdax" else mmap.PAGESIZE
@@ -207,7 +207,7 @@ class PagedKV:
         kv.run_pos = self._p("uint64_t *", a["run_pos"])
         kv.elem_token = self._p("uint16_t *", a["elem_token"])
         kv.elem_bytes, kv.block_tokens = eb, g.block_tokens
-        kv.region_page, kv.engine_page = touch_pages(pool.target)
+        kv.region_page, kv.engine_page = touch_page_sizes(pool.target)
         self._kv = kv
 
     @staticmethod
