@@ -380,9 +380,9 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert save[1]["commit_in_step"]
     off = kvlog.parse(kvlog.SAVED % (7, 57344, 3.0, 2.0, 1.0, 0.25, 0.5, kvlog.OFF_STEP))
     assert off[1]["commit_ms"] == 0.5 and not off[1]["commit_in_step"]
-    ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.0, 0.5, 1.2, 0.55))
-    assert ref == ("save_memcpy", {"blocks": 6, "ms": 1.0, "warm_ms": 0.5, "copy_cold_ms": 1.2,
-                                   "copy_warm_ms": 0.55})
+    ref = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 1.5, 1.0, 0.5, 1.2, 0.55))
+    assert ref == ("save_memcpy", {"blocks": 6, "step_ms": 1.5, "ms": 1.0, "warm_ms": 0.5,
+                                   "copy_cold_ms": 1.2, "copy_warm_ms": 0.55})
     assert kvlog.parse("INFO " + kvlog.PUBLISHED % ("cmpl-2", 13, 0.5)) == (
         "publish", {"blocks": 13, "ms": 0.5})
     assert kvlog.parse("INFO something else") is None
@@ -393,6 +393,9 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert fig["cold_copy_ratio"] == pytest.approx(1.2) and fig["warm_copy_ratio"] == \
         pytest.approx(1.1)
     assert fig["memcpy_warm_ms"] == pytest.approx(0.5 * 7 / 6)
+    # the memcpy in the step, where the copy runs: the reference the copy is held to
+    assert fig["memcpy_step_ms"] == pytest.approx(1.5 * 7 / 6)
+    assert fig["copy_vs_step_ratio"] == pytest.approx(2.0 / 1.75)
     assert (fig["claim_wait_ms"], fig["commit_ms"]) == (0.25, 0.75)
     # two saves: the figures are sums, the report tells the mean save beside the count
     from tract_cli.cli.bench_vllm import kv_path_line
@@ -405,23 +408,29 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
                            "in 3 ms (copy 2 ms,"), line
     assert "commit 750 µs, 750 µs of it in the step" in line, line
-    assert "length) 1.17 ms from cold caches, 583 µs warm: 2.57x the cold one in all" in line, line
-    assert ("the copy 1.71x the cold one (each save's: median 1.71x, max 1.71x) and 3.43x "
-            "the warm one") in line, line
+    assert ("length) 1.75 ms in the step where the copy runs, 1.17 ms from cold caches, "
+            "583 µs warm: the copy 1.14x the one in the step (each save's: median 1.14x, "
+            "max 1.14x), 1.71x the cold one (median 1.71x, max 1.71x), 3.43x the warm one; "
+            "the save in all 2.57x the cold one") in line, line
     # each request's copy against the cold memcpy of its blocks: one slow copy
     # shows in the max, not in the median
     slow = dict(save[1], copy_ms=20.0)
     three = _memcpy_figures({"saves": [save[1], save[1], slow], "saves_memcpy": [ref[1]]})
     assert three["saves"]["copy_ratio_median"] == pytest.approx(2.0 / (7 / 6))
     assert three["saves"]["copy_ratio_max"] == pytest.approx(20.0 / (7 / 6))
+    assert three["saves"]["step_ratio_median"] == pytest.approx(2.0 / 1.75)
+    assert three["saves"]["step_ratio_max"] == pytest.approx(20.0 / 1.75)
     assert "1.20x both cold, 1.10x both warm" in line, line
     # a CPU that cannot evict times no cold memcpy (0): told as not timed, never a crash
-    warm_only = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 0.0, 0.5, 0.0, 0.55))[1]
+    warm_only = kvlog.parse("INFO " + kvlog.REFERENCE % ("save", 6, 0.0, 0.0, 0.5, 0.0, 0.55))[1]
     fig = _memcpy_figures({"saves": [save[1]], "saves_memcpy": [warm_only]})["saves"]
     assert fig["memcpy_ms"] is None and fig["ratio"] is None and fig["cold_copy_ratio"] is None
     assert fig["copy_vs_warm_ratio"] == pytest.approx(2.0 / (0.5 * 7 / 6))
     line = kv_path_line("saves", fig)
-    assert "length) — from cold caches, 583 µs warm: — the cold one in all" in line, line
+    assert fig["memcpy_step_ms"] is None and fig["step_ratio_median"] is None
+    assert ("length) — in the step where the copy runs, — from cold caches, 583 µs warm: the "
+            "copy — the one in the step") in line, line
+    assert "the save in all — the cold one" in line, line
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])
@@ -451,16 +460,16 @@ def test_the_bench_counts_only_what_the_connector_logged_after_the_warm_up(tmp_p
     prefill, decode = tmp_path / "tract-prefill.log", tmp_path / "tract-decode.log"
     warm_save = "INFO " + kvlog.SAVED % (2, 16384, 9.0, 8.0, 1.0, 0.5, 0.5, kvlog.OFF_STEP) + "\n"
     warm_load = "INFO " + kvlog.LOADED % (2, 16384, "warm", 9.0, 8.0, 1.0) + "\n"
-    prefill.write_text(warm_save + "INFO " + kvlog.REFERENCE % ("save", 11, 0.45, 0.4, 0.5, 0.55)
+    prefill.write_text(warm_save + "INFO " + kvlog.REFERENCE % ("save", 11, 0.6, 0.45, 0.4, 0.5, 0.55)
                        + "\n"
                        + "INFO " + kvlog.PUBLISHED % ("warm", 2, 7.0) + "\n")
-    decode.write_text(warm_load + "INFO " + kvlog.REFERENCE % ("load", 12, 0.3, 0.2, 0.35, 0.4)
+    decode.write_text(warm_load + "INFO " + kvlog.REFERENCE % ("load", 12, 0.5, 0.3, 0.2, 0.35, 0.4)
                       + "\n")
     marks = {str(prefill): prefill.stat().st_size, str(decode): decode.stat().st_size}
     with open(prefill, "a") as f:
         f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP)
                 + "\n")
-        f.write("INFO " + kvlog.REFERENCE % ("save", 12, 0.5, 0.45, 0.55, 0.6) + "\n")
+        f.write("INFO " + kvlog.REFERENCE % ("save", 12, 0.7, 0.5, 0.45, 0.55, 0.6) + "\n")
         f.write("INFO " + kvlog.PUBLISHED % ("cmpl-1", 12, 0.4) + "\n")
         # a line still being written
         f.write("INFO " + kvlog.SAVED % (12, 98304, 3.0, 2.0, 1.0, 0.25, 0.75, kvlog.IN_STEP))
@@ -578,13 +587,26 @@ vllm_worker.REFERENCE = True
 worker = object.__new__(vllm_worker.WorkerSide)
 args = (np.array([3, 4]), np.array([1, 2]), np.array([0, 0]))
 worker._paged = Paged()
-assert worker._reference("save", *args) > 0
+# the memcpy in the step: one plain copy where the real one runs, no eviction
+in_step = worker._memcpy_in_step("save", *args)
+assert in_step > 0 and worker._paged.calls == ["save"], worker._paged.calls
+worker._paged = Paged()
+assert worker._reference("save", *args, in_step_s=in_step) > 0
 one = ["evict", "save", "save", "evict", "save+crc", "save+crc"]
 assert worker._paged.calls == one * vllm_worker.REFERENCE_ROUNDS, worker._paged.calls
 (line,) = lines.lines
 kind, row = kvlog.parse(line)
 assert kind == "save_memcpy" and row["blocks"] == 2, row
-assert all(row[k] > 0 for k in ("ms", "warm_ms", "copy_cold_ms", "copy_warm_ms")), row
+assert all(row[k] > 0 for k in ("step_ms", "ms", "warm_ms", "copy_cold_ms", "copy_warm_ms")), row
+assert abs(row["step_ms"] - in_step * 1e3) < 1e-3, (row, in_step)
+# a memcpy in the step that fails: said, not timed, the copy goes on
+worker._paged = Paged(fail_at=1)
+assert worker._memcpy_in_step("load", *args) is None
+# no reference asked of this process: nothing copied
+vllm_worker.REFERENCE = False
+worker._paged = Paged()
+assert worker._memcpy_in_step("save", *args) is None and worker._paged.calls == []
+vllm_worker.REFERENCE = True
 # a failure after a memcpy's stores: the slots written back, nothing logged
 lines.lines.clear()
 worker._paged = Paged(fail_at=5)
@@ -600,6 +622,7 @@ assert worker._paged.calls[:6] == ["evict", "save", "save", "save+crc", "save+cr
 (line,) = lines.lines
 row = kvlog.parse(line)[1]
 assert row["ms"] == 0 and row["copy_cold_ms"] == 0 and row["warm_ms"] > 0, row
+assert row["step_ms"] == 0, row          # none given: not timed
 # a load whose checksummed copy read other bytes than the load's own
 worker._paged = Paged()
 try:
@@ -614,7 +637,8 @@ print("ok")
 
 def test_the_memcpy_reference_times_cold_and_warm_and_leaves_a_save_on_memory():
     """The connector's reference (TRACT_CONNECTOR_REFERENCE), in vLLM's
-    environment with a stand-in for the copies: each round a memcpy cold then
+    environment with a stand-in for the copies: a memcpy in the step, one plain
+    copy where the real one runs, logged beside the rest; each round a memcpy cold then
     warm, the checksummed copy cold then warm, each warm one right after its
     own kind; a save's last write a checksummed save, or its slots written
     back when a failure left a memcpy's stores last; warm only where the CPU

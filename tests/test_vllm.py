@@ -91,7 +91,8 @@ def test_the_memcpy_reference_is_timed_only_for_a_request_that_asks(stack):
     """With TRACT_CONNECTOR_REFERENCE=1 (what the bench sets), a request whose
     kv_transfer_params ask (kvlog.REFERENCE_PARAM: the bench's warm-ups) has a
     memcpy timed beside its save and, through its ticket, beside its decode's
-    load, and still answers as one vLLM; a request that does not ask has none
+    load (one of them in the step, right before the copy), and still answers as
+    one vLLM; a request that does not ask has none
     (no measured request pays the extra copies in its steps)."""
     from tract_cli.core import kvlog
     logs = {role: str(stack["tmp"] / f"{role}.log") for role in ("prefill", "decode")}
@@ -104,10 +105,13 @@ def test_the_memcpy_reference_is_timed_only_for_a_request_that_asks(stack):
         out = complete(stack["decode"], prompt, kv_transfer_params=params)
         assert_answers_as_mono(stack, prompt, out)
         # both lines are logged in the step, before its reply
-        timed = {role: [kind for kind, _ in kvlog.read_since(path, since[role])
+        lines = {role: [(kind, row) for kind, row in kvlog.read_since(path, since[role])
                         if kind.endswith("_memcpy")] for role, path in logs.items()}
+        timed = {role: [kind for kind, _ in got] for role, got in lines.items()}
         assert timed == ({"prefill": ["save_memcpy"], "decode": ["load_memcpy"]} if asked
                          else {"prefill": [], "decode": []}), (asked, timed)
+        # with the memcpy in the step, right before the copy, among them
+        assert all(row["step_ms"] > 0 for got in lines.values() for _, row in got), lines
 
 
 def test_vllms_kv_cache_is_in_huge_pages_as_tract_starts_it(stack):

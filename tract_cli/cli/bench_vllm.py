@@ -142,21 +142,26 @@ def kv_path_line(kind: str, fig: dict) -> str:
     """The connector's loads or saves (KIND) against memcpy of the same bytes, from
     FIG (`vllm_runs._memcpy_figures`, sums over its count): told as the mean one,
     beside the count, so that no sum reads as one request's time.  The real copy
-    is set against the memcpy both cold and warm: a load meets slots its acquire
-    evicted, a save reads pages its forward may have left in the caches."""
+    is set first against the memcpy in the step, where it runs (it meets what the
+    copy meets: the forward's leftovers in the TLB and the caches), then against
+    the memcpy both cold and warm: a load meets slots its acquire evicted, a
+    save reads pages its forward may have left in the caches."""
     n = fig["count"]
     ms = lambda v: "—" if v is None else format_duration(v / n / 1e3)
     x = lambda v: "—" if v is None else f"{v:.2f}x"
     one = kind[:-1]
-    warm = fig.get("memcpy_warm_ms")
-    same = ("no memcpy timed (no full block)" if fig["memcpy_ms"] is None and warm is None else
-            f"memcpy of as many bytes between vLLM's pages and the region's slots (beside "
-            f"the copies of a warm-up of each length) {ms(fig['memcpy_ms'])} from cold caches, "
-            f"{ms(warm)} warm: {x(fig['ratio'])} the cold one in all, the copy "
-            f"{x(fig['copy_ratio'])} the cold one (each {one}'s: median "
-            f"{x(fig.get('copy_ratio_median'))}, max {x(fig.get('copy_ratio_max'))}) and "
-            f"{x(fig.get('copy_vs_warm_ratio'))} the "
-            f"warm one (a warm-up's copy again against its memcpy: "
+    warm, step = fig.get("memcpy_warm_ms"), fig.get("memcpy_step_ms")
+    same = ("no memcpy timed (no full block)"
+            if fig["memcpy_ms"] is None and warm is None and step is None else
+            f"memcpy of as many bytes between vLLM's pages and the region's slots (a "
+            f"warm-up's of each length) {ms(step)} in the step where the copy runs, "
+            f"{ms(fig['memcpy_ms'])} from cold caches, {ms(warm)} warm: the copy "
+            f"{x(fig.get('copy_vs_step_ratio'))} the one in the step (each {one}'s: median "
+            f"{x(fig.get('step_ratio_median'))}, max {x(fig.get('step_ratio_max'))}), "
+            f"{x(fig['copy_ratio'])} the cold one (median "
+            f"{x(fig.get('copy_ratio_median'))}, max {x(fig.get('copy_ratio_max'))}), "
+            f"{x(fig.get('copy_vs_warm_ratio'))} the warm one; the {one} in all "
+            f"{x(fig['ratio'])} the cold one (a warm-up's copy again against its memcpy: "
             f"{x(fig.get('cold_copy_ratio'))} both cold, {x(fig.get('warm_copy_ratio'))} both "
             "warm)")
     meta = ms(fig["meta_ms"])

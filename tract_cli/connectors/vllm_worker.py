@@ -721,18 +721,23 @@ class WorkerSide:
             return None, True
         sums = np.zeros(len(plan.keys), np.uint32)
         if self._paged is not None:
+            full = in_step_s = None
+            if REFERENCE and plan.reference:
+                # the blocks of the requests that ask for the reference; full blocks
+                # only (a partial one's slot holds zeros past its tokens, which a
+                # plain copy of the page would overwrite)
+                asked = np.concatenate([r for req in plan.reference for r in plan.rows[req]])
+                full = np.intersect1d(mine[plan.tokens[mine] == self.g], asked)
+                in_step_s = self._memcpy_in_step("save", plan.slots[full], plan.pages[full],
+                                                 plan.subs[full])
             t0 = time.perf_counter()
             # one C call: every layer of every claimed block, checksummed as it copies
             sums[mine] = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
                                           plan.tokens[mine])
             plan.copy_s = time.perf_counter() - t0
-            # the blocks of the requests that ask for the reference; full blocks only
-            # (a partial one's slot holds zeros past its tokens, which a plain copy
-            # of the page would overwrite)
-            if REFERENCE and plan.reference:
-                asked = np.concatenate([r for req in plan.reference for r in plan.rows[req]])
-                full = np.intersect1d(mine[plan.tokens[mine] == self.g], asked)
-                self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full])
+            if full is not None:
+                self._reference("save", plan.slots[full], plan.pages[full], plan.subs[full],
+                                in_step_s=in_step_s)
             return sums, True
         if len(plan.layers_done) != len(self._layers) or plan.gpu_failed:
             return None, False
@@ -820,15 +825,39 @@ class WorkerSide:
         finally:       # whatever happened above, the pins no record took are given back
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
-    def _reference(self, kind: str, slots, pages, subs, crcs=None) -> float:
+    def _memcpy_in_step(self, kind: str, slots, pages, subs) -> float | None:
+        """With TRACT_CONNECTOR_REFERENCE=1, for a request that asks for the
+        reference: a plain memcpy of the same bytes between the same buffers where
+        the copy runs, right before it (a save's right after its forward, a
+        load's right after its acquire), so that it meets what the copy meets:
+        translations and caches a forward that streamed the model and the KV
+        cache left behind.  The memcpy in the step: the reference the copy is
+        held to (docs/VLLM.md "The data path").  A save's stores go into slots
+        still claimed, which the checksummed save right after overwrites with
+        streaming stores; a load's into the pages the load right after writes
+        with the same bytes.  The seconds it took; None: not asked, or it failed
+        (said; the copy goes on)."""
+        if not REFERENCE or not len(slots):
+            return None
+        t0 = time.perf_counter()
+        try:
+            getattr(self._paged, kind)(slots, pages, subs, checksum=False)
+        except TractError as exc:
+            log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
+            return None
+        return time.perf_counter() - t0
+
+    def _reference(self, kind: str, slots, pages, subs, crcs=None,
+                   in_step_s: float | None = None) -> float:
         """With TRACT_CONNECTOR_REFERENCE=1 (`tract bench --engine vllm`), for a request
         that asks for it (kvlog.REFERENCE_PARAM): a plain memcpy of the same
         bytes between the same buffers, right after the real copy, and the real
         (checksummed) copy once more, each timed twice a round: from cold caches
         (every line of the slots and pages evicted first) and warm (right after
         the same kind of copy), REFERENCE_ROUNDS rounds interleaved, their
-        medians logged (a cold time 0: this CPU cannot evict, not timed): the
-        references the copy is measured against.  Both write the bytes the copy
+        medians logged (a cold time 0: this CPU cannot evict, not timed) beside
+        IN_STEP_S (`_memcpy_in_step`; 0: not timed): the references the copy is
+        measured against.  Both write the bytes the copy
         just wrote (a save's into slots still claimed, before the commit, the
         last write of each round a checksummed save with streaming stores; a
         load's while its pins or handoff still hold the slots, and every copy's
@@ -878,7 +907,7 @@ class WorkerSide:
                 # the commit (a CPU that cannot evict runs flush mode none only)
                 with contextlib.suppress(TractError):
                     self._paged.evict(slots, pages, subs)
-        log.info(kvlog.REFERENCE, kind, len(slots),
+        log.info(kvlog.REFERENCE, kind, len(slots), (in_step_s or 0.0) * 1e3,
                  *(float(np.median(times[i])) * 1e3 if times[i] else 0.0 for i in (0, 1, 2, 3)))
         return time.perf_counter() - start
 
@@ -1063,6 +1092,9 @@ class WorkerSide:
         try:
             self._check_still_published(ticket, spec.req_id)
             self.pool.acquire_payload(spec.slots, spec.tags)
+            in_step_s = (self._memcpy_in_step("load", spec.slots, spec.pages, spec.subs)
+                         if spec.reference else None)
+            reference_s = in_step_s or 0.0          # off the load's time
             t1 = time.perf_counter()
             crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
             copy_s = time.perf_counter() - t1
@@ -1075,8 +1107,8 @@ class WorkerSide:
             if valid == n and spec.reference:
                 # while the pins or the record still hold the slots (before the
                 # check below), and off the load's time
-                reference_s = self._reference("load", spec.slots, spec.pages, spec.subs,
-                                              crcs)
+                reference_s += self._reference("load", spec.slots, spec.pages, spec.subs,
+                                               crcs, in_step_s=in_step_s)
             if ticket is not None and not self.pool.handoffs.still_published(ticket):
                 # expired and reclaimed (or acknowledged by another) meanwhile: its
                 # slots may have been reused under the copy, whose lines this host

@@ -26,16 +26,19 @@ IN_STEP, OFF_STEP = "in-step", "off-step"
 # loop where two handoffs of a step share a block (with a pin walk)
 PUBLISHED = "TraCT: published the handoff of request %s (%d blocks) in %.3f ms"
 
-# (load|save, blocks, ms x 4): with TRACT_CONNECTOR_REFERENCE=1, the connector
-# also times a plain memcpy of the same bytes between the same buffers right
-# after its own copy, and its own copy once more, each from cold caches (every
-# line of the slots and pages evicted first) and warm (right after the same
-# kind of copy), the medians of a few rounds: for a request whose
+# (load|save, blocks, ms x 5): with TRACT_CONNECTOR_REFERENCE=1, the connector
+# also times a plain memcpy of the same bytes between the same buffers: once
+# in the step, right before its own copy, where it meets what the copy meets
+# (a forward's leftovers in the TLB and the caches); then, right after its
+# copy, from cold caches (every line of the slots and pages evicted first)
+# and warm (right after the same kind of copy), and its own copy once more
+# both ways, the medians of a few rounds: for a request whose
 # kv_transfer_params carry REFERENCE_PARAM true (the bench's warm-up
 # requests), so no measured request pays the extra copies in its step
-# (a cold time 0.0000: not timed, this CPU cannot evict lines)
-REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.4f ms from cold "
-             "caches, %.4f ms warm (the checksummed copy again: %.4f ms cold, %.4f ms warm)")
+# (a time 0.0000: not timed; a cold one: this CPU cannot evict lines)
+REFERENCE = ("TraCT: memcpy of the same bytes as the %s of %d blocks in %.4f ms in the step, "
+             "%.4f ms from cold caches, %.4f ms warm (the checksummed copy again: %.4f ms "
+             "cold, %.4f ms warm)")
 
 # (the key both the connector and the bench know: here, since bench never
 # imports connectors)
@@ -57,17 +60,17 @@ _REFERENCE = _pattern(REFERENCE)
 def parse(line: str) -> tuple[str, dict] | None:
     """("load" or "save", {"blocks", "bytes", "ms", "copy_ms", "meta_ms"}, a save's
     also "claim_wait_ms", "commit_ms" and "commit_in_step"), ("publish", {"blocks", "ms"}), or
-    ("load_memcpy" or "save_memcpy", {"blocks", "ms" (the cold memcpy), "warm_ms",
-    "copy_cold_ms", "copy_warm_ms"}), of a timing line found in LINE (a log line,
-    whatever its prefix), else None."""
+    ("load_memcpy" or "save_memcpy", {"blocks", "step_ms" (the memcpy in the step),
+    "ms" (the cold memcpy), "warm_ms", "copy_cold_ms", "copy_warm_ms"}), of a timing
+    line found in LINE (a log line, whatever its prefix), else None."""
     m = _PUBLISHED.search(line)
     if m:
         return "publish", {"blocks": int(m[2]), "ms": float(m[3])}
     m = _REFERENCE.search(line)
     if m:
-        return m[1] + "_memcpy", {"blocks": int(m[2]), "ms": float(m[3]),
-                                  "warm_ms": float(m[4]), "copy_cold_ms": float(m[5]),
-                                  "copy_warm_ms": float(m[6])}
+        return m[1] + "_memcpy", {"blocks": int(m[2]), "step_ms": float(m[3]),
+                                  "ms": float(m[4]), "warm_ms": float(m[5]),
+                                  "copy_cold_ms": float(m[6]), "copy_warm_ms": float(m[7])}
     for kind, pattern in _LINES.items():
         m = pattern.search(line)
         if m:

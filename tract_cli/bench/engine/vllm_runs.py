@@ -499,7 +499,8 @@ def _memcpy_figures(kv: dict) -> dict:
     """Per kind (loads, saves): the connector's time, its parts (the copy, which
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
     bytes between the same buffers it timed beside the copies of the warm-ups of
-    the measured lengths, from cold caches and warm (per block, scaled to the
+    the measured lengths, in the step where the copy runs, from cold caches and
+    warm (per block, scaled to the
     blocks of the rows; a save's partial blocks had none; None where not timed);
     the warm-ups' copies again against their memcpy, both cold and both warm;
     also a memcpy of the byte count between private buffers in this process
@@ -519,20 +520,33 @@ def _memcpy_figures(kv: dict) -> dict:
         same = ref_ms * scale if scale and ref_ms else None
         warm = sum(r["warm_ms"] for r in refs)
         warm_same = warm * scale if scale and warm else None
+        # the memcpy in the step, where the copy runs (a line without one: 0)
+        stepped = [r for r in refs if r.get("step_ms")]
+        step_block = (sum(r["step_ms"] for r in stepped) / sum(r["blocks"] for r in stepped)
+                      if stepped else None)
+        step_same = step_block * sum(r["blocks"] for r in rows) if step_block else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         ratio = lambda a, b: a / b if a and b else None
-        # each request's copy against the cold memcpy of as many blocks: a mean
-        # of a few requests is one preempted copy's as much as the rest's
-        each = sorted(r.get("copy_ms", 0.0) / (ref_ms / ref_blocks * r["blocks"])
-                      for r in rows if ref_ms and ref_blocks and r["blocks"])
+
+        def each(per_block):
+            """Each request's copy against a memcpy of as many blocks, sorted: a
+            mean of a few requests is one preempted copy's as much as the rest's."""
+            return sorted(r.get("copy_ms", 0.0) / (per_block * r["blocks"])
+                          for r in rows if per_block and r["blocks"])
+        cold_each = each(ref_ms / ref_blocks if ref_ms and ref_blocks else None)
+        step_each = each(step_block)
         out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
                      "meta_ms": tract - copy,
                      "memcpy_ms": same, "memcpy_warm_ms": warm_same,
+                     "memcpy_step_ms": step_same,
                      "private_memcpy_ms": private,
                      "ratio": ratio(tract, same), "copy_ratio": ratio(copy, same),
                      "copy_vs_warm_ratio": ratio(copy, warm_same),
-                     "copy_ratio_median": statistics.median(each) if each else None,
-                     "copy_ratio_max": each[-1] if each else None,
+                     "copy_vs_step_ratio": ratio(copy, step_same),
+                     "copy_ratio_median": statistics.median(cold_each) if cold_each else None,
+                     "copy_ratio_max": cold_each[-1] if cold_each else None,
+                     "step_ratio_median": statistics.median(step_each) if step_each else None,
+                     "step_ratio_max": step_each[-1] if step_each else None,
                      # the warm-ups' checksummed copies against their memcpy, both
                      # from cold caches and both warm
                      "cold_copy_ratio": ratio(sum(r["copy_cold_ms"] for r in refs), ref_ms),
