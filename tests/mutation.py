@@ -129,15 +129,17 @@ def _pytest(site: int, tests: list[str], timeout: float, stop_first: bool) -> di
             "errors": errors, "seconds": round(time.monotonic() - t0, 1), "why": why[:200]}
 
 
-def run(site: int, timeout: float, name: str | None = None) -> dict:
+def run(site: int, timeout: float, name: str | None = None, stop_first: bool = False) -> dict:
     """The mutant's run: site 0 (the baseline) runs every protocol test; a
-    site runs its predicted tests, and is caught only if one of them failed."""
+    site runs its predicted tests, and is caught only if one of them failed
+    (STOP_FIRST: at the first that fails, which is a catch: every test run is
+    a predicted one)."""
     if site == 0:
         return _pytest(site, TESTS, timeout, stop_first=False) | {"caught": False}
     if name not in PREDICTED:
         raise ValueError(f"{name} names no predicted test (it is redundant)")
     want = PREDICTED[name]
-    r = _pytest(site, want, timeout, stop_first=False)
+    r = _pytest(site, want, timeout, stop_first=stop_first)
     r["caught"] = r["outcome"] == "failed" and any(
         f == w or f.startswith(w + "[") for f in r["failed"] for w in want)
     return r

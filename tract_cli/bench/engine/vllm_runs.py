@@ -14,8 +14,9 @@ load and the decode instance's first step).  The connector's own figures,
 `kv save` and `kv load` (from its log lines, with their parts: the copy,
 which checksums as it copies, and the pool's metadata calls), are set against
 a `memcpy` of as many bytes between vLLM's pages and the region's slots,
-which the connector times right after its copies of the warm-up request of
-each measured length (a request's kv_transfer_params ask it,
+which the connector times in the step right before its copies of a warm-up
+request of each measured length (the second of that length), and right after
+them from cold caches and warm (a request's kv_transfer_params ask it,
 kvlog.REFERENCE_PARAM; more copies in a step, so no measured request pays
 them).  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
@@ -98,15 +99,18 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     from tract_cli.serve.vllm_engine import vllm_python
     skipped = engine_configs.unavailable_of(configs, vllm_python())
     reqs = prompts(lengths, per_length, vocab, seed)
-    # the warm-up prompts: another seed's, so they share no block with the measured
-    # ones; two whole blocks and some (a path's one-time costs), then one of each
-    # measured length (vLLM's first step at a new size is several times its next
-    # ones, on every configuration alike: no measured request pays it); each
-    # with whether TraCT's connector times its memcpy reference beside its copies
-    # (kvlog.REFERENCE_PARAM): those of the measured lengths, so no measured
-    # request pays the reference's copies in its steps
-    warm = [(t, i > 0) for i, (_, t) in
-            enumerate(prompts([2 * VLLM_BLOCK + 8, *sorted(set(lengths))], 1, vocab, seed + 1))]
+    # the warm-up prompts: other seeds', so they share no block with the measured
+    # ones nor with each other; two whole blocks and some (a path's one-time
+    # costs), then two of each measured length (vLLM's first step at a new size
+    # is several times its next ones, on every configuration alike: no measured
+    # request pays it); each with whether TraCT's connector times its memcpy
+    # reference beside its copies (kvlog.REFERENCE_PARAM): the second of each
+    # measured length, so that its memcpy in the step follows a forward like a
+    # measured request's, not the first at its size, and no measured request
+    # pays the reference's copies in its steps
+    warm = [(t, False) for _, t in prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)] + \
+        [(t, i % 2 == 1) for i, (_, t) in
+         enumerate(prompts(sorted(set(lengths)), 2, vocab, seed + 2))]
     # what a configuration's own cache server must hold: every prompt's KV twice over
     cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
