@@ -408,10 +408,11 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert line.startswith("TraCT KV save: 2 saves of 112 KiB in all; the mean save, 56 KiB, "
                            "in 3 ms (copy 2 ms,"), line
     assert "commit 750 µs, 750 µs of it in the step" in line, line
-    assert ("length) 1.75 ms in the step where the copy runs, 1.17 ms from cold caches, "
-            "583 µs warm: the copy 1.14x the one in the step (each save's: median 1.14x, "
-            "max 1.14x), 1.71x the cold one (median 1.71x, max 1.71x), 3.43x the warm one; "
-            "the save in all 2.57x the cold one") in line, line
+    assert ("timed on warm-ups of the same lengths: 1.75 ms in the step where the copy runs "
+            "(the median of 3 a length), 1.17 ms from cold caches, 583 µs warm. The copy 1.14x "
+            "the memcpy in the step (each save's: median 1.14x, max 1.14x), 1.71x the cold one "
+            "(median 1.71x, max 1.71x), 3.43x the warm one; the save in all 1.71x the memcpy "
+            "in the step, 2.57x the cold one") in line, line
     # each request's copy against the cold memcpy of its blocks: one slow copy
     # shows in the max, not in the median
     slow = dict(save[1], copy_ms=20.0)
@@ -428,9 +429,19 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert fig["copy_vs_warm_ratio"] == pytest.approx(2.0 / (0.5 * 7 / 6))
     line = kv_path_line("saves", fig)
     assert fig["memcpy_step_ms"] is None and fig["step_ratio_median"] is None
-    assert ("length) — in the step where the copy runs, — from cold caches, 583 µs warm: the "
-            "copy — the one in the step") in line, line
-    assert "the save in all — the cold one" in line, line
+    assert ("lengths: — in the step where the copy runs (the median of 3 a length), — from "
+            "cold caches, 583 µs warm. The copy — the memcpy in the step") in line, line
+    assert "the save in all — the memcpy in the step, — the cold one" in line, line
+    # each request against the reference lines of its own length (the nearest
+    # size), their median: a short prompt's memcpy per block is not a long one's
+    from tract_cli.bench.engine.vllm_runs import _row_references
+    refs = [{"blocks": 11, "step_ms": 1.1}, {"blocks": 11, "step_ms": 2.2},
+            {"blocks": 11, "step_ms": 99.0}, {"blocks": 47, "step_ms": 2.35},
+            {"blocks": 47, "step_ms": 0.0}]          # one not timed
+    assert _row_references([{"blocks": 12}, {"blocks": 47}, {"blocks": 30}], refs,
+                           "step_ms") == pytest.approx([2.4, 2.35, 1.5])
+    assert _row_references([{"blocks": 12}], [{"blocks": 11, "step_ms": 0.0}],
+                           "step_ms") == [None]
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])
@@ -588,8 +599,8 @@ worker = object.__new__(vllm_worker.WorkerSide)
 args = (np.array([3, 4]), np.array([1, 2]), np.array([0, 0]))
 worker._paged = Paged()
 # the memcpy in the step: one plain copy where the real one runs, no eviction
-in_step = worker._memcpy_in_step("save", *args)
-assert in_step > 0 and worker._paged.calls == ["save"], worker._paged.calls
+took, in_step = worker._memcpy_in_step("save", *args)
+assert took == in_step > 0 and worker._paged.calls == ["save"], worker._paged.calls
 worker._paged = Paged()
 assert worker._reference("save", *args, in_step_s=in_step) > 0
 one = ["evict", "save", "save", "evict", "save+crc", "save+crc"]
@@ -599,14 +610,60 @@ kind, row = kvlog.parse(line)
 assert kind == "save_memcpy" and row["blocks"] == 2, row
 assert all(row[k] > 0 for k in ("step_ms", "ms", "warm_ms", "copy_cold_ms", "copy_warm_ms")), row
 assert abs(row["step_ms"] - in_step * 1e3) < 1e-3, (row, in_step)
-# a memcpy in the step that fails: said, not timed, the copy goes on
+# a memcpy in the step that fails: said, not timed (its time still kept off
+# the copy's), the copy goes on
 worker._paged = Paged(fail_at=1)
-assert worker._memcpy_in_step("load", *args) is None
+took, in_step = worker._memcpy_in_step("load", *args)
+assert in_step is None and took > 0
 # no reference asked of this process: nothing copied
 vllm_worker.REFERENCE = False
 worker._paged = Paged()
-assert worker._memcpy_in_step("save", *args) is None and worker._paged.calls == []
+assert worker._memcpy_in_step("save", *args) == (0.0, None) and worker._paged.calls == []
 vllm_worker.REFERENCE = True
+
+# a load that asks: acquire, the memcpy in the step, the real copy, then the
+# rest of the reference; neither memcpy counts in the load's own times (a
+# clock the stand-in's copies move: a memcpy 1 s, a checksummed copy 2**-10 s,
+# sums a float holds exactly)
+import types
+from tract_cli.connectors.vllm_meta import LoadSpec
+clock = [0.0]
+class Timed(Paged):
+    def _copy(self, kind, checksum):
+        clock[0] += 2.0 ** -10 if checksum else 1.0
+        return super()._copy(kind, checksum)
+worker._paged = Timed()
+worker.pool = types.SimpleNamespace(
+    acquire_payload=lambda slots, tags: worker._paged.calls.append("acquire"),
+    info=types.SimpleNamespace(block_bytes=4096))
+worker.settings = types.SimpleNamespace(checksums=True)
+worker._timings = logging.INFO
+real_time = vllm_worker.time
+vllm_worker.time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+class Loaded(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+    def emit(self, record):
+        got = kvlog.parse(record.getMessage())
+        if got and got[0] == "load":
+            self.rows.append(got[1])
+loaded = Loaded()
+logging.getLogger("vllm.tract").addHandler(loaded)
+lines.lines.clear()
+spec = LoadSpec("r1", np.array([3, 4]), np.array([7, 8], np.uint32), np.array([1, 2]),
+                np.array([0, 0]), reference=True)
+try:
+    assert worker._load(spec) == set()
+finally:
+    vllm_worker.time = real_time
+calls = worker._paged.calls
+assert calls[:3] == ["acquire", "load", "load+crc"], calls     # the memcpy right before the copy
+assert calls[3:9] == ["evict", "load", "load", "evict", "load+crc", "load+crc"], calls
+(row,) = loaded.rows
+assert row["copy_ms"] == row["ms"] == 0.977 and row["meta_ms"] == 0, row
+(line,) = lines.lines
+assert abs(kvlog.parse(line)[1]["step_ms"] - 1000.0) < 1e-6, line
 # a failure after a memcpy's stores: the slots written back, nothing logged
 lines.lines.clear()
 worker._paged = Paged(fail_at=5)

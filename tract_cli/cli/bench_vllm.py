@@ -153,15 +153,16 @@ def kv_path_line(kind: str, fig: dict) -> str:
     warm, step = fig.get("memcpy_warm_ms"), fig.get("memcpy_step_ms")
     same = ("no memcpy timed (no full block)"
             if fig["memcpy_ms"] is None and warm is None and step is None else
-            f"memcpy of as many bytes between vLLM's pages and the region's slots (a "
-            f"warm-up's of each length) {ms(step)} in the step where the copy runs, "
-            f"{ms(fig['memcpy_ms'])} from cold caches, {ms(warm)} warm: the copy "
-            f"{x(fig.get('copy_vs_step_ratio'))} the one in the step (each {one}'s: median "
-            f"{x(fig.get('step_ratio_median'))}, max {x(fig.get('step_ratio_max'))}), "
-            f"{x(fig['copy_ratio'])} the cold one (median "
+            f"memcpy of as many bytes between vLLM's pages and the region's slots, timed on "
+            f"warm-ups of the same lengths: {ms(step)} in the step where the copy runs (the "
+            f"median of {vllm_runs.REFERENCE_WARMUPS} a length), {ms(fig['memcpy_ms'])} from "
+            f"cold caches, {ms(warm)} warm. The copy {x(fig.get('copy_vs_step_ratio'))} the "
+            f"memcpy in the step (each {one}'s: median {x(fig.get('step_ratio_median'))}, max "
+            f"{x(fig.get('step_ratio_max'))}), {x(fig['copy_ratio'])} the cold one (median "
             f"{x(fig.get('copy_ratio_median'))}, max {x(fig.get('copy_ratio_max'))}), "
             f"{x(fig.get('copy_vs_warm_ratio'))} the warm one; the {one} in all "
-            f"{x(fig['ratio'])} the cold one (a warm-up's copy again against its memcpy: "
+            f"{x(fig.get('step_ratio'))} the memcpy in the step, {x(fig['ratio'])} the cold "
+            f"one (a warm-up's copy again against its memcpy: "
             f"{x(fig.get('cold_copy_ratio'))} both cold, {x(fig.get('warm_copy_ratio'))} both "
             "warm)")
     meta = ms(fig["meta_ms"])

@@ -728,8 +728,8 @@ class WorkerSide:
                 # plain copy of the page would overwrite)
                 asked = np.concatenate([r for req in plan.reference for r in plan.rows[req]])
                 full = np.intersect1d(mine[plan.tokens[mine] == self.g], asked)
-                in_step_s = self._memcpy_in_step("save", plan.slots[full], plan.pages[full],
-                                                 plan.subs[full])
+                _, in_step_s = self._memcpy_in_step("save", plan.slots[full],
+                                                    plan.pages[full], plan.subs[full])
             t0 = time.perf_counter()
             # one C call: every layer of every claimed block, checksummed as it copies
             sums[mine] = self._paged.save(plan.slots[mine], plan.pages[mine], plan.subs[mine],
@@ -825,7 +825,7 @@ class WorkerSide:
         finally:       # whatever happened above, the pins no record took are given back
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
-    def _memcpy_in_step(self, kind: str, slots, pages, subs) -> float | None:
+    def _memcpy_in_step(self, kind: str, slots, pages, subs) -> tuple[float, float | None]:
         """With TRACT_CONNECTOR_REFERENCE=1, for a request that asks for the
         reference: a plain memcpy of the same bytes between the same buffers where
         the copy runs, right before it (a save's right after its forward, a
@@ -835,17 +835,19 @@ class WorkerSide:
         held to (docs/VLLM.md "The data path").  A save's stores go into slots
         still claimed, which the checksummed save right after overwrites with
         streaming stores; a load's into the pages the load right after writes
-        with the same bytes.  The seconds it took; None: not asked, or it failed
-        (said; the copy goes on)."""
+        with the same bytes.  (The seconds it took, kept off the copy's and the
+        request's times; the same as its time, or None: not asked, or it failed,
+        said, and the copy goes on.)"""
         if not REFERENCE or not len(slots):
-            return None
+            return 0.0, None
         t0 = time.perf_counter()
         try:
             getattr(self._paged, kind)(slots, pages, subs, checksum=False)
         except TractError as exc:
             log.warning("TraCT reference copy (TRACT_CONNECTOR_REFERENCE) failed: %s", exc)
-            return None
-        return time.perf_counter() - t0
+            return time.perf_counter() - t0, None
+        took = time.perf_counter() - t0
+        return took, took
 
     def _reference(self, kind: str, slots, pages, subs, crcs=None,
                    in_step_s: float | None = None) -> float:
@@ -1092,9 +1094,10 @@ class WorkerSide:
         try:
             self._check_still_published(ticket, spec.req_id)
             self.pool.acquire_payload(spec.slots, spec.tags)
-            in_step_s = (self._memcpy_in_step("load", spec.slots, spec.pages, spec.subs)
-                         if spec.reference else None)
-            reference_s = in_step_s or 0.0          # off the load's time
+            # off the load's time
+            reference_s, in_step_s = (
+                self._memcpy_in_step("load", spec.slots, spec.pages, spec.subs)
+                if spec.reference else (0.0, None))
             t1 = time.perf_counter()
             crcs = self._paged.load(spec.slots, spec.pages, spec.subs)
             copy_s = time.perf_counter() - t1

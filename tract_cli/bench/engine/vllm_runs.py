@@ -61,6 +61,11 @@ from tract_cli.serve.client import HttpError
 # polls no more (a gap under a second leaves part of the poll)
 DEFAULT_REQUEST_GAP_S = 1.25
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
+# the warm-ups of each measured length TraCT's connector times its memcpy
+# reference on: the memcpy in the step is one sample a request, and varied
+# 1.7x between runs here with one; the median of three of a length is each
+# measured request's of that length
+REFERENCE_WARMUPS = 3
 
 
 def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[tuple[int, list]]:
@@ -101,18 +106,21 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     reqs = prompts(lengths, per_length, vocab, seed)
     # the warm-up prompts: other seeds', so they share no block with the measured
     # ones nor with each other; two whole blocks and some (a path's one-time
-    # costs), then two of each measured length (vLLM's first step at a new size
-    # is several times its next ones, on every configuration alike: no measured
-    # request pays it); each with whether TraCT's connector times its memcpy
-    # reference beside its copies (kvlog.REFERENCE_PARAM): the second of each
-    # measured length, so that its memcpy in the step follows a forward like a
-    # measured request's, not the first at its size, and no measured request
-    # pays the reference's copies in its steps
+    # costs), then 1 + REFERENCE_WARMUPS of each measured length (vLLM's first
+    # step at a new size is several times its next ones, on every configuration
+    # alike: no measured request pays it); each with whether TraCT's connector
+    # times its memcpy reference beside its copies (kvlog.REFERENCE_PARAM): all
+    # but the first of each measured length, so that each memcpy in the step
+    # follows a forward like a measured request's, not the first at its size,
+    # and no measured request pays the reference's copies in its steps
+    per = 1 + REFERENCE_WARMUPS
     warm = [(t, False) for _, t in prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)] + \
-        [(t, i % 2 == 1) for i, (_, t) in
-         enumerate(prompts(sorted(set(lengths)), 2, vocab, seed + 2))]
-    # what a configuration's own cache server must hold: every prompt's KV twice over
-    cache_bytes = _kv_bytes(model_dir, sum(n for n, _ in reqs) * 2)
+        [(t, i % per > 0) for i, (_, t) in
+         enumerate(prompts(sorted(set(lengths)), per, vocab, seed + 2))]
+    # what a configuration's own cache server must hold: every prompt's KV twice
+    # over, the warm-ups' too
+    cache_bytes = _kv_bytes(model_dir, (sum(n for n, _ in reqs) + sum(map(len, (
+        t for t, _ in warm)))) * 2)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
             "--enable-prefix-caching" if vllm_prefix_caching else "--no-enable-prefix-caching",
             "--block-size", str(VLLM_BLOCK))
@@ -137,7 +145,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                 nonlocal pool, flush_mode
                 if config in TRACT_CONFIGS:       # each from an empty region
                     pool = None if pool is None else remove_pool(pool)
-                    pool = _tract_region(model_dir, lengths, per_length + 1)
+                    pool = _tract_region(model_dir, lengths, per_length + per)
                     flush_mode = _flush_mode(pool)
                 nonlocal measured_from
                 measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
@@ -504,8 +512,8 @@ def _memcpy_figures(kv: dict) -> dict:
     checksums as it copies, and the pool's metadata calls) and the memcpy of the same
     bytes between the same buffers it timed beside the copies of the warm-ups of
     the measured lengths, in the step where the copy runs, from cold caches and
-    warm (per block, scaled to the
-    blocks of the rows; a save's partial blocks had none; None where not timed);
+    warm (each request's from the lines of its length, `_row_references`; a
+    save's partial blocks had none; None where not timed);
     the warm-ups' copies again against their memcpy, both cold and both warm;
     also a memcpy of the byte count between private buffers in this process
     (`stats.memcpy_reference`).  The times (*_ms) are sums over the COUNT loads
@@ -519,32 +527,27 @@ def _memcpy_figures(kv: dict) -> dict:
         copy = sum(r.get("copy_ms", 0.0) for r in rows)
         refs = kv.get(kind + "_memcpy") or []
         ref_ms = sum(r["ms"] for r in refs)
-        ref_blocks = sum(r["blocks"] for r in refs)
-        scale = sum(r["blocks"] for r in rows) / ref_blocks if ref_blocks else None
-        same = ref_ms * scale if scale and ref_ms else None
         warm = sum(r["warm_ms"] for r in refs)
-        warm_same = warm * scale if scale and warm else None
-        # the memcpy in the step, where the copy runs (a line without one: 0)
-        stepped = [r for r in refs if r.get("step_ms")]
-        step_block = (sum(r["step_ms"] for r in stepped) / sum(r["blocks"] for r in stepped)
-                      if stepped else None)
-        step_same = step_block * sum(r["blocks"] for r in rows) if step_block else None
         private = sum(memcpy_reference(r["bytes"], rounds=1, copies=1) * 1e3 for r in rows)
         ratio = lambda a, b: a / b if a and b else None
+        # each request's memcpy of its blocks: in the step, from cold caches, warm
+        step_each, cold_each, warm_each = (_row_references(rows, refs, f)
+                                           for f in ("step_ms", "ms", "warm_ms"))
+        total = lambda each: sum(each) if each and None not in each else None
+        step_same, same, warm_same = total(step_each), total(cold_each), total(warm_each)
 
-        def each(per_block):
-            """Each request's copy against a memcpy of as many blocks, sorted: a
-            mean of a few requests is one preempted copy's as much as the rest's."""
-            return sorted(r.get("copy_ms", 0.0) / (per_block * r["blocks"])
-                          for r in rows if per_block and r["blocks"])
-        cold_each = each(ref_ms / ref_blocks if ref_ms and ref_blocks else None)
-        step_each = each(step_block)
+        def each_ratio(each):
+            """Each request's copy against its memcpy, sorted: a mean of a few
+            requests is one preempted copy's as much as the rest's."""
+            return sorted(r.get("copy_ms", 0.0) / m for r, m in zip(rows, each) if m)
+        cold_each, step_each = each_ratio(cold_each), each_ratio(step_each)
         out[kind] = {"count": len(rows), "tract_ms": tract, "copy_ms": copy,
                      "meta_ms": tract - copy,
                      "memcpy_ms": same, "memcpy_warm_ms": warm_same,
                      "memcpy_step_ms": step_same,
                      "private_memcpy_ms": private,
                      "ratio": ratio(tract, same), "copy_ratio": ratio(copy, same),
+                     "step_ratio": ratio(tract, step_same),
                      "copy_vs_warm_ratio": ratio(copy, warm_same),
                      "copy_vs_step_ratio": ratio(copy, step_same),
                      "copy_ratio_median": statistics.median(cold_each) if cold_each else None,
@@ -563,6 +566,25 @@ def _memcpy_figures(kv: dict) -> dict:
                           # scheduler publishes a handoff itself)
                           "commit_in_step_ms": sum(r["commit_ms"] for r in rows
                                                    if r["commit_in_step"])}
+    return out
+
+
+def _row_references(rows: list[dict], refs: list[dict], field: str) -> list[float | None]:
+    """For each of ROWS (loads or saves), the memcpy of as many blocks as it
+    copied: FIELD's time per block in the reference lines REFS of the size
+    nearest its own (the warm-ups of its length: a small copy's time per block
+    is not a large one's), their median, times its blocks; None where no line
+    timed FIELD (0: not timed)."""
+    timed = [r for r in refs if r.get(field) and r["blocks"]]
+    out: list[float | None] = []
+    for row in rows:
+        if not timed or not row["blocks"]:
+            out.append(None)
+            continue
+        gap = min(abs(r["blocks"] - row["blocks"]) for r in timed)
+        per_block = statistics.median(r[field] / r["blocks"] for r in timed
+                                      if abs(r["blocks"] - row["blocks"]) == gap)
+        out.append(per_block * row["blocks"])
     return out
 
 
