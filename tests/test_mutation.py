@@ -3,7 +3,10 @@ removing one flush or invalidate of the lock, publish or pin paths makes the
 protocol test under the simulator that predicts it fail (tests/mutation.py
 PREDICTED; no other failure, and no hang, counts). These sites fail fast (the
 lock sites through a test that bounds each acquire to 5 s); the rest are left
-to the full command."""
+to the full command.  No baseline run here: the suite runs every predicted
+test unmutated, and fails where one fails without a mutant (a predicted test
+that failed anyway would count as a catch here alone); the full command,
+`python tests/mutation.py`, runs one first."""
 from __future__ import annotations
 
 import mutation
