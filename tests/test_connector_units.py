@@ -409,10 +409,10 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
                            "in 3 ms (copy 2 ms,"), line
     assert "commit 750 µs, 750 µs of it in the step" in line, line
     assert ("timed on warm-ups of the same lengths: 1.75 ms in the step where the copy runs "
-            "(the median of 3 a length), 1.17 ms from cold caches, 583 µs warm. The copy 1.14x "
-            "the memcpy in the step (each save's: median 1.14x, max 1.14x), 1.71x the cold one "
-            "(median 1.71x, max 1.71x), 3.43x the warm one; the save in all 1.71x the memcpy "
-            "in the step, 2.57x the cold one") in line, line
+            "(the median of up to 3 a length), 1.17 ms from cold caches, 583 µs warm. The copy "
+            "1.14x the memcpy in the step (each save's: median 1.14x, max 1.14x), 1.71x the "
+            "cold one (median 1.71x, max 1.71x), 3.43x the warm one; the save in all 1.71x the "
+            "memcpy in the step, 2.57x the cold one") in line, line
     # each request's copy against the cold memcpy of its blocks: one slow copy
     # shows in the max, not in the median
     slow = dict(save[1], copy_ms=20.0)
@@ -429,8 +429,8 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
     assert fig["copy_vs_warm_ratio"] == pytest.approx(2.0 / (0.5 * 7 / 6))
     line = kv_path_line("saves", fig)
     assert fig["memcpy_step_ms"] is None and fig["step_ratio_median"] is None
-    assert ("lengths: — in the step where the copy runs (the median of 3 a length), — from "
-            "cold caches, 583 µs warm. The copy — the memcpy in the step") in line, line
+    assert ("lengths: — in the step where the copy runs (the median of up to 3 a length), "
+            "— from cold caches, 583 µs warm. The copy — the memcpy in the step") in line, line
     assert "the save in all — the memcpy in the step, — the cold one" in line, line
     # each request against the reference lines of its own length (the nearest
     # size), their median: a short prompt's memcpy per block is not a long one's
@@ -442,6 +442,13 @@ def test_the_connector_timing_lines_parse_back_with_their_parts():
                            "step_ms") == pytest.approx([2.4, 2.35, 1.5])
     assert _row_references([{"blocks": 12}], [{"blocks": 11, "step_ms": 0.0}],
                            "step_ms") == [None]
+    # a load that failed (0 blocks) has a memcpy of nothing: the others' figures stand
+    assert _row_references([{"blocks": 0}, {"blocks": 12}], refs, "step_ms") == \
+        pytest.approx([0.0, 2.4])
+    failed = dict(save[1], blocks=0, copy_ms=0.0)
+    fig = _memcpy_figures({"saves": [save[1], failed], "saves_memcpy": [ref[1]]})["saves"]
+    assert fig["memcpy_step_ms"] == pytest.approx(1.75) and fig["count"] == 2
+    assert fig["step_ratio_median"] == pytest.approx(2.0 / 1.75)
 
 
 @pytest.mark.parametrize("scheme", ["tract", "vllm"])
@@ -471,7 +478,8 @@ def test_the_bench_counts_only_what_the_connector_logged_after_the_warm_up(tmp_p
     prefill, decode = tmp_path / "tract-prefill.log", tmp_path / "tract-decode.log"
     warm_save = "INFO " + kvlog.SAVED % (2, 16384, 9.0, 8.0, 1.0, 0.5, 0.5, kvlog.OFF_STEP) + "\n"
     warm_load = "INFO " + kvlog.LOADED % (2, 16384, "warm", 9.0, 8.0, 1.0) + "\n"
-    prefill.write_text(warm_save + "INFO " + kvlog.REFERENCE % ("save", 11, 0.6, 0.45, 0.4, 0.5, 0.55)
+    prefill.write_text(warm_save + "INFO "
+                       + kvlog.REFERENCE % ("save", 11, 0.6, 0.45, 0.4, 0.5, 0.55)
                        + "\n"
                        + "INFO " + kvlog.PUBLISHED % ("warm", 2, 7.0) + "\n")
     decode.write_text(warm_load + "INFO " + kvlog.REFERENCE % ("load", 12, 0.5, 0.3, 0.2, 0.35, 0.4)

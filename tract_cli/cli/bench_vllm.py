@@ -155,7 +155,7 @@ def kv_path_line(kind: str, fig: dict) -> str:
             if fig["memcpy_ms"] is None and warm is None and step is None else
             f"memcpy of as many bytes between vLLM's pages and the region's slots, timed on "
             f"warm-ups of the same lengths: {ms(step)} in the step where the copy runs (the "
-            f"median of {vllm_runs.REFERENCE_WARMUPS} a length), {ms(fig['memcpy_ms'])} from "
+            f"median of up to {vllm_runs.REFERENCE_WARMUPS} a length), {ms(fig['memcpy_ms'])} from "
             f"cold caches, {ms(warm)} warm. The copy {x(fig.get('copy_vs_step_ratio'))} the "
             f"memcpy in the step (each {one}'s: median {x(fig.get('step_ratio_median'))}, max "
             f"{x(fig.get('step_ratio_max'))}), {x(fig['copy_ratio'])} the cold one (median "

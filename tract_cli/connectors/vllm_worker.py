@@ -836,7 +836,7 @@ class WorkerSide:
         still claimed, which the checksummed save right after overwrites with
         streaming stores; a load's into the pages the load right after writes
         with the same bytes.  (The seconds it took, kept off the copy's and the
-        request's times; the same as its time, or None: not asked, or it failed,
+        load's or save's logged times; the same as its time, or None: not asked, or it failed,
         said, and the copy goes on.)"""
         if not REFERENCE or not len(slots):
             return 0.0, None

@@ -14,11 +14,11 @@ load and the decode instance's first step).  The connector's own figures,
 `kv save` and `kv load` (from its log lines, with their parts: the copy,
 which checksums as it copies, and the pool's metadata calls), are set against
 a `memcpy` of as many bytes between vLLM's pages and the region's slots,
-which the connector times in the step right before its copies of a warm-up
-request of each measured length (the second of that length), and right after
-them from cold caches and warm (a request's kv_transfer_params ask it,
-kvlog.REFERENCE_PARAM; more copies in a step, so no measured request pays
-them).  Prompts are random token ids, a
+which the connector times in the step right before its copies of
+REFERENCE_WARMUPS warm-up requests of each measured length (all but the first
+of that length), and right after them from cold caches and warm (a request's
+kv_transfer_params ask it, kvlog.REFERENCE_PARAM; more copies in a step, so
+no measured request pays them).  Prompts are random token ids, a
 different prompt per request (no prefix reuse).
 
 On a shared host the configurations' minutes differ by more than the KV
@@ -573,13 +573,13 @@ def _row_references(rows: list[dict], refs: list[dict], field: str) -> list[floa
     """For each of ROWS (loads or saves), the memcpy of as many blocks as it
     copied: FIELD's time per block in the reference lines REFS of the size
     nearest its own (the warm-ups of its length: a small copy's time per block
-    is not a large one's), their median, times its blocks; None where no line
-    timed FIELD (0: not timed)."""
+    is not a large one's), their median, times its blocks (0 for a row of no
+    block: a load that failed); None where no line timed FIELD (0: not timed)."""
     timed = [r for r in refs if r.get(field) and r["blocks"]]
     out: list[float | None] = []
     for row in rows:
         if not timed or not row["blocks"]:
-            out.append(None)
+            out.append(0.0 if timed else None)
             continue
         gap = min(abs(r["blocks"] - row["blocks"]) for r in timed)
         per_block = statistics.median(r[field] / r["blocks"] for r in timed
