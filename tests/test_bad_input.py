@@ -106,6 +106,9 @@ CASES = [
     ("bench --request-gap 1", 2, "--request-gap paces real vLLM"),
     ("bench --engine vllm --workload synthetic --mono-beside", 2, "--mono-beside is for the static"),
     ("bench --mono-beside", 2, "--mono-beside is for real vLLM"),
+    ("bench --interleave", 2, "--interleave is for real vLLM"),
+    ("bench --engine vllm --model {MISSING} --interleave --mono-beside", 2, "--mono-beside would add"),
+    ("bench --engine vllm --workload synthetic --interleave", 2, "--interleave is for the static"),
     # serve
     ("serve-decode --pool {R} --node 1 --prefill http://127.0.0.1:9 --port 99999", 2, "port"),
     ("serve-decode --pool {R} --node 1", 2, "--prefill"),

@@ -740,3 +740,144 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
     with pytest.raises(typer.Exit) as exit_:
         _finish(res, None, None)
     assert exit_.value.exit_code == 1
+
+
+def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_in_turn(
+        monkeypatch, tmp_path):
+    """`--interleave`: every configuration started and warmed up, one after the
+    other, before any measured request, each TraCT one on its own region; then
+    each measured prompt sent to each configuration after the same quiet, the
+    order turned by one each request; all stopped at the end, regions removed.
+    A configuration that fails a measured request is said, its rows (all of
+    them, interleaved with the others') dropped, it is stopped, and the rest go
+    on; one that fails at start is said and the rest run.  Configurations that
+    would not fit in memory at once are refused before any starts."""
+    import types
+    from tract_cli.bench.engine import calls, vllm_runs
+    events, now, started, stopped, regions, removed = [], [0.0], [], [], [], []
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
+        "vocab_size": 450, "max_position_embeddings": 8192}))
+
+    class Server:
+        def __init__(self, name, work, pool):
+            self.name, self.pool = name, pool
+            self.log_path, self.store = os.path.join(work, f"{name}.log"), None
+            open(self.log_path, "w").close()
+
+        def wait_ready(self):
+            pass
+
+    def start(config, model, work, args, gib, pool, *a, **k):
+        started.append((config, pool))
+        events.append(("start", config))
+        roles = ("mono",) if config == "mono" else ("prefill", "decode")
+        return {r: Server(config, work, pool) for r in roles}
+
+    failing: dict = {}                 # a configuration -> measured requests it answers
+    # the measured prompts (the warm-ups are other seeds' prompts, some as long)
+    measured = {tuple(t) for _, t in vllm_runs.prompts([300], 3, 450, 0)}
+
+    def took(config, tokens):
+        events.append(("ask", config, len(tokens), tuple(tokens) in measured))
+        if config in failing and tuple(tokens) in measured:
+            if failing[config] == 0:
+                raise vllm_runs.HttpError("http://127.0.0.1:1", None, "connection refused")
+            failing[config] -= 1
+        now[0] += 0.1
+        return calls.Answer(first=now[0], text="x")
+
+    def region(model, lengths, requests, config="tract"):
+        regions.append(config)
+        return str(tmp_path / f"{config}.pool")
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "start", start)
+    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all",
+                        lambda servers: stopped.append(next(iter(servers.values())).name))
+    monkeypatch.setattr(vllm_runs.engine_configs, "unavailable_of", lambda configs, py: {})
+    monkeypatch.setattr(vllm_runs, "_tract_region", region)
+    check_room = vllm_runs._check_room         # this host's memory: the last part's
+    monkeypatch.setattr(vllm_runs, "_check_room", lambda *a: None)
+    monkeypatch.setattr(vllm_runs, "_flush_mode", lambda pool: "none")
+    monkeypatch.setattr(vllm_runs, "remove_pool", removed.append)
+    monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
+    monkeypatch.setattr(vllm_runs, "_connector_figures", lambda *a: {})
+    monkeypatch.setattr(vllm_runs, "time", types.SimpleNamespace(
+        sleep=lambda s: events.append(("quiet", s)), monotonic=lambda: now[0]))
+    monkeypatch.setattr(calls, "complete", lambda server, tokens, *a, **k: took(server.name,
+                                                                                 tokens))
+    monkeypatch.setattr(calls, "pd_request",
+                        lambda config, p, d, tokens, *a, **k: (now[0], took(config, tokens)))
+    monkeypatch.setattr(calls, "metrics", lambda server: {})
+    configs = ["tract", "prefix", "mono"]
+    res = vllm_runs.run(str(tmp_path), [300], 3, 1, configs, log=open(os.devnull, "w"),
+                        request_gap=1.0, interleave=True)
+    # started one after another, each warmed up before the next starts, all before
+    # the first measured request; each TraCT configuration on its own region
+    assert [c for c, _ in started] == configs
+    assert regions == ["tract", "prefix"] and len({p for _, p in started[:2]}) == 2
+    first = next(i for i, e in enumerate(events) if e[0] == "ask" and e[3])
+    assert max(i for i, e in enumerate(events) if e[0] == "start") < first
+    for a, b in zip(configs, configs[1:]):
+        assert events.index(("ask", a, 264, False)) < events.index(("start", b))
+    # each measured prompt to each configuration in turn, the order turned by one,
+    # every request after the same quiet ("prefix": its miss, then its hit)
+    asks = [e[1] for e in events[first:] if e[0] == "ask"]
+    turns = [["tract", "prefix", "prefix", "mono"], ["prefix", "prefix", "mono", "tract"],
+             ["mono", "tract", "prefix", "prefix"]]
+    assert asks == [c for turn in turns for c in turn], asks
+    for i, e in enumerate(events[first:], first):
+        if e[0] == "ask" and not (e[1] == "prefix" and events[i - 1][:2] == ("ask", "prefix")):
+            assert events[i - 1] == ("quiet", 1.0), events[i - 3:i + 1]
+    assert sorted(stopped) == sorted(configs)
+    assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in regions)
+    rows = {s["config"]: s["requests"] for s in res["summaries"]}
+    assert rows == {"tract": 3, "prefix-miss": 3, "prefix-hit": 3, "mono": 3}, rows
+    assert res["interleave"] is True and not res["failed"]
+    # a configuration failing its second measured request: said, every row of it
+    # dropped, stopped at once; the others run on to the end
+    events.clear(), stopped.clear()
+    failing["prefix"] = 2              # request 0's miss and hit, not request 1's miss
+    said = tmp_path / "said.log"
+    with open(said, "w") as log:
+        res = vllm_runs.run(str(tmp_path), [300], 3, 1, configs, log=log, request_gap=0.0,
+                            interleave=True)
+    assert list(res["failed"]) == ["prefix"] and "connection refused" in res["failed"]["prefix"]
+    assert "prefix failed: a request failed" in said.read_text()
+    rows = {s["config"]: s["requests"] for s in res["summaries"]}
+    assert rows == {"tract": 3, "mono": 3}, rows
+    assert all(r["config"] in ("tract", "mono") for r in res["records"])
+    assert stopped[0] == "prefix" and sorted(stopped) == sorted(configs), stopped
+    asks = [e[1] for e in events if e[0] == "ask" and e[3]]
+    assert asks.count("prefix") == 3 and asks.count("tract") == asks.count("mono") == 3, asks
+    import shutil
+    shutil.rmtree(res["logs"])
+    # one that fails at start: said, the rest run
+    failing.clear()
+    fake_start = vllm_runs.engine_configs.start
+
+    def start_or_fail(config, *a, **k):
+        if config == "tract":
+            raise vllm_runs.TractError("vLLM exited (code 1) before it was ready")
+        return fake_start(config, *a, **k)
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "start", start_or_fail)
+    res = vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
+                        request_gap=0.0, interleave=True)
+    assert list(res["failed"]) == ["tract"]
+    assert {s["config"] for s in res["summaries"]} == {"prefix-miss", "prefix-hit", "mono"}
+    shutil.rmtree(res["logs"])
+    # more instances than the memory available holds: refused before any starts
+    started.clear()
+    monkeypatch.setattr(vllm_runs, "_check_room", check_room)
+    import psutil
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: types.SimpleNamespace(available=8 << 30))
+    with pytest.raises(vllm_runs.UsageError, match="5 vLLM instances up at once"):
+        vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
+                      request_gap=0.0, interleave=True)
+    assert started == []
+    with pytest.raises(vllm_runs.UsageError, match="--mono-beside would add"):
+        vllm_runs.run(str(tmp_path), [300], 2, 1, ["tract"], log=open(os.devnull, "w"),
+                      interleave=True, mono_beside=True)

@@ -116,6 +116,13 @@ def bench(
                                           "so each row's ratio to it is free of the host's "
                                           "drift between configurations (one vLLM's memory "
                                           "more)."),
+    interleave: bool = typer.Option(False, "--interleave",
+                                    help="With --engine vllm's static workload: start every "
+                                         "configuration first and keep them all up, then "
+                                         "send each measured prompt to each in turn, so "
+                                         "the configurations' requests are seconds apart, "
+                                         "not minutes (every configuration's memory at "
+                                         "once)."),
     vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
@@ -154,6 +161,14 @@ def bench(
             raise UsageError("--mono-beside is for the static workload (one request at a "
                              "time); under load a second vLLM would take the cores the "
                              "configurations share", "drop --mono-beside")
+        if interleave and (trace or workload != "static"):
+            raise UsageError("--interleave is for the static workload (one request at a "
+                             "time); under load the configurations would take each other's "
+                             "cores", "drop --interleave")
+        if interleave and mono_beside:
+            raise UsageError("--interleave already sends each prompt to every configuration "
+                             "in turn; --mono-beside would add one vLLM beside them",
+                             "add --vllm-config mono instead of --mono-beside")
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
                                 input_len, output_len, requests, prefix_ratio,
@@ -169,10 +184,11 @@ def bench(
                           vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
                           plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish,
                           vllm_runs.DEFAULT_REQUEST_GAP_S if request_gap is None else request_gap,
-                          mono_beside)
+                          mono_beside, interleave)
         return
-    if request_gap is not None or mono_beside:
-        flag = "--request-gap paces" if request_gap is not None else "--mono-beside is for"
+    if request_gap is not None or mono_beside or interleave:
+        flag = ("--request-gap paces" if request_gap is not None else
+                "--mono-beside is for" if mono_beside else "--interleave is for")
         raise UsageError(f"{flag} real vLLM's static workload",
                          "drop it, or add --engine vllm --model DIR")
     if len(qps_sweep) > 1:

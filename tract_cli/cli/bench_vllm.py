@@ -50,7 +50,8 @@ def _check_tract_modes(load_mode: str, handoff_publish: str) -> None:
 def static(model, input_len, requests, output_len, configs, seed, json_file, plot,
                 load_mode, install_peers=False, vllm_prefix_caching=False,
                 handoff_publish="after_step",
-                request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S, mono_beside=False) -> None:
+                request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S, mono_beside=False,
+                interleave=False) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
     from tract_cli.serve.vllm_engine import check_model_dir
     _check_tract_modes(load_mode, handoff_publish)
@@ -74,7 +75,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,
                          handoff_publish=handoff_publish, request_gap=request_gap,
-                         mono_beside=mono_beside)
+                         mono_beside=mono_beside, interleave=interleave)
     _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
@@ -82,7 +83,9 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                         f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
                         f"each request after {request_gap:g} s of quiet; vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'}"
-                        + ("; one vLLM beside every configuration" if mono_beside else "") + ")")
+                        + ("; one vLLM beside every configuration" if mono_beside else "")
+                        + ("; every configuration up at once, each prompt sent to each in "
+                           "turn" if interleave else "") + ")")
     cols = ["input", "config", "TTFT mean", "in vLLM", "p50", "p90", "p99", "prefill",
             "decode", "from KV path", "verified"]
     if mono_beside:

@@ -29,8 +29,12 @@ vLLM running the whole time and sends it each measured prompt right beside
 the configuration's request (before it on odd requests, after it on even
 ones, each after the same quiet): each row's ratio to it compares requests
 seconds apart.  Only that one vLLM more runs beside a configuration (every
-configuration at once would not fit: a vLLM holds 2.5-4.5 GB here), and a
-`mono` row beside it shows the method's own spread (its ratio ~1).
+configuration at once would not fit: a vLLM holds 3.5 GB here), and a
+`mono` row beside it shows the method's own spread (its ratio ~1).  The
+vLLM beside drifts too, so two rows' ratios are its TTFTs minutes apart.
+`--interleave` starts every configuration first (as many as fit in memory,
+`_check_room`) and sends each measured prompt to each in turn: two rows'
+means are then requests seconds apart, on the same host state.
 """
 from __future__ import annotations
 
@@ -79,7 +83,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
         load_mode: str = "sync", vllm_prefix_caching: bool = False,
         handoff_publish: str = "after_step",
-        request_gap: float = DEFAULT_REQUEST_GAP_S, mono_beside: bool = False) -> dict:
+        request_gap: float = DEFAULT_REQUEST_GAP_S, mono_beside: bool = False,
+        interleave: bool = False) -> dict:
     """Runs each configuration over the same prompts; returns records and summaries.
     LOAD_MODE, HANDOFF_PUBLISH: the TraCT connector's (docs/VLLM.md, "Configuration").
     REQUEST_GAP: seconds of quiet before each measured request (a prefix hit's
@@ -87,9 +92,14 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     vLLM runs the whole time, and each measured prompt is also sent to it, just
     before or just after the configuration's request (alternately): each row's
     ratio to it is free of the host's drift between configurations (module
-    docstring)."""
+    docstring).  INTERLEAVE: every configuration up at once, each measured
+    prompt sent to each in turn (module docstring)."""
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
+    if interleave and mono_beside:
+        raise UsageError("--interleave already sends each prompt to every configuration in "
+                         "turn; --mono-beside would add one vLLM beside them",
+                         "add --vllm-config mono instead of --mono-beside")
     for c in configs:
         if c not in CONFIGS:
             raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(CONFIGS)}")
@@ -103,6 +113,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                          f"{cfg['max_position_embeddings']} positions", "use shorter --input-len")
     from tract_cli.serve.vllm_engine import vllm_python
     skipped = engine_configs.unavailable_of(configs, vllm_python())
+    if interleave:
+        _check_room([c for c in configs if c not in skipped], kv_cache_gib)
     reqs = prompts(lengths, per_length, vocab, seed)
     # the warm-up prompts: other seeds', so they share no block with the measured
     # ones nor with each other; two whole blocks and some (a path's one-time
@@ -126,44 +138,63 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "--block-size", str(VLLM_BLOCK))
     work = tempfile.mkdtemp(prefix="tract-bench-vllm-")
     records, answers, kv = [], {}, {}
-    pool, flush_mode = None, None
+    pools: dict[str, str] = {}      # a TraCT configuration -> its temporary region
     failed: dict[str, str] = {}     # a configuration that could not run -> why
     keep_logs = True
-    measured_from: dict[str, int] = {}   # a server log -> its size once warmed up
     beside = None                        # MONO_BESIDE's servers
-    try:
-        if mono_beside:
-            beside = _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len,
-                                   request_gap, log)
-        for config in to_run(configs, skipped, log):
-            # a configuration that fails (a peer that stops vLLM at start, a server that
-            # dies, no room for its region) is reported with its reason and the rest
-            # run; its rows are dropped
-            rows_before = len(records)
 
-            def one_config():
-                nonlocal pool, flush_mode
-                if config in TRACT_CONFIGS:       # each from an empty region
-                    pool = None if pool is None else remove_pool(pool)
-                    pool = _tract_region(model_dir, lengths, per_length + per)
-                    flush_mode = _flush_mode(pool)
-                nonlocal measured_from
-                measured_from = _run_config(config, model_dir, work, args, kv_cache_gib, pool,
-                                            load_mode, reqs, warm, output_len, cache_bytes,
-                                            records, answers, handoff_publish, request_gap,
-                                            beside)
-            why = failure_of(one_config)
-            if why is not None:
-                crash = crash_in_logs(work, config)
-                failed[config] = why if crash is None else f"{crash} ({why})"
-                print(f"{config} failed: {failed[config]}", file=log, flush=True)
-                for rec in records[rows_before:]:
-                    answers[rec["request"]].pop(rec["config"], None)
-                del records[rows_before:]
-                continue
-            if config == "tract":
+    def fail(config: str, why: str) -> None:
+        crash = crash_in_logs(work, config)
+        failed[config] = why if crash is None else f"{crash} ({why})"
+        print(f"{config} failed: {failed[config]}", file=log, flush=True)
+        _drop_rows(config, records, answers)
+
+    flush_mode = None
+
+    def region(config: str) -> str:
+        """CONFIG's temporary region, new (its flush mode the run's)."""
+        nonlocal flush_mode
+        pools[config] = _tract_region(model_dir, lengths, per_length + per, config)
+        flush_mode = _flush_mode(pools[config])
+        return pools[config]
+
+    try:
+        if interleave:
+            marks = _run_interleaved(to_run(configs, skipped, log), model_dir, work, args,
+                                     kv_cache_gib, region, load_mode, reqs, warm, output_len,
+                                     cache_bytes, records, answers, handoff_publish,
+                                     request_gap, fail)
+            if "tract" in marks:
                 kv = _connector_figures(os.path.join(work, "tract-decode.log"),
-                                        os.path.join(work, "tract-prefill.log"), measured_from)
+                                        os.path.join(work, "tract-prefill.log"), marks["tract"])
+        else:
+            if mono_beside:
+                beside = _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len,
+                                       request_gap, log)
+            for config in to_run(configs, skipped, log):
+                # a configuration that fails (a peer that stops vLLM at start, a server
+                # that dies, no room for its region) is reported with its reason and the
+                # rest run; its rows are dropped
+                measured_from: dict[str, int] = {}   # a server log -> its size, warmed up
+
+                def one_config():
+                    pool = None
+                    if config in TRACT_CONFIGS:       # each from an empty region
+                        for old in list(pools):
+                            remove_pool(pools.pop(old))
+                        pool = region(config)
+                    measured_from.update(_run_config(
+                        config, model_dir, work, args, kv_cache_gib, pool, load_mode, reqs,
+                        warm, output_len, cache_bytes, records, answers, handoff_publish,
+                        request_gap, beside))
+                why = failure_of(one_config)
+                if why is not None:
+                    fail(config, why)
+                    continue
+                if config == "tract":
+                    kv = _connector_figures(os.path.join(work, "tract-decode.log"),
+                                            os.path.join(work, "tract-prefill.log"),
+                                            measured_from)
         verify(records, answers)
         # the logs are kept where a configuration failed or an answer was not verified
         keep_logs = bool(failed) or any(r["verified"] is False for r in records)
@@ -175,9 +206,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     finally:
         if beside is not None:
             engine_configs.stop_all(beside)
-        if pool is not None:
-            from tract_cli.core.region import remove_region
-            remove_region(pool)
+        for path in pools.values():
+            remove_pool(path)
         if keep_logs:      # the servers' logs, which an error names, are kept
             print(f"the vLLM servers' logs are kept in {work}", file=log, flush=True)
         else:
@@ -186,7 +216,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "failed": failed, "logs": work if keep_logs else None,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
             "handoff_publish": handoff_publish, "request_gap_s": request_gap,
-            "vllm_prefix_caching": vllm_prefix_caching, "mono_beside": mono_beside}
+            "vllm_prefix_caching": vllm_prefix_caching, "mono_beside": mono_beside,
+            "interleave": interleave}
 
 
 def _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len, request_gap,
@@ -293,16 +324,66 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
                 handoff_publish: str = "after_step",
                 request_gap: float = DEFAULT_REQUEST_GAP_S,
                 beside: dict | None = None) -> dict[str, int]:
-    """Starts CONFIG's servers, runs the warm-up prompts WARM ((tokens, whether
-    TraCT's connector times its memcpy reference beside them); one that does
-    after REQUEST_GAP seconds of quiet, so the reference meets idle instances as
-    the measured copies do) and then every
+    """Starts CONFIG's servers and warms them up (`_start_config`), runs every
     request through them, each after REQUEST_GAP seconds of quiet, stops them.
-    BESIDE: MONO_BESIDE's servers, sent each measured prompt too, after the same
-    quiet, before the configuration's request on odd requests and after it on
-    even ones (neither goes first every time); its figures are in each of the
-    request's records.  Returns each server log's size once the warm-up was
-    answered: what the connector logged after it is the measured requests'."""
+    BESIDE: MONO_BESIDE's servers (`_measure`).  Returns each server log's size
+    once the warm-up was answered: what the connector logged after it is the
+    measured requests'."""
+    servers, marks = _start_config(config, model_dir, work, args, kv_cache_gib, pool,
+                                   load_mode, warm, output_len, cache_bytes, handoff_publish,
+                                   request_gap)
+    try:
+        for i, (n, tokens) in enumerate(reqs):
+            _measure(config, servers, i, n, tokens, output_len, request_gap, records, answers,
+                     beside)
+        return marks
+    finally:
+        _stop_config(servers)
+
+
+def _run_interleaved(configs, model_dir, work, args, kv_cache_gib, region, load_mode, reqs,
+                     warm, output_len, cache_bytes, records, answers, handoff_publish,
+                     request_gap, fail) -> dict[str, dict[str, int]]:
+    """--interleave: every configuration of CONFIGS started and warmed up, one
+    after another (REGION(config): a TraCT configuration's own region), and
+    left up; then each measured prompt sent to each in turn, every one after
+    REQUEST_GAP seconds of quiet, the order turned by one each request (each
+    goes first as often as the others).  A configuration that fails, at start
+    or on a request, is FAIL(config, why)'s (its rows dropped) and stopped; the
+    rest go on.  All are stopped at the end.  Returns each configuration's log
+    marks (`_run_config`'s), of those that ran to the end."""
+    up: dict[str, tuple[dict, dict[str, int]]] = {}
+    try:
+        for config in configs:
+            def start_one():
+                pool = region(config) if config in TRACT_CONFIGS else None
+                up[config] = _start_config(config, model_dir, work, args, kv_cache_gib, pool,
+                                           load_mode, warm, output_len, cache_bytes,
+                                           handoff_publish, request_gap)
+            why = failure_of(start_one)
+            if why is not None:
+                fail(config, why)
+        for i, (n, tokens) in enumerate(reqs):
+            live = list(up)
+            for config in live[i % len(live):] + live[:i % len(live)] if live else ():
+                why = failure_of(lambda: _measure(config, up[config][0], i, n, tokens,
+                                                  output_len, request_gap, records, answers))
+                if why is not None:
+                    _stop_config(up.pop(config)[0])
+                    fail(config, why)
+        return {config: marks for config, (_, marks) in up.items()}
+    finally:
+        for servers, _ in up.values():
+            _stop_config(servers)
+
+
+def _start_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, warm,
+                  output_len, cache_bytes, handoff_publish, request_gap) -> tuple[dict, dict]:
+    """CONFIG's servers started, ready and warmed up with the prompts WARM
+    ((tokens, whether TraCT's connector times its memcpy reference beside
+    them); one that does after REQUEST_GAP seconds of quiet, so the reference
+    meets idle instances as the measured copies do), or stopped if that
+    fails; and each server log's size once the warm-up was answered."""
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes,
                                    handoff_publish=handoff_publish)
@@ -314,30 +395,77 @@ def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, re
             if reference and request_gap:
                 time.sleep(request_gap)     # pacing the reference (DEFAULT_REQUEST_GAP_S)
             _warm(servers, config, tokens, output_len, reference, request_gap)
-        # each line the connector logs for a request is written before its reply
-        # goes out, or (a prefix miss's save, committed off the step) waited for
-        # before the hit is asked (_prefix)
-        marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
-                 if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
-        for i, (n, tokens) in enumerate(reqs):
-            mono = (_beside(beside, tokens, output_len, request_gap)
-                    if beside is not None and i % 2 else {})
-            if request_gap:
-                time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
-            got = (_prefix(servers, tokens, output_len, PREFIX[config], request_gap)
-                   if config in PREFIX else
-                   {config: _one(servers, config, tokens, output_len)})
-            if beside is not None and not i % 2:
-                mono = _beside(beside, tokens, output_len, request_gap)
-            for row, rec in got.items():
-                records.append({"config": row, "input_len": n, "request": i} | rec | mono)
-                answers.setdefault(i, {})[row] = rec.pop("answer")
-        return marks
-    finally:
-        engine_configs.stop_all(servers)
-        store = getattr(servers.get("prefill"), "store", None)
-        if store:
-            shutil.rmtree(store, ignore_errors=True)
+    except BaseException:
+        _stop_config(servers)
+        raise
+    # each line the connector logs for a request is written before its reply
+    # goes out, or (a prefix miss's save, committed off the step) waited for
+    # before the hit is asked (_prefix)
+    marks = {s.log_path: os.path.getsize(s.log_path) for s in servers.values()
+             if getattr(s, "log_path", None) and os.path.exists(s.log_path)}
+    return servers, marks
+
+
+def _measure(config, servers, i, n, tokens, output_len, request_gap, records, answers,
+             beside: dict | None = None) -> None:
+    """Measured request I (N tokens: TOKENS) through CONFIG's SERVERS after
+    REQUEST_GAP seconds of quiet, its records (a row each: a prefix
+    configuration's miss and hit) added to RECORDS and its answers to ANSWERS.
+    BESIDE: MONO_BESIDE's servers, sent the prompt too, after the same quiet,
+    before the configuration's request on odd requests and after it on even
+    ones (neither goes first every time); its figures are in each record."""
+    mono = (_beside(beside, tokens, output_len, request_gap)
+            if beside is not None and i % 2 else {})
+    if request_gap:
+        time.sleep(request_gap)     # pacing the workload (DEFAULT_REQUEST_GAP_S)
+    got = (_prefix(servers, tokens, output_len, PREFIX[config], request_gap)
+           if config in PREFIX else
+           {config: _one(servers, config, tokens, output_len)})
+    if beside is not None and not i % 2:
+        mono = _beside(beside, tokens, output_len, request_gap)
+    for row, rec in got.items():
+        records.append({"config": row, "input_len": n, "request": i} | rec | mono)
+        answers.setdefault(i, {})[row] = rec.pop("answer")
+
+
+def _stop_config(servers: dict) -> None:
+    """Stops a configuration's servers and removes ExampleConnector's storage."""
+    engine_configs.stop_all(servers)
+    store = getattr(servers.get("prefill"), "store", None)
+    if store:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _drop_rows(config: str, records: list, answers: dict) -> None:
+    """Drops every row of CONFIG (a prefix configuration's two) from RECORDS and
+    ANSWERS: a configuration that failed has no rows."""
+    rows = PREFIX.get(config, (config,))
+    for rec in records:
+        if rec["config"] in rows:
+            answers[rec["request"]].pop(rec["config"], None)
+    records[:] = [rec for rec in records if rec["config"] not in rows]
+
+
+# what one vLLM instance of a run holds besides its KV cache (its API server,
+# engine core and worker processes: torch, vLLM, the model), measured with
+# tiny-llama on this project's 2-core host; --interleave keeps every
+# configuration's instances up at once
+INSTANCE_GIB = 1.5
+
+
+def _check_room(configs: list[str], kv_cache_gib: float) -> None:
+    """--interleave: refuses, before starting any, configurations whose vLLM
+    instances would not fit in the memory available at once (a host pushed
+    into swap or the OOM killer measures nothing)."""
+    import psutil
+    instances = sum(1 if c == "mono" else 2 for c in configs)
+    need = instances * (kv_cache_gib + INSTANCE_GIB)
+    have = psutil.virtual_memory().available / (1 << 30)
+    if need > have:
+        raise UsageError(f"--interleave keeps {instances} vLLM instances up at once, about "
+                         f"{need:.0f} GiB with their KV caches, and {have:.1f} GiB is "
+                         "available", "compare fewer configurations at once (--vllm-config), "
+                         "or drop --interleave to run them one at a time")
 
 
 def _flush_mode(path: str) -> str:
@@ -348,10 +476,11 @@ def _flush_mode(path: str) -> str:
         return p.flush_mode
 
 
-def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
-    """A temporary region in /dev/shm for the checkpoint's KV (4 nodes, blocks of
-    VLLM_BLOCK tokens), large enough for every prompt of the run twice over: a save
-    is never skipped for room."""
+def _tract_region(model_dir: str, lengths: list[int], requests: int,
+                  config: str = "tract") -> str:
+    """CONFIG's temporary region in /dev/shm for the checkpoint's KV (4 nodes,
+    blocks of VLLM_BLOCK tokens), large enough for every prompt of the run twice
+    over: a save is never skipped for room."""
     from tract_cli.core.geometry import load_model, with_block_tokens
     from tract_cli.core.region import FormatOptions, format_region
     # one region block per vLLM page (VLLM_BLOCK tokens): a block's layer is one
@@ -360,7 +489,7 @@ def _tract_region(model_dir: str, lengths: list[int], requests: int) -> str:
     profile = with_block_tokens(load_model(model_dir), VLLM_BLOCK)
     need = sum(lengths) * requests * profile.geometry.bytes_per_token * 2 + (256 << 20)
     size = -(-need // (2 << 20)) * (2 << 20)
-    path = f"/dev/shm/tract-bench-vllm-{os.getpid()}.pool"
+    path = f"/dev/shm/tract-bench-vllm-{os.getpid()}-{config}.pool"
     format_region(path, size, FormatOptions(model=profile, max_nodes=4), force=True)
     return path
 
