@@ -748,13 +748,16 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     other, before any measured request, each TraCT one on its own region; then
     each measured prompt sent to each configuration after the same quiet, the
     order turned by one each request; all stopped at the end, regions removed.
-    A configuration that fails a measured request is said, its rows (all of
-    them, interleaved with the others') dropped, it is stopped, and the rest go
-    on; one that fails at start is said and the rest run.  Configurations that
-    would not fit in memory at once are refused before any starts."""
+    A configuration that fails a measured request is stopped, said, its rows
+    (all of them, interleaved with the others') dropped and its region
+    removed, and the rest go on; one that fails at start is said and the rest
+    run.  An interrupt (^C) stops every configuration, each even where
+    stopping one fails, and removes every region.  Configurations that would
+    not all fit in memory at once are refused before any starts."""
     import types
     from tract_cli.bench.engine import calls, vllm_runs
     events, now, started, stopped, regions, removed = [], [0.0], [], [], [], []
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*")))
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
@@ -793,12 +796,19 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
         return str(tmp_path / f"{config}.pool")
 
     monkeypatch.setattr(vllm_runs.engine_configs, "start", start)
-    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all",
-                        lambda servers: stopped.append(next(iter(servers.values())).name))
+    stop_fails: set = set()
+
+    def stop_all(servers):
+        name = next(iter(servers.values())).name
+        stopped.append(name)
+        if name in stop_fails:
+            raise RuntimeError(f"{name} would not stop")
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all", stop_all)
     monkeypatch.setattr(vllm_runs.engine_configs, "unavailable_of", lambda configs, py: {})
     monkeypatch.setattr(vllm_runs, "_tract_region", region)
-    check_room = vllm_runs._check_room         # this host's memory: the last part's
-    monkeypatch.setattr(vllm_runs, "_check_room", lambda *a: None)
+    check_room = vllm_runs.check_room          # this host's memory: the last part's
+    monkeypatch.setattr(vllm_runs, "check_room", lambda *a: None)
     monkeypatch.setattr(vllm_runs, "_flush_mode", lambda pool: "none")
     monkeypatch.setattr(vllm_runs, "remove_pool", removed.append)
     monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
@@ -819,25 +829,27 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     assert regions == ["tract", "prefix"] and len({p for _, p in started[:2]}) == 2
     first = next(i for i, e in enumerate(events) if e[0] == "ask" and e[3])
     assert max(i for i, e in enumerate(events) if e[0] == "start") < first
-    for a, b in zip(configs, configs[1:]):
-        assert events.index(("ask", a, 264, False)) < events.index(("start", b))
+    for a, b in zip(configs, configs[1:]):      # each warmed up in full before the next
+        last_warm = max(i for i, e in enumerate(events) if e[0] == "ask" and e[1] == a
+                        and not e[3])
+        assert last_warm < events.index(("start", b)) < first
     # each measured prompt to each configuration in turn, the order turned by one,
     # every request after the same quiet ("prefix": its miss, then its hit)
     asks = [e[1] for e in events[first:] if e[0] == "ask"]
     turns = [["tract", "prefix", "prefix", "mono"], ["prefix", "prefix", "mono", "tract"],
              ["mono", "tract", "prefix", "prefix"]]
     assert asks == [c for turn in turns for c in turn], asks
-    for i, e in enumerate(events[first:], first):
-        if e[0] == "ask" and not (e[1] == "prefix" and events[i - 1][:2] == ("ask", "prefix")):
+    for i, e in enumerate(events[first:], first):     # a prefix hit after its own quiet too
+        if e[0] == "ask":
             assert events[i - 1] == ("quiet", 1.0), events[i - 3:i + 1]
     assert sorted(stopped) == sorted(configs)
     assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in regions)
     rows = {s["config"]: s["requests"] for s in res["summaries"]}
     assert rows == {"tract": 3, "prefix-miss": 3, "prefix-hit": 3, "mono": 3}, rows
     assert res["interleave"] is True and not res["failed"]
-    # a configuration failing its second measured request: said, every row of it
-    # dropped, stopped at once; the others run on to the end
-    events.clear(), stopped.clear()
+    # a configuration failing its second measured request: stopped at once, said,
+    # every row of it dropped, its region removed; the others run on to the end
+    events.clear(), stopped.clear(), removed.clear()
     failing["prefix"] = 2              # request 0's miss and hit, not request 1's miss
     said = tmp_path / "said.log"
     with open(said, "w") as log:
@@ -851,6 +863,8 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     assert stopped[0] == "prefix" and sorted(stopped) == sorted(configs), stopped
     asks = [e[1] for e in events if e[0] == "ask" and e[3]]
     assert asks.count("prefix") == 3 and asks.count("tract") == asks.count("mono") == 3, asks
+    # the failed one's region removed when it failed, before the run's end
+    assert removed[0] == str(tmp_path / "prefix.pool") and len(removed) == 2, removed
     import shutil
     shutil.rmtree(res["logs"])
     # one that fails at start: said, the rest run
@@ -863,21 +877,59 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
         return fake_start(config, *a, **k)
 
     monkeypatch.setattr(vllm_runs.engine_configs, "start", start_or_fail)
-    res = vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
-                        request_gap=0.0, interleave=True)
-    assert list(res["failed"]) == ["tract"]
+    removed.clear()
+    with open(said, "w") as log:
+        res = vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=log, request_gap=0.0,
+                            interleave=True)
+    assert list(res["failed"]) == ["tract"] and "tract failed: vLLM exited" in said.read_text()
     assert {s["config"] for s in res["summaries"]} == {"prefix-miss", "prefix-hit", "mono"}
+    assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in ("tract", "prefix"))
     shutil.rmtree(res["logs"])
-    # more instances than the memory available holds: refused before any starts
+    # ^C during a measured request, and one configuration that will not stop:
+    # every configuration is still stopped and every region removed
+    monkeypatch.setattr(vllm_runs.engine_configs, "start", fake_start)
+    events.clear(), stopped.clear(), removed.clear()
+    stop_fails.add("tract")
+    real_took = took
+
+    def interrupted(config, tokens):
+        if config == "mono" and tuple(tokens) in measured:
+            raise KeyboardInterrupt
+        return real_took(config, tokens)
+
+    monkeypatch.setattr(calls, "complete", lambda server, tokens, *a, **k: interrupted(
+        server.name, tokens))
+    with pytest.raises(RuntimeError, match="tract would not stop") as exc:
+        vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
+                      request_gap=0.0, interleave=True)
+    assert isinstance(exc.value.__context__, KeyboardInterrupt)   # raised while stopping for it
+    assert sorted(stopped) == sorted(configs), stopped
+    assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in ("tract", "prefix"))
+    stop_fails.clear()
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*")):
+        if d not in before:
+            shutil.rmtree(d)
+    # more instances than the memory available holds: refused before any starts;
+    # what fits runs
+    monkeypatch.setattr(calls, "complete", lambda server, tokens, *a, **k: took(server.name,
+                                                                                 tokens))
     started.clear()
-    monkeypatch.setattr(vllm_runs, "_check_room", check_room)
-    import psutil
-    monkeypatch.setattr(psutil, "virtual_memory",
-                        lambda: types.SimpleNamespace(available=8 << 30))
+    monkeypatch.setattr(vllm_runs, "check_room", check_room)
+    from tract_cli.core import medium
+    monkeypatch.setattr(medium, "mem_available", lambda: 8 << 30)
     with pytest.raises(vllm_runs.UsageError, match="5 vLLM instances up at once"):
         vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
                       request_gap=0.0, interleave=True)
     assert started == []
+    monkeypatch.setattr(medium, "mem_available", lambda: 64 << 30)
+    res = vllm_runs.run(str(tmp_path), [300], 2, 1, configs, log=open(os.devnull, "w"),
+                        request_gap=0.0, interleave=True)
+    assert [c for c, _ in started] == configs and not res["failed"]
+    # counted: one instance for one vLLM, two a pair, LMCache's server, the regions
+    n, need = vllm_runs.room_needed(str(tmp_path), ["lmcache", "mono"], [300], 2, 2)
+    assert n == 3 and need > 3 * ((2 << 30) + vllm_runs.INSTANCE_BYTES) + (1 << 30), need
+    n, need_tract = vllm_runs.room_needed(str(tmp_path), ["tract", "mono"], [300], 2, 2)
+    assert n == 3 and need_tract > 3 * ((2 << 30) + vllm_runs.INSTANCE_BYTES), need_tract
     with pytest.raises(vllm_runs.UsageError, match="--mono-beside would add"):
         vllm_runs.run(str(tmp_path), [300], 2, 1, ["tract"], log=open(os.devnull, "w"),
                       interleave=True, mono_beside=True)

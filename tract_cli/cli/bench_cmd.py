@@ -166,9 +166,7 @@ def bench(
                              "time); under load the configurations would take each other's "
                              "cores", "drop --interleave")
         if interleave and mono_beside:
-            raise UsageError("--interleave already sends each prompt to every configuration "
-                             "in turn; --mono-beside would add one vLLM beside them",
-                             "add --vllm-config mono instead of --mono-beside")
+            raise UsageError(*vllm_runs.INTERLEAVE_BESIDE)
         if trace or workload != "static":
             bench_vllm.workload(model, workload, trace, limit, speedup, max_input_len,
                                 input_len, output_len, requests, prefix_ratio,

@@ -71,6 +71,8 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
         if c not in vllm_runs.CONFIGS:
             raise UsageError(f"unknown vLLM configuration {c!r}",
                              f"use {', '.join(vllm_runs.CONFIGS)}")
+    if interleave:      # refused before minutes of --install-peers, not after
+        vllm_runs.check_room(model, list(dict.fromkeys(configs)), lengths, per)
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,

@@ -206,7 +206,7 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
         from tract_cli.bench.engine.lmcache_server import LmcacheServer
         python = peer_envs.python_of(NEEDS_PEER[config])
         cache = LmcacheServer(str(python), free_port(), free_port(), block_tokens,
-                              max(1, -(-cache_bytes // (1 << 30))),
+                              cache_server_gib(cache_bytes),
                               f"tract-bench-lmcache-{uuid.uuid4().hex}", log("cache"))
         try:
             cache.wait_ready()
@@ -227,8 +227,23 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
 
 
 def stop_all(servers: dict) -> None:
-    for s in servers.values():
-        s.stop()
+    """Stops each of SERVERS, every one even where stopping one before it failed
+    or was interrupted (the first error raised once all were tried)."""
+    _stop_from(list(servers.values()))
+
+
+def _stop_from(servers: list) -> None:
+    if servers:
+        try:
+            servers[0].stop()
+        finally:
+            _stop_from(servers[1:])
+
+
+def cache_server_gib(cache_bytes: int) -> int:
+    """The GiB a configuration's own cache server (LMCache's) is started with to
+    hold CACHE_BYTES: whole GiB, at least one."""
+    return max(1, -(-cache_bytes // (1 << 30)))
 
 
 def cores(role: str) -> dict:

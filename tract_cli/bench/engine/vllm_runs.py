@@ -1,8 +1,9 @@
 """`tract bench --engine vllm`: the paper's static experiment on real vLLM.
 
 The same vLLM, the same checkpoint and the same prompts through each KV path,
-one configuration at a time (so they never compete for the CPUs); the
-configurations, and where each runs, are configs.py's.  A configuration whose
+one configuration at a time (so they never compete for the CPUs), or with
+`--interleave` all up at once and each prompt sent to each in turn (below);
+the configurations, and where each runs, are configs.py's.  A configuration whose
 peer is not installed is skipped, with the reason and the command that
 installs it.
 
@@ -28,13 +29,14 @@ measured minutes apart is mostly the host's drift.  `--mono-beside` keeps one
 vLLM running the whole time and sends it each measured prompt right beside
 the configuration's request (before it on odd requests, after it on even
 ones, each after the same quiet): each row's ratio to it compares requests
-seconds apart.  Only that one vLLM more runs beside a configuration (every
-configuration at once would not fit: a vLLM holds 3.5 GB here), and a
-`mono` row beside it shows the method's own spread (its ratio ~1).  The
-vLLM beside drifts too, so two rows' ratios are its TTFTs minutes apart.
-`--interleave` starts every configuration first (as many as fit in memory,
-`_check_room`) and sends each measured prompt to each in turn: two rows'
-means are then requests seconds apart, on the same host state.
+seconds apart.  Only that one vLLM more runs beside a configuration (the
+default configurations all at once would not fit: a vLLM of the test
+checkpoint holds 3.3 GiB here), and a `mono` row beside it shows the
+method's own spread (its ratio ~1).  The vLLM beside drifts too, so two
+rows' ratios have denominators minutes apart.  `--interleave` starts every
+configuration first, or none where they would not all fit in the memory
+available (`check_room`), and sends each measured prompt to each in turn:
+two rows' means are then requests seconds apart, on the same host state.
 """
 from __future__ import annotations
 
@@ -97,9 +99,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     from tract_cli.serve.vllm_engine import check_model_dir
     check_model_dir(model_dir)
     if interleave and mono_beside:
-        raise UsageError("--interleave already sends each prompt to every configuration in "
-                         "turn; --mono-beside would add one vLLM beside them",
-                         "add --vllm-config mono instead of --mono-beside")
+        raise UsageError(*INTERLEAVE_BESIDE)
     for c in configs:
         if c not in CONFIGS:
             raise UsageError(f"unknown vLLM configuration {c!r}", f"use {', '.join(CONFIGS)}")
@@ -114,7 +114,8 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     from tract_cli.serve.vllm_engine import vllm_python
     skipped = engine_configs.unavailable_of(configs, vllm_python())
     if interleave:
-        _check_room([c for c in configs if c not in skipped], kv_cache_gib)
+        check_room(model_dir, [c for c in configs if c not in skipped], lengths, per_length,
+                   kv_cache_gib)
     reqs = prompts(lengths, per_length, vocab, seed)
     # the warm-up prompts: other seeds', so they share no block with the measured
     # ones nor with each other; two whole blocks and some (a path's one-time
@@ -129,10 +130,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     warm = [(t, False) for _, t in prompts([2 * VLLM_BLOCK + 8], 1, vocab, seed + 1)] + \
         [(t, i % per > 0) for i, (_, t) in
          enumerate(prompts(sorted(set(lengths)), per, vocab, seed + 2))]
-    # what a configuration's own cache server must hold: every prompt's KV twice
-    # over, the warm-ups' too
-    cache_bytes = _kv_bytes(model_dir, (sum(n for n, _ in reqs) + sum(map(len, (
-        t for t, _ in warm)))) * 2)
+    cache_bytes = _cache_bytes(model_dir, lengths, per_length)
     args = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
             "--enable-prefix-caching" if vllm_prefix_caching else "--no-enable-prefix-caching",
             "--block-size", str(VLLM_BLOCK))
@@ -144,10 +142,13 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
     beside = None                        # MONO_BESIDE's servers
 
     def fail(config: str, why: str) -> None:
+        """CONFIG (its servers stopped) failed: said, its rows dropped, its region removed."""
         crash = crash_in_logs(work, config)
         failed[config] = why if crash is None else f"{crash} ({why})"
         print(f"{config} failed: {failed[config]}", file=log, flush=True)
         _drop_rows(config, records, answers)
+        if config in pools:
+            remove_pool(pools.pop(config))
 
     flush_mode = None
 
@@ -158,15 +159,13 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
         flush_mode = _flush_mode(pools[config])
         return pools[config]
 
+    tract_marks = None       # "tract"'s server logs' sizes once warmed up, if it ran
     try:
         if interleave:
-            marks = _run_interleaved(to_run(configs, skipped, log), model_dir, work, args,
-                                     kv_cache_gib, region, load_mode, reqs, warm, output_len,
-                                     cache_bytes, records, answers, handoff_publish,
-                                     request_gap, fail)
-            if "tract" in marks:
-                kv = _connector_figures(os.path.join(work, "tract-decode.log"),
-                                        os.path.join(work, "tract-prefill.log"), marks["tract"])
+            tract_marks = _run_interleaved(
+                to_run(configs, skipped, log), model_dir, work, args, kv_cache_gib, region,
+                load_mode, reqs, warm, output_len, cache_bytes, records, answers,
+                handoff_publish, request_gap, fail).get("tract")
         else:
             if mono_beside:
                 beside = _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len,
@@ -192,9 +191,10 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
                     fail(config, why)
                     continue
                 if config == "tract":
-                    kv = _connector_figures(os.path.join(work, "tract-decode.log"),
-                                            os.path.join(work, "tract-prefill.log"),
-                                            measured_from)
+                    tract_marks = measured_from
+        if tract_marks is not None:
+            kv = _connector_figures(os.path.join(work, "tract-decode.log"),
+                                    os.path.join(work, "tract-prefill.log"), tract_marks)
         verify(records, answers)
         # the logs are kept where a configuration failed or an answer was not verified
         keep_logs = bool(failed) or any(r["verified"] is False for r in records)
@@ -348,10 +348,12 @@ def _run_interleaved(configs, model_dir, work, args, kv_cache_gib, region, load_
     after another (REGION(config): a TraCT configuration's own region), and
     left up; then each measured prompt sent to each in turn, every one after
     REQUEST_GAP seconds of quiet, the order turned by one each request (each
-    goes first as often as the others).  A configuration that fails, at start
-    or on a request, is FAIL(config, why)'s (its rows dropped) and stopped; the
-    rest go on.  All are stopped at the end.  Returns each configuration's log
-    marks (`_run_config`'s), of those that ran to the end."""
+    goes first as often as the others, to within one request).  A
+    configuration that fails, at start or on a request, is stopped and then
+    FAIL(config, why)'s (its rows dropped); the rest go on.  All are stopped at
+    the end, each even where stopping another failed or was interrupted.
+    Returns each configuration's log marks (`_run_config`'s), of those that
+    ran to the end."""
     up: dict[str, tuple[dict, dict[str, int]]] = {}
     try:
         for config in configs:
@@ -369,12 +371,22 @@ def _run_interleaved(configs, model_dir, work, args, kv_cache_gib, region, load_
                 why = failure_of(lambda: _measure(config, up[config][0], i, n, tokens,
                                                   output_len, request_gap, records, answers))
                 if why is not None:
-                    _stop_config(up.pop(config)[0])
+                    _stop_config(up[config][0])     # stopped, then no longer held
+                    del up[config]
                     fail(config, why)
         return {config: marks for config, (_, marks) in up.items()}
     finally:
-        for servers, _ in up.values():
-            _stop_config(servers)
+        _stop_each([servers for servers, _ in up.values()])
+
+
+def _stop_each(server_sets: list[dict]) -> None:
+    """Stops each configuration's servers, every one even where stopping one
+    before it failed or was interrupted (a second ^C)."""
+    if server_sets:
+        try:
+            _stop_config(server_sets[0])
+        finally:
+            _stop_each(server_sets[1:])
 
 
 def _start_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, warm,
@@ -446,26 +458,49 @@ def _drop_rows(config: str, records: list, answers: dict) -> None:
     records[:] = [rec for rec in records if rec["config"] not in rows]
 
 
-# what one vLLM instance of a run holds besides its KV cache (its API server,
-# engine core and worker processes: torch, vLLM, the model), measured with
-# tiny-llama on this project's 2-core host; --interleave keeps every
-# configuration's instances up at once
-INSTANCE_GIB = 1.5
+# what one vLLM instance holds beside its KV cache and its model's weights (its
+# API server, engine core and worker processes: Python, torch, vLLM), measured:
+# five instances of the test checkpoint, 2 GiB of KV cache each, held 17.3 GB
+INSTANCE_BYTES = 5 << 28                # 1.25 GiB
+INTERLEAVE_BESIDE = ("--interleave already sends each prompt to every configuration in turn; "
+                     "--mono-beside would add one vLLM beside them",
+                     "add --vllm-config mono instead of --mono-beside")
 
 
-def _check_room(configs: list[str], kv_cache_gib: float) -> None:
-    """--interleave: refuses, before starting any, configurations whose vLLM
-    instances would not fit in the memory available at once (a host pushed
-    into swap or the OOM killer measures nothing)."""
-    import psutil
+def room_needed(model_dir: str, configs: list[str], lengths: list[int], per_length: int,
+                kv_cache_gib: float) -> tuple[int, int]:
+    """What --interleave holds at once for CONFIGS: (vLLM instances, bytes): each
+    instance's KV cache, weights and processes, LMCache's cache server (its
+    memory and a process), and each TraCT configuration's region (in /dev/shm,
+    every page reserved)."""
+    weights = sum(e.stat().st_size for e in os.scandir(model_dir)
+                  if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt")))
     instances = sum(1 if c == "mono" else 2 for c in configs)
-    need = instances * (kv_cache_gib + INSTANCE_GIB)
-    have = psutil.virtual_memory().available / (1 << 30)
-    if need > have:
-        raise UsageError(f"--interleave keeps {instances} vLLM instances up at once, about "
-                         f"{need:.0f} GiB with their KV caches, and {have:.1f} GiB is "
-                         "available", "compare fewer configurations at once (--vllm-config), "
-                         "or drop --interleave to run them one at a time")
+    need = instances * (int(kv_cache_gib * (1 << 30)) + INSTANCE_BYTES + weights)
+    for c in configs:
+        if c in TRACT_CONFIGS:
+            need += _region_bytes(model_dir, lengths, per_length + 1 + REFERENCE_WARMUPS)
+        if c == "lmcache":
+            gib = engine_configs.cache_server_gib(_cache_bytes(model_dir, lengths, per_length))
+            need += (gib << 30) + INSTANCE_BYTES
+    return instances, need
+
+
+def check_room(model_dir: str, configs: list[str], lengths: list[int], per_length: int,
+               kv_cache_gib: float = 2) -> None:
+    """--interleave: refuses, before anything starts, configurations that would
+    not all fit in the memory available at once (a host pushed into swap or
+    the OOM killer measures nothing)."""
+    from tract_cli.core.medium import mem_available
+    from tract_cli.core.units import format_size
+    instances, need = room_needed(model_dir, configs, lengths, per_length, kv_cache_gib)
+    have = mem_available()
+    if have is not None and need > have:
+        raise UsageError(f"--interleave keeps {instances} vLLM instances up at once, "
+                         f"{format_size(need)} with their KV caches, weights and regions, and "
+                         f"{format_size(have)} of memory is available",
+                         "compare fewer configurations at once (--vllm-config), or drop "
+                         "--interleave to run them one at a time")
 
 
 def _flush_mode(path: str) -> str:
@@ -487,11 +522,26 @@ def _tract_region(model_dir: str, lengths: list[int], requests: int,
     # contiguous run of the page, and a handoff's key list (one slot) holds the
     # longest prompt (docs/VLLM.md, "The data path")
     profile = with_block_tokens(load_model(model_dir), VLLM_BLOCK)
-    need = sum(lengths) * requests * profile.geometry.bytes_per_token * 2 + (256 << 20)
-    size = -(-need // (2 << 20)) * (2 << 20)
     path = f"/dev/shm/tract-bench-vllm-{os.getpid()}-{config}.pool"
-    format_region(path, size, FormatOptions(model=profile, max_nodes=4), force=True)
+    format_region(path, _region_bytes(model_dir, lengths, requests),
+                  FormatOptions(model=profile, max_nodes=4), force=True)
     return path
+
+
+def _region_bytes(model_dir: str, lengths: list[int], requests: int) -> int:
+    """`_tract_region`'s size: REQUESTS prompts of each length twice over and
+    256 MiB, in whole 2 MiB pages."""
+    need = sum(lengths) * requests * _kv_bytes(model_dir, 1) * 2 + (256 << 20)
+    return -(-need // (2 << 20)) * (2 << 20)
+
+
+def _cache_bytes(model_dir: str, lengths: list[int], per_length: int) -> int:
+    """What a configuration's own cache server must hold: every prompt's KV twice
+    over, PER_LENGTH measured ones of each length and the warm-ups (`run`'s:
+    one of two blocks and some, 1 + REFERENCE_WARMUPS of each length)."""
+    tokens = (sum(lengths) * per_length + 2 * VLLM_BLOCK + 8
+              + (1 + REFERENCE_WARMUPS) * sum(set(lengths)))
+    return _kv_bytes(model_dir, tokens * 2)
 
 
 def _kv_bytes(model_dir: str, tokens: int) -> int:
