@@ -228,16 +228,19 @@ def start(config: str, model_dir: str, work: str, args: tuple, gib: float,
 
 def stop_all(servers: dict) -> None:
     """Stops each of SERVERS, every one even where stopping one before it failed
-    or was interrupted (the first error raised once all were tried)."""
-    _stop_from(list(servers.values()))
+    or was interrupted."""
+    call_each([s.stop for s in servers.values()])
 
 
-def _stop_from(servers: list) -> None:
-    if servers:
+def call_each(calls: list) -> None:
+    """Calls each of CALLS in order, every one even where one before it failed or
+    was interrupted (the first error raised once all were tried, each later
+    one chained to it)."""
+    if calls:
         try:
-            servers[0].stop()
+            calls[0]()
         finally:
-            _stop_from(servers[1:])
+            call_each(calls[1:])
 
 
 def cache_server_gib(cache_bytes: int) -> int:

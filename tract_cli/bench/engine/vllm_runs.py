@@ -382,11 +382,8 @@ def _run_interleaved(configs, model_dir, work, args, kv_cache_gib, region, load_
 def _stop_each(server_sets: list[dict]) -> None:
     """Stops each configuration's servers, every one even where stopping one
     before it failed or was interrupted (a second ^C)."""
-    if server_sets:
-        try:
-            _stop_config(server_sets[0])
-        finally:
-            _stop_each(server_sets[1:])
+    engine_configs.call_each([lambda servers=servers: _stop_config(servers)
+                              for servers in server_sets])
 
 
 def _start_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, warm,
