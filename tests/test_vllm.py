@@ -29,7 +29,8 @@ from tests.servers import request
 from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.pool import Pool
-from tests.vllm_stack import (ANSWER_FIELDS, ARGS, VLLM_PY, assert_answers_as_mono, complete,
+from tests.vllm_stack import (ANSWER_FIELDS, ARGS, KV_CACHE_BYTES, VLLM_PY,
+                              assert_answers_as_mono, complete,
                               external_hits, open_published, port, prefill_params,
                               remove_vllm_debris,
                               server_model, shm_names, start_stack, stop_stack, tokens_by_source,
@@ -129,6 +130,17 @@ def test_vllms_kv_cache_is_in_huge_pages_as_tract_starts_it(stack):
         # torch asked for them (without the variable: 0); how many the kernel
         # found room for depends on how fragmented this host's memory is
         assert int(share[1] or share[2]) > 0 if thp else share[2] == "0", (role, share[0])
+
+
+def test_a_kv_cache_size_in_vllms_arguments_wins_over_the_launchers(stack):
+    """The stack passes --kv-cache-memory-bytes among vLLM's arguments: the
+    launcher clears VLLM_CPU_KVCACHE_SPACE, which vLLM's CPU platform would put
+    over the flag, so the cache is the flag's 128 MiB, not the launcher's 1 GiB."""
+    for role in ("prefill", "decode"):
+        text = open(stack["tmp"] / f"{role}.log", errors="replace").read()
+        got = re.search(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", text)
+        assert got, role
+        assert abs(float(got[1]) - KV_CACHE_BYTES / (1 << 30)) < 0.01, (role, got[0])
 
 
 def test_a_prefix_one_instance_computed_is_a_hit_for_another(stack):

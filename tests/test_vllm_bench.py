@@ -17,7 +17,7 @@ import psutil
 import pytest
 import typer
 
-from tests.vllm_stack import VLLM_PY
+from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers")
@@ -32,8 +32,10 @@ def _bench(args: list[str], peers_dir: str, timeout: float) -> subprocess.Comple
     (SIGTERM: it stops its servers), and whatever it started is killed after that."""
     env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
                         "HF_HUB_OFFLINE": "1", "COLUMNS": "200", MARK: str(os.getpid())}
+    # each instance's KV cache as the real-vLLM tests size theirs (tests/vllm_stack.py)
+    kv = ("--vllm-kv-cache-gib", f"{KV_CACHE_BYTES / (1 << 30):g}")
     proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             *kv, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -119,6 +121,7 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert _our_processes() == set(), "a process the bench started outlived it"
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     run = json.loads(out.read_text())
+    assert run["kv_cache_gib"] == KV_CACHE_BYTES / (1 << 30)
     peers = [c for c in ("nixl", "lmcache") if c not in run["skipped"]]
     if not peers:
         pytest.skip("; ".join(run["skipped"].values()))
@@ -280,6 +283,39 @@ def test_a_vllm_whose_engine_core_failed_to_start_is_stopped_at_once(tmp_path):
         server.stop(timeout=10)
     # and the cause it would name is this start's (none), not the earlier one's
     assert server.failure() == "no output", server.failure()
+
+
+@pytest.mark.parametrize("gib,args,space,flag", [
+    (2, (), "2", None),                     # whole GiB: the CPU platform's variable
+    (0.125, (), "", str(128 << 20)),        # a fraction: vLLM's flag, the variable unset
+    (2, ("--kv-cache-memory-bytes", "96M"), "", "96M"),     # the caller's flag wins
+    (2, ("--kv-cache-memory-bytes=96M",), "", None),
+])
+def test_the_kv_cache_size_reaches_vllm_once_and_the_callers_flag_wins(tmp_path, monkeypatch,
+                                                                        gib, args, space, flag):
+    """VllmServer sizes vLLM's CPU KV cache with VLLM_CPU_KVCACHE_SPACE (whole
+    GiB) or vLLM's --kv-cache-memory-bytes (a fraction); where the caller's
+    arguments carry the flag, the variable, which vLLM's CPU platform puts
+    over the flag, is not set, even where the caller's environment set it."""
+    import stat
+    from tract_cli.serve.vllm_engine import VllmServer
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    fake = tmp_path / "python"             # stands in for vLLM's python: says what it got
+    fake.write_text('#!/bin/sh\necho "space=[${VLLM_CPU_KVCACHE_SPACE-unset}]"\n'
+                    'for a in "$@"; do echo "arg=$a"; done\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "vllm.log"
+    server = VllmServer(str(tmp_path), 1, python=str(fake), log_path=str(log),
+                        kv_cache_gib=gib, args=args)
+    server.proc.wait(timeout=60)
+    server.stop(timeout=10)
+    lines = log.read_text().splitlines()
+    assert f"space=[{space or 'unset'}]" in lines, lines
+    argv = [line[4:] for line in lines if line.startswith("arg=")]
+    flags = [a for a in argv if a.startswith("--kv-cache-memory-bytes")]
+    assert len(flags) == (0 if space else 1), argv
+    if flag is not None:
+        assert argv[argv.index("--kv-cache-memory-bytes") + 1] == flag, argv
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():

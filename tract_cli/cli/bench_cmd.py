@@ -127,6 +127,10 @@ def bench(
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
                                                   "so a hit is the KV path's own)."),
+    vllm_kv_cache_gib: Optional[float] = typer.Option(None, "--vllm-kv-cache-gib",
+                                                      help="With --engine vllm: each vLLM "
+                                                           "instance's KV cache, GiB "
+                                                           "(default 2; a fraction is fine)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""
     # SIGTERM cleans up like Ctrl-C: workers, the agent and the temporary region go
@@ -172,7 +176,8 @@ def bench(
                                 input_len, output_len, requests, prefix_ratio,
                                 num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed,
                                 vllm_configs or list(vllm_workloads.DEFAULT), json_file, plot,
-                                load_mode, install_peers, vllm_prefix_caching, handoff_publish)
+                                load_mode, install_peers, vllm_prefix_caching, handoff_publish,
+                                vllm_kv_cache_gib)
             return
         if qps_sweep:
             raise UsageError("--qps is for a synthetic workload or a trace with --engine vllm "
@@ -182,8 +187,11 @@ def bench(
                           vllm_configs or list(engine_configs.DEFAULT), seed, json_file,
                           plot, load_mode, install_peers, vllm_prefix_caching, handoff_publish,
                           vllm_runs.DEFAULT_REQUEST_GAP_S if request_gap is None else request_gap,
-                          mono_beside, interleave)
+                          mono_beside, interleave, vllm_kv_cache_gib)
         return
+    if vllm_kv_cache_gib is not None:
+        raise UsageError("--vllm-kv-cache-gib sizes real vLLM's KV cache",
+                         "drop it, or add --engine vllm --model DIR")
     if request_gap is not None or mono_beside or interleave:
         flag = ("--request-gap paces" if request_gap is not None else
                 "--mono-beside is for" if mono_beside else "--interleave is for")

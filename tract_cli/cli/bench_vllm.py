@@ -25,6 +25,22 @@ STATIC_LENGTHS = (1500, 3000, 4500, 6000)
 OUTPUT_CAP = 16
 # a longer quiet before each request only makes the run longer: a typo
 MAX_REQUEST_GAP_S = 60.0
+# each vLLM instance's KV cache (--vllm-kv-cache-gib): 2 GiB holds 16K tokens
+# of Llama-3-8B, the static sweep's longest prompt and then some
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+def check_kv_cache_gib(gib: float | None) -> float:
+    """--vllm-kv-cache-gib: a size above 0 that this host's memory can hold."""
+    from tract_cli.core.medium import mem_available
+    if gib is None:
+        return DEFAULT_KV_CACHE_GIB
+    have = mem_available()
+    if not math.isfinite(gib) or gib <= 0 or (have is not None and gib * (1 << 30) > have):
+        limit = f" and below the {have / (1 << 30):.1f} GiB available" if have else ""
+        raise UsageError(f"--vllm-kv-cache-gib {gib:g} is not a KV cache size above 0{limit}",
+                         f"e.g. --vllm-kv-cache-gib {DEFAULT_KV_CACHE_GIB:g}")
+    return gib
 
 
 def check_plot_dependency():
@@ -51,7 +67,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                 load_mode, install_peers=False, vllm_prefix_caching=False,
                 handoff_publish="after_step",
                 request_gap=vllm_runs.DEFAULT_REQUEST_GAP_S, mono_beside=False,
-                interleave=False) -> None:
+                interleave=False, kv_cache_gib=None) -> None:
     """`--engine vllm`: the static workload through real vLLM configurations."""
     from tract_cli.serve.vllm_engine import check_model_dir
     _check_tract_modes(load_mode, handoff_publish)
@@ -60,6 +76,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                          f"{MAX_REQUEST_GAP_S:g} seconds",
                          f"e.g. --request-gap {vllm_runs.DEFAULT_REQUEST_GAP_S:g}")
     request_gap += 0.0          # -0.0 is 0 (shown and recorded so)
+    kv_cache_gib = check_kv_cache_gib(kv_cache_gib)
     check_model_dir(model)
     if plot:
         check_plot_dependency()
@@ -72,12 +89,13 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
             raise UsageError(f"unknown vLLM configuration {c!r}",
                              f"use {', '.join(vllm_runs.CONFIGS)}")
     if interleave:      # refused before minutes of --install-peers, not after
-        vllm_runs.check_room(model, list(dict.fromkeys(configs)), lengths, per)
+        vllm_runs.check_room(model, list(dict.fromkeys(configs)), lengths, per, kv_cache_gib)
     _install(configs, install_peers)
     res = vllm_runs.run(model, lengths, per, output_len, configs, seed, render.stderr.file,
                          load_mode=load_mode, vllm_prefix_caching=vllm_prefix_caching,
                          handoff_publish=handoff_publish, request_gap=request_gap,
-                         mono_beside=mono_beside, interleave=interleave)
+                         mono_beside=mono_beside, interleave=interleave,
+                         kv_cache_gib=kv_cache_gib)
     _check_some_ran(res)
     table = Table(title=f"vLLM prefill/decode on {model} (CPU; {per} requests per length, "
                         f"{output_len} output tokens; TraCT region flush mode "
@@ -254,7 +272,7 @@ def workload_points(workload, trace, limit, speedup, max_input_len, output_cap, 
 def workload(model, name, trace, limit, speedup, max_input_len, input_len, output_len, requests,
              prefix_ratio, num_prefix_prompts, isl_mean, osl_mean, qps_sweep, seed, configs,
              json_file, plot, load_mode, install_peers, vllm_prefix_caching,
-             handoff_publish="after_step") -> None:
+             handoff_publish="after_step", kv_cache_gib=None) -> None:
     """`--engine vllm` with a synthetic workload or a trace: each system under load,
     at each rate of the sweep."""
     from tract_cli.serve.vllm_engine import check_model_dir, model_config
@@ -262,6 +280,7 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
     if input_len:
         raise UsageError("--input-len is for the static experiment",
                          "use --isl-mean for a synthetic workload; a trace has its own lengths")
+    kv_cache_gib = check_kv_cache_gib(kv_cache_gib)
     check_model_dir(model)
     if plot:
         check_plot_dependency()
@@ -280,7 +299,7 @@ def workload(model, name, trace, limit, speedup, max_input_len, input_len, outpu
     _install(configs, install_peers)
     res = vllm_workloads.run(model, points, configs, render.stderr.file, load_mode=load_mode,
                              vllm_prefix_caching=vllm_prefix_caching,
-                             handoff_publish=handoff_publish)
+                             handoff_publish=handoff_publish, kv_cache_gib=kv_cache_gib)
     res["workload"] = described
     _check_some_ran(res)
     table = Table(title=f"vLLM under load on {model} (CPU): {described}; vLLM's own prefix "

@@ -65,6 +65,21 @@ def kv_transfer_config(pool: str, node: int, role: str = "kv_both", **extra) -> 
                         "kv_connector_extra_config": {"pool": pool, "node": node} | extra}
 
 
+def kv_cache_space(args, gib: float) -> str | None:
+    """VLLM_CPU_KVCACHE_SPACE for a KV cache of GIB: its whole GiB; "" (not
+    set) where ARGS size the cache (vLLM's CPU platform reads the variable
+    after the flag and puts it over it); None (not set) where GIB is no whole
+    number, which the variable (whole GiB) cannot say: the caller passes the
+    flag instead."""
+    if any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=")
+           for a in args):
+        return ""
+    if gib <= 0:
+        raise UsageError(f"a KV cache of {gib:g} GiB", "give each vLLM instance a KV cache "
+                         "above 0 GiB")
+    return f"{gib:g}" if float(gib).is_integer() else None
+
+
 class VllmServer:
     """vLLM's OpenAI server on HOST:PORT, with TraCT as its KV connector when POOL is given."""
 
@@ -74,12 +89,20 @@ class VllmServer:
                  log_path: str | None = None, env: dict | None = None,
                  python: str | None = None):
         """PYTHON: the interpreter that runs vLLM (default `vllm_python()`; the
-        benchmarks pass a vLLM with a peer's connector installed)."""
+        benchmarks pass a vLLM with a peer's connector installed).
+        KV_CACHE_GIB: the CPU KV cache (a whole number of GiB: vLLM's
+        VLLM_CPU_KVCACHE_SPACE, which only the CPU platform reads; a fraction:
+        vLLM's --kv-cache-memory-bytes, which any platform reads).  A
+        --kv-cache-memory-bytes in ARGS wins: VLLM_CPU_KVCACHE_SPACE, which
+        vLLM's CPU platform would put over it, is then not set."""
         self.url = f"http://{host}:{port}"
         self.ready = False          # wait_ready saw it answer
         self.log_path = log_path
         cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
                "--model", model_dir, "--host", host, "--port", str(port), "--enforce-eager", *args]
+        kv_space = kv_cache_space(args, kv_cache_gib)
+        if kv_space is None:
+            cmd += ["--kv-cache-memory-bytes", str(round(kv_cache_gib * (1 << 30)))]
         if pool is not None:
             cfg = kv_transfer_config(pool, node if node is not None else 0, role, **(extra or {}))
             cmd += ["--kv-transfer-config", json.dumps(cfg)]
@@ -93,9 +116,14 @@ class VllmServer:
         # among them) in 2 MiB pages, so a KV copy meets a page walk per 2 MiB,
         # not per 4 KiB (docs/VLLM.md "The data path"); the caller's own
         # setting wins
+        # VLLM_CPU_KVCACHE_SPACE: the size, or not set at all where the flag
+        # gives it (vLLM reads an empty one as a number and fails)
         child_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
             "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PYTHONFAULTHANDLER": "1",
-            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"} | (env or {})
+            "VLLM_CPU_KVCACHE_SPACE": kv_space}
+        if not kv_space:
+            del child_env["VLLM_CPU_KVCACHE_SPACE"]
+        child_env |= env or {}
         self.rpc_dir = _rpc_dir() if "VLLM_RPC_BASE_PATH" not in child_env else None
         if self.rpc_dir:
             child_env["VLLM_RPC_BASE_PATH"] = self.rpc_dir

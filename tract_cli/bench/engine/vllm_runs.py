@@ -217,7 +217,7 @@ def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
             "memcpy": _memcpy_figures(kv), "flush_mode": flush_mode, "load_mode": load_mode,
             "handoff_publish": handoff_publish, "request_gap_s": request_gap,
             "vllm_prefix_caching": vllm_prefix_caching, "mono_beside": mono_beside,
-            "interleave": interleave}
+            "interleave": interleave, "kv_cache_gib": kv_cache_gib}
 
 
 def _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len, request_gap,

@@ -140,7 +140,7 @@ def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list
     return {"records": records, "summaries": summaries, "skipped": skipped, "failed": failed,
             "logs": work if keep_logs else None, "flush_mode": flush_mode,
             "load_mode": load_mode, "vllm_prefix_caching": vllm_prefix_caching,
-            "handoff_publish": handoff_publish}
+            "handoff_publish": handoff_publish, "kv_cache_gib": kv_cache_gib}
 
 
 def _run_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, points, warm,
