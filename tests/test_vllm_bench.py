@@ -11,13 +11,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 import psutil
 import pytest
 import typer
 
-from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY
+import background
+from background import Check, uses
+from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY, make_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers")
@@ -27,15 +30,32 @@ needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
 
 
-def _bench(args: list[str], peers_dir: str, timeout: float) -> subprocess.CompletedProcess:
+def _bench_command(args: list[str], peers_dir: str, tmpdir: str, mark: str) -> tuple:
+    """(argv, environment) of `tract bench --engine vllm ARGS`: its temporary
+    files (its logs' directory) in TMPDIR, MARK in the environment of
+    everything it starts, each vLLM's KV cache as the real-vLLM tests size
+    theirs (tests/vllm_stack.py)."""
+    env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
+                        "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": tmpdir, MARK: mark}
+    kv = ("--vllm-kv-cache-gib", f"{KV_CACHE_BYTES / (1 << 30):g}")
+    return [sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm", *kv, *args], env
+
+
+def _kill_marked(mark: str) -> None:
+    for pid in _our_processes(mark):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def _bench(args: list[str], peers_dir: str, tmpdir: str,
+           timeout: float) -> subprocess.CompletedProcess:
     """`tract bench --engine vllm ARGS`; past TIMEOUT it is stopped as a user stops it
     (SIGTERM: it stops its servers), and whatever it started is killed after that."""
-    env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
-                        "HF_HUB_OFFLINE": "1", "COLUMNS": "200", MARK: str(os.getpid())}
-    # each instance's KV cache as the real-vLLM tests size theirs (tests/vllm_stack.py)
-    kv = ("--vllm-kv-cache-gib", f"{KV_CACHE_BYTES / (1 << 30):g}")
-    proc = subprocess.Popen([sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm",
-                             *kv, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    mark = f"{os.getpid()}-{os.path.basename(tmpdir)}"
+    argv, env = _bench_command(args, peers_dir, tmpdir, mark)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -45,31 +65,74 @@ def _bench(args: list[str], peers_dir: str, timeout: float) -> subprocess.Comple
             proc.communicate(timeout=120)
         finally:
             proc.kill()
-            for pid in _our_processes():
-                try:
-                    psutil.Process(pid).kill()
-                except psutil.Error:
-                    pass
+            _kill_marked(mark)
         pytest.fail(f"tract bench {' '.join(args)} ran past {timeout:.0f} s")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _our_processes() -> set[int]:
-    """The live processes this test's benches started (they inherit MARK), whoever
-    their parent is now."""
+# The two runs of real vLLM configurations (minutes of vLLM starts each) run as
+# background checks (tests/background.py), beside the rest of the suite: each
+# is self-contained (its own checkpoint, temporary directory, regions, ports and
+# processes, told apart by MARK) and bounded only by vLLM's start and request
+# timeouts, minutes past what a busy host takes.  What they left is read in the
+# background too, right after each run, against names only a vLLM bench makes.
+_checkpoint_lock = threading.Lock()
+_checkpoint_dir: list[str] = []
+
+
+def _background_checkpoint() -> str:
+    """The checkpoint the background runs share (made once; tests/vllm_model.py)."""
+    with _checkpoint_lock:
+        if not _checkpoint_dir:
+            _checkpoint_dir.append(make_checkpoint(
+                os.path.join(background.session_dir("vllm-bench-ckpt-"), "ckpt")))
+        return _checkpoint_dir[0]
+
+
+def _background_bench(name: str, args: list[str], timeout: float, plot: bool = False) -> dict:
+    """`tract bench --engine vllm ARGS` (with --model, --json, and --plot if PLOT),
+    as a background check: its CompletedProcess, its JSON (None if it wrote
+    none), the files it left, its processes still running, its directory."""
+    ckpt = _background_checkpoint()
+    work = background.session_dir(f"vllm-bench-{name}-")
+    mark = f"{os.getpid()}-{name}"
+    out, png = os.path.join(work, "run.json"), os.path.join(work, "run.png")
+    argv, env = _bench_command(["--model", ckpt, *args, "--json", out,
+                                *(("--plot", png) if plot else ())], PEERS, work, mark)
+    before = _debris(work)
+    try:
+        res = background.run(argv, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        _kill_marked(mark)            # the bench was killed: what it started goes too
+        raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s") from None
+    left = _our_processes(mark)
+    run = json.load(open(out)) if os.path.exists(out) else None
+    return {"res": res, "run": run, "left": left, "debris": _debris(work) - before,
+            "png": png}
+
+
+def _our_processes(mark: str) -> set[int]:
+    """The live processes a bench started (they inherit MARK), whoever their
+    parent is now."""
     out = set()
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(MARK) == str(os.getpid()):
+            if proc.environ().get(MARK) == mark:
                 out.add(proc.pid)
         except psutil.Error:
             continue            # gone meanwhile, or not ours to read
     return out
 
 
-def _debris() -> set[str]:
-    return (set(glob.glob("/dev/shm/tract-bench-*")) |
-            set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*"))))
+def _debris(tmpdir: str) -> set[str]:
+    """What a vLLM bench whose temporary directory is TMPDIR could leave: its
+    logs' directory there, its TraCT regions, ExampleConnector's store and
+    LMCache's pool in /dev/shm (not the reference bench's regions, which the
+    tests beside it make)."""
+    return {p for pattern in ("tract-bench-vllm-*", "tract-bench-example-*",
+                              "*tract-bench-lmcache*")
+            for p in glob.glob(os.path.join("/dev/shm", pattern))} | \
+        set(glob.glob(os.path.join(tmpdir, "tract-bench-vllm-*")))
 
 
 @pytest.mark.parametrize("config, tls", [("nixl", None), ("nixl-tcp", "tcp")])
@@ -99,8 +162,15 @@ def test_nixl_over_tcp_is_nixl_with_ucx_on_tcp(config, tls, monkeypatch, tmp_pat
     assert all(kw["python"] == str(tmp_path / "python") for kw in started)
 
 
+PEERS_RUN = Check("vllm bench: the peers beside one vLLM", _background_bench, "peers",
+                  ["--input-len", "300", "--requests", "1", "--request-gap", "0",
+                   *[a for c in ("nixl", "lmcache", "mono") for a in ("--vllm-config", c)]],
+                  timeout=1500, cost=200)
+
+
 @needs_vllm
-def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint, tmp_path):
+@uses(PEERS_RUN)
+def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind():
     """NixlConnector and LMCache (its cache shared by two instances), one short
     prompt each, in one bench run beside one vLLM: each handed over and verified
     where it runs.  Nothing is left running.  (NixlConnector over TCP is the
@@ -111,16 +181,11 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     for the same reason.)  A peer not installed here is skipped by the bench
     itself (test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it),
     and here."""
-    before_files = _debris()
-    out = tmp_path / "run.json"
-    res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
-                  "--request-gap", "0",
-                  *[a for c in ("nixl", "lmcache", "mono") for a in ("--vllm-config", c)],
-                  "--json", str(out)], PEERS, timeout=1500)
+    got = PEERS_RUN.result()
+    res, run = got["res"], got["run"]
     assert "Traceback" not in res.stdout + res.stderr
-    assert _our_processes() == set(), "a process the bench started outlived it"
+    assert got["left"] == set(), "a process the bench started outlived it"
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    run = json.loads(out.read_text())
     assert run["kv_cache_gib"] == KV_CACHE_BYTES / (1 << 30)
     peers = [c for c in ("nixl", "lmcache") if c not in run["skipped"]]
     if not peers:
@@ -157,15 +222,15 @@ def test_the_peers_run_beside_one_vllm_and_leave_nothing_behind(vllm_checkpoint,
     assert "from KV path" in res.stdout          # the prompt tokens each took from its path
     if "lmcache" in peers:
         assert "256 tokens" in res.stdout
-    assert _debris() - before_files == set(), "the bench left files behind"
-    assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
+    assert got["debris"] == set(), "the bench left files behind"
 
 
 @needs_vllm
 def test_a_peer_not_installed_is_skipped_with_the_command_that_installs_it(tmp_path,
                                                                            vllm_checkpoint):
     res = _bench(["--model", vllm_checkpoint, "--input-len", "300", "--requests", "1",
-                  "--vllm-config", "nixl"], str(tmp_path / "no-peers"), timeout=300)
+                  "--vllm-config", "nixl"], str(tmp_path / "no-peers"), str(tmp_path),
+                 timeout=300)
     assert res.returncode == 1
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     err = lines[-1]
@@ -453,24 +518,27 @@ def test_each_rate_is_its_own_draw_and_a_trace_is_rescaled_to_it():
     assert all(r.output_len <= 16 for r in a + b)
 
 
+# LMCache's configuration is the static run's (PEERS_RUN): CI's time budget
+WORKLOAD_CONFIGS = ["tract", "prefix", "mono"]
+WORKLOAD_RUN = Check("vllm bench: a synthetic workload under load", _background_bench, "workload",
+                     ["--workload", "synthetic", "--requests", "6", "--isl-mean", "400",
+                      "--prefix-ratio", "0.5", "--num-prefix-prompts", "2", "--output-len", "4",
+                      "--qps", "2", "--qps", "8",
+                      *[a for c in WORKLOAD_CONFIGS for a in ("--vllm-config", c)]],
+                     timeout=1500, plot=True, cost=180)
+
+
 @needs_vllm
-def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_checkpoint,
-                                                                           tmp_path, monkeypatch):
+@uses(WORKLOAD_RUN)
+def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind():
     """A synthetic workload with shared prefixes, two rates, requests in flight at
     once: TraCT's P/D pair and two vLLMs sharing a region beside one vLLM; each system at each rate is reported (its
     throughput, TTFT, hit rate and time split), every answer equals one vLLM's,
     and nothing outlives the bench."""
-    # LMCache's configuration is the static test's (above): CI's time budget
-    configs = ["tract", "prefix", "mono"]
-    before_files = _debris()
-    out, png = tmp_path / "run.json", tmp_path / "run.png"
-    res = _bench(["--model", vllm_checkpoint, "--workload", "synthetic", "--requests", "6",
-                  "--isl-mean", "400", "--prefix-ratio", "0.5", "--num-prefix-prompts", "2",
-                  "--output-len", "4", "--qps", "2", "--qps", "8",
-                  *[a for c in configs for a in ("--vllm-config", c)],
-                  "--json", str(out), "--plot", str(png)], PEERS, timeout=1500)
+    configs = WORKLOAD_CONFIGS
+    got = WORKLOAD_RUN.result()
+    res, run = got["res"], got["run"]
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    run = json.loads(out.read_text())
     rows = {(s["config"], s["qps"]): s for s in run["summaries"]}
     assert sorted(rows) == sorted((c, q) for c in configs for q in (2.0, 8.0))
     for key, s in rows.items():
@@ -492,10 +560,9 @@ def test_a_workload_runs_under_load_at_each_rate_and_leaves_nothing_behind(vllm_
     for c in configs:
         assert c in res.stdout
     assert "hit rate" in res.stdout and "KV read" in res.stdout
-    assert png.stat().st_size > 10_000
-    assert _our_processes() == set(), "a process the bench started outlived it"
-    assert _debris() - before_files == set(), "the bench left files behind"
-    assert not glob.glob("/dev/shm/*tract-bench-lmcache*"), "LMCache's pool outlived the bench"
+    assert os.path.getsize(got["png"]) > 10_000
+    assert got["left"] == set(), "a process the bench started outlived it"
+    assert got["debris"] == set(), "the bench left files behind"
 
 
 def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
@@ -648,6 +715,8 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
     from tract_cli.bench.engine import calls, vllm_runs
     events, now = [], [0.0]
     started, stopped, caching = [], [], {}
+    # the logs' directories the runs that fail keep go where pytest removes them
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
@@ -770,8 +839,6 @@ def test_mono_beside_sends_each_prompt_beside_every_configuration_and_is_stopped
     assert "prefix failed: vLLM exited" in said.read_text()
     assert {s["config"] for s in res["summaries"]} == {"tract"}     # tract ran after it
     assert res["logs"] and os.path.isdir(res["logs"]), res["logs"]
-    import shutil
-    shutil.rmtree(res["logs"])
     from tract_cli.cli.bench_vllm import _finish
     with pytest.raises(typer.Exit) as exit_:
         _finish(res, None, None)
@@ -793,7 +860,8 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     import types
     from tract_cli.bench.engine import calls, vllm_runs
     events, now, started, stopped, regions, removed = [], [0.0], [], [], [], []
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*")))
+    # the logs' directories the runs that fail keep go where pytest removes them
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "dtype": "bfloat16",
@@ -942,9 +1010,6 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     assert sorted(stopped) == sorted(configs), stopped
     assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in ("tract", "prefix"))
     stop_fails.clear()
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), "tract-bench-vllm-*")):
-        if d not in before:
-            shutil.rmtree(d)
     # more instances than the memory available holds: refused before any starts;
     # what fits runs
     monkeypatch.setattr(calls, "complete", lambda server, tokens, *a, **k: took(server.name,
