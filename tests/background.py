@@ -4,7 +4,11 @@ The model checker's runs (tests/test_lock_model.py), the sanitizer builds and
 runs (tests/test_asan_fuzz.py, tests/test_tsan.py) and the emulated-CXL
 guests (tests/test_cxl_vm.py) are minutes of CPU that share nothing with any
 other test: no region of another test, no agent, no port, no timing bound of
-another test.  The rest of the suite keeps about one of a machine's two CPUs
+another test.  So are the two runs of `tract bench --engine vllm` with real
+vLLM configurations (tests/test_vllm_bench.py): minutes of vLLM starts, each
+run with its own checkpoint, temporary directory, regions and processes,
+told apart from every other test's (its ports are the kernel's free ones, as
+every server's here).  The rest of the suite keeps about one of a machine's two CPUs
 busy on average (its multi-process tests wait on one another), so these run
 there, in one worker thread started once collection is done, while the suite
 goes on; the tests that assert on them run last and collect what they
@@ -12,15 +16,21 @@ produced.  The assertions are the tests' own; only when a check runs moves.
 
 At most one background check runs at a time, longest first.  Most are one
 busy process (a model checker, a fuzzer, a compiler); the guests are two
-emulated vCPUs each; none has a timing bound that load could trip, so what
+emulated vCPUs each; a vLLM bench is a few vLLM instances, busy while they
+start and while they serve (their workers poll a core for a second after a
+step), idle between requests; none has a timing bound that load could trip
+(vLLM's start and request bounds are minutes past a busy host's), so what
 they add is load, which every test must stand anyway ("deterministic on two
-busy cores").  The mutation test is NOT one of them: its mutants are
+busy cores").  A test that counts the suite's child processes leaves out the
+checks' (`spawned`).  The mutation test is NOT one of them: its mutants are
 multi-process protocol tests with lock bounds, whose outcome under extra
 load could read as a catch.
 
 Every subprocess a check starts goes through `run`, so the session's end,
 however it ends (-x, ^C, a failure), stops it: SIGINT first (a pytest child
-tears its agents down, cxlvm.py kills its guests), then SIGKILL past a grace.
+tears its agents down, cxlvm.py kills its guests, a bench stops its vLLMs),
+then SIGKILL past a grace; one past its own timeout gets SIGTERM first where
+the check asks (`run(term_grace=S)`).
 Nothing outlives pytest.  A check whose test is skipped or deselected does
 not run; with --collect-only none does.  When a test failed, the checks'
 directories (guest consoles, sanitizer builds) are kept and named.
@@ -40,7 +50,7 @@ import subprocess
 import tempfile
 import threading
 
-GRACE_S = 30.0          # what a stopped check's process gets to tear down before SIGKILL
+GRACE_S = 60.0          # what a stopped check's process gets to tear down before SIGKILL
 
 _lock = threading.Lock()
 _running: set[subprocess.Popen] = set()
@@ -48,6 +58,7 @@ _stopping = threading.Event()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _futures: dict["Check", concurrent.futures.Future] = {}
 _dirs: list[str] = []
+_tmp_root: list[str] = []     # the temporary directory at the session's start (session_dir)
 
 
 class Stopped(Exception):
@@ -132,6 +143,8 @@ def reset() -> None:
     with _lock:
         _futures.clear()
         _pool = None
+        # a check's directory goes there even while a test points tempfile elsewhere
+        _tmp_root[:] = [tempfile.gettempdir()]
 
 
 def start(checks) -> None:
@@ -176,15 +189,35 @@ def stop(keep_dirs: bool = False) -> list[str]:
 
 def session_dir(prefix: str) -> str:
     """A temporary directory that lives until the session's end (stop)."""
-    d = tempfile.mkdtemp(prefix=prefix)
+    with _lock:
+        root = _tmp_root[0] if _tmp_root else None
+    d = tempfile.mkdtemp(prefix=prefix, dir=root)
     with _lock:
         _dirs.append(d)
     return d
 
 
-def run(argv, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+def spawned() -> set[int]:
+    """The processes the checks run now, and theirs (psutil), whoever waits for them."""
+    import psutil
+    with _lock:
+        pids = [p.pid for p in _running]
+    out = set()
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            out |= {pid} | {c.pid for c in proc.children(recursive=True)}
+        except psutil.Error:
+            continue                # gone meanwhile
+    return out
+
+
+def run(argv, *, timeout: float, term_grace: float = 0.0,
+        **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(ARGV, capture_output=True, text=True, ...) that the
-    session's end can stop; raises subprocess.TimeoutExpired past TIMEOUT."""
+    session's end can stop; raises subprocess.TimeoutExpired past TIMEOUT
+    (the process SIGTERMed first and given TERM_GRACE seconds where that is
+    not 0, then killed)."""
     with _lock:
         if _stopping.is_set():
             raise Stopped("the session ended first")
@@ -196,8 +229,16 @@ def run(argv, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
+            if term_grace:
+                p.terminate()
+                try:
+                    p.communicate(timeout=term_grace)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.communicate()
+            else:
+                p.kill()
+                p.communicate()
             raise
         finally:
             with _lock:

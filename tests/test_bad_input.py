@@ -109,6 +109,8 @@ CASES = [
     ("bench --interleave", 2, "--interleave is for real vLLM"),
     ("bench --engine vllm --model {MISSING} --vllm-kv-cache-gib 0", 2,
      "--vllm-kv-cache-gib 0 is not a KV cache size"),
+    ("bench --engine vllm --model {MISSING} --vllm-kv-cache-gib 1e-12", 2, "at least"),
+    ("bench --engine vllm --model {MISSING} --vllm-kv-cache-gib inf", 2, "--vllm-kv-cache-gib inf"),
     ("bench --engine vllm --model {MISSING} --vllm-kv-cache-gib nan", 2,
      "--vllm-kv-cache-gib nan is not"),
     ("bench --engine vllm --model {MISSING} --vllm-kv-cache-gib 1e6", 2, "GiB available"),

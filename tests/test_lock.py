@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import background
 from agents import RunningAgent
 from counters import counter_offset, finish_counters, start_counters
 from procs import Worker, wait_for
@@ -354,9 +355,17 @@ def test_microbench_lock_times_each_walk_ahead_and_one_ahead_idle_and_busy():
     # the suite's own children (tests/background.py's model checks) are not the benchmark's
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     r = bench_locks("none", nodes=(), iterations=20, walk_rounds=3)    # (no contended run)
-    left = [p.cmdline() for p in psutil.Process().children(recursive=True)
-            if p.pid not in before
-            and "resource_tracker" not in " ".join(p.cmdline())]   # multiprocessing's own
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    # listed after them: what the checks started meanwhile (a vLLM bench's) is in it
+    checks = background.spawned()
+    left = []
+    for p in new:
+        try:
+            line = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue                    # gone since: it did not outlive anything
+        if p.pid not in checks and "resource_tracker" not in line:    # multiprocessing's own
+            left.append(line)
     assert not left, f"processes of the benchmark outlived it: {left}"
     for walks in (r.walks, r.walks_busy):
         assert set(walks) == {"claim", "commit"}

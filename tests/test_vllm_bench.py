@@ -5,13 +5,15 @@ skipped with the command that installs it.  The figures are a benchmark
 (docs/VLLM.md), not a test: one small run per configuration here."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 import numpy as np
 import psutil
@@ -20,7 +22,8 @@ import typer
 
 import background
 from background import Check, uses
-from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY, make_checkpoint
+from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY
+from tract_cli.core.region import remove_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, ".peers")
@@ -30,31 +33,48 @@ needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
 
 
+# the environment every bench here starts from, as it was when the module was
+# collected: a background run starts while a foreground test has set (with
+# monkeypatch) variables it must not inherit (a flush mode, a local directory)
+_ENV = dict(os.environ)
+
+
 def _bench_command(args: list[str], peers_dir: str, tmpdir: str, mark: str) -> tuple:
     """(argv, environment) of `tract bench --engine vllm ARGS`: its temporary
     files (its logs' directory) in TMPDIR, MARK in the environment of
     everything it starts, each vLLM's KV cache as the real-vLLM tests size
     theirs (tests/vllm_stack.py)."""
-    env = os.environ | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
-                        "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": tmpdir, MARK: mark}
+    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
+                  "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": tmpdir, MARK: mark}
     kv = ("--vllm-kv-cache-gib", f"{KV_CACHE_BYTES / (1 << 30):g}")
     return [sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm", *kv, *args], env
 
 
-def _kill_marked(mark: str) -> None:
+def _clean_up_after(mark: str, tmpdir: str, before: set[str]) -> None:
+    """What a bench that was killed (MARK, its TMPDIR) left: its processes
+    killed, its files (beyond BEFORE) removed, a region with its local segments."""
     for pid in _our_processes(mark):
         try:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
+    for path in _debris(tmpdir) - before:
+        if path.endswith(".pool"):
+            remove_region(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _bench(args: list[str], peers_dir: str, tmpdir: str,
            timeout: float) -> subprocess.CompletedProcess:
     """`tract bench --engine vllm ARGS`; past TIMEOUT it is stopped as a user stops it
-    (SIGTERM: it stops its servers), and whatever it started is killed after that."""
+    (SIGTERM: it stops its servers), and whatever it left is removed after that."""
     mark = f"{os.getpid()}-{os.path.basename(tmpdir)}"
     argv, env = _bench_command(args, peers_dir, tmpdir, mark)
+    before = _debris(tmpdir)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
@@ -65,48 +85,61 @@ def _bench(args: list[str], peers_dir: str, tmpdir: str,
             proc.communicate(timeout=120)
         finally:
             proc.kill()
-            _kill_marked(mark)
+            _clean_up_after(mark, tmpdir, before)
         pytest.fail(f"tract bench {' '.join(args)} ran past {timeout:.0f} s")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # The two runs of real vLLM configurations (minutes of vLLM starts each) run as
 # background checks (tests/background.py), beside the rest of the suite: each
-# is self-contained (its own checkpoint, temporary directory, regions, ports and
+# is self-contained (its own checkpoint, temporary directory, regions and
 # processes, told apart by MARK) and bounded only by vLLM's start and request
 # timeouts, minutes past what a busy host takes.  What they left is read in the
 # background too, right after each run, against names only a vLLM bench makes.
-_checkpoint_lock = threading.Lock()
 _checkpoint_dir: list[str] = []
 
 
 def _background_checkpoint() -> str:
-    """The checkpoint the background runs share (made once; tests/vllm_model.py)."""
-    with _checkpoint_lock:
-        if not _checkpoint_dir:
-            _checkpoint_dir.append(make_checkpoint(
-                os.path.join(background.session_dir("vllm-bench-ckpt-"), "ckpt")))
-        return _checkpoint_dir[0]
+    """The checkpoint the background runs share (made once a session, one run
+    after the other on the one background thread; tests/vllm_model.py)."""
+    if not (_checkpoint_dir and os.path.isdir(_checkpoint_dir[0])):
+        ckpt = os.path.join(background.session_dir("tract-vllm-bench-ckpt-"), "ckpt")
+        made = background.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt],
+                              timeout=300)
+        assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+        _checkpoint_dir[:] = [ckpt]
+    return _checkpoint_dir[0]
 
 
 def _background_bench(name: str, args: list[str], timeout: float, plot: bool = False) -> dict:
     """`tract bench --engine vllm ARGS` (with --model, --json, and --plot if PLOT),
     as a background check: its CompletedProcess, its JSON (None if it wrote
-    none), the files it left, its processes still running, its directory."""
+    none), the files it left, its processes still running, its plot's path.
+    Past TIMEOUT it is stopped as a user stops it (SIGTERM, 120 s to stop its
+    servers); whatever ends it early, what it left is removed."""
     ckpt = _background_checkpoint()
-    work = background.session_dir(f"vllm-bench-{name}-")
+    work = background.session_dir(f"tract-vllm-bench-{name}-")
     mark = f"{os.getpid()}-{name}"
     out, png = os.path.join(work, "run.json"), os.path.join(work, "run.png")
     argv, env = _bench_command(["--model", ckpt, *args, "--json", out,
                                 *(("--plot", png) if plot else ())], PEERS, work, mark)
     before = _debris(work)
     try:
-        res = background.run(argv, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        _kill_marked(mark)            # the bench was killed: what it started goes too
-        raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s") from None
+        res = background.run(argv, timeout=timeout, term_grace=120, env=env)
+    except BaseException as exc:      # past its timeout, or the session ended first
+        _clean_up_after(mark, work, before)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            err = exc.stderr or ""
+            err = err.decode(errors="replace") if isinstance(err, bytes) else err
+            raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s: "
+                                 f"{err[-2000:]}") from None
+        raise
     left = _our_processes(mark)
-    run = json.load(open(out)) if os.path.exists(out) else None
+    try:
+        run = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else None
+    except ValueError as exc:
+        raise AssertionError(f"the bench's --json is not JSON ({exc}): "
+                             f"{res.stdout[-2000:]}{res.stderr[-2000:]}") from None
     return {"res": res, "run": run, "left": left, "debris": _debris(work) - before,
             "png": png}
 
@@ -355,6 +388,8 @@ def test_a_vllm_whose_engine_core_failed_to_start_is_stopped_at_once(tmp_path):
     (0.125, (), "", str(128 << 20)),        # a fraction: vLLM's flag, the variable unset
     (2, ("--kv-cache-memory-bytes", "96M"), "", "96M"),     # the caller's flag wins
     (2, ("--kv-cache-memory-bytes=96M",), "", None),
+    (2, ("--kv_cache_memory_bytes=96M",), "", None),       # vLLM's parser takes it too
+    (1e6, (), "1000000", None),                            # a number vLLM's int() reads
 ])
 def test_the_kv_cache_size_reaches_vllm_once_and_the_callers_flag_wins(tmp_path, monkeypatch,
                                                                         gib, args, space, flag):
@@ -377,10 +412,19 @@ def test_the_kv_cache_size_reaches_vllm_once_and_the_callers_flag_wins(tmp_path,
     lines = log.read_text().splitlines()
     assert f"space=[{space or 'unset'}]" in lines, lines
     argv = [line[4:] for line in lines if line.startswith("arg=")]
-    flags = [a for a in argv if a.startswith("--kv-cache-memory-bytes")]
+    flags = [a for a in argv if a.replace("_", "-").startswith("--kv-cache-memory-bytes")]
     assert len(flags) == (0 if space else 1), argv
     if flag is not None:
         assert argv[argv.index("--kv-cache-memory-bytes") + 1] == flag, argv
+
+
+def test_a_kv_cache_too_small_or_not_a_number_is_refused_before_vllm_starts():
+    from tract_cli.core.errors import UsageError
+    from tract_cli.serve.vllm_engine import kv_cache_space
+    for gib in (0, 1e-12, -1, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="at least 1 MiB"):
+            kv_cache_space((), gib)
+    assert kv_cache_space((), 1 / 1024) is None          # 1 MiB: the flag
 
 
 def test_a_workload_answer_unlike_one_vllms_is_not_verified():
@@ -969,8 +1013,6 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     assert asks.count("prefix") == 3 and asks.count("tract") == asks.count("mono") == 3, asks
     # the failed one's region removed when it failed, before the run's end
     assert removed[0] == str(tmp_path / "prefix.pool") and len(removed) == 2, removed
-    import shutil
-    shutil.rmtree(res["logs"])
     # one that fails at start: said, the rest run
     failing.clear()
     fake_start = vllm_runs.engine_configs.start
@@ -988,7 +1030,6 @@ def test_interleave_keeps_every_configuration_up_and_sends_each_prompt_to_each_i
     assert list(res["failed"]) == ["tract"] and "tract failed: vLLM exited" in said.read_text()
     assert {s["config"] for s in res["summaries"]} == {"prefix-miss", "prefix-hit", "mono"}
     assert sorted(removed) == sorted(str(tmp_path / f"{c}.pool") for c in ("tract", "prefix"))
-    shutil.rmtree(res["logs"])
     # ^C during a measured request, and one configuration that will not stop:
     # every configuration is still stopped and every region removed
     monkeypatch.setattr(vllm_runs.engine_configs, "start", fake_start)

@@ -26,9 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PY = os.environ.get("TRACT_VLLM_PYTHON") or os.path.join(ROOT, ".peers", "vllm", "bin",
                                                               "python")
 # a KV cache of 128 MiB (256K tokens of the test checkpoint), given as vLLM's own
-# flag: the launcher's default GiB costs each start seconds of zeroed huge pages,
-# and the flag, which the launcher leaves to win over VLLM_CPU_KVCACHE_SPACE, is
-# then checked by every test that reads the cache's size in vLLM's log
+# flag: the launcher's default GiB costs each start seconds of zeroed huge pages;
+# that the flag wins over the launcher's VLLM_CPU_KVCACHE_SPACE is read in vLLM's
+# log (tests/test_vllm.py)
 KV_CACHE_BYTES = 128 << 20
 ARGS = ("--max-model-len", "2048", "--dtype", "bfloat16",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))

@@ -129,7 +129,7 @@ def bench(
                                                   "so a hit is the KV path's own)."),
     vllm_kv_cache_gib: Optional[float] = typer.Option(None, "--vllm-kv-cache-gib",
                                                       help="With --engine vllm: each vLLM "
-                                                           "instance's KV cache, GiB "
+                                                           "instance's CPU KV cache, GiB "
                                                            "(default 2; a fraction is fine)."),
 ) -> None:
     """Run a workload through prefill and decode processes; compare KV transports."""

@@ -25,21 +25,24 @@ STATIC_LENGTHS = (1500, 3000, 4500, 6000)
 OUTPUT_CAP = 16
 # a longer quiet before each request only makes the run longer: a typo
 MAX_REQUEST_GAP_S = 60.0
-# each vLLM instance's KV cache (--vllm-kv-cache-gib): 2 GiB holds 16K tokens
-# of Llama-3-8B, the static sweep's longest prompt and then some
-DEFAULT_KV_CACHE_GIB = 2.0
 
 
 def check_kv_cache_gib(gib: float | None) -> float:
-    """--vllm-kv-cache-gib: a size above 0 that this host's memory can hold."""
+    """--vllm-kv-cache-gib: at least VllmServer's least, and what this host's
+    memory holds for a P/D pair (two instances up at once; --interleave's own
+    check counts every configuration's)."""
     from tract_cli.core.medium import mem_available
+    from tract_cli.serve.vllm_engine import MIN_KV_CACHE_BYTES
     if gib is None:
-        return DEFAULT_KV_CACHE_GIB
+        return vllm_runs.DEFAULT_KV_CACHE_GIB
     have = mem_available()
-    if not math.isfinite(gib) or gib <= 0 or (have is not None and gib * (1 << 30) > have):
-        limit = f" and below the {have / (1 << 30):.1f} GiB available" if have else ""
-        raise UsageError(f"--vllm-kv-cache-gib {gib:g} is not a KV cache size above 0{limit}",
-                         f"e.g. --vllm-kv-cache-gib {DEFAULT_KV_CACHE_GIB:g}")
+    low = MIN_KV_CACHE_BYTES / (1 << 30)
+    if not math.isfinite(gib) or gib < low or (have is not None and 2 * gib * (1 << 30) > have):
+        limit = (f", and a P/D pair's two within the {have / (1 << 30):.1f} GiB available"
+                 if have else "")
+        raise UsageError(f"--vllm-kv-cache-gib {gib:g} is not a KV cache size of at least "
+                         f"{low:g} GiB (1 MiB){limit}",
+                         f"e.g. --vllm-kv-cache-gib {vllm_runs.DEFAULT_KV_CACHE_GIB:g}")
     return gib
 
 

@@ -22,6 +22,7 @@ version, so the server is started as `python -m vllm.entrypoints.openai.api_serv
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -38,6 +39,9 @@ from tract_cli.serve.client import wait_until_up
 CONNECTOR = {"kv_connector": "TractConnector",
              "kv_connector_module_path": "tract_cli.connectors.vllm"}
 READY_TIMEOUT_S = 300
+# the least KV cache VllmServer asks vLLM for (a typo's 1e-12 GiB would be 0
+# bytes, which vLLM's CPU worker takes as a cache of none and fails at start)
+MIN_KV_CACHE_BYTES = 1 << 20
 # how long a vLLM that never became ready gets to exit on SIGTERM before it is
 # killed: it served nothing, and one whose engine core failed to start has its
 # server hang on SIGTERM (vLLM 0.32), which a full stop's 60 s only waited out
@@ -71,13 +75,14 @@ def kv_cache_space(args, gib: float) -> str | None:
     after the flag and puts it over it); None (not set) where GIB is no whole
     number, which the variable (whole GiB) cannot say: the caller passes the
     flag instead."""
-    if any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=")
+    # vLLM's parser takes --kv_cache_memory_bytes for --kv-cache-memory-bytes too
+    if any(str(a).split("=", 1)[0].replace("_", "-") == "--kv-cache-memory-bytes"
            for a in args):
         return ""
-    if gib <= 0:
+    if not (math.isfinite(gib) and gib * (1 << 30) >= MIN_KV_CACHE_BYTES):
         raise UsageError(f"a KV cache of {gib:g} GiB", "give each vLLM instance a KV cache "
-                         "above 0 GiB")
-    return f"{gib:g}" if float(gib).is_integer() else None
+                         f"of at least {MIN_KV_CACHE_BYTES >> 20} MiB")
+    return str(int(gib)) if float(gib).is_integer() else None
 
 
 class VllmServer:
@@ -117,7 +122,8 @@ class VllmServer:
         # not per 4 KiB (docs/VLLM.md "The data path"); the caller's own
         # setting wins
         # VLLM_CPU_KVCACHE_SPACE: the size, or not set at all where the flag
-        # gives it (vLLM reads an empty one as a number and fails)
+        # gives it (vLLM 0.32's envs.py reads an empty one with int() and fails
+        # at start)
         child_env = {"THP_MEM_ALLOC_ENABLE": "1"} | os.environ | {
             "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PYTHONFAULTHANDLER": "1",
             "VLLM_CPU_KVCACHE_SPACE": kv_space}

@@ -72,6 +72,9 @@ VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region
 # 1.7x between runs here with one; the median of three of a length is each
 # measured request's of that length
 REFERENCE_WARMUPS = 3
+# each vLLM instance's KV cache (`tract bench --vllm-kv-cache-gib`): 2 GiB holds
+# 16K tokens of Llama-3-8B, the static sweep's longest prompt and then some
+DEFAULT_KV_CACHE_GIB = 2.0
 
 
 def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[tuple[int, list]]:
@@ -82,7 +85,8 @@ def prompts(lengths: list[int], per_length: int, vocab: int, seed: int) -> list[
 
 
 def run(model_dir: str, lengths: list[int], per_length: int, output_len: int,
-        configs: list[str], seed: int = 0, log=sys.stderr, kv_cache_gib: float = 2,
+        configs: list[str], seed: int = 0, log=sys.stderr,
+        kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
         load_mode: str = "sync", vllm_prefix_caching: bool = False,
         handoff_publish: str = "after_step",
         request_gap: float = DEFAULT_REQUEST_GAP_S, mono_beside: bool = False,
@@ -484,7 +488,7 @@ def room_needed(model_dir: str, configs: list[str], lengths: list[int], per_leng
 
 
 def check_room(model_dir: str, configs: list[str], lengths: list[int], per_length: int,
-               kv_cache_gib: float = 2) -> None:
+               kv_cache_gib: float = DEFAULT_KV_CACHE_GIB) -> None:
     """--interleave: refuses, before anything starts, configurations that would
     not all fit in the memory available at once (a host pushed into swap or
     the OOM killer measures nothing)."""

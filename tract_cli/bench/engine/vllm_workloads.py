@@ -38,8 +38,9 @@ import numpy as np
 from tract_cli.bench.engine import answers as answer_check
 from tract_cli.bench.engine import calls
 from tract_cli.bench.engine import configs as engine_configs
-from tract_cli.bench.engine.vllm_runs import (VLLM_BLOCK, _flush_mode, _kv_bytes, _tract_region,
-                                              failure_of, prompts, remove_pool, to_run)
+from tract_cli.bench.engine.vllm_runs import (DEFAULT_KV_CACHE_GIB, VLLM_BLOCK, _flush_mode,
+                                              _kv_bytes, _tract_region, failure_of, prompts,
+                                              remove_pool, to_run)
 from tract_cli.bench.workload.workloads import Request, arrivals
 from tract_cli.core import kvlog
 from tract_cli.core.errors import TractError, UsageError
@@ -64,7 +65,8 @@ LOGPROBS = answer_check.TOP_LOGPROBS      # top candidates a token: answers are 
 
 
 def run(model_dir: str, points: list[tuple[float, list[Request]]], configs: list[str],
-        log=sys.stderr, kv_cache_gib: float = 2, load_mode: str = "sync",
+        log=sys.stderr, kv_cache_gib: float = DEFAULT_KV_CACHE_GIB,
+        load_mode: str = "sync",
         vllm_prefix_caching: bool = False, handoff_publish: str = "after_step") -> dict:
     """POINTS: (offered rate, its requests) per rate.  Runs each configuration
     over every point; returns the records, the summaries per (rate, system),
