@@ -25,12 +25,17 @@ import time
 import numpy as np
 import pytest
 
+import background
+from background import Check, uses
+
 from tests.servers import request
-from tract_cli.core.errors import TractError
 from tract_cli.core.handoff import Ticket
+from tract_cli.core.agent_launch import IDLE_EXIT_S
+from tract_cli.core.medium import processes_using
 from tract_cli.core.pool import Pool
+from tract_cli.core.region import remove_region
 from tests.vllm_stack import (ANSWER_FIELDS, ARGS, KV_CACHE_BYTES, VLLM_PY,
-                              assert_answers_as_mono, complete,
+                              assert_answers_as_mono, background_checkpoint, complete,
                               external_hits, open_published, port, prefill_params,
                               remove_vllm_debris,
                               server_model, shm_names, start_stack, stop_stack, tokens_by_source,
@@ -430,22 +435,60 @@ def test_pins_and_claims_are_given_back(stack):
     wait_until_released(stack["pool"], timeout=30)
 
 
-def test_a_region_of_another_model_stops_vllm_at_start_with_one_line(stack, region_path):
-    from tract_cli.serve.vllm_engine import VllmServer
-    subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", region_path, "--size", "32M",
-                    "--model", "tiny", "--nodes", "4", "-q"], check=True, timeout=60)
+# the environment as collected: a background check starts while a foreground
+# test has set (monkeypatch) variables it must not inherit
+_ENV = dict(os.environ)
+
+
+def _serve_on_another_models_region() -> dict:
+    """`tract serve-prefill --engine vllm` on a region formatted for another model,
+    as a background check (tests/background.py: a vLLM start that fails, a
+    minute of imports that shares nothing with the stack's tests): what it
+    said, and the processes still mapping the region after it."""
+    ckpt = background_checkpoint()
+    work = background.session_dir("tract-vllm-other-model-")
+    region = f"/dev/shm/tract-test-other-model-{os.getpid()}.pool"
+    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TMPDIR": work}
+    made = background.run([sys.executable, "-m", "tract_cli.cli", "init", region, "--size", "32M",
+                           "--model", "tiny", "--nodes", "4", "-q", "--force"],
+                          timeout=120, env=env)
+    assert made.returncode == 0, made.stderr
     before = shm_names()
-    server = VllmServer(stack["ckpt"], port(), pool=region_path, node=1, args=ARGS,
-                        extra={"start_agent": False}, log_path=str(stack["tmp"] / "bad.log"))
     try:
-        with pytest.raises(TractError) as exc:
-            server.wait_ready(timeout=240)
+        res = background.run([sys.executable, "-m", "tract_cli.cli", "serve-prefill", "--engine",
+                              "vllm", "--model", ckpt, "--pool", region, "--node", "1",
+                              "--port", "0", *[f"--vllm-arg={a}" for a in ARGS]],
+                             timeout=300, term_grace=60, env=env)
+        # the node agent its connector started stops once its node is idle
+        # (IDLE_EXIT_S): given that, bounded, before anything counts as left
+        deadline = time.monotonic() + IDLE_EXIT_S + 30
+        while processes_using(region) and time.monotonic() < deadline:
+            time.sleep(0.2)        # waiting for other processes to exit, bounded
+        return {"res": res, "mapped": processes_using(region)}
     finally:
-        server.stop()
         remove_vllm_debris(before)      # a vLLM that fails at start leaves its shm behind
-    line = str(exc.value)
-    assert "TraCT connector:" in line and "holds KV blocks of tiny" in line, line
-    assert "tract init" in line
+        remove_region(region)
+
+
+OTHER_MODEL_START = Check("vllm: a region of another model", _serve_on_another_models_region,
+                          cost=60)
+
+
+@uses(OTHER_MODEL_START)
+def test_a_region_of_another_model_stops_vllm_at_start_with_one_line():
+    """vLLM started by `tract serve-prefill` on a region of another model's KV
+    geometry stops at start; the command says why in one line, with the fix,
+    exits 1, and nothing it started maps the region once its agent's idle
+    time is past."""
+    got = OTHER_MODEL_START.result()
+    res = got["res"]
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("tract: error:")]
+    assert len(errors) == 1, res.stderr[-2000:]
+    assert "TraCT connector:" in errors[0] and "holds KV blocks of tiny" in errors[0], errors
+    assert "tract init" in errors[0]
+    assert not got["mapped"], got["mapped"]
 
 
 # ---- KV events for routers (docs/VLLM.md, "KV events for routers") ----

@@ -22,7 +22,7 @@ import typer
 
 import background
 from background import Check, uses
-from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY
+from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY, background_checkpoint
 from tract_cli.core.region import remove_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,28 +96,13 @@ def _bench(args: list[str], peers_dir: str, tmpdir: str,
 # processes, told apart by MARK) and bounded only by vLLM's start and request
 # timeouts, minutes past what a busy host takes.  What they left is read in the
 # background too, right after each run, against names only a vLLM bench makes.
-_checkpoint_dir: list[str] = []
-
-
-def _background_checkpoint() -> str:
-    """The checkpoint the background runs share (made once a session, one run
-    after the other on the one background thread; tests/vllm_model.py)."""
-    if not (_checkpoint_dir and os.path.isdir(_checkpoint_dir[0])):
-        ckpt = os.path.join(background.session_dir("tract-vllm-bench-ckpt-"), "ckpt")
-        made = background.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt],
-                              timeout=300)
-        assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
-        _checkpoint_dir[:] = [ckpt]
-    return _checkpoint_dir[0]
-
-
 def _background_bench(name: str, args: list[str], timeout: float, plot: bool = False) -> dict:
     """`tract bench --engine vllm ARGS` (with --model, --json, and --plot if PLOT),
     as a background check: its CompletedProcess, its JSON (None if it wrote
     none), the files it left, its processes still running, its plot's path.
     Past TIMEOUT it is stopped as a user stops it (SIGTERM, 120 s to stop its
     servers); whatever ends it early, what it left is removed."""
-    ckpt = _background_checkpoint()
+    ckpt = background_checkpoint()
     work = background.session_dir(f"tract-vllm-bench-{name}-")
     mark = f"{os.getpid()}-{name}"
     out, png = os.path.join(work, "run.json"), os.path.join(work, "run.png")

@@ -40,6 +40,22 @@ def port() -> int:
         return s.getsockname()[1]
 
 
+_background_ckpt: list[str] = []
+
+
+def background_checkpoint() -> str:
+    """The checkpoint the background checks of real vLLM share (tests/background.py;
+    made once a session, the checks running one after the other on its one thread)."""
+    import background
+    if not (_background_ckpt and os.path.isdir(_background_ckpt[0])):
+        ckpt = os.path.join(background.session_dir("tract-vllm-ckpt-"), "ckpt")
+        made = background.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt],
+                              timeout=300)
+        assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+        _background_ckpt[:] = [ckpt]
+    return _background_ckpt[0]
+
+
 def make_checkpoint(out_dir: str) -> str:
     """The tiny random-weight checkpoint (tests/vllm_model.py, in vLLM's environment)."""
     subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), out_dir], check=True,
