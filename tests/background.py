@@ -5,8 +5,9 @@ runs (tests/test_asan_fuzz.py, tests/test_tsan.py) and the emulated-CXL
 guests (tests/test_cxl_vm.py) are minutes of CPU that share nothing with any
 other test: no region of another test, no agent, no port, no timing bound of
 another test.  So are the two runs of `tract bench --engine vllm` with real
-vLLM configurations (tests/test_vllm_bench.py): minutes of vLLM starts, each
-run with its own checkpoint, temporary directory, regions and processes,
+vLLM configurations (tests/test_vllm_bench.py) and a vLLM that `tract
+serve-prefill` starts on another model's region (tests/test_vllm.py): minutes
+of vLLM starts, each with its own temporary directory, regions and processes,
 told apart from every other test's (its ports are the kernel's free ones, as
 every server's here).  The rest of the suite keeps about one of a machine's two CPUs
 busy on average (its multi-process tests wait on one another), so these run
