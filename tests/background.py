@@ -45,6 +45,7 @@ the check (its module imported another way) runs it then, in the foreground.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,10 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _futures: dict["Check", concurrent.futures.Future] = {}
 _dirs: list[str] = []
 _tmp_root: list[str] = []     # the temporary directory at the session's start (session_dir)
+_env0: list[dict] = []        # the environment at the session's start (run's default)
+# in the environment of every process a check starts (and theirs): a test that
+# counts processes tells a check's apart by it, even one its parent left
+MARK = "TRACT_TEST_BACKGROUND"
 
 
 class Stopped(Exception):
@@ -144,8 +149,11 @@ def reset() -> None:
     with _lock:
         _futures.clear()
         _pool = None
-        # a check's directory goes there even while a test points tempfile elsewhere
+        # a check's directory goes there even while a test points tempfile elsewhere,
+        # and its processes start from this environment even while a test has set
+        # (monkeypatch) variables they must not inherit
         _tmp_root[:] = [tempfile.gettempdir()]
+        _env0[:] = [dict(os.environ)]
 
 
 def start(checks) -> None:
@@ -198,6 +206,17 @@ def session_dir(prefix: str) -> str:
     return d
 
 
+def stopping() -> bool:
+    """Whether the session is ending: a check's bounded waits stop early."""
+    return _stopping.is_set()
+
+
+def environment() -> dict:
+    """The environment a check's processes start from (the session's start's)."""
+    with _lock:
+        return dict(_env0[0] if _env0 else os.environ)
+
+
 def spawned() -> set[int]:
     """The processes the checks run now, and theirs (psutil), whoever waits for them."""
     import psutil
@@ -218,7 +237,9 @@ def run(argv, *, timeout: float, term_grace: float = 0.0,
     """subprocess.run(ARGV, capture_output=True, text=True, ...) that the
     session's end can stop; raises subprocess.TimeoutExpired past TIMEOUT
     (the process SIGTERMed first and given TERM_GRACE seconds where that is
-    not 0, then killed)."""
+    not 0, then killed).  Without ENV, the session start's environment
+    (`environment`); MARK is set in either."""
+    kwargs["env"] = (kwargs.get("env") or environment()) | {MARK: "1"}
     with _lock:
         if _stopping.is_set():
             raise Stopped("the session ended first")

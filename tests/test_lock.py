@@ -356,15 +356,17 @@ def test_microbench_lock_times_each_walk_ahead_and_one_ahead_idle_and_busy():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     r = bench_locks("none", nodes=(), iterations=20, walk_rounds=3)    # (no contended run)
     new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    # listed after them: what the checks started meanwhile (a vLLM bench's) is in it
+    # listed after them: what the checks started meanwhile (a vLLM bench's) is in it;
+    # one whose parent has gone meanwhile carries their mark
     checks = background.spawned()
     left = []
     for p in new:
         try:
             line = " ".join(p.cmdline())
-        except psutil.NoSuchProcess:
+            theirs = p.pid in checks or background.MARK in p.environ()
+        except psutil.Error:
             continue                    # gone since: it did not outlive anything
-        if p.pid not in checks and "resource_tracker" not in line:    # multiprocessing's own
+        if not theirs and "resource_tracker" not in line:    # multiprocessing's own
             left.append(line)
     assert not left, f"processes of the benchmark outlived it: {left}"
     for walks in (r.walks, r.walks_busy):

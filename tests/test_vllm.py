@@ -27,19 +27,19 @@ import pytest
 
 import background
 from background import Check, uses
-
 from tests.servers import request
-from tract_cli.core.handoff import Ticket
-from tract_cli.core.agent_launch import IDLE_EXIT_S
-from tract_cli.core.medium import processes_using
-from tract_cli.core.pool import Pool
-from tract_cli.core.region import remove_region
 from tests.vllm_stack import (ANSWER_FIELDS, ARGS, KV_CACHE_BYTES, VLLM_PY,
                               assert_answers_as_mono, background_checkpoint, complete,
-                              external_hits, open_published, port, prefill_params,
-                              remove_vllm_debris,
-                              server_model, shm_names, start_stack, stop_stack, tokens_by_source,
-                              wait_until_released, wait_until_saved)
+                              external_hits, kill_marked, open_published, port, prefill_params,
+                              remove_vllm_debris, server_model, shm_names, start_stack,
+                              stop_stack, tokens_by_source, wait_until_released,
+                              wait_until_saved)
+from tract_cli.core.agent_launch import IDLE_EXIT_S
+from tract_cli.core.handoff import Ticket
+from tract_cli.core.medium import processes_mapping
+from tract_cli.core.pool import Pool
+from tract_cli.core.region import remove_region
+from tract_cli.serve.vllm_engine import READY_TIMEOUT_S
 
 PROMPT = "Prefill computes the prompt's KV cache; decode reads it one token at a time. "
 PAIR_WAIT_S = 15.0
@@ -444,28 +444,40 @@ def _serve_on_another_models_region() -> dict:
     """`tract serve-prefill --engine vllm` on a region formatted for another model,
     as a background check (tests/background.py: a vLLM start that fails, a
     minute of imports that shares nothing with the stack's tests): what it
-    said, and the processes still mapping the region after it."""
+    said, and the processes still mapping the region after it (whatever it
+    left is then killed and removed)."""
     ckpt = background_checkpoint()
     work = background.session_dir("tract-vllm-other-model-")
     region = f"/dev/shm/tract-test-other-model-{os.getpid()}.pool"
-    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TMPDIR": work}
-    made = background.run([sys.executable, "-m", "tract_cli.cli", "init", region, "--size", "32M",
-                           "--model", "tiny", "--nodes", "4", "-q", "--force"],
-                          timeout=120, env=env)
-    assert made.returncode == 0, made.stderr
+    mark = ("TRACT_TEST_VLLM_OTHER_MODEL", str(os.getpid()))
+    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TMPDIR": work, mark[0]: mark[1]}
     before = shm_names()
     try:
-        res = background.run([sys.executable, "-m", "tract_cli.cli", "serve-prefill", "--engine",
-                              "vllm", "--model", ckpt, "--pool", region, "--node", "1",
-                              "--port", "0", *[f"--vllm-arg={a}" for a in ARGS]],
-                             timeout=300, term_grace=60, env=env)
+        made = background.run([sys.executable, "-m", "tract_cli.cli", "init", region, "--size",
+                               "32M", "--model", "tiny", "--nodes", "4", "-q", "--force"],
+                              timeout=120, env=env)
+        assert made.returncode == 0, made.stderr
+        try:
+            # past vLLM's own start bound (READY_TIMEOUT_S), which it reports itself
+            res = background.run([sys.executable, "-m", "tract_cli.cli", "serve-prefill",
+                                  "--engine", "vllm", "--model", ckpt, "--pool", region,
+                                  "--node", "1", "--port", "0",
+                                  *[f"--vllm-arg={a}" for a in ARGS]],
+                                 timeout=READY_TIMEOUT_S + 120, term_grace=60, env=env)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) \
+                else exc.stderr or ""
+            raise AssertionError(f"tract serve-prefill ran past its own start bound: "
+                                 f"{err[-2000:]}") from None
         # the node agent its connector started stops once its node is idle
         # (IDLE_EXIT_S): given that, bounded, before anything counts as left
         deadline = time.monotonic() + IDLE_EXIT_S + 30
-        while processes_using(region) and time.monotonic() < deadline:
-            time.sleep(0.2)        # waiting for other processes to exit, bounded
-        return {"res": res, "mapped": processes_using(region)}
+        while (processes_mapping([region])[region] and time.monotonic() < deadline
+               and not background.stopping()):
+            time.sleep(1.0)        # waiting for other processes to exit, bounded
+        return {"res": res, "mapped": processes_mapping([region])[region]}
     finally:
+        kill_marked(*mark)
         remove_vllm_debris(before)      # a vLLM that fails at start leaves its shm behind
         remove_region(region)
 

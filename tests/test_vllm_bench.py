@@ -16,13 +16,13 @@ import sys
 import tempfile
 
 import numpy as np
-import psutil
 import pytest
 import typer
 
 import background
 from background import Check, uses
-from tests.vllm_stack import KV_CACHE_BYTES, VLLM_PY, background_checkpoint
+from tests.vllm_stack import (KV_CACHE_BYTES, VLLM_PY, background_checkpoint, kill_marked,
+                              marked_processes)
 from tract_cli.core.region import remove_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,15 +50,11 @@ def _bench_command(args: list[str], peers_dir: str, tmpdir: str, mark: str) -> t
     return [sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm", *kv, *args], env
 
 
-def _clean_up_after(mark: str, tmpdir: str, before: set[str]) -> None:
-    """What a bench that was killed (MARK, its TMPDIR) left: its processes
-    killed, its files (beyond BEFORE) removed, a region with its local segments."""
-    for pid in _our_processes(mark):
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-    for path in _debris(tmpdir) - before:
+def _clean_up_after(mark: str, paths) -> None:
+    """What a bench (MARK) left: its processes killed, PATHS removed (a region
+    with its local segments)."""
+    kill_marked(MARK, mark)
+    for path in paths:
         if path.endswith(".pool"):
             remove_region(path)
         elif os.path.isdir(path):
@@ -68,13 +64,17 @@ def _clean_up_after(mark: str, tmpdir: str, before: set[str]) -> None:
                 os.unlink(path)
 
 
+def _text(out) -> str:
+    """A TimeoutExpired's output, as text."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def _bench(args: list[str], peers_dir: str, tmpdir: str,
            timeout: float) -> subprocess.CompletedProcess:
     """`tract bench --engine vllm ARGS`; past TIMEOUT it is stopped as a user stops it
     (SIGTERM: it stops its servers), and whatever it left is removed after that."""
     mark = f"{os.getpid()}-{os.path.basename(tmpdir)}"
     argv, env = _bench_command(args, peers_dir, tmpdir, mark)
-    before = _debris(tmpdir)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
@@ -85,7 +85,9 @@ def _bench(args: list[str], peers_dir: str, tmpdir: str,
             proc.communicate(timeout=120)
         finally:
             proc.kill()
-            _clean_up_after(mark, tmpdir, before)
+            # its own files only: a background bench may run meanwhile
+            _clean_up_after(mark, glob.glob(os.path.join(tmpdir, "tract-bench-vllm-*")) +
+                            glob.glob(f"/dev/shm/tract-bench-vllm-{proc.pid}-*"))
         pytest.fail(f"tract bench {' '.join(args)} ran past {timeout:.0f} s")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -111,35 +113,24 @@ def _background_bench(name: str, args: list[str], timeout: float, plot: bool = F
     before = _debris(work)
     try:
         res = background.run(argv, timeout=timeout, term_grace=120, env=env)
-    except BaseException as exc:      # past its timeout, or the session ended first
-        _clean_up_after(mark, work, before)
-        if isinstance(exc, subprocess.TimeoutExpired):
-            err = exc.stderr or ""
-            err = err.decode(errors="replace") if isinstance(err, bytes) else err
-            raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s: "
-                                 f"{err[-2000:]}") from None
-        raise
-    left = _our_processes(mark)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s: "
+                             f"{_text(exc.stderr)[-2000:]}") from None
+    finally:     # what it left, however it ended, is the test's to see, not to keep
+        left, debris = _our_processes(mark), _debris(work) - before
+        _clean_up_after(mark, debris)
     try:
         run = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else None
     except ValueError as exc:
         raise AssertionError(f"the bench's --json is not JSON ({exc}): "
                              f"{res.stdout[-2000:]}{res.stderr[-2000:]}") from None
-    return {"res": res, "run": run, "left": left, "debris": _debris(work) - before,
-            "png": png}
+    return {"res": res, "run": run, "left": left, "debris": debris, "png": png}
 
 
 def _our_processes(mark: str) -> set[int]:
     """The live processes a bench started (they inherit MARK), whoever their
     parent is now."""
-    out = set()
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARK) == mark:
-                out.add(proc.pid)
-        except psutil.Error:
-            continue            # gone meanwhile, or not ours to read
-    return out
+    return marked_processes(MARK, mark)
 
 
 def _debris(tmpdir: str) -> set[str]:

@@ -17,7 +17,7 @@ from tests.servers import request
 from tract_cli.bench.engine import answers
 from tract_cli.core.nodes import read_nodes
 from tract_cli.core.errors import TractError
-from tract_cli.core.medium import processes_using
+from tract_cli.core.medium import processes_mapping
 from tract_cli.core.pids import pid_alive
 from tract_cli.core.pool import Pool
 from tract_cli.core.region import remove_region
@@ -50,10 +50,33 @@ def background_checkpoint() -> str:
     if not (_background_ckpt and os.path.isdir(_background_ckpt[0])):
         ckpt = os.path.join(background.session_dir("tract-vllm-ckpt-"), "ckpt")
         made = background.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_model.py"), ckpt],
-                              timeout=300)
+                              timeout=300)      # from the session start's environment
         assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
         _background_ckpt[:] = [ckpt]
     return _background_ckpt[0]
+
+
+def marked_processes(var: str, value: str) -> set[int]:
+    """The live processes whose environment has VAR=VALUE (what a test started
+    carries it, whoever their parent is now)."""
+    import psutil
+    out = set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(var) == value:
+                out.add(proc.pid)
+        except psutil.Error:
+            continue            # gone meanwhile, or not ours to read
+    return out
+
+
+def kill_marked(var: str, value: str) -> None:
+    import psutil
+    for pid in marked_processes(var, value):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
 
 
 def make_checkpoint(out_dir: str) -> str:
@@ -276,7 +299,9 @@ def remove_vllm_debris(before: set[str]) -> None:
     died with it, so nobody else will remove it."""
     for name in shm_names() - before:
         path = os.path.join("/dev/shm", name)
-        if name.startswith(("psm_", "sem.mp-")) and not processes_using(path):
+        # this process's own maps count too: a spawn context's semaphore lives
+        # here until the children it was made for open it
+        if name.startswith(("psm_", "sem.mp-")) and not processes_mapping([path])[path]:
             try:
                 os.unlink(path)
             except FileNotFoundError:
