@@ -237,7 +237,8 @@ def run(argv, *, timeout: float, term_grace: float = 0.0,
     """subprocess.run(ARGV, capture_output=True, text=True, ...) that the
     session's end can stop; raises subprocess.TimeoutExpired past TIMEOUT
     (the process SIGTERMed first and given TERM_GRACE seconds where that is
-    not 0, then killed).  Without ENV, the session start's environment
+    not 0, then killed; the exception carries all it wrote, as text, what it
+    wrote while it stopped too).  Without ENV, the session start's environment
     (`environment`); MARK is set in either."""
     kwargs["env"] = (kwargs.get("env") or environment()) | {MARK: "1"}
     with _lock:
@@ -250,17 +251,17 @@ def run(argv, *, timeout: float, term_grace: float = 0.0,
     with p:
         try:
             out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             if term_grace:
                 p.terminate()
                 try:
-                    p.communicate(timeout=term_grace)
+                    exc.stdout, exc.stderr = p.communicate(timeout=term_grace)
                 except subprocess.TimeoutExpired:
                     p.kill()
-                    p.communicate()
+                    exc.stdout, exc.stderr = p.communicate()
             else:
                 p.kill()
-                p.communicate()
+                exc.stdout, exc.stderr = p.communicate()
             raise
         finally:
             with _lock:

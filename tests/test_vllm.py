@@ -435,11 +435,6 @@ def test_pins_and_claims_are_given_back(stack):
     wait_until_released(stack["pool"], timeout=30)
 
 
-# the environment as collected: a background check starts while a foreground
-# test has set (monkeypatch) variables it must not inherit
-_ENV = dict(os.environ)
-
-
 def _serve_on_another_models_region() -> dict:
     """`tract serve-prefill --engine vllm` on a region formatted for another model,
     as a background check (tests/background.py: a vLLM start that fails, a
@@ -450,7 +445,8 @@ def _serve_on_another_models_region() -> dict:
     work = background.session_dir("tract-vllm-other-model-")
     region = f"/dev/shm/tract-test-other-model-{os.getpid()}.pool"
     mark = ("TRACT_TEST_VLLM_OTHER_MODEL", str(os.getpid()))
-    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TMPDIR": work, mark[0]: mark[1]}
+    env = background.environment() | {"TRACT_VLLM_PYTHON": VLLM_PY, "TMPDIR": work,
+                                      mark[0]: mark[1]}
     before = shm_names()
     try:
         made = background.run([sys.executable, "-m", "tract_cli.cli", "init", region, "--size",
@@ -465,10 +461,8 @@ def _serve_on_another_models_region() -> dict:
                                   *[f"--vllm-arg={a}" for a in ARGS]],
                                  timeout=READY_TIMEOUT_S + 120, term_grace=60, env=env)
         except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) \
-                else exc.stderr or ""
             raise AssertionError(f"tract serve-prefill ran past its own start bound: "
-                                 f"{err[-2000:]}") from None
+                                 f"{(exc.stderr or '')[-2000:]}") from None
         # the node agent its connector started stops once its node is idle
         # (IDLE_EXIT_S): given that, bounded, before anything counts as left
         deadline = time.monotonic() + IDLE_EXIT_S + 30

@@ -33,19 +33,16 @@ needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                 reason=f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
 
 
-# the environment every bench here starts from, as it was when the module was
-# collected: a background run starts while a foreground test has set (with
-# monkeypatch) variables it must not inherit (a flush mode, a local directory)
-_ENV = dict(os.environ)
-
-
 def _bench_command(args: list[str], peers_dir: str, tmpdir: str, mark: str) -> tuple:
     """(argv, environment) of `tract bench --engine vllm ARGS`: its temporary
     files (its logs' directory) in TMPDIR, MARK in the environment of
     everything it starts, each vLLM's KV cache as the real-vLLM tests size
     theirs (tests/vllm_stack.py)."""
-    env = _ENV | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
-                  "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": tmpdir, MARK: mark}
+    # the session start's environment: a background run starts while a foreground
+    # test has set (monkeypatch) variables it must not inherit (a flush mode)
+    env = background.environment() | {"TRACT_VLLM_PYTHON": VLLM_PY, "TRACT_PEERS_DIR": peers_dir,
+                                      "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": tmpdir,
+                                      MARK: mark}
     kv = ("--vllm-kv-cache-gib", f"{KV_CACHE_BYTES / (1 << 30):g}")
     return [sys.executable, "-m", "tract_cli.cli", "bench", "--engine", "vllm", *kv, *args], env
 
@@ -62,11 +59,6 @@ def _clean_up_after(mark: str, paths) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-def _text(out) -> str:
-    """A TimeoutExpired's output, as text."""
-    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
 def _bench(args: list[str], peers_dir: str, tmpdir: str,
@@ -115,7 +107,7 @@ def _background_bench(name: str, args: list[str], timeout: float, plot: bool = F
         res = background.run(argv, timeout=timeout, term_grace=120, env=env)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"tract bench {' '.join(args)} ran past {timeout:.0f} s: "
-                             f"{_text(exc.stderr)[-2000:]}") from None
+                             f"{(exc.stderr or '')[-2000:]}") from None
     finally:     # what it left, however it ended, is the test's to see, not to keep
         left, debris = _our_processes(mark), _debris(work) - before
         _clean_up_after(mark, debris)
