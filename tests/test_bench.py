@@ -20,6 +20,12 @@ def tract(*args, timeout=900, env=None):
                           text=True, timeout=timeout, env=env)
 
 
+def in_tmp(tmp_path):
+    """The environment of a run whose peers' logs (kept and named in the report:
+    peers.log_path) go to TMP_PATH, not to the machine's temporary directory."""
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
 def test_static_workload_is_seeded_and_shares_its_prefix():
     a = static(100, 3, prefix_ratio=0.5, seed=4)
     b = static(100, 3, prefix_ratio=0.5, seed=4)
@@ -260,7 +266,7 @@ def test_nixl_peers_move_and_verify_the_same_kv(tmp_path):
     out = tmp_path / "bench.json"
     res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
                 "--transport", "nixl", "--transport", "nixl-tcp", "--transport", "tract-copy",
-                "--json", str(out))
+                "--json", str(out), env=in_tmp(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     by = {s["transport"]: s for s in data["summaries"]}
@@ -274,7 +280,7 @@ def test_nixl_peers_move_and_verify_the_same_kv(tmp_path):
 def test_mooncake_peer_moves_and_verifies_the_same_kv(tmp_path):
     out = tmp_path / "bench.json"
     res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
-                "--transport", "mooncake-tcp", "--json", str(out))
+                "--transport", "mooncake-tcp", "--json", str(out), env=in_tmp(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     s = json.loads(out.read_text())["summaries"][0]
     assert s["transport"] == "mooncake-tcp" and s["verified"] and s["requests"] == 3
@@ -288,7 +294,8 @@ def test_lmcache_peers_move_and_verify_the_same_kv(tmp_path):
     block is checked on arrival."""
     out = tmp_path / "bench.json"
     res = tract("bench", "--model", "tiny", "--input-len", "1000", "--requests", "3",
-                "--transport", "lmcache-lm", "--transport", "lmcache-pd", "--json", str(out))
+                "--transport", "lmcache-lm", "--transport", "lmcache-pd", "--json", str(out),
+                env=in_tmp(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     by = {s["transport"]: s for s in data["summaries"]}

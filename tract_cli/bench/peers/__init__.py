@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 from tract_cli.core.errors import TractError
@@ -135,11 +137,18 @@ def run(transport: str, requests, geometry, compute, progress=None):
         _check_it_fits(transport, sum(len(r.tokens) for r in requests) * bpt)
     env = {**os.environ, **extra_env}
     procs = []
+    metrics = None
     # the peers' own logging (NIXL, UCX, Mooncake's glog, LMCache) goes to a
     # file, not over the report: its path is in the report and in any error
     logged = log_path(transport)
     log = open(logged, "w")
     try:
+        if env_name == "lmcache":
+            # LMCache keeps its metrics' files in PROMETHEUS_MULTIPROC_DIR, else
+            # creates /tmp/lmcache_prometheus and leaves it: one of this run's,
+            # removed with it
+            metrics = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+                prefix="tract-bench-lmcache-metrics-")
         geo = ["--block-bytes", str(bb), "--block-tokens", str(bt)]
         recv = subprocess.Popen([py, "-I", adapter, "receiver", "--capacity", str(capacity),
                                  "--slots", str(RECV_SLOTS), *geo], stdin=subprocess.PIPE,
@@ -223,12 +232,13 @@ def run(transport: str, requests, geometry, compute, progress=None):
                 p.kill()
                 p.wait(timeout=30)
         log.close()
+        if metrics is not None:
+            shutil.rmtree(metrics, ignore_errors=True)
     return res
 
 
 def log_path(transport: str) -> str:
     """Where TRANSPORT's peer processes log in this run (the temporary directory)."""
-    import tempfile
     return os.path.join(tempfile.gettempdir(), f"tract-bench-{transport}-{os.getpid()}.log")
 
 
