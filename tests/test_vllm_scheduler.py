@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PY),
 
 
 @pytest.fixture(scope="module")
-def seen(vllm_checkpoint):
+def seen(vllm_checkpoint, tmp_path_factory):
     ckpt = vllm_checkpoint
     pool = f"/dev/shm/tract-test-vllm-sched-{os.getpid()}.pool"
     subprocess.run([sys.executable, "-m", "tract_cli.cli", "init", pool, "--size", "64M",
@@ -25,7 +25,10 @@ def seen(vllm_checkpoint):
     try:
         out = subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm_scheduler_driver.py"),
                               ckpt, pool], capture_output=True, text=True, timeout=300,
-                             cwd=ROOT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+                             cwd=ROOT, env=os.environ | {
+                                 "HF_HUB_OFFLINE": "1",
+                                 # what it makes (another checkpoint) under pytest's own
+                                 "TMPDIR": str(tmp_path_factory.mktemp("scheduler"))})
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("OBSERVATIONS ")), None)
         assert line, f"the driver failed (code {out.returncode}): {out.stderr[-3000:]}"
         seen = json.loads(line.removeprefix("OBSERVATIONS "))
