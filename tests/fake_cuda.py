@@ -26,6 +26,9 @@ class _Stream:
 
 
 class _Event:
+    def __init__(self, **flags) -> None:
+        pass
+
     def record(self, stream=None) -> None:
         pass
 

@@ -263,3 +263,45 @@ def test_the_worker_around_the_gpu_path_with_the_cpu_standing_in(region_path):
                                             "checksums_equal": True}
     assert seen["out_of_order"] == {"hits": 0, "claimable_again": True}
     assert seen["load"] == {"errors": [22, 23], "reported": ["d"], "good_blocks_equal": True}
+
+
+def test_the_gpu_path_reads_vllms_own_kv_views_in_every_layout(region_path):
+    """vLLM 0.32's GPU KV views (tests/gpu_layout_driver.py, in vLLM's
+    environment, made by vLLM's own create_kv_cache_views, the CPU standing in
+    for CUDA): in each of its KV cache layouts, whole pages and pages split in
+    kernel blocks, the page map names what FlashAttention reads, and blocks
+    saved from some pages (a partial one among them) load into other pages
+    as FlashAttention sees them; one changed byte in one slot is caught as
+    that block alone."""
+    import os
+
+    from tests.vllm_stack import VLLM_PY
+    from tests.worker_stand import run_driver
+    if not os.path.exists(VLLM_PY):
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
+    seen = run_driver("gpu_layout_driver.py", region_path)
+    # vLLM's six orders whole, and its default one (LBNHC) and LBHNC split too
+    assert {"LBNHC/whole", "LBNHC/split", "LBHNC/split", "BLNHC/whole",
+            "BHLNC/whole"} <= set(seen), sorted(seen)
+    assert len(seen) == 8, sorted(seen)
+    for name, case in seen.items():
+        assert case == {"kernel_blocks_a_page": 2 if name.endswith("split") else 1,
+                        "offsets": True, "checksums": True, "round_trip": True,
+                        "one_wrong_block": True}, name
+
+
+def test_a_kv_view_of_another_shape_is_refused_in_one_line():
+    from tract_cli.core.errors import TractError
+    from tract_cli.core.kvpages import strided_offsets
+    # [kernel blocks, heads, N, 2*dim] of 2 heads of dim 8, pages of 32 tokens
+    offsets, stride = strided_offsets((10, 2, 16, 16), (512, 16, 32, 1), 32, 2, 8)
+    assert stride == 1024 and offsets.shape == (2, 32, 2, 8)
+    assert offsets[1, 17, 1, 3] == 512 + 16 + 32 + 8 + 3     # V, token 1 of kernel block 1
+    for shape, strides, why in [((10, 2, 16), (512, 16, 1), "not \\[blocks"),
+                                ((10, 4, 16, 16), (1024, 16, 64, 1), "expected"),
+                                ((10, 2, 12, 16), (384, 16, 32, 1), "expected"),
+                                ((9, 2, 16, 16), (512, 16, 32, 1), "whole pages"),
+                                ((10, 2, 16, 16), (512, 256, 16, 2), "contiguous"),
+                                ((10, 2, 16, 16), (512, 0, 32, 1), "one address")]:
+        with pytest.raises(TractError, match=why):
+            strided_offsets(shape, strides, 32, 2, 8)

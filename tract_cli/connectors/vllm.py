@@ -96,6 +96,15 @@ class TractConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: on a GPU the connector moves KV layer by layer (save_kv_layer,
+        wait_for_layer_load), which a FULL CUDA graph's replay skips; and vLLM
+        0.32's model runner calls start_load_kv outside the replay's forward
+        context, so the connector cannot see that a step replays FULL and wait
+        for every layer instead.  vLLM then captures PIECEWISE graphs."""
+        return True
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -194,6 +203,9 @@ class TractConnector(KVConnectorBase_V1):
         if isinstance(meta, TractConnectorMetadata):
             # a FULL CUDA graph's replay runs no attention wrapper, so no
             # wait_for_layer_load: the step's stream then waits for every layer
+            # (vLLM captures only PIECEWISE graphs beside this connector:
+            # requires_piecewise_for_cudagraph; kept for a runner that still
+            # says FULL here)
             mode = getattr(forward_context, "cudagraph_runtime_mode", None)
             self.worker_side.start_loads(meta.loads,
                                          whole=getattr(mode, "name", "") == "FULL")

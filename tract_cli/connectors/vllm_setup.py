@@ -17,7 +17,7 @@ from tract_cli.connectors.vllm_plugin import request_amx_state
 from tract_cli.core.agent_launch import AgentWatch, start_node_agent
 from tract_cli.core.errors import TractError
 from tract_cli.core.geometry import normalize_dtype
-from tract_cli.core.kvpages import PageLayout, flash_offsets
+from tract_cli.core.kvpages import PageLayout, strided_offsets
 from tract_cli.core.pool import Pool
 
 if TYPE_CHECKING:
@@ -135,11 +135,24 @@ def attention_isa(vllm_config: "VllmConfig", layer_name: str) -> str:
     return isa
 
 
+def attention_backend(vllm_config: "VllmConfig", layer_name: str) -> str:
+    """The name of the attention backend vLLM chose for LAYER_NAME (its layer's
+    `attn_backend`), e.g. FLASH_ATTN; "unknown" where the layer names none."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    layer = get_layers_from_vllm_config(vllm_config, Attention, [layer_name]).get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    try:
+        return str(backend.get_name())
+    except AttributeError:
+        return "unknown"
+
+
 def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
                     vllm_config: "VllmConfig", layer_name: str) -> PageLayout:
     """Where vLLM's attention backend keeps each KV element of a page (measured
-    with the backend's own cache writer on CPUs; FlashAttention's documented
-    layout on GPUs)."""
+    with the backend's own cache writer on CPUs; on GPUs read from the strides
+    of the view vLLM 0.32 registers for FlashAttention)."""
     heads, dim = geometry.num_kv_heads, geometry.head_dim
     shape = tuple(kv_layer.shape)
     if kv_layer.device.type == "cpu":
@@ -162,8 +175,16 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
                                 (1, heads, page_tokens, 2 * dim))
         return PageLayout(offsets, heads * page_tokens * 2 * dim, geometry.block_tokens,
                           kv_layer.element_size())
-    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (page_tokens, heads, dim):
-        offsets, stride = flash_offsets(shape[1], page_tokens, heads, dim)
+    if kv_layer.device.type == "cuda":
+        backend = attention_backend(vllm_config, layer_name)
+        if backend != "FLASH_ATTN":
+            raise TractError(f"vLLM's attention backend on this GPU is {backend}, whose KV "
+                             "layout TraCT does not know",
+                             "serve with --attention-backend FLASH_ATTN")
+        # vLLM 0.32's view [kernel blocks, heads, N, 2*dim], strided as its
+        # KV cache layout (VLLM_KV_CACHE_LAYOUT) orders it: read from the strides
+        offsets, stride = strided_offsets(shape, tuple(kv_layer.stride()), page_tokens,
+                                          heads, dim)
         return PageLayout(offsets, stride, geometry.block_tokens, kv_layer.element_size())
     raise TractError(f"vLLM's KV cache on {kv_layer.device.type} has shape {list(shape)}, a "
                      "layout TraCT does not know", "serve with CPU_ATTN or FLASH_ATTN")

@@ -239,7 +239,11 @@ class WorkerSide:
         first = kv_caches[names[0]]
         for name in names:
             t = kv_caches[name]
-            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+            # a CPU layer is one contiguous tensor; vLLM 0.32's GPU views are
+            # strided as its KV cache layout orders them (each alike)
+            if (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device
+                    or (not t.is_contiguous() if t.device.type == "cpu"
+                        else t.stride() != first.stride())):
                 raise ConnectorError(f"TraCT connector: KV cache layer {name} differs from "
                                      f"{names[0]} ({list(t.shape)})",
                                      "serve a model whose attention layers are all alike")

@@ -44,6 +44,7 @@ class CudaRuntime:
             lib = ctypes.CDLL(path)
             copy = lib.cudaMemcpy2DAsync
             text = lib.cudaGetErrorString
+            last = lib.cudaGetLastError
         except (OSError, AttributeError) as exc:
             raise TractError(f"the CUDA runtime {path} cannot be used ({exc})",
                              "check the CUDA installation torch uses") from None
@@ -52,7 +53,15 @@ class CudaRuntime:
                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         text.restype = ctypes.c_char_p
         text.argtypes = [ctypes.c_int]
-        self.path, self._copy, self._text = path, copy, text
+        last.restype = ctypes.c_int
+        last.argtypes = []
+        self.path, self._copy, self._text, self._last = path, copy, text, last
+
+    def describe_last(self, code: int) -> str:
+        """The runtime's words for error CODE (e.g. from a call through torch's
+        binding), the thread's last error cleared."""
+        self._last()
+        return f"{self._text(code).decode()} ({code})"
 
     def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
                        height: int, stream: int) -> None:
@@ -60,5 +69,9 @@ class CudaRuntime:
         apart), queued on STREAM (a `torch.cuda.Stream().cuda_stream`)."""
         rc = self._copy(dst, dpitch, src, spitch, width, height, MEMCPY_DEFAULT, stream)
         if rc != 0:
+            # the runtime keeps a failed call's error as the thread's last one,
+            # shared with torch (the same libcudart): torch's next kernel launch
+            # would raise it inside vLLM's forward; cleared here, raised once
+            self._last()
             raise TractError(f"cudaMemcpy2DAsync failed: {self._text(rc).decode()} ({rc})",
                              "check the GPU and that the region is registered (CudaPool)")

@@ -53,9 +53,21 @@ class CudaPool:
         self._size = pool.info.region_size
         cudart = torch.cuda.cudart()
         rc = cudart.cudaHostRegister(self._ptr, self._size, 0)
-        if int(getattr(rc, "value", rc)) != 0:
-            raise TractError(f"cudaHostRegister of {self._size} bytes failed ({rc})",
-                             "check the locked-memory limit (ulimit -l) and the driver")
+        code = int(getattr(rc, "value", rc))
+        if code != 0:
+            # torch's binding names few of the runtime's codes: say the number and
+            # the runtime's own words; the failed call's error cleared (torch's next
+            # launch would raise it)
+            from tract_cli.core.cudart import CudaRuntime
+            try:
+                why = CudaRuntime().describe_last(code)
+            except TractError:
+                why = f"CUDA error {code}"
+            raise TractError(f"cudaHostRegister of the region ({self._size} bytes, "
+                             f"{pool.target.path}) failed: {why}",
+                             "check the locked-memory limit (ulimit -l), that the region's "
+                             "file system lets the driver pin its pages (a DAX device or "
+                             "/dev/shm), and the driver")
         self._registered = True
         self.slots = pool.slots_tensor()
         if not self.slots[0].is_pinned():

@@ -8,9 +8,11 @@ blocks moves in two steps, both queued on the side stream:
 - **on the GPU**, between the engine's pages and a staging buffer of that
   layer's blocks in region order: one `index_select` (save) or `index_copy_`
   (load) over *rows*, the longest stretch of elements every run of the page
-  layout is made of (FlashAttention's `[2, pages, B, heads, dim]`: two rows
-  of `B*heads*dim` a block, K and V; FlashInfer's `[pages, 2, B, heads, dim]`:
-  one).  The row table is uploaded once; a step uploads its pages only.
+  layout is made of (vLLM 0.32's FlashAttention view in its default layout,
+  LBNHC, `[tokens][heads][K|V dim]` a page: one row a page; FlashAttention's
+  own `[2, pages, B, heads, dim]`: two, K and V).  Each layer is read as rows
+  from its view's first element, whatever its strides.  The row table is
+  uploaded once; a step uploads its pages only.
 - **by DMA**, between the staging buffer and the slots: one pitched copy
   (`cudaMemcpy2DAsync`) per run of consecutive slots, the batch taken in slot
   order.  Nothing goes through pageable memory.
@@ -44,7 +46,7 @@ import numpy as np
 from tract_cli.core.cudart import CudaRuntime
 from tract_cli.core.errors import TractError, UsageError
 from tract_cli.core.gpu import CudaPool, _runs
-from tract_cli.core.kvpages import PageLayout
+from tract_cli.core.kvpages import PageLayout, view_extent
 from tract_cli.core.native import ffi
 
 
@@ -88,6 +90,8 @@ class _Batch:
     def __init__(self, slots, order, rows_t, tails, checksum: bool):
         self.slots, self.order, self.rows_t, self.tails = slots, order, rows_t, tails
         self.runs = _runs(slots)
+        # per chunk start: its partial blocks' rows and stale elements, on the GPU
+        self.tail_masks: dict = {}
         self.regs = np.full(len(slots), 0xFFFFFFFF, np.uint32) if checksum else None
         self.pending: list = []
         # a save's layers landed and not yet handed to the checksum threads:
@@ -97,7 +101,7 @@ class _Batch:
 
 class CudaPagedKV:
     """Moves blocks between an engine's per-layer CUDA KV tensors (region layer
-    order, contiguous, alike) and a pool's slots.  CAPACITY: blocks a staging
+    order, alike, strided as the layout says) and a pool's slots.  CAPACITY: blocks a staging
     buffer of one layer holds (what one step saves, typically).  The tensors
     must outlive this object.  CUDA_POOL: the pool's registration to share
     (None: one of its own, which close() unregisters)."""
@@ -114,10 +118,12 @@ class CudaPagedKV:
             raise UsageError("the engine's KV tensors are not on a CUDA device",
                              "use PagedKV (core/kvpages.py) for CPU tensors")
         for t in tensors:
-            if (t.device != first.device or not t.is_contiguous() or t.dtype != first.dtype
-                    or t.numel() != first.numel()):
-                raise UsageError("the engine's KV layer tensors are not alike contiguous tensors "
-                                 "on one GPU", "pass each layer's whole KV cache tensor")
+            # vLLM 0.32's layer views are strided (its KV cache layout): alike,
+            # each read through a flat view of its own span (below)
+            if (t.device != first.device or t.dtype != first.dtype or t.shape != first.shape
+                    or t.stride() != first.stride()):
+                raise UsageError("the engine's KV layer tensors are not alike tensors on one GPU",
+                                 "pass each layer's whole KV cache tensor")
         if first.element_size() != layout.elem_bytes:
             raise UsageError(f"KV elements of {first.element_size()} bytes, the layout says "
                              f"{layout.elem_bytes}", "describe the engine's own KV dtype")
@@ -127,7 +133,8 @@ class CudaPagedKV:
             raise UsageError(f"a page's sub-block holds {layout.index.shape[1]} elements, a region "
                              f"block's layer {elements}", "format the region for this model")
         self.rows = row_elements(layout)
-        if first.numel() % self.rows:
+        extent = view_extent(first)
+        if extent % self.rows:
             raise UsageError("the engine's KV tensor is not a whole number of the layout's rows",
                              "report the attention backend: the GPU path cannot move it")
         self.pool, self.layout, self.device = pool, layout, first.device
@@ -135,11 +142,15 @@ class CudaPagedKV:
         self.cuda = cuda_pool if cuda_pool is not None else CudaPool(pool, device=str(first.device))
         try:
             self.runtime = CudaRuntime()
-            self._views = [t.view(-1, self.rows) for t in tensors]
+            # each layer as rows from its first element to its last (in a
+            # block-outermost layout the span holds other layers' pages too,
+            # which the row table never names)
+            self._views = [torch.as_strided(t, (extent // self.rows, self.rows), (self.rows, 1),
+                                            t.storage_offset()) for t in tensors]
             self._table = torch.from_numpy(row_table(layout, self.rows)).to(self.device)
             self._page_rows = layout.page_stride // self.rows
             # the engine's pages: those whose every element lies in the tensor
-            self.pages = (first.numel() - int(layout.index.max()) - 1) // layout.page_stride + 1
+            self.pages = (extent - int(layout.index.max()) - 1) // layout.page_stride + 1
             # elements' tokens, to zero a partial block past its tokens (vLLM's page
             # may hold another request's stale KV there, which must not reach the pool)
             self._elem_token = torch.from_numpy(layout.elem_token.astype(np.int32)).to(self.device)
@@ -195,9 +206,11 @@ class CudaPagedKV:
             if part.size:
                 tails = (part, t[part], j[part])
         with torch.cuda.stream(self.stream):
-            # allocated on the side stream, which uses them: never freed under it
-            pages_t = torch.from_numpy(p).to(self.device)
-            subs_t = torch.from_numpy(j).to(self.device)
+            # allocated on the side stream, which uses them: never freed under it;
+            # non-blocking: a blocking upload waits for the side stream, so for
+            # every copy queued before (the engine's thread stalled on them)
+            pages_t = torch.from_numpy(p).to(self.device, non_blocking=True)
+            subs_t = torch.from_numpy(j).to(self.device, non_blocking=True)
             rows_t = pages_t[:, None] * self._page_rows + self._table[subs_t]
         return _Batch(s, order, rows_t, tails, checksum)
 
@@ -225,24 +238,33 @@ class CudaPagedKV:
                 self._zero_tails(batch, start, end)
                 self._copy_runs(batch, start, end, layer, to_slots=True)
             if batch.regs is not None:
-                landed = torch.cuda.Event()
+                # blocking: a checksum thread waits for it asleep, not spinning
+                # on a core the engine uses
+                landed = torch.cuda.Event(blocking=True)
                 landed.record(self.stream)
                 self._layer_landed(batch, layer, landed)
 
     def _zero_tails(self, batch: _Batch, start: int, end: int) -> None:
+        """Zeroes, in the staging buffer, the elements of the chunk's partial
+        blocks past their tokens (on the side stream: its caller's)."""
         if batch.tails is None:
             return
-        part, used, subs = batch.tails
-        inside = (part >= start) & (part < end)
-        if not inside.any():
-            return
-        import torch
-        at = torch.from_numpy(part[inside] - start).to(self.device)
-        used_t = torch.from_numpy(used[inside]).to(self.device)
-        sub_t = torch.from_numpy(subs[inside]).to(self.device)
-        stale = self._elem_token[sub_t] >= used_t[:, None]
-        # zeros, as the CPU path writes (a product with 0 would keep -0.0's sign)
-        self._staging[at] = self._staging[at].masked_fill(stale, 0)
+        mask = batch.tail_masks.get(start)
+        if mask is None:             # the chunk's first layer: made once, on the GPU
+            part, used, subs = batch.tails
+            inside = (part >= start) & (part < end)
+            if not inside.any():
+                mask = batch.tail_masks[start] = ()
+            else:
+                import torch
+                at = torch.from_numpy(part[inside] - start).to(self.device, non_blocking=True)
+                used_t = torch.from_numpy(used[inside]).to(self.device, non_blocking=True)
+                sub_t = torch.from_numpy(subs[inside]).to(self.device, non_blocking=True)
+                mask = batch.tail_masks[start] = (at, self._elem_token[sub_t] >= used_t[:, None])
+        if mask:
+            at, stale = mask
+            # zeros, as the CPU path writes (a product with 0 would keep -0.0's sign)
+            self._staging[at] = self._staging[at].masked_fill(stale, 0)
 
     def finish(self) -> None:
         """Waits for every copy queued (a save's, before its commit)."""

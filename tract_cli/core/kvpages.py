@@ -36,11 +36,55 @@ LOAD_MODES = ("sync", "async")
 
 
 def flash_offsets(pages: int, page_tokens: int, kv_heads: int, head_dim: int) -> tuple:
-    """FlashAttention's documented `[2, pages, B, heads, dim]`: (offsets, page stride)."""
+    """FlashAttention's own cache argument `[2, pages, B, heads, dim]` as one
+    tensor (K's plane, then V's; what vLLM before 0.32 registered): (offsets,
+    page stride)."""
     kv, t, h, d = np.meshgrid(np.arange(2), np.arange(page_tokens), np.arange(kv_heads),
                               np.arange(head_dim), indexing="ij")
     page = page_tokens * kv_heads * head_dim
     return (kv * pages * page + (t * kv_heads + h) * head_dim + d).astype(np.int64), page
+
+
+def strided_offsets(shape: tuple, strides: tuple, page_tokens: int, kv_heads: int,
+                    head_dim: int) -> tuple:
+    """A layer's KV as vLLM 0.32 registers it on a GPU: a view `[kernel
+    blocks, heads, N, 2*dim]` whose strides (in elements) give its physical
+    order (vLLM's `KVCacheLayout`: LBNHC by default, any of its orders), K
+    then V in the last axis, as FlashAttention splits it (`kv_cache.transpose(1,
+    2).split(head_dim, -1)`).  An engine page of PAGE_TOKENS is PAGE_TOKENS // N
+    consecutive kernel blocks (vLLM splits a page into kernel blocks a constant
+    stride apart).  Returns (offsets [2, page_tokens, heads, dim] of page 0,
+    page stride), both in elements from the view's first element."""
+    if len(shape) != 4 or len(strides) != 4:
+        raise TractError(f"vLLM's KV view has shape {list(shape)}, not [blocks, heads, tokens, "
+                         "2 x head dim]", "serve with vLLM 0.32 (its FLASH_ATTN backend)")
+    blocks, heads, n, content = shape
+    if heads != kv_heads or content != 2 * head_dim or n < 1 or page_tokens % n:
+        raise TractError(f"vLLM's KV view has blocks of {list(shape[1:])}, expected "
+                         f"[{kv_heads}, a divisor of {page_tokens}, {2 * head_dim}]",
+                         "serve the region's model, with the block size it was formatted for")
+    per_page = page_tokens // n
+    if blocks % per_page:
+        raise TractError(f"vLLM's KV view has {blocks} kernel blocks, not whole pages of "
+                         f"{per_page}", "report the attention backend: its layout is unknown")
+    sb, sh, sn, sc = (int(x) for x in strides)
+    if sc != 1:
+        raise TractError("vLLM's KV view does not keep a head's K and V contiguous",
+                         "serve with vLLM's default KV cache layout (VLLM_KV_CACHE_LAYOUT unset)")
+    kv, t, h, d = np.meshgrid(np.arange(2), np.arange(page_tokens), np.arange(kv_heads),
+                              np.arange(head_dim), indexing="ij")
+    offsets = ((t // n) * sb + h * sh + (t % n) * sn + (kv * head_dim + d) * sc).astype(np.int64)
+    if len(np.unique(offsets)) != offsets.size:
+        raise TractError("vLLM's KV view puts two elements of a page at one address",
+                         "report the attention backend: its layout is unknown")
+    return offsets, per_page * sb
+
+
+def view_extent(tensor) -> int:
+    """Elements from a (strided) tensor's first element to just past its last."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 @dataclass
