@@ -8,8 +8,9 @@ pairs `[B/2][D][2]`; AVX-512: K transposed `[D][B]`), none of them token
 major.  So the layout is not assumed: the element offset, in one layer's
 tensor, of every `(K|V, token, head, dim)` of a page is *measured* by letting
 the engine's own cache writer store known values into a scratch page
-(`probe_offsets`), or stated for a layout that is documented
-(`core.kvpages.flash_offsets`).  `core.kvpages.PageLayout` turns the offsets into the
+(`probe_offsets`), or read from the strides of a view whose axes are known
+(vLLM 0.32's GPU view: `core.kvpages.strided_offsets`).  `core.kvpages.PageLayout`
+turns the offsets into the
 order a region block holds them in (the page's own) and the runs one C call
 copies.
 """

@@ -923,14 +923,19 @@ class WorkerSide:
         """Synchronous loads are copied here, before the step's forward, which
         computes the rest of their prompts; asynchronous ones go to the loader
         thread.  On a GPU every load is queued here, layer by layer, and settled
-        in wait_for_save; WHOLE (a step replayed as one CUDA graph, which calls
-        no wait_for_layer_load): vLLM's stream waits for every layer at once."""
+        in wait_for_save; vLLM's stream waits for every layer at once where the
+        step writes into loaded pages (a synchronous load) or calls no
+        wait_for_layer_load (WHOLE: a step replayed as one CUDA graph)."""
         if not loads:
             return
         if self._gpu is not None:
             for spec in loads:
                 self._start_gpu_load(spec)
-            if whole:
+            # a synchronous load's last block holds the positions this step
+            # computes (the prompt's last token at least), whose KV vLLM writes
+            # on its stream before the layer's wait_for_layer_load: that write
+            # must come after the DMA, or the DMA may land over it
+            if whole or any(spec.sync for spec in loads):
                 self._gpu.wait_all()
             return
         later = []
