@@ -13,7 +13,10 @@ For each layout:
   and loaded into other pages of other views of the same layout read back
   as FlashAttention sees them, the partial block zeroed past its tokens;
 - `one_wrong_block`: the same comparison, after one byte of one slot is
-  changed, names that block alone (the check can fail).
+  changed, names that block alone (the check can fail);
+- `written_elsewhere`: each load wrote nothing outside its blocks' tokens
+  (non-zero elements of the whole backing allocation, every layer's, beyond
+  those, after it was zeroed: 0 each time).
 
 Run in vLLM's environment: `python tests/gpu_layout_driver.py POOL`; prints one
 JSON object of observations (tests/test_gpu.py checks them).
@@ -114,14 +117,21 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int) -
     into = (page_of + 5) % PAGES
     back = CudaPagedKV(pool, pl, dst, capacity=2)
 
+    whole = dst[0].untyped_storage().nbytes() // dst[0].element_size()
+    backing = torch.as_strided(dst[0], (whole,), (1,), 0)     # every layer's pages
+    written = int((tokens * H * 2 * D).sum()) * g.num_layers  # what the loads write
+    out["written_elsewhere"] = []
+
     def loaded_as_saved() -> list:
         """The blocks (indices into BLOCKS) whose loaded tokens differ from the
-        saved ones, the partial block's past-tail tokens read as zeros."""
-        for v in dst:
-            v.zero_()
+        saved ones, the partial block's past-tail tokens read as zeros; and
+        (written_elsewhere) how many elements of the backing allocation beyond
+        the loaded blocks' tokens the load made non-zero."""
+        backing.zero_()
         loading = back.batch(slots, into, sub_of, checksum=False)
         back.load(loading)
         back.finish()
+        out["written_elsewhere"].append(int(torch.count_nonzero(backing)) - written)
         wrong = []
         for i, ((p, j), q) in enumerate(zip(blocks, into)):
             lo, hi = j * B, (j + 1) * B
@@ -161,6 +171,8 @@ def main(path: str) -> dict:
                     continue
                 seen[name] = case(pool, layout, 2 * g.block_tokens, kernel, seed)
                 seed += 1
+        # one region block a page, in vLLM's default layout
+        seen["LBNHC/one-block"] = case(pool, KVCacheLayout.LBNHC, g.block_tokens, None, seed)
     finally:
         pool.close()
     return seen

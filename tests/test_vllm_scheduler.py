@@ -68,12 +68,16 @@ def test_a_synchronous_hit_is_copied_in_the_step_that_computes_the_rest(seen):
     # load_mode sync (the default): no waiting for remote KV, the 4 tokens past
     # the hit scheduled in the same step as its 6 blocks' copy
     assert seen["sync_status"] == "RUNNING"
-    assert seen["sync_loads"] == [[6, True]] and seen["sync_step"] == [4, True]
+    # (its 6 blocks end where the step's tokens begin: on a GPU the forward
+    # need not wait for the whole load, past_end False)
+    assert seen["sync_loads"] == [[6, True, False]] and seen["sync_step"] == [4, True]
     assert seen["sync_pins_in_step"] == 6
     assert seen["sync_pins_after"] == 0              # the step's output reported the copy
     assert seen["sync_computed"] == 100
-    # a hit of the whole prompt leaves vLLM its last token to compute
-    assert seen["sync_whole"] == [[6], 1]
+    # a hit of the whole prompt leaves vLLM its last token to compute, which
+    # lies in the last loaded block (past_end: on a GPU the forward waits for
+    # the whole load)
+    assert seen["sync_whole"] == [[[6, True]], 1]
 
 
 def test_a_failed_synchronous_load_is_recomputed_and_not_offered_again(seen):

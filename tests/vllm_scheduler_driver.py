@@ -330,7 +330,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     # 6 full region blocks + 4 tokens
     rs, out = add_hit(ss, pool, tag, "sync", list(range(1200, 1200 + 100)))
     obs["sync_status"] = rs.status.name
-    obs["sync_loads"] = [[len(ld.slots), ld.sync] for ld in out.kv_connector_metadata.loads]
+    obs["sync_loads"] = [[len(ld.slots), ld.sync, ld.past_end]
+                         for ld in out.kv_connector_metadata.loads]
     obs["sync_step"] = [out.num_scheduled_tokens.get("sync"), out.has_sync_kv_loads]
     obs["sync_pins_in_step"] = pins(pool, cs)
     ss.update_from_output(out, output([rs], synced={"sync"}))
@@ -338,7 +339,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["sync_computed"] = rs.num_computed_tokens
     ss.finish_requests("sync", RequestStatus.FINISHED_ABORTED)
     rw, out = add_hit(ss, pool, tag, "whole", list(range(1400, 1400 + 96)))   # 6 blocks exactly
-    obs["sync_whole"] = [[len(ld.slots) for ld in out.kv_connector_metadata.loads],
+    obs["sync_whole"] = [[[len(ld.slots), ld.past_end]
+                          for ld in out.kv_connector_metadata.loads],
                          out.num_scheduled_tokens.get("whole")]
     ss.update_from_output(out, output([rw], synced={"whole"}))
     ss.finish_requests("whole", RequestStatus.FINISHED_ABORTED)

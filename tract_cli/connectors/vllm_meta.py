@@ -30,6 +30,10 @@ class LoadSpec:
     tags: np.ndarray | None = None   # uint64 payload tags (None: evict every slot)
     sync: bool = False         # copied in the step, before its forward (load_mode sync)
     reference: bool = False    # time a memcpy beside its copy (kvlog.REFERENCE_PARAM)
+    # its last block holds positions past what vLLM was told it loads (the
+    # prompt's last token, a partial tail), which the same step computes and
+    # writes: on a GPU the step's writes must come after the load's DMA
+    past_end: bool = False
 
 
 @dataclass

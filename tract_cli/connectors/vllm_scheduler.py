@@ -583,7 +583,8 @@ class SchedulerSide:
                                             idx % self.r, ticket,
                                             None if tags is None else tags[first:last],
                                             sync=self.settings.load_mode == "sync",
-                                            reference=st.reference))
+                                            reference=st.reference,
+                                            past_end=end_tokens % self.g != 0))
         st.loading = True
         st.load_pages = frozenset(int(p) for p in np.unique(page_ids[idx // self.r]))
         st.saved = max(st.saved, min(last, len(st.keys)))

@@ -924,18 +924,19 @@ class WorkerSide:
         computes the rest of their prompts; asynchronous ones go to the loader
         thread.  On a GPU every load is queued here, layer by layer, and settled
         in wait_for_save; vLLM's stream waits for every layer at once where the
-        step writes into loaded pages (a synchronous load) or calls no
-        wait_for_layer_load (WHOLE: a step replayed as one CUDA graph)."""
+        step writes into a loaded block (a synchronous load past_end) or calls
+        no wait_for_layer_load (WHOLE: a step replayed as one CUDA graph)."""
         if not loads:
             return
         if self._gpu is not None:
             for spec in loads:
                 self._start_gpu_load(spec)
-            # a synchronous load's last block holds the positions this step
-            # computes (the prompt's last token at least), whose KV vLLM writes
-            # on its stream before the layer's wait_for_layer_load: that write
-            # must come after the DMA, or the DMA may land over it
-            if whole or any(spec.sync for spec in loads):
+            # a synchronous load whose last block holds positions this step
+            # computes (past_end: the prompt's last token, a partial tail): vLLM
+            # writes their KV on its stream before the layer's
+            # wait_for_layer_load, so that write must come after the DMA, or
+            # the DMA may land over it
+            if whole or any(spec.sync and spec.past_end for spec in loads):
                 self._gpu.wait_all()
             return
         later = []

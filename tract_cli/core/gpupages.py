@@ -9,8 +9,8 @@ blocks moves in two steps, both queued on the side stream:
   layer's blocks in region order: one `index_select` (save) or `index_copy_`
   (load) over *rows*, the longest stretch of elements every run of the page
   layout is made of (vLLM 0.32's FlashAttention view in its default layout,
-  LBNHC, `[tokens][heads][K|V dim]` a page: one row a page; FlashAttention's
-  own `[2, pages, B, heads, dim]`: two, K and V).  Each layer is read as rows
+  LBNHC, `[tokens][heads][K|V dim]` a page: one row a region block;
+  FlashAttention's own `[2, pages, B, heads, dim]`: two, K and V).  Each layer is read as rows
   from its view's first element, whatever its strides.  The row table is
   uploaded once; a step uploads its pages only.
 - **by DMA**, between the staging buffer and the slots: one pitched copy
@@ -101,7 +101,11 @@ class _Batch:
 
 class CudaPagedKV:
     """Moves blocks between an engine's per-layer CUDA KV tensors (region layer
-    order, alike, strided as the layout says) and a pool's slots.  CAPACITY: blocks a staging
+    order, alike) and a pool's slots.  The layout's offsets are elements from
+    each tensor's first element, through its own strides (what
+    `kvpages.strided_offsets` gives for a view; for a contiguous tensor its
+    flat index): nothing here can check them against the strides, so a
+    layout made for another shape of tensor moves other elements.  CAPACITY: blocks a staging
     buffer of one layer holds (what one step saves, typically).  The tensors
     must outlive this object.  CUDA_POOL: the pool's registration to share
     (None: one of its own, which close() unregisters)."""
