@@ -124,12 +124,40 @@ def _mismatched(pool, slots, expect: np.ndarray) -> list[int]:
     return [i for i in range(len(slots)) if not np.array_equal(got[i], expect[i])]
 
 
+def _gpu_layers(kind: str, layers: int, pages: int, B: int, H: int, D: int):
+    """KV layer tensors on the GPU, random, and their page layout: `flash`,
+    FlashAttention's own `[2, pages, B, H, D]` a layer; `vllm`, the views vLLM
+    0.32 registers in its default layout (LBNHC: one allocation, a layer's
+    pages `[B][H][K|V dim]`, viewed `[pages, H, B, 2*D]`).  Returns (tensors,
+    layout, page(t, p) -> [2, B, H, D] as FlashAttention reads page p,
+    flat(t) -> the layer's elements from its first, in memory order)."""
+    import torch
+
+    from tract_cli.core.kvpages import PageLayout, strided_offsets, view_extent
+    if kind == "flash":
+        tensors = [torch.randn((2, pages, B, H, D), device="cuda") for _ in range(layers)]
+        return (tensors, _flash_layout(B, H, D, pages, elem_bytes=4),
+                lambda t, p: t[:, p], lambda t: t.reshape(-1))
+    from tract_cli.bench.micro.gpu_pages import vllm_views
+    tensors = vllm_views(layers, pages, B, H, D, torch.float32, fill=torch.randn)
+    offsets, stride = strided_offsets(tuple(tensors[0].shape), tuple(tensors[0].stride()),
+                                      B, H, D)
+
+    def page(t, p):
+        return torch.stack(t[p].transpose(0, 1).split(D, dim=-1))
+
+    def flat(t):
+        return torch.as_strided(t, (view_extent(t),), (1,), t.storage_offset())
+    return tensors, PageLayout(offsets, stride, B, 4), page, flat
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of docs/VLLM.md)")
-def test_gpu_pages_save_and_load_by_dma(gpu_pool):
-    """FlashAttention pages on the GPU into scattered slots (runs cut by chunks
-    of a small staging buffer, a partial tail zeroed past its tokens) and back
-    into other pages, layer by layer; bytes equal, and the comparison fails
-    when one block is wrong."""
+@pytest.mark.parametrize("kind", ["flash", "vllm"])
+def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind):
+    """KV pages on the GPU (FlashAttention's own tensors; vLLM 0.32's strided
+    views) into scattered slots (runs cut by chunks of a small staging buffer,
+    a partial tail zeroed past its tokens) and back into other pages, layer by
+    layer; bytes equal, and the comparison fails when one block is wrong."""
     import torch
 
     from tract_cli.core.gpupages import CudaPagedKV
@@ -138,8 +166,7 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
     B, H, D, L = g.block_tokens, g.num_kv_heads, g.head_dim, g.num_layers
     pages = 48
     torch.manual_seed(0)
-    src = [torch.randn((2, pages, B, H, D), device="cuda") for _ in range(L)]
-    layout = _flash_layout(B, H, D, pages, elem_bytes=4)
+    src, layout, page_of, flat = _gpu_layers(kind, L, pages, B, H, D)
     kv = CudaPagedKV(pool, layout, src, capacity=5)
     try:
         keys = block_hashes(np.arange(40 * B, dtype=np.int32), root=pool_root(pool.info))
@@ -162,7 +189,7 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         # the checksum threads' CRC, layer by layer as each landed, is the slots' own
         assert np.array_equal(kv.checksums(batch), pool.checksum_slots(slots[pick]))
         # what each slot must hold: every layer's page in region order, tail zeroed
-        cpu = [t.cpu().numpy().reshape(-1) for t in src]
+        cpu = [flat(t).cpu().numpy() for t in src]
         index = layout.gather_index(page_ids, np.zeros(len(pick), np.int64))
         expect = np.stack([np.concatenate([c[index[i]] for c in cpu]) for i in range(len(pick))])
         per_layer = expect.reshape(len(pick), L, -1)
@@ -174,7 +201,9 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         assert _mismatched(pool, slots[pick], expect) == [3]
         pool.slot_array(int(slots[pick[3]])).reshape(-1).view(np.uint8)[100] ^= 0xFF
         # back into other pages of other tensors, layer by layer
-        dst = [torch.zeros_like(t) for t in src]
+        dst, _, _, _ = _gpu_layers(kind, L, pages, B, H, D)
+        for t in dst:
+            t.zero_()
         kv.close()                # one registration of the mapping at a time
         back = CudaPagedKV(pool, layout, dst, capacity=4)
         into = (page_ids + 7) % pages
@@ -187,11 +216,11 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool):
         gathered = []
         for layer in range(L):
             back.wait_layer(layer)
-            gathered.append(dst[layer][:, torch.as_tensor(into, device="cuda")])
+            gathered.append(torch.stack([page_of(dst[layer], int(q)) for q in into], dim=1))
         torch.cuda.current_stream().synchronize()
         for layer in range(L):
-            got = gathered[layer]
-            want = src[layer][:, torch.as_tensor(page_ids, device="cuda")].clone()
+            got = gathered[layer]                 # [2, blocks, B, H, D]
+            want = torch.stack([page_of(src[layer], int(p)) for p in page_ids], dim=1).clone()
             want[:, -1, 5:] = 0
             if layer == 0:            # the byte changed in the slot: the block read as it is
                 assert not torch.equal(got, want)

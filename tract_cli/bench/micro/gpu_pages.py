@@ -1,8 +1,8 @@
 """The GPU data path of the vLLM connector, measured on a GPU host:
 `python -m tract_cli.bench.micro.gpu_pages [--tokens N] [--flush-mode M]`.
 
-A prompt's KV in FlashAttention pages on the GPU (a model profile's shape,
-random values) is saved into claimed slots and loaded back into other pages
+A prompt's KV in GPU pages as vLLM 0.32 lays them out for FlashAttention
+(its default KV cache layout; a model profile's shape, random values) is saved into claimed slots and loaded back into other pages
 through `CudaPagedKV` (core/gpupages.py), each timed against a DMA of the same
 bytes between the same GPU memory and the same registered slots (one pitched
 copy: the copy engines' own speed here).  The parts are timed apart: the
@@ -33,13 +33,28 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def vllm_views(layers: int, pages: int, block_tokens: int, heads: int, dim: int, dtype,
+               device: str = "cuda", fill=None) -> list:
+    """KV layer views as vLLM 0.32 registers them in its default layout (LBNHC):
+    one allocation, a layer's pages `[tokens][heads][K dim, V dim]` one after
+    another, each layer viewed `[pages, heads, tokens, 2*dim]`; FILL (e.g.
+    torch.randn) makes the allocation's values, else zeros."""
+    import torch
+    n = layers * pages * block_tokens * heads * 2 * dim
+    raw = (fill or torch.zeros)(n, dtype=dtype, device=device)
+    per = n // layers
+    return [raw[i * per:(i + 1) * per].view(pages, block_tokens, heads, 2 * dim).transpose(1, 2)
+            for i in range(layers)]
+
+
 def _setup(path: str, model: str, tokens: int, flush_mode: str):
-    """A region for TOKENS tokens of MODEL, its FlashAttention layout, the
-    prompt's KV in GPU pages (random), and the prompt's block keys."""
+    """A region for TOKENS tokens of MODEL, the prompt's KV in GPU pages
+    (random) as vLLM 0.32 lays them out (its default layout), their page
+    layout, and the prompt's block keys."""
     import torch
 
     from tract_cli.core.hashing import block_hashes, pool_root
-    from tract_cli.core.kvpages import PageLayout, flash_offsets
+    from tract_cli.core.kvpages import PageLayout, strided_offsets
     from tract_cli.core.pool import Pool
     from tract_cli.core.geometry import load_model
     g = load_model(model).geometry
@@ -47,11 +62,12 @@ def _setup(path: str, model: str, tokens: int, flush_mode: str):
     size = (n * 2 + 64) * g.block_bytes + (64 << 20)
     pool = Pool.create(path, size, model, flush_mode=flush_mode, force=True)
     pages = n + 8
-    offsets, stride = flash_offsets(pages, g.block_tokens, g.num_kv_heads, g.head_dim)
-    layout = PageLayout(offsets, stride, g.block_tokens, g.dtype_bytes)
     dtype = {2: torch.bfloat16, 4: torch.float32}[g.dtype_bytes]
-    src = [torch.randn((2, pages, g.block_tokens, g.num_kv_heads, g.head_dim), dtype=dtype,
-                       device="cuda") for _ in range(g.num_layers)]
+    src = vllm_views(g.num_layers, pages, g.block_tokens, g.num_kv_heads, g.head_dim, dtype,
+                     fill=torch.randn)
+    offsets, stride = strided_offsets(tuple(src[0].shape), tuple(src[0].stride()),
+                                      g.block_tokens, g.num_kv_heads, g.head_dim)
+    layout = PageLayout(offsets, stride, g.block_tokens, g.dtype_bytes)
     keys = block_hashes(np.arange(n * g.block_tokens, dtype=np.int32) % 30000,
                         block_tokens=g.block_tokens, root=pool_root(pool.info))
     return pool, layout, src, keys
@@ -137,11 +153,11 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int) -> list[tuple[st
         ref_load = _median_ms(lambda: reference(False), repeats)
         dma_load_ms = _median_ms(lambda: load(False), repeats)
         load_ms = _median_ms(lambda: load(True), repeats)
-        for layer in range(g.num_layers):
-            if not torch.equal(dst[layer][:, :n], src[layer][:, :n]):
+        for layer in range(g.num_layers):           # pages are the views' first axis
+            if not torch.equal(dst[layer][:n], src[layer][:n]):
                 raise SystemExit(f"layer {layer}: the loaded pages differ from the saved ones")
-        dst[0][0, 0, 0, 0, 0] += 1          # the check can fail: one element wrong
-        if torch.equal(dst[0][:, :n], src[0][:, :n]):
+        dst[0][0, 0, 0, 0] += 1             # the check can fail: one element wrong
+        if torch.equal(dst[0][:n], src[0][:n]):
             raise SystemExit("the loaded-bytes check does not see a wrong element")
         rows += [("kv load: the DMA alone (layer by layer)",
                   f"{dma_load_ms:.2f} ms, {gbps(dma_load_ms):.1f} GB/s, "
