@@ -135,6 +135,14 @@ def attention_isa(vllm_config: "VllmConfig", layer_name: str) -> str:
     return isa
 
 
+# vLLM 0.32's GPU attention backends that read a layer's view [blocks, heads,
+# N, 2*dim] as K then V in its last axis (`kv_cache.transpose(1, 2).split(
+# head_size, -1)` in flash_attn.py, flashinfer.py, triton_attn.py); their
+# quantized variants (other content sizes, K and V heads apart) are refused by
+# the view's shape (kvpages.strided_offsets)
+SPLIT_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+
+
 def attention_backend(vllm_config: "VllmConfig", layer_name: str) -> str:
     """The name of the attention backend vLLM chose for LAYER_NAME (its layer's
     `attn_backend`), e.g. FLASH_ATTN; "unknown" where the layer names none."""
@@ -177,7 +185,7 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
                           kv_layer.element_size())
     if kv_layer.device.type == "cuda":
         backend = attention_backend(vllm_config, layer_name)
-        if backend != "FLASH_ATTN":
+        if backend not in SPLIT_KV_BACKENDS:
             raise TractError(f"vLLM's attention backend on this GPU is {backend}, whose KV "
                              "layout TraCT does not know",
                              "serve with --attention-backend FLASH_ATTN")
