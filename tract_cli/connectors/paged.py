@@ -9,10 +9,9 @@ major.  So the layout is not assumed: the element offset, in one layer's
 tensor, of every `(K|V, token, head, dim)` of a page is *measured* by letting
 the engine's own cache writer store known values into a scratch page
 (`probe_offsets`), or read from the strides of a view whose axes are known
-(vLLM 0.32's GPU view: `core.kvpages.strided_offsets`).  `core.kvpages.PageLayout`
-turns the offsets into the
-order a region block holds them in (the page's own) and the runs one C call
-copies.
+(vLLM 0.32's GPU view: `core.kvpages.strided_offsets`).
+`core.kvpages.PageLayout` turns the offsets into the order a region block
+holds them in (the page's own) and the runs one C call copies.
 """
 from __future__ import annotations
 

@@ -65,9 +65,8 @@ class CudaPool:
                 why = f"CUDA error {code}"
             raise TractError(f"cudaHostRegister of the region ({self._size} bytes, "
                              f"{pool.target.path}) failed: {why}",
-                             "check the locked-memory limit (ulimit -l), that the region's "
-                             "file system lets the driver pin its pages (a DAX device or "
-                             "/dev/shm), and the driver")
+                             "check the locked-memory limit (ulimit -l), that the driver "
+                             "may pin the region's pages (its medium), and the driver")
         self._registered = True
         self.slots = pool.slots_tensor()
         if not self.slots[0].is_pinned():

@@ -10,9 +10,9 @@ blocks moves in two steps, both queued on the side stream:
   (load) over *rows*, the longest stretch of elements every run of the page
   layout is made of (vLLM 0.32's FlashAttention view in its default layout,
   LBNHC, `[tokens][heads][K|V dim]` a page: one row a region block;
-  FlashAttention's own `[2, pages, B, heads, dim]`: two, K and V).  Each layer is read as rows
-  from its view's first element, whatever its strides.  The row table is
-  uploaded once; a step uploads its pages only.
+  FlashAttention's own `[2, pages, B, heads, dim]`: two, K and V).  Each
+  layer is read as rows from its view's first element, whatever its
+  strides.  The row table is uploaded once; a step uploads its pages only.
 - **by DMA**, between the staging buffer and the slots: one pitched copy
   (`cudaMemcpy2DAsync`) per run of consecutive slots, the batch taken in slot
   order.  Nothing goes through pageable memory.

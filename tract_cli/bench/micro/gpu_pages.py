@@ -2,8 +2,9 @@
 `python -m tract_cli.bench.micro.gpu_pages [--tokens N] [--flush-mode M]`.
 
 A prompt's KV in GPU pages as vLLM 0.32 lays them out for FlashAttention
-(its default KV cache layout; a model profile's shape, random values) is saved into claimed slots and loaded back into other pages
-through `CudaPagedKV` (core/gpupages.py), each timed against a DMA of the same
+(its default KV cache layout; a model profile's shape, random values) is
+saved into claimed slots and loaded back into other pages through
+`CudaPagedKV` (core/gpupages.py), each timed against a DMA of the same
 bytes between the same GPU memory and the same registered slots (one pitched
 copy: the copy engines' own speed here).  The parts are timed apart: the
 copy, the CPU's checksum of the slots, the commit (whose write-back the flush
