@@ -194,6 +194,11 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind):
         expect = np.stack([np.concatenate([c[index[i]] for c in cpu]) for i in range(len(pick))])
         per_layer = expect.reshape(len(pick), L, -1)
         per_layer[-1][:, layout.elem_token[0] >= 5] = 0
+        if kind == "vllm":        # the map's order is the page's own, LBNHC's: token,
+            for i, p in enumerate(page_ids[:-1]):     # head, K|V, dim (full blocks)
+                for layer in range(L):
+                    own = page_of(src[layer], int(p)).permute(1, 2, 0, 3).reshape(-1)
+                    assert np.array_equal(per_layer[i, layer], own.cpu().numpy())
         expect = expect.view(np.uint8).reshape(len(pick), -1)
         assert _mismatched(pool, slots[pick], expect) == []
         # the comparison can fail: one byte of one block wrong

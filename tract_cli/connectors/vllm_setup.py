@@ -138,8 +138,9 @@ def attention_isa(vllm_config: "VllmConfig", layer_name: str) -> str:
 # vLLM 0.32's GPU attention backends that read a layer's view [blocks, heads,
 # N, 2*dim] as K then V in its last axis (`kv_cache.transpose(1, 2).split(
 # head_size, -1)` in flash_attn.py, flashinfer.py, triton_attn.py); their
-# quantized variants (other content sizes, K and V heads apart) are refused by
-# the view's shape (kvpages.strided_offsets)
+# quantized variants are refused: other content sizes or K and V in heads
+# apart by the view's shape (kvpages.strided_offsets), per-tensor FP8 (the
+# same shape) by its dtype against the region's (check_engine_geometry)
 SPLIT_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 
 
