@@ -5,6 +5,9 @@ where no GPU is lent (the GPU itself: tests/test_gpu.py on a GPU host).
 that are already done (every copy here is synchronous), a pitched copy that
 is a row-by-row memmove between the same addresses, and no registration.
 The gather and scatter are the real torch code; only the device is not.
+`batch_copy` stands in for vLLM's `swap_blocks_batch` (the direct mode's
+copy): a memmove per (source, destination, bytes), after the checks vLLM's
+op makes of its arguments.
 """
 from __future__ import annotations
 
@@ -45,9 +48,23 @@ class _Registration:
 
 
 class _Runtime:
+    def clear_last(self) -> None:
+        pass
+
     def memcpy2d_async(self, dst, dpitch, src, spitch, width, height, stream) -> None:
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+def batch_copy(src_ptrs, dst_ptrs, sizes) -> None:
+    import torch
+    for t in (src_ptrs, dst_ptrs, sizes):
+        # what vLLM's op checks (csrc/cache_kernels.cu): CPU int64 tensors alike
+        if t.device.type != "cpu" or t.dtype != torch.int64 or t.dim() != 1 \
+                or len(t) != len(src_ptrs):
+            raise RuntimeError(f"swap_blocks_batch: {t.dtype} {t.device} {tuple(t.shape)}")
+    for src, dst, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+        ctypes.memmove(dst, src, n)
 
 
 def install() -> None:

@@ -5,10 +5,15 @@ cache layouts orders it, a page split into kernel blocks where vLLM splits
 it), with the CPU standing in for CUDA (tests/fake_cuda.py), against a real
 region: no model, no server, no GPU.
 
-For each layout:
+For each layout, through each of the GPU path's two ways (`direct`: vLLM's
+batched copy straight between the pages and the slots, stood in for by
+`fake_cuda.batch_copy`; `staging`: through a staging buffer):
 - `offsets`: every (K|V, token, head, dim) of every page that
   `kvpages.strided_offsets` names holds what FlashAttention reads there
   (`kv_cache.transpose(1, 2).split(head_dim, -1)`, the backend's own split);
+- `slots_in_region_order`: each saved slot holds its block as the CPU path
+  writes it (each layer in its place, the region's order, zeros past a
+  partial block's tokens);
 - `round_trip`: blocks saved from some pages (a partial last one among them)
   and loaded into other pages of other views of the same layout read back
   as FlashAttention sees them, the partial block zeroed past its tokens;
@@ -70,7 +75,25 @@ def flash(view, head_dim: int, page: int, page_tokens: int) -> torch.Tensor:
                         for c in (key, value)])
 
 
-def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int) -> dict:
+def slots_hold(pool, pl, src, slots, pages, subs, tokens) -> bool:
+    """Each slot holds its block as the CPU path would write it: layer l in
+    the slot's l-th part, its elements in the region's order (the layout's
+    index), zeros past a partial block's tokens."""
+    g = pool.geometry
+    for slot, page, sub, used in zip(slots, pages, subs, tokens):
+        got = pool.slot_bytes(int(slot)).reshape(g.num_layers, -1)
+        for layer, v in enumerate(src):
+            whole = v.untyped_storage().nbytes() // v.element_size()
+            flat = torch.as_strided(v, (whole - v.storage_offset(),), (1,), v.storage_offset())
+            want = flat[torch.from_numpy(page * pl.page_stride + pl.index[sub])].clone()
+            want[torch.from_numpy(pl.elem_token[sub].astype(np.int64) >= used)] = 0
+            if not np.array_equal(got[layer], want.view(torch.uint8).numpy()):
+                return False
+    return True
+
+
+def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int,
+         direct: bool) -> dict:
     g = pool.geometry
     B, H, D = g.block_tokens, g.num_kv_heads, g.head_dim
     src = views(layout, g, page_tokens, kernel_tokens)
@@ -103,7 +126,9 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int) -
                         block_tokens=B, root=root)
     status, slots = pool.index.reserve(keys)
     assert (status == PUT_CLAIMED).all(), status
-    kv = CudaPagedKV(pool, pl, src, capacity=3)
+    copy = fake_cuda.batch_copy if direct else None
+    kv = CudaPagedKV(pool, pl, src, capacity=3, batch_copy=copy)
+    out["direct"] = kv.direct
     page_of = np.array([p for p, _ in blocks], np.int64)
     sub_of = np.array([j for _, j in blocks], np.int64)
     batch = kv.batch(slots, page_of, sub_of, tokens, checksum=True)
@@ -112,10 +137,11 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int) -
     kv.finish()
     sums = kv.checksums(batch)
     out["checksums"] = bool(np.array_equal(sums, pool.checksum_slots(slots)))
+    out["slots_in_region_order"] = slots_hold(pool, pl, src, slots, page_of, sub_of, tokens)
     kv.close()
     dst = views(layout, g, page_tokens, kernel_tokens)
     into = (page_of + 5) % PAGES
-    back = CudaPagedKV(pool, pl, dst, capacity=2)
+    back = CudaPagedKV(pool, pl, dst, capacity=2, batch_copy=copy)
 
     whole = dst[0].untyped_storage().nbytes() // dst[0].element_size()
     backing = torch.as_strided(dst[0], (whole,), (1,), 0)     # every layer's pages
@@ -169,10 +195,15 @@ def main(path: str) -> dict:
                     views(layout, g, 2 * g.block_tokens, kernel)
                 except ValueError:              # vLLM refuses to split this layout
                     continue
-                seen[name] = case(pool, layout, 2 * g.block_tokens, kernel, seed)
-                seed += 1
+                for way in ("direct", "staging"):
+                    seen[f"{name}/{way}"] = case(pool, layout, 2 * g.block_tokens, kernel,
+                                                 seed, way == "direct")
+                    seed += 1
         # one region block a page, in vLLM's default layout
-        seen["LBNHC/one-block"] = case(pool, KVCacheLayout.LBNHC, g.block_tokens, None, seed)
+        for way in ("direct", "staging"):
+            seen[f"LBNHC/one-block/{way}"] = case(pool, KVCacheLayout.LBNHC, g.block_tokens,
+                                                  None, seed, way == "direct")
+            seed += 1
     finally:
         pool.close()
     return seen

@@ -151,13 +151,31 @@ def _gpu_layers(kind: str, layers: int, pages: int, B: int, H: int, D: int):
     return tensors, PageLayout(offsets, stride, B, 4), page, flat
 
 
+def _copies_one_by_one():
+    """A batched copy as vLLM's swap_blocks_batch is called (CPU int64 tensors
+    of addresses and sizes, queued on the current stream), made of one
+    runtime copy each: the direct mode's addressing on a GPU with no vLLM."""
+    import torch
+
+    from tract_cli.core.cudart import CudaRuntime
+    runtime = CudaRuntime()
+
+    def copy(src_ptrs, dst_ptrs, sizes):
+        stream = torch.cuda.current_stream().cuda_stream
+        for src, dst, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+            runtime.memcpy2d_async(dst, n, src, n, n, 1, stream)
+    return copy
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (the GPU path of docs/VLLM.md)")
+@pytest.mark.parametrize("way", ["staging", "direct"])
 @pytest.mark.parametrize("kind", ["flash", "vllm"])
-def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind):
+def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind, way):
     """KV pages on the GPU (FlashAttention's own tensors; vLLM 0.32's strided
-    views) into scattered slots (runs cut by chunks of a small staging buffer,
-    a partial tail zeroed past its tokens) and back into other pages, layer by
-    layer; bytes equal, and the comparison fails when one block is wrong."""
+    views) into scattered slots (through a small staging buffer whose chunks
+    cut the runs, or straight by batched copies; a partial tail zeroed past
+    its tokens) and back into other pages, layer by layer; bytes equal, and
+    the comparison fails when one block is wrong."""
     import torch
 
     from tract_cli.core.gpupages import CudaPagedKV
@@ -167,7 +185,9 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind):
     pages = 48
     torch.manual_seed(0)
     src, layout, page_of, flat = _gpu_layers(kind, L, pages, B, H, D)
-    kv = CudaPagedKV(pool, layout, src, capacity=5)
+    copy = _copies_one_by_one() if way == "direct" else None
+    kv = CudaPagedKV(pool, layout, src, capacity=5, batch_copy=copy)
+    assert kv.direct == (way == "direct")
     try:
         keys = block_hashes(np.arange(40 * B, dtype=np.int32), root=pool_root(pool.info))
         status, slots = pool.index.reserve(keys)
@@ -210,7 +230,7 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind):
         for t in dst:
             t.zero_()
         kv.close()                # one registration of the mapping at a time
-        back = CudaPagedKV(pool, layout, dst, capacity=4)
+        back = CudaPagedKV(pool, layout, dst, capacity=4, batch_copy=copy)
         into = (page_ids + 7) % pages
         sums = pool.checksum_slots(slots[pick])
         pool.slot_array(int(slots[pick[6]])).reshape(-1).view(np.uint8)[7] ^= 0x01
@@ -306,7 +326,8 @@ def test_the_gpu_path_reads_vllms_own_kv_views_in_every_layout(region_path):
     kernel blocks, the page map names what FlashAttention reads, and blocks
     saved from some pages (a partial one among them) load into other pages
     as FlashAttention sees them, writing nothing else; one changed byte in one
-    slot is caught as that block alone."""
+    slot is caught as that block alone.  Both ways the GPU path copies: direct
+    (vLLM's batched copy between pages and slots) and through staging."""
     import os
 
     from tests.vllm_stack import VLLM_PY
@@ -315,14 +336,18 @@ def test_the_gpu_path_reads_vllms_own_kv_views_in_every_layout(region_path):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
     seen = run_driver("gpu_layout_driver.py", region_path)
     # vLLM's six orders whole, and its default one (LBNHC) and LBHNC split too
+    layouts = {name.rsplit("/", 1)[0] for name in seen}
     assert {"LBNHC/whole", "LBNHC/split", "LBHNC/split", "BLNHC/whole",
-            "BHLNC/whole"} <= set(seen), sorted(seen)
-    # (and one region block a page in the default layout)
-    assert len(seen) == 9 and "LBNHC/one-block" in seen, sorted(seen)
+            "BHLNC/whole"} <= layouts, sorted(seen)
+    # (and one region block a page in the default layout), each both ways
+    assert len(layouts) == 9 and "LBNHC/one-block" in layouts, sorted(seen)
+    assert set(seen) == {f"{name}/{way}" for name in layouts for way in ("direct", "staging")}
     for name, case in seen.items():
-        assert case == {"kernel_blocks_a_page": 2 if name.endswith("split") else 1,
-                        "offsets": True, "checksums": True, "round_trip": True,
-                        "one_wrong_block": True, "written_elsewhere": [0, 0]}, name
+        assert case == {"kernel_blocks_a_page": 2 if "/split/" in name else 1,
+                        "direct": name.endswith("/direct"),
+                        "offsets": True, "checksums": True, "slots_in_region_order": True,
+                        "round_trip": True, "one_wrong_block": True,
+                        "written_elsewhere": [0, 0]}, name
 
 
 def test_a_kv_view_of_another_shape_is_refused_in_one_line():

@@ -197,3 +197,16 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
         return PageLayout(offsets, stride, geometry.block_tokens, kv_layer.element_size())
     raise TractError(f"vLLM's KV cache on {kv_layer.device.type} has shape {list(shape)}, a "
                      "layout TraCT does not know", "serve with CPU_ATTN or FLASH_ATTN")
+
+
+def vllm_batch_copy():
+    """vLLM's batched copy between raw addresses (`_custom_ops.swap_blocks_batch`:
+    one `cuMemcpyBatchAsync` on CUDA 12.8 and newer, a loop of `cudaMemcpyAsync`
+    before, on the current stream), which its own KV offloading moves pages
+    with; None where this vLLM build has no such op (its CPU build)."""
+    try:
+        from vllm import _custom_ops as ops
+        torch.ops._C_cache_ops.swap_blocks_batch     # raises where the op is not built
+    except Exception:          # no op, or no vLLM extension at all: the staging path
+        return None
+    return ops.swap_blocks_batch

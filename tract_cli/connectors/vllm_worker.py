@@ -66,7 +66,7 @@ import torch
 
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
-from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
+from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map, vllm_batch_copy
 from tract_cli.core import kvlog
 from tract_cli.core.cpu import checksum_path
 from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, ReservationGone,
@@ -255,16 +255,25 @@ class WorkerSide:
                 self._warn_small_pages([kv_caches[n] for n in names])
             if first.device.type == "cuda":
                 # the mapping registered once (cudaHostRegister): each layer moves by
-                # DMA through a staging buffer sized for one step's blocks
+                # DMA, with vLLM's batched copy straight between its pages and the
+                # slots; without one, through a staging buffer of one step's blocks
                 layer_bytes = self.pool.info.block_bytes // g.num_layers
                 capacity = staging_capacity(
                     self._vllm_config.scheduler_config.max_num_batched_tokens,
                     g.block_tokens, layer_bytes)
                 self._gpu = CudaPagedKV(self.pool, self.layout, [kv_caches[n] for n in names],
-                                        capacity)
-                log.info("TraCT connector worker: %.1f MiB of GPU staging (%d blocks of a "
-                         "layer), beyond what vLLM profiled", self._gpu.staging_bytes / 2**20,
-                         capacity)
+                                        capacity, batch_copy=vllm_batch_copy())
+                if self._gpu.direct:
+                    log.info("TraCT connector worker: GPU DMA straight between vLLM's pages and "
+                             "the region (vLLM's swap_blocks_batch); %.0f KiB of zeros on the "
+                             "GPU beside vLLM's profile, nothing else",
+                             self._gpu.gpu_bytes / 2**10)
+                else:
+                    log.warning("TraCT connector worker: this vLLM build has no batched copy "
+                                "(swap_blocks_batch) or the page layout's runs are short: GPU "
+                                "DMA through %.1f MiB of staging (%d blocks of a layer), "
+                                "beyond what vLLM profiled", self._gpu.gpu_bytes / 2**20,
+                                capacity)
         except TractError as exc:
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
         self._layers = {name: i for i, name in enumerate(names)}
@@ -273,7 +282,8 @@ class WorkerSide:
                  self.layout.blocks_per_page, self.layout.run_count // self.layout.blocks_per_page,
                  "the region's canonical" if self.layout.digest is None else "the engine's page",
                  f"C copy, checksummed as it copies: {checksum_path()}" if self._paged
-                 else "GPU DMA, layer by layer")
+                 else "GPU DMA, layer by layer, "
+                 + ("direct" if self._gpu.direct else "through a staging buffer"))
 
     @staticmethod
     def _warn_small_pages(tensors: list) -> None:

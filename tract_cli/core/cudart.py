@@ -1,4 +1,5 @@
-"""The CUDA runtime's pitched asynchronous copy, from the runtime torch loaded.
+"""The CUDA runtime's pitched asynchronous copy and its last error, from the
+runtime torch loaded.
 
 Why hand-written: a region block holds every layer of one block, so one
 layer's KV of consecutive slots is a row per slot at the slot stride: a
@@ -56,6 +57,11 @@ class CudaRuntime:
         last.restype = ctypes.c_int
         last.argtypes = []
         self.path, self._copy, self._text, self._last = path, copy, text, last
+
+    def clear_last(self) -> None:
+        """Clears the thread's last runtime error (a failed call leaves it for
+        torch's next kernel launch to raise)."""
+        self._last()
 
     def describe_last(self, code: int) -> str:
         """The runtime's words for error CODE (e.g. from a call through torch's

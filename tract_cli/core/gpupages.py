@@ -2,29 +2,37 @@
 by layer, on a side stream (the GPU twin of core/kvpages.py's `PagedKV`).
 
 The region's mapping is registered once (`CudaPool`), so a slot is page-locked
-host memory the GPU's copy engines reach directly.  One layer of a batch of
-blocks moves in two steps, both queued on the side stream:
+host memory the GPU's copy engines reach directly.  A layer of a batch of
+blocks moves one of two ways, queued on the side stream:
 
-- **on the GPU**, between the engine's pages and a staging buffer of that
-  layer's blocks in region order: one `index_select` (save) or `index_copy_`
-  (load) over *rows*, the longest stretch of elements every run of the page
-  layout is made of (vLLM 0.32's FlashAttention view in its default layout,
-  LBNHC, `[tokens][heads][K|V dim]` a page: one row a region block;
-  FlashAttention's own `[2, pages, B, heads, dim]`: two, K and V).  Each
-  layer is read as rows from its view's first element, whatever its
-  strides.  The row table is uploaded once; a step uploads its pages only.
-- **by DMA**, between the staging buffer and the slots: one pitched copy
-  (`cudaMemcpy2DAsync`) per run of consecutive slots, the batch taken in slot
-  order.  Nothing goes through pageable memory.
+- **direct** (inside vLLM, `batch_copy` given): one batched copy a layer
+  between the engine's pages and the slots themselves, each run of the page
+  layout one copy (vLLM 0.32's default layout, LBNHC, `[tokens][heads][K|V
+  dim]` a page: one copy a block; FlashAttention's own `[2, pages, B, heads,
+  dim]`: two, K and V).  The copy is vLLM's own `swap_blocks_batch`, what its
+  KV offloading moves pages with: one `cuMemcpyBatchAsync` (CUDA 12.8 and
+  newer; a loop of `cudaMemcpyAsync` before).  Nothing goes through a buffer
+  of ours: the only GPU memory this mode allocates is one block's layer of
+  zeros, the source of a partial block's elements past its tokens (vLLM's
+  page may hold another request's stale KV there, which must not reach the
+  pool).  Every address is made on the CPU from the view's first element,
+  the layout's runs and the slot; nothing is uploaded.
+- **through a staging buffer** (no batched copy: outside vLLM, or a layout
+  whose runs are too short to copy one by one): on the GPU, between the
+  engine's pages and a staging buffer of that layer's blocks in region
+  order, one `index_select` (save) or `index_copy_` (load) over *rows*, the
+  longest stretch of elements every run of the page layout is made of; then
+  by DMA, between the staging buffer and the slots, one pitched copy
+  (`cudaMemcpy2DAsync`) per run of consecutive slots, the batch taken in
+  slot order.  The row table is uploaded once; a step uploads its pages
+  only.  The staging buffer is allocated once, `capacity` blocks of one
+  layer; a batch larger than that moves in chunks of it.
 
 A save queues each layer as the engine hands it over (after that layer's
 attention wrote its pages: the side stream waits for the engine's stream
 first), so the DMA overlaps the rest of the forward; `finish` waits for it.
 A load queues every layer at once and records an event per layer, which the
 engine's stream waits for before that layer's attention (`wait_layer`).
-
-The staging buffer is allocated once, `capacity` blocks of one layer; a
-batch larger than that moves in chunks of it.
 
 The checksums are the CPU's CRC-32C of the slots, the same a CPU reader
 checks, computed off the engine's thread by a few checksum threads (each
@@ -81,14 +89,26 @@ ON_CUDA_ONLY = True
 CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 # what a checksum thread is handed at a time, at least (a group of layers)
 CHECKSUM_TASK_BYTES = 4 << 20
+# the shortest run of a page layout the direct mode copies on its own: a
+# copy engine spends about as long on a descriptor as on a few hundred bytes,
+# so a layout of shorter runs gathers through the staging buffer instead
+# (vLLM's layouts' shortest run is a page's tokens of one head, K and V: 4 KiB
+# and more in 16 bits)
+DIRECT_MIN_RUN_BYTES = 512
 
 
 class _Batch:
     """A batch of blocks in slot order, its rows on the GPU, and (checksummed)
     each block's CRC register and the checksum threads' work on it."""
 
-    def __init__(self, slots, order, rows_t, tails, checksum: bool):
+    def __init__(self, slots, order, rows_t, tails, checksum: bool, pages=None, subs=None,
+                 used=None):
         self.slots, self.order, self.rows_t, self.tails = slots, order, rows_t, tails
+        # the direct mode's: each block's page, sub-block and tokens (slot order),
+        # and per direction (save?) its copies' addresses relative to a layer's
+        # (`CudaPagedKV._copies`), made once for every layer
+        self.pages, self.subs, self.used = pages, subs, used
+        self.copies: dict = {}
         self.runs = _runs(slots)
         # per chunk start: its partial blocks' rows and stale elements, on the GPU
         self.tail_masks: dict = {}
@@ -108,10 +128,14 @@ class CudaPagedKV:
     layout made for another shape of tensor moves other elements.  CAPACITY: blocks a staging
     buffer of one layer holds (what one step saves, typically).  The tensors
     must outlive this object.  CUDA_POOL: the pool's registration to share
-    (None: one of its own, which close() unregisters)."""
+    (None: one of its own, which close() unregisters).  BATCH_COPY: a
+    batched copy `(src_ptrs, dst_ptrs, sizes)` (CPU int64 tensors of
+    addresses and byte counts) queued on the current stream, vLLM's
+    `swap_blocks_batch`: given, and the layout's runs long enough, the
+    direct mode (the module docstring), and CAPACITY unused."""
 
     def __init__(self, pool, layout: PageLayout, tensors: list, capacity: int,
-                 cuda_pool: CudaPool | None = None):
+                 cuda_pool: CudaPool | None = None, batch_copy=None):
         import torch
         g = pool.geometry
         if len(tensors) != g.num_layers:
@@ -136,31 +160,29 @@ class CudaPagedKV:
         if layout.index.shape[1] != elements:
             raise UsageError(f"a page's sub-block holds {layout.index.shape[1]} elements, a region "
                              f"block's layer {elements}", "format the region for this model")
-        self.rows = row_elements(layout)
         extent = view_extent(first)
-        if extent % self.rows:
+        shortest = min(int(lengths.min()) for _, lengths in layout.runs) * layout.elem_bytes
+        self.direct = batch_copy is not None and shortest >= DIRECT_MIN_RUN_BYTES
+        self.rows = None if self.direct else row_elements(layout)
+        if not self.direct and extent % self.rows:
             raise UsageError("the engine's KV tensor is not a whole number of the layout's rows",
                              "report the attention backend: the GPU path cannot move it")
         self.pool, self.layout, self.device = pool, layout, first.device
+        # the engine's pages: those whose every element lies in the tensor
+        self.pages = (extent - int(layout.index.max()) - 1) // layout.page_stride + 1
         self._owns = cuda_pool is None
         self.cuda = cuda_pool if cuda_pool is not None else CudaPool(pool, device=str(first.device))
         try:
             self.runtime = CudaRuntime()
-            # each layer as rows from its first element to its last (in a
-            # block-outermost layout the span holds other layers' pages too,
-            # which the row table never names)
-            self._views = [torch.as_strided(t, (extent // self.rows, self.rows), (self.rows, 1),
-                                            t.storage_offset()) for t in tensors]
-            self._table = torch.from_numpy(row_table(layout, self.rows)).to(self.device)
-            self._page_rows = layout.page_stride // self.rows
-            # the engine's pages: those whose every element lies in the tensor
-            self.pages = (extent - int(layout.index.max()) - 1) // layout.page_stride + 1
-            # elements' tokens, to zero a partial block past its tokens (vLLM's page
-            # may hold another request's stale KV there, which must not reach the pool)
-            self._elem_token = torch.from_numpy(layout.elem_token.astype(np.int32)).to(self.device)
-            self.capacity = max(1, int(capacity))
-            self._staging = torch.empty((self.capacity, elements), dtype=first.dtype,
-                                        device=self.device)
+            if self.direct:
+                self._batch_copy = batch_copy
+                # each layer's first element: every offset of the layout is from it
+                self._bases = np.array([t.data_ptr() for t in tensors], np.int64)
+                self._segments: dict = {}
+                self._zeros = torch.zeros(elements, dtype=first.dtype, device=self.device)
+                self.capacity = 0
+            else:
+                self._init_staging(tensors, layout, extent, elements, capacity)
         except BaseException:
             if self._owns:
                 self.cuda.close()
@@ -177,9 +199,32 @@ class CudaPagedKV:
                                         initargs=(self.device,))
                      for k in range(CHECKSUM_THREADS)]
 
+    def _init_staging(self, tensors: list, layout: PageLayout, extent: int, elements: int,
+                      capacity: int) -> None:
+        import torch
+        first = tensors[0]
+        # each layer as rows from its first element to its last (in a
+        # block-outermost layout the span holds other layers' pages too,
+        # which the row table never names)
+        self._views = [torch.as_strided(t, (extent // self.rows, self.rows), (self.rows, 1),
+                                        t.storage_offset()) for t in tensors]
+        self._table = torch.from_numpy(row_table(layout, self.rows)).to(self.device)
+        self._page_rows = layout.page_stride // self.rows
+        # elements' tokens, to zero a partial block past its tokens (vLLM's page
+        # may hold another request's stale KV there, which must not reach the pool)
+        self._elem_token = torch.from_numpy(layout.elem_token.astype(np.int32)).to(self.device)
+        self.capacity = max(1, int(capacity))
+        self._staging = torch.empty((self.capacity, elements), dtype=first.dtype,
+                                    device=self.device)
+
     @property
-    def staging_bytes(self) -> int:
-        return self.capacity * self.layer_bytes
+    def gpu_bytes(self) -> int:
+        """What this object allocated on the GPU, for good (a batch's own
+        index tensors aside, the staging mode's: a step's pages)."""
+        if self.direct:
+            return self._zeros.numel() * self._zeros.element_size()
+        return (self.capacity * self.layer_bytes + self._table.numel() * 8
+                + self._elem_token.numel() * 4)
 
     # ---- batches ----
 
@@ -209,6 +254,12 @@ class CudaPagedKV:
             part = np.flatnonzero(t < self.pool.geometry.block_tokens)
             if part.size:
                 tails = (part, t[part], j[part])
+        if self.direct:
+            used = None
+            if tails is not None:
+                used = np.full(len(s), self.pool.geometry.block_tokens, np.int64)
+                used[tails[0]] = tails[1]
+            return _Batch(s, order, None, None, checksum, pages=p, subs=j, used=used)
         with torch.cuda.stream(self.stream):
             # allocated on the side stream, which uses them: never freed under it;
             # non-blocking: a blocking upload waits for the side stream, so for
@@ -233,14 +284,17 @@ class CudaPagedKV:
         them)."""
         import torch
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        view, staging = self._views[layer], self._staging
         with torch.cuda.stream(self.stream):
-            for start, end in self._chunks(len(batch.slots)):
-                n = end - start
-                rows = batch.rows_t[start:end].reshape(-1)
-                torch.index_select(view, 0, rows, out=staging[:n].view(-1, self.rows))
-                self._zero_tails(batch, start, end)
-                self._copy_runs(batch, start, end, layer, to_slots=True)
+            if self.direct:
+                self._copy_direct(batch, layer, to_slots=True)
+            else:
+                view, staging = self._views[layer], self._staging
+                for start, end in self._chunks(len(batch.slots)):
+                    n = end - start
+                    rows = batch.rows_t[start:end].reshape(-1)
+                    torch.index_select(view, 0, rows, out=staging[:n].view(-1, self.rows))
+                    self._zero_tails(batch, start, end)
+                    self._copy_runs(batch, start, end, layer, to_slots=True)
             if batch.regs is not None:
                 # blocking: a checksum thread waits for it asleep, not spinning
                 # on a core the engine uses
@@ -354,14 +408,17 @@ class CudaPagedKV:
         engine's stream waits for a layer with wait_layer before using it."""
         import torch
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        staging = self._staging
         with torch.cuda.stream(self.stream):
-            for layer, view in enumerate(self._views):
-                for start, end in self._chunks(len(batch.slots)):
-                    n = end - start
-                    self._copy_runs(batch, start, end, layer, to_slots=False)
-                    rows = batch.rows_t[start:end].reshape(-1)
-                    view.index_copy_(0, rows, staging[:n].view(-1, self.rows))
+            for layer in range(self.pool.geometry.num_layers):
+                if self.direct:
+                    self._copy_direct(batch, layer, to_slots=False)
+                else:
+                    view, staging = self._views[layer], self._staging
+                    for start, end in self._chunks(len(batch.slots)):
+                        n = end - start
+                        self._copy_runs(batch, start, end, layer, to_slots=False)
+                        rows = batch.rows_t[start:end].reshape(-1)
+                        view.index_copy_(0, rows, staging[:n].view(-1, self.rows))
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self._events[layer] = event
@@ -382,6 +439,74 @@ class CudaPagedKV:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     # ---- the DMA ----
+
+    def _segments_of(self, sub: int, used: int) -> tuple:
+        """A region block's layer of sub-block SUB, its first USED tokens the
+        page's, as copies in region order: (page offset, region offset, length,
+        in elements; from the zeros?): the layout's runs, cut where its tokens
+        past USED begin and end (made once per (sub, used))."""
+        seg = self._segments.get((sub, used))
+        if seg is None:
+            e = self.layout.index[sub]
+            zero = self.layout.elem_token[sub] >= used
+            cut = np.flatnonzero((np.diff(e) != 1) | (zero[1:] != zero[:-1])) + 1
+            starts = np.concatenate([[0], cut])
+            lengths = np.diff(np.concatenate([starts, [e.size]]))
+            seg = self._segments[(sub, used)] = (e[starts], starts, lengths, zero[starts])
+        return seg
+
+    def _copies(self, batch: _Batch, to_slots: bool) -> tuple:
+        """The batch's copies, made once for every layer: (each copy's page
+        address from a layer's first element, its slot address from the
+        mapping's layer 0, its bytes as a CPU tensor, from the zeros?); a
+        save's partial blocks' elements past their tokens come from the
+        zeros, a load writes whole blocks (the slot holds zeros there)."""
+        copies = batch.copies.get(to_slots)
+        if copies is not None:
+            return copies
+        g = self.pool.geometry.block_tokens
+        eb, stride = self.layout.elem_bytes, self.layout.page_stride
+        n = len(batch.slots)
+        used = batch.used if to_slots and batch.used is not None else np.full(n, g, np.int64)
+        pages, slots = batch.pages, batch.slots.astype(np.int64)
+        parts = []
+        # one group per (sub-block, tokens): a page's few sub-blocks, and the
+        # batch's partial blocks
+        for sub, u in np.unique(np.stack([batch.subs, used]), axis=1).T:
+            who = np.flatnonzero((batch.subs == sub) & (used == u))
+            page_e, region_e, length, zero = self._segments_of(int(sub), int(u))
+            shape = (who.size, page_e.size)
+            parts.append(((pages[who, None] * stride + page_e) * eb,
+                          self._data + slots[who, None] * self._stride + region_e * eb,
+                          np.broadcast_to(length * eb, shape), np.broadcast_to(zero, shape)))
+        import torch
+        page, slot, size, zero = (np.concatenate([p[k].reshape(-1) for p in parts])
+                                  for k in range(4))
+        copies = batch.copies[to_slots] = (page, slot, torch.from_numpy(size),
+                                           zero if zero.any() else None)
+        return copies
+
+    def _copy_direct(self, batch: _Batch, layer: int, to_slots: bool) -> None:
+        """LAYER of the batch's blocks between the engine's pages and the
+        slots, in one batched copy on the current stream (the side stream)."""
+        import torch
+        page, slot, sizes, zero = self._copies(batch, to_slots)
+        if not page.size:
+            return
+        engine = page + self._bases[layer]
+        region = slot + (self._mapping + layer * self.layer_bytes)
+        if to_slots and zero is not None:
+            engine = np.where(zero, self._zeros.data_ptr(), engine)
+        src, dst = (engine, region) if to_slots else (region, engine)
+        try:
+            self._batch_copy(torch.from_numpy(src), torch.from_numpy(dst), sizes)
+        except Exception as exc:
+            # the fallback of vLLM's copy (a loop of cudaMemcpyAsync) leaves a failed
+            # call's error as the thread's last, shared with torch: cleared here
+            self.runtime.clear_last()
+            raise TractError(f"the batched DMA of layer {layer} failed: {exc}",
+                             "check the GPU and that the region is registered (CudaPool)") \
+                from None
 
     def _copy_runs(self, batch: _Batch, start: int, end: int, layer: int,
                    to_slots: bool) -> None:

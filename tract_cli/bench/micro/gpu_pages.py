@@ -1,5 +1,5 @@
 """The GPU data path of the vLLM connector, measured on a GPU host:
-`python -m tract_cli.bench.micro.gpu_pages [--tokens N] [--flush-mode M]`.
+`python -m tract_cli.bench.micro.gpu_pages [--tokens N] [--flush-mode M] [--copy C]`.
 
 A prompt's KV in GPU pages as vLLM 0.32 lays them out for FlashAttention
 (its default KV cache layout; a model profile's shape, random values) is
@@ -12,7 +12,11 @@ mode decides).  Then each is run beside a stand-in forward (a bf16 matrix
 product per layer on the engine's stream, of a Llama-3-8B layer's arithmetic
 for the prompt): a save queued layer by layer as each layer finishes, a load
 waited for layer by layer; the figure is the forward's time with the copy
-against without.  Loaded bytes are checked equal to the saved ones.
+against without.  Loaded bytes are checked equal to the saved ones.  The
+copy is the connector's inside vLLM (`--copy direct`: vLLM's batched copy
+straight between pages and slots; run it with a Python that has vLLM's CUDA
+build) or its staging path (`--copy staging`); `auto`, the default, takes the
+direct one where vLLM's op is there.
 """
 from __future__ import annotations
 
@@ -74,8 +78,15 @@ def _setup(path: str, model: str, tokens: int, flush_mode: str):
     return pool, layout, src, keys
 
 
-def run(model: str, tokens: int, flush_mode: str, repeats: int) -> list[tuple[str, str]]:
+def run(model: str, tokens: int, flush_mode: str, repeats: int,
+        copy: str = "auto") -> list[tuple[str, str]]:
     import torch
+
+    from tract_cli.connectors.vllm_setup import vllm_batch_copy
+    batch_copy = vllm_batch_copy() if copy != "staging" else None
+    if copy == "direct" and batch_copy is None:
+        raise SystemExit("gpu_pages: --copy direct needs vLLM's CUDA build in this Python "
+                         "(its swap_blocks_batch); run it with vLLM's Python, or --copy staging")
 
     from tract_cli.core.agent_launch import ensure_agent
     from tract_cli.core.gpu import CudaPool
@@ -93,9 +104,11 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int) -> list[tuple[st
         nbytes = n * bb
         cap = staging_capacity(8192, g.block_tokens, bb // g.num_layers)
         cuda = CudaPool(pool)          # one registration, shared by both directions
-        out = CudaPagedKV(pool, layout, src, cap, cuda_pool=cuda)
+        out = CudaPagedKV(pool, layout, src, cap, cuda_pool=cuda, batch_copy=batch_copy)
         dst = [torch.zeros_like(t) for t in src]
-        into = CudaPagedKV(pool, layout, dst, cap, cuda_pool=cuda)
+        into = CudaPagedKV(pool, layout, dst, cap, cuda_pool=cuda, batch_copy=batch_copy)
+        way = ("direct (vLLM's swap_blocks_batch)" if out.direct else
+               f"through {out.gpu_bytes / 2**20:.1f} MiB of staging")
         status, slots = pool.index.reserve(keys)
         pages = np.arange(n, dtype=np.int64)
         subs = np.zeros(n, np.int64)
@@ -178,7 +191,8 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int) -> list[tuple[st
             agent.wait(timeout=30)
         pool.close()
         remove_region(path)
-    return [("prompt", f"{tokens} tokens of {model}: {n} blocks, {nbytes / 2**20:.1f} MiB")] + rows
+    return [("prompt", f"{tokens} tokens of {model}: {n} blocks, {nbytes / 2**20:.1f} MiB"),
+            ("copy", way)] + rows
 
 
 def _beside_a_forward(out, into, slots, pages, subs, tokens: int, layers: int,
@@ -227,6 +241,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--flush-mode", default="none")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copy", choices=("auto", "direct", "staging"), default="auto")
     args = parser.parse_args(argv)
     from tract_cli.core.errors import TractError
     from tract_cli.core.gpu import cuda_available
@@ -237,7 +252,7 @@ def main(argv=None) -> None:
         raise SystemExit("gpu_pages: no CUDA GPU here: this benchmark measures the GPU path; "
                          "run it on a GPU host")
     try:
-        rows = run(args.model, args.tokens, args.flush_mode, args.repeats)
+        rows = run(args.model, args.tokens, args.flush_mode, args.repeats, args.copy)
     except TractError as exc:
         raise SystemExit(f"gpu_pages: {exc.problem}; {exc.fix}") from None
     for name, value in rows:
