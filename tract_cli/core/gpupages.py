@@ -180,6 +180,8 @@ class CudaPagedKV:
                 self._bases = np.array([t.data_ptr() for t in tensors], np.int64)
                 self._segments: dict = {}
                 self._zeros = torch.zeros(elements, dtype=first.dtype, device=self.device)
+                # filled on this thread's stream: done before the side stream reads it
+                torch.cuda.current_stream(self.device).synchronize()
                 self.capacity = 0
             else:
                 self._init_staging(tensors, layout, extent, elements, capacity)
