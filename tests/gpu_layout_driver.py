@@ -8,6 +8,7 @@ region: no model, no server, no GPU.
 For each layout, through each of the GPU path's two ways (`direct`: vLLM's
 batched copy straight between the pages and the slots, stood in for by
 `fake_cuda.batch_copy`; `staging`: through a staging buffer):
+- `empty_batch`: a batch of no blocks saves and loads nothing, raising nothing;
 - `offsets`: every (K|V, token, head, dim) of every page that
   `kvpages.strided_offsets` names holds what FlashAttention reads there
   (`kv_cache.transpose(1, 2).split(head_dim, -1)`, the backend's own split);
@@ -129,6 +130,14 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int,
     copy = fake_cuda.batch_copy if direct else None
     kv = CudaPagedKV(pool, pl, src, capacity=3, batch_copy=copy)
     out["direct"] = kv.direct
+    # a batch of no blocks moves nothing, either way
+    none = np.zeros(0, np.int64)
+    empty = kv.batch(none, none, none, none, checksum=True)
+    for layer in range(g.num_layers):
+        kv.save_layer(empty, layer)
+    kv.load(empty)
+    kv.finish()
+    out["empty_batch"] = kv.checksums(empty).size == 0
     page_of = np.array([p for p, _ in blocks], np.int64)
     sub_of = np.array([j for _, j in blocks], np.int64)
     batch = kv.batch(slots, page_of, sub_of, tokens, checksum=True)

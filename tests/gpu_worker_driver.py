@@ -6,7 +6,9 @@ fails its checksum, the verdicts asked for before wait_for_save (speculative
 decoding's order) -- against a real region, no model and no server.
 
 Run in vLLM's environment: `python tests/gpu_worker_driver.py POOL`; prints one
-JSON object of observations (tests/test_gpu.py checks them).
+JSON object of observations (tests/test_gpu.py checks them), one per way the
+GPU path copies (direct, vLLM's batched copy stood in for by a synchronous
+memmove, which can show no ordering bug; staging).
 """
 from __future__ import annotations
 
@@ -31,11 +33,18 @@ PAGES = 32
 
 
 def main(path: str) -> dict:
+    # each way the GPU path copies: vLLM's batched copy stood in for, and staging
+    return {"direct": scenarios(path, fake_cuda.batch_copy, 0),
+            "staging": scenarios(path, None, 100_000)}
+
+
+def scenarios(path: str, batch_copy, salt: int) -> dict:
     stand = worker_on(path, PAGES, seed=5)
     pool, ws, releases, tensors = stand
     g = pool.geometry
     B = g.block_tokens
-    ws._gpu = CudaPagedKV(pool, ws.layout, tensors, capacity=3)
+    ws._gpu = CudaPagedKV(pool, ws.layout, tensors, capacity=3, batch_copy=batch_copy)
+    assert ws._gpu.direct == (batch_copy is not None)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(g.num_layers)]
     ws._layers = {name: i for i, name in enumerate(names)}
     root = pool_root(pool.info)
@@ -43,7 +52,7 @@ def main(path: str) -> dict:
     expected = lambda pages: expected_blocks(stand, pages)
 
     def saved(name, pages, layers) -> tuple[np.ndarray, dict]:
-        keys = block_hashes(np.arange(len(pages) * B, dtype=np.int32) + 1000 * len(seen),
+        keys = block_hashes(np.arange(len(pages) * B, dtype=np.int32) + 1000 * len(seen) + salt,
                             block_tokens=B, root=root)
         spec = SaveSpec(name, keys, np.full(len(pages), B, np.uint32),
                         np.asarray(pages, np.int64), np.zeros(len(pages), np.int64))

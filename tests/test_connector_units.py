@@ -49,6 +49,7 @@ def test_settings_defaults_follow_the_role():
     ({"pool": "p", "node": 1, "model_id": 7}, "kv_both", "model_id must be a non-empty"),
     ({"pool": "p", "node": 1, "weights_digest": "some"}, "kv_both", "weights_digest 'some'"),
     ({"pool": "p", "node": 1, "load_mode": "lazy"}, "kv_both", "load_mode 'lazy' is unknown"),
+    ({"pool": "p", "node": 1, "gpu_copy": "fast"}, "kv_both", "gpu_copy 'fast' is unknown"),
     ({"pool": "p", "node": 1, "handoff_publish": "later"}, "kv_both",
      "handoff_publish 'later' is unknown"),
     ({"pool": "p", "node": 1, "kv_events": 1}, "kv_both", "kv_events must be true or false"),

@@ -304,19 +304,23 @@ def test_the_worker_around_the_gpu_path_with_the_cpu_standing_in(region_path):
     graph's replay) saved whole in wait_for_save; a layer out of order leaves
     the step unsaved and its claims given back; a block that fails its checksum
     is reported with its pages from there on, before wait_for_save (speculative
-    decoding's order), and the blocks before it load intact."""
+    decoding's order), and the blocks before it load intact; both ways the GPU
+    path copies (direct, staging)."""
     import os
 
     from tests.vllm_stack import VLLM_PY
     from tests.worker_stand import run_driver
     if not os.path.exists(VLLM_PY):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (.ci/setup builds it)")
-    seen = run_driver("gpu_worker_driver.py", region_path)
-    assert seen["in_order"] == {"hits": 4, "bytes_equal": True, "checksums_equal": True}
-    assert seen["no_layer_handed_over"] == {"hits": 3, "bytes_equal": True,
-                                            "checksums_equal": True}
-    assert seen["out_of_order"] == {"hits": 0, "claimable_again": True}
-    assert seen["load"] == {"errors": [22, 23], "reported": ["d"], "good_blocks_equal": True}
+    both = run_driver("gpu_worker_driver.py", region_path)
+    assert set(both) == {"direct", "staging"}
+    for seen in both.values():
+        assert seen["in_order"] == {"hits": 4, "bytes_equal": True, "checksums_equal": True}
+        assert seen["no_layer_handed_over"] == {"hits": 3, "bytes_equal": True,
+                                                "checksums_equal": True}
+        assert seen["out_of_order"] == {"hits": 0, "claimable_again": True}
+        assert seen["load"] == {"errors": [22, 23], "reported": ["d"],
+                                "good_blocks_equal": True}
 
 
 def test_the_gpu_path_reads_vllms_own_kv_views_in_every_layout(region_path):
@@ -344,7 +348,7 @@ def test_the_gpu_path_reads_vllms_own_kv_views_in_every_layout(region_path):
     assert set(seen) == {f"{name}/{way}" for name in layouts for way in ("direct", "staging")}
     for name, case in seen.items():
         assert case == {"kernel_blocks_a_page": 2 if "/split/" in name else 1,
-                        "direct": name.endswith("/direct"),
+                        "direct": name.endswith("/direct"), "empty_batch": True,
                         "offsets": True, "checksums": True, "slots_in_region_order": True,
                         "round_trip": True, "one_wrong_block": True,
                         "written_elsewhere": [0, 0]}, name
@@ -365,3 +369,31 @@ def test_a_kv_view_of_another_shape_is_refused_in_one_line():
                                 ((10, 2, 16, 16), (512, 0, 32, 1), "one address")]:
         with pytest.raises(TractError, match=why):
             strided_offsets(shape, strides, 32, 2, 8)
+
+
+def test_the_gpu_copy_chosen_by_gpu_copy_and_cuda(monkeypatch):
+    """gpu_copy auto takes vLLM's batched copy where it is built and CUDA (its
+    build, the driver) is 12.8 or newer, else staging, saying why; direct
+    takes it whatever the CUDA, and refuses in one line where it is missing."""
+    import torch
+
+    from tract_cli.connectors import vllm_setup
+    from tract_cli.connectors.vllm_setup import ConnectorError, gpu_batch_copy
+    assert gpu_batch_copy("staging") == (None, "gpu_copy is staging")
+    monkeypatch.setattr(vllm_setup, "vllm_batch_copy", lambda: None)
+    op, why = gpu_batch_copy("auto")
+    assert op is None and "no batched copy" in why
+    with pytest.raises(ConnectorError, match="gpu_copy direct: this vLLM build has no"):
+        gpu_batch_copy("direct")
+    op = object()
+    monkeypatch.setattr(vllm_setup, "vllm_batch_copy", lambda: op)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert gpu_batch_copy("auto", driver_version=12080) == (op, None)
+    got, why = gpu_batch_copy("auto", driver_version=12040)      # an older driver
+    assert got is None and "driver 12.4" in why
+    monkeypatch.setattr(torch.version, "cuda", "12.6")           # an older build
+    got, why = gpu_batch_copy("auto", driver_version=13000)
+    assert got is None and "CUDA 12.6" in why
+    assert gpu_batch_copy("direct", driver_version=12040) == (op, None)
+    monkeypatch.setattr(torch.version, "cuda", None)             # a CPU build of torch
+    assert gpu_batch_copy("auto", driver_version=13000)[0] is None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from tract_cli.core.errors import UsageError
 from tract_cli.core.cpu import FLUSH_MODES
+from tract_cli.core.gpupages import GPU_COPIES
 from tract_cli.core.handoff import HANDOFF_PUBLISH
 from tract_cli.core.kvpages import LOAD_MODES
 from tract_cli.core.weights import WEIGHTS_DIGESTS
@@ -46,6 +47,7 @@ class ConnectorSettings:
     model_id: str | None = None    # the operator's name for the weights, mixed into every key
     weights_digest: str = "sampled"  # how the weights enter the model's identity: sampled | full
     load_mode: str = "sync"        # copy hits in the step that computes the rest | on a thread
+    gpu_copy: str = "auto"         # the GPU path's copy: auto | direct | staging
     # a P/D prefill's handoff: its record reserved in the step, published after its
     # commit, off the step | published in the step, which waits for the commit
     handoff_publish: str = "after_step"
@@ -119,7 +121,8 @@ class ConnectorSettings:
                                  "of at most 1024 characters", 'e.g. "model_id": "llama-3-8b@a1b2c3"')
             out["model_id"] = value
         for key, choices in (("weights_digest", WEIGHTS_DIGESTS), ("flush_mode", FLUSH_MODES),
-                             ("load_mode", LOAD_MODES), ("handoff_publish", HANDOFF_PUBLISH)):
+                             ("load_mode", LOAD_MODES), ("handoff_publish", HANDOFF_PUBLISH),
+                             ("gpu_copy", GPU_COPIES)):
             if key in extra:
                 out[key] = _choice(extra, key, choices)
         return cls(**out)

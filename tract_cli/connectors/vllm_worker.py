@@ -66,7 +66,7 @@ import torch
 
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
-from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map, vllm_batch_copy
+from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map, gpu_batch_copy
 from tract_cli.core import kvlog
 from tract_cli.core.cpu import checksum_path
 from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, ReservationGone,
@@ -261,19 +261,21 @@ class WorkerSide:
                 capacity = staging_capacity(
                     self._vllm_config.scheduler_config.max_num_batched_tokens,
                     g.block_tokens, layer_bytes)
+                copy, why = gpu_batch_copy(self.settings.gpu_copy)
                 self._gpu = CudaPagedKV(self.pool, self.layout, [kv_caches[n] for n in names],
-                                        capacity, batch_copy=vllm_batch_copy())
+                                        capacity, batch_copy=copy)
                 if self._gpu.direct:
                     log.info("TraCT connector worker: GPU DMA straight between vLLM's pages and "
                              "the region (vLLM's swap_blocks_batch); %.0f KiB of zeros on the "
                              "GPU beside vLLM's profile, nothing else",
                              self._gpu.gpu_bytes / 2**10)
                 else:
-                    log.warning("TraCT connector worker: this vLLM build has no batched copy "
-                                "(swap_blocks_batch) or the page layout's runs are short: GPU "
-                                "DMA through %.1f MiB of staging (%d blocks of a layer), "
-                                "beyond what vLLM profiled", self._gpu.gpu_bytes / 2**20,
-                                capacity)
+                    if copy is not None:
+                        why = "the page layout's runs are shorter than a copy is worth"
+                    say = log.info if self.settings.gpu_copy == "staging" else log.warning
+                    say("TraCT connector worker: GPU DMA through %.1f MiB of staging (%d blocks "
+                        "of a layer), beyond what vLLM profiled: %s",
+                        self._gpu.gpu_bytes / 2**20, capacity, why)
         except TractError as exc:
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
         self._layers = {name: i for i, name in enumerate(names)}

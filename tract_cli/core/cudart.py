@@ -1,5 +1,5 @@
-"""The CUDA runtime's pitched asynchronous copy and its last error, from the
-runtime torch loaded.
+"""The CUDA runtime's pitched asynchronous copy, its last error and the
+driver's version, from the runtime torch loaded.
 
 Why hand-written: a region block holds every layer of one block, so one
 layer's KV of consecutive slots is a row per slot at the slot stride: a
@@ -46,6 +46,7 @@ class CudaRuntime:
             copy = lib.cudaMemcpy2DAsync
             text = lib.cudaGetErrorString
             last = lib.cudaGetLastError
+            driver = lib.cudaDriverGetVersion
         except (OSError, AttributeError) as exc:
             raise TractError(f"the CUDA runtime {path} cannot be used ({exc})",
                              "check the CUDA installation torch uses") from None
@@ -56,12 +57,20 @@ class CudaRuntime:
         text.argtypes = [ctypes.c_int]
         last.restype = ctypes.c_int
         last.argtypes = []
+        driver.restype = ctypes.c_int
+        driver.argtypes = [ctypes.POINTER(ctypes.c_int)]
         self.path, self._copy, self._text, self._last = path, copy, text, last
+        self._driver = driver
 
-    def clear_last(self) -> None:
-        """Clears the thread's last runtime error (a failed call leaves it for
-        torch's next kernel launch to raise)."""
-        self._last()
+    def driver_version(self) -> int:
+        """The CUDA driver's version as the runtime encodes it (12080: 12.8; 0:
+        no driver)."""
+        out = ctypes.c_int(0)
+        return out.value if self._driver(ctypes.byref(out)) == 0 else 0
+
+    def take_last(self) -> int:
+        """The thread's last runtime error (0: none), cleared."""
+        return int(self._last())
 
     def describe_last(self, code: int) -> str:
         """The runtime's words for error CODE (e.g. from a call through torch's

@@ -89,6 +89,9 @@ ON_CUDA_ONLY = True
 CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 # what a checksum thread is handed at a time, at least (a group of layers)
 CHECKSUM_TASK_BYTES = 4 << 20
+# how the GPU path copies (the connector's `gpu_copy`): direct where it can, or
+# always, or through the staging buffer
+GPU_COPIES = ("auto", "direct", "staging")
 # the shortest run of a page layout the direct mode copies on its own: a
 # copy engine spends about as long on a descriptor as on a few hundred bytes,
 # so a layout of shorter runs gathers through the staging buffer instead
@@ -492,9 +495,9 @@ class CudaPagedKV:
         """LAYER of the batch's blocks between the engine's pages and the
         slots, in one batched copy on the current stream (the side stream)."""
         import torch
-        page, slot, sizes, zero = self._copies(batch, to_slots)
-        if not page.size:
+        if not len(batch.slots):
             return
+        page, slot, sizes, zero = self._copies(batch, to_slots)
         engine = page + self._bases[layer]
         region = slot + (self._mapping + layer * self.layer_bytes)
         if to_slots and zero is not None:
@@ -502,13 +505,19 @@ class CudaPagedKV:
         src, dst = (engine, region) if to_slots else (region, engine)
         try:
             self._batch_copy(torch.from_numpy(src), torch.from_numpy(dst), sizes)
-        except Exception as exc:
-            # the fallback of vLLM's copy (a loop of cudaMemcpyAsync) leaves a failed
-            # call's error as the thread's last, shared with torch: cleared here
-            self.runtime.clear_last()
+        except Exception as exc:       # its batched call's error, raised by vLLM
             raise TractError(f"the batched DMA of layer {layer} failed: {exc}",
                              "check the GPU and that the region is registered (CudaPool)") \
                 from None
+        # vLLM's fallback (a loop of cudaMemcpyAsync: CUDA before 12.8) checks no
+        # copy's result: a failed one is only the thread's last runtime error,
+        # which torch's next kernel launch in vLLM's forward would raise; taken
+        # (and so cleared) here, and raised in the connector
+        rc = self.runtime.take_last()
+        if rc:
+            raise TractError(f"the batched DMA of layer {layer} failed: "
+                             f"{self.runtime.describe_last(rc)}",
+                             "check the GPU and that the region is registered (CudaPool)")
 
     def _copy_runs(self, batch: _Batch, start: int, end: int, layer: int,
                    to_slots: bool) -> None:

@@ -82,11 +82,9 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int,
         copy: str = "auto") -> list[tuple[str, str]]:
     import torch
 
-    from tract_cli.connectors.vllm_setup import vllm_batch_copy
-    batch_copy = vllm_batch_copy() if copy != "staging" else None
-    if copy == "direct" and batch_copy is None:
-        raise SystemExit("gpu_pages: --copy direct needs vLLM's CUDA build in this Python "
-                         "(its swap_blocks_batch); run it with vLLM's Python, or --copy staging")
+    from tract_cli.connectors.vllm_setup import gpu_batch_copy
+    # as the connector's gpu_copy chooses (direct needs vLLM's CUDA build here)
+    batch_copy, why = gpu_batch_copy(copy)
 
     from tract_cli.core.agent_launch import ensure_agent
     from tract_cli.core.gpu import CudaPool
@@ -108,7 +106,8 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int,
         dst = [torch.zeros_like(t) for t in src]
         into = CudaPagedKV(pool, layout, dst, cap, cuda_pool=cuda, batch_copy=batch_copy)
         way = ("direct (vLLM's swap_blocks_batch)" if out.direct else
-               f"through {out.gpu_bytes / 2**20:.1f} MiB of staging")
+               f"through {out.gpu_bytes / 2**20:.1f} MiB of staging "
+               f"({why or 'the layout is of short runs'})")
         status, slots = pool.index.reserve(keys)
         pages = np.arange(n, dtype=np.int64)
         subs = np.zeros(n, np.int64)
@@ -236,12 +235,13 @@ def _beside_a_forward(out, into, slots, pages, subs, tokens: int, layers: int,
 
 
 def main(argv=None) -> None:
+    from tract_cli.core.gpupages import GPU_COPIES
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--flush-mode", default="none")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--copy", choices=("auto", "direct", "staging"), default="auto")
+    parser.add_argument("--copy", choices=GPU_COPIES, default="auto")
     args = parser.parse_args(argv)
     from tract_cli.core.errors import TractError
     from tract_cli.core.gpu import cuda_available
