@@ -377,16 +377,17 @@ def test_the_gpu_copy_chosen_by_gpu_copy_and_cuda(monkeypatch):
     takes it whatever the CUDA, and refuses in one line where it is missing."""
     import torch
 
-    from tract_cli.connectors import vllm_setup
-    from tract_cli.connectors.vllm_setup import ConnectorError, gpu_batch_copy
+    from tract_cli.core import gpupages
+    from tract_cli.core.errors import UsageError
+    from tract_cli.core.gpupages import gpu_batch_copy
     assert gpu_batch_copy("staging") == (None, "gpu_copy is staging")
-    monkeypatch.setattr(vllm_setup, "vllm_batch_copy", lambda: None)
+    monkeypatch.setattr(gpupages, "vllm_batch_copy", lambda: None)
     op, why = gpu_batch_copy("auto")
     assert op is None and "no batched copy" in why
-    with pytest.raises(ConnectorError, match="gpu_copy direct: this vLLM build has no"):
+    with pytest.raises(UsageError, match="gpu_copy direct: this vLLM build has no"):
         gpu_batch_copy("direct")
     op = object()
-    monkeypatch.setattr(vllm_setup, "vllm_batch_copy", lambda: op)
+    monkeypatch.setattr(gpupages, "vllm_batch_copy", lambda: op)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     assert gpu_batch_copy("auto", driver_version=12080) == (op, None)
     got, why = gpu_batch_copy("auto", driver_version=12040)      # an older driver

@@ -66,7 +66,7 @@ import torch
 
 from tract_cli.connectors.retry import Releases, queue_ack
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
-from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map, gpu_batch_copy
+from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.cpu import checksum_path
 from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, ReservationGone,
@@ -74,7 +74,7 @@ from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, Reserv
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
-from tract_cli.core.gpupages import CudaPagedKV, staging_capacity
+from tract_cli.core.gpupages import CudaPagedKV, gpu_batch_copy, staging_capacity
 from tract_cli.core.kvpages import PagedKV, huge_page_share
 from tract_cli.core.media import BLOCK_RECORD_DTYPE
 

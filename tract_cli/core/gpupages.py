@@ -58,6 +58,65 @@ from tract_cli.core.kvpages import PageLayout, view_extent
 from tract_cli.core.native import ffi
 
 
+
+def vllm_batch_copy():
+    """vLLM's batched copy between raw addresses (`_custom_ops.swap_blocks_batch`:
+    one `cuMemcpyBatchAsync` on CUDA 12.8 and newer, a loop of `cudaMemcpyAsync`
+    before, on the current stream), which its own KV offloading moves pages
+    with; None where this vLLM build has no such op (its CPU build)."""
+    try:
+        from vllm import _custom_ops as ops
+        import torch
+        torch.ops._C_cache_ops.swap_blocks_batch     # raises where the op is not built
+    except Exception:          # no op, or no vLLM extension at all: the staging path
+        return None
+    return ops.swap_blocks_batch
+
+
+# cuMemcpyBatchAsync's CUDA (the runtime's encoding): before it, vLLM's batched
+# copy is a loop of cudaMemcpyAsync, one call a copy on the engine's thread
+# (12,000 a step for a 6000-token Llama-3-8B prompt), slower than the staging path
+BATCHED_CUDA = 12080
+
+
+def _version_code(text: str | None) -> int:
+    """12080 for "12.8" (torch.version.cuda's form); 0 if unknown."""
+    try:
+        major, minor = (int(x) for x in (text or "").split(".")[:2])
+    except ValueError:
+        return 0
+    return major * 1000 + minor * 10
+
+
+def gpu_batch_copy(mode: str, driver_version: int | None = None):
+    """The batched copy the GPU path takes for MODE (the connector's gpu_copy)
+    and, where none, why: (op, None) or (None, why).  auto: vLLM's op where it
+    is built and CUDA (torch's build, which vLLM's wheels share, and the
+    driver: DRIVER_VERSION, else asked of the runtime) is 12.8 or newer;
+    direct: vLLM's op whatever the CUDA (UsageError where it is missing);
+    staging: none."""
+    import torch
+    if mode == "staging":
+        return None, "gpu_copy is staging"
+    op = vllm_batch_copy()
+    if op is None:
+        why = "this vLLM build has no batched copy (swap_blocks_batch)"
+        if mode == "direct":
+            raise UsageError(f"gpu_copy direct: {why}",
+                                 'use "gpu_copy": "auto" or "staging", or vLLM 0.32\'s CUDA build')
+        return None, why
+    if mode == "direct":
+        return op, None
+    if driver_version is None:
+        driver_version = CudaRuntime().driver_version()
+    built = _version_code(torch.version.cuda)
+    if min(built, driver_version) < BATCHED_CUDA:
+        return None, (f"CUDA {torch.version.cuda} with driver {driver_version // 1000}."
+                      f"{driver_version % 1000 // 10}: before 12.8 vLLM's batched copy is a "
+                      "call a copy (\"gpu_copy\": \"direct\" takes it anyway)")
+    return op, None
+
+
 def row_elements(layout: PageLayout) -> int:
     """The longest stretch R of elements such that every run of every
     sub-block, and the page stride, are whole rows of R (offsets and lengths

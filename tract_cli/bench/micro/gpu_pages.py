@@ -82,9 +82,13 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int,
         copy: str = "auto") -> list[tuple[str, str]]:
     import torch
 
-    from tract_cli.connectors.vllm_setup import gpu_batch_copy
+    from tract_cli.core.errors import UsageError
+    from tract_cli.core.gpupages import gpu_batch_copy
     # as the connector's gpu_copy chooses (direct needs vLLM's CUDA build here)
-    batch_copy, why = gpu_batch_copy(copy)
+    try:
+        batch_copy, why = gpu_batch_copy(copy)
+    except UsageError as exc:
+        raise SystemExit(f"gpu_pages: {exc.problem}; {exc.fix}") from None
 
     from tract_cli.core.agent_launch import ensure_agent
     from tract_cli.core.gpu import CudaPool
