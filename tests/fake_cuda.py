@@ -48,8 +48,17 @@ class _Registration:
 
 
 class _Runtime:
+    # the runtime error the next take_last reports (a test sets it, as a failed
+    # cudaMemcpyAsync in vLLM's unchecked loop would leave it)
+    pending = 0
+
     def take_last(self) -> int:
-        return 0
+        code, _Runtime.pending = _Runtime.pending, 0
+        return code
+
+    def describe_last(self, code: int) -> str:
+        _Runtime.pending = 0
+        return f"a stand-in error ({code})"
 
     def driver_version(self) -> int:
         return 0
@@ -57,6 +66,11 @@ class _Runtime:
     def memcpy2d_async(self, dst, dpitch, src, spitch, width, height, stream) -> None:
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+
+def leave_error(code: int) -> None:
+    """The runtime's last error is CODE from now (until taken)."""
+    _Runtime.pending = code
 
 
 def batch_copy(src_ptrs, dst_ptrs, sizes) -> None:

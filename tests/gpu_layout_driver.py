@@ -20,6 +20,9 @@ batched copy straight between the pages and the slots, stood in for by
   as FlashAttention sees them, the partial block zeroed past its tokens;
 - `one_wrong_block`: the same comparison, after one byte of one slot is
   changed, names that block alone (the check can fail);
+- (`errors`, once) a batched copy that raises, one that leaves the runtime's
+  last error (vLLM's unchecked fallback loop), and an error pending before
+  the copy: each raised by the save as what it is, the error taken;
 - `written_elsewhere`: each load wrote nothing outside its blocks' tokens
   (non-zero elements of the whole backing allocation, every layer's, beyond
   those, after it was zeroed: 0 each time).
@@ -188,6 +191,52 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int,
     return out
 
 
+def error_paths(pool) -> dict:
+    """A batched copy that fails: raising (vLLM's batched call), leaving the
+    runtime's last error (its unchecked loop of cudaMemcpyAsync), or with an
+    error already pending: each a TractError from the save, naming what
+    failed, and the runtime's last error taken."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from tract_cli.core.errors import TractError
+    g = pool.geometry
+    src = views(KVCacheLayout.LBNHC, g, g.block_tokens, None)
+    offsets, stride = strided_offsets(tuple(src[0].shape), tuple(src[0].stride()),
+                                      g.block_tokens, g.num_kv_heads, g.head_dim)
+    pl = PageLayout(offsets, stride, g.block_tokens, src[0].element_size())
+    keys = block_hashes(np.arange(g.block_tokens, dtype=np.int32) + 99991,
+                        block_tokens=g.block_tokens, root=pool_root(pool.info))
+    status, slots = pool.index.reserve(keys)
+
+    def raising(src_ptrs, dst_ptrs, sizes):
+        raise RuntimeError("cuMemcpyBatchAsync stood in for")
+
+    def leaving(src_ptrs, dst_ptrs, sizes):
+        fake_cuda.batch_copy(src_ptrs, dst_ptrs, sizes)
+        fake_cuda.leave_error(700)
+
+    def said(copy, before: int = 0) -> str:
+        kv = CudaPagedKV(pool, pl, src, capacity=1, batch_copy=copy)
+        batch = kv.batch(slots, np.zeros(1, np.int64), np.zeros(1, np.int64))
+        fake_cuda.leave_error(before)
+        try:
+            kv.save_layer(batch, 0)
+            return ""
+        except TractError as exc:
+            return exc.problem
+        finally:
+            kv.close()
+    out = {"raised_by_the_op": said(raising) == "the batched DMA of layer 0 failed: "
+           "cuMemcpyBatchAsync stood in for",
+           "left_by_its_loop": said(leaving) == "the batched DMA of layer 0 failed: "
+           "a stand-in error (700)",
+           "pending_before": said(fake_cuda.batch_copy, before=1).startswith(
+               "a CUDA error was pending before the batched DMA of layer 0: a stand-in error")}
+    out["cleared"] = fake_cuda._Runtime.pending == 0
+    pool.index.commit(keys, status, slots, publish=False)
+    return out
+
+
 def main(path: str) -> dict:
     from vllm.v1.kv_cache_layout import KVCacheLayout
     pool = Pool.attach(path, node=1)
@@ -213,6 +262,7 @@ def main(path: str) -> dict:
             seen[f"LBNHC/one-block/{way}"] = case(pool, KVCacheLayout.LBNHC, g.block_tokens,
                                                   None, seed, way == "direct")
             seed += 1
+        seen["errors"] = error_paths(pool)
     finally:
         pool.close()
     return seen

@@ -74,7 +74,8 @@ from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, Reserv
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
-from tract_cli.core.gpupages import CudaPagedKV, gpu_batch_copy, staging_capacity
+from tract_cli.core.gpupages import (DIRECT_MIN_RUN_BYTES, CudaPagedKV, gpu_batch_copy,
+                                     staging_capacity)
 from tract_cli.core.kvpages import PagedKV, huge_page_share
 from tract_cli.core.media import BLOCK_RECORD_DTYPE
 
@@ -262,16 +263,22 @@ class WorkerSide:
                     self._vllm_config.scheduler_config.max_num_batched_tokens,
                     g.block_tokens, layer_bytes)
                 copy, why = gpu_batch_copy(self.settings.gpu_copy)
+                forced = self.settings.gpu_copy == "direct"
                 self._gpu = CudaPagedKV(self.pool, self.layout, [kv_caches[n] for n in names],
-                                        capacity, batch_copy=copy)
+                                        capacity, batch_copy=copy,
+                                        **({"min_run_bytes": 0} if forced else {}))
                 if self._gpu.direct:
+                    if why:        # forced on a CUDA that makes it a call a copy
+                        log.warning("TraCT connector worker: %s", why)
                     log.info("TraCT connector worker: GPU DMA straight between vLLM's pages and "
                              "the region (vLLM's swap_blocks_batch); %.0f KiB of zeros on the "
                              "GPU beside vLLM's profile, nothing else",
                              self._gpu.gpu_bytes / 2**10)
                 else:
                     if copy is not None:
-                        why = "the page layout's runs are shorter than a copy is worth"
+                        why = (f"the page layout's runs are shorter than "
+                               f"{DIRECT_MIN_RUN_BYTES} bytes (\"gpu_copy\": \"direct\" copies "
+                               "them one by one anyway)")
                     say = log.info if self.settings.gpu_copy == "staging" else log.warning
                     say("TraCT connector worker: GPU DMA through %.1f MiB of staging (%d blocks "
                         "of a layer), beyond what vLLM profiled: %s",

@@ -63,14 +63,18 @@ def vllm_batch_copy():
     """vLLM's batched copy between raw addresses (`_custom_ops.swap_blocks_batch`:
     one `cuMemcpyBatchAsync` on CUDA 12.8 and newer, a loop of `cudaMemcpyAsync`
     before, on the current stream), which its own KV offloading moves pages
-    with; None where this vLLM build has no such op (its CPU build)."""
+    with, and None; or None and why not (vLLM's CPU build has no such op).
+    vLLM is imported here only, when asked: core needs no engine otherwise."""
     try:
-        from vllm import _custom_ops as ops
         import torch
+        from vllm import _custom_ops as ops
+    except Exception as exc:   # no vLLM here, or a broken one: its own words
+        return None, f"vLLM's extension cannot be imported ({type(exc).__name__}: {exc})"
+    try:
         torch.ops._C_cache_ops.swap_blocks_batch     # raises where the op is not built
-    except Exception:          # no op, or no vLLM extension at all: the staging path
-        return None
-    return ops.swap_blocks_batch
+    except Exception:
+        return None, "this vLLM build has no batched copy (swap_blocks_batch)"
+    return ops.swap_blocks_batch, None
 
 
 # cuMemcpyBatchAsync's CUDA (the runtime's encoding): before it, vLLM's batched
@@ -89,32 +93,31 @@ def _version_code(text: str | None) -> int:
 
 
 def gpu_batch_copy(mode: str, driver_version: int | None = None):
-    """The batched copy the GPU path takes for MODE (the connector's gpu_copy)
-    and, where none, why: (op, None) or (None, why).  auto: vLLM's op where it
-    is built and CUDA (torch's build, which vLLM's wheels share, and the
-    driver: DRIVER_VERSION, else asked of the runtime) is 12.8 or newer;
-    direct: vLLM's op whatever the CUDA (UsageError where it is missing);
-    staging: none."""
+    """The batched copy the GPU path takes for MODE (the connector's gpu_copy),
+    and what to say of the choice: (op, None), (None, why not), or (op, a
+    warning).  auto: vLLM's op where it is built and CUDA (torch's build,
+    which vLLM's wheels share, and the driver: DRIVER_VERSION, else asked of
+    the runtime) is 12.8 or newer; direct: vLLM's op whatever the CUDA (with
+    a warning before 12.8; UsageError where it is missing); staging: none."""
     import torch
     if mode == "staging":
         return None, "gpu_copy is staging"
-    op = vllm_batch_copy()
+    op, why = vllm_batch_copy()
     if op is None:
-        why = "this vLLM build has no batched copy (swap_blocks_batch)"
         if mode == "direct":
             raise UsageError(f"gpu_copy direct: {why}",
-                                 'use "gpu_copy": "auto" or "staging", or vLLM 0.32\'s CUDA build')
+                             'use "gpu_copy": "auto" or "staging", or vLLM 0.32\'s CUDA build')
         return None, why
-    if mode == "direct":
-        return op, None
     if driver_version is None:
         driver_version = CudaRuntime().driver_version()
     built = _version_code(torch.version.cuda)
-    if min(built, driver_version) < BATCHED_CUDA:
-        return None, (f"CUDA {torch.version.cuda} with driver {driver_version // 1000}."
-                      f"{driver_version % 1000 // 10}: before 12.8 vLLM's batched copy is a "
-                      "call a copy (\"gpu_copy\": \"direct\" takes it anyway)")
-    return op, None
+    if min(built, driver_version) >= BATCHED_CUDA:
+        return op, None
+    old = (f"CUDA {torch.version.cuda} with driver {driver_version // 1000}."
+           f"{driver_version % 1000 // 10}: before 12.8 vLLM's batched copy is a call a copy")
+    if mode == "direct":
+        return op, f"{old}, on the engine's thread (gpu_copy direct)"
+    return None, f'{old} ("gpu_copy": "direct" takes it anyway)'
 
 
 def row_elements(layout: PageLayout) -> int:
@@ -193,11 +196,12 @@ class CudaPagedKV:
     (None: one of its own, which close() unregisters).  BATCH_COPY: a
     batched copy `(src_ptrs, dst_ptrs, sizes)` (CPU int64 tensors of
     addresses and byte counts) queued on the current stream, vLLM's
-    `swap_blocks_batch`: given, and the layout's runs long enough, the
-    direct mode (the module docstring), and CAPACITY unused."""
+    `swap_blocks_batch`: given, and the layout's runs MIN_RUN_BYTES long at
+    least, the direct mode (the module docstring), and CAPACITY unused."""
 
     def __init__(self, pool, layout: PageLayout, tensors: list, capacity: int,
-                 cuda_pool: CudaPool | None = None, batch_copy=None):
+                 cuda_pool: CudaPool | None = None, batch_copy=None,
+                 min_run_bytes: int = DIRECT_MIN_RUN_BYTES):
         import torch
         g = pool.geometry
         if len(tensors) != g.num_layers:
@@ -224,7 +228,7 @@ class CudaPagedKV:
                              f"block's layer {elements}", "format the region for this model")
         extent = view_extent(first)
         shortest = min(int(lengths.min()) for _, lengths in layout.runs) * layout.elem_bytes
-        self.direct = batch_copy is not None and shortest >= DIRECT_MIN_RUN_BYTES
+        self.direct = batch_copy is not None and shortest >= min_run_bytes
         self.rows = None if self.direct else row_elements(layout)
         if not self.direct and extent % self.rows:
             raise UsageError("the engine's KV tensor is not a whole number of the layout's rows",
@@ -562,6 +566,11 @@ class CudaPagedKV:
         if to_slots and zero is not None:
             engine = np.where(zero, self._zeros.data_ptr(), engine)
         src, dst = (engine, region) if to_slots else (region, engine)
+        pending = self.runtime.take_last()
+        if pending:        # not this copy's: said as what it is, not as the DMA's
+            raise TractError(f"a CUDA error was pending before the batched DMA of layer "
+                             f"{layer}: {self.runtime.describe_last(pending)}",
+                             "check the GPU (vLLM's log)")
         try:
             self._batch_copy(torch.from_numpy(src), torch.from_numpy(dst), sizes)
         except Exception as exc:       # its batched call's error, raised by vLLM

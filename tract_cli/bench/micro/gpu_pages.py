@@ -16,7 +16,8 @@ against without.  Loaded bytes are checked equal to the saved ones.  The
 copy is the connector's inside vLLM (`--copy direct`: vLLM's batched copy
 straight between pages and slots; run it with a Python that has vLLM's CUDA
 build) or its staging path (`--copy staging`); `auto`, the default, takes the
-direct one where vLLM's op is there.
+direct one where vLLM's op is there and CUDA (torch's build, the driver) is
+12.8 or newer, as the connector's `gpu_copy` does.
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def run(model: str, tokens: int, flush_mode: str, repeats: int,
         out = CudaPagedKV(pool, layout, src, cap, cuda_pool=cuda, batch_copy=batch_copy)
         dst = [torch.zeros_like(t) for t in src]
         into = CudaPagedKV(pool, layout, dst, cap, cuda_pool=cuda, batch_copy=batch_copy)
-        way = ("direct (vLLM's swap_blocks_batch)" if out.direct else
+        way = (f"direct (vLLM's swap_blocks_batch{'; ' + why if why else ''})" if out.direct else
                f"through {out.gpu_bytes / 2**20:.1f} MiB of staging "
                f"({why or 'the layout is of short runs'})")
         status, slots = pool.index.reserve(keys)
