@@ -45,6 +45,7 @@ fake_cuda.install()
 
 import torch  # noqa: E402
 
+import tract_cli.core.gpupages as gpupages  # noqa: E402
 from tract_cli.core.gpupages import CudaPagedKV  # noqa: E402
 from tract_cli.core.hashing import block_hashes, pool_root  # noqa: E402
 from tract_cli.core.index import PUT_CLAIMED  # noqa: E402
@@ -52,6 +53,9 @@ from tract_cli.core.kvpages import PageLayout, strided_offsets  # noqa: E402
 from tract_cli.core.pool import Pool  # noqa: E402
 
 PAGES = 12
+# every landed layer handed to the checksum threads at once (as a long prompt's
+# are), so that a checksum not waiting for its layer's copy reads it early
+gpupages.CHECKSUM_TASK_BYTES = 1
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -168,12 +172,18 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int,
         backing.zero_()
         loading = back.batch(slots, into, sub_of, checksum=False)
         back.load(loading)
+        # each layer as its attention reads it: after waiting for that layer's
+        # load alone, before the rest is done (the direct way's copies run late)
+        seen = []
+        for layer, d in enumerate(dst):
+            back.wait_layer(layer)
+            seen.append(d.clone())
         back.finish()
         out["written_elsewhere"].append(int(torch.count_nonzero(backing)) - written)
         wrong = []
         for i, ((p, j), q) in enumerate(zip(blocks, into)):
             lo, hi = j * B, (j + 1) * B
-            for s, d in zip(src, dst):
+            for s, d in zip(src, seen):
                 want = flash(s, D, p, page_tokens)[:, lo:hi].clone()
                 want[:, int(tokens[i]):] = 0
                 got = flash(d, D, int(q), page_tokens)[:, lo:hi]

@@ -7,8 +7,8 @@ decoding's order) -- against a real region, no model and no server.
 
 Run in vLLM's environment: `python tests/gpu_worker_driver.py POOL`; prints one
 JSON object of observations (tests/test_gpu.py checks them), one per way the
-GPU path copies (direct, vLLM's batched copy stood in for by a synchronous
-memmove, which can show no ordering bug; staging).
+GPU path copies (direct, vLLM's batched copy stood in for by a memmove that
+runs late on the side stream, until waited for; staging).
 """
 from __future__ import annotations
 
