@@ -197,4 +197,3 @@ def engine_page_map(kv_layer: torch.Tensor, page_tokens: int, geometry,
         return PageLayout(offsets, stride, geometry.block_tokens, kv_layer.element_size())
     raise TractError(f"vLLM's KV cache on {kv_layer.device.type} has shape {list(shape)}, a "
                      "layout TraCT does not know", "serve with CPU_ATTN or FLASH_ATTN")
-

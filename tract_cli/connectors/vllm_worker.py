@@ -266,7 +266,7 @@ class WorkerSide:
                 forced = self.settings.gpu_copy == "direct"
                 self._gpu = CudaPagedKV(self.pool, self.layout, [kv_caches[n] for n in names],
                                         capacity, batch_copy=copy,
-                                        **({"min_run_bytes": 0} if forced else {}))
+                                        min_run_bytes=0 if forced else DIRECT_MIN_RUN_BYTES)
                 if self._gpu.direct:
                     if why:        # forced on a CUDA that makes it a call a copy
                         log.warning("TraCT connector worker: %s", why)

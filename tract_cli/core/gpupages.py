@@ -58,7 +58,6 @@ from tract_cli.core.kvpages import PageLayout, view_extent
 from tract_cli.core.native import ffi
 
 
-
 def vllm_batch_copy():
     """vLLM's batched copy between raw addresses (`_custom_ops.swap_blocks_batch`:
     one `cuMemcpyBatchAsync` on CUDA 12.8 and newer, a loop of `cudaMemcpyAsync`
@@ -166,13 +165,12 @@ class _Batch:
     """A batch of blocks in slot order, its rows on the GPU, and (checksummed)
     each block's CRC register and the checksum threads' work on it."""
 
-    def __init__(self, slots, order, rows_t, tails, checksum: bool, pages=None, subs=None,
-                 used=None):
+    def __init__(self, slots, order, rows_t, tails, checksum: bool, pages=None, subs=None):
         self.slots, self.order, self.rows_t, self.tails = slots, order, rows_t, tails
-        # the direct mode's: each block's page, sub-block and tokens (slot order),
-        # and per direction (save?) its copies' addresses relative to a layer's
+        # the direct mode's: each block's page and sub-block (slot order), and per
+        # direction (save?) its copies' addresses relative to a layer's
         # (`CudaPagedKV._copies`), made once for every layer
-        self.pages, self.subs, self.used = pages, subs, used
+        self.pages, self.subs = pages, subs
         self.copies: dict = {}
         self.runs = _runs(slots)
         # per chunk start: its partial blocks' rows and stale elements, on the GPU
@@ -323,11 +321,7 @@ class CudaPagedKV:
             if part.size:
                 tails = (part, t[part], j[part])
         if self.direct:
-            used = None
-            if tails is not None:
-                used = np.full(len(s), self.pool.geometry.block_tokens, np.int64)
-                used[tails[0]] = tails[1]
-            return _Batch(s, order, None, None, checksum, pages=p, subs=j, used=used)
+            return _Batch(s, order, None, tails, checksum, pages=p, subs=j)
         with torch.cuda.stream(self.stream):
             # allocated on the side stream, which uses them: never freed under it;
             # non-blocking: a blocking upload waits for the side stream, so for
@@ -534,8 +528,10 @@ class CudaPagedKV:
             return copies
         g = self.pool.geometry.block_tokens
         eb, stride = self.layout.elem_bytes, self.layout.page_stride
-        n = len(batch.slots)
-        used = batch.used if to_slots and batch.used is not None else np.full(n, g, np.int64)
+        used = np.full(len(batch.slots), g, np.int64)
+        if to_slots and batch.tails is not None:
+            part, tokens, _ = batch.tails
+            used[part] = tokens
         pages, slots = batch.pages, batch.slots.astype(np.int64)
         parts = []
         # one group per (sub-block, tokens): a page's few sub-blocks, and the
