@@ -134,6 +134,10 @@ def case(pool, layout, page_tokens: int, kernel_tokens: int | None, seed: int,
                         block_tokens=B, root=root)
     status, slots = pool.index.reserve(keys)
     assert (status == PUT_CLAIMED).all(), status
+    # a slot may hold another block's bytes: a save writes each of its bytes,
+    # zeros past a partial block's tokens included
+    for slot in slots:
+        pool.slot_bytes(int(slot))[:] = 0xA5
     copy = fake_cuda.batch_copy if direct else None
     kv = CudaPagedKV(pool, pl, src, capacity=3, batch_copy=copy)
     out["direct"] = kv.direct

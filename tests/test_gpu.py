@@ -196,6 +196,8 @@ def test_gpu_pages_save_and_load_by_dma(gpu_pool, kind, way):
         page_ids = np.random.default_rng(1).permutation(pages)[:len(pick)]
         tokens = np.full(len(pick), B, np.int64)
         tokens[-1] = 5                           # a partial last block
+        for slot in slots[pick]:                 # another block's bytes, overwritten
+            pool.slot_bytes(int(slot))[:] = 0xA5
         # the engine's stream is busy, then changes the pages: a save that did not
         # wait for the engine's stream would copy them as they were
         torch.cuda._sleep(100_000_000)

@@ -271,9 +271,7 @@ class WorkerSide:
                     if why:        # forced on a CUDA that makes it a call a copy
                         log.warning("TraCT connector worker: %s", why)
                     log.info("TraCT connector worker: GPU DMA straight between vLLM's pages and "
-                             "the region (vLLM's swap_blocks_batch); %.0f KiB of zeros on the "
-                             "GPU beside vLLM's profile, nothing else",
-                             self._gpu.gpu_bytes / 2**10)
+                             "the region (vLLM's swap_blocks_batch), no GPU memory of its own")
                 else:
                     if copy is not None:
                         why = (f"the page layout's runs are shorter than "

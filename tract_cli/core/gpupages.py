@@ -12,11 +12,13 @@ blocks moves one of two ways, queued on the side stream:
   dim]`: two, K and V).  The copy is vLLM's own `swap_blocks_batch`, what its
   KV offloading moves pages with: one `cuMemcpyBatchAsync` (CUDA 12.8 and
   newer; a loop of `cudaMemcpyAsync` before).  Nothing goes through a buffer
-  of ours: the only GPU memory this mode allocates is one block's layer of
-  zeros, the source of a partial block's elements past its tokens (vLLM's
-  page may hold another request's stale KV there, which must not reach the
-  pool).  Every address is made on the CPU from the view's first element,
-  the layout's runs and the slot; nothing is uploaded.
+  of ours, and this mode allocates no GPU memory: a partial block's elements
+  past its tokens are not copied (vLLM's page may hold another request's
+  stale KV there, which must not reach the pool); the checksum thread that
+  owns its slot writes zeros there, in host memory, once the layer's DMA
+  landed and before it checksums and writes the layer back.  Every address
+  is made on the CPU from the view's first element, the layout's runs and
+  the slot; nothing is uploaded.
 - **through a staging buffer** (no batched copy: outside vLLM, or a layout
   whose runs are too short to copy one by one): on the GPU, between the
   engine's pages and a staging buffer of that layer's blocks in region
@@ -175,6 +177,9 @@ class _Batch:
         self.runs = _runs(slots)
         # per chunk start: its partial blocks' rows and stale elements, on the GPU
         self.tail_masks: dict = {}
+        # the direct mode's save: each partial block's index (slot order) and the
+        # byte ranges of a layer past its tokens, which its checksum thread zeroes
+        self.blanks: list = []
         self.regs = np.full(len(slots), 0xFFFFFFFF, np.uint32) if checksum else None
         self.pending: list = []
         # a save's layers landed and not yet handed to the checksum threads:
@@ -243,9 +248,7 @@ class CudaPagedKV:
                 # each layer's first element: every offset of the layout is from it
                 self._bases = np.array([t.data_ptr() for t in tensors], np.int64)
                 self._segments: dict = {}
-                self._zeros = torch.zeros(elements, dtype=first.dtype, device=self.device)
-                # filled on this thread's stream: done before the side stream reads it
-                torch.cuda.current_stream(self.device).synchronize()
+                self._blank_runs: dict = {}
                 self.capacity = 0
             else:
                 self._init_staging(tensors, layout, extent, elements, capacity)
@@ -286,9 +289,10 @@ class CudaPagedKV:
     @property
     def gpu_bytes(self) -> int:
         """What this object allocated on the GPU, for good (a batch's own
-        index tensors aside, the staging mode's: a step's pages)."""
+        index tensors aside, the staging mode's: a step's pages); the direct
+        mode allocates none."""
         if self.direct:
-            return self._zeros.numel() * self._zeros.element_size()
+            return 0
         return (self.capacity * self.layer_bytes + self._table.numel() * 8
                 + self._elem_token.numel() * 4)
 
@@ -321,7 +325,11 @@ class CudaPagedKV:
             if part.size:
                 tails = (part, t[part], j[part])
         if self.direct:
-            return _Batch(s, order, None, tails, checksum, pages=p, subs=j)
+            batch = _Batch(s, order, None, tails, checksum, pages=p, subs=j)
+            if tails is not None:
+                batch.blanks = [(int(i), self._blanks_of(int(sub), int(used)))
+                                for i, used, sub in zip(*tails)]
+            return batch
         with torch.cuda.stream(self.stream):
             # allocated on the side stream, which uses them: never freed under it;
             # non-blocking: a blocking upload waits for the side stream, so for
@@ -357,7 +365,7 @@ class CudaPagedKV:
                     torch.index_select(view, 0, rows, out=staging[:n].view(-1, self.rows))
                     self._zero_tails(batch, start, end)
                     self._copy_runs(batch, start, end, layer, to_slots=True)
-            if batch.regs is not None:
+            if batch.regs is not None or batch.blanks:
                 # blocking: a checksum thread waits for it asleep, not spinning
                 # on a core the engine uses
                 landed = torch.cuda.Event(blocking=True)
@@ -428,8 +436,37 @@ class CudaPagedKV:
                  write_back: bool) -> None:
         if landed is not None:
             landed.synchronize()          # the GIL released while it waits
+        if write_back and batch.blanks:   # a direct save: zeros past partial blocks' tokens
+            self._blank(batch, lo, hi, offset, length)
+        if batch.regs is None:            # not checksummed: the commit writes the slots back
+            return
         self.pool.advance_checksums(batch.slots[lo:hi], batch.regs[lo:hi], offset, length,
                                     write_back)
+
+    def _blank(self, batch: _Batch, lo: int, hi: int, offset: int, length: int) -> None:
+        """Zeroes, in the slots of the batch's partial blocks within [LO, HI),
+        the bytes past their tokens of the layers in [OFFSET, OFFSET+LENGTH),
+        which the direct mode's DMA skipped; the write-back right after takes
+        them to the device with the layers.  A loop over partial blocks (one a
+        request at most) and the layer's few stretches past the tokens (the
+        region's K and V), each one numpy fill over every layer at once."""
+        first, last = offset // self.layer_bytes, (offset + length) // self.layer_bytes
+        for i, runs in batch.blanks:
+            if lo <= i < hi:
+                layers = self.pool.slot_bytes(int(batch.slots[i])).reshape(-1, self.layer_bytes)
+                for start, end in runs:
+                    layers[first:last, start:end] = 0
+
+    def _blanks_of(self, sub: int, used: int) -> list:
+        """The byte ranges [start, end) of a region block's layer of sub-block
+        SUB past its first USED tokens (made once per (sub, used))."""
+        runs = self._blank_runs.get((sub, used))
+        if runs is None:
+            past = np.concatenate([[False], self.layout.elem_token[sub] >= used, [False]])
+            edges = np.flatnonzero(past[1:] != past[:-1]) * self.layout.elem_bytes
+            runs = self._blank_runs[(sub, used)] = [(int(a), int(b)) for a, b
+                                                    in zip(edges[::2], edges[1::2])]
+        return runs
 
     def checksums(self, batch: _Batch) -> np.ndarray | None:
         """Waits for the batch's checksum threads (after finish: a save's
@@ -503,26 +540,27 @@ class CudaPagedKV:
     # ---- the DMA ----
 
     def _segments_of(self, sub: int, used: int) -> tuple:
-        """A region block's layer of sub-block SUB, its first USED tokens the
-        page's, as copies in region order: (page offset, region offset, length,
-        in elements; from the zeros?): the layout's runs, cut where its tokens
-        past USED begin and end (made once per (sub, used))."""
+        """A region block's layer of sub-block SUB, its first USED tokens, as
+        copies in region order: (page offset, region offset, length, in
+        elements): the layout's runs, cut where its tokens past USED begin and
+        end, those past USED left out (made once per (sub, used))."""
         seg = self._segments.get((sub, used))
         if seg is None:
             e = self.layout.index[sub]
-            zero = self.layout.elem_token[sub] >= used
-            cut = np.flatnonzero((np.diff(e) != 1) | (zero[1:] != zero[:-1])) + 1
+            past = self.layout.elem_token[sub] >= used
+            cut = np.flatnonzero((np.diff(e) != 1) | (past[1:] != past[:-1])) + 1
             starts = np.concatenate([[0], cut])
             lengths = np.diff(np.concatenate([starts, [e.size]]))
-            seg = self._segments[(sub, used)] = (e[starts], starts, lengths, zero[starts])
+            keep = ~past[starts]
+            seg = self._segments[(sub, used)] = (e[starts][keep], starts[keep], lengths[keep])
         return seg
 
     def _copies(self, batch: _Batch, to_slots: bool) -> tuple:
         """The batch's copies, made once for every layer: (each copy's page
         address from a layer's first element, its slot address from the
-        mapping's layer 0, its bytes as a CPU tensor, from the zeros?); a
-        save's partial blocks' elements past their tokens come from the
-        zeros, a load writes whole blocks (the slot holds zeros there)."""
+        mapping's layer 0, its bytes as a CPU tensor); a save leaves out its
+        partial blocks' elements past their tokens (`_blank` zeroes them), a
+        load writes whole blocks (the slot holds zeros there)."""
         copies = batch.copies.get(to_slots)
         if copies is not None:
             return copies
@@ -538,16 +576,13 @@ class CudaPagedKV:
         # batch's partial blocks
         for sub, u in np.unique(np.stack([batch.subs, used]), axis=1).T:
             who = np.flatnonzero((batch.subs == sub) & (used == u))
-            page_e, region_e, length, zero = self._segments_of(int(sub), int(u))
-            shape = (who.size, page_e.size)
+            page_e, region_e, length = self._segments_of(int(sub), int(u))
             parts.append(((pages[who, None] * stride + page_e) * eb,
                           self._data + slots[who, None] * self._stride + region_e * eb,
-                          np.broadcast_to(length * eb, shape), np.broadcast_to(zero, shape)))
+                          np.broadcast_to(length * eb, (who.size, page_e.size))))
         import torch
-        page, slot, size, zero = (np.concatenate([p[k].reshape(-1) for p in parts])
-                                  for k in range(4))
-        copies = batch.copies[to_slots] = (page, slot, torch.from_numpy(size),
-                                           zero if zero.any() else None)
+        page, slot, size = (np.concatenate([p[k].reshape(-1) for p in parts]) for k in range(3))
+        copies = batch.copies[to_slots] = (page, slot, torch.from_numpy(size))
         return copies
 
     def _copy_direct(self, batch: _Batch, layer: int, to_slots: bool) -> None:
@@ -556,11 +591,9 @@ class CudaPagedKV:
         import torch
         if not len(batch.slots):
             return
-        page, slot, sizes, zero = self._copies(batch, to_slots)
+        page, slot, sizes = self._copies(batch, to_slots)
         engine = page + self._bases[layer]
         region = slot + (self._mapping + layer * self.layer_bytes)
-        if to_slots and zero is not None:
-            engine = np.where(zero, self._zeros.data_ptr(), engine)
         src, dst = (engine, region) if to_slots else (region, engine)
         pending = self.runtime.take_last()
         if pending:        # not this copy's: said as what it is, not as the DMA's
