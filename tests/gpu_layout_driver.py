@@ -27,6 +27,11 @@ batched copy straight between the pages and the slots, stood in for by
   (non-zero elements of the whole backing allocation, every layer's, beyond
   those, after it was zeroed: 0 each time).
 
+Each layer is handed to the checksum threads as it is queued, except in
+`LBNHC/grouped/direct`, where every layer goes in one group when the
+checksums are asked for (a short prompt's save): the checksum thread zeroes
+a partial block's tail over all those layers at once.
+
 Run in vLLM's environment: `python tests/gpu_layout_driver.py POOL`; prints one
 JSON object of observations (tests/test_gpu.py checks them).
 """
@@ -276,6 +281,12 @@ def main(path: str) -> dict:
             seen[f"LBNHC/one-block/{way}"] = case(pool, KVCacheLayout.LBNHC, g.block_tokens,
                                                   None, seed, way == "direct")
             seed += 1
+        gpupages.CHECKSUM_TASK_BYTES = 1 << 40
+        try:
+            seen["LBNHC/grouped/direct"] = case(pool, KVCacheLayout.LBNHC, 2 * g.block_tokens,
+                                                None, seed, True)
+        finally:
+            gpupages.CHECKSUM_TASK_BYTES = 1
         seen["errors"] = error_paths(pool)
     finally:
         pool.close()

@@ -32,7 +32,9 @@ blocks moves one of two ways, queued on the side stream:
 
 A save queues each layer as the engine hands it over (after that layer's
 attention wrote its pages: the side stream waits for the engine's stream
-first), so the DMA overlaps the rest of the forward; `finish` waits for it.
+first), so the DMA overlaps the rest of the forward; `finish` waits for it,
+and `checksums` for the checksum threads (which, in the direct mode, also
+zero partial blocks' tails): a save's slots are whole once both returned.
 A load queues every layer at once and records an event per layer, which the
 engine's stream waits for before that layer's attention (`wait_layer`).
 
@@ -395,7 +397,9 @@ class CudaPagedKV:
             self._staging[at] = self._staging[at].masked_fill(stale, 0)
 
     def finish(self) -> None:
-        """Waits for every copy queued (a save's, before its commit)."""
+        """Waits for every copy queued (a save's, before its commit, and then
+        `checksums`, whether the batch is checksummed or not: a direct save's
+        partial tails are zeroed by the checksum threads)."""
         self.stream.synchronize()
         self._events.clear()
 
@@ -447,9 +451,11 @@ class CudaPagedKV:
         """Zeroes, in the slots of the batch's partial blocks within [LO, HI),
         the bytes past their tokens of the layers in [OFFSET, OFFSET+LENGTH),
         which the direct mode's DMA skipped; the write-back right after takes
-        them to the device with the layers.  A loop over partial blocks (one a
-        request at most) and the layer's few stretches past the tokens (the
-        region's K and V), each one numpy fill over every layer at once."""
+        them to the device with the layers (not checksummed: the commit's own
+        write-back does).  A loop over partial blocks (one a request at most)
+        and a layer's stretches past the tokens (K's and V's in the region's
+        canonical order; up to two a head where the page's order puts heads
+        before tokens), each one numpy fill over every layer at once."""
         first, last = offset // self.layer_bytes, (offset + length) // self.layer_bytes
         for i, runs in batch.blanks:
             if lo <= i < hi:
