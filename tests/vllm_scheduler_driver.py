@@ -549,6 +549,40 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["shared_after"] = region(pool)
     s7.connector.shutdown()
 
+    # 7c. the same with every lock held by another node while the step's output comes
+    #     in (a stalled lock manager): request_finished's publish of the second, the
+    #     scheduler loop's only pool call, waits claim_wait_s a lock (its default
+    #     here: the other cases' generous one is for saves, which this scheduler
+    #     makes none of), not step_timeout_s (60 s here), and that handoff is not
+    #     published
+    s7c = scheduler(ckpt, pool_path, num_blocks=64,
+                    extra={"step_timeout_s": 60, "claim_wait_s": 0.1})
+    shared = list(range(2400, 2400 + 32))
+    pair = [request("stall-a", shared + list(range(2500, 2508)), 1, {"do_remote_decode": True}),
+            request("stall-b", shared + list(range(2600, 2608)), 1, {"do_remote_decode": True})]
+    for r in pair:
+        s7c.add_request(r)
+    got, held_s = {}, 0.0
+    for _ in range(20):
+        out = s7c.schedule()
+        publish_in_step(out)
+        running = [r for r in pair if out.num_scheduled_tokens.get(r.request_id)]
+        with every_lock_held(pool):
+            t0 = time.monotonic()
+            eng = s7c.update_from_output(out, output(running))
+            held_s = max(held_s, time.monotonic() - t0)
+        got |= {o.request_id: o.kv_transfer_params for outs in eng.values()
+                for o in outs.outputs if o.finished}
+        if len(got) == 2:
+            break
+    tickets = {rid: Ticket.from_dict(p["tract_ticket"]) for rid, p in got.items()
+               if p and "tract_ticket" in p}
+    obs["stalled_publish"] = [sorted(got), sorted(tickets), held_s < 5.0]
+    for t in tickets.values():
+        pool.handoffs.ack(t)
+    obs["stalled_publish_after"] = region(pool)
+    s7c.connector.shutdown()
+
     # 8. lock timeouts injected into unpin, commit and ack (every lock held by another
     #    node): each release is retried off the request path until it succeeds
     fast = {"lookup_timeout_s": 0.3}

@@ -17,7 +17,7 @@ after the commit, off it), in a record chosen here without a lock when that
 step is planned, so `request_finished` returns its ticket with no pool call
 (only a handoff that could not be planned so, its blocks shared with another
 handoff of its step or no record looking free or max_handoffs reached when
-planned, publishes there, waiting at most `step_timeout_s`).  A decode
+planned, publishes there, a lock waited for at most `claim_wait_s`).  A decode
 whose ticket names a record still reserved, not yet published, is answered
 "not yet" for at most `handoff_wait_s`.  A stalled lock manager delays hits,
 never scheduling.
@@ -793,9 +793,12 @@ class SchedulerSide:
             if record is None:
                 raise TransferTableFull("no handoff record looks free",
                                         "acknowledge handoffs, or let expired ones expire")
+            # in the scheduler loop: a lock wait of claim_wait_s at most (what a
+            # stalled lock manager may cost a step's save), not step_timeout_s;
+            # past it the decode computes the prompt (or finds its blocks by lookup)
             ticket = self.pool.handoffs.publish(st.name, keys, st.prompt_len,
                                                 ttl=self.settings.handoff_ttl_s,
-                                                timeout=self.settings.step_timeout_s,
+                                                timeout=self.settings.claim_wait_s,
                                                 record=record)
             log.log(self._timings, kvlog.PUBLISHED, request.request_id, len(keys),
                     (time.perf_counter() - t0) * 1e3)
