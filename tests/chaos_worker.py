@@ -147,7 +147,16 @@ def reserved_round(pool: Pool, tickets, c: int, keys, kv, rid: str) -> None:
 
 def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) -> None:
     done: dict[str, int] = {}
+    # tickets whose record is reserved, its publish to come: (deadline, ticket),
+    # tried again each round, not waited for one by one (a killed prefill's
+    # reservation would hold up every ticket behind it until those expired too)
+    waiting: list = []
     while not stopping:
+        waiting, tried = [], waiting
+        for deadline, ticket in tried:
+            take(pool, ticket, deadline, waiting)
+            if stopping:
+                return
         for path in sorted(glob.glob(ticket_glob)):
             if zlib.crc32(os.path.basename(path).encode()) % of != index:
                 continue
@@ -162,7 +171,7 @@ def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) 
             end = lines.rfind("\n") + 1          # a killed writer may leave half a line
             done[path] = done.get(path, 0) + end
             for line in lines[:end].splitlines():
-                take(pool, json.loads(line))
+                take(pool, json.loads(line), time.monotonic() + 2 * TTL_S, waiting)
                 if stopping:
                     return
         c = int(rng.integers(chains))
@@ -175,24 +184,24 @@ def decode(pool: Pool, rng, ticket_glob: str, index: int, of: int, chains: int) 
         emit(ev="lookup", blocks=int(hit.hits), bad=bad)
 
 
-def take(pool: Pool, ticket: dict) -> None:
-    chain = ticket.pop("chain")
-    t = Ticket.from_dict(ticket)
-    deadline = time.monotonic() + 2 * TTL_S
-    while True:
-        try:
-            rec = pool.handoffs.open(t)
-            break
-        except HandoffPending:
-            # reserved, its publish to come (or its prefill killed: its agent
-            # frees the reservation, or it expires)
-            if stopping or time.monotonic() > deadline:
-                emit(ev="expired")
-                return
-            time.sleep(0.002)       # another process's publish, bounded
-        except TractError:
-            emit(ev="expired")      # its TTL passed before this decoder got to it
-            return
+def take(pool: Pool, ticket: dict, deadline: float, waiting: list) -> None:
+    """Receives TICKET (a prefill's line: the ticket and its chain) and checks
+    its blocks; one whose record is still reserved is put on WAITING until
+    DEADLINE (its prefill's publish to come, or its prefill killed: its agent
+    frees the reservation, or it expires), then counted expired."""
+    t = Ticket.from_dict({k: v for k, v in ticket.items() if k != "chain"})
+    try:
+        rec = pool.handoffs.open(t)
+    except HandoffPending:
+        if time.monotonic() > deadline:
+            emit(ev="expired")
+        else:
+            waiting.append((deadline, ticket))
+        return
+    except TractError:
+        emit(ev="expired")      # its TTL passed before this decoder got to it
+        return
+    chain = ticket["chain"]
     keys = _chain_keys(pool, *chain_of(chain))
     out = np.empty((len(rec.slots), pool.info.block_bytes), np.uint8)
     try:
