@@ -23,11 +23,15 @@ RoPE, so the keys carry their positions, and attention is a sum over the set of
 (key, value) pairs.  Swapping the payload of two blocks (K and V together) leaves
 the answer exactly unchanged; it is a bug only for a later prefix-cache hit.
 
-Run in the vLLM environment: `python tests/vllm_model.py DIR`.
+Run in the vLLM environment: `python tests/vllm_model.py DIR`.  A larger one, for
+measuring a KV path where the compute is not almost free: `python
+tests/vllm_model.py DIR --layers 8 --hidden 512 --heads 8 --kv-heads 4` (the
+same scales, relative to the hidden size, so its attention is as sharp).
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import math
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -37,24 +41,28 @@ CORPUS = [
     "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
 ]
 
+# The scales at hidden size 128; another hidden size scales QK, VO and LM by
+# sqrt(128 / hidden), which keeps the logits' and the residual stream's spread.
+BASE_HIDDEN = 128
 EMBED_STD = 1.0      # residual stream at unit scale
 QK_STD = 0.2         # attention logits' std ~ 128 * QK_STD**2 ~ 5: sharp attention
 VO_STD = 0.088       # 1/sqrt(hidden): values, attention output and MLP keep the scale
 LM_STD = 0.2         # logits' std ~ 2.3: a peaked next-token distribution
 
 
-def _init_weights(model, seed: int) -> None:
+def _init_weights(model, seed: int, hidden: int) -> None:
     """Draws every weight matrix (norm weights stay 1) from one seeded generator,
     in fp32 then cast, so the checkpoint is the same on every machine and run."""
     import torch
     gen = torch.Generator().manual_seed(seed)
+    scale = math.sqrt(BASE_HIDDEN / hidden)     # exactly 1.0 at the default size
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 continue
             std = (EMBED_STD if "embed_tokens" in name else
-                   QK_STD if ("q_proj" in name or "k_proj" in name) else
-                   LM_STD if name.startswith("lm_head") else VO_STD)
+                   QK_STD * scale if ("q_proj" in name or "k_proj" in name) else
+                   LM_STD * scale if name.startswith("lm_head") else VO_STD * scale)
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
@@ -82,12 +90,26 @@ def make_checkpoint(out_dir: str, layers: int = 2, hidden: int = 128, heads: int
                       bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
                       torch_dtype="bfloat16")
     model = LlamaForCausalLM(cfg)
-    _init_weights(model, seed)
+    _init_weights(model, seed, hidden)
     model.to(torch.bfloat16).save_pretrained(out_dir)
     return out_dir
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Writes a random-weight Llama checkpoint.")
+    parser.add_argument("dir")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    args = parser.parse_args()
+    if min(args.layers, args.hidden, args.heads, args.kv_heads) < 1:
+        parser.error("--layers, --hidden, --heads and --kv-heads must be positive")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    print(make_checkpoint(args.dir, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, kv_heads=args.kv_heads))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python tests/vllm_model.py DIR")
-    print(make_checkpoint(sys.argv[1]))
+    main()
