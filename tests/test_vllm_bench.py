@@ -284,6 +284,47 @@ def test_an_answer_unlike_one_vllms_is_not_verified():
     assert summary["nixl"]["verified"] is True and summary["nixl"]["near_ties"] == 1
 
 
+def test_a_path_that_loads_whole_blocks_is_held_to_one_vllms_answer_over_its_own_cache():
+    """A row that took from its KV path the tokens one vLLM's own prefix cache
+    gave its second answer is compared with that answer (the same split of the
+    prompt, rounded alike), not with the prompt computed whole: it is verified
+    where it equals that answer however far the whole prompt's lies, and not
+    where one logprob moved past the tolerance from it, even onto the whole
+    prompt's.  A row that took other tokens (P/D's all but the last) is held to
+    the whole prompt's; and a prompt vLLM's cache gave nothing holds every row
+    to it."""
+    from tract_cli.bench.engine.answers import TOLERANCE
+    from tract_cli.bench.engine.calls import Answer
+    from tract_cli.bench.engine.vllm_runs import OVER_ITS_CACHE, verify
+
+    def answer(logprob):
+        return Answer(0.0, "ab", ["token_id:1", "token_id:2"],
+                      [{"token_id:1": logprob, "token_id:9": -3.0}] * 2)
+
+    whole, split = answer(-1.0), answer(-1.0 - 3 * TOLERANCE)
+    records = [{"config": "mono", "request": 0},
+               {"config": "prefix-hit", "request": 0, "kv_tokens": 256},
+               {"config": "tract", "request": 0, "kv_tokens": 299}]
+    answers = {0: {"mono": whole, OVER_ITS_CACHE: (256, split),
+                   "prefix-hit": answer(split.top[0]["token_id:1"]), "tract": answer(-1.0)}}
+    verify(records, answers)
+    assert [r["verified"] for r in records] == [True, True, True]
+    assert [r["answer"]["reference"] for r in records] == ["whole", "over its cache", "whole"]
+    # the hit's answer one logprob off its split's, onto the whole prompt's: not verified
+    answers[0]["prefix-hit"] = answer(-1.0)
+    verify(records, answers)
+    assert [r["verified"] for r in records] == [True, False, True]
+    # P/D's answer held to the whole prompt's, not to the split's
+    answers[0]["tract"] = answer(split.top[0]["token_id:1"])
+    verify(records, answers)
+    assert records[2]["verified"] is False
+    # vLLM's cache gave nothing: every row is held to the whole prompt's
+    answers[0][OVER_ITS_CACHE] = (0, split)
+    answers[0]["prefix-hit"] = answer(-1.0)
+    verify(records, answers)
+    assert [r["verified"] for r in records] == [True, True, False]
+    assert records[1]["answer"]["reference"] == "whole"
+
 def test_a_configurations_crashed_process_is_named_from_its_logs(tmp_path):
     """A vLLM process killed by a signal writes Python's fault handler's line into
     its server's log; the bench's one-line failure names every instance whose log

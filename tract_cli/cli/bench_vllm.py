@@ -145,7 +145,8 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                         f"answer within {answers.TOLERANCE:g} nats on every token's top "
                         f"{answers.TOP_LOGPROBS} logprobs, up to a near-tie that parts them (a "
                         "prompt partly loaded rounds otherwise; a wrong KV block moves them "
-                        "further)")
+                        "further); a path that took the prompt's whole blocks is held to one "
+                        "vLLM's answer over its own prefix cache of them, the same split")
     _report_tail(res)
     for kind, fig in res["memcpy"].items():
         render.stdout.print(kv_path_line(kind, fig))

@@ -37,6 +37,18 @@ rows' ratios have denominators minutes apart.  `--interleave` starts every
 configuration first, or none where they would not all fit in the memory
 available (`check_room`), and sends each measured prompt to each in turn:
 two rows' means are then requests seconds apart, on the same host state.
+
+Every answer is checked against one vLLM's (`verify`).  One vLLM runs with its
+own prefix cache on, and each measured prompt, new to it (a miss, timed), is
+sent to it once more, untimed: that second answer is computed over vLLM's own
+cache of the prompt's whole blocks, the same split of the prompt as a path
+that loads those blocks and computes the rest (a prefix hit, a connector that
+hands over whole blocks).  An answer is compared with the reference of its
+own split: that one where the tokens it took from its KV path are the tokens
+vLLM's cache gave (vLLM's own count), the prompt computed whole otherwise.
+Another split rounds in another order, by up to ~0.1 nats of a top logprob on
+a larger checkpoint (docs/VLLM.md, "Figures"); the same split of the same KV
+rounds alike, so a wrong block stands out the more.
 """
 from __future__ import annotations
 
@@ -397,6 +409,11 @@ def _start_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, 
     them); one that does after REQUEST_GAP seconds of quiet, so the reference
     meets idle instances as the measured copies do), or stopped if that
     fails; and each server log's size once the warm-up was answered."""
+    if config == "mono":
+        # one vLLM's own prefix cache on, for its second answer to each prompt
+        # (_over_its_cache); each prompt is new to it when its TTFT is measured
+        args = tuple("--enable-prefix-caching" if a == "--no-enable-prefix-caching" else a
+                     for a in args)
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes,
                                    handoff_publish=handoff_publish)
@@ -439,6 +456,21 @@ def _measure(config, servers, i, n, tokens, output_len, request_gap, records, an
     for row, rec in got.items():
         records.append({"config": row, "input_len": n, "request": i} | rec | mono)
         answers.setdefault(i, {})[row] = rec.pop("answer")
+    if config == "mono":
+        answers[i][OVER_ITS_CACHE] = _over_its_cache(servers["mono"], tokens, output_len)
+
+
+def _over_its_cache(servers_mono, tokens: list, output_len: int) -> tuple[int, object]:
+    """One vLLM's answer to TOKENS sent once more, right after its measured
+    request (untimed): computed over its own prefix cache of the prompt's whole
+    blocks, the split of a path that loads those blocks and computes the rest;
+    with how many prompt tokens its cache gave (vLLM's count; 0 where it
+    reports none, and the prompt was then computed whole again)."""
+    before = calls.metrics(servers_mono)
+    got = calls.complete(servers_mono, tokens, output_len, logprobs=answer_check.TOP_LOGPROBS)
+    cached = calls.grew(before, calls.metrics(servers_mono), calls.PROMPT_TOKENS,
+                        "local_cache_hit")
+    return int(cached or 0), got
 
 
 def _stop_config(servers: dict) -> None:
@@ -456,7 +488,14 @@ def _drop_rows(config: str, records: list, answers: dict) -> None:
     for rec in records:
         if rec["config"] in rows:
             answers[rec["request"]].pop(rec["config"], None)
+            if rec["config"] == "mono":
+                answers[rec["request"]].pop(OVER_ITS_CACHE, None)
     records[:] = [rec for rec in records if rec["config"] not in rows]
+
+
+# ANSWERS' key of one vLLM's second answer to a prompt, over its own prefix cache
+# (`_over_its_cache`): (the prompt tokens its cache gave, the answer)
+OVER_ITS_CACHE = "mono over its cache"
 
 
 # what one vLLM instance holds beside its KV cache and its model's weights (its
@@ -776,16 +815,24 @@ def verify(records: list[dict], answers: dict) -> None:
     prompt partly loaded and partly computed rounds in another order than one
     computed whole: with vLLM's AMX attention a 6000-token answer parted from
     one vLLM's at a near-tie; a wrong KV block moves them far more); None
-    where mono did not run.  The record keeps the comparison ("answer")."""
+    where mono did not run.  A record that took from its KV path the tokens
+    one vLLM's own prefix cache gave its second answer (OVER_ITS_CACHE) is
+    compared with that answer, of the same split of the prompt; any other with
+    the answer of the prompt computed whole.  The record keeps the comparison
+    ("answer", with "reference": "over its cache" or "whole")."""
     for rec in records:
-        mono = answers[rec["request"]].get("mono")
+        mine = answers[rec["request"]]
+        mono = mine.get("mono")
         rec.pop("answer", None)
         if mono is None:
             rec["verified"] = None
             continue
-        got = answer_check.compare(answers[rec["request"]][rec["config"]], mono)
+        cached, over_cache = mine.get(OVER_ITS_CACHE, (0, None))
+        split = (rec["config"] != "mono" and over_cache is not None and cached > 0
+                 and rec.get("kv_tokens") == cached)
+        got = answer_check.compare(mine[rec["config"]], over_cache if split else mono)
         rec["verified"] = got["gap"] is not None and got["gap"] <= answer_check.TOLERANCE
-        rec["answer"] = got
+        rec["answer"] = got | {"reference": "over its cache" if split else "whole"}
 
 
 def summarize(records: list[dict]) -> list[dict]:
