@@ -729,6 +729,73 @@ def test_each_measured_request_meets_quiet_instances(monkeypatch, tmp_path):
     assert asks and set(asks) == {TOP_LOGPROBS}, asks     # every request, the warm-up's too
 
 
+def test_one_vllm_answers_each_prompt_again_over_its_own_cache(monkeypatch, tmp_path):
+    """One vLLM is started with its own prefix cache on (and only it: a TraCT
+    configuration keeps it off) and sends each measured prompt again; what its
+    cache gave is vLLM's `local_cache_hit` count, read around that second
+    request.  A second request that fails leaves (0, None), said, and one vLLM's
+    timed rows stand; a one vLLM that fails takes its second answers with its
+    rows."""
+    import io
+    from tract_cli.bench.engine import calls, vllm_runs
+    started = {}
+
+    class Server:
+        log_path = None
+
+        def wait_ready(self):
+            pass
+
+    def start(config, model, work, args, *a, **k):
+        started[config] = args
+        return {r: Server() for r in (("mono",) if config == "mono" else ("prefill", "decode"))}
+
+    counter = [0.0]                 # vLLM's local_cache_hit count
+    asked = []
+
+    def complete(server, tokens, *a, **k):
+        asked.append(len(tokens))
+        if len(asked) % 2 == 0:     # the second request: vLLM's cache gave the whole blocks
+            if fail_second:
+                raise OSError("connection refused")
+            counter[0] += len(tokens) // 128 * 128
+        return calls.Answer(first=0.0, text="x", tokens=["token_id:1"],
+                            top=[{"token_id:1": -1.0}])
+
+    monkeypatch.setattr(vllm_runs.engine_configs, "start", start)
+    monkeypatch.setattr(vllm_runs.engine_configs, "stop_all", lambda servers: None)
+    monkeypatch.setattr(calls, "complete", complete)
+    monkeypatch.setattr(calls, "metrics", lambda server: {
+        (calls.PROMPT_TOKENS, "local_cache_hit"): counter[0]})
+    monkeypatch.setattr(vllm_runs, "_wait_saved", lambda *a, **k: 0.0)
+    reqs = [(300, [1] * 300), (400, [2] * 400)]
+    args = ("--no-enable-prefix-caching", "--block-size", "128")
+    for fail_second in (False, True):
+        records, answers = [], {}
+        vllm_runs._run_config("mono", "model", str(tmp_path), args, 1, None, "sync", reqs, [],
+                              1, 0, records, answers, request_gap=0.0)
+        assert "--enable-prefix-caching" in started["mono"]
+        assert "--no-enable-prefix-caching" not in started["mono"]
+        assert [r["config"] for r in records] == ["mono", "mono"]
+        got = [(answers[i][vllm_runs.OVER_ITS_CACHE][0],
+                answers[i][vllm_runs.OVER_ITS_CACHE][1] is not None) for i in (0, 1)]
+        assert got == ([(0, False)] * 2 if fail_second else [(256, True), (384, True)]), got
+        asked.clear()
+    vllm_runs._run_config("tract", "model", str(tmp_path), args, 1, None, "sync", [], [],
+                          1, 0, [], {}, request_gap=0.0)
+    assert "--no-enable-prefix-caching" in started["tract"]
+    # said in one line where the second request failed
+    log = io.StringIO()
+    asked.append(10)            # the next request is a second one, and fails
+    assert vllm_runs._over_its_cache(Server(), [1] * 10, 1, log) == (0, None)
+    assert "second answer to a prompt failed" in log.getvalue()
+    # one vLLM's rows dropped: its second answers with them
+    records = [{"config": "mono", "request": 0}]
+    answers = {0: {"mono": None, vllm_runs.OVER_ITS_CACHE: (256, None)}}
+    vllm_runs._drop_rows("mono", records, answers)
+    assert records == [] and answers == {0: {}}
+
+
 def test_the_driver_sends_on_the_workloads_clock_and_stops_at_a_failure(monkeypatch):
     """The open-loop driver (its HTTP calls replaced, nothing else): throughput is
     measured from the first arrival, not the clock's start; a request that fails

@@ -95,6 +95,10 @@ def make_checkpoint(out_dir: str, layers: int = 2, hidden: int = 128, heads: int
     return out_dir
 
 
+# the head sizes vLLM 0.32's CPU attention backend takes (cpu_attn.py)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Writes a random-weight Llama checkpoint.")
     parser.add_argument("dir")
@@ -107,6 +111,9 @@ def main() -> None:
         parser.error("--layers, --hidden, --heads and --kv-heads must be positive")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    if args.hidden // args.heads not in CPU_HEAD_SIZES:
+        parser.error(f"--hidden / --heads is the head size, {args.hidden // args.heads}; vLLM's "
+                     f"CPU attention takes {', '.join(map(str, CPU_HEAD_SIZES))}")
     print(make_checkpoint(args.dir, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, kv_heads=args.kv_heads))
 

@@ -126,7 +126,9 @@ def bench(
     vllm_prefix_caching: bool = typer.Option(False, "--vllm-prefix-caching",
                                              help="With --engine vllm: turn vLLM's own prefix "
                                                   "cache on in every instance (off by default, "
-                                                  "so a hit is the KV path's own)."),
+                                                  "so a hit is the KV path's own; one vLLM has "
+                                                  "it on either way, for the answers' "
+                                                  "reference)."),
     vllm_kv_cache_gib: Optional[float] = typer.Option(None, "--vllm-kv-cache-gib",
                                                       help="With --engine vllm: each vLLM "
                                                            "instance's CPU KV cache, GiB "

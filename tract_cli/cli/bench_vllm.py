@@ -106,6 +106,9 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
                         f"{load_mode}, handoffs published {handoff_publish.replace('_', ' ')}; "
                         f"each request after {request_gap:g} s of quiet; vLLM's own prefix cache "
                         f"{'on' if vllm_prefix_caching else 'off'}"
+                        + ("" if vllm_prefix_caching else
+                           " (on in one vLLM, for its second answer to each prompt: the "
+                           "reference of a path that loads whole blocks)")
                         + ("; one vLLM beside every configuration" if mono_beside else "")
                         + ("; every configuration up at once, each prompt sent to each in "
                            "turn" if interleave else "") + ")")

@@ -46,9 +46,13 @@ that loads those blocks and computes the rest (a prefix hit, a connector that
 hands over whole blocks).  An answer is compared with the reference of its
 own split: that one where the tokens it took from its KV path are the tokens
 vLLM's cache gave (vLLM's own count), the prompt computed whole otherwise.
-Another split rounds in another order, by up to ~0.1 nats of a top logprob on
-a larger checkpoint (docs/VLLM.md, "Figures"); the same split of the same KV
-rounds alike, so a wrong block stands out the more.
+Another split rounds in another order, by 0.1 nats of a top logprob and more
+on a larger checkpoint (docs/VLLM.md, "A larger checkpoint"); the same split
+of the same KV rounds alike, so a wrong block stands out the more.  Such a
+row's gap to the whole prompt's answer is kept beside ("whole_gap").  The
+timed request of one vLLM hashes its prompt's blocks for its cache, which
+the other configurations' vLLMs (their own cache off) do not: microseconds
+a block.
 """
 from __future__ import annotations
 
@@ -79,6 +83,9 @@ from tract_cli.serve.client import HttpError
 # polls no more (a gap under a second leaves part of the poll)
 DEFAULT_REQUEST_GAP_S = 1.25
 VLLM_BLOCK = 128           # vLLM's block size (its CPU default), and the region's
+# ANSWERS' key of one vLLM's second answer to a prompt, over its own prefix cache
+# (`_over_its_cache`): (the prompt tokens its cache gave, the answer or None)
+OVER_ITS_CACHE = "mono over its cache"
 # the warm-ups of each measured length TraCT's connector times its memcpy
 # reference on: the memcpy in the step is one sample a request, and varied
 # 1.7x between runs here with one; the median of three of a length is each
@@ -246,8 +253,7 @@ def _start_beside(model_dir, work, args, kv_cache_gib, warm, output_len, request
     os.makedirs(where, exist_ok=True)
     # its own prefix cache off whatever the configurations run with: every
     # configuration's prompts reach it, and from the second on they would be hits
-    args = tuple("--no-enable-prefix-caching" if a == "--enable-prefix-caching" else a
-                 for a in args)
+    args = prefix_caching(args, False)
     servers = engine_configs.start("mono", model_dir, where, args, kv_cache_gib, None)
     try:
         for s in servers.values():
@@ -412,8 +418,7 @@ def _start_config(config, model_dir, work, args, kv_cache_gib, pool, load_mode, 
     if config == "mono":
         # one vLLM's own prefix cache on, for its second answer to each prompt
         # (_over_its_cache); each prompt is new to it when its TTFT is measured
-        args = tuple("--enable-prefix-caching" if a == "--no-enable-prefix-caching" else a
-                     for a in args)
+        args = prefix_caching(args, True)
     servers = engine_configs.start(config, model_dir, work, args, kv_cache_gib, pool,
                                    load_mode, VLLM_BLOCK, cache_bytes,
                                    handoff_publish=handoff_publish)
@@ -460,17 +465,35 @@ def _measure(config, servers, i, n, tokens, output_len, request_gap, records, an
         answers[i][OVER_ITS_CACHE] = _over_its_cache(servers["mono"], tokens, output_len)
 
 
-def _over_its_cache(servers_mono, tokens: list, output_len: int) -> tuple[int, object]:
+def _over_its_cache(servers_mono, tokens: list, output_len: int,
+                    log=sys.stderr) -> tuple[int, object]:
     """One vLLM's answer to TOKENS sent once more, right after its measured
     request (untimed): computed over its own prefix cache of the prompt's whole
     blocks, the split of a path that loads those blocks and computes the rest;
     with how many prompt tokens its cache gave (vLLM's count; 0 where it
-    reports none, and the prompt was then computed whole again)."""
-    before = calls.metrics(servers_mono)
-    got = calls.complete(servers_mono, tokens, output_len, logprobs=answer_check.TOP_LOGPROBS)
-    cached = calls.grew(before, calls.metrics(servers_mono), calls.PROMPT_TOKENS,
-                        "local_cache_hit")
-    return int(cached or 0), got
+    reports none, and the prompt was then computed whole again).  Where that
+    request fails, (0, None), said on LOG: every row of the prompt is then
+    held to the whole prompt's answer, and one vLLM's timed rows stand."""
+    got: dict = {}
+
+    def ask():
+        before = calls.metrics(servers_mono)
+        got["answer"] = calls.complete(servers_mono, tokens, output_len,
+                                       logprobs=answer_check.TOP_LOGPROBS)
+        got["cached"] = calls.grew(before, calls.metrics(servers_mono), calls.PROMPT_TOKENS,
+                                   "local_cache_hit")
+    why = failure_of(ask)
+    if why is not None:
+        print(f"one vLLM's second answer to a prompt failed ({why}); its rows are held to "
+              "the prompt computed whole", file=log, flush=True)
+        return 0, None
+    return int(got["cached"] or 0), got["answer"]
+
+
+def prefix_caching(args: tuple, on: bool) -> tuple:
+    """vLLM's arguments ARGS with its own prefix cache turned ON or off."""
+    flags = ("--no-enable-prefix-caching", "--enable-prefix-caching")
+    return tuple(flags[on] if a in flags else a for a in args)
 
 
 def _stop_config(servers: dict) -> None:
@@ -491,11 +514,6 @@ def _drop_rows(config: str, records: list, answers: dict) -> None:
             if rec["config"] == "mono":
                 answers[rec["request"]].pop(OVER_ITS_CACHE, None)
     records[:] = [rec for rec in records if rec["config"] not in rows]
-
-
-# ANSWERS' key of one vLLM's second answer to a prompt, over its own prefix cache
-# (`_over_its_cache`): (the prompt tokens its cache gave, the answer)
-OVER_ITS_CACHE = "mono over its cache"
 
 
 # what one vLLM instance holds beside its KV cache and its model's weights (its
@@ -819,7 +837,8 @@ def verify(records: list[dict], answers: dict) -> None:
     one vLLM's own prefix cache gave its second answer (OVER_ITS_CACHE) is
     compared with that answer, of the same split of the prompt; any other with
     the answer of the prompt computed whole.  The record keeps the comparison
-    ("answer", with "reference": "over its cache" or "whole")."""
+    ("answer", with "reference": "over its cache" or "whole", and for the
+    first "whole_gap", its gap to the prompt computed whole)."""
     for rec in records:
         mine = answers[rec["request"]]
         mono = mine.get("mono")
@@ -833,6 +852,8 @@ def verify(records: list[dict], answers: dict) -> None:
         got = answer_check.compare(mine[rec["config"]], over_cache if split else mono)
         rec["verified"] = got["gap"] is not None and got["gap"] <= answer_check.TOLERANCE
         rec["answer"] = got | {"reference": "over its cache" if split else "whole"}
+        if split:        # beside it, the gap to the prompt computed whole (not judged)
+            rec["answer"]["whole_gap"] = answer_check.compare(mine[rec["config"]], mono)["gap"]
 
 
 def summarize(records: list[dict]) -> list[dict]:
