@@ -325,6 +325,7 @@ def test_a_path_that_loads_whole_blocks_is_held_to_one_vllms_answer_over_its_own
     assert [r["verified"] for r in records] == [True, True, False]
     assert records[1]["answer"]["reference"] == "whole"
 
+
 def test_a_configurations_crashed_process_is_named_from_its_logs(tmp_path):
     """A vLLM process killed by a signal writes Python's fault handler's line into
     its server's log; the bench's one-line failure names every instance whose log
