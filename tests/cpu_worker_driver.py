@@ -4,15 +4,17 @@ off the step on the save thread, is deferred (vllm_worker.COMMIT_DEFER_S,
 made long here so the test's clock cannot reach it) until the next step's
 bind or shutdown, whichever comes first, and a short defer ends by itself;
 the blocks are then READY and hold the bytes of vLLM's pages.  Under a
-stalled lock manager a step waits claim_wait_s for its claim at
-most, the steps after it queue none while that claim is out, and the claim
-is given back once the locks are free.
+stalled lock manager a step waits claim_wait_s for its claim at most (a P/D
+prefill's step too, for its claim and its handoff's record: that handoff is
+not published), the steps after it queue none while that claim is out, and
+the claim is given back once the locks are free.
 
 Run in vLLM's environment: `python tests/cpu_worker_driver.py POOL`; prints one
 JSON object of observations (tests/test_connector_units.py checks them).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,10 +26,14 @@ import numpy as np
 from worker_stand import every_lock_held, expected_blocks, worker_on
 
 from tract_cli.connectors import vllm_worker
-from tract_cli.connectors.vllm_meta import SaveSpec
+from tract_cli.connectors.vllm_meta import HandoffSpec, SaveSpec
+from tract_cli.core.errors import TractError
+from tract_cli.core.handoff import Ticket, pair_key, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
+from tract_cli.core.locks import LOCK_TRANSFER
 from tract_cli.core.kvpages import PagedKV
 from tract_cli.core.pool import Pool
+from tract_cli.inspect.snapshot import take
 
 PAGES = 16
 WAIT_S = 10.0          # how long a commit that is due may take, at most
@@ -85,6 +91,55 @@ def main(path: str) -> dict:
         finally:
             pool.index.unpin(hit)
 
+    def handoff_save(req: str, keys, pages, record: int) -> SaveSpec:
+        """A P/D prefill's last step: it saves KEYS from PAGES (the whole prompt)
+        and hands them off in RECORD, which its ticket names (two-step)."""
+        return SaveSpec(req, keys, np.full(len(pages), B, np.uint32), np.asarray(pages, np.int64),
+                        np.zeros(len(pages), np.int64),
+                        handoff=HandoffSpec(record, req, keys, len(pages) * B, 30.0,
+                                            request_key(req)))
+
+    def find(name: bytes) -> int:
+        """The record a paired decode finds under NAME (-1: none)."""
+        return int(pool.handoffs.find(np.frombuffer(name, np.uint8).reshape(1, 16))[0])
+
+    def opened(record: int, name: bytes, blocks: int) -> str:
+        """What a decode that opens RECORD for NAME's handoff of BLOCKS is told."""
+        if record < 0:
+            return "no record"
+        try:
+            got = pool.handoffs.open(Ticket(record, name.hex(), blocks, blocks * B))
+        except TractError as exc:
+            return type(exc).__name__
+        return f"{len(got.keys)} blocks"
+
+    def published_within(record: int, name: bytes, blocks: int, timeout: float) -> str:
+        """What opening RECORD tells, once it is published or TIMEOUT passed."""
+        deadline = time.monotonic() + timeout
+        while (got := opened(record, name, blocks)) == "HandoffPending" \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)     # polling the save thread's publish, bounded
+        return got
+
+    def ack(record: int, name: bytes) -> None:
+        """The decode's acknowledgement of RECORD (NAME's), if it is published
+        (what `opened` saw says whether it was)."""
+        if record >= 0:
+            with contextlib.suppress(TractError):
+                pool.handoffs.ack(Ticket(record, name.hex(), 0, 0))
+
+    def given_back() -> bool:
+        """Whether the claim a step gave up on is done and given back (False: no
+        step gave one up)."""
+        return ws._late is not None and ws._late.wait(WAIT_S) and releases.drain(WAIT_S)
+
+    def in_flight() -> dict:
+        """Pins, reserved or published handoff records, PENDING entries."""
+        snap = take(pool)
+        return {"pins": snap["index"]["pins_total"],
+                "handoffs": len(snap["handoffs"]["in_flight"]),
+                "pending": snap["index"]["states"]["PENDING"]}
+
     # a step's commit waits: nothing READY after its step, while no step follows
     keys = step(1, [3, 9, 4])
     seen["after_its_step"] = hits(keys)
@@ -109,7 +164,11 @@ def main(path: str) -> dict:
     # a stalled lock manager (every lock held by another node): a step that saves
     # waits claim_wait_s for its claim and goes on without saving, well before
     # the stall ends (a timer ends it, should the step wait that long); the
-    # next step, that claim still out, queues no claim of its own and says so
+    # next steps, that claim still out, queue no claim of their own and say so.
+    # A P/D prefill's step is no exception: step 6 carries a paired handoff
+    # (its decode finds the record by the pair's name), step 8 a two-step one
+    # (its ticket names record R8); neither is published, and the paired
+    # decode is told so by a record of no blocks under the pair's name
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -119,48 +178,113 @@ def main(path: str) -> dict:
     ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
     pages6 = [12, 13]
     keys6 = block_hashes(np.arange(2 * B, dtype=np.int32) + 6000, block_tokens=B, root=root)
-    save6 = SaveSpec("r6", keys6, np.full(2, B, np.uint32), np.asarray(pages6, np.int64),
-                     np.zeros(2, np.int64))
+    save6 = lambda handoff=None: SaveSpec("r6", keys6, np.full(2, B, np.uint32),
+                                          np.asarray(pages6, np.int64), np.zeros(2, np.int64),
+                                          handoff=handoff)
+    r6 = pool.handoffs.peek_free()
+    pair6 = pair_key("pair-6")
+    keys8 = block_hashes(np.arange(B, dtype=np.int32) + 8000, block_tokens=B, root=root)
+    r8 = pool.handoffs.peek_free(r6 + 1)
     other = Pool.attach(path, node=2)
     ended = threading.Event()
     with every_lock_held(other):
         timer = threading.Timer(STALL_S, ended.set)
         timer.start()
-        ws.bind([save6])
+        ws.bind([save6(HandoffSpec(r6, "r6", keys6, 2 * B, 30.0, pair6))])
         ws.wait_for_save()
-        seen["a_stalled_step_went_on"] = not ended.is_set()
+        seen["a_stalled_handoff_step_went_on"] = not ended.is_set()
         before = len(said)
         step(7, [14])
         seen["the_next_step_went_on"] = not ended.is_set()
         seen["the_next_step_queued_no_claim"] = any("still waits for an earlier step's claim"
                                                     in m for m in said[before:])
-        # a step that saves a handoff's blocks (a P/D prefill's chunk) waits for
-        # its claim, stall or not: still waiting 20 claim waits later
-        keys8 = block_hashes(np.arange(B, dtype=np.int32) + 8000, block_tokens=B, root=root)
-        handoff_step = threading.Thread(target=lambda: (
-            ws.bind([SaveSpec("r8", keys8, np.full(1, B, np.uint32), np.array([15], np.int64),
-                              np.zeros(1, np.int64), for_handoff=True)]),
-            ws.wait_for_save()))
-        handoff_step.start()
-        handoff_step.join(20 * 0.05)
-        seen["a_handoff_step_waits_for_its_claim"] = handoff_step.is_alive()
+        before = len(said)
+        ws.bind([handoff_save("r8", keys8, [15], r8)])
+        ws.wait_for_save()
+        seen["a_handoff_step_behind_it_went_on"] = not ended.is_set()
+        seen["its_handoff_said_lost"] = any("handoff of request r8 not published" in m
+                                            for m in said[before:])
         timer.cancel()
-    # the stall over, that step's claim is granted and its blocks saved
-    handoff_step.join(WAIT_S)
-    seen["the_handoff_step_went_on_after_the_stall"] = not handoff_step.is_alive()
     other.close()
-    ws.settings = waits
     # once the locks are free the claim the step gave up on is done, and given
-    # back (queued once it is done, then the release itself): the same blocks
-    # are saved again by a later step
-    seen["the_stalled_claim_given_back"] = ws._late.wait(WAIT_S) and releases.drain(WAIT_S)
-    ws.bind([save6])
+    # back (queued once it is done, then the release itself): the paired
+    # decode finds a record of no blocks (it computes at once), step 8's ticket
+    # names a record never published (its decode computes at once), nothing
+    # stays pinned or reserved, and the same blocks are saved again by a later
+    # step
+    seen["the_stalled_claim_given_back"] = given_back()
+    seen["the_paired_decode_told"] = opened(find(pair6), pair6, 2)
+    seen["the_two_step_ticket"] = opened(r8, request_key("r8"), 1)
+    seen["after_the_stall"] = in_flight()
+    ws.settings = waits
+    ws.bind([save6()])
     ws.wait_for_save()
     ws.bind([])
     ws.wait_for_save()
     seen["saved_again_after_the_stall"] = ready_within(keys6, WAIT_S)
-    seen["the_handoff_steps_blocks_saved"] = ready_within(keys8, WAIT_S)
     seen["bytes_equal_6"] = saved_bytes_equal(keys6, pages6)
+    ack(find(pair6), pair6)
+
+    # the transfer table's lock alone held (the claim is granted, the handoff's
+    # record cannot be reserved): the step waits claim_wait_s for the
+    # reservation and goes on; once the lock is free the reservation is given
+    # back, the claimed blocks too, and its ticket's record is never published.
+    # The same step with the lock free publishes its handoff
+    ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
+    keys10 = block_hashes(np.arange(B, dtype=np.int32) + 10000, block_tokens=B, root=root)
+    r10 = pool.handoffs.peek_free()
+    other = Pool.attach(path, node=2)
+    ended = threading.Event()
+    with other.locks.hold(LOCK_TRANSFER, timeout=30):
+        timer = threading.Timer(STALL_S, ended.set)
+        timer.start()
+        ws.bind([handoff_save("r10", keys10, [15], r10)])
+        ws.wait_for_save()
+        seen["a_step_whose_record_stalls_went_on"] = not ended.is_set()
+        timer.cancel()
+    other.close()
+    seen["its_claim_given_back"] = given_back()
+    seen["its_ticket"] = opened(r10, request_key("r10"), 1)
+    seen["its_blocks"] = hits(keys10)
+    seen["after_the_record_stall"] = in_flight()
+    ws.settings = waits
+    ws.bind([handoff_save("r10", keys10, [15], r10)])
+    ws.wait_for_save()
+    ws.bind([])
+    ws.wait_for_save()
+    seen["published_without_the_stall"] = published_within(r10, request_key("r10"), 1, WAIT_S)
+    ack(r10, request_key("r10"))
+    seen["after_its_ack"] = in_flight()
+
+    # a step after which the scheduler publishes a handoff itself (one it could
+    # not plan in the step: SaveSpec.handoff_follows) waits for its commit,
+    # claim_wait_s at most: its claim granted, every lock then held, it goes
+    # on and says so; once the locks are free its blocks are READY all the
+    # same (saved, if not handed off)
+    ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
+    keys11 = block_hashes(np.arange(B, dtype=np.int32) + 11000, block_tokens=B, root=root)
+    ws.bind([SaveSpec("r11", keys11, np.full(1, B, np.uint32), np.array([9], np.int64),
+                      np.zeros(1, np.int64), handoff_follows=True)])
+    claimed = time.monotonic() + WAIT_S
+    while not ws._reserving.done():    # its claim, on the save thread, bounded
+        assert time.monotonic() < claimed, "the claim was not done within WAIT_S"
+        time.sleep(0.001)
+    other = Pool.attach(path, node=2)
+    ended = threading.Event()
+    before = len(said)
+    with every_lock_held(other):
+        timer = threading.Timer(STALL_S, ended.set)
+        timer.start()
+        ws.wait_for_save()
+        seen["a_step_whose_commit_stalls_went_on"] = not ended.is_set()
+        seen["its_commit_said_late"] = any("not done within 50 ms (claim_wait_s)" in m
+                                           for m in said[before:])
+        timer.cancel()
+    other.close()
+    ws.settings = waits
+    seen["its_blocks_saved_after_the_stall"] = ready_within(keys11, WAIT_S)
+    seen["after_the_commit_stall"] = in_flight()
+
     # shutdown starts a commit still deferred, and waits for it
     vllm_worker.COMMIT_DEFER_S = 60.0
     keys5 = step(5, [10, 11])

@@ -547,7 +547,12 @@ def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
     bytes, and a next step that saves claims after it.  Under a stalled lock
     manager a step waits claim_wait_s for its claim at most and goes on
     without saving, the steps after it queue no claim while that one is out,
-    and once the locks are free its claims are given back."""
+    and once the locks are free its claims are given back.  A P/D prefill's
+    step is bounded alike, for its claim and for its handoff's record: that
+    handoff is not published (a two-step ticket's record is gone, a paired
+    decode finds a record of no blocks), nothing stays pinned or reserved,
+    and the next handoff is published; a step that waits for its commit waits
+    claim_wait_s at most."""
     import os
 
     from tests.vllm_stack import VLLM_PY
@@ -558,13 +563,22 @@ def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
     assert seen == {"after_its_step": 0, "a_while_after": 0, "after_the_next_bind": True,
                     "bytes_equal": True, "a_commit_before_the_next_steps_claim": True,
                     "the_last_step_still_waits": 0, "a_short_defer_ends_by_itself": True,
-                    "bytes_equal_3": True, "a_stalled_step_went_on": True,
+                    "bytes_equal_3": True, "a_stalled_handoff_step_went_on": True,
                     "the_next_step_went_on": True, "the_next_step_queued_no_claim": True,
-                    "a_handoff_step_waits_for_its_claim": True,
-                    "the_handoff_step_went_on_after_the_stall": True,
-                    "the_stalled_claim_given_back": True, "saved_again_after_the_stall": True,
-                    "the_handoff_steps_blocks_saved": True,
-                    "bytes_equal_6": True,
+                    "a_handoff_step_behind_it_went_on": True, "its_handoff_said_lost": True,
+                    "the_stalled_claim_given_back": True,
+                    "the_paired_decode_told": "HandoffLost",
+                    "the_two_step_ticket": "HandoffGone",
+                    "after_the_stall": {"pins": 0, "handoffs": 1, "pending": 0},
+                    "saved_again_after_the_stall": True, "bytes_equal_6": True,
+                    "a_step_whose_record_stalls_went_on": True, "its_claim_given_back": True,
+                    "its_ticket": "HandoffGone", "its_blocks": 0,
+                    "after_the_record_stall": {"pins": 0, "handoffs": 0, "pending": 0},
+                    "published_without_the_stall": "1 blocks",
+                    "after_its_ack": {"pins": 0, "handoffs": 0, "pending": 0},
+                    "a_step_whose_commit_stalls_went_on": True, "its_commit_said_late": True,
+                    "its_blocks_saved_after_the_stall": True,
+                    "after_the_commit_stall": {"pins": 0, "handoffs": 0, "pending": 0},
                     "after_shutdown": 2, "bytes_equal_5": True}, seen
 
 

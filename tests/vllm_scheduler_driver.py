@@ -847,7 +847,7 @@ def main(ckpt: str, pool_path: str) -> dict:
     chunked = list(range(9000, 9000 + 200))                 # 12 full blocks + 8 tokens
     r9 = request("chunked", chunked, 1, {"do_remote_decode": True})
     s9.add_request(r9)
-    per_step, saved_keys, params9, for_handoff = [], [], None, True
+    per_step, saved_keys, params9 = [], [], None
     for _ in range(10):
         out = s9.schedule()
         saves = out.kv_connector_metadata.saves
@@ -856,8 +856,6 @@ def main(ckpt: str, pool_path: str) -> dict:
                          any(sv.handoff_follows for sv in saves),
                          any(sv.handoff is not None for sv in saves)])
         saved_keys += [bytes(k) for sv in saves for k in sv.keys]
-        # every chunk's blocks are the handoff's: no step of it may skip its claim
-        for_handoff = for_handoff and all(sv.for_handoff for sv in saves)
         w9.bind_connector_metadata(out.kv_connector_metadata)
         for name in LAYERS:
             w9.save_kv_layer(name, caches9[name], None)
@@ -874,7 +872,6 @@ def main(ckpt: str, pool_path: str) -> dict:
                                       set(saved_keys) == {bytes(k) for k in pk.keys} |
                                       {bytes(pk.tail_key[0])})
     obs["chunked_ticket_blocks"] = (params9 or {}).get("tract_ticket", {}).get("blocks")
-    obs["chunked_saves_for_handoff"] = for_handoff and bool(saved_keys)
     if params9 and "tract_ticket" in params9:
         from tract_cli.core.handoff import Ticket
         pool.handoffs.ack(Ticket.from_dict(params9["tract_ticket"]))

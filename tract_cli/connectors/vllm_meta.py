@@ -81,10 +81,6 @@ class SaveSpec:
     # keys alone
     described: Described | None = None
     reference: bool = False    # time a memcpy beside its copy (kvlog.REFERENCE_PARAM)
-    # the request's prompt is handed off (a P/D prefill's), in this step or a
-    # later one, whose handoff needs these blocks: the step waits for its claim
-    # (vllm_worker.WorkerSide.bind, claim_wait_s)
-    for_handoff: bool = False
 
 
 @dataclass

@@ -693,8 +693,7 @@ class SchedulerSide:
                               dtype=np.int64)
         blocks = np.asarray(idx, dtype=np.int64)
         return SaveSpec(req_id, np.ascontiguousarray(keys), tokens, page_ids[blocks // self.r],
-                        blocks % self.r, described=described, reference=st.reference,
-                        for_handoff=st.want_handoff)
+                        blocks % self.r, described=described, reference=st.reference)
 
     def _describe(self, req_id: str, st: _Request, lo: int, hi: int,
                   with_tail: bool) -> Described | None:

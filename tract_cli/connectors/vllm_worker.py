@@ -28,10 +28,11 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   claim after the previous step's commit.  The commit and the claim each wait
   at most `step_timeout_s` for a lock: past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back, retried until it succeeds.
-  A step that saves no block of a handoff waits for its claim
-  `claim_wait_s` at most past the forward, then goes on without saving (the
-  claim given back once done, and no such step queues a claim while it is
-  out).
+  A step waits for its claim (a P/D prefill's: and its handoffs' records
+  reserved) `claim_wait_s` at most past the forward, then goes on without
+  saving (the claim given back once done, its handoffs not published, and no
+  step queues a claim while it is out); a step that waits for its commit
+  waits `claim_wait_s` at most for that too.
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
   has the record the scheduler chose reserved with the step's claim, during
   the forward, so its ticket may leave with the step's output; it is
@@ -205,13 +206,12 @@ class WorkerSide:
         # the step's in-step handoffs' records reserved, queued right after its claim
         # (the GPU path's first layer waits for the claim alone)
         self._records: Future | None = None
-        # a step that saves no block of a handoff waits for its claim until then
-        # (claim_wait_s from its first wait; a step that does waits as long as
-        # it takes, step_timeout_s a lock: the handoff needs every block)
+        # a step waits for its claim (and its handoffs' records) until then:
+        # claim_wait_s from its first wait, so a stalled lock manager costs the
+        # engine's step that much, never step_timeout_s a lock
         self._claim_deadline: float | None = None
-        self._bounded = False
         # set once the claim of a step that did not wait for it is done and its
-        # give-back queued; until then no bounded step queues a claim
+        # give-back queued; until then no step queues a claim
         self._late: threading.Event | None = None
         self._gave_up_logged = -GAVE_UP_LOG_S
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
@@ -332,20 +332,16 @@ class WorkerSide:
         self._claim_deadline = None
         if not saves:
             return
-        # a step that saves any block of a handoff (a P/D prefill's chunk, its
-        # last one with the record) waits for its claim: a block not saved loses
-        # the handoff, and its decode waits on it (a paired decode, which has no
-        # ticket to find it gone, for pair_wait_s)
-        self._bounded = not any(s.handoff is not None or s.handoff_follows or s.for_handoff
-                                for s in saves)
         if self._late is not None and not self._late.is_set():
-            if self._bounded:
-                # a claim a step did not wait for is still out (a stalled lock
-                # manager): this step saves nothing rather than queue behind it
-                self._said_gave_up("the save thread still waits for an earlier step's claim")
-                return
-        else:
-            self._late = None
+            # a claim a step did not wait for is still out (a stalled lock
+            # manager): this step saves nothing rather than queue behind it,
+            # and its handoffs are lost (their decodes compute; a paired one is
+            # told by a record of no blocks, queued)
+            self._said_gave_up("the save thread still waits for an earlier step's claim")
+            self._handoffs_lost([s.handoff for s in saves if s.handoff is not None],
+                                "the save thread still waits for an earlier step's claim")
+            return
+        self._late = None
         self._reserving = self._saver.submit(self._reserve, saves)
         # (a step that waits for its commit publishes its handoffs before its
         # output leaves: nothing to reserve)
@@ -353,12 +349,13 @@ class WorkerSide:
                 not any(s.handoff_follows for s in saves):
             self._records = self._saver.submit(self._reserve_records, self._reserving)
 
-    def _claim_wait(self) -> float | None:
-        """What is left of the step's wait for its claim: claim_wait_s from the
-        first time it waits, for a step that saves no block of a handoff; None
-        (no bound of its own) for one that does."""
-        if not self._bounded:
-            return None
+    def _claim_wait(self) -> float:
+        """What is left of the step's wait for its claim and its handoffs'
+        records: claim_wait_s from the first time it waits.  A P/D prefill's
+        step is no exception: a block not saved loses its handoff, and its
+        decode computes, so a stalled lock manager delays the handoff, never
+        the engine's step (docs/VLLM.md, "Nothing the pool does holds the
+        engine's step")."""
         now = time.monotonic()
         if self._claim_deadline is None:
             self._claim_deadline = now + self.settings.claim_wait_s
@@ -367,9 +364,8 @@ class WorkerSide:
     def _claimed(self) -> _SavePlan | None:
         """The step's save plan, waiting for its claim (the reserve, and the
         previous step's commit queued ahead of it, each wait at most
-        step_timeout_s for a lock), for a step that saves no block of a
-        handoff at most claim_wait_s; None if none, it failed, or the step
-        gave up on it."""
+        step_timeout_s for a lock) claim_wait_s at most; None if none, it
+        failed, or the step gave up on it."""
         if self._reserving is not None:
             reserving = self._reserving
             t0 = time.perf_counter()
@@ -389,10 +385,11 @@ class WorkerSide:
         return self._plan
 
     def _give_up(self) -> None:
-        """The step (one that saves no block of a handoff) goes on without its
-        save: its claim is not done within claim_wait_s.  What the claim takes
-        is given back once it is done; until then no bounded step queues a
-        claim (bind)."""
+        """The step goes on without its save: its claim (or its handoffs'
+        records) not done within claim_wait_s.  What the claim takes is given
+        back once it is done, and its handoffs' records (they are not
+        published: their decodes compute); until then no step queues a claim
+        (bind)."""
         wait_ms = self.settings.claim_wait_s * 1e3
         self._late = threading.Event()
         self._said_gave_up(f"its claim not done within {wait_ms:.0f} ms of the forward")
@@ -664,19 +661,29 @@ class WorkerSide:
         self._settle_gpu_loads()
         failed, self._sync_failed = self._sync_failed, set()
         plan = self._claimed()
-        self._plan = None
-        records, self._records = self._records, None
-        if records is not None:
+        if self._records is not None:
             # the reservations, queued after the claim (done during the forward
             # unless a lock was slow): made before the step's output, and its
-            # ticket, leave
+            # ticket, leave; waited for within the claim's deadline, past which
+            # the step goes on and its handoffs are lost (the decode that opens
+            # a ticket's record not reserved computes at once)
             t0 = time.perf_counter()
             try:
-                records.result()
+                self._records.result(timeout=self._claim_wait())
+            except FutureTimeout:
+                if plan is not None and plan.batch is not None:
+                    # on this thread, before the slots are given back: no DMA
+                    # or write-back of the layers handed over may touch them
+                    self._gpu.quiesce(plan.batch)
+                    plan.batch = None
+                self._give_up()
+                return
             except Exception as exc:   # never into the engine (it logs its own errors)
                 log.warning("TraCT: reserving the step's handoff records failed: %s", exc)
+            self._records = None
             if plan is not None:
                 plan.reserve_s += time.perf_counter() - t0
+        self._plan = None
         if plan is None:
             return
         if self._gpu is not None and plan.mine.size and not plan.layers_done \
@@ -720,17 +727,17 @@ class WorkerSide:
         # a handoff the scheduler publishes right after this step (request_finished,
         # one it could not plan in-step) needs the blocks READY by then: the step
         # waits for its commit.  Nothing is queued ahead of it (the step's claim,
-        # which followed any earlier commit, is done); the commit and each in-step
-        # handoff's publish (its key list's slot, the transfer lock) wait at most
-        # step_timeout_s for a lock
-        bound = (1 + 2 * len(plan.handoffs)) * self.settings.step_timeout_s + 1.0
+        # which followed any earlier commit, is done): claim_wait_s at most, as
+        # for its claim, not step_timeout_s a lock (the commit's, each in-step
+        # handoff's publish)
+        bound = self.settings.claim_wait_s
         try:
             job.result(timeout=bound)
         except FutureTimeout:
             plan.step_gone = True
             log.warning("TraCT: the commit of a step with a handoff to follow not done within "
-                        "%.1f s; the step goes on, and its handoffs are not published (their "
-                        "decode computes)", bound)
+                        "%.0f ms (claim_wait_s); the step goes on, and its handoffs are not "
+                        "published (their decode computes)", bound * 1e3)
 
     def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
         """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
