@@ -40,6 +40,15 @@ WAIT_S = 10.0          # how long a commit that is due may take, at most
 STALL_S = 10.0         # how long the stall below lasts unless the driver ends it
 
 
+def claim_done(ws) -> None:
+    """Waits (bounded) until the step's claim, on the save thread, is done, as
+    a forward longer than it would."""
+    deadline = time.monotonic() + WAIT_S
+    while not ws._reserving.done():
+        assert time.monotonic() < deadline, "the claim was not done within WAIT_S"
+        time.sleep(0.001)      # polling the save thread, bounded
+
+
 def main(path: str) -> dict:
     vllm_worker.COMMIT_DEFER_S = 60.0      # past anything this driver waits for
     # a lock wait of the save thread's longer than the whole stall below: a step
@@ -91,13 +100,14 @@ def main(path: str) -> dict:
         finally:
             pool.index.unpin(hit)
 
-    def handoff_save(req: str, keys, pages, record: int) -> SaveSpec:
+    def handoff_save(req: str, keys, pages, record: int, pair: bytes | None = None) -> SaveSpec:
         """A P/D prefill's last step: it saves KEYS from PAGES (the whole prompt)
-        and hands them off in RECORD, which its ticket names (two-step)."""
+        and hands them off in RECORD, which its ticket names (two-step), or
+        under PAIR's name (paired)."""
         return SaveSpec(req, keys, np.full(len(pages), B, np.uint32), np.asarray(pages, np.int64),
                         np.zeros(len(pages), np.int64),
                         handoff=HandoffSpec(record, req, keys, len(pages) * B, 30.0,
-                                            request_key(req)))
+                                            pair or request_key(req)))
 
     def find(name: bytes) -> int:
         """The record a paired decode finds under NAME (-1: none)."""
@@ -165,9 +175,9 @@ def main(path: str) -> dict:
     # waits claim_wait_s for its claim and goes on without saving, well before
     # the stall ends (a timer ends it, should the step wait that long); the
     # next steps, that claim still out, queue no claim of their own and say so.
-    # A P/D prefill's step is no exception: step 6 carries a paired handoff
-    # (its decode finds the record by the pair's name), step 8 a two-step one
-    # (its ticket names record R8); neither is published, and the paired
+    # A P/D prefill's step is no exception: steps 6 and 8 carry a paired
+    # handoff each (its decode finds the record by the pair's name), step 6's
+    # claim out, step 8's never queued; neither is published, and each paired
     # decode is told so by a record of no blocks under the pair's name
     said = []
     handler = logging.Handler()
@@ -182,7 +192,7 @@ def main(path: str) -> dict:
                                           np.asarray(pages6, np.int64), np.zeros(2, np.int64),
                                           handoff=handoff)
     r6 = pool.handoffs.peek_free()
-    pair6 = pair_key("pair-6")
+    pair6, pair8 = pair_key("pair-6"), pair_key("pair-8")
     keys8 = block_hashes(np.arange(B, dtype=np.int32) + 8000, block_tokens=B, root=root)
     r8 = pool.handoffs.peek_free(r6 + 1)
     other = Pool.attach(path, node=2)
@@ -199,7 +209,7 @@ def main(path: str) -> dict:
         seen["the_next_step_queued_no_claim"] = any("still waits for an earlier step's claim"
                                                     in m for m in said[before:])
         before = len(said)
-        ws.bind([handoff_save("r8", keys8, [15], r8)])
+        ws.bind([handoff_save("r8", keys8, [15], r8, pair8)])
         ws.wait_for_save()
         seen["a_handoff_step_behind_it_went_on"] = not ended.is_set()
         seen["its_handoff_said_lost"] = any("handoff of request r8 not published" in m
@@ -207,14 +217,12 @@ def main(path: str) -> dict:
         timer.cancel()
     other.close()
     # once the locks are free the claim the step gave up on is done, and given
-    # back (queued once it is done, then the release itself): the paired
-    # decode finds a record of no blocks (it computes at once), step 8's ticket
-    # names a record never published (its decode computes at once), nothing
-    # stays pinned or reserved, and the same blocks are saved again by a later
-    # step
+    # back (queued once it is done, then the release itself): each paired
+    # decode finds a record of no blocks (it computes at once), nothing stays
+    # pinned or reserved, and the same blocks are saved again by a later step
     seen["the_stalled_claim_given_back"] = given_back()
-    seen["the_paired_decode_told"] = opened(find(pair6), pair6, 2)
-    seen["the_two_step_ticket"] = opened(r8, request_key("r8"), 1)
+    seen["the_paired_decodes_told"] = [opened(find(pair6), pair6, 2),
+                                       opened(find(pair8), pair8, 1)]
     seen["after_the_stall"] = in_flight()
     ws.settings = waits
     ws.bind([save6()])
@@ -224,6 +232,7 @@ def main(path: str) -> dict:
     seen["saved_again_after_the_stall"] = ready_within(keys6, WAIT_S)
     seen["bytes_equal_6"] = saved_bytes_equal(keys6, pages6)
     ack(find(pair6), pair6)
+    ack(find(pair8), pair8)
 
     # the transfer table's lock alone held (the claim is granted, the handoff's
     # record cannot be reserved): the step waits claim_wait_s for the
@@ -235,12 +244,16 @@ def main(path: str) -> dict:
     r10 = pool.handoffs.peek_free()
     other = Pool.attach(path, node=2)
     ended = threading.Event()
+    before = len(said)
     with other.locks.hold(LOCK_TRANSFER, timeout=30):
         timer = threading.Timer(STALL_S, ended.set)
         timer.start()
         ws.bind([handoff_save("r10", keys10, [15], r10)])
+        claim_done(ws)
         ws.wait_for_save()
         seen["a_step_whose_record_stalls_went_on"] = not ended.is_set()
+        seen["its_records_said_late"] = any("records' reservation not done within 50 ms" in m
+                                            for m in said[before:])
         timer.cancel()
     other.close()
     seen["its_claim_given_back"] = given_back()
@@ -265,10 +278,7 @@ def main(path: str) -> dict:
     keys11 = block_hashes(np.arange(B, dtype=np.int32) + 11000, block_tokens=B, root=root)
     ws.bind([SaveSpec("r11", keys11, np.full(1, B, np.uint32), np.array([9], np.int64),
                       np.zeros(1, np.int64), handoff_follows=True)])
-    claimed = time.monotonic() + WAIT_S
-    while not ws._reserving.done():    # its claim, on the save thread, bounded
-        assert time.monotonic() < claimed, "the claim was not done within WAIT_S"
-        time.sleep(0.001)
+    claim_done(ws)
     other = Pool.attach(path, node=2)
     ended = threading.Event()
     before = len(said)

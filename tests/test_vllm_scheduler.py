@@ -136,8 +136,10 @@ def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
     assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
     # the same with every lock held while the step's output comes in: the
     # scheduler loop's publish gives up within claim_wait_s a lock (not the 60 s of
-    # step_timeout_s), that handoff is not published, and nothing stays pinned
+    # step_timeout_s), that handoff is not published (its paired decode told by a
+    # record of no blocks under the pair's name), and nothing stays pinned
     assert seen["stalled_publish"] == [["stall-a", "stall-b"], ["stall-a"], True]
+    assert seen["stalled_pair_told"] == "HandoffLost"
     assert seen["stalled_publish_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 

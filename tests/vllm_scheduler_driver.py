@@ -554,12 +554,15 @@ def main(ckpt: str, pool_path: str) -> dict:
     #     scheduler loop's only pool call, waits claim_wait_s a lock (its default
     #     here: the other cases' generous one is for saves, which this scheduler
     #     makes none of), not step_timeout_s (60 s here), and that handoff is not
-    #     published
+    #     published; the second is a paired prefill's, so its paired decode is
+    #     told (a record of no blocks under the pair's name, queued)
     s7c = scheduler(ckpt, pool_path, num_blocks=64,
                     extra={"step_timeout_s": 60, "claim_wait_s": 0.1})
     shared = list(range(2400, 2400 + 32))
+    stall_pair = "7c" * 16
     pair = [request("stall-a", shared + list(range(2500, 2508)), 1, {"do_remote_decode": True}),
-            request("stall-b", shared + list(range(2600, 2608)), 1, {"do_remote_decode": True})]
+            request("stall-b", shared + list(range(2600, 2608)), 1,
+                    {"do_remote_decode": True, "tract_pair": stall_pair})]
     for r in pair:
         s7c.add_request(r)
     got, held_s = {}, 0.0
@@ -580,6 +583,17 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["stalled_publish"] = [sorted(got), sorted(tickets), held_s < 5.0]
     for t in tickets.values():
         pool.handoffs.ack(t)
+    settle()
+    from tract_cli.core.handoff import pair_key
+    told = pair_key(stall_pair)
+    found = int(pool.handoffs.find(np.frombuffer(told, np.uint8).reshape(1, 16))[0])
+    try:
+        pool.handoffs.open(Ticket(found, told.hex(), 3, 40))
+        obs["stalled_pair_told"] = "opened"
+    except Exception as exc:
+        obs["stalled_pair_told"] = type(exc).__name__ if found >= 0 else "no record"
+    if found >= 0:
+        pool.handoffs.ack(Ticket(found, told.hex(), 0, 0))
     obs["stalled_publish_after"] = region(pool)
     s7c.connector.shutdown()
 

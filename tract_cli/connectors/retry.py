@@ -189,3 +189,23 @@ def queue_ack(releases: Releases, pool, ticket, read=None, reserved: bool = Fals
             log.warning("TraCT handoff %d not acknowledged: %s", ticket.record, exc)
 
     releases.submit(f"acknowledgement of handoff {ticket.record}", attempt)
+
+
+def queue_pair_lost(releases: Releases, pool, name: bytes, ttl: float, request_id: str) -> None:
+    """Queues on RELEASES the record of no blocks under pair NAME
+    (Handoffs.publish_lost) that tells request REQUEST_ID's paired decode its
+    handoff will not be published: that decode, which has no ticket to find a
+    record gone, computes the prompt at once instead of after pair_wait_s.
+    Where the pool has no room for one, said once (that decode then computes
+    after pair_wait_s); a lock not granted is retried."""
+    from tract_cli.core.errors import PoolFull, TransferTableFull
+
+    def attempt(timeout: float) -> None:
+        try:
+            pool.handoffs.publish_lost(name, ttl, timeout=timeout)
+        except (PoolFull, TransferTableFull) as exc:
+            log.warning("TraCT: no record could tell paired request %s's decode that its "
+                        "handoff is lost (%s); it computes the prompt after pair_wait_s",
+                        request_id, exc.problem)
+
+    releases.submit(f"lost-handoff record of request {request_id}", attempt)

@@ -65,13 +65,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tract_cli.connectors.retry import Releases, queue_ack
+from tract_cli.connectors.retry import Releases, queue_ack, queue_pair_lost
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
 from tract_cli.core.cpu import checksum_path
 from tract_cli.core.errors import (FlushModeError, HandoffGone, PoolFull, ReservationGone,
-                                   TractError, TransferTableFull)
+                                   TractError)
 from tract_cli.core.events import Described
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.index import PUT_CLAIMED, PUT_NO_ROOM, PUT_STORED, PUT_WAS_READY
@@ -155,7 +155,9 @@ class _SavePlan:
     # in-step handoffs are published into records not reserved
     handoff_follows: bool = False
     # the step stopped waiting for that commit (past its bound): the save thread
-    # publishes none of its unreserved handoffs after that
+    # publishes none of its unreserved handoffs after that (one whose publish
+    # had begun stands: its blocks are READY, so a decode that opens it later
+    # loads it, and one that found no record computed, leaving it to its TTL)
     step_gone: bool = False
     reserve_s: float = 0.0
     batch: Any = None                 # GPU path: the claimed blocks (gpupages._Batch)
@@ -384,16 +386,16 @@ class WorkerSide:
             self._plan = plan
         return self._plan
 
-    def _give_up(self) -> None:
-        """The step goes on without its save: its claim (or its handoffs'
+    def _give_up(self, what: str = "its claim") -> None:
+        """The step goes on without its save: WHAT (its claim, or its handoffs'
         records) not done within claim_wait_s.  What the claim takes is given
         back once it is done, and its handoffs' records (they are not
         published: their decodes compute); until then no step queues a claim
         (bind)."""
         wait_ms = self.settings.claim_wait_s * 1e3
         self._late = threading.Event()
-        self._said_gave_up(f"its claim not done within {wait_ms:.0f} ms of the forward")
-        self._drop_pending_save(f"the step did not wait {wait_ms:.0f} ms for its claim",
+        self._said_gave_up(f"{what} not done within {wait_ms:.0f} ms of the forward")
+        self._drop_pending_save(f"the step did not wait {wait_ms:.0f} ms for {what}",
                                 then=self._late.set)
 
     def _said_gave_up(self, why: str) -> None:
@@ -490,20 +492,7 @@ class WorkerSide:
                     lambda timeout, spec=spec: self.pool.handoffs.unreserve(
                         spec.record, spec.name, timeout=timeout))
             if spec.paired and tell_pair:
-                self.releases.submit(f"lost-handoff record of request {spec.request_id}",
-                                     lambda timeout, spec=spec: self._publish_lost(spec, timeout))
-
-    def _publish_lost(self, spec, timeout: float) -> None:
-        """The record of no blocks that tells SPEC's paired decode its handoff is
-        lost (Handoffs.publish_lost); where there is no room for one, said: that
-        decode then computes after pair_wait_s.  A lock not granted is retried
-        (the release queue's)."""
-        try:
-            self.pool.handoffs.publish_lost(spec.name, spec.ttl_s, timeout=timeout)
-        except (PoolFull, TransferTableFull) as exc:
-            log.warning("TraCT: no record could tell paired request %s's decode that its "
-                        "handoff is lost (%s); it computes the prompt after pair_wait_s",
-                        spec.request_id, exc.problem)
+                queue_pair_lost(self.releases, self.pool, spec.name, spec.ttl_s, spec.request_id)
 
     def _abandon_claims(self, plan: _SavePlan, idx: np.ndarray, why: str) -> None:
         """Gives back (off the step) the claims IDX of PLAN that will not be
@@ -676,7 +665,7 @@ class WorkerSide:
                     # or write-back of the layers handed over may touch them
                     self._gpu.quiesce(plan.batch)
                     plan.batch = None
-                self._give_up()
+                self._give_up("its handoffs' records' reservation")
                 return
             except Exception as exc:   # never into the engine (it logs its own errors)
                 log.warning("TraCT: reserving the step's handoff records failed: %s", exc)
