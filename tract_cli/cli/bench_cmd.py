@@ -17,7 +17,7 @@ from tract_cli.bench.engine import vllm_runs, vllm_workloads
 from tract_cli.bench.workload import runner, session, workloads
 from tract_cli.bench.workload.transports import TRANSPORTS
 from tract_cli.cli import bench_vllm, render
-from tract_cli.core.errors import TractError, UsageError
+from tract_cli.core.errors import UsageError
 from tract_cli.core.geometry import load_device, load_model
 from tract_cli.core.units import format_duration, format_size, parse_size
 from tract_cli.provision.topology import pin

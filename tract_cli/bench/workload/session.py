@@ -4,7 +4,6 @@ prefix cache, the summaries, and the offline hit-rate simulation they are
 checked against."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
