@@ -14,7 +14,6 @@ JSON object of observations (tests/test_connector_units.py checks them).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -23,12 +22,11 @@ import threading
 import time
 
 import numpy as np
-from worker_stand import every_lock_held, expected_blocks, worker_on
+from worker_stand import acked, every_lock_held, expected_blocks, find_record, told, worker_on
 
 from tract_cli.connectors import vllm_worker
 from tract_cli.connectors.vllm_meta import HandoffSpec, SaveSpec
-from tract_cli.core.errors import TractError
-from tract_cli.core.handoff import Ticket, pair_key, request_key
+from tract_cli.core.handoff import pair_key, request_key
 from tract_cli.core.hashing import block_hashes, pool_root
 from tract_cli.core.locks import LOCK_TRANSFER
 from tract_cli.core.kvpages import PagedKV
@@ -109,19 +107,9 @@ def main(path: str) -> dict:
                         handoff=HandoffSpec(record, req, keys, len(pages) * B, 30.0,
                                             pair or request_key(req)))
 
-    def find(name: bytes) -> int:
-        """The record a paired decode finds under NAME (-1: none)."""
-        return int(pool.handoffs.find(np.frombuffer(name, np.uint8).reshape(1, 16))[0])
-
-    def opened(record: int, name: bytes, blocks: int) -> str:
-        """What a decode that opens RECORD for NAME's handoff of BLOCKS is told."""
-        if record < 0:
-            return "no record"
-        try:
-            got = pool.handoffs.open(Ticket(record, name.hex(), blocks, blocks * B))
-        except TractError as exc:
-            return type(exc).__name__
-        return f"{len(got.keys)} blocks"
+    find = lambda name: find_record(pool, name)
+    opened = lambda record, name, blocks: told(pool, record, name, blocks, blocks * B)
+    ack = lambda record, name: acked(pool, record, name)
 
     def published_within(record: int, name: bytes, blocks: int, timeout: float) -> str:
         """What opening RECORD tells, once it is published or TIMEOUT passed."""
@@ -130,13 +118,6 @@ def main(path: str) -> dict:
                 and time.monotonic() < deadline:
             time.sleep(0.005)     # polling the save thread's publish, bounded
         return got
-
-    def ack(record: int, name: bytes) -> None:
-        """The decode's acknowledgement of RECORD (NAME's), if it is published
-        (what `opened` saw says whether it was)."""
-        if record >= 0:
-            with contextlib.suppress(TractError):
-                pool.handoffs.ack(Ticket(record, name.hex(), 0, 0))
 
     def given_back() -> bool:
         """Whether the claim a step gave up on is done and given back (False: no
@@ -269,15 +250,17 @@ def main(path: str) -> dict:
     ack(r10, request_key("r10"))
     seen["after_its_ack"] = in_flight()
 
-    # a step after which the scheduler publishes a handoff itself (one it could
-    # not plan in the step: SaveSpec.handoff_follows) waits for its commit,
-    # claim_wait_s at most: its claim granted, every lock then held, it goes
-    # on and says so; once the locks are free its blocks are READY all the
-    # same (saved, if not handed off)
+    # a step that waits for its commit (SaveSpec.handoff_follows: a handoff the
+    # scheduler publishes right after it, or, as here, one published in the
+    # step, handoff_publish in_step) waits claim_wait_s at most: its claim
+    # granted, every lock then held, it goes on and says so; once the locks
+    # are free its blocks are READY all the same (saved), and its in-step
+    # handoff, whose step stopped waiting, is not published
     ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
     keys11 = block_hashes(np.arange(B, dtype=np.int32) + 11000, block_tokens=B, root=root)
-    ws.bind([SaveSpec("r11", keys11, np.full(1, B, np.uint32), np.array([9], np.int64),
-                      np.zeros(1, np.int64), handoff_follows=True)])
+    in_step = handoff_save("r11", keys11, [9], pool.handoffs.peek_free())
+    in_step.handoff_follows = True
+    ws.bind([in_step])
     claim_done(ws)
     other = Pool.attach(path, node=2)
     ended = threading.Event()
@@ -293,6 +276,11 @@ def main(path: str) -> dict:
     other.close()
     ws.settings = waits
     seen["its_blocks_saved_after_the_stall"] = ready_within(keys11, WAIT_S)
+    # the save thread's jobs so far (the commit and what follows it), then the
+    # releases they queued
+    ws._saver.submit(lambda: None).result(WAIT_S)
+    releases.drain(WAIT_S)
+    seen["its_in_step_handoff"] = opened(in_step.handoff.record, request_key("r11"), 1)
     seen["after_the_commit_stall"] = in_flight()
 
     # shutdown starts a commit still deferred, and waits for it

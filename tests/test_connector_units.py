@@ -578,6 +578,7 @@ def test_the_worker_defers_its_commit_and_bounds_its_claim_wait(region_path):
                     "after_its_ack": {"pins": 0, "handoffs": 0, "pending": 0},
                     "a_step_whose_commit_stalls_went_on": True, "its_commit_said_late": True,
                     "its_blocks_saved_after_the_stall": True,
+                    "its_in_step_handoff": "HandoffGone",
                     "after_the_commit_stall": {"pins": 0, "handoffs": 0, "pending": 0},
                     "after_shutdown": 2, "bytes_equal_5": True}, seen
 

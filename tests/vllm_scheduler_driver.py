@@ -33,7 +33,7 @@ from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractC
 from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
 from tract_cli.core.handoff import request_key
 from tract_cli.core.pool import Pool
-from worker_stand import every_lock_held
+from worker_stand import acked, every_lock_held, find_record, told
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -585,15 +585,9 @@ def main(ckpt: str, pool_path: str) -> dict:
         pool.handoffs.ack(t)
     settle()
     from tract_cli.core.handoff import pair_key
-    told = pair_key(stall_pair)
-    found = int(pool.handoffs.find(np.frombuffer(told, np.uint8).reshape(1, 16))[0])
-    try:
-        pool.handoffs.open(Ticket(found, told.hex(), 3, 40))
-        obs["stalled_pair_told"] = "opened"
-    except Exception as exc:
-        obs["stalled_pair_told"] = type(exc).__name__ if found >= 0 else "no record"
-    if found >= 0:
-        pool.handoffs.ack(Ticket(found, told.hex(), 0, 0))
+    lost = pair_key(stall_pair)
+    obs["stalled_pair_told"] = told(pool, find_record(pool, lost), lost, 3, 40)
+    acked(pool, find_record(pool, lost), lost)
     obs["stalled_publish_after"] = region(pool)
     s7c.connector.shutdown()
 

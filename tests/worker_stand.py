@@ -64,6 +64,35 @@ def every_lock_held(pool):
         yield
 
 
+def find_record(pool, name: bytes) -> int:
+    """The record a paired decode finds under NAME (-1: none)."""
+    return int(pool.handoffs.find(np.frombuffer(name, np.uint8).reshape(1, 16))[0])
+
+
+def told(pool, record: int, name: bytes, blocks: int, tokens: int) -> str:
+    """What a decode that opens RECORD for NAME's handoff of BLOCKS blocks and
+    TOKENS tokens is told: "N blocks", the error's name, or "no record"."""
+    from tract_cli.core.errors import TractError
+    from tract_cli.core.handoff import Ticket
+    if record < 0:
+        return "no record"
+    try:
+        got = pool.handoffs.open(Ticket(record, name.hex(), blocks, tokens))
+    except TractError as exc:
+        return type(exc).__name__
+    return f"{len(got.keys)} blocks"
+
+
+def acked(pool, record: int, name: bytes) -> None:
+    """The decode's acknowledgement of RECORD (NAME's), if it is published
+    (what `told` said says whether it was)."""
+    from tract_cli.core.errors import TractError
+    from tract_cli.core.handoff import Ticket
+    if record >= 0:
+        with contextlib.suppress(TractError):
+            pool.handoffs.ack(Ticket(record, name.hex(), 0, 0))
+
+
 def expected_blocks(stand: Stand, pages) -> np.ndarray:
     """The region blocks (one row each, every layer) that vLLM's PAGES hold."""
     index = stand.ws.layout.gather_index(np.asarray(pages), np.zeros(len(pages), np.int64))

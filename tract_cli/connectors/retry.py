@@ -191,21 +191,31 @@ def queue_ack(releases: Releases, pool, ticket, read=None, reserved: bool = Fals
     releases.submit(f"acknowledgement of handoff {ticket.record}", attempt)
 
 
+# a lost-handoff record with no room for it is said at most this often
+NO_ROOM_LOG_S = 10.0
+_no_room_logged = [-NO_ROOM_LOG_S]      # when it was last said (monotonic)
+
+
 def queue_pair_lost(releases: Releases, pool, name: bytes, ttl: float, request_id: str) -> None:
     """Queues on RELEASES the record of no blocks under pair NAME
     (Handoffs.publish_lost) that tells request REQUEST_ID's paired decode its
     handoff will not be published: that decode, which has no ticket to find a
     record gone, computes the prompt at once instead of after pair_wait_s.
-    Where the pool has no room for one, said once (that decode then computes
-    after pair_wait_s); a lock not granted is retried."""
+    Where the pool has no room for one, said (at most every NO_ROOM_LOG_S:
+    a full table fails every one) and dropped: that decode then computes after
+    pair_wait_s.  A lock not granted is retried."""
     from tract_cli.core.errors import PoolFull, TransferTableFull
 
     def attempt(timeout: float) -> None:
         try:
             pool.handoffs.publish_lost(name, ttl, timeout=timeout)
         except (PoolFull, TransferTableFull) as exc:
-            log.warning("TraCT: no record could tell paired request %s's decode that its "
-                        "handoff is lost (%s); it computes the prompt after pair_wait_s",
-                        request_id, exc.problem)
+            now = time.monotonic()
+            if now - _no_room_logged[0] >= NO_ROOM_LOG_S:
+                _no_room_logged[0] = now
+                log.warning("TraCT: no record could tell paired request %s's decode that its "
+                            "handoff is lost (%s); it computes the prompt after pair_wait_s "
+                            "(said at most every %.0f s)", request_id, exc.problem,
+                            NO_ROOM_LOG_S)
 
     releases.submit(f"lost-handoff record of request {request_id}", attempt)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tract_cli.core.events import Described
-from tract_cli.core.handoff import request_key
+from tract_cli.core.handoff import named_by_pair
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
@@ -57,7 +57,7 @@ class HandoffSpec:
     @property
     def paired(self) -> bool:
         """Whether a paired decode finds the record by its name (it has no ticket)."""
-        return self.name != request_key(self.request_id)
+        return named_by_pair(self.name, self.request_id)
 
 
 @dataclass

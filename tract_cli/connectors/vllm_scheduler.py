@@ -44,9 +44,9 @@ from tract_cli.connectors.retry import Releases, queue_ack, queue_pair_lost
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog, transfer_params
-from tract_cli.core.errors import (HandoffError, HandoffGone, HandoffLost, HandoffPending,
-                                   TractError, TransferTableFull)
-from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
+from tract_cli.core.errors import (BlocksPending, HandoffError, HandoffGone, HandoffLost,
+                                   HandoffPending, LockTimeout, TractError, TransferTableFull)
+from tract_cli.core.handoff import Ticket, check_pair, named_by_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
 if TYPE_CHECKING:
@@ -767,42 +767,25 @@ class SchedulerSide:
             self._planned.discard(st.handoff.record)
             self._handoffs.append(st.handoff)
             return False, self._ticket_params(request, st.handoff)
-        if not st.want_handoff:
+        if not (self.settings.save and st.want_handoff and st.cacheable and finished):
             return False, None
-        params = self._publish_after_step(request, st, finished)
-        if params is None and st.name != request_key(request.request_id):
-            # a paired prefill that leaves no handoff: its paired decode, which
-            # has no ticket to find it gone, is told by a record of no blocks
-            # under the pair's name (queued) and computes at once, not after
-            # pair_wait_s
-            queue_pair_lost(self.releases, self.pool, st.name, self.settings.handoff_ttl_s,
-                            request.request_id)
-        return False, params
-
-    def _publish_after_step(self, request: "Request", st: _Request,
-                            finished: bool) -> dict[str, Any] | None:
-        """request_finished's publish of a prefill's handoff its step could not
-        plan (SaveSpec.handoff_follows): the kv_transfer_params of its ticket,
-        or None where none is published (its decode computes)."""
-        if not (self.settings.save and st.cacheable and finished):
-            return None
         if not self._handoff_room():
             self._denied += 1
             if time.monotonic() - self._denied_logged < DENIED_LOG_S:
-                return None
+                return False, None
             self._denied_logged = time.monotonic()
             log.warning("TraCT: %d handoffs of this instance in flight (max_handoffs): request "
                         "%s answered without one, its decode computes the prompt (%d so far; "
                         "logged at most every %.0f s)", len(self._handoffs), request.request_id,
                         self._denied, DENIED_LOG_S)
-            return None
+            return False, None
         keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         try:
             # no waiting here (the engine's scheduler loop): the step that completed
             # the prompt waited for its commit (SaveSpec.handoff_follows) before its
             # output reached the scheduler, so a block not READY now was not saved
-            # (pool full), is another writer's, or its step gave up on its claim
-            # or commit (claim_wait_s): computed
+            # (pool full), is another writer's, or its step gave up on its claim or
+            # commit (claim_wait_s): computed
             t0 = time.perf_counter()
             # in a record no planned in-step handoff was promised (with asynchronous
             # scheduling a later step's plan precedes this call)
@@ -822,9 +805,17 @@ class SchedulerSide:
         except TractError as exc:
             log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
                         request.request_id, exc)
-            return None
+            if isinstance(exc, (LockTimeout, BlocksPending)) and \
+                    named_by_pair(st.name, request.request_id):
+                # a stall (a lock, or a step that gave up on its claim or commit):
+                # its paired decode, which has no ticket to find none, is told by
+                # a record of no blocks under the pair's name (queued).  Not for a
+                # table or pool full: no room for that record either
+                queue_pair_lost(self.releases, self.pool, st.name,
+                                self.settings.handoff_ttl_s, request.request_id)
+            return False, None
         self._handoffs.append(ticket)
-        return self._ticket_params(request, ticket)
+        return False, self._ticket_params(request, ticket)
 
     def _choose_record(self) -> int | None:
         """A handoff record that looks free (read without a lock) from this

@@ -29,7 +29,8 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   at most `step_timeout_s` for a lock: past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back, retried until it succeeds.
   A step waits for its claim (a P/D prefill's: and its handoffs' records
-  reserved) `claim_wait_s` at most past the forward, then goes on without
+  reserved) `claim_wait_s` at most past the forward (on a GPU from its
+  first layer), then goes on without
   saving (the claim given back once done, its handoffs not published, and no
   step queues a claim while it is out); a step that waits for its commit
   waits `claim_wait_s` at most for that too.

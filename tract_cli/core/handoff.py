@@ -51,6 +51,13 @@ def pair_key(pair: str) -> bytes:
     return hashlib.blake2b(pair.encode(), digest_size=16, person=b"tract-pair").digest()
 
 
+def named_by_pair(name: bytes, request_id: str) -> bool:
+    """Whether NAME, the name of request REQUEST_ID's handoff record, is a
+    pair's (`pair_key`: its paired decode finds the record by it, without a
+    ticket) rather than the request's own (`request_key`)."""
+    return name != request_key(request_id)
+
+
 def check_pair(value) -> str:
     """A pair name from outside (a request's kv_transfer_params): a string of
     1 to MAX_PAIR_CHARS printable characters, else a UsageError."""
