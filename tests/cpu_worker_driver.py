@@ -14,6 +14,7 @@ JSON object of observations (tests/test_connector_units.py checks them).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,6 +46,23 @@ def claim_done(ws) -> None:
     while not ws._reserving.done():
         assert time.monotonic() < deadline, "the claim was not done within WAIT_S"
         time.sleep(0.001)      # polling the save thread, bounded
+
+
+@contextlib.contextmanager
+def stalled(path: str, hold):
+    """A stall: HOLD(another node's pool) held (every lock, or one) while the
+    steps inside run, none of which may wait it out; yields an Event set once
+    STALL_S has passed (a step that waited that long)."""
+    other = Pool.attach(path, node=2)
+    ended = threading.Event()
+    timer = threading.Timer(STALL_S, ended.set)
+    try:
+        with hold(other):
+            timer.start()
+            yield ended
+    finally:
+        timer.cancel()
+        other.close()
 
 
 def main(path: str) -> dict:
@@ -176,11 +194,7 @@ def main(path: str) -> dict:
     pair6, pair8 = pair_key("pair-6"), pair_key("pair-8")
     keys8 = block_hashes(np.arange(B, dtype=np.int32) + 8000, block_tokens=B, root=root)
     r8 = pool.handoffs.peek_free(r6 + 1)
-    other = Pool.attach(path, node=2)
-    ended = threading.Event()
-    with every_lock_held(other):
-        timer = threading.Timer(STALL_S, ended.set)
-        timer.start()
+    with stalled(path, every_lock_held) as ended:
         ws.bind([save6(HandoffSpec(r6, "r6", keys6, 2 * B, 30.0, pair6))])
         ws.wait_for_save()
         seen["a_stalled_handoff_step_went_on"] = not ended.is_set()
@@ -195,8 +209,6 @@ def main(path: str) -> dict:
         seen["a_handoff_step_behind_it_went_on"] = not ended.is_set()
         seen["its_handoff_said_lost"] = any("handoff of request r8 not published" in m
                                             for m in said[before:])
-        timer.cancel()
-    other.close()
     # once the locks are free the claim the step gave up on is done, and given
     # back (queued once it is done, then the release itself): each paired
     # decode finds a record of no blocks (it computes at once), nothing stays
@@ -223,20 +235,14 @@ def main(path: str) -> dict:
     ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
     keys10 = block_hashes(np.arange(B, dtype=np.int32) + 10000, block_tokens=B, root=root)
     r10 = pool.handoffs.peek_free()
-    other = Pool.attach(path, node=2)
-    ended = threading.Event()
     before = len(said)
-    with other.locks.hold(LOCK_TRANSFER, timeout=30):
-        timer = threading.Timer(STALL_S, ended.set)
-        timer.start()
+    with stalled(path, lambda other: other.locks.hold(LOCK_TRANSFER, timeout=30)) as ended:
         ws.bind([handoff_save("r10", keys10, [15], r10)])
         claim_done(ws)
         ws.wait_for_save()
         seen["a_step_whose_record_stalls_went_on"] = not ended.is_set()
         seen["its_records_said_late"] = any("records' reservation not done within 50 ms" in m
                                             for m in said[before:])
-        timer.cancel()
-    other.close()
     seen["its_claim_given_back"] = given_back()
     seen["its_ticket"] = opened(r10, request_key("r10"), 1)
     seen["its_blocks"] = hits(keys10)
@@ -262,18 +268,12 @@ def main(path: str) -> dict:
     in_step.handoff_follows = True
     ws.bind([in_step])
     claim_done(ws)
-    other = Pool.attach(path, node=2)
-    ended = threading.Event()
     before = len(said)
-    with every_lock_held(other):
-        timer = threading.Timer(STALL_S, ended.set)
-        timer.start()
+    with stalled(path, every_lock_held) as ended:
         ws.wait_for_save()
         seen["a_step_whose_commit_stalls_went_on"] = not ended.is_set()
         seen["its_commit_said_late"] = any("not done within 50 ms (claim_wait_s)" in m
                                            for m in said[before:])
-        timer.cancel()
-    other.close()
     ws.settings = waits
     seen["its_blocks_saved_after_the_stall"] = ready_within(keys11, WAIT_S)
     # the save thread's jobs so far (the commit and what follows it), then the
