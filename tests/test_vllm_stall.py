@@ -60,16 +60,18 @@ def test_a_stalled_lock_manager_costs_a_p_d_request_its_handoff_never_the_step(s
         t0 = time.monotonic()
         body = complete(stack["prefill"], stalled, 1, kv_transfer_params={"do_remote_decode": True})
         took = time.monotonic() - t0
-    # the step went on after claim_wait_s (0.1 s), not after a lock wait (30 s)
+    # the step went on after claim_wait_s (0.1 s), not after a lock wait (30 s),
+    # and said so in the step
     assert took < LOCK_WAIT_S / 3, f"the stalled prefill answered after {took:.1f} s"
-    assert "not published (the step did not wait 100 ms for its claim)" in \
-        open(prefill_log).read()[seen:]
+    assert "its claim not done within 100 ms of the forward" in open(prefill_log).read()[seen:]
     out, loaded = decode(stack, stalled, body.get("kv_transfer_params"))
     assert loaded == 0                     # computed: the handoff was lost
     assert_answers_as_mono(stack, stalled, out)
-    # once the locks are free the late claim is given back, nothing stays held,
-    # and the next request is handed over
+    # once the locks are free the late claim is given back (its handoff said
+    # lost as it is), nothing stays held, and the next request is handed over
     wait_until_released(stack["pool"])
+    assert "not published (the step did not wait 100 ms for its claim)" in \
+        open(prefill_log).read()[seen:]
     after = "1 " + PROMPT * 8
     out, loaded = decode(stack, after, prefill_params(stack, after))
     assert loaded == out["usage"]["prompt_tokens"] - 1
