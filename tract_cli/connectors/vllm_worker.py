@@ -30,10 +30,10 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   computes as ever) and the claims are given back, retried until it succeeds.
   A step waits for its claim (a P/D prefill's: and its handoffs' records
   reserved) `claim_wait_s` at most past the forward (on a GPU from its
-  first layer), then goes on without
-  saving (the claim given back once done, its handoffs not published, and no
-  step queues a claim while it is out); a step that waits for its commit
-  waits `claim_wait_s` at most for that too.
+  first layer), then goes on without saving (the claim given back once
+  done, its handoffs not published, and no step queues a claim while it is
+  out); a step that waits for its commit waits `claim_wait_s` at most for
+  that too.
 - **Handoffs**: a P/D prefill's handoff planned for the step (SaveSpec.handoff)
   has the record the scheduler chose reserved with the step's claim, during
   the forward, so its ticket may leave with the step's output; it is
@@ -357,8 +357,8 @@ class WorkerSide:
         records: claim_wait_s from the first time it waits.  A P/D prefill's
         step is no exception: a block not saved loses its handoff, and its
         decode computes, so a stalled lock manager delays the handoff, never
-        the engine's step (docs/VLLM.md, "Nothing the pool does holds the
-        engine's step")."""
+        the engine's step (docs/VLLM.md, "A step waits for its claim
+        `claim_wait_s` at most, a P/D prefill's too")."""
         now = time.monotonic()
         if self._claim_deadline is None:
             self._claim_deadline = now + self.settings.claim_wait_s
