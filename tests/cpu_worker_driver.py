@@ -182,7 +182,7 @@ def main(path: str) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("vllm.tract").addHandler(handler)
-    vllm_worker.GAVE_UP_LOG_S = 0.0            # each step's reason said
+    ws._gave_up_said.period_s = 0.0            # each step's reason said
     waits = ws.settings
     ws.settings = dataclasses.replace(waits, claim_wait_s=0.05)
     pages6 = [12, 13]
@@ -256,9 +256,9 @@ def main(path: str) -> dict:
     ack(r10, request_key("r10"))
     seen["after_its_ack"] = in_flight()
 
-    # a step that waits for its commit (SaveSpec.handoff_follows: a handoff the
-    # scheduler publishes right after it, or, as here, one published in the
-    # step, handoff_publish in_step) waits claim_wait_s at most: its claim
+    # a step that waits for its commit (SaveSpec.handoff_follows: its handoff
+    # published in the step, handoff_publish in_step) waits claim_wait_s at
+    # most: its claim
     # granted, every lock then held, it goes on and says so; once the locks
     # are free its blocks are READY all the same (saved), and its in-step
     # handoff, whose step stopped waiting, is not published

@@ -77,6 +77,23 @@ def _cache_from_semantic(offsets, kv):
     return flat
 
 
+def test_a_throttled_warning_is_due_once_a_period(monkeypatch):
+    from tract_cli.connectors import throttle
+    now = [1000.0]
+    monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
+    every = throttle.Throttle(10.0)
+    assert every.due()                       # the first time always
+    now[0] += 9.9
+    assert not every.due()                   # within the period
+    now[0] += 0.1
+    assert every.due() and not every.due()   # the period past: once, then not again
+    quiet = throttle.Throttle(0.0)
+    assert quiet.due() and quiet.due()       # no period: every time
+    # a clock that starts near zero (a fresh boot) is no exception
+    now[0] = 0.5
+    assert throttle.Throttle(10.0).due()
+
+
 def test_flash_attention_blocks_gather_in_the_canonical_order():
     pages, b, h, d, g = 3, 8, 2, 4, 4
     offsets, stride = flash_offsets(pages, b, h, d)

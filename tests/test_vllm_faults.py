@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from tests.vllm_stack import (VLLM_PY, answer_differences, assert_answers_as_mono, complete,
-                              open_published, prefill_params, remove_vllm_debris, shm_names, start_stack,
-                              stop_stack, tokens_by_source, vllm_shm, wait_until_released)
+                              external_hits, open_published, prefill_params, remove_vllm_debris,
+                              shm_names, start_stack, stop_stack, tokens_by_source, vllm_shm,
+                              wait_until_released, wait_until_saved)
 from tract_cli.core.errors import HandoffError
 from tract_cli.core.handoff import Ticket
 from tract_cli.core.nodes import read_nodes
@@ -71,6 +72,20 @@ def test_pd_through_the_simulator_answers_as_one_vllm(sim):
         assert tokens_by_source(sim["decode"], "external_kv_transfer") - external == n
 
 
+def test_a_prefix_hit_through_the_simulator_answers_as_one_vllm(sim):
+    # a prompt's head computed and saved by one instance is a hit for the other,
+    # each reading the region through the simulator (no coherence between them),
+    # loaded on the loader thread (load_mode async) and answered as one vLLM
+    head = prompt_ids(320, 3)
+    complete(sim["prefill"], head, 1)
+    wait_until_saved(sim["pool"])          # committed off the prefill's step
+    hits = external_hits(sim["decode"])
+    prompt = head + prompt_ids(37, 4)
+    out = complete(sim["decode"], prompt)
+    assert_answers_as_mono(sim, prompt, out)
+    assert external_hits(sim["decode"]) - hits == 320
+
+
 # The negative control: a 400-token prompt (25 blocks of 16 tokens) handed off by
 # the prefill instance, and one block of the handoff made wrong in the pool before
 # the decode request.  Measured on this prompt (top-20 logprobs, 12 tokens): the
@@ -85,9 +100,12 @@ CONTROL_BLOCK = 12
 
 
 def shift_half_a_block(pool, slots):
-    """The block's tokens 8..15 also stand where its tokens 0..7 should (every layer,
-    K and V): a sub-block off by half a block."""
-    rows = pool.slot_array(slots[CONTROL_BLOCK])     # (layer, K|V, token, head, dim)
+    """Half of the block's bytes of each layer and K|V half overwritten by the other
+    half (a sub-block off by half a block, were the slot in the canonical
+    `[K|V][token][head][dim]` order; the region holds vLLM's CPU page in its own
+    order, which slot_array's canonical shape does not know, so here it is half
+    the block's elements wrong, in that order)."""
+    rows = pool.slot_array(slots[CONTROL_BLOCK])     # shaped (layer, K|V, token, head, dim)
     rows[:, :, :8] = rows[:, :, 8:].copy()
 
 

@@ -101,6 +101,13 @@ def test_a_synchronous_load_is_copied_before_start_load_kv_returns(seen):
     assert seen["sync_roundtrip_equal"]
 
 
+def test_vllms_default_load_failure_policy_is_said_at_start(seen):
+    # fail (vLLM's default) fails a request whose pool block fails its checksum:
+    # said once, by the scheduler half; recompute says nothing
+    assert seen["fail_policy_said"] == 1
+    assert seen["recompute_policy_said"] == 0
+
+
 def test_a_prefill_for_a_remote_decode_publishes_a_handoff(seen):
     params = seen["pd_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
@@ -130,17 +137,30 @@ def test_a_handoff_aborted_while_its_step_runs_is_given_back_after_it(seen):
 
 
 def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
-    # 3 blocks each, 2 in common: 6 pins in all, two records; the first in-step
-    assert seen["shared_in_step"] == ["share-a"]
+    # 3 blocks each, 2 in common: 6 pins in all, two records, both planned in the
+    # step and published by the worker (the shared blocks pinned again for the
+    # second), each whole
+    assert seen["shared_in_step"] == ["share-a", "share-b"]
     assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
+    assert seen["shared_opened"] == [3, 3]
     assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
-    # the same with every lock held while the step's output comes in: the
-    # scheduler loop's publish gives up within claim_wait_s a lock (not the 60 s of
-    # step_timeout_s), that handoff is not published (its paired decode told by a
-    # record of no blocks under the pair's name), and nothing stays pinned
-    assert seen["stalled_publish"] == [["stall-a", "stall-b"], ["stall-a"], True]
-    assert seen["stalled_pair_told"] == "HandoffLost"
-    assert seen["stalled_publish_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+    # the second's pins not granted (injected): it alone is lost, its reservation
+    # given back (its decode finds the record free and computes), nothing pinned
+    tickets, outcome = seen["shared_refused"]
+    assert tickets == ["sharef-a", "sharef-b"]
+    assert outcome == {"sharef-a": "published", "sharef-b": "HandoffGone"}
+    assert seen["shared_refused_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+
+
+def test_finishing_prefills_make_no_pool_call_in_the_scheduler_loop(seen):
+    # every lock held by another node while the step's output comes in:
+    # request_finished answers both handoffs (one paired, named by its pair)
+    # with their tickets at once, where one lock wait would take claim_wait_s (5 s)
+    finished, tickets, held_s = seen["stalled_finish"]
+    assert finished == tickets == ["stall-a", "stall-b"]
+    assert held_s < 1.0, f"the scheduler loop waited {held_s} s finishing them"
+    assert seen["stalled_pair_record"] is True
+    assert seen["stalled_finish_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
 
 
 def test_a_request_without_pages_holds_no_pins_while_it_waits(seen):
@@ -183,11 +203,8 @@ def test_a_save_is_committed_off_the_step_unless_a_handoff_follows_it(seen):
     assert seen["handoff_step_returns"]
     assert seen["handoff_step_held"] == ["pending", 0]
     assert seen["handoff_step_after"] == ["published", 4]
-    # ... one whose handoff the scheduler publishes in request_finished waits
-    assert seen["late_handoff_step_waits"]
-    assert seen["late_handoff_step_after"] == [True, 4]
-    # ... and with handoff_publish in_step a P/D prefill's last step waits for its
-    # commit and publish, reserving nothing: its record is published on return
+    # ... only with handoff_publish in_step does a P/D prefill's last step wait for
+    # its commit and publish, reserving nothing: its record is published on return
     assert not seen["in_step_reserves"]
     assert seen["in_step_handoff_waits"]
     assert seen["in_step_handoff_held"] == "not published"

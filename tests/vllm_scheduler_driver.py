@@ -8,6 +8,7 @@ prints one JSON object of observations (tests/test_vllm_scheduler.py checks them
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractC
 from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
 from tract_cli.core.handoff import request_key
 from tract_cli.core.pool import Pool
-from worker_stand import acked, every_lock_held, find_record, told
+from worker_stand import every_lock_held
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -42,7 +43,8 @@ CONNECTORS: list = []      # every connector made here (settle() waits for their
 
 def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
             extra: dict | None = None, budget: int = 4096,
-            prefix_caching: bool = True) -> tuple[VllmConfig, KVCacheConfig]:
+            prefix_caching: bool = True,
+            failure_policy: str = "recompute") -> tuple[VllmConfig, KVCacheConfig]:
     model = ModelConfig(model=ckpt, dtype="bfloat16", seed=0)
     config = VllmConfig(
         model_config=model,
@@ -52,7 +54,7 @@ def configs(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TractConnector", kv_connector_module_path="tract_cli.connectors.vllm",
-            kv_role=role, kv_load_failure_policy="recompute",
+            kv_role=role, kv_load_failure_policy=failure_policy,
             # (its steps have no forward to hide a claim behind: they wait for it)
             kv_connector_extra_config={"pool": pool, "node": 1, "claim_wait_s": 60.0}
             | (extra or {})),
@@ -270,7 +272,19 @@ def main(ckpt: str, pool_path: str) -> dict:
     STEP.update(ckpt=ckpt, pool=pool_path)
     obs = {}
     pool = Pool.attach(pool_path, node=3)
+    # 0. vLLM's default load-failure policy (fail: a block that fails its checksum
+    #    fails the request) is said at start, once, by the scheduler half; recompute
+    #    is not
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("vllm.tract").addHandler(handler)
+    scheduler(ckpt, pool_path, num_blocks=16, failure_policy="fail").connector.shutdown()
+    obs["fail_policy_said"] = sum("kv_load_failure_policy is 'fail'" in m for m in said)
     s = scheduler(ckpt, pool_path, num_blocks=64)
+    obs["recompute_policy_said"] = sum("kv_load_failure_policy" in m for m in said) - \
+        obs["fail_policy_said"]
+    logging.getLogger("vllm.tract").removeHandler(handler)
     conn = s.connector
     tag = conn.key_tag
 
@@ -532,8 +546,9 @@ def main(ckpt: str, pool_path: str) -> dict:
                               region(pool)]
 
     # 7b. two prefills of one step that share blocks: a handoff needs a pin of each
-    #     of its blocks, and a step's pinning claim takes one, so the first is
-    #     published in the step and the second in request_finished, with a lookup
+    #     of its blocks, and a step's pinning claim takes one, so the worker pins the
+    #     shared blocks again for the second (a lookup, on its save thread) and both
+    #     are published after the step, in the records the scheduler promised
     s7 = scheduler(ckpt, pool_path, num_blocks=64)
     shared = list(range(2100, 2100 + 32))                  # 2 region blocks in common
     got = finish(s7, [request("share-a", shared + list(range(2200, 2208)), 1,
@@ -543,21 +558,59 @@ def main(ckpt: str, pool_path: str) -> dict:
     tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
                if p and "tract_ticket" in p]
     obs["shared_handoffs"] = [len(tickets), region(pool)]
-    obs["shared_in_step"] = [r for r in STEP["in_step"] if r.startswith("share-")]
+    obs["shared_in_step"] = sorted(r for r in STEP["in_step"] if r.startswith("share-"))
+    opened = []
     for t in tickets:
+        rec = pool.handoffs.open(t)
+        opened.append(len(rec.keys))
         pool.handoffs.ack(t)
+    obs["shared_opened"] = opened
     obs["shared_after"] = region(pool)
     s7.connector.shutdown()
 
-    # 7c. the same with every lock held by another node while the step's output comes
-    #     in (a stalled lock manager): request_finished's publish of the second, the
-    #     scheduler loop's only pool call, waits claim_wait_s a lock (its default
-    #     here: the other cases' generous one is for saves, which this scheduler
-    #     makes none of), not step_timeout_s (60 s here), and that handoff is not
-    #     published; the second is a paired prefill's, so its paired decode is
-    #     told (a record of no blocks under the pair's name, queued)
+    # 7b'. the same where the second's pins cannot be taken (its lookup's locks not
+    #      granted, injected): that handoff is lost, its reservation given back (its
+    #      decode, finding the record free, computes at once), and nothing of it
+    #      stays pinned; the first is published as ever
+    s7f = scheduler(ckpt, pool_path, num_blocks=64)
+    shared = list(range(2700, 2700 + 32))
+    from tract_cli.core.errors import LockTimeout
+    w = STEP.get("worker") or worker(STEP["ckpt"], STEP["pool"], 64)[0]
+    STEP["worker"] = w
+    index = w.worker_side.pool.index
+
+    def refused(keys, timeout=0):
+        raise LockTimeout("injected: a stripe lock not granted", "none")
+    index.lookup = refused
+    try:
+        got = finish(s7f, [request("sharef-a", shared + list(range(2800, 2808)), 1,
+                                   {"do_remote_decode": True}),
+                           request("sharef-b", shared + list(range(2900, 2908)), 1,
+                                   {"do_remote_decode": True})])
+        committed(w)
+    finally:
+        del index.lookup                     # the class's own again
+    settle()                                 # the lost one's reservation given back
+    tickets = {rid: Ticket.from_dict(p["tract_ticket"]) for rid, p in got.items()
+               if p and "tract_ticket" in p}
+    outcome = {}
+    for rid, t in sorted(tickets.items()):
+        try:
+            pool.handoffs.open(t)
+            outcome[rid] = "published"
+            pool.handoffs.ack(t)
+        except HandoffError as exc:
+            outcome[rid] = type(exc).__name__
+    obs["shared_refused"] = [sorted(tickets), outcome]
+    obs["shared_refused_after"] = region(pool)
+    s7f.connector.shutdown()
+
+    # 7c. two such prefills with every lock held by another node while the step's
+    #     output comes in (a stalled lock manager): request_finished makes no pool
+    #     call, so the scheduler loop answers both with their tickets at once, where a
+    #     lock wait of claim_wait_s (5 s here) would show
     s7c = scheduler(ckpt, pool_path, num_blocks=64,
-                    extra={"step_timeout_s": 60, "claim_wait_s": 0.1})
+                    extra={"step_timeout_s": 60, "claim_wait_s": 5})
     shared = list(range(2400, 2400 + 32))
     stall_pair = "7c" * 16
     pair = [request("stall-a", shared + list(range(2500, 2508)), 1, {"do_remote_decode": True}),
@@ -580,15 +633,13 @@ def main(ckpt: str, pool_path: str) -> dict:
             break
     tickets = {rid: Ticket.from_dict(p["tract_ticket"]) for rid, p in got.items()
                if p and "tract_ticket" in p}
-    obs["stalled_publish"] = [sorted(got), sorted(tickets), held_s < 5.0]
+    obs["stalled_finish"] = [sorted(got), sorted(tickets), round(held_s, 3)]
+    from tract_cli.core.handoff import pair_key
+    obs["stalled_pair_record"] = tickets["stall-b"].request_id == pair_key(stall_pair).hex() \
+        if "stall-b" in tickets else None
     for t in tickets.values():
         pool.handoffs.ack(t)
-    settle()
-    from tract_cli.core.handoff import pair_key
-    lost = pair_key(stall_pair)
-    obs["stalled_pair_told"] = told(pool, find_record(pool, lost), lost, 3, 40)
-    acked(pool, find_record(pool, lost), lost)
-    obs["stalled_publish_after"] = region(pool)
+    obs["stalled_finish_after"] = region(pool)
     s7c.connector.shutdown()
 
     # 8. lock timeouts injected into unpin, commit and ack (every lock held by another
@@ -730,8 +781,8 @@ def main(ckpt: str, pool_path: str) -> dict:
     # with the step's blocks still PENDING (their commit waits on the worker's save
     # thread), and they are READY once the locks are free; so does a P/D prefill's
     # last step, its handoff's record reserved with its claim (a decode that opens
-    # it first is told to wait); only a step after which the scheduler publishes a
-    # handoff itself (handoff_follows) waits for its commit
+    # it first is told to wait); only a step that publishes its handoff in it
+    # (handoff_publish in_step: handoff_follows) waits for its commit
     import threading
 
     from tract_cli.core.errors import HandoffError
@@ -784,21 +835,9 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["handoff_step_after"] = [opened(), pool.index.peek(follows)]
     if obs["handoff_step_after"][0] == "published":
         pool.handoffs.ack(ticket)
-    # ... one whose handoff the scheduler publishes after it, in request_finished
-    # (handoff_follows: one it could not plan in-step) waits for its commit
-    late = prompt_keys(pool.info, tag, 16, list(range(9300, 9300 + 64))).keys
-    wl.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
-        "late", late, np.full(4, 16, np.uint32), pages, subs, handoff_follows=True)]))
-    wait_for(lambda: wl.worker_side._reserving.done(), "the late handoff step's reserve")
-    stepped = threading.Event()
-    with every_lock_held(pool):
-        stepping = threading.Thread(target=step)
-        stepping.start()
-        obs["late_handoff_step_waits"] = not stepped.wait(1.0)
-    stepping.join(60)
-    obs["late_handoff_step_after"] = [stepped.is_set(), pool.index.peek(late)]
-    # ... and so does a P/D prefill's last step with handoff_publish in_step: its
-    # handoff is published, into a record not reserved, before the step returns
+    # ... only a P/D prefill's last step with handoff_publish in_step waits for its
+    # commit: its handoff is published, into a record not reserved, before the step
+    # returns
     wi, _ = worker(ckpt, pool_path, 16, extra={"step_timeout_s": 30,
                                                "handoff_publish": "in_step"})
     inside = prompt_keys(pool.info, tag, 16, list(range(9350, 9350 + 64))).keys

@@ -157,8 +157,7 @@ def static(model, input_len, requests, output_len, configs, seed, json_file, plo
     if publishes:
         where = ("after the prefill's commit, off its step" if handoff_publish == "after_step"
                  else "in the prefill's step")
-        render.stdout.print(f"TraCT handoff publish ({where}; in its scheduler loop where one "
-                            f"could not be planned in the step): "
+        render.stdout.print(f"TraCT handoff publish ({where}): "
                             f"{len(publishes)} handoffs, mean "
                             f"{format_duration(sum(publishes) / len(publishes) / 1e3)}, max "
                             f"{format_duration(max(publishes) / 1e3)}")

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable
 
+from tract_cli.connectors.throttle import Throttle
 from tract_cli.core.errors import LockTimeout, OutOfMemory, SystemCallFailed, TractError
 
 log = logging.getLogger("vllm.tract")
@@ -193,7 +194,7 @@ def queue_ack(releases: Releases, pool, ticket, read=None, reserved: bool = Fals
 
 # a lost-handoff record with no room for it is said at most this often
 NO_ROOM_LOG_S = 10.0
-_no_room_logged = [-NO_ROOM_LOG_S]      # when it was last said (monotonic)
+_no_room_said = Throttle(NO_ROOM_LOG_S)
 
 
 def queue_pair_lost(releases: Releases, pool, name: bytes, ttl: float, request_id: str) -> None:
@@ -210,9 +211,7 @@ def queue_pair_lost(releases: Releases, pool, name: bytes, ttl: float, request_i
         try:
             pool.handoffs.publish_lost(name, ttl, timeout=timeout)
         except (PoolFull, TransferTableFull) as exc:
-            now = time.monotonic()
-            if now - _no_room_logged[0] >= NO_ROOM_LOG_S:
-                _no_room_logged[0] = now
+            if _no_room_said.due():
                 log.warning("TraCT: no record could tell paired request %s's decode that its "
                             "handoff is lost (%s); it computes the prompt after pair_wait_s "
                             "(said at most every %.0f s)", request_id, exc.problem,

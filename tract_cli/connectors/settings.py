@@ -35,7 +35,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 5.0  # bound on one pool lock wait off the engine's path
     step_timeout_s: float = 1.0    # ... and for its saves and publishes (claim, commit, publish)
     claim_wait_s: float = 0.1      # a step waits this long for its claim (a P/D prefill's: and
-                                   # its records), or its commit; the scheduler loop's publish a lock
+                                   # its records), or for a commit it waits for (in_step)
     lookup_wait_s: float = 0.002   # the scheduler loop's wait for a lookup before "not yet"
     lookup_patience_s: float = 0.5  # a lookup not back by then: the request is computed
     handoff_wait_s: float = 4.0    # a decode's wait for a reserved handoff's publish

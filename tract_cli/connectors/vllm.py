@@ -4,7 +4,11 @@ Loaded by vLLM out of tree:
 
     --kv-transfer-config '{"kv_connector": "TractConnector",
         "kv_connector_module_path": "tract_cli.connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"pool": "/dev/shm/tract.pool", "node": 1}}'
+
+(`recompute`: a block that fails its checksum is computed, not the request
+failed, which is vLLM's default, `fail`; said at start where it is not set.)
 
 vLLM makes one connector per role: the *scheduler* side (in the engine core)
 decides what to load and save (`vllm_scheduler.SchedulerSide`), the *worker*
@@ -23,25 +27,28 @@ user's guide; the lifecycle in short:
   (`kv_transfer_params.tract_ticket`, from a prefill instance) opens the
   handoff record (metadata only, no lock); any other is one lookup+pin of its
   keys on the scheduler half's lookup thread ("not yet" to vLLM while it
-  runs).  Hits load asynchronously, so pins are held only by the scheduler
-  process that took them.
-- **Load** (worker, `start_load_kv`): on the worker's loader thread, while
-  the engine steps on, the slots are acquired and copied into vLLM's pages by
-  one C call that checksums as it copies; a bad block is reported through
+  runs).  Pins are held only by the scheduler process that took them.
+- **Load** (worker, `start_load_kv`): the slots are copied into vLLM's
+  pages by one C call that checksums as it copies, the GIL released: with
+  `load_mode` sync (the default) in the step, before the forward that
+  computes the rest of the prompt; with async on the worker's loader thread,
+  while the engine steps on.  A bad block is reported through
   `get_block_ids_with_load_errors` and vLLM recomputes from there.  A
   handoff is acknowledged once its bytes are in vLLM's pages; prefix pins are
   given back by the scheduler when the worker reports the load finished.
-- **Save** (worker, `wait_for_save`): before the forward, one reserve call
-  claims the step's new full blocks (keys already in the pool are skipped);
+- **Save** (worker, `wait_for_save`): during the forward, one reserve call
+  on the save thread claims the step's new full blocks (keys already in the pool are skipped);
   after it, one C call copies every layer of them from vLLM's pages into the
   claimed slots, checksumming as it copies, and one commit publishes them
   READY, on the worker's save thread, off the step (a P/D prefill's last
   step too: its handoff's record is reserved in the step, published after
   the commit).  A full pool skips the save (vLLM computes as ever; nothing
   is an error to the user).
-- **Handoff** (scheduler, `request_finished` of a `do_remote_decode`
-  request): the prompt's blocks, and its partial tail block (stored under a
-  key of its own), are pinned under a handoff record; the returned
+- **Handoff** (a `do_remote_decode` request): the step that completes its
+  prompt saves its blocks, and its partial tail block (stored under a key of
+  its own), and reserves the handoff record the scheduler chose, which the
+  save thread publishes with the save's pins after the commit;
+  `request_finished` returns its ticket with no pool call.  The returned
   `kv_transfer_params` follow NixlConnector's protocol (`do_remote_prefill`)
   and add `tract_ticket`, so vLLM's proxy, Dynamo and llm-d pass them on
   unchanged.  vLLM's own blocks are freed at once: the pool has the bytes.
@@ -118,13 +125,19 @@ class TractConnector(KVConnectorBase_V1):
         except TractError as exc:
             # vLLM prints the traceback; the last line is what to fix
             raise ConnectorError(f"TraCT connector: {exc.problem}", exc.fix) from None
+        if role == KVConnectorRole.SCHEDULER and \
+                getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("TraCT connector: kv_load_failure_policy is %r, so a pool block that "
+                        "fails its checksum, or a handoff released during its load, fails "
+                        "its request instead of being computed; set \"kv_load_failure_policy\""
+                        ": \"recompute\" in --kv-transfer-config", ktc.kv_load_failure_policy)
         self.releases = Releases(self.settings.lookup_timeout_s, defer=RELEASE_DEFER_S)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.pool, self.settings, vllm_config,
                                                 self.identity, self.releases, ktc.engine_id,
-                                                lambda: self._kv_cache_manager, TIMINGS)
+                                                lambda: self._kv_cache_manager)
         else:
             self.worker_side = WorkerSide(self.pool, self.settings, vllm_config, self.releases,
                                           TIMINGS)

@@ -14,13 +14,13 @@ looked up for as long again); unpins and acknowledgements are queued
 (retry.py); a P/D prefill's handoff is published by the worker after the
 step that completes the prompt (its record reserved in that step, published
 after the commit, off it), in a record chosen here without a lock when that
-step is planned, so `request_finished` returns its ticket with no pool call
-(only a handoff that could not be planned so, its blocks shared with another
-handoff of its step or no record looking free or max_handoffs reached when
-planned, publishes there, a lock waited for at most `claim_wait_s`).  A decode
-whose ticket names a record still reserved, not yet published, is answered
-"not yet" for at most `handoff_wait_s`.  A stalled lock manager delays hits,
-never scheduling.
+step is planned, so `request_finished` returns its ticket with no pool call;
+a handoff that cannot be planned so (no record looking free, or max_handoffs
+reached, when its step is planned) is not made: its decode computes the
+prompt.  A decode whose ticket names a record still reserved, not yet
+published, is answered "not yet" for at most `handoff_wait_s`.  So no pool
+call of this half waits on a lock in the scheduler loop, and a stalled lock
+manager delays hits, never scheduling.
 
 Keys carry the worker's page layout (vllm_meta.TractHandshake): until vLLM
 has handed it over, at start-up, the pool is not used.
@@ -40,13 +40,14 @@ import numpy as np
 from tract_cli.connectors import vllm_events
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
 from tract_cli.core.events import MAX_RECORD_SALT, Described, describe_span
-from tract_cli.connectors.retry import Releases, queue_ack, queue_pair_lost
+from tract_cli.connectors.retry import Releases, queue_ack
+from tract_cli.connectors.throttle import Throttle
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog, transfer_params
-from tract_cli.core.errors import (BlocksPending, HandoffError, HandoffGone, HandoffLost,
-                                   HandoffPending, LockTimeout, TractError, TransferTableFull)
-from tract_cli.core.handoff import Ticket, check_pair, named_by_pair, pair_key, request_key
+from tract_cli.core.errors import (HandoffError, HandoffGone, HandoffLost, HandoffPending,
+                                   TractError)
+from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
 if TYPE_CHECKING:
@@ -68,7 +69,9 @@ PAIR_POLL_S = 0.001        # how often an idle engine step looks for a paired de
 # how often (at most) a prefill instance at its handoff bound reads its records
 # to find those acknowledged since (each is a lock-free read of one record)
 PRUNE_INTERVAL_S = 0.1
-DENIED_LOG_S = 10.0        # a flood at the handoff bound logs at most this often
+# a warning every request may have cause for (a flood at the handoff bound, a
+# stalled lookup) is logged at most this often
+WARN_EVERY_S = 10.0
 
 
 def _as_names(names) -> np.ndarray:
@@ -104,6 +107,9 @@ class _Request:
     tail_saved: bool = False
     handoff_failed: bool = False
     want_handoff: bool = False         # a prefill for a remote decode (do_remote_decode)
+    # why the step that completed its prompt planned no handoff for it (None:
+    # it did, or has not run): said when it finishes, its decode computing
+    no_handoff: str | None = None
     load_pages: frozenset = frozenset()  # vLLM pages of the load in flight
     load_failed: bool = False          # a load of it failed: compute it, never load again
     handoff: Ticket | None = None      # its handoff, published by the worker in-step (planned)
@@ -131,9 +137,8 @@ class SchedulerSide:
 
     def __init__(self, pool: "Pool", settings: "ConnectorSettings", vllm_config: "VllmConfig",
                  identity: "ModelIdentity", releases: Releases, engine_id: str,
-                 kv_cache_manager_of, timings: int = logging.DEBUG):
+                 kv_cache_manager_of):
         self.pool, self.settings, self.identity = pool, settings, identity
-        self._timings = timings             # the level of the publish's timing line
         self.releases, self.engine_id = releases, engine_id
         self._kv_cache_manager_of = kv_cache_manager_of   # vLLM's, set after construction
         self.g = pool.geometry.block_tokens
@@ -150,7 +155,7 @@ class SchedulerSide:
         self._matched: set[str] = set()     # pinned this step, no vLLM pages yet
         self._looking: set[str] = set()     # requests with a lookup on the lookup thread
         self._stalled_until = 0.0           # no new lookups before (a lookup ran out of patience)
-        self._stall_logged = -DENIED_LOG_S
+        self._stall_said = Throttle(WARN_EVERY_S)
         # this instance's published handoffs not known released
         self._handoffs: collections.deque = collections.deque()
         # records promised to handoffs the worker publishes in a step not yet
@@ -166,7 +171,7 @@ class SchedulerSide:
         records = pool.info.section("transfer").count
         self._record_cursor = settings.node * records // max(1, pool.info.max_nodes)
         self._pruned_at = 0.0
-        self._denied, self._denied_logged = 0, -DENIED_LOG_S
+        self._denied, self._denied_said = 0, Throttle(WARN_EVERY_S)
         # the region's blocks in vLLM's KV event stream, once the key tag is known
         self._events_wanted = vllm_events.wanted(vllm_config, settings)
         self._hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
@@ -366,8 +371,7 @@ class SchedulerSide:
             self._looking.discard(req_id)
             if running:
                 self._stalled_until = now + patience
-            if running and now - self._stall_logged >= DENIED_LOG_S:
-                self._stall_logged = now
+            if running and self._stall_said.due():
                 log.warning("TraCT lookup of request %s not back within %.3f s (lookup_"
                             "patience_s): computed without the pool, and new requests are "
                             "not looked up for %.3f s (a stalled lock manager? `tract "
@@ -620,53 +624,55 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        handed: list = []       # the blocks of this step's in-step handoffs (each pinned once)
         for req_id, done in computed.items():
             st = self._reqs.get(req_id)
             if st is None or not st.cacheable:
                 continue
             end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             spec = self._plan_save(req_id, st, end)
-            handoff = self._plan_handoff(req_id, st, end, handed)
+            handoff = self._plan_handoff(req_id, st, end)
             if handoff is not None:
                 spec = spec or SaveSpec(req_id, np.zeros((0, 16), np.uint8),
                                         np.zeros(0, np.uint32), np.zeros(0, np.int64),
                                         np.zeros(0, np.int64))
                 spec.handoff = handoff
+                # published in the step (handoff_publish in_step): the step waits for
+                # its commit; otherwise its record is reserved in the step, and it is
+                # published after the commit, off the step
+                spec.handoff_follows = self.settings.handoff_publish == "in_step"
             if spec is not None:
-                # published right after the step (request_finished), or in it
-                # (handoff_publish in_step): the step waits for its commit; an in-step
-                # handoff's record is otherwise reserved in the step, published after
-                spec.handoff_follows = (st.want_handoff and end >= st.prompt_len and
-                                        (spec.handoff is None or
-                                         self.settings.handoff_publish == "in_step"))
                 meta.saves.append(spec)
         return meta
 
-    def _plan_handoff(self, req_id: str, st: _Request, end: int, handed: list):
+    def _plan_handoff(self, req_id: str, st: _Request, end: int):
         """The handoff of a prefill for a remote decode, published by the worker in
         the step that completes its prompt, with the pins of the save's own claim
-        and commit (no lock walk of its own, and none in the scheduler loop): a
-        record is chosen now (read without a lock) and promised in the ticket
-        request_finished returns.  None where the request publishes no handoff,
-        its blocks are another in-step handoff's too (each pinned once: that one
-        publishes in request_finished), or no record looks free."""
+        and commit (a block another handoff of the step holds too is pinned again
+        for it there: no lock walk in the scheduler loop): a record is chosen now
+        (read without a lock) and promised in the ticket request_finished
+        returns.  None where the request publishes no handoff; where it would but
+        cannot (max_handoffs in flight, no record looking free, a load of it
+        that failed), why is kept for request_finished to say."""
         if (not self.settings.save or not st.want_handoff or st.handoff is not None
-                or end < st.prompt_len or st.load_failed):
+                or end < st.prompt_len):
             return None
-        keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
-        mine = np.ascontiguousarray(keys).view("V16").reshape(-1)
-        if ((handed and np.isin(mine, np.concatenate(handed)).any())
-                or not self._handoff_room(planned=True)):
+        if st.load_failed:
+            st.no_handoff = "a load of its prompt failed"
+            return None
+        if not self._handoff_room(planned=True):
+            st.no_handoff = (f"{self.settings.max_handoffs} handoffs of this instance in "
+                             "flight (max_handoffs)")
             return None
         try:
             record = self._choose_record()
         except TractError as exc:
-            log.warning("TraCT: no handoff record looked up for request %s: %s", req_id, exc)
+            st.no_handoff = f"no handoff record could be looked for: {exc}"
             return None
         if record is None:
+            st.no_handoff = "no handoff record looked free"
             return None
-        handed.append(mine)
+        st.no_handoff = None
+        keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
         self._planned.add(record)
         st.handoff = Ticket(record, st.name.hex(), len(keys), st.prompt_len)
         return HandoffSpec(record, req_id, np.ascontiguousarray(keys), st.prompt_len,
@@ -767,55 +773,16 @@ class SchedulerSide:
             self._planned.discard(st.handoff.record)
             self._handoffs.append(st.handoff)
             return False, self._ticket_params(request, st.handoff)
-        if not (self.settings.save and st.want_handoff and st.cacheable and finished):
-            return False, None
-        if not self._handoff_room():
+        if self.settings.save and st.want_handoff and st.cacheable and finished:
+            # no handoff planned in the step that completed its prompt: none is made
+            # here either (no pool call in the scheduler loop); its decode computes
             self._denied += 1
-            if time.monotonic() - self._denied_logged < DENIED_LOG_S:
-                return False, None
-            self._denied_logged = time.monotonic()
-            log.warning("TraCT: %d handoffs of this instance in flight (max_handoffs): request "
-                        "%s answered without one, its decode computes the prompt (%d so far; "
-                        "logged at most every %.0f s)", len(self._handoffs), request.request_id,
-                        self._denied, DENIED_LOG_S)
-            return False, None
-        keys = st.keys if st.tail_key is None else np.vstack([st.keys, st.tail_key])
-        try:
-            # no waiting here (the engine's scheduler loop): the step that completed
-            # the prompt waited for its commit (SaveSpec.handoff_follows) before its
-            # output reached the scheduler, so a block not READY now was not saved
-            # (pool full), is another writer's, or its step gave up on its claim or
-            # commit (claim_wait_s): computed
-            t0 = time.perf_counter()
-            # in a record no planned in-step handoff was promised (with asynchronous
-            # scheduling a later step's plan precedes this call)
-            record = self._choose_record()
-            if record is None:
-                raise TransferTableFull("no handoff record looks free",
-                                        "acknowledge handoffs, or let expired ones expire")
-            # in the scheduler loop: a lock wait of claim_wait_s at most (what a
-            # stalled lock manager may cost a step's save), not step_timeout_s;
-            # past it the decode computes the prompt (or finds its blocks by lookup)
-            ticket = self.pool.handoffs.publish(st.name, keys, st.prompt_len,
-                                                ttl=self.settings.handoff_ttl_s,
-                                                timeout=self.settings.claim_wait_s,
-                                                record=record)
-            log.log(self._timings, kvlog.PUBLISHED, request.request_id, len(keys),
-                    (time.perf_counter() - t0) * 1e3)
-        except TractError as exc:
-            log.warning("TraCT handoff of request %s not published, decode will compute it: %s",
-                        request.request_id, exc)
-            if isinstance(exc, (LockTimeout, BlocksPending)) and \
-                    named_by_pair(st.name, request.request_id):
-                # a stall (a lock, or a step that gave up on its claim or commit):
-                # its paired decode, which has no ticket to find none, is told by
-                # a record of no blocks under the pair's name (queued).  Not for a
-                # table or pool full: no room for that record either
-                queue_pair_lost(self.releases, self.pool, st.name,
-                                self.settings.handoff_ttl_s, request.request_id)
-            return False, None
-        self._handoffs.append(ticket)
-        return False, self._ticket_params(request, ticket)
+            if self._denied_said.due():
+                log.warning("TraCT: request %s answered without a handoff (%s), its decode "
+                            "computes the prompt (%d so far; said at most every %.0f s)",
+                            request.request_id, st.no_handoff or "its prompt's last step "
+                            "was not planned with one", self._denied, WARN_EVERY_S)
+        return False, None
 
     def _choose_record(self) -> int | None:
         """A handoff record that looks free (read without a lock) from this

@@ -22,9 +22,9 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   published by one commit on the save thread, off the step: the copy is all
   the step waits for (vLLM may reuse the pages once it is done).  On the CPU
   path the commit waits until the step's output has left (COMMIT_DEFER_S, or
-  the next step's bind).  A step after
-  which the scheduler publishes a request's handoff (`SaveSpec.handoff_follows`:
-  one it could not plan in-step) waits for its commit too.  The save thread runs a step's
+  the next step's bind).  A step that publishes its handoffs in it
+  (`handoff_publish` in_step: `SaveSpec.handoff_follows`) waits for its
+  commit too.  The save thread runs a step's
   claim after the previous step's commit.  The commit and the claim each wait
   at most `step_timeout_s` for a lock: past it the blocks are not saved (vLLM
   computes as ever) and the claims are given back, retried until it succeeds.
@@ -39,7 +39,8 @@ paged KV cache and the region, as the scheduler half planned (docs/VLLM.md,
   the forward, so its ticket may leave with the step's output; it is
   published after the commit, on the save thread, off the step, with the pins
   the step's pinning claim and commit took (`publish_pinned`: no lock walk of
-  its own).  A decode instance that opens the record before is told to wait
+  its own; a block an earlier handoff of the step took that pin of is pinned
+  again for it by a lookup there).  A decode instance that opens the record before is told to wait
   (vllm_scheduler.py).  Pins no published handoff took over go back off the
   step, and a reservation not published is given back.
 - On a GPU (`core/gpupages.py`): the slots are registered host memory and
@@ -67,6 +68,7 @@ import numpy as np
 import torch
 
 from tract_cli.connectors.retry import Releases, queue_ack, queue_pair_lost
+from tract_cli.connectors.throttle import Throttle
 from tract_cli.connectors.vllm_meta import LoadSpec, SaveSpec, TractHandshake, TractWorkerMeta
 from tract_cli.connectors.vllm_setup import ConnectorError, engine_page_map
 from tract_cli.core import kvlog
@@ -151,9 +153,9 @@ class _SavePlan:
     reference: set = field(default_factory=set)  # request ids that ask for the memcpy reference
     # the request ids of the in-step handoffs whose records this plan reserved
     reserved: set = field(default_factory=set)
-    # a request's handoff is published right after this step, by the scheduler, or
-    # in it (SaveSpec.handoff_follows): the step waits for the commit, and its
-    # in-step handoffs are published into records not reserved
+    # the step's handoffs are published in it (SaveSpec.handoff_follows: handoff_
+    # publish in_step): the step waits for the commit, and they are published into
+    # records not reserved
     handoff_follows: bool = False
     # the step stopped waiting for that commit (past its bound): the save thread
     # publishes none of its unreserved handoffs after that (one whose publish
@@ -170,10 +172,10 @@ class _SavePlan:
 
     @property
     def commit_in_step(self) -> bool:
-        """Whether the step waits for this plan's commit: a handoff is published
-        right after it, by the scheduler, or in it (handoff_publish in_step);
-        otherwise an in-step handoff's record is reserved, and published after
-        the commit, off the step."""
+        """Whether the step waits for this plan's commit: its handoffs are
+        published in it (handoff_publish in_step); otherwise an in-step
+        handoff's record is reserved, and published after the commit, off the
+        step."""
         return self.handoff_follows
 
 
@@ -216,7 +218,7 @@ class WorkerSide:
         # set once the claim of a step that did not wait for it is done and its
         # give-back queued; until then no step queues a claim
         self._late: threading.Event | None = None
-        self._gave_up_logged = -GAVE_UP_LOG_S
+        self._gave_up_said = Throttle(GAVE_UP_LOG_S)
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tract-save")
         # set when a deferred commit should start now (COMMIT_DEFER_S): the next
         # step's bind, or shutdown
@@ -401,9 +403,7 @@ class WorkerSide:
 
     def _said_gave_up(self, why: str) -> None:
         """Says (at most every GAVE_UP_LOG_S) that a step saved nothing, and why."""
-        now = time.monotonic()
-        if now - self._gave_up_logged >= GAVE_UP_LOG_S:
-            self._gave_up_logged = now
+        if self._gave_up_said.due():
             log.warning("TraCT: a step's blocks are not saved, its step went on (%s: a stalled "
                         "lock manager? `tract inspect --locks`); said at most every %.0f s",
                         why, GAVE_UP_LOG_S)
@@ -515,18 +515,13 @@ class WorkerSide:
         held = idx[np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED))]
         if not held.size:
             return
-        keys = plan.keys[held]
-        done = np.zeros(len(keys), np.uint8)
-        log.info("TraCT: %d handoff pins given back (%s)", len(keys), why)
-        self.releases.submit(f"unpin of {len(keys)} blocks",
-                             lambda timeout: self.pool.index.unpin(keys, timeout=timeout,
-                                                                   done=done))
+        self._unpin_keys(plan.keys[held], why)
 
     def _reserve(self, saves: list[SaveSpec]) -> _SavePlan | None:
         """One reserve call for the step's blocks to save and the blocks of its
         in-step handoffs (duplicates within it once); with a handoff, a pinning
-        one (each key pinned once: the scheduler gives no two handoffs of a step
-        a block in common)."""
+        one (each key pinned once: a block two handoffs share is pinned again
+        for the second when it is published, `_publish_handoffs`)."""
         handoffs = [s.handoff for s in saves if s.handoff is not None]
         keys = np.vstack([s.keys for s in saves] + [h.keys for h in handoffs])
         saved = sum(len(s.keys) for s in saves)
@@ -810,8 +805,12 @@ class WorkerSide:
         """Publishes the step's in-step handoffs (their blocks are in now), each in
         the record its ticket already names, with the pins the save's claim and
         commit took; pins no handoff took over are given back off the step.  A
-        handoff that cannot be published is not: its decode instance finds no
-        record for the ticket and computes the prompt."""
+        record holds one pin of each of its blocks, and the claim took one: a
+        block an earlier handoff of the step took it for (two prompts with a
+        prefix in common) is pinned again here for the next, by a lookup (a
+        walk of its stripes' locks, off the step unless the step waits for this
+        publish).  A handoff that cannot be published is not: its decode
+        instance finds no record for the ticket and computes the prompt."""
         kept = np.zeros(len(plan.keys), bool)
         try:
             for spec, idx in plan.handoffs:
@@ -828,6 +827,10 @@ class WorkerSide:
                     self._handoffs_lost([spec], "a block of it was not saved", plan)
                     continue
                 t0 = time.perf_counter()
+                shared = kept[idx]            # the claim's pin is an earlier record's
+                extra = self._pin_again(spec, plan.keys[idx[shared]], plan) if shared.any() else None
+                if extra is False:
+                    continue                  # said, and lost
                 try:
                     self.pool.handoffs.publish_pinned(spec.record, spec.name, spec.keys,
                                                       spec.token_count, ttl=spec.ttl_s,
@@ -838,10 +841,41 @@ class WorkerSide:
                     log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
                             (time.perf_counter() - t0) * 1e3)
                 except Exception as exc:      # a pool error, or any other: not published
+                    if extra is not None:
+                        self._unpin_keys(extra, "a handoff not published")
                     self._handoffs_lost([spec], f"its publish failed: {exc}", plan,
                                         tell_pair=not isinstance(exc, ReservationGone))
         finally:       # whatever happened above, the pins no record took are given back
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
+
+    def _pin_again(self, spec, keys: np.ndarray, plan: _SavePlan):
+        """One more pin of each of KEYS (blocks of SPEC's handoff whose claim pin
+        an earlier handoff of PLAN's step took), for SPEC's record: the keys
+        pinned, or False where they could not all be (a lock not granted, a
+        block gone: the handoff is lost, said, its reservation given back, and
+        what was pinned given back)."""
+        try:
+            got = self.pool.index.lookup(keys, timeout=self.settings.step_timeout_s)
+        except Exception as exc:      # a pool error, or any other: nothing pinned
+            self._handoffs_lost([spec], "its blocks shared with another handoff could not be "
+                                f"pinned for it: {getattr(exc, 'problem', exc)}", plan)
+            return False
+        if got.hits < len(keys):
+            self._unpin_keys(keys[:got.hits], "a handoff not published")
+            self._handoffs_lost([spec], "a block it shares with another handoff is no longer "
+                                "in the pool", plan)
+            return False
+        return keys
+
+    def _unpin_keys(self, keys: np.ndarray, why: str) -> None:
+        """Gives back one pin of each of KEYS, off the step (queued, retried)."""
+        if not len(keys):
+            return
+        done = np.zeros(len(keys), np.uint8)
+        log.info("TraCT: %d handoff pins given back (%s)", len(keys), why)
+        self.releases.submit(f"unpin of {len(keys)} blocks",
+                             lambda timeout: self.pool.index.unpin(keys, timeout=timeout,
+                                                                   done=done))
 
     def _memcpy_in_step(self, kind: str, slots, pages, subs) -> tuple[float, float | None]:
         """With TRACT_CONNECTOR_REFERENCE=1, for a request that asks for the

@@ -12,7 +12,9 @@ page layout copies as one run per (layer, page), FlashAttention's as two
 
 The order is part of the block's identity: `layout_digest` names it (None
 when it is the region's canonical `[K|V][token][head][dim]` order, which the
-reference engine and FlashAttention's layout both are), and an engine
+reference engine's pages and FlashAttention's own `[2, pages, B, heads,
+dim]` tensor are; vLLM 0.32's GPU views, K and V side by side in a page's
+last axis, are another order), and an engine
 connector mixes it into its keys, so a reader of another layout finds no
 block written in this one (a miss, computed; never a misread).
 """
