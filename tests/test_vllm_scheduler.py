@@ -87,6 +87,15 @@ def test_a_failed_synchronous_load_is_recomputed_and_not_offered_again(seen):
     assert seen["sync_pins_end"] == 0 and seen["sync_state_left"] == [0, 0]
 
 
+def test_a_paired_prefill_whose_load_failed_tells_its_decode_at_once(seen):
+    # computed, answered without a ticket, and its paired decode finds a record of
+    # no blocks under the pair's name (HandoffLost: it computes at once)
+    params, said = seen["bad_pair"]
+    assert not (params or {}).get("tract_ticket")
+    assert said == "HandoffLost"
+    assert seen["bad_pair_after"] == 0
+
+
 def test_a_failed_synchronous_load_saves_nothing_computed_on_it(seen):
     # its pages to recompute; the step's 2 new blocks not in the pool; no handoff;
     # only the test's own lookup pins (4) left: the handoff's were given back
@@ -144,12 +153,15 @@ def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
     assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
     assert seen["shared_opened"] == [3, 3]
     assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
-    # the second's pins not granted (injected): it alone is lost, its reservation
-    # given back (its decode finds the record free and computes), nothing pinned
-    tickets, outcome = seen["shared_refused"]
-    assert tickets == ["sharef-a", "sharef-b"]
-    assert outcome == {"sharef-a": "published", "sharef-b": "HandoffGone"}
-    assert seen["shared_refused_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+    # the second failing on the way (injected: its shared blocks' pins refused, or
+    # only the first of them pinned, or its publish refused once they were): it
+    # alone is lost, its reservation given back (its decode finds the record free
+    # and computes), and nothing stays pinned
+    for how in ("lookup", "partial", "publish"):
+        tickets, outcome, after = seen["shared_refused"][how]
+        assert tickets == 2, how
+        assert outcome == {"a": "published", "b": "HandoffGone"}, how
+        assert after == {"pins": 0, "pending": 0, "handoffs": 0}, how
 
 
 def test_finishing_prefills_make_no_pool_call_in_the_scheduler_loop(seen):

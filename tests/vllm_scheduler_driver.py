@@ -34,7 +34,7 @@ from tract_cli.connectors.vllm import LoadSpec, SaveSpec, TractConnector, TractC
 from tract_cli.connectors.vllm_meta import HandoffSpec, TractWorkerMeta
 from tract_cli.core.handoff import request_key
 from tract_cli.core.pool import Pool
-from worker_stand import every_lock_held
+from worker_stand import acked, every_lock_held, find_record, told
 
 PAGE = 32          # vLLM's block size here: two 16-token region blocks per page
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -335,6 +335,37 @@ def main(ckpt: str, pool_path: str) -> dict:
     s.finish_requests("bad", RequestStatus.FINISHED_ABORTED)
     obs["bad_pins_after"] = pins(pool, conn)
 
+    # 3p. a paired P/D prefill (do_remote_decode, tract_pair) whose prefix load
+    #     failed: computed, no handoff planned for it (a failed load's request
+    #     makes none), its reply without a ticket, and its paired decode, which has
+    #     no ticket to find none, told at once by a record of no blocks under the
+    #     pair's name (queued), not left to pair_wait_s
+    from tract_cli.core.handoff import pair_key
+    badp = list(range(4000, 4000 + 80))
+    put_prompt(pool, tag, badp)
+    pair3 = "3p" * 16
+    r3p = request("bad-pair", badp, 1, {"do_remote_decode": True, "tract_pair": pair3})
+    s.add_request(r3p)
+    out = s.schedule()
+    pages = set(out.kv_connector_metadata.loads[0].pages.tolist())
+    s.update_from_output(out, output([], finished_recving={"bad-pair"}, invalid=pages))
+    params3p = "unfinished"
+    for _ in range(10):
+        out = s.schedule()
+        publish_in_step(out)
+        running = [r3p] if out.num_scheduled_tokens.get("bad-pair") else []
+        eng = s.update_from_output(out, output(running))
+        done = [o for outs in eng.values() for o in outs.outputs
+                if o.request_id == "bad-pair" and o.finished]
+        if done:
+            params3p = done[0].kv_transfer_params
+            break
+    settle()
+    lost3 = pair_key(pair3)
+    obs["bad_pair"] = [params3p, told(pool, find_record(pool, lost3), lost3, 5, 80)]
+    acked(pool, find_record(pool, lost3), lost3)
+    obs["bad_pair_after"] = pins(pool, conn)
+
     # 3s. synchronous loads (the default load_mode): a hit is copied in the step that
     #     computes the rest of its prompt, and its pins are given back when that
     #     step's output reports the copy; a whole-prompt hit leaves vLLM its last
@@ -568,42 +599,60 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["shared_after"] = region(pool)
     s7.connector.shutdown()
 
-    # 7b'. the same where the second's pins cannot be taken (its lookup's locks not
-    #      granted, injected): that handoff is lost, its reservation given back (its
-    #      decode, finding the record free, computes at once), and nothing of it
-    #      stays pinned; the first is published as ever
-    s7f = scheduler(ckpt, pool_path, num_blocks=64)
-    shared = list(range(2700, 2700 + 32))
-    from tract_cli.core.errors import LockTimeout
+    # 7b'. the same where the second's handoff fails on the way (injected): its
+    #      shared blocks' lookup refused (a lock not granted), or pinning only the
+    #      first of them, or its publish refused once they were pinned again. That
+    #      handoff alone is lost, its reservation given back (its decode, finding
+    #      the record free, computes at once), and nothing of it stays pinned;
+    #      the first is published as ever
+    from tract_cli.core.errors import LockTimeout, TransferTableFull
     w = STEP.get("worker") or worker(STEP["ckpt"], STEP["pool"], 64)[0]
     STEP["worker"] = w
-    index = w.worker_side.pool.index
+    index, handoffs = w.worker_side.pool.index, w.worker_side.pool.handoffs
+    real_lookup, real_publish = index.lookup, handoffs.publish_pinned
 
     def refused(keys, timeout=0):
         raise LockTimeout("injected: a stripe lock not granted", "none")
-    index.lookup = refused
-    try:
-        got = finish(s7f, [request("sharef-a", shared + list(range(2800, 2808)), 1,
-                                   {"do_remote_decode": True}),
-                           request("sharef-b", shared + list(range(2900, 2908)), 1,
-                                   {"do_remote_decode": True})])
-        committed(w)
-    finally:
-        del index.lookup                     # the class's own again
-    settle()                                 # the lost one's reservation given back
-    tickets = {rid: Ticket.from_dict(p["tract_ticket"]) for rid, p in got.items()
-               if p and "tract_ticket" in p}
-    outcome = {}
-    for rid, t in sorted(tickets.items()):
+
+    def partial(keys, timeout=0):
+        return real_lookup(keys[:1], timeout=timeout)     # the first pinned, then short
+
+    def publish_refused(record, name, *args, **kw):
+        if bytes(name) == request_key("sharef-publish-b"):
+            raise TransferTableFull("injected: the record is taken", "none")
+        return real_publish(record, name, *args, **kw)
+
+    obs["shared_refused"] = {}
+    for n, (how, target, inject) in enumerate((("lookup", index, refused),
+                                               ("partial", index, partial),
+                                               ("publish", handoffs, publish_refused))):
+        s7f = scheduler(ckpt, pool_path, num_blocks=64)
+        shared = list(range(2700 + 1000 * n, 2700 + 1000 * n + 32))
+        attr = "lookup" if how != "publish" else "publish_pinned"
+        setattr(target, attr, inject)
         try:
-            pool.handoffs.open(t)
-            outcome[rid] = "published"
-            pool.handoffs.ack(t)
-        except HandoffError as exc:
-            outcome[rid] = type(exc).__name__
-    obs["shared_refused"] = [sorted(tickets), outcome]
-    obs["shared_refused_after"] = region(pool)
-    s7f.connector.shutdown()
+            got = finish(s7f, [request(f"sharef-{how}-a", shared + list(range(2800 + 1000 * n,
+                                                                               2808 + 1000 * n)),
+                                       1, {"do_remote_decode": True}),
+                               request(f"sharef-{how}-b", shared + list(range(2900 + 1000 * n,
+                                                                               2908 + 1000 * n)),
+                                       1, {"do_remote_decode": True})])
+            committed(w)
+        finally:
+            delattr(target, attr)            # the class's own again
+        settle()                             # the lost one's reservation given back
+        tickets = {rid: Ticket.from_dict(p["tract_ticket"]) for rid, p in got.items()
+                   if p and "tract_ticket" in p}
+        outcome = {}
+        for rid, t in sorted(tickets.items()):
+            try:
+                pool.handoffs.open(t)
+                outcome[rid[len(f"sharef-{how}-"):]] = "published"
+                pool.handoffs.ack(t)
+            except HandoffError as exc:
+                outcome[rid[len(f"sharef-{how}-"):]] = type(exc).__name__
+        obs["shared_refused"][how] = [len(tickets), outcome, region(pool)]
+        s7f.connector.shutdown()
 
     # 7c. two such prefills with every lock held by another node while the step's
     #     output comes in (a stalled lock manager): request_finished makes no pool

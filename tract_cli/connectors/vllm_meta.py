@@ -71,11 +71,10 @@ class SaveSpec:
     pages: np.ndarray
     subs: np.ndarray
     handoff: HandoffSpec | None = None
-    # the step completes the prompt of a request a remote decode waits for, and
-    # its handoff is published right after it (request_finished: one that could
-    # not be planned as HANDOFF), so the step waits for the commit that makes its
-    # blocks READY.  A HANDOFF's record is reserved in the step instead and
-    # published after the commit, off the step, as every other step's commit runs
+    # HANDOFF is published in the step (handoff_publish in_step), so the step
+    # waits for the commit that makes its blocks READY and for that publish.
+    # Otherwise a HANDOFF's record is reserved in the step and published after
+    # the commit, off the step, as every other step's commit runs
     handoff_follows: bool = False
     # what the blocks' records say (core.events.describe: KV events); None: the
     # keys alone

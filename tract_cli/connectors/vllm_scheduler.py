@@ -40,14 +40,14 @@ import numpy as np
 from tract_cli.connectors import vllm_events
 from tract_cli.connectors.keys import MAX_SALT_BYTES, key_tag, prompt_keys
 from tract_cli.core.events import MAX_RECORD_SALT, Described, describe_span
-from tract_cli.connectors.retry import Releases, queue_ack
+from tract_cli.connectors.retry import Releases, queue_ack, queue_pair_lost
 from tract_cli.connectors.throttle import Throttle
 from tract_cli.connectors.vllm_meta import (HandoffSpec, LoadSpec, SaveSpec,
                                             TractConnectorMetadata, TractWorkerMeta)
 from tract_cli.core import kvlog, transfer_params
 from tract_cli.core.errors import (HandoffError, HandoffGone, HandoffLost, HandoffPending,
                                    TractError)
-from tract_cli.core.handoff import Ticket, check_pair, pair_key, request_key
+from tract_cli.core.handoff import Ticket, check_pair, named_by_pair, pair_key, request_key
 from tract_cli.core.index import Lookup
 
 if TYPE_CHECKING:
@@ -782,6 +782,13 @@ class SchedulerSide:
                             "computes the prompt (%d so far; said at most every %.0f s)",
                             request.request_id, st.no_handoff or "its prompt's last step "
                             "was not planned with one", self._denied, WARN_EVERY_S)
+            if st.load_failed and named_by_pair(st.name, request.request_id):
+                # a paired decode has no ticket to find none: told by a record of no
+                # blocks under the pair's name (queued), so it computes at once, not
+                # after pair_wait_s.  Not where max_handoffs or a full table stopped
+                # the handoff: a client must not make records past that bound
+                queue_pair_lost(self.releases, self.pool, st.name,
+                                self.settings.handoff_ttl_s, request.request_id)
         return False, None
 
     def _choose_record(self) -> int | None:

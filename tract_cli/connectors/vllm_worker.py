@@ -709,9 +709,9 @@ class WorkerSide:
         job = self._saver.submit(self._commit, plan, sums, complete, defer)
         if not plan.commit_in_step:
             return
-        # a handoff the scheduler publishes right after this step (request_finished,
-        # one it could not plan in-step) needs the blocks READY by then: the step
-        # waits for its commit.  Nothing is queued ahead of it (the step's claim,
+        # handoffs published in the step (handoff_publish in_step) need the blocks
+        # READY first: the step waits for its commit and their publish.  Nothing
+        # is queued ahead of it (the step's claim,
         # which followed any earlier commit, is done): claim_wait_s at most, as
         # for its claim, not step_timeout_s a lock (the commit's, each in-step
         # handoff's publish)
@@ -720,9 +720,10 @@ class WorkerSide:
             job.result(timeout=bound)
         except FutureTimeout:
             plan.step_gone = True
-            log.warning("TraCT: the commit of a step with a handoff to follow not done within "
-                        "%.0f ms (claim_wait_s); the step goes on, and its handoffs are not "
-                        "published (their decode computes)", bound * 1e3)
+            log.warning("TraCT: the commit of a step that publishes its handoffs in it "
+                        "(handoff_publish in_step) not done within %.0f ms (claim_wait_s); "
+                        "the step goes on, and its handoffs are not published (their "
+                        "decodes compute)", bound * 1e3)
 
     def _copy(self, plan: _SavePlan) -> tuple[np.ndarray | None, bool]:
         """The step's claimed blocks copied from vLLM's pages (CPU path: one C call
@@ -806,13 +807,16 @@ class WorkerSide:
         the record its ticket already names, with the pins the save's claim and
         commit took; pins no handoff took over are given back off the step.  A
         record holds one pin of each of its blocks, and the claim took one: a
-        block an earlier handoff of the step took it for (two prompts with a
-        prefix in common) is pinned again here for the next, by a lookup (a
-        walk of its stripes' locks, off the step unless the step waits for this
-        publish).  A handoff that cannot be published is not: its decode
+        block an earlier handoff of the step has that pin for (two prompts with
+        a prefix in common) is pinned again for the next, by a lookup (a walk
+        of its stripes' locks, off the step unless the step waits for this
+        publish), before any is published, while the claim's pins still hold
+        every block.  A handoff that cannot be published is not: its decode
         instance finds no record for the ticket and computes the prompt."""
         kept = np.zeros(len(plan.keys), bool)
+        ready: list = []      # (spec, its rows, reserved, rows pinned again, their keys)
         try:
+            taken = np.zeros(len(plan.keys), bool)
             for spec, idx in plan.handoffs:
                 reserved = spec.request_id in plan.reserved
                 if not (reserved or plan.handoff_follows):
@@ -826,31 +830,44 @@ class WorkerSide:
                 if not (complete and np.isin(plan.status[idx], (PUT_WAS_READY, PUT_STORED)).all()):
                     self._handoffs_lost([spec], "a block of it was not saved", plan)
                     continue
+                shared = taken[idx]           # the claim's pin is an earlier handoff's
+                extra = None
+                if shared.any():
+                    extra = self._pin_again(spec, plan.keys[idx[shared]], plan)
+                    if extra is False:
+                        continue              # said, and lost
+                taken[idx] = True
+                ready.append((spec, idx, reserved, shared, extra))
+            while ready:
+                spec, idx, reserved, shared, extra = ready[0]
                 t0 = time.perf_counter()
-                shared = kept[idx]            # the claim's pin is an earlier record's
-                extra = self._pin_again(spec, plan.keys[idx[shared]], plan) if shared.any() else None
-                if extra is False:
-                    continue                  # said, and lost
                 try:
                     self.pool.handoffs.publish_pinned(spec.record, spec.name, spec.keys,
                                                       spec.token_count, ttl=spec.ttl_s,
                                                       timeout=self.settings.step_timeout_s,
                                                       reserved=reserved)
-                    kept[idx] = True
-                    plan.reserved.discard(spec.request_id)
-                    log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
-                            (time.perf_counter() - t0) * 1e3)
                 except Exception as exc:      # a pool error, or any other: not published
+                    ready.pop(0)
                     if extra is not None:
                         self._unpin_keys(extra, "a handoff not published")
                     self._handoffs_lost([spec], f"its publish failed: {exc}", plan,
                                         tell_pair=not isinstance(exc, ReservationGone))
+                    continue
+                ready.pop(0)
+                kept[idx[~shared]] = True     # the claim's pins it took over
+                plan.reserved.discard(spec.request_id)
+                log.log(self._timings, kvlog.PUBLISHED, spec.request_id, len(spec.keys),
+                        (time.perf_counter() - t0) * 1e3)
         finally:       # whatever happened above, the pins no record took are given back
+            for spec, _, _, _, extra in ready:         # left by an error above (a bug)
+                if extra is not None:
+                    self._unpin_keys(extra, "a handoff not published")
+                self._handoffs_lost([spec], "its publish was not reached", plan)
             self._unpin_handoff_keys(plan, np.flatnonzero(~kept), "not a published handoff's")
 
     def _pin_again(self, spec, keys: np.ndarray, plan: _SavePlan):
         """One more pin of each of KEYS (blocks of SPEC's handoff whose claim pin
-        an earlier handoff of PLAN's step took), for SPEC's record: the keys
+        an earlier handoff of PLAN's step has), for SPEC's record: the keys
         pinned, or False where they could not all be (a lock not granted, a
         block gone: the handoff is lost, said, its reservation given back, and
         what was pinned given back)."""
