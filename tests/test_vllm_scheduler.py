@@ -153,6 +153,10 @@ def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
     assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
     assert seen["shared_opened"] == [3, 3]
     assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+    # the same with handoff_publish in_step (published before the step ends)
+    assert seen["shared_in_step_mode"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
+    assert seen["shared_in_step_mode_opened"] == [3, 3]
+    assert seen["shared_in_step_mode_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
     # the second failing on the way (injected: its shared blocks' pins refused, or
     # only the first of them pinned, or its publish refused once they were): it
     # alone is lost, its reservation given back (its decode finds the record free

@@ -598,6 +598,24 @@ def main(ckpt: str, pool_path: str) -> dict:
     obs["shared_opened"] = opened
     obs["shared_after"] = region(pool)
     s7.connector.shutdown()
+    # ... and with handoff_publish in_step, both published before their step ends
+    #     (the lookup then within the step's wait for its commit)
+    s7i = scheduler(ckpt, pool_path, num_blocks=64, extra={"handoff_publish": "in_step"})
+    shared = list(range(5700, 5700 + 32))
+    got = finish(s7i, [request("sharei-a", shared + list(range(5800, 5808)), 1,
+                               {"do_remote_decode": True}),
+                       request("sharei-b", shared + list(range(5900, 5908)), 1,
+                               {"do_remote_decode": True})])
+    tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
+               if p and "tract_ticket" in p]
+    obs["shared_in_step_mode"] = [len(tickets), region(pool)]
+    opened = []
+    for t in tickets:
+        opened.append(len(pool.handoffs.open(t).keys))
+        pool.handoffs.ack(t)
+    obs["shared_in_step_mode_opened"] = opened
+    obs["shared_in_step_mode_after"] = region(pool)
+    s7i.connector.shutdown()
 
     # 7b'. the same where the second's handoff fails on the way (injected): its
     #      shared blocks' lookup refused (a lock not granted), or pinning only the
