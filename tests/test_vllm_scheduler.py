@@ -149,14 +149,11 @@ def test_two_handoffs_of_one_step_sharing_blocks_each_hold_their_own_pins(seen):
     # 3 blocks each, 2 in common: 6 pins in all, two records, both planned in the
     # step and published by the worker (the shared blocks pinned again for the
     # second), each whole
-    assert seen["shared_in_step"] == ["share-a", "share-b"]
-    assert seen["shared_handoffs"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
-    assert seen["shared_opened"] == [3, 3]
-    assert seen["shared_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
-    # the same with handoff_publish in_step (published before the step ends)
-    assert seen["shared_in_step_mode"] == [2, {"pins": 6, "pending": 0, "handoffs": 2}]
-    assert seen["shared_in_step_mode_opened"] == [3, 3]
-    assert seen["shared_in_step_mode_after"] == {"pins": 0, "pending": 0, "handoffs": 0}
+    for mode, name in (("after_step", "share"), ("in_step", "sharei")):
+        tickets, held, planned, opened, after = seen["shared"][mode]
+        assert tickets == 2 and held == {"pins": 6, "pending": 0, "handoffs": 2}, mode
+        assert planned == [f"{name}-a", f"{name}-b"] and opened == [3, 3], mode
+        assert after == {"pins": 0, "pending": 0, "handoffs": 0}, mode
     # the second failing on the way (injected: its shared blocks' pins refused, or
     # only the first of them pinned, or its publish refused once they were): it
     # alone is lost, its reservation given back (its decode finds the record free

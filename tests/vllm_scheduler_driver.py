@@ -579,43 +579,27 @@ def main(ckpt: str, pool_path: str) -> dict:
     # 7b. two prefills of one step that share blocks: a handoff needs a pin of each
     #     of its blocks, and a step's pinning claim takes one, so the worker pins the
     #     shared blocks again for the second (a lookup, on its save thread) and both
-    #     are published after the step, in the records the scheduler promised
-    s7 = scheduler(ckpt, pool_path, num_blocks=64)
-    shared = list(range(2100, 2100 + 32))                  # 2 region blocks in common
-    got = finish(s7, [request("share-a", shared + list(range(2200, 2208)), 1,
-                              {"do_remote_decode": True}),
-                      request("share-b", shared + list(range(2300, 2308)), 1,
-                              {"do_remote_decode": True})])
-    tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
-               if p and "tract_ticket" in p]
-    obs["shared_handoffs"] = [len(tickets), region(pool)]
-    obs["shared_in_step"] = sorted(r for r in STEP["in_step"] if r.startswith("share-"))
-    opened = []
-    for t in tickets:
-        rec = pool.handoffs.open(t)
-        opened.append(len(rec.keys))
-        pool.handoffs.ack(t)
-    obs["shared_opened"] = opened
-    obs["shared_after"] = region(pool)
-    s7.connector.shutdown()
-    # ... and with handoff_publish in_step, both published before their step ends
-    #     (the lookup then within the step's wait for its commit)
-    s7i = scheduler(ckpt, pool_path, num_blocks=64, extra={"handoff_publish": "in_step"})
-    shared = list(range(5700, 5700 + 32))
-    got = finish(s7i, [request("sharei-a", shared + list(range(5800, 5808)), 1,
-                               {"do_remote_decode": True}),
-                       request("sharei-b", shared + list(range(5900, 5908)), 1,
-                               {"do_remote_decode": True})])
-    tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
-               if p and "tract_ticket" in p]
-    obs["shared_in_step_mode"] = [len(tickets), region(pool)]
-    opened = []
-    for t in tickets:
-        opened.append(len(pool.handoffs.open(t).keys))
-        pool.handoffs.ack(t)
-    obs["shared_in_step_mode_opened"] = opened
-    obs["shared_in_step_mode_after"] = region(pool)
-    s7i.connector.shutdown()
+    #     are published after the step, in the records the scheduler promised; with
+    #     handoff_publish in_step both before their step ends (the lookup then within
+    #     the step's wait for its commit)
+    obs["shared"] = {}
+    for mode, name, base in (("after_step", "share", 2100), ("in_step", "sharei", 5700)):
+        s7 = scheduler(ckpt, pool_path, num_blocks=64, extra={"handoff_publish": mode})
+        shared = list(range(base, base + 32))               # 2 region blocks in common
+        got = finish(s7, [request(f"{name}-a", shared + list(range(base + 100, base + 108)),
+                                  1, {"do_remote_decode": True}),
+                          request(f"{name}-b", shared + list(range(base + 200, base + 208)),
+                                  1, {"do_remote_decode": True})])
+        tickets = [Ticket.from_dict(p["tract_ticket"]) for p in got.values()
+                   if p and "tract_ticket" in p]
+        held = region(pool)
+        planned = sorted(r for r in STEP["in_step"] if r.startswith(f"{name}-"))
+        opened = []
+        for t in tickets:
+            opened.append(len(pool.handoffs.open(t).keys))
+            pool.handoffs.ack(t)
+        obs["shared"][mode] = [len(tickets), held, planned, opened, region(pool)]
+        s7.connector.shutdown()
 
     # 7b'. the same where the second's handoff fails on the way (injected): its
     #      shared blocks' lookup refused (a lock not granted), or pinning only the
