@@ -104,6 +104,18 @@ def test_a_failed_synchronous_load_saves_nothing_computed_on_it(seen):
     assert left == {"pins": 4, "pending": 0, "handoffs": 0}
 
 
+def test_each_cpu_isas_page_layout_round_trips_bytes_for_bytes(seen):
+    # AMX's, the vector ISAs' (vec: a page of 32 tokens; vec16: the ISA vLLM picks
+    # for 16-token pages): each measured with vLLM's own cache writer for it
+    layouts = {}
+    for isa, (layout, hits, errors, equal, nonzero) in seen["isa_roundtrip"].items():
+        assert hits == 4 and errors == [] and equal and nonzero, isa
+        layouts[isa] = layout
+    # AMX packs its pages otherwise: a layout of its own, so a digest, so keys,
+    # of its own (an instance of one never reads the other's blocks)
+    assert layouts["amx"] != layouts["vec"] == layouts["vec16"]
+
+
 def test_a_synchronous_load_is_copied_before_start_load_kv_returns(seen):
     # reported with the step's output (worker meta), once, never by get_finished
     assert seen["sync_roundtrip"] == [[], [], ["loaded-sync"], True]

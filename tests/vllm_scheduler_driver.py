@@ -92,17 +92,19 @@ def scheduler(ckpt: str, pool: str, num_blocks: int, role: str = "kv_both",
     return s
 
 
-def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None):
+def worker(ckpt: str, pool: str, num_blocks: int, extra: dict | None = None,
+           isa: str | None = None):
     """The connector's worker side over KV cache tensors shaped as vLLM's CPU backend
     makes them, with the attention layers vLLM's model would register (the ISA set
-    on them as the backend does): (connector, {layer name: tensor})."""
+    on them as the backend does, or ISA, as it would on a CPU that picks it):
+    (connector, {layer name: tensor})."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     config, kv = configs(ckpt, pool, num_blocks, extra=extra)
     with set_current_vllm_config(config):
         for name in LAYERS:
             layer = Attention(num_heads=4, head_size=32, scale=32 ** -0.5, num_kv_heads=2,
                               prefix=name, cache_config=config.cache_config)
-            layer.isa = _get_attn_isa(torch.bfloat16, PAGE, 32, "auto")
+            layer.isa = isa or _get_attn_isa(torch.bfloat16, PAGE, 32, "auto")
     w = TractConnector(config, KVConnectorRole.WORKER, kv)
     CONNECTORS.append(w)
     caches = {name: torch.zeros(num_blocks, 2, PAGE, 64, dtype=torch.bfloat16) for name in LAYERS}
@@ -756,6 +758,37 @@ def main(ckpt: str, pool_path: str) -> dict:
                              w.build_connector_worker_meta() is None]
     obs["sync_roundtrip_equal"] = all(bool(torch.equal(caches[n][0:2], caches[n][8:10]))
                                       for n in LAYERS)
+    # ... in the page layout of each CPU ISA vLLM picks somewhere (each one's cache
+    #     writer runs on this CPU, whichever vLLM picks here: AMX's lays its pages
+    #     out without AMX instructions): measured with that writer, saved, and
+    #     loaded back into other pages bytes for bytes
+    obs["isa_roundtrip"] = {}
+    for i, isa in enumerate(("amx", "vec", "vec16")):
+        wi, ci = worker(ckpt, pool_path, 16, isa=isa)
+        for name in LAYERS:
+            ci[name].copy_(torch.randn(ci[name].shape, generator=torch.Generator()
+                                       .manual_seed(20 + i)).to(torch.bfloat16))
+        ikeys = prompt_keys(pool.info, tag, 16,
+                            list(range(11000 + 100 * i, 11000 + 100 * i + 64))).keys
+        wi.bind_connector_metadata(TractConnectorMetadata(saves=[SaveSpec(
+            f"isa-{isa}", ikeys, np.full(4, 16, np.uint32), np.array([0, 0, 1, 1], np.int64),
+            np.array([0, 1, 0, 1], np.int64))]))
+        for name in LAYERS:
+            wi.save_kv_layer(name, ci[name], None)
+        wi.wait_for_save()
+        committed(wi)
+        ilook = pool.index.lookup(ikeys)
+        wi.bind_connector_metadata(TractConnectorMetadata(loads=[LoadSpec(
+            f"isa-{isa}-load", ilook.slots, ilook.checksums, np.array([4, 4, 5, 5], np.int64),
+            np.array([0, 1, 0, 1], np.int64), tags=ilook.tags, sync=True)]))
+        wi.start_load_kv(None)
+        wi.build_connector_worker_meta()
+        obs["isa_roundtrip"][isa] = [
+            wi.get_handshake_metadata().layout, ilook.hits,
+            sorted(wi.get_block_ids_with_load_errors()),
+            all(bool(torch.equal(ci[n][0:2], ci[n][4:6])) for n in LAYERS),
+            all(bool(ci[n][4:6].abs().sum() > 0) for n in LAYERS)]
+        pool.index.unpin(ilook)
     # ... a synchronous load that fails (every checksum wrong) in the step that also
     # saves the request's next 2 blocks and publishes its handoff: what the step
     # computes on the failed load is not saved, and the handoff is not published
