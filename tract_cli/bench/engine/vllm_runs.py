@@ -799,8 +799,8 @@ def _memcpy_figures(kv: dict) -> dict:
         if kind == "saves":      # its metadata: the claim's wait past the forward, the commit
             out[kind] |= {"claim_wait_ms": sum(r["claim_wait_ms"] for r in rows),
                           "commit_ms": sum(r["commit_ms"] for r in rows),
-                          # the part of it steps waited for (a step after which the
-                          # scheduler publishes a handoff itself)
+                          # the part of it steps waited for (a step that publishes
+                          # its handoffs in it: handoff_publish in_step)
                           "commit_in_step_ms": sum(r["commit_ms"] for r in rows
                                                    if r["commit_in_step"])}
     return out
