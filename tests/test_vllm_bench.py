@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import background
 from background import Check, uses
 from tests.vllm_stack import (KV_CACHE_BYTES, VLLM_PY, background_checkpoint, kill_marked,
                               marked_processes)
+from tract_cli.core.pids import pid_alive
 from tract_cli.core.region import remove_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,11 +131,21 @@ def _debris(tmpdir: str) -> set[str]:
     """What a vLLM bench whose temporary directory is TMPDIR could leave: its
     logs' directory there, its TraCT regions, ExampleConnector's store and
     LMCache's pool in /dev/shm (not the reference bench's regions, which the
-    tests beside it make)."""
+    tests beside it make; nor the TraCT region of a vLLM bench still running,
+    named by its live pid: another suite's on this host, which a clean-up of
+    this one's must not pull from under it)."""
     return {p for pattern in ("tract-bench-vllm-*", "tract-bench-example-*",
                               "*tract-bench-lmcache*")
-            for p in glob.glob(os.path.join("/dev/shm", pattern))} | \
+            for p in glob.glob(os.path.join("/dev/shm", pattern))
+            if not _a_running_benchs_region(p)} | \
         set(glob.glob(os.path.join(tmpdir, "tract-bench-vllm-*")))
+
+
+def _a_running_benchs_region(path: str) -> bool:
+    """Whether PATH is a TraCT region a vLLM bench that still runs made
+    (`/dev/shm/tract-bench-vllm-PID-CONFIG.pool`, PID alive)."""
+    m = re.fullmatch(r"tract-bench-vllm-(\d+)-.*\.pool", os.path.basename(path))
+    return m is not None and pid_alive(int(m.group(1)))
 
 
 @pytest.mark.parametrize("config, tls", [("nixl", None), ("nixl-tcp", "tcp")])
